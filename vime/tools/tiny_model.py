@@ -1,0 +1,170 @@
+"""Build a tiny Qwen2 / Qwen3 / Llama model with a locally trained tokenizer. No downloads.
+
+    python -m vime.tools.tiny_model --arch qwen3 --out /tmp/tiny-qwen3
+
+The result is a normal HF checkpoint directory (config.json, model.safetensors, tokenizer files with a
+chat template) that vLLM, transformers and vime's Megatron loader all read. Deterministic from --seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+from pathlib import Path
+
+ARCHS = ("qwen2", "qwen3", "llama")
+
+# Chat template in the ChatML style used by Qwen; enough for prompts, multi-turn and tool turns.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]
+
+
+def _corpus(seed: int, n_lines: int = 4000) -> list[str]:
+    """Synthetic text covering digits, arithmetic, simple English and code-ish symbols."""
+    rng = random.Random(seed)
+    words = (
+        "the a an of to and is in it you that he was for on are as with his they at be this have from or one "
+        "had by word but not what all were we when your can said there use each which she do how their if "
+        "will up other about out many then them these so some her would make like him into time has look two "
+        "more write go see number no way could people my than first water been call who oil its now find long "
+        "down day did get come made may part answer question what is sum plus minus times equals result user "
+        "assistant system tool call python code def return print import true false none error test pass"
+    ).split()
+    lines = []
+    for _ in range(n_lines):
+        kind = rng.random()
+        if kind < 0.4:
+            a, b = rng.randint(0, 999), rng.randint(0, 999)
+            op = rng.choice(["+", "-", "*"])
+            lines.append(f"What is {a} {op} {b}? The answer is \\boxed{{{eval(f'{a}{op}{b}')}}}.")
+        elif kind < 0.8:
+            lines.append(" ".join(rng.choice(words) for _ in range(rng.randint(4, 16))) + ".")
+        else:
+            lines.append(f'{{"name": "calc", "arguments": {{"x": {rng.randint(0, 99)}}}}} def f(x): return x * 2')
+    return lines
+
+
+def build_tokenizer(out: Path, vocab_size: int, seed: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    # Digits are split one by one so that arithmetic is learnable by a tiny model.
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(seed), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+        unk_token=None,
+        additional_special_tokens=SPECIAL_TOKENS[3:],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out)
+    return fast
+
+
+def build_config(arch: str, vocab_size: int, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
+                 intermediate_size: int, max_position_embeddings: int, tie_word_embeddings: bool, eos_id: int,
+                 pad_id: int):
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tie_word_embeddings,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        bos_token_id=None,
+        torch_dtype="float32",
+    )
+    if arch == "qwen2":
+        return Qwen2Config(**common)
+    if arch == "qwen3":
+        return Qwen3Config(head_dim=hidden_size // num_heads, **common)
+    if arch == "llama":
+        return LlamaConfig(**common)
+    raise ValueError(f"--arch must be one of {ARCHS}, got {arch!r}")
+
+
+def build_tiny_model(
+    out: str | os.PathLike,
+    arch: str = "qwen3",
+    seed: int = 0,
+    vocab_size: int = 512,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 256,
+    max_position_embeddings: int = 2048,
+    tie_word_embeddings: bool = False,
+) -> Path:
+    """Write a randomly initialised (seeded) HF checkpoint with tokenizer to `out`; returns the path."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(out, vocab_size, seed)
+    # The trained vocabulary can be a little smaller than asked; the embedding keeps the asked size.
+    config = build_config(
+        arch, vocab_size, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size,
+        max_position_embeddings, tie_word_embeddings, tokenizer.eos_token_id, tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # HF init leaves some tensors (norms, biases) at constants; perturb all for tests
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    model.save_pretrained(out, safe_serialization=True)
+    GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id).save_pretrained(out)
+    (out / "vime_tiny_model.json").write_text(json.dumps({"arch": arch, "seed": seed}))
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arch", choices=ARCHS, default="qwen3", help="Model family (default: qwen3).")
+    p.add_argument("--out", required=True, help="Output directory for the HF checkpoint.")
+    p.add_argument("--seed", type=int, default=0, help="Seed for tokenizer corpus and weights (default: 0).")
+    p.add_argument("--vocab-size", type=int, default=512, help="Tokenizer/embedding size (default: 512).")
+    p.add_argument("--hidden-size", type=int, default=128, help="Hidden size (default: 128; head_dim = hidden/heads must be >= 32 for vLLM CPU attention).")
+    p.add_argument("--num-layers", type=int, default=2, help="Transformer layers (default: 2).")
+    p.add_argument("--num-heads", type=int, default=4, help="Attention heads (default: 4).")
+    p.add_argument("--num-kv-heads", type=int, default=2, help="Key/value heads, GQA (default: 2).")
+    p.add_argument("--intermediate-size", type=int, default=256, help="MLP width (default: 256).")
+    p.add_argument("--tie-word-embeddings", action="store_true", help="Share input and output embeddings.")
+    a = p.parse_args(argv)
+    path = build_tiny_model(
+        a.out, a.arch, a.seed, a.vocab_size, a.hidden_size, a.num_layers, a.num_heads, a.num_kv_heads,
+        a.intermediate_size, tie_word_embeddings=a.tie_word_embeddings,
+    )
+    print(f"wrote {a.arch} tiny model to {path}")
+
+
+if __name__ == "__main__":
+    main()
