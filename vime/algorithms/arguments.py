@@ -1,0 +1,180 @@
+"""Command-line flags for the RL algorithm (advantages, policy / value / KL / entropy losses, TIS)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from vime.algorithms.advantages import ADVANTAGE_ESTIMATORS
+from vime.algorithms.losses import KL_TYPES, LOSS_AGG_MODES, POLICY_LOSSES
+
+logger = logging.getLogger(__name__)
+
+LOSS_TYPES = ("policy_loss", "sft_loss", "value_loss")
+# Estimators that put --kl-coef into the per-token reward; the others ignore it.
+KL_REWARD_ESTIMATORS = ("reinforce_plus_plus", "ppo")
+
+
+def add_algorithm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group("algorithm")
+
+    g.add_argument(
+        "--advantage-estimator",
+        choices=list(ADVANTAGE_ESTIMATORS),
+        default="grpo",
+        help="How per-token advantages are computed from rewards; ppo trains a critic (GAE). Default: grpo.",
+    )
+    g.add_argument(
+        "--custom-advantage-function-path",
+        default=None,
+        help="'pkg.module.function' replacing the estimator; called with the same keywords as the registered "
+        "estimators (see vime/algorithms/advantages.py). Default: None.",
+    )
+    g.add_argument(
+        "--disable-grpo-std-normalization",
+        action="store_true",
+        help="grpo/gspo: use r - mean(group) without dividing by the group std (Dr. GRPO). Default: off.",
+    )
+    g.add_argument(
+        "--advantage-eps",
+        type=float,
+        default=1e-6,
+        help="Added to the std in grpo normalisation and to the variance in whitening. Default: 1e-6.",
+    )
+    g.add_argument(
+        "--gamma",
+        type=float,
+        default=1.0,
+        help="Discount per trainable token (reinforce_plus_plus, ppo). Default: 1.0.",
+    )
+    g.add_argument("--lambd", type=float, default=1.0, help="GAE lambda (ppo). Default: 1.0.")
+    g.add_argument(
+        "--normalize-advantages",
+        action="store_true",
+        help="ppo: whiten GAE advantages over the batch's trainable tokens (reinforce_plus_plus* always "
+        "whiten). Default: off.",
+    )
+
+    g.add_argument(
+        "--loss-type",
+        choices=LOSS_TYPES,
+        default="policy_loss",
+        help="What the training step minimises; sft_loss is supervised fine-tuning on the loss-masked tokens. "
+        "Default: policy_loss.",
+    )
+    g.add_argument(
+        "--policy-loss",
+        choices=list(POLICY_LOSSES),
+        default="ppo",
+        help="Token-level (ppo) or sequence-level (gspo) ratio in the clipped surrogate; forced to gspo by "
+        "--advantage-estimator gspo. Default: ppo.",
+    )
+    g.add_argument(
+        "--custom-loss-function-path",
+        default=None,
+        help="'pkg.module.function' replacing the whole training loss. Default: None.",
+    )
+    g.add_argument(
+        "--eps-clip", type=float, default=0.2, help="Lower ratio clip: ratio >= 1 - eps_clip. Default: 0.2."
+    )
+    g.add_argument(
+        "--eps-clip-high",
+        type=float,
+        default=None,
+        help="Upper ratio clip: ratio <= 1 + eps_clip_high (DAPO clip-higher). Default: None (= --eps-clip).",
+    )
+    g.add_argument(
+        "--eps-clip-c",
+        type=float,
+        default=None,
+        help="Dual-clip bound (> 1): for negative advantages the loss is capped at -A * eps_clip_c. "
+        "Default: None (off).",
+    )
+    g.add_argument(
+        "--value-clip",
+        type=float,
+        default=0.2,
+        help="Critic update clip: |v - v_old| <= value_clip inside the value loss (ppo). Default: 0.2.",
+    )
+
+    g.add_argument(
+        "--kl-coef",
+        type=float,
+        default=0.0,
+        help="Per-token KL penalty subtracted from the reward (reinforce_plus_plus, ppo). Default: 0.0.",
+    )
+    g.add_argument(
+        "--use-kl-loss", action="store_true", help="Add kl_loss_coef * KL(policy || ref) to the loss. Default: off."
+    )
+    g.add_argument("--kl-loss-coef", type=float, default=0.0, help="Weight of the KL loss term. Default: 0.0.")
+    g.add_argument(
+        "--kl-loss-type",
+        choices=KL_TYPES,
+        default="k1",
+        help="KL estimator (Schulman's k1/k2/k3; low_var_kl = k3 clamped to [-10, 10]). Default: k1.",
+    )
+    g.add_argument(
+        "--entropy-coef",
+        type=float,
+        default=0.0,
+        help="Entropy bonus: entropy_coef * entropy is subtracted from the loss. Default: 0.0.",
+    )
+    g.add_argument(
+        "--loss-agg-mode",
+        choices=LOSS_AGG_MODES,
+        default="token_mean",
+        help="How per-token losses become one number: mean over all trainable tokens, or per-sequence "
+        "mean / sum then mean over sequences. Default: token_mean.",
+    )
+
+    g.add_argument(
+        "--use-tis",
+        action="store_true",
+        help="Truncated importance sampling: weight the policy loss by exp(old_logp - rollout_logp) to correct "
+        "the train/inference mismatch. Default: off.",
+    )
+    g.add_argument("--tis-clip", type=float, default=2.0, help="Upper truncation of the TIS weight. Default: 2.0.")
+    g.add_argument(
+        "--tis-clip-low", type=float, default=0.0, help="Lower truncation of the TIS weight. Default: 0.0."
+    )
+    return parser
+
+
+def validate_algorithm_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Check flag combinations and fill derived values in place: eps_clip_high, policy_loss, use_critic."""
+    if args.eps_clip <= 0:
+        raise ValueError(f"--eps-clip must be > 0, got {args.eps_clip}")
+    if args.eps_clip_high is None:
+        args.eps_clip_high = args.eps_clip
+    elif args.eps_clip_high <= 0:
+        raise ValueError(f"--eps-clip-high must be > 0, got {args.eps_clip_high}; omit it to use --eps-clip")
+    if args.eps_clip_c is not None and args.eps_clip_c <= 1.0:
+        raise ValueError(
+            f"--eps-clip-c must be > 1.0 (it caps the loss of negative advantages at -A * eps_clip_c), "
+            f"got {args.eps_clip_c}; pass a value such as 3.0 or omit the flag to disable dual clip"
+        )
+    if args.tis_clip_low > args.tis_clip:
+        raise ValueError(
+            f"--tis-clip-low ({args.tis_clip_low}) must be <= --tis-clip ({args.tis_clip}); "
+            f"lower --tis-clip-low or raise --tis-clip"
+        )
+    if args.use_kl_loss and args.kl_loss_coef == 0.0:
+        logger.warning("--use-kl-loss is set but --kl-loss-coef is 0.0: the KL loss is logged but has no effect")
+    if args.kl_coef != 0.0 and args.advantage_estimator not in KL_REWARD_ESTIMATORS:
+        logger.warning(
+            "--kl-coef %s is ignored by --advantage-estimator %s (only %s put KL into the reward); "
+            "use --use-kl-loss --kl-loss-coef instead",
+            args.kl_coef,
+            args.advantage_estimator,
+            ", ".join(KL_REWARD_ESTIMATORS),
+        )
+    if args.normalize_advantages and args.advantage_estimator != "ppo":
+        logger.warning("--normalize-advantages only affects --advantage-estimator ppo; it is ignored here")
+    if args.advantage_estimator == "gspo" and args.policy_loss != "gspo":
+        logger.info("--advantage-estimator gspo: using --policy-loss gspo (sequence-level ratio)")
+        args.policy_loss = "gspo"
+    if args.advantage_estimator == "ppo":
+        args.use_critic = True
+    else:
+        args.use_critic = getattr(args, "use_critic", False)
+    return args

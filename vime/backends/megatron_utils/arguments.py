@@ -1,0 +1,213 @@
+"""Megatron-style training flags, the architecture read from an HF config, and their validation.
+
+The pip package `megatron-core` has no `megatron.training`, so vime declares the Megatron-LM flags it uses
+itself, with Megatron's names, so that Megatron users' scripts read the same. `--seed` lives in vime's run
+flags (`vime.utils.arguments`).
+
+Architecture flags default to None: `fill_architecture_from_hf(args, hf_config)` fills each one left None
+from the HF config, and refuses a given value that contradicts the config.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+# Architecture flags (argparse dest names) that `hf_architecture` reads from an HF config.
+ARCHITECTURE_FLAGS = (
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+    "rotary_base", "norm_epsilon", "vocab_size", "untie_embeddings_and_output_weights", "max_position_embeddings",
+    "qk_layernorm", "add_qkv_bias",
+)
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+
+
+def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the Megatron-LM flags vime uses (parallelism, batch, optimizer, precision, checkpoint, model)."""
+    g = parser.add_argument_group("Megatron parallelism and batch")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                   help="Tensor-parallel size: ranks that split each layer's matrices (default: 1).")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                   help="Pipeline-parallel size: ranks that split the layers into stages (default: 1).")
+    g.add_argument("--micro-batch-size", type=int, default=1,
+                   help="Sequences per micro-batch per data-parallel rank (default: 1).")
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="Sequences per optimizer step over all data-parallel ranks; a multiple of "
+                        "micro-batch-size x data-parallel size (default: None = micro-batch-size x DP size).")
+
+    g = parser.add_argument_group("Megatron optimizer")
+    g.add_argument("--lr", type=float, default=1e-6, help="Peak learning rate (default: 1e-6).")
+    g.add_argument("--min-lr", type=float, default=0.0,
+                   help="Learning rate at the end of decay (default: 0.0).")
+    g.add_argument("--lr-decay-style", default="constant", choices=["constant", "linear", "cosine"],
+                   help="Learning-rate decay after warmup (default: constant).")
+    g.add_argument("--lr-warmup-iters", type=int, default=0,
+                   help="Optimizer steps of linear warmup from 0 to --lr (default: 0).")
+    g.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (default: 0.01).")
+    g.add_argument("--adam-beta1", type=float, default=0.9, help="Adam beta1 (default: 0.9).")
+    g.add_argument("--adam-beta2", type=float, default=0.999, help="Adam beta2 (default: 0.999).")
+    g.add_argument("--adam-eps", type=float, default=1e-8, help="Adam epsilon (default: 1e-8).")
+    g.add_argument("--clip-grad", type=float, default=1.0,
+                   help="Clip the global gradient L2 norm to this value; 0 disables (default: 1.0).")
+    g.add_argument("--use-distributed-optimizer", action="store_true", default=False,
+                   help="Shard optimizer states over data-parallel ranks (default: off).")
+
+    g = parser.add_argument_group("Megatron precision and regularisation")
+    g.add_argument("--bf16", action="store_true", default=False,
+                   help="bfloat16 parameters and compute on GPU; ignored on CPU, which trains in float32 "
+                        "(default: off).")
+    g.add_argument("--fp16", action="store_true", default=False,
+                   help="float16 parameters and compute on GPU; ignored on CPU (default: off).")
+    g.add_argument("--attention-dropout", type=float, default=0.0,
+                   help="Dropout on attention probabilities (default: 0.0; Megatron-LM's is 0.1, but RL needs "
+                        "the trainer's log-probs to match the rollout engine's).")
+    g.add_argument("--hidden-dropout", type=float, default=0.0,
+                   help="Dropout on hidden states (default: 0.0; Megatron-LM's is 0.1).")
+
+    g = parser.add_argument_group("Megatron checkpoints")
+    g.add_argument("--load", default=None,
+                   help="torch_dist checkpoint directory to resume from (default: None = start from "
+                        "--hf-checkpoint).")
+    g.add_argument("--save", default=None, help="Directory for torch_dist checkpoints (default: None = no saving).")
+    g.add_argument("--save-interval", type=int, default=None,
+                   help="Save every this many rollouts (default: None = only at the end).")
+    g.add_argument("--no-load-optim", action="store_true", default=False,
+                   help="Do not load optimizer state from --load (default: off).")
+    g.add_argument("--no-load-rng", action="store_true", default=False,
+                   help="Do not load RNG state from --load (default: off).")
+    g.add_argument("--finetune", action="store_true", default=False,
+                   help="Load only the weights from --load and restart the iteration count at 0 (default: off).")
+
+    g = parser.add_argument_group(
+        "Megatron model architecture", "Each flag defaults to None = read from the --hf-checkpoint config.json; "
+        "a value given that contradicts the config is an error.")
+    for flag, kind, what in (
+        ("--num-layers", int, "Transformer layers (num_hidden_layers)"),
+        ("--hidden-size", int, "Hidden size (hidden_size)"),
+        ("--ffn-hidden-size", int, "MLP intermediate size (intermediate_size)"),
+        ("--num-attention-heads", int, "Query heads (num_attention_heads)"),
+        ("--num-query-groups", int, "Key/value heads for grouped-query attention (num_key_value_heads)"),
+        ("--kv-channels", int, "Per-head dimension (head_dim)"),
+        ("--rotary-base", float, "RoPE theta (rope_parameters.rope_theta)"),
+        ("--norm-epsilon", float, "RMSNorm epsilon (rms_norm_eps)"),
+        ("--vocab-size", int, "Vocabulary size of the embedding and output layer (vocab_size)"),
+        ("--max-position-embeddings", int, "Longest sequence for position embeddings (max_position_embeddings)"),
+    ):
+        g.add_argument(flag, type=kind, default=None, help=f"{what} (default: None = from the HF config).")
+    for flag, what in (
+        ("--untie-embeddings-and-output-weights", "Separate output layer, not tied to the embedding "
+                                                  "(not tie_word_embeddings)"),
+        ("--qk-layernorm", "RMSNorm on queries and keys per head (Qwen3)"),
+        ("--add-qkv-bias", "Bias on the query/key/value projection (Qwen2)"),
+    ):
+        g.add_argument(flag, action="store_true", default=None, help=f"{what} (default: None = from the HF config).")
+    return parser
+
+
+def _rope_theta(hf_config) -> float:
+    rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"HF config rope_type {rope_type!r} is not supported (only 'default' RoPE)")
+    theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", None))
+    if theta is None:
+        raise ValueError("HF config has no rope theta (rope_parameters.rope_theta or rope_theta)")
+    return float(theta)
+
+
+def hf_architecture(hf_config) -> dict[str, Any]:
+    """Megatron architecture values (dest name -> value) for a Qwen2 / Qwen3 / Llama HF config.
+
+    Raises ValueError for model types or features vime's Megatron model does not implement.
+    """
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"HF model_type {model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
+    if getattr(hf_config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"HF config hidden_act {hf_config.hidden_act!r} is not supported (only silu / SwiGLU)")
+    # Qwen3 and Llama's attention_bias also adds an output-projection bias, which Megatron's GPT has not.
+    if model_type != "qwen2" and getattr(hf_config, "attention_bias", False):
+        raise ValueError(f"HF config attention_bias=True is not supported for {model_type}")
+    if getattr(hf_config, "mlp_bias", False):
+        raise ValueError("HF config mlp_bias=True is not supported")
+    if getattr(hf_config, "use_sliding_window", False):
+        raise ValueError("HF config use_sliding_window=True is not supported")
+    heads = hf_config.num_attention_heads
+    return {
+        "num_layers": hf_config.num_hidden_layers,
+        "hidden_size": hf_config.hidden_size,
+        "ffn_hidden_size": hf_config.intermediate_size,
+        "num_attention_heads": heads,
+        "num_query_groups": getattr(hf_config, "num_key_value_heads", None) or heads,
+        "kv_channels": getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
+        "rotary_base": _rope_theta(hf_config),
+        "norm_epsilon": float(hf_config.rms_norm_eps),
+        "vocab_size": hf_config.vocab_size,
+        "untie_embeddings_and_output_weights": not getattr(hf_config, "tie_word_embeddings", False),
+        "max_position_embeddings": hf_config.max_position_embeddings,
+        "qk_layernorm": model_type == "qwen3",
+        "add_qkv_bias": model_type == "qwen2",
+    }
+
+
+def fill_architecture_from_hf(args: argparse.Namespace, hf_config) -> argparse.Namespace:
+    """Set each architecture flag left None from `hf_config`; check the given ones against it.
+
+    Mutates and returns `args`. Raises ValueError naming the flag, the given and the config value when a
+    given flag contradicts the config (e.g. `--num-layers 4` for a 2-layer checkpoint).
+    """
+    for dest, value in hf_architecture(hf_config).items():
+        given = getattr(args, dest, None)
+        if given is None:
+            setattr(args, dest, value)
+        elif given != value:
+            flag = "--" + dest.replace("_", "-")
+            raise ValueError(f"{flag}={given!r} contradicts the HF config, which gives {value!r}; "
+                             f"drop {flag} to use the config's value")
+    return args
+
+
+def validate_megatron_args(args: argparse.Namespace, world_size: int | None = None) -> argparse.Namespace:
+    """Check parallel sizes, batch sizes and the architecture against each other; fill global batch size.
+
+    `world_size` is the number of training ranks (default: tensor x pipeline size, i.e. DP=1). Call after
+    `fill_architecture_from_hf`. Raises ValueError with a suggested fix; returns `args` (global_batch_size set).
+    """
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if tp < 1 or pp < 1:
+        raise ValueError(f"--tensor-model-parallel-size ({tp}) and --pipeline-model-parallel-size ({pp}) must be >= 1")
+    world_size = tp * pp if world_size is None else world_size
+    if world_size % (tp * pp):
+        raise ValueError(f"{world_size} training ranks are not a multiple of tensor x pipeline parallel size "
+                         f"({tp} x {pp}); change the number of training GPUs/processes or the parallel sizes")
+    dp = world_size // (tp * pp)
+    if args.micro_batch_size < 1:
+        raise ValueError(f"--micro-batch-size must be >= 1, got {args.micro_batch_size}")
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * dp
+    if args.global_batch_size % (args.micro_batch_size * dp):
+        raise ValueError(f"--global-batch-size {args.global_batch_size} must be a multiple of --micro-batch-size "
+                         f"x data-parallel size = {args.micro_batch_size} x {dp}; e.g. use --global-batch-size "
+                         f"{(args.global_batch_size // (args.micro_batch_size * dp) + 1) * args.micro_batch_size * dp}")
+    if args.bf16 and args.fp16:
+        raise ValueError("--bf16 and --fp16 are exclusive; pass one of them")
+    if args.min_lr > args.lr:
+        raise ValueError(f"--min-lr {args.min_lr} is above --lr {args.lr}; lower --min-lr")
+
+    missing = [d for d in ARCHITECTURE_FLAGS if getattr(args, d, None) is None]
+    if missing:
+        raise ValueError(f"architecture flags not set: {missing}; call fill_architecture_from_hf first")
+    for dest, what in (("num_attention_heads", "attention heads"), ("ffn_hidden_size", "MLP hidden size"),
+                       ("vocab_size", "vocabulary size")):
+        value = getattr(args, dest)
+        if value % tp:
+            raise ValueError(f"{what} ({value}, --{dest.replace('_', '-')}) is not divisible by "
+                             f"--tensor-model-parallel-size {tp}; choose a tensor-parallel size that divides it")
+    groups = args.num_query_groups
+    if groups % tp and tp % groups:
+        raise ValueError(f"key/value heads ({groups}) and --tensor-model-parallel-size {tp}: one must divide the "
+                         f"other; choose a tensor-parallel size that divides {groups} or is a multiple of it")
+    if args.num_layers % pp:
+        raise ValueError(f"{args.num_layers} layers are not divisible by --pipeline-model-parallel-size {pp}; "
+                         f"choose a pipeline size that divides the layer count")
+    return args

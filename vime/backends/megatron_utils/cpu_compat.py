@@ -1,0 +1,141 @@
+"""Make megatron-core 0.16.1 run on CPU with the gloo backend.
+
+Megatron-core assumes CUDA in many places. `apply_cpu_compat()` patches the few CUDA entry points that the
+training path actually reaches (model build, forward/backward, pipeline schedules, DDP, optimizer, grad
+clipping, dist_checkpointing), so that the same Megatron code runs on a CPU-only machine.
+
+Who calls it: `vime.backends.megatron_utils.parallel.init_parallel` inside training processes, before any model
+is built. It is idempotent, and a no-op when CUDA is available (GPU machines run Megatron unpatched).
+The patches are process-wide and are never undone; do not call it in processes that should see the real
+`torch.cuda` behaviour.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_APPLIED = False
+_MODE: TorchFunctionMode | None = None
+
+
+def _is_cuda_device(device) -> bool:
+    """True for anything torch reads as a CUDA device: "cuda", "cuda:0", torch.device("cuda"), or a bare index."""
+    if isinstance(device, bool):
+        return False
+    if isinstance(device, int):
+        return True
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, torch.device) and device.type == "cuda"
+
+
+def _called_from_megatron() -> bool:
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("torch"):
+        frame = frame.f_back
+    return frame is not None and frame.f_globals.get("__name__", "").startswith("megatron")
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Redirects CUDA tensor placement to the CPU.
+
+    Megatron creates buffers with `device="cuda"`, `device=torch.cuda.current_device()` or `.cuda()` (causal
+    masks, rotary frequencies, pipeline and DDP buffers, optimizer scalars); on CPU these would raise.
+    Its optimizer and grad clipping also assert `param.type() == "torch.cuda.FloatTensor"`; for callers inside
+    megatron `Tensor.type()` answers with the CUDA name of the same dtype.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs = {**kwargs, "device": "cpu"}
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            if name.startswith("torch.") and not name.startswith("torch.cuda.") and _called_from_megatron():
+                name = "torch.cuda." + name[len("torch."):]
+            return name
+        return func(*args, **kwargs)
+
+
+class CPURNGStatesTracker:
+    """CPU stand-in for megatron's `CudaRNGStatesTracker`: named CPU generator states, same interface.
+
+    `fork(name)` swaps the default CPU generator to the named state for the block (dropout in
+    tensor-parallel regions, weight init) and restores it afterwards, like the CUDA tracker does with the
+    CUDA generator.
+    """
+
+    def __init__(self, use_cudagraphable_rng=False, is_inference_rng_tracker=False):
+        self.use_cudagraphable_rng = False
+        self.is_inference_rng_tracker = is_inference_rng_tracker
+        self.reset()
+
+    def is_initialized(self):
+        return self._is_initialized
+
+    def reset(self):
+        self._is_initialized = False
+        self.states_ = {}
+        self.seeds_ = set()
+
+    def get_states(self):
+        return dict(self.states_)
+
+    def set_states(self, states):
+        self._is_initialized = True
+        self.states_ = states
+
+    def add(self, name, seed):
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        if name in self.states_:
+            raise Exception(f"rng state {name} already exists")
+        self.seeds_.add(seed)
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name="model-parallel-rng"):
+        if name not in self.states_:
+            raise Exception(f"rng state {name} is not added")
+        outer = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(outer)
+
+
+def apply_cpu_compat() -> None:
+    """Patch torch.cuda and megatron-core for CPU training. Idempotent; no-op when CUDA is available."""
+    global _APPLIED, _MODE
+    if _APPLIED or torch.cuda.is_available():
+        return
+    import megatron.core.tensor_parallel.random as mcore_random
+
+    # Megatron passes torch.cuda.current_device() as a device; index 0 is then redirected to CPU by the mode.
+    torch.cuda.current_device = lambda: 0
+    # Timers, schedules and checkpointing synchronize or empty the cache; nothing to wait for on CPU.
+    torch.cuda.synchronize = lambda device=None: None
+    torch.cuda.empty_cache = lambda: None
+    # NVTX ranges (profiling markers) need the CUDA runtime.
+    torch.cuda.nvtx.range_push = lambda msg: 0
+    torch.cuda.nvtx.range_pop = lambda: 0
+    torch.cuda.nvtx.range = lambda msg, *a, **k: contextlib.nullcontext()
+    # RNG tracker: megatron instantiates `CudaRNGStatesTracker` by its module-level name; swap the class so
+    # model_parallel_cuda_manual_seed() and get_cuda_rng_tracker() hand out CPU generator states.
+    mcore_random.CudaRNGStatesTracker = CPURNGStatesTracker
+    mcore_random.initialize_rng_tracker(force_reset=True)
+    # Tensors created on "cuda" inside megatron land on the CPU (see _CudaToCpuMode). Entered for good.
+    _MODE = _CudaToCpuMode()
+    _MODE.__enter__()
+    _APPLIED = True

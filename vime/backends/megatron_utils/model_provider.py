@@ -1,0 +1,128 @@
+"""Build Megatron-core `GPTModel`s for Qwen2 / Qwen3 / Llama checkpoints.
+
+Who calls it: the Megatron trainer, after `parallel.init_parallel()` and
+`arguments.fill_architecture_from_hf()`; the convert tools; the tests.
+
+On CPU the model uses the local (pure PyTorch) layer spec with RMSNorm, float32 parameters, CPU
+initialisation and no fused kernels. On a GPU with TransformerEngine installed it uses the TE spec (the norms
+are then fused into `linear_qkv` / `linear_fc1`, see `hf_conversion`), and bf16/fp16 when asked.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
+from megatron.core.transformer import TransformerConfig
+
+
+def use_transformer_engine() -> bool:
+    """True when the TransformerEngine layer spec can be used: CUDA is available and TE imports."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def params_dtype(args: argparse.Namespace) -> torch.dtype:
+    """float32 on CPU whatever the flags (bf16 is several times slower there); bf16/fp16 on GPU when asked."""
+    if not torch.cuda.is_available():
+        return torch.float32
+    if args.bf16:
+        return torch.bfloat16
+    return torch.float16 if args.fp16 else torch.float32
+
+
+def build_transformer_config(args: argparse.Namespace) -> TransformerConfig:
+    """TransformerConfig from filled Megatron args (see `arguments.fill_architecture_from_hf`).
+
+    TP/PP sizes are taken from args and must match `parallel_state`.
+    """
+    on_gpu = torch.cuda.is_available()
+    dtype = params_dtype(args)
+    return TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        kv_channels=args.kv_channels,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        sequence_parallel=False,  # fails with the local norm; not needed at vime's sizes
+        # SwiGLU MLP, RMSNorm, no linear biases except the optional qkv bias (Qwen2).
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        normalization="RMSNorm",
+        layernorm_epsilon=args.norm_epsilon,
+        add_bias_linear=False,
+        add_qkv_bias=bool(args.add_qkv_bias),
+        qk_layernorm=bool(args.qk_layernorm),
+        attention_dropout=args.attention_dropout,
+        hidden_dropout=args.hidden_dropout,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        # RL micro-batches differ in length, so pipeline stages exchange shapes before activations.
+        variable_seq_lengths=True,
+        moe_token_dispatcher_type="alltoall",  # unused (dense model); the default refuses variable lengths
+        use_cpu_initialization=not on_gpu,
+        # Fused kernels need CUDA (some need apex); off everywhere, so CPU and GPU run the same math.
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+    )
+
+
+def build_gpt_model(args: argparse.Namespace, pre_process: bool = True, post_process: bool = True,
+                    vp_stage: int | None = None) -> GPTModel:
+    """One GPTModel chunk. `pre_process` holds the embedding (first stage), `post_process` the final norm
+    and output layer (last stage). Logits come out vocab-parallel over TP: [batch, seq, vocab / TP]."""
+    config = build_transformer_config(args)
+    if use_transformer_engine():
+        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+    else:
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=args.vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        rotary_base=args.rotary_base,
+        vp_stage=vp_stage,
+    )
+
+
+def build_model_chunks(args: argparse.Namespace) -> list[GPTModel]:
+    """This rank's model chunks (one per rank; no virtual pipeline), unwrapped: the trainer wraps them in DDP.
+
+    Stage placement comes from `parallel_state`, which must be initialised (`parallel.init_parallel`).
+    """
+    model = build_gpt_model(
+        args,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+    )
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    return [model]

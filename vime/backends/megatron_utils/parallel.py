@@ -1,0 +1,63 @@
+"""Start and stop torch.distributed plus Megatron's model-parallel groups in a training process.
+
+Who calls it: each Megatron training process (one per rank) before building its model, the convert tools,
+and the tests. Rendezvous follows torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+MASTER_PORT); without WORLD_SIZE it starts a one-process group on a free local port.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+from vime.backends.megatron_utils.cpu_compat import apply_cpu_compat
+from vime.utils.misc import find_free_port
+
+
+def init_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1, seed: int = 1234,
+                  timeout_s: float = 1800.0) -> None:
+    """Initialise the process group (gloo on CPU, nccl on GPU), Megatron's TP/PP/DP groups and RNG seeds.
+
+    Seeds follow Megatron-LM: every stage gets `seed + 100 * pp_rank` for the Python and torch default
+    generators, and the tensor-parallel RNG tracker is seeded from it (`model_parallel_cuda_manual_seed`).
+    Applies the CPU compatibility layer when CUDA is absent. Safe to call once per process.
+    """
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu:
+        apply_cpu_compat()
+    if not dist.is_initialized():
+        timeout = timedelta(seconds=timeout_s)
+        if "WORLD_SIZE" in os.environ:
+            if on_gpu:
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group("nccl" if on_gpu else "gloo", timeout=timeout)
+        else:
+            dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"tcp://127.0.0.1:{find_free_port()}",
+                                    rank=0, world_size=1, timeout=timeout)
+    world_size = dist.get_world_size()
+    if world_size % (tensor_model_parallel_size * pipeline_model_parallel_size):
+        raise ValueError(f"world size {world_size} is not a multiple of tensor x pipeline parallel size "
+                         f"({tensor_model_parallel_size} x {pipeline_model_parallel_size})")
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size, pipeline_model_parallel_size)
+    set_seed(seed)
+
+
+def set_seed(seed: int) -> None:
+    """Seed this rank's generators the Megatron-LM way (needs `parallel_state` initialised)."""
+    seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_parallel() -> None:
+    """Tear down Megatron's groups and the process group (the trainer's and tests' last call)."""
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,95 @@
+"""One vLLM engine: an OpenAI-compatible vLLM HTTP server in a child process of a Ray actor.
+
+The server speaks token ids in and out (`/inference/v1/generate`, enabled by --enable-scale-out), returns
+`processed_logprobs` (log_softmax(logits / T) after top-k/top-p, which is what an RL ratio needs) and exposes the
+control routes (/pause, /resume, /collective_rpc, ...) because VLLM_SERVER_DEV_MODE=1. Those routes can run
+code in the engine, so the server binds to the node's own address and is meant for a private network.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import urllib.request
+from pathlib import Path
+
+from vime.utils.misc import find_free_port
+from vime.utils.process import kill_tree, spawn, tail, wait_until
+
+
+def engine_command(args, host: str, port: int, engine_rank: int) -> list[str]:
+    """The server command line: vime's required options, then the user's --vllm-* options."""
+    from vime.backends.vllm_utils.arguments import vllm_cli_tokens
+
+    user = vllm_cli_tokens(args)
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+           "--model", args.hf_checkpoint, "--host", host, "--port", str(port),
+           "--served-model-name", "policy", "--enable-scale-out"]
+    defaults = {
+        "--logprobs-mode": "processed_logprobs",
+        "--seed": str(args.seed + engine_rank),
+        "--tensor-parallel-size": str(args.rollout_num_gpus_per_engine),
+    }
+    for flag, value in defaults.items():
+        if flag not in user:
+            cmd += [flag, value]
+    return cmd + user
+
+
+def engine_env(args) -> dict[str, str]:
+    env = dict(os.environ)
+    env["VLLM_SERVER_DEV_MODE"] = "1"
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.cpu_kv_cache_space))
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    return env
+
+
+def http_ok(url: str, timeout: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+class VLLMEngine:
+    """Wrapped as a Ray actor by the rollout manager: `ray.remote(VLLMEngine)`."""
+
+    def __init__(self, args, engine_rank: int, log_dir: str):
+        self.args = args
+        self.engine_rank = engine_rank
+        self.log_path = Path(log_dir) / f"engine_{engine_rank}.log"
+        self.proc = None
+        self.url = None
+
+    def start(self) -> str:
+        import ray
+
+        host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+        port = find_free_port()
+        self.url = f"http://{host}:{port}"
+        cmd = engine_command(self.args, host, port, self.engine_rank)
+        self.proc = spawn(cmd, self.log_path, env=engine_env(self.args))
+        ready = wait_until(lambda: http_ok(self.url + "/health"), self.args.engine_startup_timeout,
+                           interval_s=1.0, alive=lambda: self.proc.poll() is None)
+        if not ready:
+            exit_code = self.proc.poll()
+            kill_tree(self.proc)
+            state = f"exited with code {exit_code}" if exit_code is not None else "did not become healthy in time"
+            raise RuntimeError(
+                f"vLLM engine {self.engine_rank} {state} (--engine-startup-timeout "
+                f"{self.args.engine_startup_timeout}s). Log {self.log_path}:\n{tail(self.log_path)}"
+            )
+        return self.url
+
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def is_alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> None:
+        proc = getattr(self, "proc", None)
+        if proc is not None:
+            kill_tree(proc)
+            self.proc = None

@@ -1,0 +1,65 @@
+"""vllm-router in front of the engines: started as a child process, workers registered by URL.
+
+The router spreads generate requests over engines. Control calls (pause, weight updates, ...) must not go
+through it: it forwards them to one worker only. See `vime.backends.vllm_utils.client`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+from vime.backends.vllm_utils.engine import http_ok
+from vime.utils.process import kill_tree, spawn, tail, wait_until
+
+
+class Router:
+    def __init__(self, router_args, log_dir: str):
+        self.router_args = router_args
+        self.url = f"http://{router_args.host}:{router_args.port}"
+        self.log_path = Path(log_dir) / "router.log"
+        self.proc = None
+
+    def start(self, timeout_s: float = 60.0) -> str:
+        payload = json.dumps(dataclasses.asdict(self.router_args))
+        self.proc = spawn([sys.executable, "-m", "vime.backends.vllm_utils.router", payload], self.log_path)
+        if not wait_until(lambda: http_ok(self.url + "/health"), timeout_s, 0.2, alive=lambda: self.proc.poll() is None):
+            self.stop()
+            raise RuntimeError(f"vllm-router did not start on {self.url}. Log {self.log_path}:\n{tail(self.log_path)}")
+        return self.url
+
+    def workers(self) -> list[str]:
+        with urllib.request.urlopen(self.url + "/workers", timeout=10) as r:
+            data = json.loads(r.read())
+        return [w["url"] if isinstance(w, dict) else w for w in data.get("workers", data.get("urls", []))]
+
+    def _post(self, route: str, url: str) -> None:
+        req = urllib.request.Request(f"{self.url}/{route}?url={urllib.parse.quote(url, safe='')}", method="POST")
+        with urllib.request.urlopen(req, timeout=30) as r:
+            r.read()
+
+    def add_worker(self, url: str) -> None:
+        self._post("add_worker", url)
+
+    def remove_worker(self, url: str) -> None:
+        self._post("remove_worker", url)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            kill_tree(self.proc, grace_s=3)
+            self.proc = None
+
+
+def _main() -> None:
+    from vllm_router.launch_router import launch_router
+    from vllm_router.router_args import RouterArgs
+
+    launch_router(RouterArgs(**json.loads(sys.argv[1])))
+
+
+if __name__ == "__main__":
+    _main()

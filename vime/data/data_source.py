@@ -1,0 +1,78 @@
+"""The rollout data source: hands out groups of prompt samples epoch by epoch, resumable.
+
+Its state (epoch, offset, next sample index) is a small dict saved beside model checkpoints, so a resumed
+run continues with the same data order. Samples pushed back (`add_samples`, e.g. aborted partial rollouts)
+are served before fresh prompts.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+
+from vime.utils.types import Sample
+
+
+class RolloutDataSource:
+    def __init__(self, prompts: list[Sample], n_samples_per_prompt: int, seed: int, shuffle: bool):
+        if not prompts:
+            raise ValueError("RolloutDataSource needs at least one prompt")
+        self.prompts = prompts
+        self.n_samples_per_prompt = n_samples_per_prompt
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.offset = 0  # position within the current epoch's order
+        self.next_sample_index = 0
+        self.next_group_index = 0
+        self.buffer: list[list[Sample]] = []  # groups returned for another try (partial rollout)
+        self._order = self._epoch_order(0)
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.prompts)))
+        if self.shuffle:
+            random.Random(self.seed + epoch).shuffle(order)
+        return order
+
+    def get_samples(self, num_groups: int) -> list[list[Sample]]:
+        """`num_groups` groups of `n_samples_per_prompt` fresh copies of the next prompts."""
+        groups = self.buffer[:num_groups]
+        del self.buffer[:num_groups]
+        while len(groups) < num_groups:
+            if self.offset >= len(self._order):
+                self.epoch += 1
+                self.offset = 0
+                self._order = self._epoch_order(self.epoch)
+            prompt = self.prompts[self._order[self.offset]]
+            self.offset += 1
+            group = []
+            for _ in range(self.n_samples_per_prompt):
+                sample = copy.deepcopy(prompt)
+                sample.group_index = self.next_group_index
+                sample.index = self.next_sample_index
+                self.next_sample_index += 1
+                group.append(sample)
+            self.next_group_index += 1
+            groups.append(group)
+        return groups
+
+    def add_samples(self, groups: list[list[Sample]]) -> None:
+        """Give groups back; they are served first next time."""
+        self.buffer = list(groups) + self.buffer
+
+    def state_dict(self) -> dict:
+        return {
+            "epoch": self.epoch,
+            "offset": self.offset,
+            "next_sample_index": self.next_sample_index,
+            "next_group_index": self.next_group_index,
+            "buffer": [[s.to_dict() for s in g] for g in self.buffer],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch = state["epoch"]
+        self.offset = state["offset"]
+        self.next_sample_index = state["next_sample_index"]
+        self.next_group_index = state["next_group_index"]
+        self.buffer = [[Sample.from_dict(d) for d in g] for g in state.get("buffer", [])]
+        self._order = self._epoch_order(self.epoch)

@@ -1,0 +1,142 @@
+"""vime's rollout-side flags: data, sampling, rewards, filters, eval. Names follow slime."""
+
+from __future__ import annotations
+
+import argparse
+
+DEFAULT_ROLLOUT_FUNCTION = "vime.rollout.vllm_rollout.generate_rollout"
+DEFAULT_GENERATE_FUNCTION = "vime.rollout.vllm_rollout.generate"
+
+
+def add_data_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("prompt data")
+    g.add_argument("--prompt-data", default=None, help="JSONL or Parquet file of prompts (default: None).")
+    g.add_argument("--input-key", default="prompt",
+                   help="Row field holding the prompt: a string, or a list of chat messages (default: prompt).")
+    g.add_argument("--label-key", default=None, help="Row field holding the reference answer (default: None).")
+    g.add_argument("--metadata-key", default="metadata",
+                   help="Row field (a dict) copied into Sample.metadata when present (default: metadata).")
+    g.add_argument("--tool-key", default=None,
+                   help="Row field with tool schemas passed to the chat template (default: None).")
+    g.add_argument("--apply-chat-template", action="store_true",
+                   help="Format prompts with the tokenizer's chat template (default: off).")
+    g.add_argument("--apply-chat-template-kwargs", type=str, default=None,
+                   help="JSON dict of extra keyword arguments for apply_chat_template (default: None).")
+    g.add_argument("--rollout-max-prompt-len", type=int, default=None,
+                   help="Drop prompts longer than this many tokens when loading (default: no limit).")
+    g.add_argument("--rollout-shuffle", action="store_true",
+                   help="Shuffle prompts each epoch, seeded by --rollout-seed and the epoch (default: off).")
+    g.add_argument("--num-epoch", type=int, default=None,
+                   help="Epochs over the prompt data; sets --num-rollout when that is unset (default: None).")
+
+
+def add_rollout_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("rollout")
+    g.add_argument("--rollout-function-path", default=DEFAULT_ROLLOUT_FUNCTION,
+                   help=f"generate_rollout(args, rollout_id, data_source, evaluation=False) (default: "
+                        f"{DEFAULT_ROLLOUT_FUNCTION}).")
+    g.add_argument("--custom-generate-function-path", default=None,
+                   help="async generate(args, sample, sampling_params) -> Sample, replacing the single-turn "
+                        "default: multi-turn, tools, agents (default: None).")
+    g.add_argument("--rollout-batch-size", type=int, default=8, help="Prompts (groups) per rollout (default: 8).")
+    g.add_argument("--n-samples-per-prompt", type=int, default=1,
+                   help="Responses sampled per prompt; one group (default: 1).")
+    g.add_argument("--over-sampling-batch-size", type=int, default=None,
+                   help="Groups submitted at a time when dynamic sampling drops some; must be >= "
+                        "--rollout-batch-size (default: --rollout-batch-size).")
+    g.add_argument("--dynamic-sampling-filter-path", default=None,
+                   help="filter(args, samples) -> DynamicFilterOutput; groups it rejects are dropped and more "
+                        "are generated, e.g. vime.rollout.filter_hub.dynamic_sampling_filters."
+                        "check_reward_nonzero_std (default: None).")
+    g.add_argument("--max-dynamic-sampling-rounds", type=int, default=8,
+                   help="Give up on dynamic sampling after this many passes over --over-sampling-batch-size "
+                        "groups without filling the batch (default: 8).")
+    g.add_argument("--rollout-temperature", type=float, default=1.0, help="Sampling temperature (default: 1.0).")
+    g.add_argument("--rollout-top-p", type=float, default=1.0, help="Nucleus sampling p (default: 1.0).")
+    g.add_argument("--rollout-top-k", type=int, default=-1, help="Top-k sampling; -1 disables (default: -1).")
+    g.add_argument("--rollout-max-response-len", type=int, default=256,
+                   help="Maximum new tokens per response (default: 256).")
+    g.add_argument("--rollout-stop", nargs="+", default=None, help="Stop strings (default: None).")
+    g.add_argument("--rollout-stop-token-ids", type=int, nargs="+", default=None,
+                   help="Stop token ids in addition to EOS (default: None).")
+    g.add_argument("--rollout-seed", type=int, default=None,
+                   help="Seed for data shuffling and per-request sampling seeds (default: --seed).")
+    g.add_argument("--rollout-concurrency", type=int, default=256,
+                   help="Maximum generate requests in flight across all engines (default: 256).")
+    g.add_argument("--rollout-request-timeout", type=float, default=600.0,
+                   help="Seconds before one generate request is abandoned and retried (default: 600).")
+    g.add_argument("--rollout-request-retries", type=int, default=3,
+                   help="Retries of a failed generate request before the sample is marked failed (default: 3).")
+    g.add_argument("--custom-reward-post-process-path", default=None,
+                   help="post_process(args, samples) -> None, run on each finished group after rewards, "
+                        "e.g. to shape rewards (default: None).")
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("rollout engines")
+    g.add_argument("--rollout-num-gpus", type=int, default=1,
+                   help="Devices for rollout engines; on CPU, the number of engine slots (default: 1).")
+    g.add_argument("--rollout-num-gpus-per-engine", type=int, default=1,
+                   help="Devices per engine (tensor parallel on GPU); 1 on CPU (default: 1).")
+    g.add_argument("--rollout-external-engine-addrs", nargs="+", default=None,
+                   help="host:port of vLLM servers started elsewhere (with --enable-scale-out, processed "
+                        "log-probs, VLLM_SERVER_DEV_MODE=1); vime then starts no engines (default: None).")
+    g.add_argument("--engine-startup-timeout", type=float, default=600.0,
+                   help="Seconds an engine may take to answer /health after start (default: 600).")
+    g.add_argument("--cpu-kv-cache-space", type=int, default=1,
+                   help="GiB of KV cache per engine on CPU, VLLM_CPU_KVCACHE_SPACE (default: 1).")
+
+
+def add_reward_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("rewards")
+    g.add_argument("--rm-type", default=None,
+                   help="Built-in reward: math, boxed, deepscaler, dapo, exact_match, f1, gpqa, remote_rm, "
+                        "random (default: None; then --custom-rm-path is required).")
+    g.add_argument("--custom-rm-path", default=None,
+                   help="async reward(args, sample) -> float | dict; with --group-rm, "
+                        "reward(args, samples) -> list (default: None).")
+    g.add_argument("--group-rm", action="store_true",
+                   help="Score each group of samples in one call (default: off).")
+    g.add_argument("--rm-url", default=None, help="URL of a remote reward model, for --rm-type remote_rm.")
+    g.add_argument("--rm-max-retries", type=int, default=3, help="Retries of a remote reward call (default: 3).")
+    g.add_argument("--rm-timeout", type=float, default=60.0,
+                   help="Seconds before one reward call fails; the sample is then marked failed (default: 60).")
+    g.add_argument("--reward-key", default=None,
+                   help="Field of a dict-valued reward used as the scalar reward (default: None).")
+
+
+def add_eval_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("evaluation")
+    g.add_argument("--eval-prompt-data", nargs="+", default=None,
+                   help="Pairs NAME PATH [NAME PATH ...] of eval prompt files (default: None).")
+    g.add_argument("--eval-interval", type=int, default=None,
+                   help="Evaluate every this many rollouts, and before the first (default: None = never).")
+    g.add_argument("--eval-function-path", default=None,
+                   help="Rollout function for eval (default: --rollout-function-path).")
+    g.add_argument("--n-samples-per-eval-prompt", type=int, default=1,
+                   help="Responses per eval prompt (default: 1).")
+    g.add_argument("--eval-temperature", type=float, default=None,
+                   help="Sampling temperature for eval (default: --rollout-temperature).")
+    g.add_argument("--eval-top-p", type=float, default=None, help="Top-p for eval (default: --rollout-top-p).")
+    g.add_argument("--eval-top-k", type=int, default=None, help="Top-k for eval (default: --rollout-top-k).")
+    g.add_argument("--eval-max-response-len", type=int, default=None,
+                   help="Max new tokens for eval (default: --rollout-max-response-len).")
+
+
+def add_debug_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("debugging")
+    g.add_argument("--debug-rollout-only", action="store_true",
+                   help="Generate and score rollouts without training (default: off).")
+    g.add_argument("--debug-train-only", action="store_true",
+                   help="Train from --load-debug-rollout-data without starting engines (default: off).")
+    g.add_argument("--save-debug-rollout-data", default=None,
+                   help="Path template with {rollout_id}; each rollout's samples are written there as JSON "
+                        "lines, one Sample.to_dict() per line (default: None).")
+    g.add_argument("--load-debug-rollout-data", default=None,
+                   help="Path template with {rollout_id}: replay saved rollouts instead of generating "
+                        "(default: None).")
+
+
+def add_all_rollout_args(parser: argparse.ArgumentParser) -> None:
+    for add in (add_data_args, add_rollout_args, add_engine_args, add_reward_args, add_eval_args, add_debug_args):
+        add(parser)

@@ -1,0 +1,272 @@
+"""The default rollout: async generation through vllm-router, rewards, dynamic sampling.
+
+Hook signatures match slime's, so users' functions port unchanged:
+- rollout function: `generate_rollout(args, rollout_id, data_source, evaluation=False)`
+  -> list[list[Sample]] (train) or {eval_name: list[Sample]} (evaluation)
+- generate function: `async generate(args, sample, sampling_params) -> Sample`
+- reward function: `async reward(args, sample) -> float | dict` (`--group-rm`: list in, list out)
+- dynamic sampling filter: `filter(args, group) -> DynamicFilterOutput`
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import aiohttp
+
+from vime.rollout.rm_hub import async_rm, batched_async_rm
+from vime.utils.misc import load_function
+from vime.utils.types import Sample
+
+logger = logging.getLogger(__name__)
+
+_FINISH_STATUS = {"stop": Sample.Status.COMPLETED, "length": Sample.Status.TRUNCATED, "abort": Sample.Status.ABORTED}
+
+
+class GenerateState:
+    """Per-process state shared by all generate calls: tokenizer, HTTP session, concurrency limit."""
+
+    _instance: GenerateState | None = None
+
+    def __new__(cls, args):
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+            cls._instance._init(args)
+        return cls._instance
+
+    def _init(self, args) -> None:
+        from transformers import AutoTokenizer
+
+        self.args = args
+        self.tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint)
+        self.semaphore = asyncio.Semaphore(args.rollout_concurrency)
+        self.session: aiohttp.ClientSession | None = None
+        self.aborted = False  # set when the batch is full: queued requests return without being sent
+        self.generate_fn = load_function(args.custom_generate_function_path or
+                                         "vime.rollout.vllm_rollout.generate")
+
+    def http(self) -> aiohttp.ClientSession:
+        if self.session is None or self.session.closed:
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
+            self.session = aiohttp.ClientSession(connector=connector)
+        return self.session
+
+    @classmethod
+    def reset(cls) -> None:
+        cls._instance = None
+
+
+def router_url(args) -> str:
+    return f"http://{args.vllm_router_ip}:{args.vllm_router_port}"
+
+
+def sampling_params_for(args, evaluation: bool = False) -> dict[str, Any]:
+    """vLLM sampling parameters from the --rollout-* (or --eval-*) flags."""
+    p = dict(
+        temperature=args.eval_temperature if evaluation else args.rollout_temperature,
+        top_p=args.eval_top_p if evaluation else args.rollout_top_p,
+        top_k=args.eval_top_k if evaluation else args.rollout_top_k,
+        max_tokens=args.eval_max_response_len if evaluation else args.rollout_max_response_len,
+        logprobs=0,  # the sampled token's own log-prob
+        skip_special_tokens=False,
+    )
+    if args.rollout_stop:
+        p["stop"] = list(args.rollout_stop)
+    if args.rollout_stop_token_ids:
+        p["stop_token_ids"] = list(args.rollout_stop_token_ids)
+    return p
+
+
+async def post_generate(args, token_ids: list[int], sampling_params: dict[str, Any]) -> dict[str, Any]:
+    """One token-in/token-out request through the router, with retries. Returns the first choice."""
+    state = GenerateState(args)
+    timeout = aiohttp.ClientTimeout(total=args.rollout_request_timeout)
+    payload = {"token_ids": token_ids, "sampling_params": sampling_params, "model": "policy"}
+    last_error: Exception | None = None
+    for attempt in range(args.rollout_request_retries + 1):
+        try:
+            async with state.http().post(router_url(args) + "/inference/v1/generate", json=payload,
+                                         timeout=timeout) as r:
+                body = await r.json(content_type=None)
+                if r.status >= 400:
+                    message = body.get("error", body) if isinstance(body, dict) else body
+                    if 400 <= r.status < 500 and r.status != 429:  # the request itself is bad: no retry
+                        raise ValueError(f"engine rejected the request (HTTP {r.status}): {message}")
+                    raise aiohttp.ClientResponseError(r.request_info, (), status=r.status, message=str(message))
+                return body["choices"][0]
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            last_error = e
+            await asyncio.sleep(min(0.5 * 2**attempt, 8.0))
+    raise RuntimeError(f"generate failed after {args.rollout_request_retries + 1} attempts: {last_error!r}")
+
+
+def append_choice(sample: Sample, choice: dict[str, Any], tokenizer, trainable: bool = True) -> None:
+    """Append a generate answer (token ids, log-probs, weight versions, finish reason) to `sample`."""
+    new_tokens = choice.get("token_ids") or []
+    content = (choice.get("logprobs") or {}).get("content") or []
+    if len(content) != len(new_tokens):
+        raise RuntimeError(f"engine returned {len(new_tokens)} tokens but {len(content)} log-probs")
+    sample.tokens = sample.tokens + new_tokens
+    sample.response_length += len(new_tokens)
+    sample.rollout_log_probs = (sample.rollout_log_probs or []) + [c["logprob"] for c in content]
+    sample.loss_mask = (sample.loss_mask or []) + [int(trainable)] * len(new_tokens)
+    for wv in choice.get("weight_versions") or []:
+        version = str(wv["version"]) if isinstance(wv, dict) else str(wv)
+        if not sample.weight_versions or sample.weight_versions[-1] != version:
+            sample.weight_versions.append(version)
+    sample.response = tokenizer.decode(sample.response_tokens, skip_special_tokens=False)
+    sample.status = _FINISH_STATUS.get(choice.get("finish_reason"), Sample.Status.COMPLETED)
+
+
+async def generate(args, sample: Sample, sampling_params: dict[str, Any]) -> Sample:
+    """Default single-turn generation; continues a partially generated sample where it stopped."""
+    state = GenerateState(args)
+    params = dict(sampling_params)
+    params["max_tokens"] = params["max_tokens"] - sample.response_length
+    if params["max_tokens"] <= 0:
+        sample.status = Sample.Status.TRUNCATED
+        return sample
+    choice = await post_generate(args, sample.tokens, params)
+    append_choice(sample, choice, state.tokenizer)
+    return sample
+
+
+def _fail(sample: Sample, stage: str, error: BaseException | str) -> Sample:
+    sample.status = Sample.Status.FAILED
+    sample.metadata["failure"] = {"stage": stage, "error": str(error)[:2000]}
+    return sample
+
+
+async def _reward_one(args, sample: Sample) -> None:
+    try:
+        sample.reward = await asyncio.wait_for(async_rm(args, sample), timeout=args.rm_timeout)
+    except asyncio.TimeoutError:
+        _fail(sample, "reward", f"reward function exceeded --rm-timeout {args.rm_timeout}s")
+    except Exception as e:  # a user's reward function may raise anything; record it per sample
+        _fail(sample, "reward", f"{type(e).__name__}: {e}")
+
+
+async def generate_and_rm(args, sample: Sample, sampling_params: dict[str, Any], evaluation: bool = False) -> Sample:
+    state = GenerateState(args)
+    if sample.status == Sample.Status.COMPLETED or sample.status == Sample.Status.TRUNCATED:
+        return sample
+    async with state.semaphore:
+        if state.aborted:
+            sample.status = Sample.Status.ABORTED
+            return sample
+        if evaluation or not sampling_params.get("seed"):
+            sampling_params = {**sampling_params, "seed": (args.rollout_seed * 1_000_003 + sample.index) % 2**31}
+        try:
+            result = await state.generate_fn(args, sample, sampling_params)
+        except Exception as e:  # engine errors and custom generate bugs become per-sample failures
+            logger.warning("sample %s: generation failed: %s", sample.index, e)
+            return _fail(sample, "generate", f"{type(e).__name__}: {e}")
+    if not isinstance(result, Sample):
+        return _fail(sample, "generate", f"generate function returned {type(result).__name__}, expected Sample")
+    if result.status == Sample.Status.PENDING:
+        result.status = Sample.Status.COMPLETED
+    if result.status in (Sample.Status.ABORTED, Sample.Status.FAILED) or args.group_rm:
+        return result
+    await _reward_one(args, result)
+    return result
+
+
+async def generate_and_rm_group(args, group: list[Sample], sampling_params: dict[str, Any],
+                                evaluation: bool = False) -> list[Sample]:
+    group = list(await asyncio.gather(*(generate_and_rm(args, s, sampling_params, evaluation) for s in group)))
+    if args.group_rm and all(s.status not in (Sample.Status.ABORTED, Sample.Status.FAILED) for s in group):
+        try:
+            rewards = await asyncio.wait_for(batched_async_rm(args, group), timeout=args.rm_timeout)
+            for s, r in zip(group, rewards):
+                s.reward = r
+        except Exception as e:
+            for s in group:
+                _fail(s, "reward", f"group reward: {type(e).__name__}: {e}")
+    if args.custom_reward_post_process_path and not evaluation:
+        load_function(args.custom_reward_post_process_path)(args, group)
+    return group
+
+
+def _is_aborted(group: list[Sample]) -> bool:
+    return any(s.status == Sample.Status.ABORTED for s in group)
+
+
+async def generate_rollout_async(args, rollout_id: int, data_source) -> tuple[list[list[Sample]], dict[str, Any]]:
+    """Generate until --rollout-batch-size groups pass the dynamic filter; abort the surplus."""
+    from vime.backends.vllm_utils import client
+
+    state = GenerateState(args)
+    state.aborted = False
+    target = args.rollout_batch_size
+    params = sampling_params_for(args)
+    dynamic_filter = load_function(args.dynamic_sampling_filter_path) if args.dynamic_sampling_filter_path else None
+    pending: set[asyncio.Task] = set()
+    data: list[list[Sample]] = []
+    stats = {"dropped_groups": 0, "drop_reasons": {}, "submitted_groups": 0, "aborted_groups": 0}
+    rounds = 0
+    while len(data) < target:
+        if len(data) + len(pending) < target:
+            if rounds >= args.max_dynamic_sampling_rounds:
+                raise RuntimeError(
+                    f"rollout {rollout_id}: only {len(data)}/{target} groups passed the dynamic sampling filter "
+                    f"after {rounds} rounds of {args.over_sampling_batch_size}; loosen the filter or raise "
+                    "--max-dynamic-sampling-rounds")
+            rounds += 1
+            for group in data_source.get_samples(args.over_sampling_batch_size):
+                pending.add(asyncio.create_task(generate_and_rm_group(args, group, params)))
+            stats["submitted_groups"] += args.over_sampling_batch_size
+        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            group = task.result()
+            if dynamic_filter is not None and len(data) < target:
+                verdict = dynamic_filter(args, group)
+                if not verdict.keep:
+                    stats["dropped_groups"] += 1
+                    reason = verdict.reason or "filtered"
+                    stats["drop_reasons"][reason] = stats["drop_reasons"].get(reason, 0) + 1
+                    continue
+            if len(data) < target:
+                data.append(group)
+            else:  # finished after the batch was full: keep it for the next rollout
+                data_source.add_samples([_reset(g) for g in [group]])
+
+    if pending:
+        state.aborted = True
+        client.abort_all(args.rollout_engine_urls)
+        leftovers = await asyncio.gather(*pending)
+        stats["aborted_groups"] = len(leftovers)
+        if getattr(args, "partial_rollout", False):
+            data_source.add_samples([g for g in leftovers])
+        state.aborted = False
+    data.sort(key=lambda g: g[0].index)
+    return data, stats
+
+
+def _reset(group: list[Sample]) -> list[Sample]:
+    return group
+
+
+async def eval_rollout_async(args, rollout_id: int, eval_sources: dict[str, Any]) -> dict[str, list[Sample]]:
+    params = sampling_params_for(args, evaluation=True)
+    results = {}
+    for name, source in eval_sources.items():
+        groups = source.get_samples(len(source.prompts))
+        done = await asyncio.gather(*(generate_and_rm_group(args, g, params, evaluation=True) for g in groups))
+        results[name] = [s for g in done for s in g]
+    return results
+
+
+def generate_rollout(args, rollout_id: int, data_source, evaluation: bool = False):
+    """Sync entry called by the rollout manager (slime's signature)."""
+    from vime.utils.async_utils import run
+
+    start = time.perf_counter()
+    if evaluation:
+        return run(eval_rollout_async(args, rollout_id, data_source))
+    groups, stats = run(generate_rollout_async(args, rollout_id, data_source))
+    stats["generate_time"] = time.perf_counter() - start
+    args.last_rollout_stats = stats
+    return groups

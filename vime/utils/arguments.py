@@ -1,0 +1,235 @@
+"""vime's command line: three groups of flags in one parser, a YAML config, and validation.
+
+- Megatron-style training flags (`vime.backends.megatron_utils.arguments`), same names as Megatron-LM.
+- vLLM engine flags mirrored from vLLM's own parser as `--vllm-*`, router flags as `--router-*`
+  (`vime.backends.vllm_utils.arguments`).
+- vime's own flags: placement and run control here; rollout, data, rewards and eval in
+  `vime.rollout.arguments`.
+
+Everything is checked before any process starts (`validate_args`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import yaml
+
+from vime.backends.vllm_utils.arguments import add_router_args, add_vllm_engine_args, validate_vllm_args
+from vime.rollout.arguments import add_all_rollout_args
+
+
+def add_run_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("run")
+    g.add_argument("--config", default=None,
+                   help="YAML file of flag: value pairs; flags given on the command line win (default: None).")
+    g.add_argument("--hf-checkpoint", default=None,
+                   help="HF checkpoint directory of the policy: config, weights and tokenizer (required).")
+    g.add_argument("--seed", type=int, default=1234, help="Global random seed (default: 1234).")
+    g.add_argument("--num-rollout", type=int, default=None,
+                   help="Number of rollouts (generate -> train steps) to run (default: from --num-epoch).")
+    g.add_argument("--output-dir", default="outputs/run",
+                   help="Directory for metrics.jsonl, TensorBoard events and plots (default: outputs/run).")
+    g.add_argument("--ray-address", default=None,
+                   help="Address of an existing Ray cluster; a local one is started when unset (default: None).")
+
+
+def add_placement_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("placement")
+    g.add_argument("--actor-num-nodes", type=int, default=1, help="Nodes for training actors (default: 1).")
+    g.add_argument("--actor-num-gpus-per-node", type=int, default=1,
+                   help="Devices per node for training; on CPU, training processes per node (default: 1).")
+    g.add_argument("--colocate", action="store_true",
+                   help="Training and rollout share devices and take turns (default: off).")
+
+
+def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="train.py",
+        description="vime: RL post-training with vLLM rollout and Megatron-core training.",
+        allow_abbrev=False,
+    )
+    add_run_args(parser)
+    add_placement_args(parser)
+    add_all_rollout_args(parser)
+    for add in _optional_arg_groups():
+        add(parser)
+    add_vllm_engine_args(parser)
+    add_router_args(parser)
+    if extra_args_provider is not None:
+        extra_args_provider(parser)
+    return parser
+
+
+def _optional_arg_groups():
+    """Flag groups of the training side; imported here so the rollout side works on its own."""
+    groups = []
+    try:
+        from vime.backends.megatron_utils.arguments import add_megatron_args
+
+        groups.append(add_megatron_args)
+    except ImportError:
+        pass
+    try:
+        from vime.algorithms.arguments import add_algorithm_args
+
+        groups.append(add_algorithm_args)
+    except ImportError:
+        pass
+    return groups
+
+
+def config_to_argv(path: str, parser: argparse.ArgumentParser) -> list[str]:
+    """Turn a YAML mapping {flag: value} into command-line tokens (placed before the real ones)."""
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise ValueError(f"--config {path}: cannot read YAML: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path}: expected a mapping of flag names to values, got {type(data).__name__}")
+    known = {opt for action in parser._actions for opt in action.option_strings}
+    argv: list[str] = []
+    for key, value in data.items():
+        flag = "--" + str(key).lstrip("-").replace("_", "-")
+        if flag not in known:
+            raise ValueError(f"--config {path}: unknown flag {key!r} (as {flag})")
+        if value is None or value is False:
+            continue
+        if value is True:
+            argv.append(flag)
+        elif isinstance(value, (list, tuple)):
+            argv += [flag, *map(str, value)]
+        elif isinstance(value, dict):
+            argv += [flag, json.dumps(value)]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def parse_args(argv: list[str] | None = None, extra_args_provider=None, validate: bool = True) -> argparse.Namespace:
+    parser = build_parser(extra_args_provider)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    config = _find_config(argv)
+    if config:
+        try:
+            argv = config_to_argv(config, parser) + argv
+        except ValueError as e:
+            parser.error(str(e))
+    args = parser.parse_args(argv)
+    if validate:
+        try:
+            validate_args(args)
+        except ValueError as e:
+            parser.error(str(e))
+    return args
+
+
+def _find_config(argv: list[str]) -> str | None:
+    for i, tok in enumerate(argv):
+        if tok == "--config" and i + 1 < len(argv):
+            return argv[i + 1]
+        if tok.startswith("--config="):
+            return tok.split("=", 1)[1]
+    return None
+
+
+def validate_args(args: argparse.Namespace) -> None:
+    """Fill derived defaults and reject bad combinations with a message that says how to fix them."""
+    from vime.utils.misc import load_function
+
+    if args.debug_rollout_only and args.debug_train_only:
+        raise ValueError("--debug-rollout-only and --debug-train-only exclude each other; pick one")
+    if not args.hf_checkpoint:
+        raise ValueError("--hf-checkpoint DIR is required (build a tiny one: python -m vime.tools.tiny_model)")
+    if not (Path(args.hf_checkpoint) / "config.json").is_file():
+        raise ValueError(f"--hf-checkpoint {args.hf_checkpoint}: no config.json there; is it an HF checkpoint?")
+
+    replaying = args.load_debug_rollout_data is not None
+    if args.debug_train_only and not replaying:
+        raise ValueError("--debug-train-only needs --load-debug-rollout-data PATH_{rollout_id}")
+    if args.debug_rollout_only and replaying:
+        raise ValueError("--debug-rollout-only generates rollouts; it cannot also --load-debug-rollout-data")
+    for flag in ("save_debug_rollout_data", "load_debug_rollout_data"):
+        template = getattr(args, flag)
+        if template is not None and "{rollout_id}" not in template:
+            raise ValueError(f"--{flag.replace('_', '-')} {template!r} must contain '{{rollout_id}}'")
+
+    if not replaying:
+        if not args.prompt_data:
+            raise ValueError("--prompt-data FILE is required (JSONL or Parquet) unless replaying saved rollouts")
+        if not Path(args.prompt_data).is_file():
+            raise ValueError(f"--prompt-data {args.prompt_data}: file not found")
+        if args.rm_type is None and args.custom_rm_path is None:
+            raise ValueError("choose a reward: --rm-type (math, boxed, f1, ...) or --custom-rm-path module.fn")
+        if args.rm_type == "remote_rm" and not args.rm_url:
+            raise ValueError("--rm-type remote_rm needs --rm-url http://host:port/path")
+    if args.eval_prompt_data is not None:
+        if len(args.eval_prompt_data) % 2:
+            raise ValueError("--eval-prompt-data takes pairs NAME PATH [NAME PATH ...]")
+        for name, path in zip(args.eval_prompt_data[::2], args.eval_prompt_data[1::2]):
+            if not Path(path).is_file():
+                raise ValueError(f"--eval-prompt-data {name}: file {path} not found")
+
+    for flag in ("rollout_batch_size", "n_samples_per_prompt", "rollout_max_response_len", "rollout_concurrency",
+                 "rollout_num_gpus", "rollout_num_gpus_per_engine", "n_samples_per_eval_prompt"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.over_sampling_batch_size is None:
+        args.over_sampling_batch_size = args.rollout_batch_size
+    if args.over_sampling_batch_size < args.rollout_batch_size:
+        raise ValueError(f"--over-sampling-batch-size ({args.over_sampling_batch_size}) must be >= "
+                         f"--rollout-batch-size ({args.rollout_batch_size})")
+    if args.rollout_temperature <= 0:
+        raise ValueError("--rollout-temperature must be > 0: RL needs sampled responses and their log-probs")
+    if not 0 < args.rollout_top_p <= 1:
+        raise ValueError(f"--rollout-top-p must be in (0, 1], got {args.rollout_top_p}")
+    if args.rollout_num_gpus % args.rollout_num_gpus_per_engine:
+        raise ValueError(f"--rollout-num-gpus ({args.rollout_num_gpus}) must be a multiple of "
+                         f"--rollout-num-gpus-per-engine ({args.rollout_num_gpus_per_engine})")
+    if args.rollout_external_engine_addrs:
+        for addr in args.rollout_external_engine_addrs:
+            host, _, port = addr.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"--rollout-external-engine-addrs: {addr!r} is not host:port")
+
+    for flag in ("rollout_function_path", "custom_generate_function_path", "dynamic_sampling_filter_path",
+                 "custom_rm_path", "custom_reward_post_process_path", "eval_function_path"):
+        path = getattr(args, flag, None)
+        if path:
+            try:
+                load_function(path)
+            except (ImportError, AttributeError, ValueError) as e:
+                raise ValueError(f"--{flag.replace('_', '-')}: {e}") from e
+
+    if args.rollout_seed is None:
+        args.rollout_seed = args.seed
+    if args.apply_chat_template_kwargs is not None:
+        try:
+            args.apply_chat_template_kwargs = json.loads(args.apply_chat_template_kwargs)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--apply-chat-template-kwargs is not valid JSON: {e}") from e
+    for name, default in (("eval_temperature", args.rollout_temperature), ("eval_top_p", args.rollout_top_p),
+                          ("eval_top_k", args.rollout_top_k),
+                          ("eval_max_response_len", args.rollout_max_response_len)):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    args.vllm_engine_args = validate_vllm_args(args)
+    args.output_dir = os.path.abspath(args.output_dir)
+
+    for hook in _training_validators():
+        hook(args)
+
+
+def _training_validators():
+    hooks = []
+    try:
+        from vime.algorithms.arguments import validate_algorithm_args
+
+        hooks.append(validate_algorithm_args)
+    except ImportError:
+        pass
+    return hooks

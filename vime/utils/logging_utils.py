@@ -1,0 +1,64 @@
+"""Logging, metrics sinks (metrics.jsonl, TensorBoard, optional wandb) and progress bars."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+
+def configure_logging(level: int = logging.INFO) -> None:
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+
+
+def progress(iterable, desc: str, **kwargs):
+    return tqdm(iterable, desc=desc, dynamic_ncols=True, disable=not sys.stderr.isatty() and
+                os.environ.get("VIME_PROGRESS") != "1", **kwargs)
+
+
+class MetricsLogger:
+    """One JSON object per log call in `<output_dir>/metrics.jsonl`, plus TensorBoard scalars."""
+
+    def __init__(self, args):
+        self.dir = Path(args.output_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl = open(self.dir / "metrics.jsonl", "a", encoding="utf-8")
+        self.tb = None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(log_dir=str(self.dir / "tensorboard"))
+        except ImportError:  # tensorboard is optional at run time
+            logging.getLogger(__name__).warning("tensorboard not installed; metrics go to metrics.jsonl only")
+        self.wandb = None
+        if getattr(args, "use_wandb", False):
+            import wandb
+
+            self.wandb = wandb.init(project=getattr(args, "wandb_project", "vime"), config=vars(args))
+        self.log_text = logging.getLogger("vime.metrics")
+
+    def log(self, rollout_id: int, metrics: dict[str, float]) -> None:
+        if not metrics:
+            return
+        record = {"rollout_id": rollout_id, **{k: float(v) for k, v in metrics.items()}}
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        if self.tb is not None:
+            for k, v in metrics.items():
+                self.tb.add_scalar(k, float(v), rollout_id)
+            self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=rollout_id)
+        shown = {k: round(float(v), 4) for k, v in metrics.items() if "reward" in k or k.endswith("time")}
+        self.log_text.info("rollout %d: %s", rollout_id, shown)
+
+    def close(self) -> None:
+        self.jsonl.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
