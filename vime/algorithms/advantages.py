@@ -179,7 +179,9 @@ def grpo_advantages(
 
 
 @register_advantage_estimator("gspo")
-def gspo_advantages(rewards: torch.Tensor | Sequence[float], loss_masks: Tensors, **kwargs: Any):
+def gspo_advantages(
+    rewards: torch.Tensor | Sequence[float], loss_masks: Tensors, **kwargs: Any
+) -> tuple[Tensors, Tensors]:
     """Same sequence-level advantages as grpo; GSPO differs in its loss (a sequence-level ratio)."""
     return grpo_advantages(rewards, loss_masks, **kwargs)
 

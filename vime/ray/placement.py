@@ -26,9 +26,17 @@ def init_ray(args) -> None:
     if args.ray_address:
         ray.init(address=args.ray_address, runtime_env=env, log_to_driver=True)
         return
+    # A local cluster stays on loopback: engines and their control routes are never exposed to a network.
     slots = args.rollout_num_gpus + args.actor_num_nodes * args.actor_num_gpus_per_node + 2
     ray.init(num_cpus=max(os.cpu_count() or 1, slots), runtime_env=env, include_dashboard=False,
-             log_to_driver=True)
+             log_to_driver=True, _node_ip_address="127.0.0.1")
+
+
+def serving_host(args) -> str:
+    """Address engines and the router bind to: this node's address on a cluster, loopback otherwise."""
+    if getattr(args, "ray_address", None) and ray.is_initialized():
+        return ray.util.get_node_ip_address()
+    return "127.0.0.1"
 
 
 def num_engines(args) -> int:

@@ -18,7 +18,7 @@ from vime.backends.vllm_utils.engine import VLLMEngine
 from vime.backends.vllm_utils.router import Router
 from vime.data.data_source import RolloutDataSource
 from vime.data.prompt_dataset import load_prompt_samples
-from vime.ray.placement import bundle_strategy, num_engines
+from vime.ray.placement import bundle_strategy, num_engines, serving_host
 from vime.rollout.debug_data import load_rollout, save_rollout
 from vime.rollout.metrics import rollout_metrics
 from vime.utils.misc import find_free_port, load_function
@@ -83,7 +83,7 @@ class RolloutManager:
                 self.router.add_worker(url)
             self.router = None  # not ours to stop
             return
-        host = ray.util.get_node_ip_address()
+        host = serving_host(args)
         port = args.vllm_router_port or find_free_port()
         self.router = Router(router_args_from(args, host, port, self.engine_urls), str(self.log_dir))
         self.router_url = self.router.start()

@@ -103,7 +103,8 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     for action in sub._actions:
         if action.dest in {"router_worker_urls"}:
             continue  # vime registers its engines itself
-        kwargs = dict(dest=action.dest, default=action.default, help=action.help)
+        help_text = (action.help or f"vllm-router's --{action.option_strings[0][len('--router-'):]}").replace("%", "%%")
+        kwargs = dict(dest=action.dest, default=action.default, help=f"{help_text} (default: {action.default})")
         if isinstance(action, argparse._StoreTrueAction):
             kwargs["action"] = "store_true"
         elif isinstance(action, argparse._StoreAction):

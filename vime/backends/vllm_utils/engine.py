@@ -63,9 +63,9 @@ class VLLMEngine:
         self.url = None
 
     def start(self) -> str:
-        import ray
+        from vime.ray.placement import serving_host
 
-        host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+        host = serving_host(self.args)
         port = find_free_port()
         self.url = f"http://{host}:{port}"
         cmd = engine_command(self.args, host, port, self.engine_rank)

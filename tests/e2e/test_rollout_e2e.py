@@ -1,0 +1,138 @@
+"""End to end on the real stack: 2 vLLM engines + vllm-router under Ray, `train.py --debug-rollout-only`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from vime.rollout.debug_data import load_rollout
+from vime.utils.types import Sample
+
+pytestmark = pytest.mark.e2e
+REPO = Path(__file__).resolve().parents[2]
+TEMPERATURE = 0.8
+
+
+def _stack_pids() -> set[int]:
+    """PIDs of engine servers, vLLM engine cores and routers on this machine."""
+    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+    pids = set()
+    for line in out.splitlines():
+        pid, _, cmd = line.strip().partition(" ")
+        if "vllm.entrypoints.openai.api_server" in cmd or "vime.backends.vllm_utils.router" in cmd \
+                or "VLLM::EngineCore" in cmd or "vllm::router" in cmd:
+            pids.add(int(pid))
+    return pids
+
+
+def _cmd(model: Path, data: Path, out: Path, num_rollout: int) -> list[str]:
+    return [
+        sys.executable, str(REPO / "train.py"),
+        "--hf-checkpoint", str(model), "--prompt-data", str(data), "--label-key", "label",
+        "--apply-chat-template", "--rm-type", "math", "--debug-rollout-only",
+        "--rollout-batch-size", "8", "--n-samples-per-prompt", "4", "--num-rollout", str(num_rollout),
+        "--rollout-num-gpus", "2", "--rollout-max-response-len", "24", "--rollout-temperature", str(TEMPERATURE),
+        "--save-debug-rollout-data", str(out / "rollout_{rollout_id}.jsonl"), "--output-dir", str(out / "run"),
+        "--vllm-enforce-eager", "--vllm-dtype", "float32", "--vllm-max-model-len", "512",
+    ]
+
+
+@pytest.fixture(scope="module")
+def rollout_run(tiny_qwen3, arithmetic_data, tmp_path_factory):
+    assert not _stack_pids(), "engine or router processes are already running"
+    out = tmp_path_factory.mktemp("rollout_e2e")
+    proc = subprocess.run(_cmd(tiny_qwen3, arithmetic_data[0], out, 2), capture_output=True, text=True,
+                          timeout=900, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return out, _stack_pids()
+
+
+def test_every_sample_is_complete(rollout_run):
+    out, _ = rollout_run
+    for rollout_id in range(2):
+        groups = load_rollout(str(out / "rollout_{rollout_id}.jsonl"), rollout_id)
+        assert len(groups) == 8 and all(len(g) == 4 for g in groups)
+        assert len({g[0].group_index for g in groups}) == 8
+        for g in groups:
+            for s in g:
+                assert s.status in (Sample.Status.COMPLETED, Sample.Status.TRUNCATED), s.metadata
+                assert s.response_length > 0 and len(s.tokens) == s.prompt_length + s.response_length
+                assert len(s.rollout_log_probs) == s.response_length == len(s.loss_mask)
+                assert all(lp <= 0 for lp in s.rollout_log_probs)
+                assert s.reward in (0.0, 1.0)
+                assert s.weight_versions == ["default"]
+                assert isinstance(s.response, str)
+    # the two rollouts used different prompts (the data source advances)
+    r0 = load_rollout(str(out / "rollout_{rollout_id}.jsonl"), 0)
+    r1 = load_rollout(str(out / "rollout_{rollout_id}.jsonl"), 1)
+    assert {g[0].prompt for g in r0}.isdisjoint({g[0].prompt for g in r1})
+
+
+def test_saved_rollouts_load_back_equal(rollout_run):
+    out, _ = rollout_run
+    path = out / "rollout_0.jsonl"
+    lines = path.read_text().splitlines()
+    samples = [Sample.from_dict(json.loads(line)) for line in lines]
+    assert [json.loads(json.dumps(s.to_dict())) for s in samples] == [json.loads(line) for line in lines]
+    assert samples == [s for g in load_rollout(str(out / "rollout_{rollout_id}.jsonl"), 0) for s in g]
+
+
+def test_metrics_written(rollout_run):
+    out, _ = rollout_run
+    records = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["rollout_id"] for r in records] == [0, 1]
+    assert all(r["rollout/num_samples"] == 32 for r in records)
+    assert list((out / "run" / "tensorboard").glob("events.*"))
+
+
+def test_no_processes_left(rollout_run):
+    _, left = rollout_run
+    assert not left, f"processes left after the run: {left}"
+
+
+def test_engine_log_probs_match_transformers(rollout_run, tiny_qwen3):
+    """vLLM's processed log-probs of sampled tokens == log_softmax(logits / T) of a float32 HF forward."""
+    from transformers import AutoModelForCausalLM
+
+    out, _ = rollout_run
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    samples = [s for g in load_rollout(str(out / "rollout_{rollout_id}.jsonl"), 0) for s in g][:12]
+    worst = 0.0
+    for s in samples:
+        with torch.no_grad():
+            logits = model(torch.tensor([s.tokens])).logits[0].float()
+        logp = torch.log_softmax(logits / TEMPERATURE, dim=-1)
+        targets = torch.tensor(s.tokens[s.prompt_length:])
+        ref = logp[s.prompt_length - 1 : len(s.tokens) - 1].gather(-1, targets[:, None]).squeeze(-1)
+        worst = max(worst, (ref - torch.tensor(s.rollout_log_probs)).abs().max().item())
+    assert worst < 1e-4, f"max |vLLM - transformers| log-prob = {worst}"
+
+
+def test_ctrl_c_leaves_no_processes(tiny_qwen3, arithmetic_data, tmp_path):
+    assert not _stack_pids()
+    proc = subprocess.Popen(_cmd(tiny_qwen3, arithmetic_data[0], tmp_path, 50), cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not (tmp_path / "rollout_0.jsonl").exists():  # engines are up and serving
+            assert proc.poll() is None, proc.stderr.read()[-4000:]
+            assert time.monotonic() < deadline, "no rollout within 10 minutes"
+            time.sleep(1)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    deadline = time.monotonic() + 30
+    while _stack_pids() and time.monotonic() < deadline:
+        time.sleep(1)
+    assert not _stack_pids(), f"processes left after Ctrl-C: {_stack_pids()}"

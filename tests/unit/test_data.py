@@ -1,0 +1,152 @@
+"""Prompt files (JSONL, Parquet, bad rows), the data source (epochs, shuffle, resume) and Sample round trips."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from vime.data.data_source import RolloutDataSource
+from vime.data.prompt_dataset import DataFormatError, load_prompt_samples
+from vime.rollout.debug_data import load_rollout, save_rollout
+from vime.utils.types import Sample
+
+
+def _args(**kw):
+    base = dict(input_key="prompt", label_key="label", metadata_key="metadata", tool_key=None,
+                apply_chat_template=False, apply_chat_template_kwargs=None, rollout_max_prompt_len=None)
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_qwen3):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_qwen3)
+
+
+def _write(tmp_path, lines, name="p.jsonl"):
+    path = tmp_path / name
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_jsonl_rows_become_prompt_samples(tmp_path, tokenizer):
+    path = _write(tmp_path, ['{"prompt": "What is 1 + 2?", "label": "3", "metadata": {"src": "t"}}', "",
+                             '{"prompt": "What is 2 + 2?", "label": "4"}'])
+    samples = load_prompt_samples(path, tokenizer, _args())
+    assert [s.label for s in samples] == ["3", "4"]
+    assert samples[0].metadata == {"src": "t"} and samples[1].metadata == {}
+    assert samples[0].tokens == tokenizer("What is 1 + 2?", add_special_tokens=False)["input_ids"]
+    assert samples[0].response_length == 0 and samples[0].prompt_length == len(samples[0].tokens)
+
+
+def test_chat_template_and_message_prompts(tmp_path, tokenizer):
+    path = _write(tmp_path, [json.dumps({"prompt": [{"role": "system", "content": "Be brief."},
+                                                    {"role": "user", "content": "Hi"}], "label": "x"}),
+                             json.dumps({"prompt": "plain", "label": "y"})])
+    samples = load_prompt_samples(path, tokenizer, _args(apply_chat_template=True))
+    assert samples[0].prompt == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n" \
+                                "<|im_start|>assistant\n"
+    assert samples[1].prompt.startswith("<|im_start|>user\nplain<|im_end|>")
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"prompt": "a", "label": "1"', "p.jsonl:2: not valid JSON"),
+    ('["a", "b"]', "p.jsonl:2: expected a JSON object"),
+    ('{"question": "a", "label": "1"}', "p.jsonl:2: missing key 'prompt' (--input-key)"),
+    ('{"prompt": "a"}', "p.jsonl:2: missing key 'label' (--label-key)"),
+    ('{"prompt": "a", "label": "1", "metadata": [1]}', "p.jsonl:2: 'metadata' must be a dict"),
+    ('{"prompt": [{"content": "x"}], "label": "1"}', "p.jsonl:2: each chat message needs 'role'"),
+])
+def test_bad_rows_name_file_and_line(tmp_path, tokenizer, line, message):
+    path = _write(tmp_path, ['{"prompt": "ok", "label": "0"}', line])
+    with pytest.raises(DataFormatError, match=None) as e:
+        load_prompt_samples(path, tokenizer, _args(apply_chat_template=True))
+    assert message in str(e.value)
+
+
+def test_max_prompt_len_filters(tmp_path, tokenizer):
+    path = _write(tmp_path, ['{"prompt": "short", "label": "1"}',
+                             json.dumps({"prompt": "long " * 50, "label": "2"})])
+    samples = load_prompt_samples(path, tokenizer, _args(rollout_max_prompt_len=10))
+    assert [s.label for s in samples] == ["1"]
+    with pytest.raises(DataFormatError, match="no usable prompts"):
+        load_prompt_samples(path, tokenizer, _args(rollout_max_prompt_len=1))
+
+
+def test_parquet(tmp_path, tokenizer):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"question": ["a b", "c"], "answer": ["1", "2"],
+                             "metadata": [json.dumps({"k": 1}), None]}), path)
+    samples = load_prompt_samples(path, tokenizer, _args(input_key="question", label_key="answer"))
+    assert [s.label for s in samples] == ["1", "2"] and samples[0].metadata == {"k": 1}
+
+
+def _prompts(n):
+    return [Sample(prompt=f"p{i}", tokens=[i + 1], label=str(i)) for i in range(n)]
+
+
+def test_data_source_groups_epochs_and_unique_indices():
+    source = RolloutDataSource(_prompts(5), n_samples_per_prompt=3, seed=0, shuffle=False)
+    groups = source.get_samples(4) + source.get_samples(4)
+    assert [g[0].prompt for g in groups] == ["p0", "p1", "p2", "p3", "p4", "p0", "p1", "p2"]
+    assert source.epoch == 1
+    indices = [s.index for g in groups for s in g]
+    assert indices == list(range(24))
+    assert all(len({s.group_index for s in g}) == 1 for g in groups)
+    groups[0][0].tokens.append(99)  # copies, not the stored prompt
+    assert source.prompts[0].tokens == [1]
+
+
+def test_shuffle_is_seeded_and_differs_by_epoch():
+    order = lambda seed: [g[0].prompt for g in RolloutDataSource(_prompts(8), 1, seed, True).get_samples(16)]
+    assert order(3) == order(3) and order(3) != order(4)
+    first, second = order(3)[:8], order(3)[8:]
+    assert sorted(first) == sorted(second) and first != second
+
+
+def test_data_source_resumes_same_order():
+    a = RolloutDataSource(_prompts(6), 2, seed=1, shuffle=True)
+    a.get_samples(4)
+    a.add_samples([[Sample(prompt="returned", tokens=[1], index=100, group_index=50)]])
+    state = json.loads(json.dumps(a.state_dict()))  # survives JSON, as in a checkpoint
+    b = RolloutDataSource(_prompts(6), 2, seed=1, shuffle=True)
+    b.load_state_dict(state)
+    ga, gb = a.get_samples(5), b.get_samples(5)
+    assert [[s.to_dict() for s in g] for g in ga] == [[s.to_dict() for s in g] for g in gb]
+    assert ga[0][0].prompt == "returned"
+
+
+def test_sample_round_trip_is_lossless():
+    s = Sample(group_index=1, index=7, prompt=[{"role": "user", "content": "hi"}], tokens=[1, 2, 3, 4],
+               response="x", response_length=2, label={"a": [1, 2]}, reward={"score": 1.0, "acc": 0},
+               loss_mask=[1, 0], rollout_log_probs=[-0.5, -1.25], status=Sample.Status.TRUNCATED,
+               metadata={"turns": 2}, weight_versions=["1", "2"], tools=[{"name": "calc"}])
+    d = json.loads(json.dumps(s.to_dict()))
+    assert Sample.from_dict(d) == s
+    assert s.prompt_length == 2 and s.response_tokens == [3, 4]
+    assert s.get_reward_value(key="score") == 1.0
+    with pytest.raises(ValueError, match="--reward-key"):
+        s.get_reward_value()
+    with pytest.raises(ValueError, match="unknown fields"):
+        Sample.from_dict({**d, "bogus": 1})
+
+
+def test_debug_rollout_files_round_trip(tmp_path):
+    groups = [[Sample(group_index=g, index=g * 2 + i, tokens=[1, 2], response_length=1, reward=float(i),
+                      status=Sample.Status.COMPLETED) for i in range(2)] for g in range(3)]
+    template = str(tmp_path / "r_{rollout_id}.jsonl")
+    path = save_rollout(template, 4, groups)
+    assert path.name == "r_4.jsonl" and len(path.read_text().splitlines()) == 6
+    assert load_rollout(template, 4) == groups
+    with pytest.raises(FileNotFoundError, match="r_5.jsonl"):
+        load_rollout(template, 5)
+    path.write_text(path.read_text() + "not json\n")
+    with pytest.raises(ValueError, match="r_4.jsonl:7"):
+        load_rollout(template, 4)

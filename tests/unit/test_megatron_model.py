@@ -1,0 +1,173 @@
+"""Megatron-core GPTModel vs transformers on tiny Qwen2 / Qwen3 / Llama checkpoints (one process, CPU).
+
+Checks: logits equal transformers' within 1e-5 (float32, eager attention); HF -> Megatron -> HF is bit-exact,
+also through TP/PP sharding; architecture flags fill from / are checked against the HF config; validation.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+pytest.importorskip("megatron.core")
+
+from vime.backends.megatron_utils.arguments import (  # noqa: E402
+    add_megatron_args,
+    fill_architecture_from_hf,
+    validate_megatron_args,
+)
+from vime.backends.megatron_utils.hf_conversion import (  # noqa: E402
+    hf_to_megatron_state_dict,
+    load_hf_checkpoint_into_model,
+    megatron_to_hf_state_dict,
+    save_hf_checkpoint,
+)
+
+CASES = {  # name -> (arch, tie_word_embeddings)
+    "qwen2": ("qwen2", False),
+    "qwen3": ("qwen3", False),
+    "llama": ("llama", False),
+    "qwen3-tied": ("qwen3", True),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    from vime.tools.tiny_model import build_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny")
+    return {name: build_tiny_model(root / name, arch=arch, seed=7, tie_word_embeddings=tied)
+            for name, (arch, tied) in CASES.items()}
+
+
+@pytest.fixture(scope="module")
+def megatron_world():
+    from vime.backends.megatron_utils.parallel import destroy_parallel, init_parallel
+
+    init_parallel(1, 1, seed=1234)
+    yield
+    destroy_parallel()
+
+
+def hf_config(path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path)
+
+
+def megatron_args(argv=(), config=None) -> argparse.Namespace:
+    args = add_megatron_args(argparse.ArgumentParser()).parse_args(list(argv))
+    if config is not None:
+        fill_architecture_from_hf(args, config)
+    return args
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_match_transformers(case, tiny_models, megatron_world):
+    from transformers import AutoModelForCausalLM
+
+    from vime.backends.megatron_utils.model_provider import build_model_chunks
+
+    path = tiny_models[case]
+    model = build_model_chunks(megatron_args(config=hf_config(path)))
+    load_hf_checkpoint_into_model(model, path)
+    hf_model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32)
+    tokens = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    with torch.no_grad():
+        expected = hf_model(input_ids=tokens).logits
+        got = model[0].eval()(tokens, positions, attention_mask=None)
+    assert got.shape == expected.shape == (2, 24, 512)
+    assert (got - expected).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_hf_megatron_hf_round_trip_is_bit_exact(case, tiny_models):
+    path = tiny_models[case]
+    config, hf = hf_config(path), load_file(path / "model.safetensors")
+    back = megatron_to_hf_state_dict([hf_to_megatron_state_dict(hf, config)], config)
+    assert back.keys() == hf.keys()
+    assert all(torch.equal(back[k], hf[k]) for k in hf)
+
+
+@pytest.mark.parametrize("case", ["qwen2", "qwen3-tied"])
+def test_round_trip_through_tp_and_pp_shards(case, tiny_models):
+    path = tiny_models[case]
+    config, hf = hf_config(path), load_file(path / "model.safetensors")
+    back = {}
+    for pp_rank in range(2):
+        shards = [hf_to_megatron_state_dict(hf, config, tp_rank, 2, pp_rank, 2) for tp_rank in range(2)]
+        assert shards[0].keys() == shards[1].keys()
+        if pp_rank == 1 and config.tie_word_embeddings:  # last stage keeps a copy of the tied embedding
+            assert torch.equal(torch.cat([s["output_layer.weight"] for s in shards]), hf["model.embed_tokens.weight"])
+        back.update(megatron_to_hf_state_dict(shards, config, pp_rank, 2))
+    assert back.keys() == hf.keys()
+    assert all(torch.equal(back[k], hf[k]) for k in hf)
+
+
+def test_qkv_is_interleaved_per_kv_group(tiny_models):
+    config = hf_config(tiny_models["qwen2"])
+    hf = load_file(tiny_models["qwen2"] / "model.safetensors")
+    qkv = hf_to_megatron_state_dict(hf, config)["decoder.layers.0.self_attention.linear_qkv.bias"]
+    q, k, v = (hf[f"model.layers.0.self_attn.{n}_proj.bias"] for n in "qkv")
+    # 4 query heads, 2 KV groups, head_dim 32: [q0 q1 k0 v0 | q2 q3 k1 v1]
+    assert torch.equal(qkv, torch.cat([q[:64], k[:32], v[:32], q[64:], k[32:], v[32:]]))
+
+
+def test_model_save_hf_checkpoint_round_trip(tiny_models, megatron_world, tmp_path):
+    from vime.backends.megatron_utils.model_provider import build_model_chunks
+
+    path = tiny_models["qwen2"]
+    model = build_model_chunks(megatron_args(config=hf_config(path)))
+    load_hf_checkpoint_into_model(model, path)
+    save_hf_checkpoint(model, path, tmp_path / "out")
+    original, saved = load_file(path / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
+    assert saved.keys() == original.keys()
+    assert all(torch.equal(saved[k], original[k]) for k in original)
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (tmp_path / "out" / name).read_bytes() == (path / name).read_bytes()
+
+
+def test_architecture_filled_from_hf_config(tiny_models):
+    args = megatron_args(config=hf_config(tiny_models["qwen2"]))
+    assert (args.num_layers, args.hidden_size, args.ffn_hidden_size) == (2, 128, 256)
+    assert (args.num_attention_heads, args.num_query_groups, args.kv_channels) == (4, 2, 32)
+    assert (args.rotary_base, args.norm_epsilon, args.vocab_size) == (10000.0, 1e-6, 512)
+    assert args.add_qkv_bias and not args.qk_layernorm and args.untie_embeddings_and_output_weights
+    qwen3 = megatron_args(config=hf_config(tiny_models["qwen3-tied"]))
+    assert qwen3.qk_layernorm and not qwen3.add_qkv_bias and not qwen3.untie_embeddings_and_output_weights
+    # A given flag that agrees with the config is fine.
+    assert megatron_args(["--num-layers", "2", "--add-qkv-bias"], hf_config(tiny_models["qwen2"])).num_layers == 2
+
+
+@pytest.mark.parametrize("argv, flag, given, config_value", [
+    (["--num-layers", "4"], "--num-layers", "4", "2"),
+    (["--rotary-base", "1000000"], "--rotary-base", "1000000.0", "10000.0"),
+    (["--qk-layernorm"], "--qk-layernorm", "True", "False"),
+])
+def test_architecture_flag_contradicting_config_is_an_error(tiny_models, argv, flag, given, config_value):
+    with pytest.raises(ValueError) as err:
+        megatron_args(argv, hf_config(tiny_models["qwen2"]))
+    assert flag in str(err.value) and given in str(err.value) and config_value in str(err.value)
+
+
+@pytest.mark.parametrize("argv, world_size, match", [
+    (["--global-batch-size", "6", "--micro-batch-size", "2"], 2, "--global-batch-size 6 must be a multiple"),
+    (["--tensor-model-parallel-size", "8"], 8, "attention heads"),
+    (["--pipeline-model-parallel-size", "4"], 4, "layers are not divisible"),
+    (["--tensor-model-parallel-size", "2"], 3, "not a multiple of tensor x pipeline"),
+    (["--bf16", "--fp16"], None, "exclusive"),
+])
+def test_validation_errors_say_how_to_fix(tiny_models, argv, world_size, match):
+    args = megatron_args(argv, hf_config(tiny_models["qwen2"]))
+    with pytest.raises(ValueError, match=match):
+        validate_megatron_args(args, world_size)
+
+
+def test_validation_fills_global_batch_size(tiny_models):
+    args = megatron_args(["--micro-batch-size", "2", "--tensor-model-parallel-size", "2"],
+                         hf_config(tiny_models["qwen2"]))
+    assert validate_megatron_args(args, world_size=8).global_batch_size == 8  # 2 x DP 4
