@@ -171,3 +171,48 @@ def test_validation_fills_global_batch_size(tiny_models):
     args = megatron_args(["--micro-batch-size", "2", "--tensor-model-parallel-size", "2"],
                          hf_config(tiny_models["qwen2"]))
     assert validate_megatron_args(args, world_size=8).global_batch_size == 8  # 2 x DP 4
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU layer is off when CUDA is available")
+def test_cpu_layer_is_idempotent_and_scoped_to_megatron(megatron_world):
+    from vime.backends.megatron_utils.cpu_compat import apply_cpu_compat
+
+    depth = torch._C._len_torch_function_stack()
+    apply_cpu_compat()
+    assert torch._C._len_torch_function_stack() == depth
+    assert torch.zeros(1, device="cuda").device.type == "cpu"
+    assert torch.zeros(1).type() == "torch.FloatTensor"  # only callers inside megatron see a CUDA type name
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU layer is off when CUDA is available")
+def test_cpu_layer_runs_a_megatron_training_step(tiny_models, megatron_world):
+    """DDP (overlapped reduce) + distributed optimizer + grad clipping: the CUDA-only paths the CPU layer covers."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from vime.backends.megatron_utils.model_provider import build_model_chunks
+
+    path = tiny_models["qwen3"]
+    model = build_model_chunks(megatron_args(config=hf_config(path)))
+    load_hf_checkpoint_into_model(model, path)
+    ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=True, use_distributed_optimizer=True)
+    model = [DistributedDataParallel(model[0].config, ddp_config, model[0])]
+    model[0].config.finalize_model_grads_func = finalize_model_grads
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=1.0, use_distributed_optimizer=True), model)
+    before = [p.detach().clone() for p in model[0].parameters()]
+    tokens = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(1))
+
+    def forward_step(data_iterator, chunk):
+        batch = next(data_iterator)
+        loss = chunk(batch, torch.arange(batch.shape[1]).expand_as(batch), attention_mask=None, labels=batch)
+        return loss, lambda out: (out.mean(), {"loss": out.mean().detach()})
+
+    model[0].zero_grad_buffer()
+    optimizer.zero_grad()
+    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([tokens]), model=model,
+                                num_microbatches=1, seq_length=12, micro_batch_size=2, forward_only=False)
+    updated, grad_norm, _ = optimizer.step()
+    assert updated and 0 < grad_norm < float("inf")
+    assert all(not torch.equal(a, b) for a, b in zip(before, model[0].parameters()))

@@ -3,7 +3,8 @@
 Each multi-process test spawns 2 workers that rendezvous on a free local port, load a tiny HF checkpoint,
 and run Megatron's forward-only schedule (`get_forward_backward_func`) on micro-batches of different
 lengths. The last stage writes its logits and per-token log-probs (from Megatron's vocab-parallel cross
-entropy); the test compares them with the same schedule run in this process with TP=PP=1.
+entropy); the test compares them with the same schedule run in this process with TP=PP=1. The workers then
+save the model as HF (TP gather, one file per stage), which must equal the original bit for bit.
 """
 
 from __future__ import annotations
@@ -29,16 +30,12 @@ def _micro_batches():
     return [torch.randint(0, 512, (2, n), generator=g) for n in MICRO_BATCH_LENGTHS]
 
 
-def _forward(hf_dir: str, tp: int, pp: int) -> list[dict] | None:
-    """Forward-only schedule over the micro-batches; on the last stage a dict per micro-batch with the full
-    logits [b, s, vocab] and next-token log-probs [b, s-1]; None elsewhere. Needs `init_parallel(tp, pp)`."""
-    from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+def _build(hf_dir: str, tp: int, pp: int) -> list[torch.nn.Module]:
+    """This rank's model chunks with the HF weights loaded. Needs `init_parallel(tp, pp)`."""
     from transformers import AutoConfig
 
     from vime.backends.megatron_utils.arguments import add_megatron_args, fill_architecture_from_hf
-    from vime.backends.megatron_utils.hf_conversion import gather_tp_shards, load_hf_checkpoint_into_model
+    from vime.backends.megatron_utils.hf_conversion import load_hf_checkpoint_into_model
     from vime.backends.megatron_utils.model_provider import build_model_chunks
 
     args = add_megatron_args(argparse.ArgumentParser()).parse_args(
@@ -46,8 +43,17 @@ def _forward(hf_dir: str, tp: int, pp: int) -> list[dict] | None:
     fill_architecture_from_hf(args, AutoConfig.from_pretrained(hf_dir))
     model = build_model_chunks(args)
     load_hf_checkpoint_into_model(model, hf_dir)
-    for chunk in model:
-        chunk.eval()
+    return [chunk.eval() for chunk in model]
+
+
+def _forward(model: list[torch.nn.Module]) -> list[dict] | None:
+    """Forward-only schedule over the micro-batches; on the last stage a dict per micro-batch with the full
+    logits [b, s, vocab] and next-token log-probs [b, s-1]; None elsewhere."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    from vime.backends.megatron_utils.hf_conversion import gather_tp_shards
 
     def forward_step(data_iterator, chunk):
         tokens = next(data_iterator)
@@ -75,11 +81,15 @@ def _worker(rank: int, world_size: int, port: int, tp: int, pp: int, hf_dir: str
     torch.set_num_threads(1)
     from vime.backends.megatron_utils.parallel import destroy_parallel, init_parallel
 
+    from vime.backends.megatron_utils.hf_conversion import save_hf_checkpoint
+
     init_parallel(tp, pp, seed=1234)
     try:
-        results = _forward(hf_dir, tp, pp)
+        model = _build(hf_dir, tp, pp)
+        results = _forward(model)
         if results is not None:
             torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+        save_hf_checkpoint(model, hf_dir, Path(out_dir) / "hf")  # gathers TP shards, one file per stage
     finally:
         destroy_parallel()
 
@@ -119,9 +129,21 @@ def _single_process_reference(hf_dir: Path) -> list[dict]:
 
     init_parallel(1, 1, seed=1234)
     try:
-        return _forward(str(hf_dir), 1, 1)
+        return _forward(_build(str(hf_dir), 1, 1))
     finally:
         destroy_parallel()
+
+
+def _assert_same_hf_weights(original_dir: Path, saved_dir: Path) -> None:
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    original = load_file(original_dir / "model.safetensors")
+    saved = AutoModelForCausalLM.from_pretrained(saved_dir, dtype=torch.float32).state_dict()  # reads shards
+    if "lm_head.weight" not in original:  # tied: transformers exposes the embedding under both names
+        saved.pop("lm_head.weight")
+    assert saved.keys() == original.keys()
+    assert all(torch.equal(saved[k], original[k]) for k in original)
 
 
 def _assert_close_to(reference: list[dict], got: list[dict]) -> None:
@@ -141,6 +163,7 @@ def test_two_processes_match_one(tp, pp, last_rank, tiny_qwen2, tmp_path):
     assert (reference[0]["logprobs"] - expected).abs().max().item() < 1e-5
     _spawn(tp, pp, tiny_qwen2, tmp_path)
     _assert_close_to(reference, torch.load(tmp_path / f"rank{last_rank}.pt"))
+    _assert_same_hf_weights(tiny_qwen2, tmp_path / "hf")
 
 
 def test_pipeline_with_tied_embeddings(tiny_llama_tied, tmp_path):
@@ -148,6 +171,7 @@ def test_pipeline_with_tied_embeddings(tiny_llama_tied, tmp_path):
     reference = _single_process_reference(tiny_llama_tied)
     _spawn(1, 2, tiny_llama_tied, tmp_path)
     _assert_close_to(reference, torch.load(tmp_path / "rank1.pt"))
+    _assert_same_hf_weights(tiny_llama_tied, tmp_path / "hf")
 
 
 def test_convert_tools_round_trip(tiny_qwen2, tmp_path):

@@ -157,6 +157,13 @@ class RolloutManager:
     def reset_prefix_cache(self) -> None:
         client.reset_prefix_cache(self.engine_urls)
 
+    def apply_weights(self, transport, handle, version: int) -> None:
+        """Load new weights into every (paused) engine, then make them visible and resume."""
+        transport.apply(self.engine_urls, handle)
+        client.reset_prefix_cache(self.engine_urls)
+        self.set_weight_version(version)
+        client.resume(self.engine_urls)
+
     def set_weight_version(self, version) -> None:
         self.weight_version = version
         client.update_weight_version(self.engine_urls, str(version))

@@ -76,8 +76,9 @@ def _optional_arg_groups():
         pass
     try:
         from vime.algorithms.arguments import add_algorithm_args
+        from vime.backends.megatron_utils.train_arguments import add_train_args
 
-        groups.append(add_algorithm_args)
+        groups += [add_algorithm_args, add_train_args]
     except ImportError:
         pass
     return groups
@@ -228,8 +229,9 @@ def _training_validators():
     hooks = []
     try:
         from vime.algorithms.arguments import validate_algorithm_args
+        from vime.backends.megatron_utils.train_arguments import validate_train_args
 
-        hooks.append(validate_algorithm_args)
+        hooks += [validate_algorithm_args, validate_train_args]
     except ImportError:
         pass
     return hooks

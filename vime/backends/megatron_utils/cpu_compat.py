@@ -1,29 +1,31 @@
 """Make megatron-core 0.16.1 run on CPU with the gloo backend.
 
-Megatron-core assumes CUDA in many places. `apply_cpu_compat()` patches the few CUDA entry points that the
-training path actually reaches (model build, forward/backward, pipeline schedules, DDP, optimizer, grad
-clipping, dist_checkpointing), so that the same Megatron code runs on a CPU-only machine.
+Megatron-core assumes CUDA in many places. `apply_cpu_compat()` patches only the CUDA entry points that
+vime's training path was found to reach on CPU (model build, forward/backward, pipeline schedules, DDP with
+overlapped reduce, the (distributed) optimizer, grad clipping, dist_checkpointing save/load), so the same
+Megatron code runs on a CPU-only machine. Not covered: activation recompute (`torch.cuda.get_rng_state`),
+CUDA graphs, MoE overlap schedules, NVTX profiling, sequence/context parallel.
 
-Who calls it: `vime.backends.megatron_utils.parallel.init_parallel` inside training processes, before any model
-is built. It is idempotent, and a no-op when CUDA is available (GPU machines run Megatron unpatched).
-The patches are process-wide and are never undone; do not call it in processes that should see the real
-`torch.cuda` behaviour.
+Who calls it: `parallel.init_parallel` inside training processes, before any model is built. It is a no-op
+when CUDA is available (GPU machines run Megatron unpatched). Patches are never undone; do not call it in a
+process that needs the real `torch.cuda` behaviour.
 """
 
 from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-_APPLIED = False
-_MODE: TorchFunctionMode | None = None
+_PATCHED = False
+_THREAD = threading.local()  # holds this thread's _CudaToCpuMode once entered
 
 
 def _is_cuda_device(device) -> bool:
-    """True for anything torch reads as a CUDA device: "cuda", "cuda:0", torch.device("cuda"), or a bare index."""
+    """True for what torch reads as a CUDA device: "cuda", "cuda:0", torch.device("cuda"), a bare index."""
     if isinstance(device, bool):
         return False
     if isinstance(device, int):
@@ -55,8 +57,6 @@ class _CudaToCpuMode(TorchFunctionMode):
             return args[0]
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
             kwargs = {**kwargs, "device": "cpu"}
-        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
-            args = (args[0], "cpu", *args[2:])
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             name = func(*args)
             if name.startswith("torch.") and not name.startswith("torch.cuda.") and _called_from_megatron():
@@ -116,26 +116,28 @@ class CPURNGStatesTracker:
 
 
 def apply_cpu_compat() -> None:
-    """Patch torch.cuda and megatron-core for CPU training. Idempotent; no-op when CUDA is available."""
-    global _APPLIED, _MODE
-    if _APPLIED or torch.cuda.is_available():
-        return
-    import megatron.core.tensor_parallel.random as mcore_random
+    """Patch torch.cuda and megatron-core for CPU training. No-op when CUDA is available.
 
-    # Megatron passes torch.cuda.current_device() as a device; index 0 is then redirected to CPU by the mode.
-    torch.cuda.current_device = lambda: 0
-    # Timers, schedules and checkpointing synchronize or empty the cache; nothing to wait for on CPU.
-    torch.cuda.synchronize = lambda device=None: None
-    torch.cuda.empty_cache = lambda: None
-    # NVTX ranges (profiling markers) need the CUDA runtime.
-    torch.cuda.nvtx.range_push = lambda msg: 0
-    torch.cuda.nvtx.range_pop = lambda: 0
-    torch.cuda.nvtx.range = lambda msg, *a, **k: contextlib.nullcontext()
-    # RNG tracker: megatron instantiates `CudaRNGStatesTracker` by its module-level name; swap the class so
-    # model_parallel_cuda_manual_seed() and get_cuda_rng_tracker() hand out CPU generator states.
-    mcore_random.CudaRNGStatesTracker = CPURNGStatesTracker
-    mcore_random.initialize_rng_tracker(force_reset=True)
-    # Tensors created on "cuda" inside megatron land on the CPU (see _CudaToCpuMode). Entered for good.
-    _MODE = _CudaToCpuMode()
-    _MODE.__enter__()
-    _APPLIED = True
+    Idempotent. The process-wide patches are applied once; the device-redirecting mode, like
+    `torch.set_default_device`, is per thread: call this again in any other thread that runs Megatron code
+    (e.g. an async Ray actor's event-loop thread).
+    """
+    global _PATCHED
+    if torch.cuda.is_available():
+        return
+    if not _PATCHED:
+        import megatron.core.tensor_parallel.random as mcore_random
+
+        # Megatron passes torch.cuda.current_device() as a device; index 0 is then redirected by the mode.
+        torch.cuda.current_device = lambda: 0
+        # Pipeline p2p and dist_checkpointing synchronize the GPU; nothing to wait for on CPU.
+        torch.cuda.synchronize = lambda device=None: None
+        # Megatron instantiates `CudaRNGStatesTracker` by its module-level name: swap the class so that
+        # model_parallel_cuda_manual_seed() and get_cuda_rng_tracker() hand out CPU generator states.
+        mcore_random.CudaRNGStatesTracker = CPURNGStatesTracker
+        mcore_random.initialize_rng_tracker(force_reset=True)
+        _PATCHED = True
+    if getattr(_THREAD, "mode", None) is None:
+        # Tensors placed on "cuda" inside megatron land on the CPU (see _CudaToCpuMode); entered for good.
+        _THREAD.mode = _CudaToCpuMode()
+        _THREAD.mode.__enter__()

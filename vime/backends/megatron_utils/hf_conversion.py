@@ -338,9 +338,9 @@ def copy_hf_metadata(hf_dir_src: str | Path, out_dir: str | Path) -> None:
 def save_hf_checkpoint(model_chunks: list[torch.nn.Module], hf_dir_src: str | Path, out_dir: str | Path) -> None:
     """Write this model as an HF checkpoint: safetensors plus config/tokenizer files copied from `hf_dir_src`.
 
-    Collective: every training rank calls it. One pipeline stage writes `model.safetensors`; several write
-    `model-0000{s}-of-0000{n}.safetensors` each plus `model.safetensors.index.json`. Only TP rank 0 and DP
-    rank 0 of each stage write.
+    Collective: every training rank calls it; it returns once the checkpoint is complete. One pipeline
+    stage writes `model.safetensors`; several write `model-0000{s}-of-0000{n}.safetensors` each plus
+    `model.safetensors.index.json`. Only TP rank 0 and DP rank 0 of each stage write.
     """
     from transformers import AutoConfig
 
@@ -358,11 +358,12 @@ def save_hf_checkpoint(model_chunks: list[torch.nn.Module], hf_dir_src: str | Pa
         save_file(tensors, out_dir / name, metadata={"format": "pt"})
         if pp_rank == 0:
             copy_hf_metadata(hf_dir_src, out_dir)
-    if pp_size > 1:
+    if dist.is_initialized():  # on return the checkpoint is complete, on every rank
         dist.barrier()
-        if dist.get_rank() == 0:
-            _write_index(out_dir, pp_size)
-        dist.barrier()
+        if pp_size > 1:
+            if dist.get_rank() == 0:
+                _write_index(out_dir, pp_size)
+            dist.barrier()
 
 
 def _write_index(out_dir: Path, num_files: int) -> None:

@@ -1,0 +1,106 @@
+"""torch_dist checkpoints of model, optimizer, scheduler, RNG and step, in Megatron-LM's directory layout.
+
+    SAVE/iter_0000003/                  dist_checkpointing (model under "model", optimizer under "optimizer")
+    SAVE/iter_0000003/vime_state.json   rollout id, step, scheduler, data-source state
+    SAVE/iter_0000003/rng/rank_<r>.pt   each rank's RNG states
+    SAVE/latest_checkpointed_iteration.txt
+
+The tools in tools/ write the same layout ("release" for a converted HF checkpoint), so `--load` accepts both.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, tensor_parallel
+
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+
+
+def checkpoint_dir(root: str, rollout_id: int) -> Path:
+    return Path(root) / f"iter_{rollout_id:07d}"
+
+
+def latest_checkpoint(root: str) -> Path | None:
+    tracker = Path(root) / TRACKER_FILE
+    if not tracker.is_file():
+        return None
+    tag = tracker.read_text().strip()
+    return Path(root) / (tag if tag == "release" else f"iter_{int(tag):07d}")
+
+
+def _sharded_state(trainer, is_loading: bool) -> dict:
+    model_sd = trainer.model[0].module.sharded_state_dict()
+    state = {"model": model_sd}
+    if trainer.optimizer is not None:
+        kwargs = {"metadata": {"distrib_optim_sharding_type": "dp_reshardable"}} \
+            if trainer.args.use_distributed_optimizer else {}
+        state["optimizer"] = trainer.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, **kwargs)
+    return state
+
+
+def _rng_state() -> dict:
+    return {"python": random.getstate(), "torch": torch.get_rng_state(),
+            "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save_checkpoint(trainer, root: str, rollout_id: int, extra_state: dict | None = None) -> Path:
+    """Collective over all training ranks."""
+    path = checkpoint_dir(root, rollout_id)
+    rank = dist.get_rank()
+    if rank == 0:
+        path.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(_sharded_state(trainer, is_loading=False), str(path))
+    (path / "rng").mkdir(exist_ok=True)
+    torch.save(_rng_state(), path / "rng" / f"rank_{rank}.pt")
+    if rank == 0:
+        state = {"rollout_id": rollout_id, "step": trainer.step, "scheduler": trainer.scheduler.state_dict(),
+                 **(extra_state or {})}
+        (path / "vime_state.json").write_text(json.dumps(state))
+    dist.barrier()
+    if rank == 0:  # the tracker moves last: a crash mid-save leaves the previous checkpoint in charge
+        (Path(root) / TRACKER_FILE).write_text(str(rollout_id))
+    dist.barrier()
+    return path
+
+
+def load_checkpoint(trainer, root: str) -> dict | None:
+    """Load the latest checkpoint under `root` into the trainer; returns its vime_state (None: nothing saved)."""
+    path = latest_checkpoint(root)
+    if path is None:
+        return None
+    args = trainer.args
+    state_template = _sharded_state(trainer, is_loading=True)
+    release = path.name == "release"
+    if release or args.no_load_optim or args.finetune:
+        state_template.pop("optimizer", None)
+    loaded = dist_checkpointing.load(state_template, str(path))
+    trainer.model[0].module.load_state_dict(loaded["model"])
+    if "optimizer" in loaded:
+        trainer.optimizer.load_state_dict(loaded["optimizer"])
+    else:
+        trainer.optimizer.reload_model_params()
+    if release or args.finetune:
+        return {"rollout_id": -1, "step": 0}
+    meta = json.loads((path / "vime_state.json").read_text())
+    if not args.no_load_optim:
+        trainer.scheduler.load_state_dict(meta["scheduler"])
+    rng_file = path / "rng" / f"rank_{dist.get_rank()}.pt"
+    if not args.no_load_rng and rng_file.is_file():
+        _set_rng_state(torch.load(rng_file, weights_only=False))
+    trainer.step = meta["step"]
+    return meta

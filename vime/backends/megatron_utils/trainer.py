@@ -1,0 +1,216 @@
+"""One Megatron training rank: turns a rollout into optimizer steps.
+
+    trainer = MegatronTrainer(args, rank, world_size, master_addr, master_port)   # one per process
+    metrics = trainer.train(rollout_id, groups)                                    # groups of Sample dicts
+
+Every rank receives the whole rollout (it is small next to the model) and derives the same step / data-parallel
+/ micro-batch split from it, so no scatter is needed. Per rollout: (optional) reference and old log-probs ->
+advantages -> --num-steps-per-rollout optimizer steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from vime.algorithms import compute_approx_kl, get_advantage_estimator
+from vime.backends.megatron_utils.checkpoint import load_checkpoint, save_checkpoint
+from vime.backends.megatron_utils.batching import balanced_partition, micro_batches, step_slices
+from vime.backends.megatron_utils.loss import SUM_METRICS, make_loss_fn
+from vime.backends.megatron_utils.model import forward_log_probs, is_last_stage, setup_model_and_optimizer, train_step
+from vime.utils.misc import load_function
+from vime.utils.types import Sample
+
+logger = logging.getLogger(__name__)
+
+# estimators that need per-token log-probs (KL in the reward) rather than rewards alone
+_PER_TOKEN_ESTIMATORS = {"reinforce_plus_plus", "ppo"}
+
+
+class MegatronTrainer:
+    def __init__(self, args, rank: int = 0, world_size: int = 1, master_addr: str = "127.0.0.1",
+                 master_port: int | None = None, total_steps: int = 1000):
+        from transformers import AutoConfig
+
+        from vime.backends.megatron_utils.arguments import fill_architecture_from_hf, validate_megatron_args
+        from vime.backends.megatron_utils.hf_conversion import load_hf_checkpoint_into_model
+        from vime.backends.megatron_utils.parallel import init_parallel
+
+        if world_size > 1 or master_port is not None:
+            os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0",
+                              MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        self.args = args
+        init_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, seed=args.seed)
+        self.hf_config = AutoConfig.from_pretrained(args.hf_checkpoint)
+        fill_architecture_from_hf(args, self.hf_config)
+        validate_megatron_args(args, world_size=dist.get_world_size())
+        self.model, self.optimizer, self.scheduler = setup_model_and_optimizer(args, total_steps)
+        self.step = 0
+        self.loaded_state = None
+        load_hf_checkpoint_into_model(self.model, args.hf_checkpoint)
+        self.optimizer.reload_model_params()  # main params follow the loaded weights
+        # The reference policy for KL is the starting point: the HF checkpoint (or a converted `release`).
+        self.ref_state = self._snapshot() if self._needs_ref() else None
+        if args.load:
+            self.loaded_state = load_checkpoint(self, args.load)
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+
+    # ---- reference weights (KL) -----------------------------------------------------------------------------
+    def _needs_ref(self) -> bool:
+        return bool(self.args.use_kl_loss or self.args.kl_coef)
+
+    def _snapshot(self) -> list[dict[str, torch.Tensor]]:
+        return [{k: v.detach().clone() for k, v in m.module.state_dict().items() if v is not None}
+                for m in self.model]
+
+    def _load(self, state: list[dict[str, torch.Tensor]]) -> None:
+        with torch.no_grad():
+            for m, sd in zip(self.model, state):
+                own = m.module.state_dict()
+                for k, v in sd.items():
+                    own[k].copy_(v)
+
+    # ---- data ------------------------------------------------------------------------------------------------
+    def _batch(self, groups: list[list[dict]]) -> dict:
+        samples = [Sample.from_dict(d) for g in groups for d in g]
+        usable = [s.status not in (Sample.Status.FAILED, Sample.Status.ABORTED) and s.reward is not None
+                  for s in samples]
+        masks = []
+        for s, ok in zip(samples, usable):
+            mask = s.loss_mask if s.loss_mask is not None else [1] * s.response_length
+            masks.append(torch.tensor(mask if ok else [0] * s.response_length, dtype=torch.float32))
+        return {
+            "tokens": [s.tokens for s in samples],
+            "response_lengths": [s.response_length for s in samples],
+            "loss_masks": masks,
+            "rewards": torch.tensor([s.get_reward_value(self.args) if ok else 0.0 for s, ok in zip(samples, usable)]),
+            "rollout_log_probs": [torch.tensor(s.rollout_log_probs, dtype=torch.float32)
+                                  if s.rollout_log_probs is not None else None for s in samples],
+            "num_usable": sum(usable),
+        }
+
+    def _split(self, batch: dict) -> list[tuple[range, list[int], list[list[int]]]]:
+        """Per optimizer step: (the step's sample positions, this rank's share, its micro-batches)."""
+        args = self.args
+        lengths = [len(t) for t in batch["tokens"]]
+        plan = []
+        for step in step_slices(len(lengths), args.global_batch_size):
+            local = balanced_partition(list(step), lengths, self.dp_size)[self.dp_rank]
+            if args.use_dynamic_batch_size:
+                mbs = micro_batches(local, lengths, max_tokens=args.max_tokens_per_gpu)
+            else:
+                mbs = micro_batches(local, lengths, micro_batch_size=args.micro_batch_size)
+            plan.append((step, local, mbs))
+        return plan
+
+    # ---- one rollout -----------------------------------------------------------------------------------------
+    def train(self, rollout_id: int, groups: list[list[dict]]) -> dict[str, float]:
+        args = self.args
+        batch = self._batch(groups)
+        plan = self._split(batch)
+        all_local_mbs = [mb for _, _, mbs in plan for mb in mbs]
+        needs_old = args.loss_type != "sft_loss" and (
+            len(plan) > 1 or (args.kl_coef and args.advantage_estimator in _PER_TOKEN_ESTIMATORS))
+        if self._needs_ref() and args.loss_type != "sft_loss":
+            current = self._snapshot()
+            self._load(self.ref_state)
+            ref = forward_log_probs(args, self.model, batch, all_local_mbs)
+            self._load(current)
+            batch["ref_log_probs"] = _dense(ref, len(batch["tokens"]))
+        if needs_old:
+            old = forward_log_probs(args, self.model, batch, all_local_mbs)
+            batch["old_log_probs"] = _dense(old, len(batch["tokens"]))
+        if args.loss_type != "sft_loss":
+            self._compute_advantages(batch)
+
+        metrics: dict[str, float] = {}
+        for step_index, (step, local, mbs) in enumerate(plan):
+            denominators = {
+                "tokens": max(1.0, float(sum(batch["loss_masks"][i].sum() for i in step))),
+                "sequences": max(1, sum(int(batch["loss_masks"][i].sum() > 0) for i in step)),
+            }
+            loss_fn = make_loss_fn(args, batch, denominators, scale=len(mbs) * self.dp_size, step_index=step_index)
+            mb_metrics, grad_norm, lr, skipped = train_step(args, self.model, self.optimizer, self.scheduler,
+                                                            batch, mbs, loss_fn)
+            self.step += 1
+            step_metrics = self._reduce(mb_metrics)
+            if "logprob_diff_count" in step_metrics:  # first step only: the rollout policy's parameters
+                count = max(step_metrics.pop("logprob_diff_count"), 1.0)
+                metrics["train_rollout_logprob_abs_diff"] = step_metrics.pop("logprob_diff_sum") / count
+                metrics["train_rollout_logprob_abs_diff_max"] = step_metrics.pop("logprob_diff_max")
+            for k, v in step_metrics.items():
+                metrics[f"train/{k}"] = metrics.get(f"train/{k}", 0.0) + v / len(plan)
+            metrics["train/grad_norm"] = float(grad_norm or 0.0)
+            metrics["train/lr"] = float(lr)
+            metrics["train/skipped_steps"] = metrics.get("train/skipped_steps", 0.0) + float(skipped)
+        metrics["train/num_usable_samples"] = float(batch["num_usable"])
+        metrics["train/steps"] = float(len(plan))
+        return metrics if is_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0 else {}
+
+    def _compute_advantages(self, batch: dict) -> None:
+        args = self.args
+        n = len(batch["tokens"])
+        if args.custom_advantage_function_path:
+            estimator = load_function(args.custom_advantage_function_path)
+        else:
+            estimator = get_advantage_estimator(args.advantage_estimator)
+        kl = None
+        group_size = args.n_samples_per_prompt
+        if args.kl_coef and args.advantage_estimator in _PER_TOKEN_ESTIMATORS and "ref_log_probs" in batch:
+            kl = [compute_approx_kl(o, r, args.kl_loss_type) if o is not None and r is not None
+                  else torch.zeros(batch["response_lengths"][i])
+                  for i, (o, r) in enumerate(zip(batch["old_log_probs"], batch["ref_log_probs"]))]
+        advantages, returns = estimator(
+            rewards=batch["rewards"], loss_masks=batch["loss_masks"], n_samples_per_prompt=group_size, kl=kl,
+            values=None, kl_coef=args.kl_coef, gamma=args.gamma, lambd=args.lambd,
+            normalize_std=not args.disable_grpo_std_normalization, normalize_advantages=args.normalize_advantages,
+            eps=args.advantage_eps)
+        batch["advantages"], batch["returns"] = list(advantages), list(returns)
+        assert len(batch["advantages"]) == n
+
+    def _reduce(self, mb_metrics: list[dict]) -> dict[str, float]:
+        """Sum the micro-batch shares, then over data-parallel ranks (last stage only)."""
+        if not is_last_stage() or not mb_metrics:
+            return {}
+        keys = sorted(mb_metrics[0])
+        sums = torch.tensor([float(sum(float(m[k]) for m in mb_metrics)) for k in keys if k != "logprob_diff_max"])
+        maxes = torch.tensor([max((float(m.get("logprob_diff_max", 0.0)) for m in mb_metrics), default=0.0)])
+        dp_group = parallel_state.get_data_parallel_group()
+        if self.dp_size > 1:
+            dist.all_reduce(sums, group=dp_group)
+            dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=dp_group)
+        out = dict(zip([k for k in keys if k != "logprob_diff_max"], sums.tolist()))
+        if "logprob_diff_max" in keys:
+            out["logprob_diff_max"] = maxes.item()
+        return out
+
+    # ---- weights out ------------------------------------------------------------------------------------------
+    def hf_weights(self):
+        """(HF name, full tensor) pairs of the current policy, gathered over TP (for weight sync / export)."""
+        from vime.backends.megatron_utils.hf_conversion import iter_hf_weights
+
+        return iter_hf_weights(self.model, self.hf_config)
+
+    def save(self, rollout_id: int, extra_state: dict | None = None) -> str:
+        return str(save_checkpoint(self, self.args.save, rollout_id, extra_state))
+
+    def get_loaded_state(self) -> dict | None:
+        return self.loaded_state
+
+    def send_weights(self, transport, handle) -> None:
+        transport.send(self, handle)
+
+    def probe_log_probs(self, tokens: list[int], response_length: int) -> list[float]:
+        """Log-probs of the last `response_length` tokens of one sequence under the current weights."""
+        batch = {"tokens": [tokens], "response_lengths": [response_length]}
+        out = forward_log_probs(self.args, self.model, batch, [[0]])
+        return out[0][0].tolist() if out else []
+
+
+def _dense(by_index: dict, n: int) -> list:
+    return [by_index[i][0] if i in by_index else None for i in range(n)]

@@ -1,0 +1,46 @@
+"""Weight sync through files: each pipeline stage writes its layers as HF safetensors, engines reload them.
+
+Works everywhere (CPU, GPU, engines on other machines with a shared mount). /dev/shm keeps it in memory on
+one machine.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from vime.backends.vllm_utils import client
+
+
+def _default_root() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+class DiskWeightTransport:
+    def __init__(self, args):
+        self.root = getattr(args, "update_weight_dir", None) or _default_root()
+
+    def prepare(self, version: int) -> str:
+        path = Path(self.root) / f"vime_weights_{os.getpid()}_{version}"
+        path.mkdir(parents=True, exist_ok=True)
+        return str(path)
+
+    def send(self, trainer, handle: str) -> None:
+        """Collective over training ranks: TP shards are gathered, one writer per pipeline stage."""
+        from megatron.core import parallel_state
+        from safetensors.torch import save_file
+
+        tensors = {name: t.detach().contiguous().cpu() for name, t in trainer.hf_weights()}
+        if parallel_state.get_data_parallel_rank() == 0 and parallel_state.get_tensor_model_parallel_rank() == 0:
+            pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+            tmp = Path(handle) / f".model-pp{pp_rank}.safetensors.tmp"
+            save_file(tensors, str(tmp))
+            tmp.replace(Path(handle) / f"model-pp{pp_rank}.safetensors")
+
+    def apply(self, engine_urls: list[str], handle: str) -> None:
+        client.collective_rpc(engine_urls, "reload_weights", {"weights_path": handle})
+
+    def cleanup(self, handle: str) -> None:
+        shutil.rmtree(handle, ignore_errors=True)

@@ -1,0 +1,70 @@
+"""The training actors: one Ray actor per Megatron rank, placed by a placement group, driven together.
+
+    group = RayTrainGroup(args, pg)
+    group.init(total_steps)
+    metrics = group.train(rollout_id, groups)
+"""
+
+from __future__ import annotations
+
+import ray
+
+from vime.ray.placement import bundle_strategy, serving_host, use_gpu
+from vime.utils.misc import find_free_port
+
+
+class TrainActor:
+    """Hosts one `MegatronTrainer`; its methods are what the driver calls over Ray."""
+
+    def __init__(self, args, rank: int, world_size: int):
+        self.args, self.rank, self.world_size = args, rank, world_size
+        self.trainer = None
+
+    def address(self) -> tuple[str, int]:
+        return serving_host(self.args), find_free_port()
+
+    def init(self, master_addr: str, master_port: int, total_steps: int) -> None:
+        from vime.backends.megatron_utils.trainer import MegatronTrainer
+
+        self.trainer = MegatronTrainer(self.args, self.rank, self.world_size, master_addr, master_port, total_steps)
+
+    def train(self, rollout_id: int, groups) -> dict:
+        return self.trainer.train(rollout_id, groups)
+
+    def call(self, method: str, *args, **kwargs):
+        """Run any trainer method (save, load, weight export, probes) on this rank."""
+        return getattr(self.trainer, method)(*args, **kwargs)
+
+
+class RayTrainGroup:
+    def __init__(self, args, placement_group=None, bundle_offset: int = 0):
+        self.args = args
+        self.world_size = args.actor_num_nodes * args.actor_num_gpus_per_node
+        options = {"num_cpus": 1}
+        if use_gpu():
+            options["num_gpus"] = 1
+        actor_cls = ray.remote(TrainActor)
+        self.actors = []
+        for rank in range(self.world_size):
+            opts = dict(options)
+            if placement_group is not None:
+                opts["scheduling_strategy"] = bundle_strategy(placement_group, bundle_offset + rank)
+            self.actors.append(actor_cls.options(**opts).remote(args, rank, self.world_size))
+
+    def init(self, total_steps: int) -> None:
+        master_addr, master_port = ray.get(self.actors[0].address.remote())
+        ray.get([a.init.remote(master_addr, master_port, total_steps) for a in self.actors])
+
+    def train(self, rollout_id: int, groups) -> dict[str, float]:
+        """All ranks train together; the metrics come from the last pipeline stage."""
+        ref = ray.put(groups)
+        results = ray.get([a.train.remote(rollout_id, ref) for a in self.actors])
+        return next((r for r in results if r), {})
+
+    def call(self, method: str, *args, **kwargs) -> list:
+        return ray.get([a.call.remote(method, *args, **kwargs) for a in self.actors])
+
+    def shutdown(self) -> None:
+        for a in self.actors:
+            ray.kill(a)
+        self.actors = []
