@@ -18,6 +18,7 @@ from vime.ray.placement import create_rollout_placement_group, init_ray
 from vime.ray.rollout_manager import RolloutManager
 from vime.utils.arguments import parse_args
 from vime.utils.logging_utils import MetricsLogger, configure_logging, progress
+from vime.utils.plot import save_reward_curve
 
 
 def resolve_num_rollout(args, num_prompts: int) -> int:
@@ -71,6 +72,8 @@ def train(args) -> None:
                 if should_save(args, rollout_id, num_rollout):
                     state = {"data_source": ray.get(manager.data_source_state.remote())}
                     trainers.call("save", rollout_id, state)
+                if args.save_hf and (should_save(args, rollout_id, num_rollout) or rollout_id + 1 == num_rollout):
+                    trainers.call("save_hf", args.save_hf.format(rollout_id=rollout_id))
                 if use_engines:
                     metrics.update(update_weights(args, trainers, manager, version=rollout_id + 1))
             metrics_logger.log(rollout_id, metrics)
@@ -83,6 +86,7 @@ def train(args) -> None:
             if trainers is not None:
                 trainers.shutdown()
             metrics_logger.close()
+            save_reward_curve(args.output_dir)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 import yaml
 
 from vime.backends.vllm_utils.arguments import add_router_args, add_vllm_engine_args, validate_vllm_args
-from vime.rollout.arguments import add_all_rollout_args
+from vime.rollout.arguments import DEFAULT_ROLLOUT_FUNCTION, add_all_rollout_args
 
 
 def add_run_args(parser: argparse.ArgumentParser) -> None:
@@ -150,8 +150,10 @@ def validate_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--hf-checkpoint {args.hf_checkpoint}: no config.json there; is it an HF checkpoint?")
 
     replaying = args.load_debug_rollout_data is not None
-    if args.debug_train_only and not replaying:
-        raise ValueError("--debug-train-only needs --load-debug-rollout-data PATH_{rollout_id}")
+    engine_free_rollout = args.rollout_function_path != DEFAULT_ROLLOUT_FUNCTION  # e.g. sft_rollout
+    if args.debug_train_only and not replaying and not engine_free_rollout:
+        raise ValueError("--debug-train-only needs --load-debug-rollout-data PATH_{rollout_id}, or a "
+                         "--rollout-function-path that needs no engines (vime.rollout.sft_rollout.generate_rollout)")
     if args.debug_rollout_only and replaying:
         raise ValueError("--debug-rollout-only generates rollouts; it cannot also --load-debug-rollout-data")
     for flag in ("save_debug_rollout_data", "load_debug_rollout_data"):
@@ -164,7 +166,7 @@ def validate_args(args: argparse.Namespace) -> None:
             raise ValueError("--prompt-data FILE is required (JSONL or Parquet) unless replaying saved rollouts")
         if not Path(args.prompt_data).is_file():
             raise ValueError(f"--prompt-data {args.prompt_data}: file not found")
-        if args.rm_type is None and args.custom_rm_path is None:
+        if args.rm_type is None and args.custom_rm_path is None and not args.debug_train_only:
             raise ValueError("choose a reward: --rm-type (math, boxed, f1, ...) or --custom-rm-path module.fn")
         if args.rm_type == "remote_rm" and not args.rm_url:
             raise ValueError("--rm-type remote_rm needs --rm-url http://host:port/path")

@@ -33,10 +33,24 @@ def latest_checkpoint(root: str) -> Path | None:
     return Path(root) / (tag if tag == "release" else f"iter_{int(tag):07d}")
 
 
+def _init_empty_adam_state(optimizer) -> None:
+    """torch's Adam creates its per-parameter state at the first step, but the DistributedOptimizer's
+    `sharded_state_dict` (without apex/TE) reads `step` from it: give a fresh optimizer zero state to load into."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = opt.optimizer
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if not inner.state[p]:
+                    inner.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                      "exp_avg_sq": torch.zeros_like(p)}
+
+
 def _sharded_state(trainer, is_loading: bool) -> dict:
     model_sd = trainer.model[0].module.sharded_state_dict()
     state = {"model": model_sd}
     if trainer.optimizer is not None:
+        if is_loading and trainer.args.use_distributed_optimizer:
+            _init_empty_adam_state(trainer.optimizer)
         kwargs = {"metadata": {"distrib_optim_sharding_type": "dp_reshardable"}} \
             if trainer.args.use_distributed_optimizer else {}
         state["optimizer"] = trainer.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, **kwargs)
@@ -91,7 +105,8 @@ def load_checkpoint(trainer, root: str) -> dict | None:
     loaded = dist_checkpointing.load(state_template, str(path))
     trainer.model[0].module.load_state_dict(loaded["model"])
     if "optimizer" in loaded:
-        trainer.optimizer.load_state_dict(loaded["optimizer"])
+        with torch.no_grad():  # the distributed optimizer copies into views of leaf parameters
+            trainer.optimizer.load_state_dict(loaded["optimizer"])
     else:
         trainer.optimizer.reload_model_params()
     if release or args.finetune:

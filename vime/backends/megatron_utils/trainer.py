@@ -199,6 +199,12 @@ class MegatronTrainer:
     def save(self, rollout_id: int, extra_state: dict | None = None) -> str:
         return str(save_checkpoint(self, self.args.save, rollout_id, extra_state))
 
+    def save_hf(self, out_dir: str) -> str:
+        from vime.backends.megatron_utils.hf_conversion import save_hf_checkpoint
+
+        save_hf_checkpoint(self.model, self.args.hf_checkpoint, out_dir)
+        return out_dir
+
     def get_loaded_state(self) -> dict | None:
         return self.loaded_state
 

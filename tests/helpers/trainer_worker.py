@@ -1,0 +1,81 @@
+"""Run `MegatronTrainer` in fresh processes, one per rank, and collect what they report through files.
+
+    launch(spec, out_dir, world_size)        # from a test: starts world_size processes, waits, returns results
+
+Each process runs `python trainer_worker.py SPEC.json RANK`: it builds the trainer from `spec["argv"]`
+(`vime.utils.arguments.parse_args`), trains the rollouts `spec["train"]` on `spec["data"][str(rollout_id)]`,
+optionally saves (`spec["save"]`: the rollout id passed to `trainer.save`), and writes OUT/rank<r>.json
+({"metrics": {rollout_id: metrics}, "step", "loaded_state"}) and, with `spec["weights"]`,
+OUT/weights_rank<r>.pt (the `hf_weights()` of its pipeline stage). A fresh process per phase makes a
+checkpoint restart a real kill-and-restart, and gives multi-rank runs their own process groups.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def launch(spec: dict, out_dir: Path, world_size: int = 1, timeout_s: float = 180.0) -> list[dict]:
+    """Start the ranks, wait for all, raise with their stderr if one fails; returns each rank's report."""
+    from vime.utils.misc import find_free_port
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    spec_path = out_dir / "spec.json"
+    spec_path.write_text(json.dumps({**spec, "world_size": world_size, "port": find_free_port(),
+                                     "out": str(out_dir)}))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env.pop("WORLD_SIZE", None)
+    procs = [subprocess.Popen([sys.executable, __file__, str(spec_path), str(rank)], env=env, cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in range(world_size)]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=timeout_s)[0])
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        raise RuntimeError(f"trainer workers did not finish within {timeout_s} s")
+    failed = [(r, p.returncode, log) for r, (p, log) in enumerate(zip(procs, logs)) if p.returncode]
+    if failed:
+        rank, rc, log = failed[0]
+        raise RuntimeError(f"trainer worker rank {rank} exited with {rc}:\n{log[-6000:]}")
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
+
+
+def main(spec_path: str, rank: int) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    from vime.backends.megatron_utils.parallel import destroy_parallel
+    from vime.backends.megatron_utils.trainer import MegatronTrainer
+    from vime.utils.arguments import parse_args
+
+    spec = json.loads(Path(spec_path).read_text())
+    out = Path(spec["out"])
+    args = parse_args(spec["argv"])
+    trainer = MegatronTrainer(args, rank, spec["world_size"], "127.0.0.1", spec["port"],
+                              total_steps=spec.get("total_steps", 1000))
+    try:
+        metrics = {r: trainer.train(r, spec["data"][str(r)]) for r in spec["train"]}
+        if spec.get("save") is not None:
+            trainer.save(spec["save"], {})
+        if spec.get("weights"):
+            weights = {name: t.detach().clone() for name, t in trainer.hf_weights()}
+            torch.save(weights, out / f"weights_rank{rank}.pt")
+        report = {"metrics": metrics, "step": trainer.step, "loaded_state": trainer.get_loaded_state()}
+        (out / f"rank{rank}.json").write_text(json.dumps(report))
+    finally:
+        destroy_parallel()
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(REPO))
+    main(sys.argv[1], int(sys.argv[2]))

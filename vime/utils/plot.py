@@ -1,0 +1,41 @@
+"""The reward curve a person looks at after a run: rollout reward and eval reward per rollout, as a PNG."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def save_reward_curve(output_dir: str | Path, name: str = "reward_curve.png") -> Path | None:
+    """Plot `rollout/reward_mean` and every `eval/*/reward_mean` from metrics.jsonl; None if nothing to plot."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+
+    output_dir = Path(output_dir)
+    path = output_dir / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    series: dict[str, list[tuple[int, float]]] = {}
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        for key, value in record.items():
+            if key == "rollout/reward_mean" or (key.startswith("eval/") and key.endswith("/reward_mean")):
+                series.setdefault(key, []).append((record["rollout_id"], value))
+    if not series:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key, points in sorted(series.items()):
+        xs, ys = zip(*sorted(points))
+        ax.plot(xs, ys, marker="o" if key.startswith("eval/") else None, label=key)
+    ax.set_xlabel("rollout")
+    ax.set_ylabel("reward")
+    ax.set_title(f"vime: {output_dir.name}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    out = output_dir / name
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
