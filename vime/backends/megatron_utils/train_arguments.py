@@ -15,11 +15,24 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
                         "(default: off).")
     g.add_argument("--max-tokens-per-gpu", type=int, default=None,
                    help="Padded tokens per micro-batch with --use-dynamic-batch-size (default: None).")
-    g.add_argument("--update-weight-transport", default="disk", choices=["disk"],
-                   help="How new weights reach the engines: disk = HF safetensors the engines reload "
-                        "(default: disk).")
+    g.add_argument("--update-weight-transport", default="disk", choices=["disk", "broadcast", "delta"],
+                   help="How new weights reach the engines: disk = HF safetensors the engines reload; "
+                        "broadcast = in memory over a gloo/nccl group between the training writers and the "
+                        "engines (starts engines with vime's worker extension); delta = like disk, but only "
+                        "the tensors whose content hash changed since the last sync, for engines behind a slow "
+                        "link (default: disk).")
     g.add_argument("--update-weight-dir", default=None,
-                   help="Directory for the disk transport; must be visible to the engines (default: /dev/shm).")
+                   help="Directory for the disk and delta transports; must be visible to the engines "
+                        "(default: /dev/shm).")
+    g.add_argument("--update-weight-buffer-size", type=int, default=512 * 1024 ** 2,
+                   help="Bucket size of the broadcast transport, in bytes: tensors travel in flat buckets of at "
+                        "most this size (one tensor larger than it travels alone) (default: 536870912 = 512 MiB).")
+    g.add_argument("--check-weight-update-equal", action="store_true",
+                   help="After each weight update, check that every engine's prompt log-probs of a fixed probe "
+                        "sequence equal the trainer's (within 1e-5 in float32) and stop with an error if not "
+                        "(default: off).")
+    g.add_argument("--update-weights-interval", type=int, default=1,
+                   help="train_async.py: push weights to the engines every this many rollouts (default: 1).")
     g.add_argument("--save-hf", default=None,
                    help="Path template with {rollout_id}: also export HF safetensors when saving (default: None).")
 
@@ -41,5 +54,7 @@ def validate_train_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--global-batch-size {args.global_batch_size} must divide the {samples} samples of a "
                          "rollout (rollout-batch-size x n-samples-per-prompt)")
     args.num_steps_per_rollout = samples // args.global_batch_size
+    if args.update_weight_buffer_size < 1:
+        raise ValueError(f"--update-weight-buffer-size must be >= 1 byte, got {args.update_weight_buffer_size}")
     if args.use_dynamic_batch_size and not args.max_tokens_per_gpu:
         raise ValueError("--use-dynamic-batch-size needs --max-tokens-per-gpu N")

@@ -10,6 +10,7 @@ advantages -> --num-steps-per-rollout optimizer steps.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 
@@ -211,10 +212,14 @@ class MegatronTrainer:
     def send_weights(self, transport, handle) -> None:
         transport.send(self, handle)
 
-    def probe_log_probs(self, tokens: list[int], response_length: int) -> list[float]:
-        """Log-probs of the last `response_length` tokens of one sequence under the current weights."""
+    def probe_log_probs(self, tokens: list[int], response_length: int, temperature: float | None = None) -> list[float]:
+        """Log-probs of the last `response_length` tokens of one sequence under the current weights, at
+        `temperature` (default: --rollout-temperature). [] on all but the last pipeline stage."""
+        args = self.args
+        if temperature is not None:
+            args = argparse.Namespace(**{**vars(args), "rollout_temperature": temperature})
         batch = {"tokens": [tokens], "response_lengths": [response_length]}
-        out = forward_log_probs(self.args, self.model, batch, [[0]])
+        out = forward_log_probs(args, self.model, batch, [[0]])
         return out[0][0].tolist() if out else []
 
 

@@ -1,19 +1,26 @@
 """Moving the trainer's weights into running engines, behind one small interface.
 
-A transport has two halves: `send(trainer)` runs on every training rank (collectively) and `apply(engine_urls,
-handle)` runs in the rollout manager while the engines are paused. `update_weights` drives one update:
-pause -> send -> apply -> reset prefix cache -> bump weight version -> resume.
+A transport has two halves: `send(trainer, handle)` runs on every training rank (collectively) and
+`apply(engine_urls, handle)` runs in the rollout manager while the engines are paused; `prepare(version)` (driver)
+makes the handle both get, `cleanup(handle)` (driver) removes what it left. Two optional parts: `connect(engine_urls,
+trainer_address)` (driver, before `prepare`) for transports that must know the engines, and `concurrent = True`
+for transports whose two halves join one collective and must run at the same time (otherwise apply follows send).
+`update_weights` drives one update: pause -> send -> apply -> reset prefix cache -> bump weight version -> resume.
 
-Implementations: `disk` (HF safetensors into a directory, /dev/shm when available; engines reload it).
+Implementations: `disk` (HF safetensors into a directory, /dev/shm when available; engines reload it),
+`broadcast` (in memory over a gloo/nccl group with the engines' worker extension), `delta` (disk, only the
+tensors whose content changed since the last sync).
 """
 
 from __future__ import annotations
 
 import time
 
+from vime.backends.weight_transport.broadcast import BroadcastWeightTransport
+from vime.backends.weight_transport.delta import DeltaWeightTransport
 from vime.backends.weight_transport.disk import DiskWeightTransport
 
-TRANSPORTS = {"disk": DiskWeightTransport}
+TRANSPORTS = {"disk": DiskWeightTransport, "broadcast": BroadcastWeightTransport, "delta": DeltaWeightTransport}
 
 
 def get_transport(args):
@@ -30,13 +37,32 @@ def update_weights(args, train_group, rollout_manager, version: int) -> dict[str
 
     transport = get_transport(args)
     start = time.perf_counter()
+    if hasattr(transport, "connect"):
+        transport.connect(ray.get(rollout_manager.get_engine_urls.remote()),
+                          lambda: ray.get(train_group.actors[0].address.remote()))
     ray.get(rollout_manager.pause.remote("wait"))  # in-flight requests finish first; none is lost
     paused = time.perf_counter()
     handle = transport.prepare(version)
-    train_group.call("send_weights", transport, handle)
-    sent = time.perf_counter()
-    ray.get(rollout_manager.apply_weights.remote(transport, handle, version))
-    done = time.perf_counter()
+    sends = [actor.call.remote("send_weights", transport, handle) for actor in train_group.actors]
+    if getattr(transport, "concurrent", False):  # one collective: the send time is the whole transfer
+        _wait_all(sends + [rollout_manager.apply_weights.remote(transport, handle, version)])
+        sent = done = time.perf_counter()
+    else:
+        _wait_all(sends)
+        sent = time.perf_counter()
+        ray.get(rollout_manager.apply_weights.remote(transport, handle, version))
+        done = time.perf_counter()
     transport.cleanup(handle)
     return {"perf/update_weights_time": done - start, "perf/update_weights_pause_time": paused - start,
             "perf/update_weights_send_time": sent - paused, "perf/update_weights_apply_time": done - sent}
+
+
+def _wait_all(refs: list) -> None:
+    """ray.get every ref, raising the first failure as soon as it happens: the other members of a collective
+    would otherwise sit in it until its timeout."""
+    import ray
+
+    pending = list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1)
+        ray.get(ready)

@@ -1,0 +1,258 @@
+"""Weight transports on the real stack: one vLLM engine (started with vime's worker extension) and the real
+Megatron trainer in this process. Each transport gets weights the engine does not have (noise added to the
+trainer's parameters), and afterwards the engine's prompt log-probs of a probe sequence must equal the trainer's
+within 1e-5 (float32) -- and must have differed before. The wire protocol and the bookkeeping are also tested on
+their own (no engine): buckets, multi-sender broadcast (pipeline stages), delta's layer grouping.
+"""
+
+from __future__ import annotations
+
+import itertools
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+pytest.importorskip("megatron.core")
+
+from vime.backends.weight_transport import get_transport  # noqa: E402
+from vime.backends.weight_transport.broadcast import (broadcast_weights, engine_set_key, join_group,  # noqa: E402
+                                                      plan_buckets)
+from vime.backends.weight_transport.check import (FLOAT32_TOLERANCE, WeightUpdateMismatchError,  # noqa: E402
+                                                  compare_log_probs, engine_prompt_log_probs, probe_tokens,
+                                                  tolerance_for)
+from vime.backends.weight_transport.delta import changed_tensors, load_unit  # noqa: E402
+from vime.utils.misc import find_free_port  # noqa: E402
+
+EXTENSION = "vime.backends.vllm_utils.worker_extension.WeightReceiver"
+ARGV = ["--debug-train-only", "--load-debug-rollout-data", "unused_{rollout_id}.jsonl", "--rm-type", "math",
+        "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--micro-batch-size", "2",
+        "--update-weight-transport", "broadcast", "--update-weight-buffer-size", str(64 * 1024),
+        "--vllm-enforce-eager", "--vllm-dtype", "float32", "--vllm-max-model-len", "256"]
+
+
+# ---- no engine -----------------------------------------------------------------------------------------------
+def test_buckets_respect_the_size_and_alignment():
+    meta = [["a", "torch.float32", [10]], ["b", "torch.bfloat16", [3]], ["big", "torch.float32", [100]],
+            ["c", "torch.int64", [2, 2]]]
+    buckets = plan_buckets(meta, bucket_bytes=128)
+    assert [[e[0] for e in entries] for entries, _ in buckets] == [["a", "b"], ["big"], ["c"]]
+    (a, b), total = buckets[0]
+    assert a[3] == 0 and b[3] == 64 and total == 64 + 6  # every tensor starts on a 64-byte boundary
+    assert buckets[1][1] == 400  # larger than a bucket: travels alone
+
+
+def test_broadcast_protocol_with_two_senders():
+    """Pipeline stages 0 and 1 each send their tensors; the receiver gets both, bit for bit, in order."""
+    port, key = find_free_port(), "t"
+    own = {0: [("w0", torch.randn(5, 7)), ("n0", torch.randn(3).bfloat16())],
+           1: [("w1", torch.randn(300)), ("i1", torch.arange(6).view(2, 3))]}
+    got = {}
+
+    def member(rank):
+        from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
+
+        pg = join_group({}, key, "127.0.0.1", port, rank, 3, "gloo")
+        got[rank] = list(broadcast_weights(pg, 2, 1024, "cpu", own=own.get(rank)))
+        stateless_destroy_torch_distributed_process_group(pg)
+
+    with ThreadPoolExecutor(3) as pool:
+        for f in [pool.submit(member, r) for r in range(3)]:
+            f.result(timeout=60)
+    sent = own[0] + own[1]
+    assert [n for n, _ in got[2]] == [n for n, _ in sent]
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for (_, a), (_, b) in zip(got[2], sent))
+    assert [n for n, _ in got[0]] == ["w1", "i1"] and [n for n, _ in got[1]] == ["w0", "n0"]
+
+
+def test_delta_sends_whole_vllm_layers():
+    assert load_unit("model.layers.3.self_attn.k_proj.weight") == "model.layers.3.self_attn.qkv_proj"
+    assert load_unit("model.layers.3.self_attn.q_proj.bias") == "model.layers.3.self_attn.qkv_proj"
+    assert load_unit("model.layers.0.mlp.up_proj.weight") == "model.layers.0.mlp.gate_up_proj"
+    assert load_unit("model.layers.0.mlp.experts.7.down_proj.weight") == "model.layers.0.mlp.experts"
+    assert load_unit("model.norm.weight") == "model.norm"
+    weights = [(f"model.layers.0.self_attn.{p}_proj.weight", torch.ones(2)) for p in "qkvo"]
+    weights.append(("model.norm.weight", torch.ones(2)))
+    names, digests = changed_tensors(weights, {})
+    assert names == [n for n, _ in weights]  # nothing known yet: everything
+    weights[0] = (weights[0][0], torch.tensor([1.0, 1.0 + 1e-7]))  # q changed by one ulp-ish
+    names, _ = changed_tensors(weights, digests)
+    assert names == [f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"]
+    assert changed_tensors(weights, changed_tensors(weights, {})[1])[0] == []
+
+
+def test_engine_set_key_changes_with_the_engines_only():
+    calls = []
+
+    def address():
+        calls.append(1)
+        return "127.0.0.1", 1000 + len(calls)
+
+    k1, a1 = engine_set_key(["http://a", "http://b"], address)
+    assert engine_set_key(["http://a", "http://b"], address) == (k1, a1) and len(calls) == 1
+    k2, a2 = engine_set_key(["http://a"], address)
+    assert k2 != k1 and a2 != a1
+    assert engine_set_key(["http://a", "http://b"], address)[0] not in (k1, k2)  # back to a set: still new
+
+
+def test_engine_command_adds_the_worker_extension(tiny_qwen3):
+    from vime.backends.vllm_utils.engine import engine_command
+    from vime.utils.arguments import parse_args
+
+    base = ["--hf-checkpoint", str(tiny_qwen3), *ARGV]
+    cmd = engine_command(parse_args(base), "127.0.0.1", 8000, 0)
+    assert cmd[cmd.index("--worker-extension-cls") + 1] == EXTENSION
+    disk = base[:base.index("broadcast")] + ["disk"] + base[base.index("broadcast") + 1:]
+    assert "--worker-extension-cls" not in engine_command(parse_args(disk), "127.0.0.1", 8000, 0)
+    mine = engine_command(parse_args(base + ["--vllm-worker-extension-cls", "my.Ext"]), "127.0.0.1", 8000, 0)
+    assert mine.count("--worker-extension-cls") == 1 and mine[mine.index("--worker-extension-cls") + 1] == "my.Ext"
+
+
+def test_compare_log_probs_and_tolerance(tiny_qwen3):
+    from vime.utils.arguments import parse_args
+
+    assert compare_log_probs([-1.0, -2.0], [[-1.0, -2.0 + 5e-6]], ["u"], 1e-5)["weight_check/max_abs_logprob_diff"] \
+        == pytest.approx(5e-6)
+    with pytest.raises(WeightUpdateMismatchError, match="u2"):
+        compare_log_probs([-1.0, -2.0], [[-1.0, -2.0], [-1.0, float("nan")]], ["u1", "u2"], 1e-5)
+    assert tolerance_for(parse_args(["--hf-checkpoint", str(tiny_qwen3), *ARGV])) == FLOAT32_TOLERANCE
+    auto = [a for a in ARGV if a not in ("--vllm-dtype", "float32")]
+    assert tolerance_for(parse_args(["--hf-checkpoint", str(tiny_qwen3), *auto])) > FLOAT32_TOLERANCE
+
+
+# ---- one engine, the real trainer ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def stack(tiny_qwen3, tmp_path_factory):
+    """(args, trainer, engine url); the engine boots while the trainer is built."""
+    from vime.backends.megatron_utils.parallel import destroy_parallel
+    from vime.backends.megatron_utils.trainer import MegatronTrainer
+    from vime.backends.vllm_utils.engine import VLLMEngine
+    from vime.utils.arguments import parse_args
+
+    out = tmp_path_factory.mktemp("weight_transport")
+    args = parse_args(["--hf-checkpoint", str(tiny_qwen3), *ARGV, "--output-dir", str(out),
+                       "--update-weight-dir", str(out)])
+    engine = VLLMEngine(args, 0, str(out))
+    with ThreadPoolExecutor(1) as pool:
+        booting = pool.submit(engine.start)
+        try:
+            trainer = MegatronTrainer(args)
+            try:
+                yield args, trainer, booting.result()
+            finally:
+                _drop_trainer_group()
+                destroy_parallel()
+        finally:
+            try:
+                booting.result()  # an engine still starting would be missed by stop()
+            except Exception:
+                pass
+            engine.stop()
+
+
+def _drop_trainer_group() -> None:
+    from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
+
+    from vime.backends.weight_transport import broadcast
+
+    if broadcast._trainer_group.get("pg") is not None:
+        stateless_destroy_torch_distributed_process_group(broadcast._trainer_group["pg"])
+    broadcast._trainer_group.clear()
+
+
+def _push(args, trainer, url: str, name: str, version: int, written: list | None = None) -> None:
+    """One update as `update_weights` runs it, without Ray: send and apply concurrently for a collective."""
+    from vime.backends.vllm_utils import client
+
+    transport = get_transport(type(args)(**{**vars(args), "update_weight_transport": name}))
+    if hasattr(transport, "connect"):
+        transport.connect([url], lambda: ("127.0.0.1", find_free_port()))
+    client.pause([url], "wait")
+    handle = transport.prepare(version)
+    try:
+        if getattr(transport, "concurrent", False):
+            with ThreadPoolExecutor(1) as pool:
+                sending = pool.submit(trainer.send_weights, transport, handle)
+                transport.apply([url], handle)
+                sending.result(timeout=60)
+        else:
+            trainer.send_weights(transport, handle)
+            if written is not None:  # delta: what it wrote
+                for f in sorted(Path(handle["dir"]).glob("*.safetensors")):
+                    with safe_open(str(f), "pt") as st:
+                        written += list(st.keys())
+            transport.apply([url], handle)
+        client.reset_prefix_cache([url])
+        client.update_weight_version([url], str(version))
+    finally:
+        client.resume([url])
+        transport.cleanup(handle)
+
+
+_seeds = itertools.count()
+
+
+def _perturb(trainer, only: dict[str, slice] | None = None, scale: float = 0.02) -> None:
+    """Noise on every parameter, or on the given rows of the named Megatron parameters only."""
+    g = torch.Generator().manual_seed(next(_seeds))
+    with torch.no_grad():
+        for chunk in trainer.model:
+            for name, p in chunk.module.named_parameters():
+                if only is None:
+                    p.add_(torch.randn(p.shape, generator=g) * scale)
+                elif name in only:
+                    rows = p[only[name]]
+                    rows.add_(torch.randn(rows.shape, generator=g) * scale)
+
+
+def _max_diff(trainer, url: str, tokens: list[int]) -> float:
+    ours = trainer.probe_log_probs(tokens, len(tokens) - 1, temperature=1.0)
+    theirs = engine_prompt_log_probs([url], tokens)[0]
+    return compare_log_probs(ours, [theirs], [url], float("inf"))["weight_check/max_abs_logprob_diff"]
+
+
+@pytest.mark.parametrize("name", ["disk", "broadcast", "delta"])
+def test_transport_makes_the_engine_serve_the_trainers_weights(stack, name):
+    args, trainer, url = stack
+    tokens = probe_tokens(args.hf_checkpoint)
+    _perturb(trainer)
+    assert _max_diff(trainer, url, tokens) > 1e-3  # the engine does not have these weights yet
+    _push(args, trainer, url, name, version=1)
+    assert _max_diff(trainer, url, tokens) <= FLOAT32_TOLERANCE
+
+
+def test_broadcast_group_is_reused_and_rebuilt_for_new_engines(stack):
+    from vime.backends.weight_transport import broadcast
+
+    args, trainer, url = stack
+    tokens = probe_tokens(args.hf_checkpoint)
+    _push(args, trainer, url, "broadcast", version=2)
+    first = broadcast._trainer_group["pg"]
+    _perturb(trainer)
+    _push(args, trainer, url, "broadcast", version=3)
+    assert broadcast._trainer_group["pg"] is first  # same engines: same group
+    assert _max_diff(trainer, url, tokens) <= FLOAT32_TOLERANCE
+    engine_set_key(["http://another-engine"])  # the driver saw another engine set in between
+    _perturb(trainer)
+    _push(args, trainer, url, "broadcast", version=4)
+    assert broadcast._trainer_group["pg"] is not first  # rebuilt, on both sides
+    assert _max_diff(trainer, url, tokens) <= FLOAT32_TOLERANCE
+
+
+def test_delta_sends_only_changed_layers_and_they_suffice(stack):
+    args, trainer, url = stack
+    tokens = probe_tokens(args.hf_checkpoint)
+    _push(args, trainer, url, "delta", version=5, written=[])  # baseline: the engine has what the trainer has
+    written = []
+    _push(args, trainer, url, "delta", version=6, written=written)
+    assert written == []  # nothing changed: nothing sent
+    # Rows 0-7 of layer 1's linear_qkv are query rows only: HF q_proj changes, k_proj and v_proj do not.
+    _perturb(trainer, {"decoder.layers.1.self_attention.linear_qkv.weight": slice(0, 8),
+                       "decoder.final_layernorm.weight": slice(None)}, scale=0.2)
+    assert _max_diff(trainer, url, tokens) > 1e-3
+    _push(args, trainer, url, "delta", version=7, written=written)
+    assert sorted(written) == sorted([f"model.layers.1.self_attn.{p}_proj.weight" for p in "qkv"]
+                                     + ["model.norm.weight"])
+    assert _max_diff(trainer, url, tokens) <= FLOAT32_TOLERANCE

