@@ -23,8 +23,10 @@ def train(args) -> None:
         for rollout_id in progress(range(start, num_rollout), desc="rollouts", initial=start, total=num_rollout):
             run.maybe_eval(rollout_id)
             groups, metrics = ray.get(run.generate(rollout_id))
+            run.offload_rollout()  # colocated: the trainer gets the devices
             metrics.update(run.train(rollout_id, groups))
             run.maybe_save(rollout_id, num_rollout)
+            run.onload_rollout()
             metrics.update(run.update_weights(version=rollout_id + 1))
             run.metrics.log(rollout_id, metrics)
         run.maybe_eval(num_rollout, force=True)

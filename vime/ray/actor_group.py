@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ray
 
-from vime.ray.placement import bundle_strategy, serving_host, use_gpu
+from vime.ray.placement import serving_host, use_gpu
 from vime.utils.misc import find_free_port
 
 
@@ -37,19 +37,17 @@ class TrainActor:
 
 
 class RayTrainGroup:
-    def __init__(self, args, placement_group=None, bundle_offset: int = 0):
+    def __init__(self, args, placement=None):
         self.args = args
         self.world_size = args.actor_num_nodes * args.actor_num_gpus_per_node
-        options = {"num_cpus": 1}
-        if use_gpu():
-            options["num_gpus"] = 1
         actor_cls = ray.remote(TrainActor)
         self.actors = []
         for rank in range(self.world_size):
-            opts = dict(options)
-            if placement_group is not None:
-                opts["scheduling_strategy"] = bundle_strategy(placement_group, bundle_offset + rank)
-            self.actors.append(actor_cls.options(**opts).remote(args, rank, self.world_size))
+            if placement is not None and placement.pg is not None:
+                options = placement.actor_options(placement.actor_offset + rank)
+            else:
+                options = {"num_cpus": 1, **({"num_gpus": 1} if use_gpu() else {})}
+            self.actors.append(actor_cls.options(**options).remote(args, rank, self.world_size))
 
     def init(self, total_steps: int) -> None:
         master_addr, master_port = ray.get(self.actors[0].address.remote())

@@ -45,16 +45,34 @@ def num_engines(args) -> int:
     return args.rollout_num_gpus // args.rollout_num_gpus_per_engine
 
 
-def create_rollout_placement_group(args):
-    """One bundle per engine (GPU: --rollout-num-gpus-per-engine GPUs; CPU: one CPU slot)."""
-    n = num_engines(args)
-    if use_gpu():
-        bundle = {"GPU": args.rollout_num_gpus_per_engine, "CPU": 1}
-    else:
-        bundle = {"CPU": 1}
-    pg = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
-    ray.get(pg.ready(), timeout=600)
-    return pg
+class Placement:
+    """Where each actor goes: one placement group, one bundle per device (GPU) or device slot (CPU).
+
+    Disaggregated: training ranks take bundles [0, world), engines the next --rollout-num-gpus bundles.
+    Colocated (--colocate): both start at bundle 0 and share them, each actor asking for a fraction so that a
+    trainer and an engine fit in one bundle and take turns.
+    """
+
+    def __init__(self, args, with_engines: bool = True, with_trainers: bool = True):
+        world = args.actor_num_nodes * args.actor_num_gpus_per_node if with_trainers else 0
+        engine_slots = 0 if (not with_engines or args.rollout_external_engine_addrs) else args.rollout_num_gpus
+        self.colocate = bool(args.colocate and world and engine_slots)
+        self.actor_offset = 0
+        self.rollout_offset = 0 if self.colocate else world
+        n_bundles = max(world, engine_slots) if self.colocate else world + engine_slots
+        self.share = 0.5 if self.colocate else 1.0  # of a bundle, for each actor
+        bundle = {"GPU": 1, "CPU": 1} if use_gpu() else {"CPU": 1}
+        self.pg = None
+        if n_bundles:
+            self.pg = placement_group([dict(bundle) for _ in range(n_bundles)], strategy="PACK")
+            ray.get(self.pg.ready(), timeout=600)
+
+    def actor_options(self, index: int) -> dict:
+        """Ray options for an actor on bundle `index`, asking for its share of the bundle's resources."""
+        options = {"num_cpus": self.share, "scheduling_strategy": bundle_strategy(self.pg, index)}
+        if use_gpu():
+            options["num_gpus"] = self.share
+        return options
 
 
 def bundle_strategy(pg, index: int) -> PlacementGroupSchedulingStrategy:

@@ -18,7 +18,7 @@ from vime.backends.vllm_utils.engine import VLLMEngine
 from vime.backends.vllm_utils.router import Router
 from vime.data.data_source import RolloutDataSource
 from vime.data.prompt_dataset import load_prompt_samples
-from vime.ray.placement import bundle_strategy, num_engines, serving_host
+from vime.ray.placement import num_engines, serving_host
 from vime.rollout.debug_data import load_rollout, save_rollout
 from vime.rollout.metrics import rollout_metrics
 from vime.utils.misc import find_free_port, load_function
@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 @ray.remote(num_cpus=0)
 class RolloutManager:
-    def __init__(self, args, placement_group=None):
+    def __init__(self, args, placement=None):
         self.args = args
         self.log_dir = Path(args.output_dir) / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -52,7 +52,7 @@ class RolloutManager:
                                                         shuffle=False)
         self.rollout_fn = load_function(args.rollout_function_path)
         self.eval_fn = load_function(args.eval_function_path or args.rollout_function_path)
-        self.placement_group = placement_group
+        self.placement = placement
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
     def start(self) -> list[str]:
@@ -64,8 +64,9 @@ class RolloutManager:
             actor_cls = ray.remote(VLLMEngine)
             for rank in range(num_engines(args)):
                 options = {"num_cpus": 1}
-                if self.placement_group is not None:
-                    options["scheduling_strategy"] = bundle_strategy(self.placement_group, rank)
+                if self.placement is not None and self.placement.pg is not None:
+                    bundle = self.placement.rollout_offset + rank * args.rollout_num_gpus_per_engine
+                    options = self.placement.actor_options(bundle)
                 self.engines.append(actor_cls.options(**options).remote(args, rank, str(self.log_dir)))
             self.engine_urls = ray.get([e.start.remote() for e in self.engines])
         self._start_router()
@@ -153,6 +154,13 @@ class RolloutManager:
 
     def abort(self) -> None:
         client.abort_all(self.engine_urls)
+
+    def sleep(self) -> None:
+        """Free engine memory while the trainer uses the shared devices (--colocate --offload-rollout)."""
+        client.post_all(self.engine_urls, "/sleep", params={"level": 1})
+
+    def wake_up(self) -> None:
+        client.post_all(self.engine_urls, "/wake_up")
 
     def reset_prefix_cache(self) -> None:
         client.reset_prefix_cache(self.engine_urls)

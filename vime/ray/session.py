@@ -6,7 +6,7 @@ import ray
 
 from vime.backends.weight_transport import update_weights
 from vime.ray.actor_group import RayTrainGroup
-from vime.ray.placement import create_rollout_placement_group, init_ray
+from vime.ray.placement import Placement, init_ray
 from vime.ray.rollout_manager import RolloutManager
 from vime.utils.logging_utils import MetricsLogger
 from vime.utils.plot import save_reward_curve
@@ -36,11 +36,9 @@ class TrainingSession:
     def __enter__(self) -> TrainingSession:
         args = self.args
         init_ray(args)
-        pg = None
-        if self.use_engines and not args.rollout_external_engine_addrs:
-            pg = create_rollout_placement_group(args)
-        self.manager = RolloutManager.remote(args, pg)
-        self.trainers = RayTrainGroup(args) if self.train_enabled else None
+        placement = Placement(args, with_engines=self.use_engines, with_trainers=self.train_enabled)
+        self.manager = RolloutManager.remote(args, placement)
+        self.trainers = RayTrainGroup(args, placement) if self.train_enabled else None
         self.metrics = MetricsLogger(args)
         return self
 
@@ -68,6 +66,15 @@ class TrainingSession:
 
     def generate(self, rollout_id: int):
         return self.manager.generate.remote(rollout_id)  # an ObjectRef: the caller decides when to wait
+
+    def offload_rollout(self) -> None:
+        """Colocated runs: free the engines' device memory for training (--offload-rollout)."""
+        if self.args.offload_rollout and self.use_engines:
+            ray.get(self.manager.sleep.remote())
+
+    def onload_rollout(self) -> None:
+        if self.args.offload_rollout and self.use_engines:
+            ray.get(self.manager.wake_up.remote())
 
     def train(self, rollout_id: int, groups) -> dict[str, float]:
         return self.trainers.train(rollout_id, groups) if self.trainers is not None else {}

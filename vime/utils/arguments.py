@@ -45,6 +45,9 @@ def add_placement_args(parser: argparse.ArgumentParser) -> None:
                    help="Devices per node for training; on CPU, training processes per node (default: 1).")
     g.add_argument("--colocate", action="store_true",
                    help="Training and rollout share devices and take turns (default: off).")
+    g.add_argument("--offload-rollout", action="store_true",
+                   help="With --colocate: put the engines to sleep (vLLM /sleep, frees GPU memory) while training "
+                        "(default: off).")
 
 
 def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
@@ -208,6 +211,8 @@ def validate_args(args: argparse.Namespace) -> None:
             except (ImportError, AttributeError, ValueError) as e:
                 raise ValueError(f"--{flag.replace('_', '-')}: {e}") from e
 
+    if args.offload_rollout and not args.colocate:
+        raise ValueError("--offload-rollout only makes sense with --colocate (engines and trainer share devices)")
     if args.rollout_seed is None:
         args.rollout_seed = args.seed
     if args.apply_chat_template_kwargs is not None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 
-import httpx
+from vime.backends.vllm_utils import client
 
 PROBE_LENGTH = 64
 FLOAT32_TOLERANCE = 1e-5
@@ -41,7 +41,7 @@ def engine_prompt_log_probs(engine_urls: list[str], tokens: list[int], timeout: 
     body = {"prompt": list(tokens), "max_tokens": 1, "prompt_logprobs": 0, "temperature": 1.0}
     out = []
     for url in engine_urls:
-        r = httpx.post(f"{url}/v1/completions", json=body, timeout=timeout)
+        r = client.http().post(f"{url}/v1/completions", json=body, timeout=timeout)
         if r.status_code >= 400:
             raise WeightUpdateMismatchError(f"engine {url}: prompt log-probs failed: HTTP {r.status_code} "
                                             f"{r.text[:300]}")

@@ -1,0 +1,156 @@
+"""Weight-sync latency: one full update (pause -> send -> apply -> reset cache -> version -> resume) from the real
+Megatron trainer into one running vLLM engine, over the disk path (/dev/shm) and the in-memory broadcast path,
+each against a plain copy of the same bytes (every tensor written to one /dev/shm file and read back).
+
+    .venv/bin/python bench/weight_sync.py [--sizes 1M 20M 100M --repeats 3]
+
+Prints, per model size, the median time of the plain copy and, per path, of the whole update and of its
+send + apply part (the rest -- pause, cache reset, version, resume -- is a fixed ~40-100 ms of HTTP control calls),
+each as a ratio to the copy (target <= 3x).
+One engine at a time (started with vime's worker extension, float32, eager).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+# name -> tiny_model shape (qwen3, vocab 512, head_dim 64 except the smallest's 32)
+SIZES = {
+    "1M": dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=512),
+    "20M": dict(hidden_size=512, num_layers=5, num_heads=8, num_kv_heads=4, intermediate_size=2048),
+    "100M": dict(hidden_size=1024, num_layers=6, num_heads=16, num_kv_heads=8, intermediate_size=4352),
+}
+
+
+def update_once(args, trainer, url: str, name: str, version: int) -> tuple[float, float]:
+    """One update as `update_weights` runs it, without Ray: (seconds of the whole update, of send + apply)."""
+    from vime.backends.vllm_utils import client
+    from vime.backends.weight_transport import get_transport
+    from vime.utils.misc import find_free_port
+
+    start = time.perf_counter()
+    transport = get_transport(argparse.Namespace(**{**vars(args), "update_weight_transport": name}))
+    if hasattr(transport, "connect"):
+        transport.connect([url], lambda: ("127.0.0.1", find_free_port()))
+    client.pause([url], "wait")
+    handle = transport.prepare(version)
+    transfer = time.perf_counter()
+    if getattr(transport, "concurrent", False):
+        with ThreadPoolExecutor(1) as pool:
+            sending = pool.submit(trainer.send_weights, transport, handle)
+            transport.apply([url], handle)
+            sending.result()
+    else:
+        trainer.send_weights(transport, handle)
+        transport.apply([url], handle)
+    transfer = time.perf_counter() - transfer
+    client.reset_prefix_cache([url])
+    client.update_weight_version([url], str(version))
+    client.resume([url])
+    transport.cleanup(handle)
+    return time.perf_counter() - start, transfer
+
+
+def plain_copy(trainer) -> tuple[float, int]:
+    """Seconds to write every tensor's bytes to one /dev/shm file and read them back into tensors; bytes."""
+    import torch
+
+    tensors = [t.detach().contiguous() for _, t in trainer.hf_weights()]
+    path = Path("/dev/shm") / f"vime_bench_copy_{os.getpid()}"
+    start = time.perf_counter()
+    with open(path, "wb") as f:
+        for t in tensors:
+            f.write(t.view(-1).view(torch.uint8).numpy())
+    with open(path, "rb") as f:
+        for t in tensors:
+            out = torch.empty_like(t)
+            f.readinto(out.view(-1).view(torch.uint8).numpy())
+    elapsed = time.perf_counter() - start
+    path.unlink()
+    return elapsed, sum(t.numel() * t.element_size() for t in tensors)
+
+
+def bench_size(label: str, shape: dict, work: Path, repeats: int) -> dict:
+    from vime.backends.megatron_utils.parallel import destroy_parallel
+    from vime.backends.megatron_utils.trainer import MegatronTrainer
+    from vime.backends.vllm_utils.engine import VLLMEngine
+    from vime.tools.tiny_model import build_tiny_model
+    from vime.utils.arguments import parse_args
+
+    model = build_tiny_model(work / label, arch="qwen3", **shape)
+    args = parse_args([
+        "--hf-checkpoint", str(model), "--debug-train-only", "--load-debug-rollout-data", "unused_{rollout_id}",
+        "--rm-type", "math", "--rollout-batch-size", "2", "--n-samples-per-prompt", "1",
+        "--update-weight-transport", "broadcast", "--output-dir", str(work / f"{label}_out"),
+        "--vllm-enforce-eager", "--vllm-dtype", "float32", "--vllm-max-model-len", "256"])
+    engine = VLLMEngine(args, 0, str(work))
+    with ThreadPoolExecutor(1) as pool:
+        booting = pool.submit(engine.start)
+        try:
+            trainer = MegatronTrainer(args)
+            params = sum(t.numel() for _, t in trainer.hf_weights())
+            url = booting.result()
+            times = {"disk": [], "disk_transfer": [], "broadcast": [], "broadcast_transfer": [], "copy": []}
+            version = 0
+            for _ in range(repeats + 1):  # the first round warms up (and builds the broadcast group)
+                for name in ("disk", "broadcast"):
+                    version += 1
+                    total, transfer = update_once(args, trainer, url, name, version)
+                    times[name].append(total)
+                    times[f"{name}_transfer"].append(transfer)
+                elapsed, nbytes = plain_copy(trainer)
+                times["copy"].append(elapsed)
+            _drop_trainer_group()
+            destroy_parallel()
+        finally:
+            try:
+                booting.result()
+            except Exception:
+                pass
+            engine.stop()
+    med = {k: statistics.median(v[1:]) for k, v in times.items()}
+    return {"size": label, "params": params, "bytes": nbytes, **med}
+
+
+def _drop_trainer_group() -> None:
+    from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
+
+    from vime.backends.weight_transport import broadcast
+
+    if broadcast._trainer_group.get("pg") is not None:
+        stateless_destroy_torch_distributed_process_group(broadcast._trainer_group["pg"])
+    broadcast._trainer_group.clear()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    p.add_argument("--repeats", type=int, default=3, help="Timed rounds after one warm-up round (default: 3).")
+    a = p.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="vime_bench_sync_"))
+    rows = []
+    for label in a.sizes:
+        row = bench_size(label, SIZES[label], work, a.repeats)
+        rows.append(row)
+        print(f"{row['size']:>5} {row['params'] / 1e6:6.1f}M params {row['bytes'] / 2**20:6.1f} MiB | "
+              f"plain /dev/shm copy {row['copy'] * 1e3:7.1f} ms", flush=True)
+        for name in ("disk", "broadcast"):
+            print(f"      {name:>9}: update {row[name] * 1e3:7.1f} ms ({row[name] / row['copy']:6.2f}x copy), "
+                  f"send+apply {row[name + '_transfer'] * 1e3:7.1f} ms "
+                  f"({row[name + '_transfer'] / row['copy']:6.2f}x copy)", flush=True)
+    worst = max(max(r["disk"], r["broadcast"]) / r["copy"] for r in rows)
+    print(f"worst update / copy ratio {worst:.2f}x (target <= 3x)")
+
+
+if __name__ == "__main__":
+    main()
