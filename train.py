@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import ray
 
@@ -21,6 +22,7 @@ def train(args) -> None:
     with TrainingSession(args) as run:
         start, num_rollout = run.start()
         for rollout_id in progress(range(start, num_rollout), desc="rollouts", initial=start, total=num_rollout):
+            step_start = time.perf_counter()
             run.maybe_eval(rollout_id)
             groups, metrics = ray.get(run.generate(rollout_id))
             run.offload_rollout()  # colocated: the trainer gets the devices
@@ -28,6 +30,7 @@ def train(args) -> None:
             run.maybe_save(rollout_id, num_rollout)
             run.onload_rollout()
             metrics.update(run.update_weights(version=rollout_id + 1))
+            metrics["perf/step_time"] = time.perf_counter() - step_start
             run.metrics.log(rollout_id, metrics)
         run.maybe_eval(num_rollout, force=True)
 

@@ -10,6 +10,7 @@ sample records the weight version that produced it, and the staleness is reporte
 from __future__ import annotations
 
 import logging
+import time
 
 import ray
 
@@ -40,6 +41,7 @@ def train(args) -> None:
         run.maybe_eval(start)
         pending = run.generate(start)
         for rollout_id in progress(range(start, num_rollout), desc="rollouts", initial=start, total=num_rollout):
+            step_start = time.perf_counter()
             groups, metrics = ray.get(pending)
             if rollout_id + 1 < num_rollout:
                 pending = run.generate(rollout_id + 1)  # runs on the engines while we train below
@@ -52,6 +54,7 @@ def train(args) -> None:
                 metrics.update(run.update_weights(version=rollout_id + 1))
                 if args.eval_interval and (rollout_id + 1) % args.eval_interval == 0:
                     run.maybe_eval(rollout_id + 1, force=True)
+            metrics["perf/step_time"] = time.perf_counter() - step_start
             run.metrics.log(rollout_id, metrics)
 
 

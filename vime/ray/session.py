@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import ray
 
 from vime.backends.weight_transport import update_weights
@@ -77,7 +79,12 @@ class TrainingSession:
             ray.get(self.manager.wake_up.remote())
 
     def train(self, rollout_id: int, groups) -> dict[str, float]:
-        return self.trainers.train(rollout_id, groups) if self.trainers is not None else {}
+        if self.trainers is None:
+            return {}
+        start = time.perf_counter()
+        metrics = self.trainers.train(rollout_id, groups)
+        metrics["perf/train_time"] = time.perf_counter() - start
+        return metrics
 
     def maybe_save(self, rollout_id: int, num_rollout: int) -> None:
         args = self.args
