@@ -36,12 +36,17 @@ ARGV = ["--debug-train-only", "--load-debug-rollout-data", "unused_{rollout_id}.
 # ---- no engine -----------------------------------------------------------------------------------------------
 def test_buckets_respect_the_size_and_alignment():
     meta = [["a", "torch.float32", [10]], ["b", "torch.bfloat16", [3]], ["big", "torch.float32", [100]],
-            ["c", "torch.int64", [2, 2]]]
+            ["c", "torch.int64", [2, 2]], ["d", "torch.float32", [4]], ["e", "torch.float32", [20]],
+            ["huge", "torch.float32", [2**18]], ["f", "torch.float32", [1]]]
     buckets = plan_buckets(meta, bucket_bytes=128)
-    assert [[e[0] for e in entries] for entries, _ in buckets] == [["a", "b"], ["big"], ["c"]]
+    assert [[e[0] for e in entries] for entries, _ in buckets] == [["a", "b"], ["big"], ["c", "d"], ["e"], ["huge"],
+                                                                    ["f"]]
     (a, b), total = buckets[0]
     assert a[3] == 0 and b[3] == 64 and total == 64 + 6  # every tensor starts on a 64-byte boundary
     assert buckets[1][1] == 400  # larger than a bucket: travels alone
+    # With roomy buckets, small tensors share one and a tensor of 1 MiB or more still travels alone, in order.
+    buckets = plan_buckets(meta, bucket_bytes=512 * 2**20)
+    assert [[e[0] for e in entries] for entries, _ in buckets] == [["a", "b", "big", "c", "d", "e"], ["huge"], ["f"]]
 
 
 def test_broadcast_protocol_with_two_senders():

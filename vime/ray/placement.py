@@ -54,13 +54,20 @@ class Placement:
     """
 
     def __init__(self, args, with_engines: bool = True, with_trainers: bool = True):
-        world = args.actor_num_nodes * args.actor_num_gpus_per_node if with_trainers else 0
+        actors = args.actor_num_nodes * args.actor_num_gpus_per_node if with_trainers else 0
+        critic = with_trainers and getattr(args, "use_critic", False)  # PPO: as many critic ranks as actor ranks
+        trainers = actors * (2 if critic else 1)
         engine_slots = 0 if (not with_engines or args.rollout_external_engine_addrs) else args.rollout_num_gpus
-        self.colocate = bool(args.colocate and world and engine_slots)
+        self.colocate = bool(args.colocate and actors and engine_slots)
         self.actor_offset = 0
-        self.rollout_offset = 0 if self.colocate else world
-        n_bundles = max(world, engine_slots) if self.colocate else world + engine_slots
-        self.share = 0.5 if self.colocate else 1.0  # of a bundle, for each actor
+        if self.colocate:  # actor, engine (and critic) share each bundle and take turns
+            self.critic_offset = self.rollout_offset = 0
+            n_bundles = max(actors, engine_slots)
+            self.share = 1 / 3 if critic else 0.5
+        else:
+            self.critic_offset, self.rollout_offset = actors, trainers
+            n_bundles = trainers + engine_slots
+            self.share = 1.0
         bundle = {"GPU": 1, "CPU": 1} if use_gpu() else {"CPU": 1}
         self.pg = None
         if n_bundles:

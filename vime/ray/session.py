@@ -14,6 +14,19 @@ from vime.utils.logging_utils import MetricsLogger
 from vime.utils.plot import save_reward_curve
 
 
+def critic_args(args):
+    """The critic trains with its own learning rate and checkpoints under <save>/critic."""
+    import copy
+    import os
+
+    c = copy.copy(args)
+    c.lr = args.critic_lr if args.critic_lr is not None else args.lr
+    c.save = os.path.join(args.save, "critic") if args.save else None
+    c.load = os.path.join(args.load, "critic") if args.load else None
+    c.use_kl_loss, c.kl_coef = False, 0.0
+    return c
+
+
 def resolve_num_rollout(args, num_prompts: int) -> int:
     if args.num_rollout is not None:
         return args.num_rollout
@@ -41,6 +54,10 @@ class TrainingSession:
         placement = Placement(args, with_engines=self.use_engines, with_trainers=self.train_enabled)
         self.manager = RolloutManager.remote(args, placement)
         self.trainers = RayTrainGroup(args, placement) if self.train_enabled else None
+        self.critic = None
+        if self.train_enabled and args.use_critic:
+            self.critic = RayTrainGroup(critic_args(args), placement, role="critic",
+                                        bundle_offset=placement.critic_offset)
         self.metrics = MetricsLogger(args)
         return self
 
@@ -53,6 +70,8 @@ class TrainingSession:
         start = 0
         if self.trainers is not None:
             self.trainers.init(total_steps=num_rollout * args.num_steps_per_rollout)
+            if self.critic is not None:
+                self.critic.init(total_steps=num_rollout * args.num_steps_per_rollout)
             resumed = self.trainers.call("get_loaded_state")[0]
             if resumed:  # continue after the saved rollout, with the same data order
                 start = resumed["rollout_id"] + 1
@@ -82,7 +101,16 @@ class TrainingSession:
         if self.trainers is None:
             return {}
         start = time.perf_counter()
-        metrics = self.trainers.train(rollout_id, groups)
+        if self.critic is None:
+            metrics = self.trainers.train(rollout_id, groups)
+        else:  # PPO: critic values -> actor (GAE advantages, returns) -> critic regression on the returns
+            values = {}
+            for part in self.critic.call("compute_values", groups):
+                values.update(part)
+            metrics = self.trainers.train(rollout_id, groups, values)
+            returns = self.trainers.call("get_returns")[0]
+            metrics.update(next((m for m in self.critic.call("train_critic", rollout_id, groups, values, returns)
+                                 if m), {}))
         metrics["perf/train_time"] = time.perf_counter() - start
         return metrics
 
@@ -95,6 +123,8 @@ class TrainingSession:
         if args.save and (last or periodic):
             state = {"data_source": ray.get(self.manager.data_source_state.remote())}
             self.trainers.call("save", rollout_id, state)
+            if self.critic is not None:
+                self.critic.call("save", rollout_id, {})
         if args.save_hf and (last or periodic):
             self.trainers.call("save_hf", args.save_hf.format(rollout_id=rollout_id))
 
@@ -108,8 +138,9 @@ class TrainingSession:
             if self.manager is not None:
                 ray.get(self.manager.shutdown.remote(), timeout=120)
         finally:
-            if self.trainers is not None:
-                self.trainers.shutdown()
+            for group in (self.trainers, self.critic):
+                if group is not None:
+                    group.shutdown()
             if self.metrics is not None:
                 self.metrics.close()
                 save_reward_curve(self.args.output_dir)

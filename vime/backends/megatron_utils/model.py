@@ -20,9 +20,13 @@ from vime.backends.megatron_utils.log_probs import response_log_probs
 from vime.backends.megatron_utils.model_provider import build_model_chunks, params_dtype
 
 
-def setup_model_and_optimizer(args, total_steps: int):
-    """DDP-wrapped model chunks, Megatron's (optionally distributed) Adam and the LR scheduler."""
+def setup_model_and_optimizer(args, total_steps: int, prepare_chunks: Callable | None = None):
+    """DDP-wrapped model chunks, Megatron's (optionally distributed) Adam and the LR scheduler.
+
+    `prepare_chunks(chunks)` runs before wrapping: load weights, swap the output head (critic)."""
     chunks = build_model_chunks(args)
+    if prepare_chunks is not None:
+        prepare_chunks(chunks)
     config = chunks[0].config
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False,
@@ -80,6 +84,24 @@ def run_schedule(model, micro_batches: list[list[int]], batch: dict, loss_fn: Ca
     return get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=data_iter(), model=model,
         num_microbatches=len(micro_batches), seq_length=longest, micro_batch_size=1, forward_only=forward_only)
+
+
+def forward_values(model, batch: dict, micro_batches: list[list[int]]) -> dict[int, torch.Tensor]:
+    """Critic: {sample index: values of its response tokens} on the last stage, {} elsewhere."""
+    from vime.backends.megatron_utils.critic import response_values
+
+    out: dict[int, torch.Tensor] = {}
+
+    def loss_fn(indices, tokens, output):
+        lens = [len(batch["tokens"][i]) for i in indices]
+        resp = [batch["response_lengths"][i] for i in indices]
+        for i, v in zip(indices, response_values(output, lens, resp)):
+            out[i] = v.detach().cpu()
+        return torch.zeros((), device=output.device), {}
+
+    with torch.no_grad():
+        run_schedule(model, micro_batches, batch, loss_fn, forward_only=True)
+    return out
 
 
 def forward_log_probs(args, model, batch: dict, micro_batches: list[list[int]], with_entropy: bool = False):

@@ -25,14 +25,17 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
                    help="Directory for the disk and delta transports; must be visible to the engines "
                         "(default: /dev/shm).")
     g.add_argument("--update-weight-buffer-size", type=int, default=512 * 1024 ** 2,
-                   help="Bucket size of the broadcast transport, in bytes: tensors travel in flat buckets of at "
-                        "most this size (one tensor larger than it travels alone) (default: 536870912 = 512 MiB).")
+                   help="Bucket size of the broadcast transport, in bytes: small tensors travel packed in flat "
+                        "buckets of at most this size; a tensor of 1 MiB or more, or of at least this size, travels "
+                        "on its own (default: 536870912 = 512 MiB).")
     g.add_argument("--check-weight-update-equal", action="store_true",
                    help="After each weight update, check that every engine's prompt log-probs of a fixed probe "
                         "sequence equal the trainer's (within 1e-5 in float32) and stop with an error if not "
                         "(default: off).")
     g.add_argument("--update-weights-interval", type=int, default=1,
                    help="train_async.py: push weights to the engines every this many rollouts (default: 1).")
+    g.add_argument("--critic-lr", type=float, default=None,
+                   help="Learning rate of the PPO critic (default: --lr).")
     g.add_argument("--save-hf", default=None,
                    help="Path template with {rollout_id}: also export HF safetensors when saving (default: None).")
 
@@ -56,5 +59,8 @@ def validate_train_args(args: argparse.Namespace) -> None:
     args.num_steps_per_rollout = samples // args.global_batch_size
     if args.update_weight_buffer_size < 1:
         raise ValueError(f"--update-weight-buffer-size must be >= 1 byte, got {args.update_weight_buffer_size}")
+    if getattr(args, "use_critic", False) and args.pipeline_model_parallel_size > 1:
+        raise ValueError("the PPO critic (--advantage-estimator ppo) supports --pipeline-model-parallel-size 1 "
+                         "only; use tensor or data parallelism")
     if args.use_dynamic_batch_size and not args.max_tokens_per_gpu:
         raise ValueError("--use-dynamic-batch-size needs --max-tokens-per-gpu N")

@@ -22,7 +22,14 @@ from vime.algorithms import compute_approx_kl, get_advantage_estimator
 from vime.backends.megatron_utils.checkpoint import load_checkpoint, save_checkpoint
 from vime.backends.megatron_utils.batching import balanced_partition, micro_batches, step_slices
 from vime.backends.megatron_utils.loss import SUM_METRICS, make_loss_fn
-from vime.backends.megatron_utils.model import forward_log_probs, is_last_stage, setup_model_and_optimizer, train_step
+from vime.backends.megatron_utils.critic import attach_value_head, make_value_loss_fn
+from vime.backends.megatron_utils.model import (
+    forward_log_probs,
+    forward_values,
+    is_last_stage,
+    setup_model_and_optimizer,
+    train_step,
+)
 from vime.utils.misc import load_function
 from vime.utils.types import Sample
 
@@ -34,7 +41,7 @@ _PER_TOKEN_ESTIMATORS = {"reinforce_plus_plus", "ppo"}
 
 class MegatronTrainer:
     def __init__(self, args, rank: int = 0, world_size: int = 1, master_addr: str = "127.0.0.1",
-                 master_port: int | None = None, total_steps: int = 1000):
+                 master_port: int | None = None, total_steps: int = 1000, role: str = "actor"):
         from transformers import AutoConfig
 
         from vime.backends.megatron_utils.arguments import fill_architecture_from_hf, validate_megatron_args
@@ -49,11 +56,17 @@ class MegatronTrainer:
         self.hf_config = AutoConfig.from_pretrained(args.hf_checkpoint)
         fill_architecture_from_hf(args, self.hf_config)
         validate_megatron_args(args, world_size=dist.get_world_size())
-        self.model, self.optimizer, self.scheduler = setup_model_and_optimizer(args, total_steps)
+        self.role = role
+
+        def prepare(chunks):
+            load_hf_checkpoint_into_model(chunks, args.hf_checkpoint)
+            if role == "critic":
+                attach_value_head(chunks)
+
+        self.model, self.optimizer, self.scheduler = setup_model_and_optimizer(args, total_steps, prepare)
         self.step = 0
         self.loaded_state = None
-        load_hf_checkpoint_into_model(self.model, args.hf_checkpoint)
-        self.optimizer.reload_model_params()  # main params follow the loaded weights
+        self.last_returns = None
         # The reference policy for KL is the starting point: the HF checkpoint (or a converted `release`).
         self.ref_state = self._snapshot() if self._needs_ref() else None
         if args.load:
@@ -63,7 +76,7 @@ class MegatronTrainer:
 
     # ---- reference weights (KL) -----------------------------------------------------------------------------
     def _needs_ref(self) -> bool:
-        return bool(self.args.use_kl_loss or self.args.kl_coef)
+        return self.role == "actor" and bool(self.args.use_kl_loss or self.args.kl_coef)
 
     def _snapshot(self) -> list[dict[str, torch.Tensor]]:
         return [{k: v.detach().clone() for k, v in m.module.state_dict().items() if v is not None}
@@ -110,9 +123,13 @@ class MegatronTrainer:
         return plan
 
     # ---- one rollout -----------------------------------------------------------------------------------------
-    def train(self, rollout_id: int, groups: list[list[dict]]) -> dict[str, float]:
+    def train(self, rollout_id: int, groups: list[list[dict]], values: dict | None = None) -> dict[str, float]:
+        """Actor: one rollout's optimizer steps. `values` ({sample index: per-token values}) come from the
+        critic for --advantage-estimator ppo; the GAE returns are then kept in `last_returns` for it."""
         args = self.args
         batch = self._batch(groups)
+        if values is not None:
+            batch["values"] = [torch.as_tensor(values[i], dtype=torch.float32) for i in range(len(batch["tokens"]))]
         plan = self._split(batch)
         all_local_mbs = [mb for _, _, mbs in plan for mb in mbs]
         needs_old = args.loss_type != "sft_loss" and (
@@ -168,11 +185,12 @@ class MegatronTrainer:
                   for i, (o, r) in enumerate(zip(batch["old_log_probs"], batch["ref_log_probs"]))]
         advantages, returns = estimator(
             rewards=batch["rewards"], loss_masks=batch["loss_masks"], n_samples_per_prompt=group_size, kl=kl,
-            values=None, kl_coef=args.kl_coef, gamma=args.gamma, lambd=args.lambd,
+            values=batch.get("values"), kl_coef=args.kl_coef, gamma=args.gamma, lambd=args.lambd,
             normalize_std=not args.disable_grpo_std_normalization, normalize_advantages=args.normalize_advantages,
             eps=args.advantage_eps)
         batch["advantages"], batch["returns"] = list(advantages), list(returns)
         assert len(batch["advantages"]) == n
+        self.last_returns = [r.tolist() for r in returns] if "values" in batch else None
 
     def _reduce(self, mb_metrics: list[dict]) -> dict[str, float]:
         """Sum the micro-batch shares, then over data-parallel ranks (last stage only)."""
@@ -189,6 +207,38 @@ class MegatronTrainer:
         if "logprob_diff_max" in keys:
             out["logprob_diff_max"] = maxes.item()
         return out
+
+    # ---- critic ---------------------------------------------------------------------------------------------
+    def compute_values(self, groups: list[list[dict]]) -> dict[int, list[float]]:
+        """Critic: this rank's samples' per-token values (last pipeline stage; {} elsewhere)."""
+        batch = self._batch(groups)
+        mbs = [mb for _, _, m in self._split(batch) for mb in m]
+        return {i: v.tolist() for i, v in forward_values(self.model, batch, mbs).items()}
+
+    def get_returns(self) -> list[list[float]] | None:
+        return self.last_returns
+
+    def train_critic(self, rollout_id: int, groups: list[list[dict]], values: dict, returns: list) -> dict:
+        """Critic: value-loss steps against the actor's GAE returns, clipped around the rollout-time values."""
+        args = self.args
+        batch = self._batch(groups)
+        n = len(batch["tokens"])
+        batch["old_values"] = [torch.as_tensor(values[i], dtype=torch.float32) for i in range(n)]
+        batch["returns"] = [torch.as_tensor(returns[i], dtype=torch.float32) for i in range(n)]
+        plan = self._split(batch)
+        metrics: dict[str, float] = {}
+        for step, local, mbs in plan:
+            denominators = {
+                "tokens": max(1.0, float(sum(batch["loss_masks"][i].sum() for i in step))),
+                "sequences": max(1, sum(int(batch["loss_masks"][i].sum() > 0) for i in step)),
+            }
+            loss_fn = make_value_loss_fn(args, batch, denominators, scale=len(mbs) * self.dp_size)
+            mb_metrics, grad_norm, _, _ = train_step(args, self.model, self.optimizer, self.scheduler, batch, mbs,
+                                                     loss_fn)
+            for k, v in self._reduce(mb_metrics).items():
+                metrics[f"critic/{k}"] = metrics.get(f"critic/{k}", 0.0) + v / len(plan)
+            metrics["critic/grad_norm"] = float(grad_norm or 0.0)
+        return metrics if is_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0 else {}
 
     # ---- weights out ------------------------------------------------------------------------------------------
     def hf_weights(self):

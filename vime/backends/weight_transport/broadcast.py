@@ -8,9 +8,9 @@ Group: rank s = the writer of pipeline stage s (DP rank 0, TP rank 0), then ever
 member, and rebuilt when the engine set changes (the driver hands out a new group key).
 
 Wire protocol, once per writer (in stage order; every member takes part in every broadcast): a JSON list of
-[name, dtype, shape] (its length, then its bytes), then buckets of at most --update-weight-buffer-size bytes
-(a bucket holds at least one tensor), each one flat uint8 broadcast. Both sides cut buckets with
-`plan_buckets`, so no per-bucket header travels. The engine side (`vime.backends.vllm_utils.worker_extension`)
+[name, dtype, shape] (its length, then its bytes), then the tensors, in order, as flat uint8 broadcasts: small
+ones packed into buckets of at most --update-weight-buffer-size bytes, each tensor of 1 MiB or more on its own
+(sent from its own memory, no copy). Both sides cut buckets with `plan_buckets`, so no per-bucket header travels. The engine side (`vime.backends.vllm_utils.worker_extension`)
 feeds the tensors, as they arrive, to vLLM's `reload_weights(weights_iterator=...)`: on CPU the linear weights
 are repacked after loading, so writing into the parameters would not update anything.
 """
@@ -28,6 +28,7 @@ import torch
 from vime.backends.vllm_utils import client
 
 ALIGN = 64  # byte alignment of every tensor inside a bucket, so each can be viewed as its own dtype
+ALONE_BYTES = 1 << 20  # tensors this large travel on their own: packing gains nothing but a copy
 GROUP_TIMEOUT_S = 600  # a member that never shows up fails the update after this long instead of hanging
 
 # ---- driver side: one group key per engine set ------------------------------------------------------------------
@@ -52,17 +53,25 @@ def _dtype(name: str) -> torch.dtype:
 
 
 def plan_buckets(meta: list, bucket_bytes: int) -> list[tuple[list[tuple[str, torch.dtype, list[int], int]], int]]:
-    """Cut [name, dtype, shape] entries into buckets: [([(name, dtype, shape, byte offset)], total bytes)]."""
+    """Cut [name, dtype, shape] entries, in order, into buckets: [([(name, dtype, shape, byte offset)], bytes)].
+
+    Small tensors are packed up to `bucket_bytes`; a tensor of ALONE_BYTES or more (or of `bucket_bytes` or more)
+    is a bucket of its own, which the sender broadcasts from the tensor's memory: packing it would only copy it
+    (on CPU that copy into fresh pages cost as much as the transfer)."""
     buckets, current, size = [], [], 0
     for name, dtype_name, shape in meta:
         dtype = _dtype(dtype_name)
         nbytes = dtype.itemsize * int(torch.Size(shape).numel())
+        alone = nbytes >= min(ALONE_BYTES, bucket_bytes)
         offset = -(-size // ALIGN) * ALIGN
-        if current and offset + nbytes > bucket_bytes:
+        if current and (alone or offset + nbytes > bucket_bytes):
             buckets.append((current, size))
             current, offset = [], 0
         current.append((name, dtype, list(shape), offset))
         size = offset + nbytes
+        if alone:
+            buckets.append((current, size))
+            current, size = [], 0
     if current:
         buckets.append((current, size))
     return buckets
@@ -93,11 +102,15 @@ def broadcast_weights(pg, num_senders: int, bucket_bytes: int, device,
                                src, device)
         by_name = dict(own) if sending else {}
         for entries, total in plan_buckets(meta, bucket_bytes):
-            flat = torch.empty(total, dtype=torch.uint8, device=device)
-            if sending:
+            if sending and len(entries) == 1:  # a tensor alone travels from its own memory
+                flat = by_name[entries[0][0]].contiguous().view(-1).view(torch.uint8)
+            elif sending:
+                flat = torch.empty(total, dtype=torch.uint8, device=device)
                 for name, dtype, shape, offset in entries:
                     t = by_name[name]
                     flat[offset:offset + t.numel() * t.element_size()].copy_(t.contiguous().view(-1).view(torch.uint8))
+            else:
+                flat = torch.empty(total, dtype=torch.uint8, device=device)
             pg.broadcast(flat, src).wait()
             if sending:
                 continue

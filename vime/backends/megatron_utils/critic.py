@@ -1,0 +1,61 @@
+"""The PPO critic: the policy's transformer with a one-output value head instead of the LM head.
+
+The value of response token t is read at the same position as its log-prob (the state before the token),
+so values, log-probs and advantages line up token for token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vime.algorithms import aggregate_loss, value_loss
+
+
+class ValueHead(torch.nn.Module):
+    """Stands in for GPTModel.output_layer: hidden [s, b, h] -> values [s, b, 1]. Zero-initialised, so the
+    first values are 0. Replicated on tensor-parallel ranks (its input is replicated there too)."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        # named `weight` so checkpoints keep Megatron's `output_layer.weight` key
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size))
+
+    def forward(self, hidden_states, weight=None, runtime_gather_output=None):
+        return torch.nn.functional.linear(hidden_states, self.weight), None
+
+
+def attach_value_head(chunks) -> None:
+    """Replace the LM head of the last pipeline stage's chunk with a value head (before DDP wrapping)."""
+    for chunk in chunks:
+        if getattr(chunk, "post_process", False):
+            chunk.output_layer = ValueHead(chunk.config.hidden_size)
+            chunk.share_embeddings_and_output_weights = False
+
+
+def response_values(output: torch.Tensor, total_lengths: list[int], response_lengths: list[int]) -> list:
+    """Per-sample values of the response tokens from a padded micro-batch output [batch, seq, 1]."""
+    return [output[row, total - resp - 1: total - 1, 0].float()
+            for row, (total, resp) in enumerate(zip(total_lengths, response_lengths))]
+
+
+def make_value_loss_fn(args, batch: dict, denominators: dict, scale: float):
+    """Clipped value loss against the returns computed by the actor (GAE), as a share of the global mean."""
+
+    def loss_fn(indices, tokens, output):
+        lens = [len(batch["tokens"][i]) for i in indices]
+        resp = [batch["response_lengths"][i] for i in indices]
+        values = response_values(output, lens, resp)
+        masks = [batch["loss_masks"][i] for i in indices]
+        losses, clipped = zip(*(value_loss(v, batch["old_values"][i], batch["returns"][i], args.value_clip)
+                                for v, i in zip(values, indices)))
+
+        def agg(xs):
+            return aggregate_loss(list(xs), masks, args.loss_agg_mode, total_tokens=denominators["tokens"],
+                                  num_sequences=denominators["sequences"])
+
+        loss = agg(losses)
+        metrics = {"value_loss": loss.detach(), "value_clipfrac": agg(clipped).detach(),
+                   "values_mean": agg([v.detach() for v in values])}
+        return loss * scale, metrics
+
+    return loss_fn
