@@ -13,24 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.e2e.processes import stack_pids as _stack_pids
 from vime.rollout.debug_data import load_rollout
 from vime.utils.types import Sample
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
 TEMPERATURE = 0.8
-
-
-def _stack_pids() -> set[int]:
-    """PIDs of engine servers, vLLM engine cores and routers on this machine."""
-    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
-    pids = set()
-    for line in out.splitlines():
-        pid, _, cmd = line.strip().partition(" ")
-        if "vllm.entrypoints.openai.api_server" in cmd or "vime.backends.vllm_utils.router" in cmd \
-                or "VLLM::EngineCore" in cmd or "vllm::router" in cmd:
-            pids.add(int(pid))
-    return pids
 
 
 def _cmd(model: Path, data: Path, out: Path, num_rollout: int) -> list[str]:

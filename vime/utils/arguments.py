@@ -1,6 +1,8 @@
 """vime's command line: three groups of flags in one parser, a YAML config, and validation.
 
-- Megatron-style training flags (`vime.backends.megatron_utils.arguments`), same names as Megatron-LM.
+- Megatron-style training flags (`vime.backends.megatron_utils.arguments`), same names as Megatron-LM (the
+  megatron-core package ships no parser of its own), plus how a rollout becomes optimizer steps
+  (`train_arguments`) and the RL algorithm (`vime.algorithms.arguments`).
 - vLLM engine flags mirrored from vLLM's own parser as `--vllm-*`, router flags as `--router-*`
   (`vime.backends.vllm_utils.arguments`).
 - vime's own flags: placement and run control here; rollout, data, rewards and eval in
@@ -19,6 +21,9 @@ from pathlib import Path
 
 import yaml
 
+from vime.algorithms.arguments import add_algorithm_args, validate_algorithm_args
+from vime.backends.megatron_utils.arguments import add_megatron_args
+from vime.backends.megatron_utils.train_arguments import add_train_args, validate_train_args
 from vime.backends.vllm_utils.arguments import add_router_args, add_vllm_engine_args, validate_vllm_args
 from vime.rollout.arguments import DEFAULT_ROLLOUT_FUNCTION, add_all_rollout_args
 
@@ -59,32 +64,14 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     add_run_args(parser)
     add_placement_args(parser)
     add_all_rollout_args(parser)
-    for add in _optional_arg_groups():
-        add(parser)
+    add_megatron_args(parser)
+    add_train_args(parser)
+    add_algorithm_args(parser)
     add_vllm_engine_args(parser)
     add_router_args(parser)
     if extra_args_provider is not None:
         extra_args_provider(parser)
     return parser
-
-
-def _optional_arg_groups():
-    """Flag groups of the training side; imported here so the rollout side works on its own."""
-    groups = []
-    try:
-        from vime.backends.megatron_utils.arguments import add_megatron_args
-
-        groups.append(add_megatron_args)
-    except ImportError:
-        pass
-    try:
-        from vime.algorithms.arguments import add_algorithm_args
-        from vime.backends.megatron_utils.train_arguments import add_train_args
-
-        groups += [add_algorithm_args, add_train_args]
-    except ImportError:
-        pass
-    return groups
 
 
 def config_to_argv(path: str, parser: argparse.ArgumentParser) -> list[str]:
@@ -228,17 +215,5 @@ def validate_args(args: argparse.Namespace) -> None:
     args.vllm_engine_args = validate_vllm_args(args)
     args.output_dir = os.path.abspath(args.output_dir)
 
-    for hook in _training_validators():
-        hook(args)
-
-
-def _training_validators():
-    hooks = []
-    try:
-        from vime.algorithms.arguments import validate_algorithm_args
-        from vime.backends.megatron_utils.train_arguments import validate_train_args
-
-        hooks += [validate_algorithm_args, validate_train_args]
-    except ImportError:
-        pass
-    return hooks
+    validate_algorithm_args(args)
+    validate_train_args(args)
