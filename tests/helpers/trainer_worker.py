@@ -16,13 +16,14 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def launch(spec: dict, out_dir: Path, world_size: int = 1, timeout_s: float = 180.0) -> list[dict]:
-    """Start the ranks, wait for all, raise with their stderr if one fails; returns each rank's report."""
+    """Start the ranks, wait for all, raise with the log of the first that fails; returns each rank's report."""
     from vime.utils.misc import find_free_port
 
     out_dir = Path(out_dir)
@@ -32,21 +33,28 @@ def launch(spec: dict, out_dir: Path, world_size: int = 1, timeout_s: float = 18
                                      "out": str(out_dir)}))
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     env.pop("WORLD_SIZE", None)
-    procs = [subprocess.Popen([sys.executable, __file__, str(spec_path), str(rank)], env=env, cwd=REPO,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank in range(world_size)]
-    logs = []
-    try:
+    logs = [out_dir / f"rank{rank}.log" for rank in range(world_size)]
+    procs = []
+    for rank, log in enumerate(logs):
+        with log.open("w") as f:
+            procs.append(subprocess.Popen([sys.executable, __file__, str(spec_path), str(rank)], env=env, cwd=REPO,
+                                          stdout=f, stderr=subprocess.STDOUT))
+    deadline, failed = time.monotonic() + timeout_s, None
+    try:  # a rank that fails leaves the others waiting in a collective: stop them all at the first failure
+        while failed is None and any(p.poll() is None for p in procs):
+            failed = next((rank for rank, p in enumerate(procs) if p.poll()), None)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"trainer workers did not finish within {timeout_s} s")
+            time.sleep(0.2)
+        failed = next((rank for rank, p in enumerate(procs) if p.poll()), None) if failed is None else failed
+    finally:
         for p in procs:
-            logs.append(p.communicate(timeout=timeout_s)[0])
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        raise RuntimeError(f"trainer workers did not finish within {timeout_s} s")
-    failed = [(r, p.returncode, log) for r, (p, log) in enumerate(zip(procs, logs)) if p.returncode]
-    if failed:
-        rank, rc, log = failed[0]
-        raise RuntimeError(f"trainer worker rank {rank} exited with {rc}:\n{log[-6000:]}")
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    if failed is not None:
+        raise RuntimeError(f"trainer worker rank {failed} exited with {procs[failed].returncode}:\n"
+                           f"{logs[failed].read_text()[-6000:]}")
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
 
 

@@ -1,15 +1,20 @@
 """Weight transports on the real stack: one vLLM engine (started with vime's worker extension) and the real
-Megatron trainer in this process. Each transport gets weights the engine does not have (noise added to the
-trainer's parameters), and afterwards the engine's prompt log-probs of a probe sequence must equal the trainer's
-within 1e-5 (float32) -- and must have differed before. The wire protocol and the bookkeeping are also tested on
-their own (no engine): buckets, multi-sender broadcast (pipeline stages), delta's layer grouping.
+Megatron trainer in this process, driven by the real `update_weights` and `check_weights_equal` (Ray's
+`.remote` / `get` / `wait` stand-ins run the calls on threads: no Ray cluster). Each transport gets weights the
+engine does not have (noise added to the trainer's parameters); afterwards the engine's prompt log-probs of a
+probe sequence must equal the trainer's within 1e-5 (float32), and must have differed before. The wire protocol
+and the bookkeeping are also tested on their own (no engine): buckets, multi-sender broadcast (pipeline
+stages), delta's layer grouping, send and apply running concurrently.
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,12 +22,12 @@ from safetensors import safe_open
 
 pytest.importorskip("megatron.core")
 
-from vime.backends.weight_transport import get_transport  # noqa: E402
+from vime.backends.weight_transport import update_weights  # noqa: E402
 from vime.backends.weight_transport.broadcast import (broadcast_weights, engine_set_key, join_group,  # noqa: E402
                                                       plan_buckets)
 from vime.backends.weight_transport.check import (FLOAT32_TOLERANCE, WeightUpdateMismatchError,  # noqa: E402
-                                                  compare_log_probs, engine_prompt_log_probs, probe_tokens,
-                                                  tolerance_for)
+                                                  check_weights_equal, compare_log_probs, engine_prompt_log_probs,
+                                                  probe_tokens, tolerance_for)
 from vime.backends.weight_transport.delta import changed_tensors, load_unit  # noqa: E402
 from vime.utils.misc import find_free_port  # noqa: E402
 
@@ -127,6 +132,127 @@ def test_compare_log_probs_and_tolerance(tiny_qwen3):
     assert tolerance_for(parse_args(["--hf-checkpoint", str(tiny_qwen3), *auto])) > FLOAT32_TOLERANCE
 
 
+# ---- Ray stand-ins: `handle.method.remote(...)` runs on a thread and returns a future ------------------------
+class _Handle:
+    def __init__(self, obj, pool):
+        self._obj, self._pool = obj, pool
+
+    def __getattr__(self, name):
+        method = getattr(self._obj, name)
+        return SimpleNamespace(remote=lambda *a, **k: self._pool.submit(method, *a, **k))
+
+
+@pytest.fixture
+def fake_ray(monkeypatch):
+    import ray
+
+    def get(refs, timeout=None):
+        return [r.result(timeout=120) for r in refs] if isinstance(refs, list) else refs.result(timeout=120)
+
+    def wait_one(refs, num_returns=1):
+        done, _ = wait(refs, timeout=120, return_when=FIRST_COMPLETED)
+        if not done:
+            raise TimeoutError("nothing finished in 120 s")
+        ready = [r for r in refs if r in done][:num_returns]
+        return ready, [r for r in refs if r not in ready]
+
+    monkeypatch.setattr(ray, "get", get)
+    monkeypatch.setattr(ray, "wait", wait_one)
+    with ThreadPoolExecutor(8) as pool:
+        yield pool
+
+
+class _Manager:
+    """The rollout manager's weight-related methods (as in RolloutManager), for one engine list."""
+
+    def __init__(self, urls: list[str]):
+        self.urls, self.written = urls, []
+
+    def get_engine_urls(self):
+        return list(self.urls)
+
+    def pause(self, mode="wait"):
+        from vime.backends.vllm_utils import client
+
+        client.pause(self.urls, mode)
+
+    def apply_weights(self, transport, handle, version):
+        from vime.backends.vllm_utils import client
+
+        if isinstance(handle, dict) and "dir" in handle:  # delta: remember what it wrote
+            for f in sorted(Path(handle["dir"]).glob("*.safetensors")):
+                with safe_open(str(f), "pt") as st:
+                    self.written += list(st.keys())
+        transport.apply(self.urls, handle)
+        client.reset_prefix_cache(self.urls)
+        client.update_weight_version(self.urls, str(version))
+        client.resume(self.urls)
+
+    def probe_log_probs(self, tokens):
+        return engine_prompt_log_probs(self.urls, tokens)
+
+
+def _driver(trainer, urls: list[str], pool):
+    """(train group, rollout manager) as the driver sees them."""
+    from vime.ray.actor_group import TrainActor
+
+    actor = TrainActor(trainer.args, 0, 1)
+    actor.trainer = trainer
+    group = SimpleNamespace(actors=[_Handle(actor, pool)], call=lambda m, *a, **k: [actor.call(m, *a, **k)])
+    manager = _Manager(urls)
+    return group, _Handle(manager, pool), manager
+
+
+def test_update_weights_runs_send_and_apply_together_for_a_collective(fake_ray, tiny_qwen3):
+    """A broadcast deadlocks unless both halves run at once; disk must apply only after the files exist."""
+    from vime.utils.arguments import parse_args
+
+    args = parse_args(["--hf-checkpoint", str(tiny_qwen3), *ARGV])
+    both = threading.Barrier(2, timeout=10)
+    order = []
+
+    class Collective:
+        concurrent = True
+
+        def __init__(self, args):
+            pass
+
+        def prepare(self, version):
+            return version
+
+        def send(self, trainer, handle):
+            both.wait()
+
+        def apply(self, urls, handle):
+            both.wait()
+
+        def cleanup(self, handle):
+            order.append("cleanup")
+
+    class Files(Collective):
+        concurrent = False
+
+        def send(self, trainer, handle):
+            order.append("send")
+
+        def apply(self, urls, handle):
+            order.append("apply")
+
+    from vime.backends import weight_transport
+
+    fake_trainer = SimpleNamespace(args=args, send_weights=lambda transport, handle: transport.send(None, handle))
+    for name, cls in (("collective", Collective), ("files", Files)):
+        weight_transport.TRANSPORTS[name] = cls
+        try:
+            group, manager, _ = _driver(fake_trainer, [], fake_ray)  # no engines: the control calls are no-ops
+            metrics = update_weights(argparse.Namespace(**{**vars(args), "update_weight_transport": name}),
+                                     group, manager, version=1)
+        finally:
+            del weight_transport.TRANSPORTS[name]
+        assert metrics["perf/update_weights_time"] >= metrics["perf/update_weights_send_time"] >= 0
+    assert order == ["cleanup", "send", "apply", "cleanup"]
+
+
 # ---- one engine, the real trainer ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def stack(tiny_qwen3, tmp_path_factory):
@@ -167,33 +293,20 @@ def _drop_trainer_group() -> None:
     broadcast._trainer_group.clear()
 
 
-def _push(args, trainer, url: str, name: str, version: int, written: list | None = None) -> None:
-    """One update as `update_weights` runs it, without Ray: send and apply concurrently for a collective."""
-    from vime.backends.vllm_utils import client
+@pytest.fixture
+def sync(stack, fake_ray):
+    """sync(transport name, version) -> what delta wrote; runs the real `update_weights`."""
+    args, trainer, url = stack
+    group, manager, state = _driver(trainer, [url], fake_ray)
 
-    transport = get_transport(type(args)(**{**vars(args), "update_weight_transport": name}))
-    if hasattr(transport, "connect"):
-        transport.connect([url], lambda: ("127.0.0.1", find_free_port()))
-    client.pause([url], "wait")
-    handle = transport.prepare(version)
-    try:
-        if getattr(transport, "concurrent", False):
-            with ThreadPoolExecutor(1) as pool:
-                sending = pool.submit(trainer.send_weights, transport, handle)
-                transport.apply([url], handle)
-                sending.result(timeout=60)
-        else:
-            trainer.send_weights(transport, handle)
-            if written is not None:  # delta: what it wrote
-                for f in sorted(Path(handle["dir"]).glob("*.safetensors")):
-                    with safe_open(str(f), "pt") as st:
-                        written += list(st.keys())
-            transport.apply([url], handle)
-        client.reset_prefix_cache([url])
-        client.update_weight_version([url], str(version))
-    finally:
-        client.resume([url])
-        transport.cleanup(handle)
+    def push(name: str, version: int) -> list[str]:
+        state.written = []
+        update_weights(argparse.Namespace(**{**vars(args), "update_weight_transport": name}), group, manager,
+                       version)
+        return state.written
+
+    push.check = lambda: check_weights_equal(args, group, manager)
+    return push
 
 
 _seeds = itertools.count()
@@ -219,45 +332,46 @@ def _max_diff(trainer, url: str, tokens: list[int]) -> float:
 
 
 @pytest.mark.parametrize("name", ["disk", "broadcast", "delta"])
-def test_transport_makes_the_engine_serve_the_trainers_weights(stack, name):
+def test_transport_makes_the_engine_serve_the_trainers_weights(stack, sync, name):
     args, trainer, url = stack
     tokens = probe_tokens(args.hf_checkpoint)
     _perturb(trainer)
     assert _max_diff(trainer, url, tokens) > 1e-3  # the engine does not have these weights yet
-    _push(args, trainer, url, name, version=1)
+    with pytest.raises(WeightUpdateMismatchError, match=url):
+        sync.check()
+    sync(name, version=1)
     assert _max_diff(trainer, url, tokens) <= FLOAT32_TOLERANCE
+    assert sync.check()["weight_check/max_abs_logprob_diff"] <= FLOAT32_TOLERANCE
 
 
-def test_broadcast_group_is_reused_and_rebuilt_for_new_engines(stack):
+def test_broadcast_group_is_reused_and_rebuilt_for_new_engines(stack, sync):
     from vime.backends.weight_transport import broadcast
 
     args, trainer, url = stack
     tokens = probe_tokens(args.hf_checkpoint)
-    _push(args, trainer, url, "broadcast", version=2)
+    sync("broadcast", version=2)
     first = broadcast._trainer_group["pg"]
     _perturb(trainer)
-    _push(args, trainer, url, "broadcast", version=3)
+    sync("broadcast", version=3)
     assert broadcast._trainer_group["pg"] is first  # same engines: same group
     assert _max_diff(trainer, url, tokens) <= FLOAT32_TOLERANCE
     engine_set_key(["http://another-engine"])  # the driver saw another engine set in between
     _perturb(trainer)
-    _push(args, trainer, url, "broadcast", version=4)
+    sync("broadcast", version=4)
     assert broadcast._trainer_group["pg"] is not first  # rebuilt, on both sides
     assert _max_diff(trainer, url, tokens) <= FLOAT32_TOLERANCE
 
 
-def test_delta_sends_only_changed_layers_and_they_suffice(stack):
+def test_delta_sends_only_changed_layers_and_they_suffice(stack, sync):
     args, trainer, url = stack
     tokens = probe_tokens(args.hf_checkpoint)
-    _push(args, trainer, url, "delta", version=5, written=[])  # baseline: the engine has what the trainer has
-    written = []
-    _push(args, trainer, url, "delta", version=6, written=written)
-    assert written == []  # nothing changed: nothing sent
+    sync("delta", version=5)  # the engine now has what the trainer has
+    assert sync("delta", version=6) == []  # nothing changed: nothing sent
     # Rows 0-7 of layer 1's linear_qkv are query rows only: HF q_proj changes, k_proj and v_proj do not.
     _perturb(trainer, {"decoder.layers.1.self_attention.linear_qkv.weight": slice(0, 8),
                        "decoder.final_layernorm.weight": slice(None)}, scale=0.2)
     assert _max_diff(trainer, url, tokens) > 1e-3
-    _push(args, trainer, url, "delta", version=7, written=written)
+    written = sync("delta", version=7)
     assert sorted(written) == sorted([f"model.layers.1.self_attn.{p}_proj.weight" for p in "qkv"]
                                      + ["model.norm.weight"])
     assert _max_diff(trainer, url, tokens) <= FLOAT32_TOLERANCE

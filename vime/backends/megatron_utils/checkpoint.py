@@ -33,10 +33,10 @@ def latest_checkpoint(root: str) -> Path | None:
     return Path(root) / (tag if tag == "release" else f"iter_{int(tag):07d}")
 
 
-def _init_empty_adam_state(optimizer) -> None:
-    """torch's Adam creates its per-parameter state at the first step, but the DistributedOptimizer's
-    `sharded_state_dict` (without apex/TE) reads `step` from it: give a fresh optimizer zero state to load into."""
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+def _init_adam_state(optimizer) -> None:
+    """Zero Adam state for a fresh DistributedOptimizer to load into: without apex/TE it wraps torch's Adam,
+    whose per-parameter state (with `step`) appears only at the first step, and its sharded state dict reads it."""
+    for opt in optimizer.chained_optimizers:
         inner = opt.optimizer
         for group in inner.param_groups:
             for p in group["params"]:
@@ -45,12 +45,27 @@ def _init_empty_adam_state(optimizer) -> None:
                                       "exp_avg_sq": torch.zeros_like(p)}
 
 
+def _restore_adam_steps(optimizer, loaded: dict) -> None:
+    """After a DistributedOptimizer load without apex/TE, give each parameter its own `step` with the
+    checkpoint's value: megatron-core 0.16.1 shares one step tensor among all parameters (torch's Adam then adds
+    1 per parameter per step) and the dp_reshardable parameter state copies the template's step over it."""
+    states = [loaded] if len(optimizer.chained_optimizers) == 1 else [v for _, v in sorted(loaded.items())]
+    for opt, state in zip(optimizer.chained_optimizers, states):
+        steps = {g["step"] for g in state["optimizer"]["param_groups"] if g.get("step") is not None}
+        if len(steps) != 1:
+            continue
+        step = float(steps.pop())
+        for param_state in opt.optimizer.state.values():
+            if "step" in param_state:
+                param_state["step"] = torch.tensor(step)
+
+
 def _sharded_state(trainer, is_loading: bool) -> dict:
     model_sd = trainer.model[0].module.sharded_state_dict()
     state = {"model": model_sd}
     if trainer.optimizer is not None:
         if is_loading and trainer.args.use_distributed_optimizer:
-            _init_empty_adam_state(trainer.optimizer)
+            _init_adam_state(trainer.optimizer)
         kwargs = {"metadata": {"distrib_optim_sharding_type": "dp_reshardable"}} \
             if trainer.args.use_distributed_optimizer else {}
         state["optimizer"] = trainer.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, **kwargs)
@@ -107,6 +122,8 @@ def load_checkpoint(trainer, root: str) -> dict | None:
     if "optimizer" in loaded:
         with torch.no_grad():  # the distributed optimizer copies into views of leaf parameters
             trainer.optimizer.load_state_dict(loaded["optimizer"])
+        if args.use_distributed_optimizer:
+            _restore_adam_steps(trainer.optimizer, loaded["optimizer"])
     else:
         trainer.optimizer.reload_model_params()
     if release or args.finetune:
