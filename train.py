@@ -8,14 +8,12 @@
 
 from __future__ import annotations
 
-import logging
 import time
 
 import ray
 
-from vime.ray.session import TrainingSession
-from vime.utils.arguments import parse_args
-from vime.utils.logging_utils import configure_logging, progress
+from vime.ray.session import TrainingSession, run_entry_point
+from vime.utils.logging_utils import progress
 
 
 def train(args) -> None:
@@ -36,13 +34,7 @@ def train(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    configure_logging()
-    args = parse_args(argv)
-    try:
-        train(args)
-    finally:
-        ray.shutdown()
-    logging.getLogger("vime").info("done: metrics in %s/metrics.jsonl", args.output_dir)
+    run_entry_point(train, argv)
 
 
 if __name__ == "__main__":

@@ -9,14 +9,12 @@ sample records the weight version that produced it, and the staleness is reporte
 
 from __future__ import annotations
 
-import logging
 import time
 
 import ray
 
-from vime.ray.session import TrainingSession
-from vime.utils.arguments import parse_args
-from vime.utils.logging_utils import configure_logging, progress
+from vime.ray.session import TrainingSession, run_entry_point
+from vime.utils.logging_utils import progress
 
 
 def staleness_metrics(groups, trainer_version: int) -> dict[str, float]:
@@ -59,13 +57,7 @@ def train(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    configure_logging()
-    args = parse_args(argv)
-    try:
-        train(args)
-    finally:
-        ray.shutdown()
-    logging.getLogger("vime").info("done: metrics in %s/metrics.jsonl", args.output_dir)
+    run_entry_point(train, argv)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,22 @@ from vime.utils.logging_utils import MetricsLogger
 from vime.utils.plot import save_reward_curve
 
 
+def run_entry_point(train_fn, argv: list[str] | None = None) -> None:
+    """Parse flags, run `train_fn(args)`, and always shut Ray down (what train.py and train_async.py do)."""
+    import logging
+
+    from vime.utils.arguments import parse_args
+    from vime.utils.logging_utils import configure_logging
+
+    configure_logging()
+    args = parse_args(argv)
+    try:
+        train_fn(args)
+    finally:
+        ray.shutdown()
+    logging.getLogger("vime").info("done: metrics in %s/metrics.jsonl", args.output_dir)
+
+
 def critic_args(args):
     """The critic trains with its own learning rate and checkpoints under <save>/critic."""
     import copy
