@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -140,7 +141,10 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="vime_bench_sync_"))
     rows = []
     for label in a.sizes:
-        row = bench_size(label, SIZES[label], work, a.repeats)
+        try:
+            row = bench_size(label, SIZES[label], work, a.repeats)
+        finally:
+            shutil.rmtree(work / label, ignore_errors=True)  # up to 400 MB per model
         rows.append(row)
         print(f"{row['size']:>5} {row['params'] / 1e6:6.1f}M params {row['bytes'] / 2**20:6.1f} MiB | "
               f"plain /dev/shm copy {row['copy'] * 1e3:7.1f} ms", flush=True)
@@ -150,6 +154,7 @@ def main() -> None:
                   f"({row[name + '_transfer'] / row['copy']:6.2f}x copy)", flush=True)
     worst = max(max(r["disk"], r["broadcast"]) / r["copy"] for r in rows)
     print(f"worst update / copy ratio {worst:.2f}x (target <= 3x)")
+    shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

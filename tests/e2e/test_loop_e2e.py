@@ -43,7 +43,7 @@ def _check_run(records: list[dict], rollout_ids: list[int], on_policy: bool) -> 
     assert [r["rollout_id"] for r in train] == rollout_ids
     for r in train:
         assert r["train/steps"] >= 1  # never a zero-step rollout
-        assert r["weight_check/max_abs_diff"] < 1e-5, r
+        assert r["weight_check/max_abs_logprob_diff"] < 1e-5, r
         if on_policy:
             assert r["train_rollout_logprob_abs_diff"] < 1e-4, r
     assert any(r["train/grad_norm"] > 0 for r in train)  # the weights really moved

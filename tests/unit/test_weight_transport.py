@@ -256,7 +256,8 @@ def test_update_weights_runs_send_and_apply_together_for_a_collective(fake_ray, 
 # ---- one engine, the real trainer ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def stack(tiny_qwen3, tmp_path_factory):
-    """(args, trainer, engine url); the engine boots while the trainer is built."""
+    """(args, trainer, engine url). One after the other: the trainer's rendezvous port and the booting engine's
+    internal ports are picked free-then-bound, and overlapping the two has collided."""
     from vime.backends.megatron_utils.parallel import destroy_parallel
     from vime.backends.megatron_utils.trainer import MegatronTrainer
     from vime.backends.vllm_utils.engine import VLLMEngine
@@ -265,22 +266,14 @@ def stack(tiny_qwen3, tmp_path_factory):
     out = tmp_path_factory.mktemp("weight_transport")
     args = parse_args(["--hf-checkpoint", str(tiny_qwen3), *ARGV, "--output-dir", str(out),
                        "--update-weight-dir", str(out)])
+    trainer = MegatronTrainer(args)
     engine = VLLMEngine(args, 0, str(out))
-    with ThreadPoolExecutor(1) as pool:
-        booting = pool.submit(engine.start)
-        try:
-            trainer = MegatronTrainer(args)
-            try:
-                yield args, trainer, booting.result()
-            finally:
-                _drop_trainer_group()
-                destroy_parallel()
-        finally:
-            try:
-                booting.result()  # an engine still starting would be missed by stop()
-            except Exception:
-                pass
-            engine.stop()
+    try:
+        yield args, trainer, engine.start()
+    finally:
+        engine.stop()
+        _drop_trainer_group()
+        destroy_parallel()
 
 
 def _drop_trainer_group() -> None:

@@ -176,6 +176,12 @@ class RolloutManager:
         self.weight_version = version
         client.update_weight_version(self.engine_urls, str(version))
 
+    def probe_log_probs(self, tokens: list[int]) -> list[list[float]]:
+        """Every engine's prompt log-probs of `tokens` (for --check-weight-update-equal)."""
+        from vime.backends.weight_transport.check import engine_prompt_log_probs
+
+        return engine_prompt_log_probs(self.engine_urls, tokens)
+
     def data_source_state(self) -> dict | None:
         return self.data_source.state_dict() if self.data_source else None
 

@@ -7,6 +7,7 @@ import time
 import ray
 
 from vime.backends.weight_transport import update_weights
+from vime.backends.weight_transport.check import check_weights_equal
 from vime.ray.actor_group import RayTrainGroup
 from vime.ray.placement import Placement, init_ray
 from vime.ray.rollout_manager import RolloutManager
@@ -99,7 +100,10 @@ class TrainingSession:
         if not (self.use_engines and self.trainers is not None):
             return {}
         self.weight_version = version
-        return update_weights(self.args, self.trainers, self.manager, version=version)
+        metrics = update_weights(self.args, self.trainers, self.manager, version=version)
+        if self.args.check_weight_update_equal:  # raises when an engine serves other weights than the trainer's
+            metrics.update(check_weights_equal(self.args, self.trainers, self.manager))
+        return metrics
 
     def generate(self, rollout_id: int):
         return self.manager.generate.remote(rollout_id)  # an ObjectRef: the caller decides when to wait

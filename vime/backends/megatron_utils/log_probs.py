@@ -29,7 +29,8 @@ def vocab_parallel_log_probs(logits: torch.Tensor, targets: torch.Tensor, temper
     if tp_size > 1:
         dist.all_reduce(z_max, op=dist.ReduceOp.MAX, group=parallel_state.get_tensor_model_parallel_group())
     shifted = z - z_max.unsqueeze(-1)
-    sum_exp = reduce_from_tensor_model_parallel_region(shifted.exp().sum(dim=-1))
+    exp_shifted = shifted.exp()
+    sum_exp = reduce_from_tensor_model_parallel_region(exp_shifted.sum(dim=-1))
     log_z = sum_exp.log()  # log partition of the shifted logits
 
     start = tp_rank * local_v
@@ -41,8 +42,10 @@ def vocab_parallel_log_probs(logits: torch.Tensor, targets: torch.Tensor, temper
 
     entropy = None
     if with_entropy:
-        probs = (shifted - log_z.unsqueeze(-1)).exp()
-        expected_logit = reduce_from_tensor_model_parallel_region((probs * shifted).sum(dim=-1))
+        # E_p[shifted] = sum(exp(s) * s) / sum(exp(s)): both sums are reduced from purely local terms, so the
+        # identity backward of the reduction gives every rank the full gradient. (Normalising by the global log_z
+        # before the reduction would leave each rank only its own slice's share of d entropy / d log_z.)
+        expected_logit = reduce_from_tensor_model_parallel_region((exp_shifted * shifted).sum(dim=-1)) / sum_exp
         entropy = log_z - expected_logit
     return log_probs, entropy
 

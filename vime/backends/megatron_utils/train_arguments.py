@@ -15,12 +15,12 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
                         "(default: off).")
     g.add_argument("--max-tokens-per-gpu", type=int, default=None,
                    help="Padded tokens per micro-batch with --use-dynamic-batch-size (default: None).")
-    g.add_argument("--update-weight-transport", default="disk", choices=["disk", "broadcast", "delta"],
+    g.add_argument("--update-weight-transport", default="disk", choices=["disk", "broadcast", "delta", "cuda_ipc"],
                    help="How new weights reach the engines: disk = HF safetensors the engines reload; "
                         "broadcast = in memory over a gloo/nccl group between the training writers and the "
                         "engines (starts engines with vime's worker extension); delta = like disk, but only "
                         "the tensors whose content hash changed since the last sync, for engines behind a slow "
-                        "link (default: disk).")
+                        "link; cuda_ipc = colocated GPUs, engines map the trainer's tensors (default: disk).")
     g.add_argument("--update-weight-dir", default=None,
                    help="Directory for the disk and delta transports; must be visible to the engines "
                         "(default: /dev/shm).")

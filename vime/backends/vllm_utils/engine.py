@@ -30,7 +30,7 @@ def engine_command(args, host: str, port: int, engine_rank: int) -> list[str]:
         "--seed": str(args.seed + engine_rank),
         "--tensor-parallel-size": str(args.rollout_num_gpus_per_engine),
     }
-    if getattr(args, "update_weight_transport", None) == "broadcast":
+    if getattr(args, "update_weight_transport", None) in ("broadcast", "cuda_ipc"):
         # the engine side of the in-memory weight broadcast (vime.backends.weight_transport.broadcast)
         defaults["--worker-extension-cls"] = "vime.backends.vllm_utils.worker_extension.WeightReceiver"
     for flag, value in defaults.items():

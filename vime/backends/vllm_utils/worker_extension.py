@@ -37,3 +37,18 @@ class WeightReceiver:
         for _ in tensors:  # a loader that stopped early must not leave the group's broadcasts half done
             pass
         return stats
+
+    def vime_load_ipc_weights(self, path: str) -> dict:
+        """Colocated GPUs: reload from the trainer's CUDA IPC handles in `path` (see weight_transport.cuda_ipc)."""
+        from vime.backends.weight_transport.cuda_ipc import open_ipc_tensors
+
+        count = 0
+
+        def tensors():
+            nonlocal count
+            for name, tensor in open_ipc_tensors(path, self.device.index):
+                count += 1
+                yield name, tensor
+
+        self.reload_weights(weights_iterator=tensors(), is_checkpoint_format=True)
+        return {"tensors": count}

@@ -9,7 +9,7 @@ for transports whose two halves join one collective and must run at the same tim
 
 Implementations: `disk` (HF safetensors into a directory, /dev/shm when available; engines reload it),
 `broadcast` (in memory over a gloo/nccl group with the engines' worker extension), `delta` (disk, only the
-tensors whose content changed since the last sync).
+tensors whose content changed since the last sync), `cuda_ipc` (colocated GPUs: engines map the trainer's tensors).
 """
 
 from __future__ import annotations
@@ -17,10 +17,12 @@ from __future__ import annotations
 import time
 
 from vime.backends.weight_transport.broadcast import BroadcastWeightTransport
+from vime.backends.weight_transport.cuda_ipc import CudaIpcWeightTransport
 from vime.backends.weight_transport.delta import DeltaWeightTransport
 from vime.backends.weight_transport.disk import DiskWeightTransport
 
-TRANSPORTS = {"disk": DiskWeightTransport, "broadcast": BroadcastWeightTransport, "delta": DeltaWeightTransport}
+TRANSPORTS = {"disk": DiskWeightTransport, "broadcast": BroadcastWeightTransport, "delta": DeltaWeightTransport,
+              "cuda_ipc": CudaIpcWeightTransport}
 
 
 def get_transport(args):

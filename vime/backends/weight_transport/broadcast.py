@@ -10,9 +10,10 @@ member, and rebuilt when the engine set changes (the driver hands out a new grou
 Wire protocol, once per writer (in stage order; every member takes part in every broadcast): a JSON list of
 [name, dtype, shape] (its length, then its bytes), then the tensors, in order, as flat uint8 broadcasts: small
 ones packed into buckets of at most --update-weight-buffer-size bytes, each tensor of 1 MiB or more on its own
-(sent from its own memory, no copy). Both sides cut buckets with `plan_buckets`, so no per-bucket header travels. The engine side (`vime.backends.vllm_utils.worker_extension`)
-feeds the tensors, as they arrive, to vLLM's `reload_weights(weights_iterator=...)`: on CPU the linear weights
-are repacked after loading, so writing into the parameters would not update anything.
+(sent from its own memory, no copy). Both sides cut buckets with `plan_buckets`, so no per-bucket header
+travels. The engine side (`vime.backends.vllm_utils.worker_extension`) feeds the tensors, as they arrive, to
+vLLM's `reload_weights(weights_iterator=...)`: on CPU the linear weights are repacked after loading, so writing
+into the parameters would not update anything.
 """
 
 from __future__ import annotations
@@ -42,8 +43,9 @@ def engine_set_key(engine_urls: list[str], trainer_address: Callable[[], tuple[s
     it when the handle carries another one, so the key is the only thing that decides reuse."""
     engines = tuple(engine_urls)
     if engines != _driver_group["engines"]:
-        address = trainer_address() if trainer_address is not None else None
-        _driver_group.update(engines=engines, key=uuid.uuid4().hex, address=address)
+        _driver_group.update(engines=engines, key=uuid.uuid4().hex, address=None)
+    if _driver_group["address"] is None and trainer_address is not None:
+        _driver_group["address"] = trainer_address()
     return _driver_group["key"], _driver_group["address"]
 
 

@@ -2,8 +2,9 @@
 
     python train.py --update-weight-transport delta [--update-weight-dir /shared/mount] ...
 
-For engines behind a slow link (a shared mount across sites): each training writer keeps a blake2b digest of
-every HF tensor it last sent and writes only the changed ones; the engines reload that partial directory.
+For engines behind a slow link (a shared mount across sites): each training writer keeps a SHA-1 digest of the
+bytes of every HF tensor it last sent and writes only the changed ones; the engines reload that partial directory.
+(SHA-1 as a content fingerprint, not for security: with SHA-NI it ran at 1.25 GB/s here, blake2b at 0.49.)
 
 What vLLM 0.32 does with a partial set (checked on the CPU build): `reload_weights(weights_path=DIR)` reloads
 layer by layer, and a layer that receives nothing keeps its current weights. A layer that receives only part of
@@ -45,7 +46,7 @@ def load_unit(name: str) -> str:
 
 def digest(tensor: torch.Tensor) -> bytes:
     data = tensor.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy()
-    return hashlib.blake2b(data, digest_size=16).digest() + str((tensor.dtype, tuple(tensor.shape))).encode()
+    return hashlib.sha1(data, usedforsecurity=False).digest() + str((tensor.dtype, tuple(tensor.shape))).encode()
 
 
 def changed_tensors(weights: list[tuple[str, torch.Tensor]], previous: dict[str, bytes]) -> tuple[list[str], dict]:
@@ -88,7 +89,7 @@ class DeltaWeightTransport(DiskWeightTransport):
         _sent.update(key=handle["key"], digests=digests)
 
     def apply(self, engine_urls: list[str], handle: dict) -> None:
-        if any(Path(handle["dir"]).glob("*.safetensors")):  # nothing changed: nothing to reload
+        if any(Path(handle["dir"]).glob("*.safetensors")):  # no file: nothing changed, nothing to reload
             client.collective_rpc(engine_urls, "reload_weights", {"weights_path": handle["dir"]})
 
     def cleanup(self, handle: dict) -> None:
