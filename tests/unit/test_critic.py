@@ -56,8 +56,14 @@ def test_value_clip_limits_the_update(tiny_qwen3):
     samples = flat(groups)
     returns = [[5.0] * s["response_length"] for s in samples]
     with critic(tiny_qwen3, "--lr", "1e-2", "--value-clip", "0.01") as c:
-        values = c.compute_values(groups)
-        metrics = c.train_critic(0, groups, values, returns)
-    # values start at 0 = v_old and returns are 5: the first step's loss is 0.5 * 5^2 on every token
-    assert metrics["critic/value_loss"] == pytest.approx(0.5 * 25.0, rel=1e-3)
-    assert metrics["critic/value_clipfrac"] == 0.0  # v == v_old: clipping not yet active
+        zeros = c.compute_values(groups)
+        first = c.train_critic(0, groups, zeros, returns)
+        # v == v_old on the first step: 0.5 * 5^2 on every token, nothing clipped
+        assert first["critic/value_loss"] == pytest.approx(0.5 * 25.0, rel=1e-3)
+        assert first["critic/value_clipfrac"] == 0.0
+        moved = c.compute_values(groups)
+        shift = max(abs(v) for vs in moved.values() for v in vs)
+        assert shift > 0.01
+        # against the old (zero) values, the values now sit outside +-0.01: the clipped term decides
+        second = c.train_critic(1, groups, zeros, returns)
+    assert second["critic/value_clipfrac"] > 0.5
