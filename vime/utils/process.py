@@ -1,29 +1,22 @@
 """Child processes that never outlive their owner.
 
 Engines and the router are separate OS processes. Each is started in its own session (so the whole tree can be
-signalled at once) and with PR_SET_PDEATHSIG, so that if the owning process dies, even by SIGKILL, the kernel
-kills the child too; vLLM's own workers exit when their parent server does.
+signalled at once) under `vime.utils.watchdog`, which SIGKILLs that session's process group as soon as the owner
+is gone, even after a SIGKILL of the owner; that also reaches the engine-core and worker processes vLLM starts.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
-_PR_SET_PDEATHSIG = 1
 
-
-def _die_with_parent() -> None:
+def _new_session() -> None:
     os.setsid()
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:  # not Linux: rely on explicit stop()
-        pass
 
 
 def spawn(cmd: list[str], log_path: str | Path, env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -32,8 +25,9 @@ def spawn(cmd: list[str], log_path: str | Path, env: dict[str, str] | None = Non
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = open(log_path, "ab")
     try:
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=env, preexec_fn=_die_with_parent)
+        watched = [sys.executable, "-m", "vime.utils.watchdog", str(os.getpid()), "--", *cmd]
+        return subprocess.Popen(watched, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=env, preexec_fn=_new_session)
     finally:
         log.close()
 
