@@ -245,3 +245,14 @@ def test_registered_estimator_is_callable_through_the_shared_keywords():
         assert_close(adv, [[0.707106], [-0.707106, -0.707106]])
     finally:
         del ADVANTAGE_ESTIMATORS["test_constant"]
+
+
+def test_grpo_leaves_samples_without_trainable_tokens_out_of_the_baseline():
+    # group of 4: rewards 1, 0, 1 and a failed sample (placeholder reward 0, mask all zero)
+    masks = [torch.ones(2), torch.ones(3), torch.ones(1), torch.zeros(2)]
+    adv, _ = grpo_advantages(torch.tensor([1.0, 0.0, 1.0, 0.0]), masks, n_samples_per_prompt=4, eps=0.0)
+    # members 1, 0, 1: mean 2/3, unbiased std sqrt(((1/3)^2 * 2 + (2/3)^2) / 2) = sqrt(1/3)
+    std = (1 / 3) ** 0.5
+    assert torch.allclose(adv[0], torch.full((2,), (1 - 2 / 3) / std))
+    assert torch.allclose(adv[1], torch.full((3,), (0 - 2 / 3) / std))
+    assert torch.equal(adv[3], torch.zeros(2))

@@ -103,6 +103,20 @@ def _group_view(rewards: torch.Tensor, n_samples_per_prompt: int) -> torch.Tenso
     return rewards.view(-1, n_samples_per_prompt)
 
 
+def _group_stats(rewards: torch.Tensor, loss_masks: Tensors, n_samples_per_prompt: int):
+    """Per-group mean and unbiased std of the rewards of samples that have trainable tokens.
+
+    A sample with no trainable token (failed, aborted, filtered) is no member of its group's baseline: its
+    placeholder reward must not move the others' advantages. Returns ([G, 1] mean, [G, 1] std); a group with
+    fewer than two members gets std 0 (its members' advantages are 0 anyway)."""
+    groups = _group_view(rewards, n_samples_per_prompt)
+    member = torch.stack([m.float().sum() > 0 for m in loss_masks]).view_as(groups).float()
+    count = member.sum(dim=-1, keepdim=True)
+    mean = (groups * member).sum(dim=-1, keepdim=True) / count.clamp(min=1)
+    var = (((groups - mean) ** 2) * member).sum(dim=-1, keepdim=True) / (count - 1).clamp(min=1)
+    return groups, mean, var.sqrt()
+
+
 def _broadcast(per_sample: torch.Tensor, loss_masks: Tensors) -> Tensors:
     """One scalar per sample -> that scalar on each of the sample's trainable tokens (0 on masked ones)."""
     return [a * m.float() for a, m in zip(per_sample, loss_masks)]
@@ -164,16 +178,16 @@ def grpo_advantages(
 ) -> tuple[Tensors, Tensors]:
     """A_i = (r_i - mean(group)) / (std(group) + eps) on every trainable token of sample i.
 
-    `std` is the unbiased sample std of the group. `normalize_std=False` drops the division (Dr. GRPO),
+    `std` is the unbiased sample std of the group; samples without trainable tokens are left out of both. `normalize_std=False` drops the division (Dr. GRPO),
     leaving r_i - mean(group). Groups need at least two samples: with one, every advantage would be 0.
     """
     rewards = _as_rewards(rewards, loss_masks)
     if n_samples_per_prompt < 2:
         raise ValueError("grpo/gspo compare samples within a group; set --n-samples-per-prompt >= 2")
-    groups = _group_view(rewards, n_samples_per_prompt)
-    centred = groups - groups.mean(dim=-1, keepdim=True)
+    groups, mean, std = _group_stats(rewards, loss_masks, n_samples_per_prompt)
+    centred = groups - mean
     if normalize_std:
-        centred = centred / (groups.std(dim=-1, keepdim=True) + eps)
+        centred = centred / (std + eps)
     advantages = _broadcast(centred.flatten(), loss_masks)
     return advantages, advantages
 
@@ -220,8 +234,8 @@ def reinforce_plus_plus_baseline_advantages(
 ) -> tuple[Tensors, Tensors]:
     """A = whiten(r_i - mean(group)) with r_i - mean(group) on each trainable token of sample i."""
     rewards = _as_rewards(rewards, loss_masks)
-    groups = _group_view(rewards, n_samples_per_prompt)
-    centred = (groups - groups.mean(dim=-1, keepdim=True)).flatten()
+    groups, mean, _ = _group_stats(rewards, loss_masks, n_samples_per_prompt)
+    centred = (groups - mean).flatten()
     advantages = whiten(_broadcast(centred, loss_masks), loss_masks, eps=eps)
     return advantages, advantages
 

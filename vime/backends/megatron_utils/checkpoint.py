@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
+from megatron.core.optimizer import distrib_optimizer
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 
@@ -64,7 +65,7 @@ def _sharded_state(trainer, is_loading: bool) -> dict:
     model_sd = trainer.model[0].module.sharded_state_dict()
     state = {"model": model_sd}
     if trainer.optimizer is not None:
-        if is_loading and trainer.args.use_distributed_optimizer:
+        if is_loading and trainer.args.use_distributed_optimizer and not distrib_optimizer.HAVE_APEX_OR_TE:
             _init_adam_state(trainer.optimizer)
         kwargs = {"metadata": {"distrib_optim_sharding_type": "dp_reshardable"}} \
             if trainer.args.use_distributed_optimizer else {}
@@ -122,7 +123,7 @@ def load_checkpoint(trainer, root: str) -> dict | None:
     if "optimizer" in loaded:
         with torch.no_grad():  # the distributed optimizer copies into views of leaf parameters
             trainer.optimizer.load_state_dict(loaded["optimizer"])
-        if args.use_distributed_optimizer:
+        if args.use_distributed_optimizer and not distrib_optimizer.HAVE_APEX_OR_TE:
             _restore_adam_steps(trainer.optimizer, loaded["optimizer"])
     else:
         trainer.optimizer.reload_model_params()

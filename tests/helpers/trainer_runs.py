@@ -1,8 +1,10 @@
-"""Run `MegatronTrainer` in fresh processes, one per rank, and collect what they report through files.
+"""Run `MegatronTrainer` in tests: in this process (`local_trainer`), or in fresh processes, one per rank
+(`launch`), that report through files.
 
-    launch(spec, out_dir, world_size)        # from a test: starts world_size processes, waits, returns results
+    with local_trainer(hf_dir, "--loss-type", "sft_loss") as t: ...   # tears Megatron's groups down after
+    reports = launch(spec, out_dir, world_size)                        # blocks until every rank is done
 
-Each process runs `python trainer_worker.py SPEC.json RANK`: it builds the trainer from `spec["argv"]`
+Each launched process runs `python trainer_runs.py SPEC.json RANK`: it builds the trainer from `spec["argv"]`
 (`vime.utils.arguments.parse_args`), trains the rollouts `spec["train"]` on `spec["data"][str(rollout_id)]`,
 optionally saves (`spec["save"]`: the rollout id passed to `trainer.save`), and writes OUT/rank<r>.json
 ({"metrics": {rollout_id: metrics}, "step", "loaded_state"}) and, with `spec["weights"]`,
@@ -12,6 +14,7 @@ checkpoint restart a real kill-and-restart, and gives multi-rank runs their own 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -20,6 +23,25 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+
+# 4 prompts x 4 samples per rollout, micro-batches of 2. --load-debug-rollout-data only satisfies the argument
+# check: the trainer is handed its rollouts and reads no file.
+BASE_ARGV = ["--debug-train-only", "--load-debug-rollout-data", "unused_{rollout_id}.jsonl", "--rm-type", "math",
+             "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--micro-batch-size", "2", "--lr", "1e-3"]
+
+
+@contextlib.contextmanager
+def local_trainer(hf_dir, *extra: str):
+    """A one-process trainer in this process with BASE_ARGV + extra; Megatron's groups are destroyed after."""
+    from vime.backends.megatron_utils.parallel import destroy_parallel
+    from vime.backends.megatron_utils.trainer import MegatronTrainer
+    from vime.utils.arguments import parse_args
+
+    args = parse_args(["--hf-checkpoint", str(hf_dir), *BASE_ARGV, *extra])
+    try:
+        yield MegatronTrainer(args)
+    finally:
+        destroy_parallel()
 
 
 def launch(spec: dict, out_dir: Path, world_size: int = 1, timeout_s: float = 180.0) -> list[dict]:
