@@ -39,7 +39,12 @@ def test_sigkilled_owner_takes_the_whole_tree(tmp_path):
         time.sleep(0.1)
     grandchildren = [int(p) for p in pids_file.read_text().split()]
     assert all(_alive(p) for p in grandchildren)
+    # what Ray does when an actor dies: SIGKILL the worker and its direct children at once
+    direct = subprocess.run(["pgrep", "-P", str(owner.pid)], capture_output=True, text=True).stdout.split()
+    assert direct
     owner.send_signal(signal.SIGKILL)
+    for pid in direct:
+        os.kill(int(pid), signal.SIGKILL)
     owner.wait()
     deadline = time.monotonic() + 10
     while any(_alive(p) for p in grandchildren) and time.monotonic() < deadline:
