@@ -148,11 +148,7 @@ class MegatronTrainer:
 
         metrics: dict[str, float] = {}
         for step_index, (step, local, mbs) in enumerate(plan):
-            denominators = {
-                "tokens": max(1.0, float(sum(batch["loss_masks"][i].sum() for i in step))),
-                "sequences": max(1, sum(int(batch["loss_masks"][i].sum() > 0) for i in step)),
-            }
-            loss_fn = make_loss_fn(args, batch, denominators, scale=len(mbs) * self.dp_size, step_index=step_index)
+            loss_fn = make_loss_fn(args, batch, _denominators(batch, step), scale=len(mbs) * self.dp_size, step_index=step_index)
             mb_metrics, grad_norm, lr, skipped = train_step(args, self.model, self.optimizer, self.scheduler,
                                                             batch, mbs, loss_fn)
             self.step += 1
@@ -228,11 +224,7 @@ class MegatronTrainer:
         plan = self._split(batch)
         metrics: dict[str, float] = {}
         for step, local, mbs in plan:
-            denominators = {
-                "tokens": max(1.0, float(sum(batch["loss_masks"][i].sum() for i in step))),
-                "sequences": max(1, sum(int(batch["loss_masks"][i].sum() > 0) for i in step)),
-            }
-            loss_fn = make_value_loss_fn(args, batch, denominators, scale=len(mbs) * self.dp_size)
+            loss_fn = make_value_loss_fn(args, batch, _denominators(batch, step), scale=len(mbs) * self.dp_size)
             mb_metrics, grad_norm, _, _ = train_step(args, self.model, self.optimizer, self.scheduler, batch, mbs,
                                                      loss_fn)
             for k, v in self._reduce(mb_metrics).items():
@@ -271,6 +263,12 @@ class MegatronTrainer:
         batch = {"tokens": [tokens], "response_lengths": [response_length]}
         out = forward_log_probs(args, self.model, batch, [[0]])
         return out[0][0].tolist() if out else []
+
+
+def _denominators(batch: dict, step) -> dict:
+    """Trainable tokens and sequences of one optimizer step, over all data-parallel ranks (global means)."""
+    return {"tokens": max(1.0, float(sum(batch["loss_masks"][i].sum() for i in step))),
+            "sequences": max(1, sum(int(batch["loss_masks"][i].sum() > 0) for i in step))}
 
 
 def _dense(by_index: dict, n: int) -> list:
