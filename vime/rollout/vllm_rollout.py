@@ -190,10 +190,6 @@ async def generate_and_rm_group(args, group: list[Sample], sampling_params: dict
     return group
 
 
-def _is_aborted(group: list[Sample]) -> bool:
-    return any(s.status == Sample.Status.ABORTED for s in group)
-
-
 async def generate_rollout_async(args, rollout_id: int, data_source) -> tuple[list[list[Sample]], dict[str, Any]]:
     """Generate until --rollout-batch-size groups pass the dynamic filter; abort the surplus."""
     from vime.backends.vllm_utils import client
@@ -230,23 +226,19 @@ async def generate_rollout_async(args, rollout_id: int, data_source) -> tuple[li
                     continue
             if len(data) < target:
                 data.append(group)
-            else:  # finished after the batch was full: keep it for the next rollout
-                data_source.add_samples([_reset(g) for g in [group]])
+            else:  # finished after the batch was full: served first next rollout (no generation is wasted)
+                data_source.add_samples([group])
 
     if pending:
         state.aborted = True
         client.abort_all(args.rollout_engine_urls)
         leftovers = await asyncio.gather(*pending)
         stats["aborted_groups"] = len(leftovers)
-        if getattr(args, "partial_rollout", False):
-            data_source.add_samples([g for g in leftovers])
+        if getattr(args, "partial_rollout", False):  # issue 5: continue half-finished samples next round
+            data_source.add_samples(list(leftovers))
         state.aborted = False
     data.sort(key=lambda g: g[0].index)
     return data, stats
-
-
-def _reset(group: list[Sample]) -> list[Sample]:
-    return group
 
 
 async def eval_rollout_async(args, rollout_id: int, eval_sources: dict[str, Any]) -> dict[str, list[Sample]]:
