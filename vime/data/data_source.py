@@ -14,7 +14,8 @@ from vime.utils.types import Sample
 
 
 class RolloutDataSource:
-    def __init__(self, prompts: list[Sample], n_samples_per_prompt: int, seed: int, shuffle: bool):
+    def __init__(self, prompts: list[Sample], n_samples_per_prompt: int, seed: int, shuffle: bool,
+                 buffer_filter=None):
         if not prompts:
             raise ValueError("RolloutDataSource needs at least one prompt")
         self.prompts = prompts
@@ -26,6 +27,7 @@ class RolloutDataSource:
         self.next_sample_index = 0
         self.next_group_index = 0
         self.buffer: list[list[Sample]] = []  # groups returned for another try (partial rollout)
+        self.buffer_filter = buffer_filter  # (buffer, num_groups) -> groups taken out of it; default oldest first
         self._order = self._epoch_order(0)
 
     def _epoch_order(self, epoch: int) -> list[int]:
@@ -36,8 +38,11 @@ class RolloutDataSource:
 
     def get_samples(self, num_groups: int) -> list[list[Sample]]:
         """`num_groups` groups of `n_samples_per_prompt` fresh copies of the next prompts."""
-        groups = self.buffer[:num_groups]
-        del self.buffer[:num_groups]
+        if self.buffer_filter is not None:
+            groups = list(self.buffer_filter(self.buffer, num_groups))
+        else:
+            groups = self.buffer[:num_groups]
+            del self.buffer[:num_groups]
         while len(groups) < num_groups:
             if self.offset >= len(self._order):
                 self.epoch += 1
@@ -57,8 +62,8 @@ class RolloutDataSource:
         return groups
 
     def add_samples(self, groups: list[list[Sample]]) -> None:
-        """Give groups back; they are served first next time."""
-        self.buffer = list(groups) + self.buffer
+        """Give groups back; they are served before fresh prompts, oldest first."""
+        self.buffer = self.buffer + list(groups)
 
     def state_dict(self) -> dict:
         return {

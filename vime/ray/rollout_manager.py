@@ -43,8 +43,12 @@ class RolloutManager:
         self.data_source = None
         if args.prompt_data:
             prompts = load_prompt_samples(args.prompt_data, self.tokenizer, args)
+            buffer_filter = None
+            if args.buffer_filter_path:
+                fn = load_function(args.buffer_filter_path)
+                buffer_filter = lambda buffer, n: fn(args, buffer, n)  # noqa: E731
             self.data_source = RolloutDataSource(prompts, args.n_samples_per_prompt, args.rollout_seed,
-                                                 args.rollout_shuffle)
+                                                 args.rollout_shuffle, buffer_filter)
         self.eval_sources = {}
         for name, path in zip((args.eval_prompt_data or [])[::2], (args.eval_prompt_data or [])[1::2]):
             prompts = load_prompt_samples(path, self.tokenizer, args)

@@ -67,6 +67,15 @@ def add_rollout_args(parser: argparse.ArgumentParser) -> None:
                    help="Seconds before one generate request is abandoned and retried (default: 600).")
     g.add_argument("--rollout-request-retries", type=int, default=3,
                    help="Retries of a failed generate request before the sample is marked failed (default: 3).")
+    g.add_argument("--partial-rollout", action="store_true",
+                   help="Keep groups cut off when the batch filled (aborted mid-generation) and continue them "
+                        "first in the next rollout instead of discarding them (default: off).")
+    g.add_argument("--mask-offpolicy-in-partial-rollout", action="store_true",
+                   help="With --partial-rollout: do not train on the tokens generated before the abort (older "
+                        "weights); only the continuation is trained (default: off).")
+    g.add_argument("--buffer-filter-path", default=None,
+                   help="filter(args, buffer, num_groups) -> groups: which kept groups are served next "
+                        "(default: vime.rollout.filter_hub.buffer_filters.pop_first, oldest first).")
     g.add_argument("--custom-reward-post-process-path", default=None,
                    help="post_process(args, samples) -> None, run on each finished group after rewards, "
                         "e.g. to shape rewards (default: None).")

@@ -157,6 +157,10 @@ async def generate_and_rm(args, sample: Sample, sampling_params: dict[str, Any],
         if state.aborted:
             sample.status = Sample.Status.ABORTED
             return sample
+        if sample.status == Sample.Status.ABORTED and sample.response_length:  # partial rollout: continue it
+            sample.metadata["partial_rollout_resumed"] = sample.metadata.get("partial_rollout_resumed", 0) + 1
+            if args.mask_offpolicy_in_partial_rollout:  # those tokens came from older weights
+                sample.loss_mask = [0] * sample.response_length
         if evaluation or not sampling_params.get("seed"):
             sampling_params = {**sampling_params, "seed": (args.rollout_seed * 1_000_003 + sample.index) % 2**31}
         try:
@@ -234,7 +238,7 @@ async def generate_rollout_async(args, rollout_id: int, data_source) -> tuple[li
         client.abort_all(args.rollout_engine_urls)
         leftovers = await asyncio.gather(*pending)
         stats["aborted_groups"] = len(leftovers)
-        if getattr(args, "partial_rollout", False):  # issue 5: continue half-finished samples next round
+        if args.partial_rollout:  # continue the cut-off groups first next rollout
             data_source.add_samples(list(leftovers))
         state.aborted = False
     data.sort(key=lambda g: g[0].index)

@@ -189,7 +189,10 @@ def validate_args(args: argparse.Namespace) -> None:
             if not host or not port.isdigit():
                 raise ValueError(f"--rollout-external-engine-addrs: {addr!r} is not host:port")
 
+    if args.mask_offpolicy_in_partial_rollout and not args.partial_rollout:
+        raise ValueError("--mask-offpolicy-in-partial-rollout needs --partial-rollout")
     for flag in ("rollout_function_path", "custom_generate_function_path", "dynamic_sampling_filter_path",
+                 "buffer_filter_path",
                  "custom_rm_path", "custom_reward_post_process_path", "eval_function_path"):
         path = getattr(args, flag, None)
         if path:
