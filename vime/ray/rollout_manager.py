@@ -15,7 +15,7 @@ import ray
 from vime.backends.vllm_utils import client
 from vime.backends.vllm_utils.arguments import router_args_from
 from vime.backends.vllm_utils.engine import VLLMEngine
-from vime.backends.vllm_utils.router import Router
+from vime.backends.vllm_utils.router import Router, post_worker
 from vime.data.data_source import RolloutDataSource
 from vime.data.prompt_dataset import load_prompt_samples
 from vime.ray.placement import num_engines, serving_host
@@ -82,12 +82,9 @@ class RolloutManager:
         args = self.args
         if args.vllm_router_ip:  # an external router: register our engines with it
             self.router_url = f"http://{args.vllm_router_ip}:{args.vllm_router_port}"
-            self.router = Router(router_args_from(args, args.vllm_router_ip, args.vllm_router_port, []),
-                                 str(self.log_dir))
             for url in self.engine_urls:
-                self.router.add_worker(url)
-            self.router = None  # not ours to stop
-            return
+                post_worker(self.router_url, "add_worker", url)
+            return  # not ours to stop
         host = serving_host(args)
         port = args.vllm_router_port or find_free_port()
         self.router = Router(router_args_from(args, host, port, self.engine_urls), str(self.log_dir))

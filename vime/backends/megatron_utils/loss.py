@@ -14,9 +14,6 @@ from vime.algorithms import aggregate_loss, compute_approx_kl, compute_tis_weigh
 from vime.backends.megatron_utils.log_probs import response_log_probs
 from vime.utils.misc import load_function
 
-# metrics that are summed over micro-batches and ranks (each is already a share of a global mean)
-SUM_METRICS = ("loss", "pg_loss", "pg_clipfrac", "ppo_kl", "entropy", "kl_loss", "tis_weight_mean", "sft_loss")
-
 
 def make_loss_fn(args, batch: dict, denominators: dict, scale: float, step_index: int):
     """Return loss_fn(indices, tokens, logits) -> (scaled loss, metrics) for `model.run_schedule`."""

