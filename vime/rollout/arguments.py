@@ -96,6 +96,28 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="GiB of KV cache per engine on CPU, VLLM_CPU_KVCACHE_SPACE (default: 1).")
 
 
+def add_fault_tolerance_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("fault tolerance")
+    g.add_argument("--use-fault-tolerance", action="store_true",
+                   help="Health-check the engines; a dead or hung engine is taken out of the router, restarted, "
+                        "given the current weights and registered again (default: off).")
+    g.add_argument("--rollout-health-check-interval", type=float, default=5.0,
+                   help="Seconds between health checks of each engine (default: 5).")
+    g.add_argument("--rollout-health-check-timeout", type=float, default=10.0,
+                   help="Seconds an engine may take to answer /health before it counts as hung (default: 10).")
+    g.add_argument("--rollout-health-check-first-wait", type=float, default=0.0,
+                   help="Seconds after engine start before the first health check (default: 0).")
+
+
+def add_buffer_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("data buffer")
+    g.add_argument("--rollout-data-transport", choices=("object-store", "straw"), default="object-store",
+                   help="How rollouts travel from the rollout manager to the trainers: Ray's object store, or "
+                        "straw queues on a shared directory that survive a crash (default: object-store).")
+    g.add_argument("--rollout-data-dir", default=None,
+                   help="Shared directory of the straw transport (default: <output-dir>/rollout_data).")
+
+
 def add_reward_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("rewards")
     g.add_argument("--rm-type", default=None,
@@ -147,5 +169,6 @@ def add_debug_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_all_rollout_args(parser: argparse.ArgumentParser) -> None:
-    for add in (add_data_args, add_rollout_args, add_engine_args, add_reward_args, add_eval_args, add_debug_args):
+    for add in (add_data_args, add_rollout_args, add_engine_args, add_fault_tolerance_args, add_buffer_args,
+                add_reward_args, add_eval_args, add_debug_args):
         add(parser)

@@ -201,6 +201,16 @@ def validate_args(args: argparse.Namespace) -> None:
             except (ImportError, AttributeError, ValueError) as e:
                 raise ValueError(f"--{flag.replace('_', '-')}: {e}") from e
 
+    if args.use_fault_tolerance and args.rollout_external_engine_addrs:
+        raise ValueError("--use-fault-tolerance restarts engines vime started; it cannot restart "
+                         "--rollout-external-engine-addrs servers (drop one of the two)")
+    for flag in ("rollout_health_check_interval", "rollout_health_check_timeout"):
+        if getattr(args, flag) <= 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
+    if args.rollout_data_dir is None:
+        args.rollout_data_dir = os.path.join(os.path.abspath(args.output_dir), "rollout_data")
+    args.rollout_data_dir = os.path.abspath(args.rollout_data_dir)
+
     if args.offload_rollout and not args.colocate:
         raise ValueError("--offload-rollout only makes sense with --colocate (engines and trainer share devices)")
     if args.rollout_seed is None:
