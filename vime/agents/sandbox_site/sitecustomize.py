@@ -1,0 +1,107 @@
+"""Loaded by every Python interpreter inside a LocalSandbox (PYTHONPATH points here).
+
+An audit hook refuses writes outside the sandbox directory and network connections (when disallowed) and
+records each refusal as an event, so that the sandbox can say *why* a program stopped; uncaught MemoryError,
+process-limit and file-size errors are recorded the same way. Landlock and the network namespace enforce the
+same rules in the kernel; this hook names the cause.
+"""
+
+import json
+import os
+import sys
+
+_ROOT = os.environ.get("VIME_SANDBOX_ROOT")
+_EVENTS = os.environ.get("VIME_SANDBOX_EVENTS")
+_ALLOW_NET = os.environ.get("VIME_SANDBOX_ALLOW_NETWORK") == "1"
+_WRITE_ALLOWED = ("/dev/null", "/dev/stdout", "/dev/stderr", "/dev/tty")
+_recording = False
+_recorded = set()  # each cause once per process: a fork bomb must not flood the event log
+
+
+def _record(reason, detail):
+    global _recording
+    if _recording or not _EVENTS or reason in _recorded:
+        return
+    _recorded.add(reason)
+    _recording = True
+    try:
+        fd = os.open(_EVENTS, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        os.write(fd, (json.dumps({"event": "violation", "reason": reason, "detail": str(detail)[:300]}) + "\n")
+                 .encode())
+        os.close(fd)
+    except OSError:
+        pass
+    finally:
+        _recording = False
+
+
+def _inside(path):
+    try:
+        real = os.path.realpath(os.fsdecode(path))
+    except (TypeError, ValueError):
+        return False
+    return real == _ROOT or real.startswith(_ROOT + os.sep) or real in _WRITE_ALLOWED or real == _EVENTS
+
+
+def _writes(mode, flags):
+    if isinstance(mode, str):
+        return any(c in mode for c in "wax+")
+    return isinstance(flags, int) and bool(flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND))
+
+
+def _hook(event, args):
+    if _recording:
+        return
+    if event == "open":
+        path, mode, flags = args
+        if isinstance(path, int) or path is None or not _writes(mode, flags) or _inside(path):
+            return
+        _record("forbidden_write", path)
+        raise PermissionError(f"sandbox: writing outside the sandbox directory is not allowed: {path}")
+    if event in ("os.remove", "os.rmdir", "os.mkdir", "os.rename", "os.replace", "os.symlink", "os.link",
+                 "os.chmod", "os.truncate", "shutil.rmtree"):
+        paths = [a for a in args[:2] if isinstance(a, (str, bytes, os.PathLike))]
+        if event in ("os.symlink", "os.link", "os.rename", "os.replace"):
+            paths = paths[1:] if event in ("os.symlink", "os.link") else paths
+        for p in paths:
+            if not _inside(p):
+                _record("forbidden_write", p)
+                raise PermissionError(f"sandbox: changing files outside the sandbox directory is not allowed: {p}")
+    if not _ALLOW_NET and event in ("socket.connect", "socket.sendto", "socket.bind"):
+        sock, address = args[0], args[1]
+        if getattr(sock, "family", None) == getattr(__import__("socket"), "AF_UNIX", None):
+            return
+        _record("network", address)
+        raise PermissionError(f"sandbox: network access is not allowed: {address}")
+
+
+def _excepthook(kind, value, tb, _default=sys.excepthook):
+    import errno
+
+    if isinstance(value, MemoryError):
+        _record("memory", "MemoryError")
+    elif isinstance(value, BlockingIOError) or (isinstance(value, OSError) and value.errno == errno.EAGAIN):
+        _record("process_limit", value)
+    elif isinstance(value, OSError) and value.errno == errno.EFBIG:
+        _record("file_size", value)
+    _default(kind, value, tb)
+
+
+def _guard_fork():
+    real_fork = os.fork
+
+    def fork():
+        try:
+            return real_fork()
+        except BlockingIOError as e:  # RLIMIT_NPROC reached
+            _record("process_limit", e)
+            raise
+
+    os.fork = fork
+
+
+if _ROOT and _EVENTS:
+    _ROOT = os.path.realpath(_ROOT)
+    sys.addaudithook(_hook)
+    sys.excepthook = _excepthook
+    _guard_fork()
