@@ -1,0 +1,30 @@
+"""The data buffer's transports: how a rollout travels from the rollout manager to the trainer side.
+
+    transport = make_transport(args)
+    handle = transport.put(rollout_id, groups, extra)   # rollout manager; groups of Sample dicts, JSON `extra`
+    groups, extra = transport.get(handle)               # driver / trainers, in another process
+
+`--rollout-data-transport object-store` (default) keeps rollouts in Ray's object store; `straw` writes them
+durably to `--rollout-data-dir`, where they outlive a crash and are replayed on resume. Both carry the bytes
+of `vime.data.sample_codec`, so nothing is unpickled from a stored rollout.
+"""
+
+from __future__ import annotations
+
+from vime.data.transport.base import RolloutTransport
+
+
+def make_transport(args) -> RolloutTransport:
+    kind = getattr(args, "rollout_data_transport", "object-store")
+    if kind == "object-store":
+        from vime.data.transport.object_store import ObjectStoreTransport
+
+        return ObjectStoreTransport()
+    if kind == "straw":
+        from vime.data.transport.straw_store import StrawTransport
+
+        return StrawTransport(args.rollout_data_dir)
+    raise ValueError(f"unknown --rollout-data-transport {kind!r}: use object-store or straw")
+
+
+__all__ = ["RolloutTransport", "make_transport"]
