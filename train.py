@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import time
 
-import ray
-
 from vime.ray.session import TrainingSession, run_entry_point
 from vime.utils.logging_utils import progress
 
@@ -22,12 +20,14 @@ def train(args) -> None:
         for rollout_id in progress(range(start, num_rollout), desc="rollouts", initial=start, total=num_rollout):
             step_start = time.perf_counter()
             run.maybe_eval(rollout_id)
-            groups, metrics = ray.get(run.generate(rollout_id))
+            groups, metrics = run.collect(run.generate(rollout_id))
             run.offload_rollout()  # colocated: the trainer gets the devices
+            run.onload_train()
             metrics.update(run.train(rollout_id, groups))
             run.maybe_save(rollout_id, num_rollout)
             run.onload_rollout()
             metrics.update(run.update_weights(version=rollout_id + 1))
+            run.offload_train()  # colocated: the engines get the devices back
             metrics["perf/step_time"] = time.perf_counter() - step_start
             run.metrics.log(rollout_id, metrics)
         run.maybe_eval(num_rollout, force=True)

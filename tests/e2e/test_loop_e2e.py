@@ -111,7 +111,7 @@ def test_sync_disaggregated_survives_sigkill_and_resumes(tiny_qwen3, arithmetic_
 
 def test_sync_colocated(tiny_qwen3, arithmetic_data, tmp_path):
     _run(_cmd("train.py", tiny_qwen3, arithmetic_data[0], tmp_path, 3, "--colocate", "--offload-rollout",
-              "--actor-num-gpus-per-node", "2"))
+              "--offload-train", "--actor-num-gpus-per-node", "2"))
     _check_run(_metrics(tmp_path), [0, 1, 2], on_policy=True)
 
 

@@ -74,6 +74,9 @@ def test_yaml_config_unknown_key(base, tmp_path, capsys):
     (["--rollout-external-engine-addrs", "localhost"], "is not host:port"),
     (["--eval-prompt-data", "only_a_name"], "pairs NAME PATH"),
     (["--n-samples-per-prompt", "0"], "--n-samples-per-prompt must be >= 1"),
+    (["--offload-train"], "--offload-train only makes sense with --colocate"),
+    (["--use-fault-tolerance", "--rollout-external-engine-addrs", "h:1"], "cannot restart"),
+    (["--rollout-health-check-interval", "0"], "--rollout-health-check-interval must be > 0"),
 ])
 def test_validation_errors_name_the_flag(base, capsys, extra, message):
     assert message in _error(capsys, base + extra)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 import ray
 
 from vime.backends.weight_transport import update_weights
+from vime.data.transport import make_transport
+from vime.data.transport.replay import append_trained_samples, replay_ids, truncate_trained_samples
 from vime.backends.weight_transport.check import check_weights_equal
 from vime.ray.actor_group import RayTrainGroup
 from vime.ray.placement import Placement, init_ray
@@ -14,6 +17,7 @@ from vime.ray.rollout_manager import RolloutManager
 from vime.utils.logging_utils import MetricsLogger
 from vime.utils.plot import save_reward_curve
 
+logger = logging.getLogger(__name__)
 
 def run_entry_point(train_fn, argv: list[str] | None = None) -> None:
     """Parse flags, run `train_fn(args)`, and always shut Ray down (what train.py and train_async.py do)."""
@@ -64,6 +68,10 @@ class TrainingSession:
         self.train_enabled = not args.debug_rollout_only
         self.manager = self.trainers = self.metrics = None
         self.weight_version = 0
+        self.transport = make_transport(args)  # rollouts come from the manager through this
+        self.replay: dict[int, object] = {}  # rollout id -> handle of a stored rollout to train instead of generating
+        self.replayed: set[int] = set()
+        self.data_state_after: dict[int, dict | None] = {}  # rollout id -> data-source state right after it
 
     def __enter__(self) -> TrainingSession:
         args = self.args
@@ -93,7 +101,9 @@ class TrainingSession:
             if resumed:  # continue after the saved rollout, with the same data order
                 start = resumed["rollout_id"] + 1
                 ray.get(self.manager.load_data_source_state.remote(resumed.get("data_source")))
+            self._plan_replay(start)
             self.update_weights(version=start)  # engines serve exactly the trainer's weights from now on
+            self.offload_train()
         return start, num_rollout
 
     def update_weights(self, version: int) -> dict[str, float]:
@@ -105,8 +115,43 @@ class TrainingSession:
             metrics.update(check_weights_equal(self.args, self.trainers, self.manager))
         return metrics
 
+    def _plan_replay(self, start: int) -> None:
+        """With a durable transport, train rollouts stored by a crashed run instead of generating them again."""
+        truncate_trained_samples(self.args.output_dir, start)
+        stored = self.transport.stored()
+        if not stored:
+            return
+        if not self.args.load:  # a fresh run: earlier runs' rollouts are not ours to train
+            logger.info("fresh run: dropping %d rollouts stored in %s by an earlier run", len(stored),
+                        self.args.rollout_data_dir)
+            self.transport.trim(list(stored))
+            return
+        ids = replay_ids(stored, start)
+        self.transport.trim([i for i in stored if i not in ids])  # already in the checkpoint, or after a gap
+        if not ids:
+            return
+        _, extra = self.transport.get(stored[ids[-1]])
+        ray.get(self.manager.load_data_source_state.remote(extra.get("data_source")))  # continue after them
+        self.replay = {i: stored[i] for i in ids}
+        logger.info("replaying rollouts %d..%d from %s before generating again", ids[0], ids[-1],
+                    self.args.rollout_data_dir)
+
     def generate(self, rollout_id: int):
-        return self.manager.generate.remote(rollout_id)  # an ObjectRef: the caller decides when to wait
+        """Start rollout `rollout_id` (replayed from storage when a crashed run stored it); returns an ObjectRef
+        for `collect`: the caller decides when to wait."""
+        if rollout_id in self.replay:
+            self.replayed.add(rollout_id)
+            return ray.put(self.replay.pop(rollout_id))
+        return self.manager.generate.remote(rollout_id)
+
+    def collect(self, pending) -> tuple[list[list[dict]], dict[str, float]]:
+        """Wait for a rollout from `generate` and fetch it through the transport: (groups, metrics)."""
+        groups, extra = self.transport.get(ray.get(pending))
+        rollout_id = extra["rollout_id"]
+        self.data_state_after[rollout_id] = extra.get("data_source")
+        metrics = dict(extra.get("metrics") or {})
+        metrics["buffer/replayed"] = float(rollout_id in self.replayed)
+        return groups, metrics
 
     def offload_rollout(self) -> None:
         """Colocated runs: free the engines' device memory for training (--offload-rollout)."""
@@ -116,6 +161,19 @@ class TrainingSession:
     def onload_rollout(self) -> None:
         if self.args.offload_rollout and self.use_engines:
             ray.get(self.manager.wake_up.remote())
+
+    def offload_train(self) -> None:
+        """Colocated runs: the trainer's state goes to host memory while the engines generate (--offload-train)."""
+        if self.args.offload_train and self.trainers is not None:
+            self.trainers.call("offload")
+            if self.critic is not None:
+                self.critic.call("offload")
+
+    def onload_train(self) -> None:
+        if self.args.offload_train and self.trainers is not None:
+            self.trainers.call("onload")
+            if self.critic is not None:
+                self.critic.call("onload")
 
     def train(self, rollout_id: int, groups) -> dict[str, float]:
         if self.trainers is None:
@@ -132,6 +190,10 @@ class TrainingSession:
             metrics.update(next((m for m in self.critic.call("train_critic", rollout_id, groups, values, returns)
                                  if m), {}))
         metrics["perf/train_time"] = time.perf_counter() - start
+        append_trained_samples(self.args.output_dir, rollout_id, groups, replayed=rollout_id in self.replayed)
+        if not self.args.save:  # nothing to resume from, so nothing to replay: let the rollout go now
+            self.transport.trim([rollout_id])
+            self.data_state_after.pop(rollout_id, None)
         return metrics
 
     def maybe_save(self, rollout_id: int, num_rollout: int) -> None:
@@ -141,10 +203,16 @@ class TrainingSession:
         if self.trainers is None:
             return
         if args.save and (last or periodic):
-            state = {"data_source": ray.get(self.manager.data_source_state.remote())}
+            if rollout_id in self.data_state_after:  # async runs have generated further by now
+                state = {"data_source": self.data_state_after[rollout_id]}
+            else:
+                state = {"data_source": ray.get(self.manager.data_source_state.remote())}
             self.trainers.call("save", rollout_id, state)
             if self.critic is not None:
                 self.critic.call("save", rollout_id, {})
+            # rollouts up to here are inside the checkpoint: no resume will replay them
+            self.transport.trim([i for i in self.transport.stored() if i <= rollout_id])
+            self.data_state_after = {i: s for i, s in self.data_state_after.items() if i > rollout_id}
         if args.save_hf and (last or periodic):
             self.trainers.call("save_hf", args.save_hf.format(rollout_id=rollout_id))
 
@@ -164,3 +232,4 @@ class TrainingSession:
             if self.metrics is not None:
                 self.metrics.close()
                 save_reward_curve(self.args.output_dir)
+            self.transport.close()

@@ -50,6 +50,9 @@ def add_placement_args(parser: argparse.ArgumentParser) -> None:
                    help="Devices per node for training; on CPU, training processes per node (default: 1).")
     g.add_argument("--colocate", action="store_true",
                    help="Training and rollout share devices and take turns (default: off).")
+    g.add_argument("--offload-train", action="store_true",
+                   help="With --colocate: move the trainer's weights, gradients and optimizer state to host memory "
+                        "while the engines generate (default: off).")
     g.add_argument("--offload-rollout", action="store_true",
                    help="With --colocate: put the engines to sleep (vLLM /sleep, frees GPU memory) while training "
                         "(default: off).")
@@ -211,8 +214,10 @@ def validate_args(args: argparse.Namespace) -> None:
         args.rollout_data_dir = os.path.join(os.path.abspath(args.output_dir), "rollout_data")
     args.rollout_data_dir = os.path.abspath(args.rollout_data_dir)
 
-    if args.offload_rollout and not args.colocate:
-        raise ValueError("--offload-rollout only makes sense with --colocate (engines and trainer share devices)")
+    for flag in ("offload_rollout", "offload_train"):
+        if getattr(args, flag) and not args.colocate:
+            raise ValueError(f"--{flag.replace('_', '-')} only makes sense with --colocate (engines and trainer "
+                             "share devices)")
     if args.rollout_seed is None:
         args.rollout_seed = args.seed
     if args.apply_chat_template_kwargs is not None:

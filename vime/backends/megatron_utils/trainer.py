@@ -232,6 +232,19 @@ class MegatronTrainer:
             metrics["critic/grad_norm"] = float(grad_norm or 0.0)
         return metrics if is_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0 else {}
 
+    # ---- colocated offload (--offload-train) ------------------------------------------------------------------
+    def offload(self) -> int:
+        """Move parameters, grad buffers, optimizer state and the KL reference to host memory; returns bytes."""
+        from vime.backends.megatron_utils.offload import TrainStateOffloader, train_state_tensors
+
+        if not hasattr(self, "_offloader"):
+            self._offloader = TrainStateOffloader()
+        ref = [t for sd in self.ref_state or [] for t in sd.values()]
+        return self._offloader.offload(train_state_tensors(self.model, self.optimizer, ref))
+
+    def onload(self) -> int:
+        return self._offloader.onload() if hasattr(self, "_offloader") else 0
+
     # ---- weights out ------------------------------------------------------------------------------------------
     def hf_weights(self):
         """(HF name, full tensor) pairs of the current policy, gathered over TP (for weight sync / export)."""
