@@ -40,7 +40,7 @@ def train(args) -> None:
         pending = run.generate(start)
         for rollout_id in progress(range(start, num_rollout), desc="rollouts", initial=start, total=num_rollout):
             step_start = time.perf_counter()
-            groups, metrics = ray.get(pending)
+            groups, metrics = run.collect(pending)
             if rollout_id + 1 < num_rollout:
                 pending = run.generate(rollout_id + 1)  # runs on the engines while we train below
             metrics.update(staleness_metrics(groups, run.weight_version))

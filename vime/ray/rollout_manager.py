@@ -1,7 +1,7 @@
 """The rollout manager (a Ray actor): owns the engines, the router, the prompt data and the rollout function.
 
     manager = RolloutManager.remote(args, pg)
-    ray.get(manager.generate.remote(rollout_id))  # -> (samples as dicts, metrics)
+    handle = ray.get(manager.generate.remote(rollout_id))  # -> transport.get(handle): (sample dicts, extra)
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from vime.backends.vllm_utils.arguments import router_args_from
 from vime.backends.vllm_utils.engine import VLLMEngine
 from vime.backends.vllm_utils.router import Router, post_worker
 from vime.data.data_source import RolloutDataSource
+from vime.data.transport import make_transport
 from vime.data.prompt_dataset import load_prompt_samples
 from vime.ray.placement import num_engines, serving_host
 from vime.rollout.debug_data import load_rollout, save_rollout
@@ -57,6 +58,7 @@ class RolloutManager:
         self.rollout_fn = load_function(args.rollout_function_path)
         self.eval_fn = load_function(args.eval_function_path or args.rollout_function_path)
         self.placement = placement
+        self.transport = make_transport(args)  # how generate() hands rollouts to the trainer side
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
     def start(self) -> list[str]:
@@ -114,8 +116,12 @@ class RolloutManager:
         return self.router_url
 
     # ---- rollouts --------------------------------------------------------------------------------------------
-    def generate(self, rollout_id: int) -> tuple[list[list[dict]], dict[str, float]]:
-        """One rollout: groups of samples (as dicts) and its metrics."""
+    def generate(self, rollout_id: int):
+        """One rollout, handed to the data transport; returns its handle.
+
+        `transport.get(handle)` gives (groups of sample dicts, extra), where extra holds the rollout id, its
+        metrics and the data-source state right after it (what a resumed run needs to continue after it).
+        """
         args = self.args
         start = time.perf_counter()
         if args.load_debug_rollout_data:
@@ -134,7 +140,8 @@ class RolloutManager:
         for key in ("dropped_groups", "aborted_groups", "submitted_groups"):
             if key in stats:
                 metrics[f"rollout/{key}"] = float(stats[key])
-        return [[s.to_dict() for s in g] for g in groups], metrics
+        extra = {"rollout_id": rollout_id, "metrics": metrics, "data_source": self.data_source_state()}
+        return self.transport.put(rollout_id, [[s.to_dict() for s in g] for g in groups], extra)
 
     def eval(self, rollout_id: int) -> dict[str, float]:
         if not self.eval_sources:

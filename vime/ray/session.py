@@ -8,9 +8,9 @@ import time
 import ray
 
 from vime.backends.weight_transport import update_weights
+from vime.backends.weight_transport.check import check_weights_equal
 from vime.data.transport import make_transport
 from vime.data.transport.replay import append_trained_samples, replay_ids, truncate_trained_samples
-from vime.backends.weight_transport.check import check_weights_equal
 from vime.ray.actor_group import RayTrainGroup
 from vime.ray.placement import Placement, init_ray
 from vime.ray.rollout_manager import RolloutManager

@@ -1,0 +1,61 @@
+"""Crash replay with a durable transport: which stored rollouts a resumed run trains from storage, and the
+record of which sample ids were trained.
+
+A run resumed from the checkpoint of rollout k starts at k + 1. Rollouts k + 1, k + 2, ... that the crashed run
+had already stored are trained from storage instead of generated again, and the data source continues from
+the state stored with the last of them, so no sample is lost or trained twice.
+
+`<output-dir>/trained_samples.jsonl` has one line per trained rollout: {"rollout_id", "sample_ids", "replayed"}.
+On resume it is cut back to the rollouts inside the loaded checkpoint (training after it was undone by the
+crash), so it always lists exactly the samples the current weights were trained on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+TRAINED_SAMPLES = "trained_samples.jsonl"
+
+
+def replay_ids(stored_ids, start: int) -> list[int]:
+    """The stored rollouts to replay: the unbroken run start, start + 1, ... (a gap ends it)."""
+    stored, ids = set(stored_ids), []
+    while start + len(ids) in stored:
+        ids.append(start + len(ids))
+    return ids
+
+
+def read_trained_samples(output_dir) -> list[dict]:
+    path = Path(output_dir) / TRAINED_SAMPLES
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:  # a line cut short by a kill mid-write: that rollout was never checkpointed
+            continue
+    return records
+
+
+def truncate_trained_samples(output_dir, start: int) -> None:
+    """Keep the records of rollouts before `start` (the ones the resumed weights contain), atomically."""
+    path = Path(output_dir) / TRAINED_SAMPLES
+    if not path.exists():
+        return
+    kept = [r for r in read_trained_samples(output_dir) if r["rollout_id"] < start]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    os.replace(tmp, path)
+
+
+def append_trained_samples(output_dir, rollout_id: int, groups: list[list[dict]], replayed: bool) -> None:
+    path = Path(output_dir) / TRAINED_SAMPLES
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {"rollout_id": rollout_id, "sample_ids": [s["index"] for g in groups for s in g], "replayed": replayed}
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
