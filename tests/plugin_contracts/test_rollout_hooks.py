@@ -152,7 +152,7 @@ def test_raising_and_hanging_rewards_are_recorded_per_sample(plugin, tiny_qwen3)
                                      _source().get_samples(1)[0], {"max_tokens": 4}))
     assert out[0].reward == 1.0 and out[0].status == Sample.Status.COMPLETED
     assert out[1].status == Sample.Status.FAILED
-    assert out[1].metadata["failure"] == {"stage": "reward", "error": "KeyError: 'no such field'"}
+    assert out[1].metadata["failure"] == {"stage": "reward", "reason": "error", "error": "KeyError: 'no such field'"}
     out = _run(generate_and_rm_group(_args(tiny_qwen3, custom_rm_path="my_plugin.slow_reward", rm_timeout=0.2),
                                      _source().get_samples(1)[0], {"max_tokens": 4}))
     assert all(s.status == Sample.Status.FAILED and "--rm-timeout" in s.metadata["failure"]["error"] for s in out)

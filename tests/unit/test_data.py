@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from vime.data.data_source import RolloutDataSource
-from vime.data.prompt_dataset import DataFormatError, load_prompt_samples
+from vime.data.prompt_dataset import DataFormatError, load_prompt_file, load_prompt_samples
 from vime.rollout.debug_data import load_rollout, save_rollout
 from vime.utils.types import Sample
 
@@ -53,26 +53,49 @@ def test_chat_template_and_message_prompts(tmp_path, tokenizer):
     assert samples[1].prompt.startswith("<|im_start|>user\nplain<|im_end|>")
 
 
-@pytest.mark.parametrize("line, message", [
+BAD_ROWS = [
     ('{"prompt": "a", "label": "1"', "p.jsonl:2: not valid JSON"),
     ('["a", "b"]', "p.jsonl:2: expected a JSON object"),
     ('{"question": "a", "label": "1"}', "p.jsonl:2: missing key 'prompt' (--input-key)"),
     ('{"prompt": "a"}', "p.jsonl:2: missing key 'label' (--label-key)"),
     ('{"prompt": "a", "label": "1", "metadata": [1]}', "p.jsonl:2: 'metadata' must be a dict"),
     ('{"prompt": [{"content": "x"}], "label": "1"}', "p.jsonl:2: each chat message needs 'role'"),
-])
-def test_bad_rows_name_file_and_line(tmp_path, tokenizer, line, message):
-    path = _write(tmp_path, ['{"prompt": "ok", "label": "0"}', line])
-    with pytest.raises(DataFormatError, match=None) as e:
+    ('{"prompt": [], "label": "1"}', "p.jsonl:2: prompt must be a string or a non-empty list"),
+]
+
+
+@pytest.mark.parametrize("line, message", BAD_ROWS)
+def test_bad_rows_are_skipped_naming_file_and_line(tmp_path, tokenizer, line, message, caplog):
+    good = [json.dumps({"prompt": f"ok {i}", "label": str(i)}) for i in range(9)]
+    path = _write(tmp_path, good[:1] + [line] + good[1:])  # 1 bad row of 10: within the 0.1 tolerance
+    loaded = load_prompt_file(path, tokenizer, _args(apply_chat_template=True))
+    assert [s.label for s in loaded.samples] == [str(i) for i in range(9)]
+    assert len(loaded.skipped) == 1 and message in loaded.skipped[0]
+    assert message in caplog.text  # the warning names file:line and the reason
+
+
+@pytest.mark.parametrize("line, message", BAD_ROWS)
+def test_too_many_bad_rows_is_an_error(tmp_path, tokenizer, line, message):
+    path = _write(tmp_path, ['{"prompt": "ok", "label": "0"}', line])  # 1 bad row of 2 > 0.1
+    with pytest.raises(DataFormatError, match="1 of 2 rows are malformed, more than --max-bad-prompt-rows-ratio") as e:
         load_prompt_samples(path, tokenizer, _args(apply_chat_template=True))
     assert message in str(e.value)
+    loaded = load_prompt_file(path, tokenizer, _args(apply_chat_template=True, max_bad_prompt_rows_ratio=0.5))
+    assert len(loaded.samples) == 1 and len(loaded.skipped) == 1
 
 
-def test_max_prompt_len_filters(tmp_path, tokenizer):
+def test_all_rows_bad_is_an_error_even_with_full_tolerance(tmp_path, tokenizer):
+    path = _write(tmp_path, ['{"question": "a", "label": "1"}', '{"question": "b", "label": "2"}'])
+    with pytest.raises(DataFormatError, match="all 2 rows are malformed .*--input-key") as e:
+        load_prompt_samples(path, tokenizer, _args(max_bad_prompt_rows_ratio=1.0))
+    assert "p.jsonl:1: missing key 'prompt'" in str(e.value) and "p.jsonl:2:" in str(e.value)
+
+
+def test_max_prompt_len_filters_and_counts(tmp_path, tokenizer):
     path = _write(tmp_path, ['{"prompt": "short", "label": "1"}',
                              json.dumps({"prompt": "long " * 50, "label": "2"})])
-    samples = load_prompt_samples(path, tokenizer, _args(rollout_max_prompt_len=10))
-    assert [s.label for s in samples] == ["1"]
+    loaded = load_prompt_file(path, tokenizer, _args(rollout_max_prompt_len=10))
+    assert [s.label for s in loaded.samples] == ["1"] and loaded.too_long == 1 and loaded.skipped == []
     with pytest.raises(DataFormatError, match="no usable prompts"):
         load_prompt_samples(path, tokenizer, _args(rollout_max_prompt_len=1))
 

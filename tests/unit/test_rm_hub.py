@@ -342,6 +342,6 @@ def test_remote_rm_needs_url():
 
 
 def test_public_names():
-    assert set(rm_hub.__all__) == {"RM_REGISTRY", "async_rm", "batched_async_rm", "register_rm"}
+    assert set(rm_hub.__all__) == {"RM_REGISTRY", "RewardTypeError", "async_rm", "batched_async_rm", "register_rm"}
     builtin = {"math", "boxed", "deepscaler", "dapo", "exact_match", "f1", "gpqa", "remote_rm", "random"}
     assert builtin <= set(RM_REGISTRY)

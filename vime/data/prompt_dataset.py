@@ -1,10 +1,13 @@
 """Prompt datasets: JSONL / Parquet rows -> `Sample`s with prompt tokens.
 
-Bad rows fail loudly with the file and line (row) number, never silently.
+A malformed row (not JSON, not an object, missing the input key, bad chat messages, ...) is skipped with a
+warning naming file:line and the reason, and counted; loading fails with a clear error when every row is bad or
+more than --max-bad-prompt-rows-ratio of them are (then the file, or a flag such as --input-key, is wrong).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -14,13 +17,24 @@ from vime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_MAX_BAD_ROWS_RATIO = 0.1
+
 
 class DataFormatError(ValueError):
     """A row of a prompt file is malformed; the message names the file and line."""
 
 
-def read_rows(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    """Yield (line number starting at 1, row dict) from a .jsonl/.json-lines or .parquet file."""
+@dataclasses.dataclass
+class PromptFile:
+    """What loading a prompt file found: the usable prompts, the rows skipped (with reasons), over-long prompts."""
+
+    samples: list[Sample]
+    skipped: list[str]  # "file:line: reason", one per malformed row
+    too_long: int  # prompts over --rollout-max-prompt-len, dropped
+
+
+def read_rows(path: str | Path) -> Iterator[tuple[int, dict[str, Any] | DataFormatError]]:
+    """Yield (line number starting at 1, row dict or the DataFormatError of a malformed line)."""
     path = Path(path)
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
@@ -29,16 +43,18 @@ def read_rows(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
         for i, row in enumerate(table.to_pylist(), start=1):
             yield i, row
         return
-    with path.open(encoding="utf-8") as f:
+    with path.open(encoding="utf-8", errors="replace") as f:
         for i, line in enumerate(f, start=1):
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DataFormatError(f"{path}:{i}: not valid JSON ({e.msg} at column {e.colno})") from None
+                yield i, DataFormatError(f"{path}:{i}: not valid JSON ({e.msg} at column {e.colno})")
+                continue
             if not isinstance(row, dict):
-                raise DataFormatError(f"{path}:{i}: expected a JSON object, got {type(row).__name__}")
+                yield i, DataFormatError(f"{path}:{i}: expected a JSON object, got {type(row).__name__}")
+                continue
             yield i, row
 
 
@@ -51,56 +67,96 @@ def _check_messages(messages: Any, where: str) -> list[dict[str, Any]]:
     return messages
 
 
-def load_prompt_samples(path: str | Path, tokenizer, args) -> list[Sample]:
-    """Read a prompt file into Samples whose `tokens` are the prompt token ids (response empty).
+def _json_field(value: Any, name: str, where: str) -> Any:
+    """Parquet often stores nested values as JSON strings."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:
+        raise DataFormatError(f"{where}: {name!r} is a string but not JSON") from None
 
-    Uses args.input_key, label_key, metadata_key, tool_key, apply_chat_template(_kwargs) and
-    rollout_max_prompt_len (over-long prompts are dropped and counted in the log).
+
+def row_to_sample(row: dict[str, Any], where: str, tokenizer, args) -> Sample:
+    """One row -> a prompt Sample; raises DataFormatError naming `where` (file:line) when the row is malformed."""
+    if args.input_key not in row:
+        raise DataFormatError(f"{where}: missing key {args.input_key!r} (--input-key); row has {sorted(row)}")
+    prompt = row[args.input_key]
+    label = None
+    if args.label_key is not None:
+        if args.label_key not in row:
+            raise DataFormatError(f"{where}: missing key {args.label_key!r} (--label-key)")
+        label = row[args.label_key]
+    metadata = _json_field(row.get(args.metadata_key) or {}, args.metadata_key, where)
+    if not isinstance(metadata, dict):
+        raise DataFormatError(f"{where}: {args.metadata_key!r} must be a dict, got {type(metadata).__name__}")
+    tools = _json_field(row.get(args.tool_key), args.tool_key, where) if args.tool_key else None
+
+    if args.apply_chat_template:
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        messages = _check_messages(messages, where)
+        try:
+            text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False,
+                                                 **(args.apply_chat_template_kwargs or {}))
+        except Exception as e:  # a template error on one row's content (e.g. a non-string content)
+            raise DataFormatError(f"{where}: chat template failed: {type(e).__name__}: {e}"[:300]) from None
+    elif isinstance(prompt, str):
+        text = prompt
+    else:
+        raise DataFormatError(f"{where}: prompt is a {type(prompt).__name__}, not a string; for a list of chat "
+                              "messages pass --apply-chat-template")
+    token_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if not token_ids:
+        raise DataFormatError(f"{where}: prompt is empty")
+    return Sample(prompt=text, tokens=list(token_ids), label=label, metadata=dict(metadata), tools=tools)
+
+
+def load_prompt_file(path: str | Path, tokenizer, args) -> PromptFile:
+    """Read a prompt file, skipping malformed rows within the tolerance (see the module docstring).
+
+    Uses args.input_key, label_key, metadata_key, tool_key, apply_chat_template(_kwargs),
+    rollout_max_prompt_len (longer prompts are dropped and counted) and max_bad_prompt_rows_ratio.
     """
-    samples, too_long = [], 0
-    template_kwargs = args.apply_chat_template_kwargs or {}
+    samples, skipped, too_long, rows = [], [], 0, 0
+    max_len = args.rollout_max_prompt_len
     for line, row in read_rows(path):
-        where = f"{path}:{line}"
-        if args.input_key not in row:
-            raise DataFormatError(f"{where}: missing key {args.input_key!r} (--input-key); row has {sorted(row)}")
-        prompt = row[args.input_key]
-        label = None
-        if args.label_key is not None:
-            if args.label_key not in row:
-                raise DataFormatError(f"{where}: missing key {args.label_key!r} (--label-key)")
-            label = row[args.label_key]
-        metadata = row.get(args.metadata_key) or {}
-        if isinstance(metadata, str):  # Parquet often stores nested dicts as JSON strings
-            try:
-                metadata = json.loads(metadata)
-            except json.JSONDecodeError:
-                raise DataFormatError(f"{where}: {args.metadata_key!r} is a string but not JSON") from None
-        if not isinstance(metadata, dict):
-            raise DataFormatError(f"{where}: {args.metadata_key!r} must be a dict, got {type(metadata).__name__}")
-        tools = row.get(args.tool_key) if args.tool_key else None
-        if isinstance(tools, str):
-            tools = json.loads(tools)
-
-        if args.apply_chat_template:
-            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-            messages = _check_messages(messages, where)
-            text = tokenizer.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=True, tokenize=False, **template_kwargs
-            )
-        elif isinstance(prompt, str):
-            text = prompt
-        else:
-            raise DataFormatError(f"{where}: prompt is a list of messages; pass --apply-chat-template")
-        token_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        if not token_ids:
-            raise DataFormatError(f"{where}: prompt is empty")
-        if args.rollout_max_prompt_len is not None and len(token_ids) > args.rollout_max_prompt_len:
+        rows += 1
+        try:
+            if isinstance(row, DataFormatError):
+                raise row
+            sample = row_to_sample(row, f"{path}:{line}", tokenizer, args)
+        except DataFormatError as e:
+            skipped.append(str(e))
+            logger.warning("skipping a malformed prompt row: %s", e)
+            continue
+        if max_len is not None and len(sample.tokens) > max_len:
             too_long += 1
             continue
-        samples.append(Sample(prompt=text, tokens=list(token_ids), label=label, metadata=dict(metadata), tools=tools))
+        samples.append(sample)
+    check_bad_rows(path, rows, skipped, getattr(args, "max_bad_prompt_rows_ratio", DEFAULT_MAX_BAD_ROWS_RATIO))
     if too_long:
-        logger.warning("%s: dropped %d prompts longer than --rollout-max-prompt-len %d",
-                       path, too_long, args.rollout_max_prompt_len)
+        logger.warning("%s: dropped %d prompts longer than --rollout-max-prompt-len %d", path, too_long, max_len)
     if not samples:
-        raise DataFormatError(f"{path}: no usable prompts")
-    return samples
+        raise DataFormatError(f"{path}: no usable prompts ({rows} rows, {too_long} longer than "
+                              f"--rollout-max-prompt-len {max_len})")
+    return PromptFile(samples, skipped, too_long)
+
+
+def check_bad_rows(path, rows: int, skipped: list[str], max_ratio: float) -> None:
+    """Raise when every row, or more than `max_ratio` of them, is malformed (the first reasons in the message)."""
+    if not skipped:
+        return
+    examples = "\n  ".join(skipped[:5])
+    if len(skipped) == rows:
+        raise DataFormatError(f"{path}: all {rows} rows are malformed (wrong file or --input-key / --label-key?); "
+                              f"first ones:\n  {examples}")
+    if len(skipped) > max_ratio * rows:
+        raise DataFormatError(f"{path}: {len(skipped)} of {rows} rows are malformed, more than "
+                              f"--max-bad-prompt-rows-ratio {max_ratio}; fix the file or raise the ratio. "
+                              f"First ones:\n  {examples}")
+    logger.warning("%s: skipped %d malformed rows of %d", path, len(skipped), rows)
+
+
+def load_prompt_samples(path: str | Path, tokenizer, args) -> list[Sample]:
+    """The usable prompts of a file as Samples whose `tokens` are the prompt token ids (see `load_prompt_file`)."""
+    return load_prompt_file(path, tokenizer, args).samples

@@ -24,6 +24,10 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
                    help="JSON dict of extra keyword arguments for apply_chat_template (default: None).")
     g.add_argument("--rollout-max-prompt-len", type=int, default=None,
                    help="Drop prompts longer than this many tokens when loading (default: no limit).")
+    g.add_argument("--max-bad-prompt-rows-ratio", type=float, default=0.1,
+                   help="Malformed prompt rows (bad JSON, missing --input-key, bad chat messages) are skipped with "
+                        "a warning and counted in data/skipped_rows; loading fails when more than this fraction "
+                        "of the rows, or all of them, are malformed (default: 0.1).")
     g.add_argument("--rollout-shuffle", action="store_true",
                    help="Shuffle prompts each epoch, seeded by --rollout-seed and the epoch (default: off).")
     g.add_argument("--num-epoch", type=int, default=None,

@@ -1,18 +1,60 @@
-"""Rollout metrics: pure functions of the samples."""
+"""Rollout metrics: pure functions of the samples, plus counters kept on `args` by the rollout side.
+
+Counters are things no sample shows: engine restarts (the health monitor), malformed prompt rows (the loader),
+the peak number of requests in flight (the generate path). `record_counters(..., once=True)` values are reported
+with the next rollout only; the others are running totals reported with every rollout.
+"""
 
 from __future__ import annotations
 
 import statistics
+import threading
 
 from vime.utils.types import Sample
+
+_lock = threading.Lock()  # the health monitor records from its own thread
 
 
 def _mean(xs):
     return sum(xs) / len(xs) if xs else 0.0
 
 
+def record_counters(args, values: dict[str, float], once: bool = True) -> None:
+    """Set counters reported with the next rollout's metrics (`once`) or with every rollout from now on."""
+    with _lock:
+        name = "rollout_counters_once" if once else "rollout_counters"
+        counters = getattr(args, name, None) or {}
+        counters.update(values)
+        setattr(args, name, counters)
+
+
+def add_counter(args, key: str, n: float = 1.0) -> None:
+    """Add `n` to a running total (e.g. rollout/engine_restarts)."""
+    with _lock:
+        counters = getattr(args, "rollout_counters", None) or {}
+        counters[key] = counters.get(key, 0.0) + n
+        args.rollout_counters = counters
+
+
+def take_counters(args) -> dict[str, float]:
+    """The counters to report now: the running totals and the once-only values (which are then cleared)."""
+    with _lock:
+        out = dict(getattr(args, "rollout_counters", None) or {})
+        out.update(getattr(args, "rollout_counters_once", None) or {})
+        if args is not None:
+            args.rollout_counters_once = {}
+    return out
+
+
+def failure_key(sample: Sample) -> str:
+    """`<stage>_<reason>` of a failed sample, e.g. reward_timeout, generate_engine_rejected."""
+    failure = sample.metadata.get("failure") or {}
+    return f"{failure.get('stage', 'unknown')}_{failure.get('reason', 'error')}"
+
+
 def rollout_metrics(samples: list[Sample], args=None, prefix: str = "rollout") -> dict[str, float]:
-    """Reward, length, truncation and failure statistics of one rollout's samples."""
+    """Reward, length, truncation and failure statistics of one rollout's samples (failures by stage and reason:
+    `<prefix>/failed/<stage>_<reason>`); a training rollout (prefix "rollout") also reports the counters."""
     scored = [s for s in samples if s.status not in (Sample.Status.FAILED, Sample.Status.ABORTED)]
     rewards = [s.get_reward_value(args) for s in scored if s.reward is not None]
     lengths = [s.response_length for s in samples]
@@ -26,11 +68,10 @@ def rollout_metrics(samples: list[Sample], args=None, prefix: str = "rollout") -
         f"{prefix}/failed_samples": float(sum(s.status == Sample.Status.FAILED for s in samples)),
         f"{prefix}/response_tokens": float(sum(lengths)),
     }
-    failures: dict[str, int] = {}
     for s in samples:
         if s.status == Sample.Status.FAILED:
-            stage = s.metadata.get("failure", {}).get("stage", "unknown")
-            failures[stage] = failures.get(stage, 0) + 1
-    for stage, n in failures.items():
-        m[f"{prefix}/failed_{stage}"] = float(n)
+            key = f"{prefix}/failed/{failure_key(s)}"
+            m[key] = m.get(key, 0.0) + 1.0
+    if prefix == "rollout" and args is not None:
+        m.update(take_counters(args))
     return m

@@ -11,13 +11,15 @@ Hook signatures match slime's, so users' functions port unchanged:
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from typing import Any
 
 import aiohttp
 
-from vime.rollout.rm_hub import async_rm, batched_async_rm
+from vime.rollout.metrics import record_counters
+from vime.rollout.rm_hub import RewardTypeError, async_rm, batched_async_rm
 from vime.utils.misc import load_function
 from vime.utils.types import Sample
 
@@ -45,6 +47,8 @@ class GenerateState:
         self.semaphore = asyncio.Semaphore(args.rollout_concurrency)
         self.session: aiohttp.ClientSession | None = None
         self.aborted = False  # set when the batch is full: queued requests return without being sent
+        self.in_flight = 0  # generate requests sent and not yet answered (all engines)
+        self.max_in_flight = 0  # its peak since the last rollout started
         self.generate_fn = load_function(args.custom_generate_function_path or
                                          "vime.rollout.vllm_rollout.generate")
 
@@ -80,27 +84,64 @@ def sampling_params_for(args, evaluation: bool = False) -> dict[str, Any]:
     return p
 
 
+class EngineRejectedError(ValueError):
+    """The engine answered 4xx: the request itself is bad (e.g. prompt + max_tokens over --max-model-len)."""
+
+
+class EngineUnavailableError(RuntimeError):
+    """No engine answered the request within the retry budget."""
+
+
+def _error_message(text: str) -> str:
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError:
+        return text[:500]
+    return str(body.get("error", body) if isinstance(body, dict) else body)[:500]
+
+
+def retry_window_s(args) -> float:
+    """How long retries of one request keep going at least. With --use-fault-tolerance the router may still
+    send requests to a dead engine until the health monitor takes it out, so retries must outlast that."""
+    if not getattr(args, "use_fault_tolerance", False):
+        return 0.0
+    return args.rollout_health_check_interval + args.rollout_health_check_timeout + 10.0
+
+
 async def post_generate(args, token_ids: list[int], sampling_params: dict[str, Any]) -> dict[str, Any]:
-    """One token-in/token-out request through the router, with retries. Returns the first choice."""
+    """One token-in/token-out request through the router, with retries. Returns the first choice.
+
+    Connection errors, 5xx and 429 are retried (at least --rollout-request-retries times, and for
+    `retry_window_s` with fault tolerance); a 4xx raises EngineRejectedError at once.
+    """
     state = GenerateState(args)
     timeout = aiohttp.ClientTimeout(total=args.rollout_request_timeout)
     payload = {"token_ids": token_ids, "sampling_params": sampling_params, "model": "policy"}
     last_error: Exception | None = None
-    for attempt in range(args.rollout_request_retries + 1):
+    deadline = time.monotonic() + retry_window_s(args)
+    attempt = 0
+    while True:
         try:
+            state.in_flight += 1
+            state.max_in_flight = max(state.max_in_flight, state.in_flight)
             async with state.http().post(router_url(args) + "/inference/v1/generate", json=payload,
                                          timeout=timeout) as r:
-                body = await r.json(content_type=None)
+                text = await r.text()
                 if r.status >= 400:
-                    message = body.get("error", body) if isinstance(body, dict) else body
+                    message = _error_message(text)
                     if 400 <= r.status < 500 and r.status != 429:  # the request itself is bad: no retry
-                        raise ValueError(f"engine rejected the request (HTTP {r.status}): {message}")
-                    raise aiohttp.ClientResponseError(r.request_info, (), status=r.status, message=str(message))
-                return body["choices"][0]
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                        raise EngineRejectedError(f"engine rejected the request (HTTP {r.status}): {message}")
+                    raise aiohttp.ClientResponseError(r.request_info, (), status=r.status, message=message)
+                return json.loads(text)["choices"][0]
+        except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as e:
             last_error = e
-            await asyncio.sleep(min(0.5 * 2**attempt, 8.0))
-    raise RuntimeError(f"generate failed after {args.rollout_request_retries + 1} attempts: {last_error!r}")
+        finally:
+            state.in_flight -= 1
+        attempt += 1
+        if attempt > args.rollout_request_retries and time.monotonic() >= deadline:
+            break
+        await asyncio.sleep(min(0.5 * 2 ** (attempt - 1), 8.0))
+    raise EngineUnavailableError(f"generate failed after {attempt} attempts: {last_error!r}")
 
 
 def append_choice(sample: Sample, choice: dict[str, Any], tokenizer, trainable: bool = True) -> None:
@@ -134,19 +175,31 @@ async def generate(args, sample: Sample, sampling_params: dict[str, Any]) -> Sam
     return sample
 
 
-def _fail(sample: Sample, stage: str, error: BaseException | str) -> Sample:
+def fail_sample(sample: Sample, stage: str, reason: str, error: BaseException | str) -> Sample:
+    """Mark `sample` failed: `metadata["failure"] = {stage, reason, error}`; none of its tokens is trained."""
     sample.status = Sample.Status.FAILED
-    sample.metadata["failure"] = {"stage": stage, "error": str(error)[:2000]}
+    sample.metadata["failure"] = {"stage": stage, "reason": reason, "error": str(error)[:2000]}
+    sample.loss_mask = [0] * sample.response_length
     return sample
+
+
+def _generate_failure_reason(error: BaseException) -> str:
+    if isinstance(error, EngineRejectedError):
+        return "engine_rejected"
+    if isinstance(error, EngineUnavailableError):
+        return "engine_unavailable"
+    return "error"
 
 
 async def _reward_one(args, sample: Sample) -> None:
     try:
         sample.reward = await asyncio.wait_for(async_rm(args, sample), timeout=args.rm_timeout)
     except asyncio.TimeoutError:
-        _fail(sample, "reward", f"reward function exceeded --rm-timeout {args.rm_timeout}s")
+        fail_sample(sample, "reward", "timeout", f"reward function exceeded --rm-timeout {args.rm_timeout}s")
+    except RewardTypeError as e:
+        fail_sample(sample, "reward", "bad_return_type", e)
     except Exception as e:  # a user's reward function may raise anything; record it per sample
-        _fail(sample, "reward", f"{type(e).__name__}: {e}")
+        fail_sample(sample, "reward", "error", f"{type(e).__name__}: {e}")
 
 
 async def generate_and_rm(args, sample: Sample, sampling_params: dict[str, Any], evaluation: bool = False) -> Sample:
@@ -167,9 +220,12 @@ async def generate_and_rm(args, sample: Sample, sampling_params: dict[str, Any],
             result = await state.generate_fn(args, sample, sampling_params)
         except Exception as e:  # engine errors and custom generate bugs become per-sample failures
             logger.warning("sample %s: generation failed: %s", sample.index, e)
-            return _fail(sample, "generate", f"{type(e).__name__}: {e}")
+            return fail_sample(sample, "generate", _generate_failure_reason(e), f"{type(e).__name__}: {e}")
     if not isinstance(result, Sample):
-        return _fail(sample, "generate", f"generate function returned {type(result).__name__}, expected Sample")
+        path = args.custom_generate_function_path or "vime.rollout.vllm_rollout.generate"
+        return fail_sample(sample, "generate", "bad_return_type",
+                           f"--custom-generate-function-path {path} returned {type(result).__name__}, expected "
+                           f"Sample: {result!r}"[:500])
     if result.status == Sample.Status.PENDING:
         result.status = Sample.Status.COMPLETED
     if result.status in (Sample.Status.ABORTED, Sample.Status.FAILED) or args.group_rm:
@@ -186,9 +242,13 @@ async def generate_and_rm_group(args, group: list[Sample], sampling_params: dict
             rewards = await asyncio.wait_for(batched_async_rm(args, group), timeout=args.rm_timeout)
             for s, r in zip(group, rewards):
                 s.reward = r
-        except Exception as e:
+        except asyncio.TimeoutError:
             for s in group:
-                _fail(s, "reward", f"group reward: {type(e).__name__}: {e}")
+                fail_sample(s, "reward", "timeout", f"group reward function exceeded --rm-timeout {args.rm_timeout}s")
+        except Exception as e:
+            reason = "bad_return_type" if isinstance(e, RewardTypeError) else "error"
+            for s in group:
+                fail_sample(s, "reward", reason, f"group reward: {type(e).__name__}: {e}")
     if args.custom_reward_post_process_path and not evaluation:
         load_function(args.custom_reward_post_process_path)(args, group)
     return group
@@ -200,6 +260,7 @@ async def generate_rollout_async(args, rollout_id: int, data_source) -> tuple[li
 
     state = GenerateState(args)
     state.aborted = False
+    state.max_in_flight = state.in_flight
     target = args.rollout_batch_size
     params = sampling_params_for(args)
     dynamic_filter = load_function(args.dynamic_sampling_filter_path) if args.dynamic_sampling_filter_path else None
@@ -235,13 +296,18 @@ async def generate_rollout_async(args, rollout_id: int, data_source) -> tuple[li
 
     if pending:
         state.aborted = True
-        client.abort_all(args.rollout_engine_urls)
+        if getattr(args, "use_fault_tolerance", False):  # an engine may be dead: it has nothing left to abort
+            for url, error in client.post_each(list(args.rollout_engine_urls), "/abort_requests", body={})[1].items():
+                logger.warning("abort on %s failed: %s", url, error)
+        else:
+            client.abort_all(args.rollout_engine_urls)
         leftovers = await asyncio.gather(*pending)
         stats["aborted_groups"] = len(leftovers)
         if args.partial_rollout:  # continue the cut-off groups first next rollout
             data_source.add_samples(list(leftovers))
         state.aborted = False
     data.sort(key=lambda g: g[0].index)
+    stats["max_in_flight"] = state.max_in_flight
     return data, stats
 
 
@@ -265,4 +331,5 @@ def generate_rollout(args, rollout_id: int, data_source, evaluation: bool = Fals
     groups, stats = run(generate_rollout_async(args, rollout_id, data_source))
     stats["generate_time"] = time.perf_counter() - start
     args.last_rollout_stats = stats
+    record_counters(args, {"rollout/max_in_flight": float(stats["max_in_flight"])})
     return groups

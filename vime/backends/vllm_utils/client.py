@@ -32,22 +32,29 @@ def _post(url: str, route: str, body: dict | None, params: dict | None, timeout:
         return r.text
 
 
+def post_each(urls: list[str], route: str, body: dict | None = None, params: dict | None = None,
+              timeout: float = 300.0) -> tuple[dict[str, Any], dict[str, str]]:
+    """POST to `route` on every engine at once; returns ({url: answer}, {url: error}) for those that failed."""
+    if not urls:
+        return {}, {}
+    with ThreadPoolExecutor(max_workers=len(urls)) as pool:
+        futures = {u: pool.submit(_post, u, route, body, params, timeout) for u in urls}
+        results, errors = {}, {}
+        for url, f in futures.items():
+            try:
+                results[url] = f.result()
+            except EngineControlError as e:
+                errors[url] = str(e)
+    return results, errors
+
+
 def post_all(urls: list[str], route: str, body: dict | None = None, params: dict | None = None,
              timeout: float = 300.0) -> list[Any]:
     """POST to `route` on every engine at once; raise naming the engine(s) that failed."""
-    if not urls:
-        return []
-    with ThreadPoolExecutor(max_workers=len(urls)) as pool:
-        futures = [pool.submit(_post, u, route, body, params, timeout) for u in urls]
-        results, errors = [], []
-        for f in futures:
-            try:
-                results.append(f.result())
-            except EngineControlError as e:
-                errors.append(str(e))
+    results, errors = post_each(urls, route, body, params, timeout)
     if errors:
-        raise EngineControlError("; ".join(errors))
-    return results
+        raise EngineControlError("; ".join(errors.values()))
+    return [results[u] for u in urls]
 
 
 def pause(urls: list[str], mode: str = "wait") -> None:

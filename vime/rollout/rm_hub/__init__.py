@@ -3,12 +3,19 @@
 `--custom-rm-path pkg.mod.fn` wins when set: `fn(args, sample) -> float | dict`, sync or async; with
 `--group-rm` it is instead called once per group, `fn(args, samples) -> list`. Otherwise `--rm-type`
 names a function in `RM_REGISTRY` (see `registry.py`; one module per type beside this file).
+
+A sync custom function runs in a worker thread, so that `--rm-timeout` holds even when it blocks (the thread
+cannot be interrupted: it finishes in the background). An async one must not block the event loop.
+A custom function that returns something else than a number or a dict raises `RewardTypeError`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
+import numbers
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from vime.utils.misc import load_function
@@ -17,19 +24,43 @@ from vime.utils.types import Sample
 from . import boxed, dapo, exact_match, f1, gpqa, math_rm, random_rm, remote_rm  # noqa: F401  (fill the registry)
 from .registry import RM_REGISTRY, register_rm
 
-__all__ = ["RM_REGISTRY", "async_rm", "batched_async_rm", "register_rm"]
+__all__ = ["RM_REGISTRY", "RewardTypeError", "async_rm", "batched_async_rm", "register_rm"]
+
+# Sync custom rewards: enough threads that a few calls hanging past --rm-timeout do not starve the others.
+_SYNC_REWARD_THREADS = 128
 
 
-async def _call(fn, *args: Any, **kwargs: Any) -> Any:
-    result = fn(*args, **kwargs)
+class RewardTypeError(TypeError):
+    """A custom reward function returned something other than a number or a dict."""
+
+
+@functools.cache
+def _executor() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=_SYNC_REWARD_THREADS, thread_name_prefix="vime-reward")
+
+
+async def _call(fn, *args: Any, in_thread: bool = False, **kwargs: Any) -> Any:
+    if in_thread and not inspect.iscoroutinefunction(fn):
+        call = functools.partial(fn, *args, **kwargs)
+        result = await asyncio.get_running_loop().run_in_executor(_executor(), call)
+    else:
+        result = fn(*args, **kwargs)
     return await result if inspect.isawaitable(result) else result
+
+
+def check_reward(value: Any, path: str) -> float | dict:
+    if isinstance(value, dict) or (isinstance(value, numbers.Real) and not isinstance(value, bool)):
+        return value
+    raise RewardTypeError(f"--custom-rm-path {path} returned {type(value).__name__} ({value!r:.200}), expected a "
+                          "float or a dict")
 
 
 async def async_rm(args, sample: Sample, **kwargs: Any) -> float | dict:
     """The reward of one sample. `kwargs` are passed to a custom function only."""
     custom_path = getattr(args, "custom_rm_path", None)
     if custom_path:
-        return await _call(load_function(custom_path), args, sample, **kwargs)
+        return check_reward(await _call(load_function(custom_path), args, sample, in_thread=True, **kwargs),
+                            custom_path)
     rm_type = getattr(args, "rm_type", None)
     fn = RM_REGISTRY.get(rm_type)
     if fn is None:
@@ -43,9 +74,12 @@ async def batched_async_rm(args, samples: list[Sample]) -> list[float | dict]:
     """Rewards for `samples`, in order. Does not write `sample.reward`."""
     custom_path = getattr(args, "custom_rm_path", None)
     if getattr(args, "group_rm", False) and custom_path:
-        rewards = await _call(load_function(custom_path), args, samples)
-        if not isinstance(rewards, (list, tuple)) or len(rewards) != len(samples):
-            got = len(rewards) if isinstance(rewards, (list, tuple)) else type(rewards).__name__
-            raise ValueError(f"group reward function {custom_path!r} returned {got} rewards for {len(samples)} samples")
-        return list(rewards)
+        rewards = await _call(load_function(custom_path), args, samples, in_thread=True)
+        if not isinstance(rewards, (list, tuple)):
+            raise RewardTypeError(f"group reward function {custom_path!r} returned {type(rewards).__name__} "
+                                  f"({rewards!r:.200}), expected a list of {len(samples)} rewards")
+        if len(rewards) != len(samples):
+            raise ValueError(f"group reward function {custom_path!r} returned {len(rewards)} rewards for "
+                             f"{len(samples)} samples")
+        return [check_reward(r, custom_path) for r in rewards]
     return list(await asyncio.gather(*(async_rm(args, sample) for sample in samples)))

@@ -1,0 +1,183 @@
+"""Failures on the rollout side, without engines: the generate request's retries against a fake HTTP engine
+(4xx fails the sample at once, 5xx and dropped connections are retried, the in-flight peak is counted), reward
+functions that block past --rm-timeout or return the wrong type, failure metrics by reason and the counters."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import textwrap
+import time
+from types import SimpleNamespace
+
+import pytest
+from aiohttp import web
+
+from vime.rollout import vllm_rollout
+from vime.rollout.metrics import add_counter, record_counters, rollout_metrics
+from vime.rollout.vllm_rollout import (EngineRejectedError, EngineUnavailableError, GenerateState,
+                                       generate_and_rm_group, post_generate)
+from vime.utils.types import Sample
+
+PLUGIN = textwrap.dedent('''
+    import time
+
+    def blocking_reward(args, sample):  # sync and blocking: must not stall the event loop
+        if sample.index % 2:
+            time.sleep(2)
+        return 1.0
+
+    def none_reward(args, sample):
+        return None
+
+    async def generate(args, sample, sampling_params):
+        sample.tokens = sample.tokens + [5]
+        sample.response_length += 1
+        sample.loss_mask = [1]
+        sample.rollout_log_probs = [-0.5]
+        return sample
+''')
+
+
+def _run(coro):
+    from vime.utils.async_utils import run
+
+    return run(coro)
+
+
+@pytest.fixture()
+def plugin(tmp_path, monkeypatch):
+    (tmp_path / "failure_plugin.py").write_text(PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("failure_plugin", None)
+    GenerateState.reset()
+    yield
+    GenerateState.reset()
+    sys.modules.pop("failure_plugin", None)
+
+
+def _args(tiny_qwen3, **kw):
+    base = dict(hf_checkpoint=str(tiny_qwen3), rollout_concurrency=64, rollout_request_timeout=5.0,
+                rollout_request_retries=3, use_fault_tolerance=False, custom_generate_function_path=None,
+                rm_type=None, custom_rm_path=None, group_rm=False, rm_timeout=2.0, reward_key=None, rollout_seed=0,
+                custom_reward_post_process_path=None, vllm_router_ip="127.0.0.1", vllm_router_port=None,
+                rollout_health_check_interval=1.0, rollout_health_check_timeout=1.0)
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+class FakeEngine:
+    """An HTTP server answering /inference/v1/generate from a script of statuses ('drop' closes the connection)."""
+
+    def __init__(self, script: list):
+        self.script, self.calls, self.concurrent, self.peak = list(script), 0, 0, 0
+
+    async def handle(self, request):
+        self.calls += 1
+        self.concurrent += 1
+        self.peak = max(self.peak, self.concurrent)
+        try:
+            await asyncio.sleep(0.2)
+            status = self.script.pop(0) if self.script else 200
+            if status == "drop":
+                request.transport.close()
+                return web.Response(status=200)
+            if status != 200:
+                return web.json_response({"error": f"status {status}"}, status=status)
+            return web.json_response({"choices": [{"token_ids": [1], "logprobs": {"content": [{"logprob": -1.0}]},
+                                                   "finish_reason": "length"}]})
+        finally:
+            self.concurrent -= 1
+
+    async def start(self) -> int:
+        app = web.Application()
+        app.router.add_post("/inference/v1/generate", self.handle)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        return site._server.sockets[0].getsockname()[1]
+
+
+async def _serve_and_post(args, script, n_requests=1):
+    engine = FakeEngine(script)
+    args.vllm_router_port = await engine.start()
+    try:
+        results = await asyncio.gather(*(post_generate(args, [1, 2], {"max_tokens": 1}) for _ in range(n_requests)),
+                                       return_exceptions=True)
+    finally:
+        await engine.runner.cleanup()
+    return engine, results
+
+
+def test_bad_request_fails_at_once_and_server_errors_are_retried(tiny_qwen3, plugin):
+    engine, [result] = _run(_serve_and_post(_args(tiny_qwen3), [400]))
+    assert isinstance(result, EngineRejectedError) and "HTTP 400" in str(result) and engine.calls == 1
+    engine, [result] = _run(_serve_and_post(_args(tiny_qwen3), [503, "drop", 502]))
+    assert result["token_ids"] == [1] and engine.calls == 4
+    engine, [result] = _run(_serve_and_post(_args(tiny_qwen3, rollout_request_retries=1), [503, 503, 503]))
+    assert isinstance(result, EngineUnavailableError) and "after 2 attempts" in str(result) and engine.calls == 2
+
+
+def test_fault_tolerance_keeps_retrying_through_the_health_check_window(tiny_qwen3, plugin):
+    args = _args(tiny_qwen3, rollout_request_retries=1, use_fault_tolerance=True)
+    window = vllm_rollout.retry_window_s(args)
+    assert window == args.rollout_health_check_interval + args.rollout_health_check_timeout + 10.0
+    start = time.monotonic()
+    engine, [result] = _run(_serve_and_post(args, [503] * 4))
+    assert result["token_ids"] == [1] and engine.calls == 5  # 1 retry allowed, yet retried until it worked
+    assert time.monotonic() - start < window
+
+
+def test_in_flight_peak_is_counted(tiny_qwen3, plugin):
+    args = _args(tiny_qwen3)
+    engine, results = _run(_serve_and_post(args, [], n_requests=40))
+    assert all(r["token_ids"] == [1] for r in results)
+    state = GenerateState(args)
+    assert state.in_flight == 0 and state.max_in_flight == 40 == engine.peak
+
+
+def _group(n=4):
+    return [Sample(group_index=0, index=i, tokens=[1, 2], status=Sample.Status.PENDING) for i in range(n)]
+
+
+def test_blocking_sync_reward_times_out_per_sample_without_stalling_the_others(tiny_qwen3, plugin):
+    args = _args(tiny_qwen3, custom_generate_function_path="failure_plugin.generate",
+                 custom_rm_path="failure_plugin.blocking_reward", rm_timeout=0.5)
+    start = time.monotonic()
+    out = _run(generate_and_rm_group(args, _group(), {"max_tokens": 4}))
+    assert time.monotonic() - start < 1.5  # the two sleeping rewards ran in threads, bounded by --rm-timeout
+    assert [s.status for s in out] == [Sample.Status.COMPLETED, Sample.Status.FAILED] * 2
+    assert [s.reward for s in out[::2]] == [1.0, 1.0]
+    failure = out[1].metadata["failure"]
+    assert failure["stage"] == "reward" and failure["reason"] == "timeout" and "--rm-timeout 0.5" in failure["error"]
+    assert out[1].loss_mask == [0] and out[0].loss_mask == [1]
+
+
+def test_wrong_reward_type_names_the_function_and_the_value(tiny_qwen3, plugin):
+    args = _args(tiny_qwen3, custom_generate_function_path="failure_plugin.generate",
+                 custom_rm_path="failure_plugin.none_reward")
+    out = _run(generate_and_rm_group(args, _group(2), {"max_tokens": 4}))
+    failure = out[0].metadata["failure"]
+    assert failure["reason"] == "bad_return_type"
+    assert failure["error"] == "--custom-rm-path failure_plugin.none_reward returned NoneType (None), expected a " \
+                               "float or a dict"
+
+
+def test_failure_metrics_by_reason_and_counters():
+    def failed(stage, reason):
+        return Sample(status=Sample.Status.FAILED, metadata={"failure": {"stage": stage, "reason": reason}})
+
+    samples = [failed("reward", "timeout"), failed("reward", "timeout"), failed("generate", "engine_rejected"),
+               Sample(status=Sample.Status.COMPLETED, reward=1.0, response_length=3)]
+    args = SimpleNamespace(reward_key=None)
+    record_counters(args, {"data/skipped_rows": 3.0})
+    add_counter(args, "rollout/engine_restarts")
+    m = rollout_metrics(samples, args)
+    assert m["rollout/failed_samples"] == 3 and m["rollout/failed/reward_timeout"] == 2
+    assert m["rollout/failed/generate_engine_rejected"] == 1 and m["rollout/reward_mean"] == 1.0
+    assert m["data/skipped_rows"] == 3 and m["rollout/engine_restarts"] == 1
+    add_counter(args, "rollout/engine_restarts")
+    m = rollout_metrics(samples, args)
+    assert "data/skipped_rows" not in m and m["rollout/engine_restarts"] == 2  # once-only vs running total
+    assert "rollout/engine_restarts" not in rollout_metrics(samples, args, prefix="eval/x")
