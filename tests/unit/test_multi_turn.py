@@ -140,3 +140,15 @@ def test_custom_environment(monkeypatch, tiny_qwen3, tokenizer):
     sample = _generate(monkeypatch, tiny_qwen3, engine, _prompt(tokenizer), environment=_always, max_turns=3)
     assert [t["role"] for t in sample.metadata["turns"]] == ["assistant", "environment"] * 2 + ["assistant"]
     assert "<|im_start|>user\nturn 1 seen<|im_end|>" in sample.response
+
+
+def test_turn_cap_ends_a_turn_not_the_episode(monkeypatch, tiny_qwen3, tokenizer):
+    engine = ScriptedEngine(tokenizer, ["x" * 50, "y" * 50, "z" * 50], eos=False)
+    sample = _generate(monkeypatch, tiny_qwen3, engine, _prompt(tokenizer), environment=_always, max_turns=3,
+                       max_turn_tokens=8)
+    turns = sample.metadata["turns"]
+    assert [t["length"] for t in turns if t["role"] == "assistant"] == [8, 8, 8]
+    assert sample.metadata["stop"] == "max_turns" and sample.status == Sample.Status.COMPLETED
+    # the cut turn is closed by the environment turn's end-of-turn token
+    env = turns[1]
+    assert sample.response_tokens[env["start"]] == tokenizer.eos_token_id

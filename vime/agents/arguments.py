@@ -11,6 +11,7 @@ from typing import Any
 
 DEFAULTS: dict[str, Any] = {
     "agent_max_turns": 4,
+    "agent_max_turn_tokens": None,
     "agent_tools": ["calculator", "python"],
     "agent_tool_paths": None,
     "agent_tool_call_format": "auto",
@@ -32,6 +33,9 @@ def add_agent_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--agent-max-turns", type=int, default=DEFAULTS["agent_max_turns"],
                    help="Model turns per episode; tool turns in between do not count (default: 4). "
                         "All turns together share --rollout-max-response-len tokens.")
+    g.add_argument("--agent-max-turn-tokens", type=int, default=None,
+                   help="New tokens one model turn may take; a turn cut there still gets an environment answer "
+                        "(default: None = whatever is left of --rollout-max-response-len).")
     g.add_argument("--agent-tools", nargs="+", default=DEFAULTS["agent_tools"],
                    help="Tools offered to samples without a `tools` field (default: calculator python).")
     g.add_argument("--agent-tool-paths", nargs="+", default=None,

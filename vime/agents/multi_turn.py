@@ -134,8 +134,8 @@ async def tool_environment(args, sample: Sample, model_text: str, turn: int) -> 
 # ---- the generate function --------------------------------------------------------------------------------
 
 async def generate(args, sample: Sample, sampling_params: dict[str, Any], *, environment: Environment | None = None,
-                   max_turns: int | None = None) -> Sample:
-    """slime's generate hook, multi-turn. `environment`/`max_turns` override the --agent-* flags, for wrappers.
+                   max_turns: int | None = None, max_turn_tokens: int | None = None) -> Sample:
+    """slime's generate hook, multi-turn. The keyword arguments override the --agent-* flags, for wrappers.
 
     sample.metadata["turns"] lists the turns: {"role": "assistant"|"environment", "start", "length"} (offsets
     into the response) plus the model turn's "finish_reason"; metadata["stop"] says why the episode ended.
@@ -144,6 +144,7 @@ async def generate(args, sample: Sample, sampling_params: dict[str, Any], *, env
     tokenizer = state.tokenizer
     environment = environment or load_function(agent_setting(args, "agent_environment_path"))
     max_turns = max_turns or int(agent_setting(args, "agent_max_turns"))
+    max_turn_tokens = max_turn_tokens or agent_setting(args, "agent_max_turn_tokens")
     budget = sampling_params["max_tokens"]
     turns: list[dict[str, Any]] = sample.metadata.setdefault("turns", [])
     sample.loss_mask = sample.loss_mask or []
@@ -156,8 +157,11 @@ async def generate(args, sample: Sample, sampling_params: dict[str, Any], *, env
             sample.status, sample.metadata["stop"] = Sample.Status.TRUNCATED, "max_tokens"
             return sample
         start = sample.response_length
-        choice = await post_generate(args, sample.tokens, {**sampling_params, "max_tokens": remaining})
+        turn_cap = min(remaining, max_turn_tokens) if max_turn_tokens else remaining
+        choice = await post_generate(args, sample.tokens, {**sampling_params, "max_tokens": turn_cap})
         append_choice(sample, choice, tokenizer, trainable=True)
+        if sample.status == Sample.Status.TRUNCATED and turn_cap < remaining:  # the turn's cap, not the budget
+            sample.status = Sample.Status.COMPLETED
         if resuming:  # a partial rollout continues the cut-off model turn
             turn = turns[-1]
             turn["length"] += sample.response_length - start

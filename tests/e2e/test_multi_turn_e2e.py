@@ -1,0 +1,157 @@
+"""Multi-turn rollouts on the real stack: vLLM engine + vllm-router under Ray, `train.py --debug-rollout-only`.
+
+A plugged-in generate function (`--custom-generate-function-path`, vime's code untouched) runs
+`vime.agents.multi_turn.generate` with an environment that always answers, so every episode has exactly 3
+model turns with environment output in between, whatever the random tiny model says.
+
+"Trained tokens never change" is checked against two things outside the stored sequence:
+1. the token ids vLLM returned for each model turn, recorded by the plugin from the HTTP answers and saved
+   beside the sample (metadata["sampled_turn_ids"]): every loss_mask-1 token equals them, position by position;
+2. a float32 transformers forward of the stored sequence: each trained token's log-prob under the model equals
+   the log-prob vLLM reported for the token it sampled there, which could not hold for a different id.
+Decoding the whole sequence and re-encoding it is also done; where that round trip yields other ids (a sampled
+tokenization that is not the tokenizer's canonical one) a pipeline that re-tokenized would have trained on
+tokens the model never sampled: the stored ids there are still the sampled ones (counted and reported).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.e2e.processes import stack_pids
+from vime.rollout.debug_data import load_rollout
+
+pytestmark = pytest.mark.e2e
+REPO = Path(__file__).resolve().parents[2]
+TEMPERATURE = 0.8
+TURN_TOKENS = 16
+
+PLUGIN = textwrap.dedent(f'''
+    import contextvars
+
+    from vime.agents import multi_turn
+    from vime.rollout import vllm_rollout
+
+    _sampled = contextvars.ContextVar("sampled")
+
+    async def _recording_post_generate(args, token_ids, params):
+        choice = await vllm_rollout.post_generate(args, token_ids, params)
+        _sampled.get().append(list(choice.get("token_ids") or []))
+        return choice
+
+    multi_turn.post_generate = _recording_post_generate
+
+    async def always_answer(args, sample, model_text, turn):
+        return [{{"role": "tool", "content": f"observation {{turn}}: you wrote {{len(model_text)}} characters"}}]
+
+    async def generate(args, sample, sampling_params):
+        _sampled.set([])  # one list per sample: each generate call runs in its own asyncio task
+        sample = await multi_turn.generate(args, sample, sampling_params, environment=always_answer,
+                                           max_turns=3, max_turn_tokens={TURN_TOKENS})
+        sample.metadata["sampled_turn_ids"] = _sampled.get()
+        return sample
+''')
+
+
+@pytest.fixture(scope="module")
+def episodes(tiny_qwen3, arithmetic_data, tmp_path_factory):
+    assert not stack_pids(), "engine or router processes are already running"
+    out = tmp_path_factory.mktemp("multi_turn_e2e")
+    (out / "mt_plugin.py").write_text(PLUGIN)
+    cmd = [
+        sys.executable, str(REPO / "train.py"),
+        "--hf-checkpoint", str(tiny_qwen3), "--prompt-data", str(arithmetic_data[0]), "--label-key", "label",
+        "--apply-chat-template", "--rm-type", "math", "--debug-rollout-only",
+        "--custom-generate-function-path", "mt_plugin.generate",
+        "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--num-rollout", "1",
+        "--rollout-num-gpus", "1", "--rollout-max-response-len", "200", "--rollout-temperature", str(TEMPERATURE),
+        "--save-debug-rollout-data", str(out / "rollout_{rollout_id}.jsonl"), "--output-dir", str(out / "run"),
+        "--vllm-enforce-eager", "--vllm-dtype", "float32", "--vllm-max-model-len", "512",
+    ]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(out), str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    samples = [s for g in load_rollout(str(out / "rollout_{rollout_id}.jsonl"), 0) for s in g]
+    return samples, stack_pids()
+
+
+def test_three_model_turns_with_environment_turns_between(episodes):
+    samples, _ = episodes
+    assert len(samples) == 8
+    for s in samples:
+        turns = s.metadata["turns"]
+        assert [t["role"] for t in turns] == ["assistant", "environment"] * 2 + ["assistant"], s.metadata
+        assert s.metadata["stop"] == "max_turns"
+        # turns tile the response without gaps
+        assert [t["start"] for t in turns] == [sum(t["length"] for t in turns[:i]) for i in range(len(turns))]
+        assert sum(t["length"] for t in turns) == s.response_length == len(s.tokens) - s.prompt_length
+        assert all(0 < t["length"] <= TURN_TOKENS for t in turns if t["role"] == "assistant")
+        assert s.reward in (0.0, 1.0)
+
+
+def test_masks_and_log_probs_align_with_tokens(episodes):
+    samples, _ = episodes
+    for s in samples:
+        assert len(s.loss_mask) == len(s.rollout_log_probs) == s.response_length
+        for t in s.metadata["turns"]:
+            span = slice(t["start"], t["start"] + t["length"])
+            if t["role"] == "assistant":
+                assert s.loss_mask[span] == [1] * t["length"]
+                assert all(lp < 0 for lp in s.rollout_log_probs[span])
+            else:
+                assert s.loss_mask[span] == [0] * t["length"]
+                assert s.rollout_log_probs[span] == [0.0] * t["length"]
+
+
+def test_trained_tokens_are_exactly_the_sampled_ones(episodes, tiny_qwen3):
+    from transformers import AutoTokenizer
+
+    samples, _ = episodes
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3)
+    non_canonical = 0
+    for s in samples:
+        sampled = s.metadata["sampled_turn_ids"]
+        model_turns = [t for t in s.metadata["turns"] if t["role"] == "assistant"]
+        assert len(sampled) == len(model_turns) == 3
+        response = s.response_tokens
+        for turn, ids in zip(model_turns, sampled):
+            assert response[turn["start"]:turn["start"] + turn["length"]] == ids
+        trained = [tok for tok, m in zip(response, s.loss_mask) if m]
+        assert trained == [tok for ids in sampled for tok in ids]
+        # the decode -> re-encode round trip: text is preserved, ids may not be (counted, not trained on)
+        text = tokenizer.decode(s.tokens, skip_special_tokens=False)
+        reencoded = tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert tokenizer.decode(reencoded, skip_special_tokens=False) == text
+        non_canonical += reencoded != s.tokens
+    print(f"{non_canonical}/{len(samples)} sequences would change ids under decode->re-encode")
+
+
+def test_engine_log_probs_match_transformers_on_stored_tokens(episodes, tiny_qwen3):
+    from transformers import AutoModelForCausalLM
+
+    samples, _ = episodes
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    worst = 0.0
+    for s in samples:
+        with torch.no_grad():
+            logits = model(torch.tensor([s.tokens])).logits[0].float()
+        logp = torch.log_softmax(logits / TEMPERATURE, dim=-1)
+        targets = torch.tensor(s.response_tokens)
+        ref = logp[s.prompt_length - 1:len(s.tokens) - 1].gather(-1, targets[:, None]).squeeze(-1)
+        mask = torch.tensor(s.loss_mask, dtype=torch.bool)
+        gap = (ref - torch.tensor(s.rollout_log_probs))[mask].abs().max().item()
+        worst = max(worst, gap)
+    assert worst < 1e-4, f"max |vLLM - transformers| log-prob on trained tokens = {worst}"
+
+
+def test_no_processes_left(episodes):
+    _, left = episodes
+    assert not left, f"processes left after the run: {left}"
