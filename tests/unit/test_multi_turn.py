@@ -152,3 +152,29 @@ def test_turn_cap_ends_a_turn_not_the_episode(monkeypatch, tiny_qwen3, tokenizer
     # the cut turn is closed by the environment turn's end-of-turn token
     env = turns[1]
     assert sample.response_tokens[env["start"]] == tokenizer.eos_token_id
+
+
+def test_generate_has_the_hook_signature():
+    import inspect
+
+    assert list(inspect.signature(multi_turn.generate).parameters)[:3] == ["args", "sample", "sampling_params"]
+    assert list(inspect.signature(multi_turn.sft_generate_rollout).parameters) == [
+        "args", "rollout_id", "data_source", "evaluation"]
+
+
+def test_sft_rollout_lays_out_conversations(tiny_qwen3, tokenizer):
+    from vime.data.data_source import RolloutDataSource
+
+    conversation = [{"role": "assistant", "content": CALL}, {"role": "tool", "content": "42"},
+                    {"role": "assistant", "content": "The answer is \\boxed{42}."}]
+    prompt = _prompt(tokenizer)
+    prompt.metadata["conversation"] = conversation
+    source = RolloutDataSource([prompt], n_samples_per_prompt=1, seed=0, shuffle=False)
+    args = SimpleNamespace(hf_checkpoint=str(tiny_qwen3), rollout_batch_size=1)
+    [[sample]] = multi_turn.sft_generate_rollout(args, 0, source)
+    ids, mask = multi_turn.conversation_to_tokens(tokenizer, conversation)
+    assert sample.response_tokens == ids and sample.loss_mask == mask and 0 in mask and 1 in mask
+    bad = _prompt(tokenizer)
+    with pytest.raises(ValueError, match="metadata\\['conversation'\\]"):
+        multi_turn.sft_generate_rollout(args, 0, RolloutDataSource([bad], n_samples_per_prompt=1, seed=0,
+                                                                   shuffle=False))

@@ -224,3 +224,10 @@ def sft_generate_rollout(args, rollout_id: int, data_source, evaluation: bool = 
             sample.reward = 0.0
             sample.status = Sample.Status.COMPLETED
     return groups
+
+
+def model_turn_texts(tokenizer, sample: Sample) -> list[str]:
+    """The text of each model turn of a finished episode (special tokens dropped), for reward functions."""
+    response = sample.response_tokens
+    return [tokenizer.decode(response[t["start"]:t["start"] + t["length"]], skip_special_tokens=True)
+            for t in sample.metadata.get("turns", []) if t["role"] == "assistant"]
