@@ -5,8 +5,9 @@
   (`train_arguments`) and the RL algorithm (`vime.algorithms.arguments`).
 - vLLM engine flags mirrored from vLLM's own parser as `--vllm-*`, router flags as `--router-*`
   (`vime.backends.vllm_utils.arguments`).
-- vime's own flags: placement and run control here; rollout, data, rewards and eval in
-  `vime.rollout.arguments`.
+- vime's own flags: placement and run control here; rollout, data, rewards, eval, fault tolerance and the
+  data buffer in `vime.rollout.arguments`; agents (multi-turn tools, the OpenAI-compatible harness) in
+  `vime.agents.arguments` and `vime.agents.openai_arguments`.
 
 Everything is checked before any process starts (`validate_args`).
 """
@@ -21,6 +22,8 @@ from pathlib import Path
 
 import yaml
 
+from vime.agents.arguments import add_agent_args
+from vime.agents.openai_arguments import add_agent_harness_args
 from vime.algorithms.arguments import add_algorithm_args, validate_algorithm_args
 from vime.backends.megatron_utils.arguments import add_megatron_args
 from vime.backends.megatron_utils.train_arguments import add_train_args, validate_train_args
@@ -72,6 +75,8 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     add_algorithm_args(parser)
     add_vllm_engine_args(parser)
     add_router_args(parser)
+    add_agent_args(parser)
+    add_agent_harness_args(parser)
     if extra_args_provider is not None:
         extra_args_provider(parser)
     return parser
@@ -196,7 +201,8 @@ def validate_args(args: argparse.Namespace) -> None:
         raise ValueError("--mask-offpolicy-in-partial-rollout needs --partial-rollout")
     for flag in ("rollout_function_path", "custom_generate_function_path", "dynamic_sampling_filter_path",
                  "buffer_filter_path",
-                 "custom_rm_path", "custom_reward_post_process_path", "eval_function_path"):
+                 "custom_rm_path", "custom_reward_post_process_path", "eval_function_path",
+                 "agent_function_path", "agent_environment_path"):
         path = getattr(args, flag, None)
         if path:
             try:
