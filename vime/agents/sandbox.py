@@ -243,9 +243,10 @@ class LocalSandbox(Sandbox):
                         "AS": limits.memory_mb * 2**20, "FSIZE": limits.max_file_size_mb * 2**20,
                         "NOFILE": limits.max_open_files, "NPROC": limits.max_processes, "CORE": 0},
         }
+        prefix = _unshare_flags(self.is_root, not limits.allow_network) or ()
+        config["own_user_namespace"] = "--user" in prefix
         config_path = root / "jail.json"
         config_path.write_text(json.dumps(config))
-        prefix = _unshare_flags(self.is_root, not limits.allow_network) or ()
         start = time.monotonic()
         proc = await asyncio.create_subprocess_exec(
             *prefix, sys.executable, "-S", str(_JAIL), str(config_path), stdin=asyncio.subprocess.DEVNULL,

@@ -66,6 +66,21 @@ def apply_landlock(writable: list[str], deny_tcp: bool) -> str:
     return f"landlock-abi{abi}" + ("+tcp" if net else "")
 
 
+def tasks_of_user(uid: int) -> int:
+    """Processes and threads this user runs now: what RLIMIT_NPROC counts when the user is shared."""
+    count = 0
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/status") as f:
+                    fields = dict(line.split(":", 1) for line in f if ":" in line)
+                if int(fields["Uid"].split()[0]) == uid:
+                    count += int(fields["Threads"])
+            except (OSError, KeyError, ValueError):
+                continue
+    return count
+
+
 def main(config_path: str) -> None:
     with open(config_path) as f:
         cfg = json.load(f)
@@ -79,7 +94,10 @@ def main(config_path: str) -> None:
         os.setgid(cfg["gid"])
         os.setuid(cfg["uid"])
     if limits.get("NPROC") is not None:
-        resource.setrlimit(resource.RLIMIT_NPROC, (limits["NPROC"], limits["NPROC"]))
+        nproc = limits["NPROC"]
+        if cfg.get("uid") is None and not cfg.get("own_user_namespace"):  # the count is shared with the user
+            nproc += tasks_of_user(os.getuid())
+        resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
     applied = ""
     if cfg.get("landlock", True):
         try:
