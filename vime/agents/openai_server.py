@@ -28,6 +28,7 @@ import logging
 import threading
 import time
 import uuid
+import zlib
 from typing import Any
 
 import aiohttp
@@ -73,6 +74,11 @@ def engine_sampling_params(body: dict[str, Any], defaults: dict[str, Any], force
     p["logprobs"] = 0  # the sampled token's own log-prob
     p["skip_special_tokens"] = False
     return p
+
+
+def call_seed(seed: int, session_id: str, call_index: int) -> int:
+    """A distinct, reproducible seed per (session, call), so roles sharing an episode seed do not sample alike."""
+    return (int(seed) + zlib.crc32(session_id.encode()) + 7919 * call_index) % 2**31
 
 
 def reply_text(tokenizer, sampled: list[int], stop: list[str] | None) -> str:
@@ -203,12 +209,17 @@ class OpenAIServer:
         tools = body.get("tools")
         trajectory, prompt_ids, messages = session.prepare(body.get("messages"), tools, self.template)
         params = engine_sampling_params(body, self.defaults, forced)
+        if forced.get("seed") is not None:  # one run seed per episode: vary it per role and call
+            params["seed"] = call_seed(forced["seed"], session_id, sum(len(t.turns) for t in session.trajectories))
         choice = await self._generate(session_id, prompt_ids, params)
         sampled = list(choice.get("token_ids") or [])
         content = (choice.get("logprobs") or {}).get("content") or []
         log_probs = [c["logprob"] for c in content]
         versions = [str(v["version"]) if isinstance(v, dict) else str(v) for v in choice.get("weight_versions") or []]
         finish = choice.get("finish_reason") or "stop"
+        if finish == "abort":  # 422: the openai client does not retry it; the episode ends, nothing recorded
+            raise EngineError(422, "generation was aborted (the rollout batch is full or the engines were "
+                                   "paused); this episode cannot continue")
         text = reply_text(self.tokenizer, sampled, params.get("stop"))
         session.record(trajectory, prompt_ids, messages, sampled, log_probs, versions, finish, text, self.template)
         with self._guard:
