@@ -2,9 +2,10 @@
 vllm-router, Megatron-core, Ray).
 
 A run checkpoints every 2 rollouts. Once the checkpoint of rollout 1 exists and rollout 2 is stored in the straw
-directory, the whole process tree is SIGKILLed; the restart with --load trains rollout 2 from storage (not
-generated again) and continues with rollout 3. The sample ids trained over the whole run must be exactly an
-uninterrupted run's: none lost, none trained twice.
+directory, (a) the whole run's process tree is SIGKILLed and the restart with --load trains rollout 2 from storage
+(not generated again) and continues with rollout 3; (b) only the training actor's process tree is SIGKILLed and the
+same run restarts its trainer from the checkpoint while the engines keep serving. Either way the sample ids trained
+over the whole run must be exactly an uninterrupted run's: none lost, none trained twice.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+
+import psutil
 
 from tests.e2e.processes import stack_pids
 
@@ -54,22 +57,39 @@ def _uninterrupted(model: Path, data: Path) -> list[list[tuple[int, str]]]:
     return [[(s.index, s.prompt) for g in source.get_samples(GROUPS) for s in g] for _ in range(NUM_ROLLOUT)]
 
 
-def _kill_after_checkpoint_and_a_stored_rollout(cmd: list[str], out: Path) -> None:
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+def _start(cmd: list[str], out: Path) -> subprocess.Popen:
+    """The run in its own process group, its log in a file (a pipe nobody reads would block it)."""
+    log = open(out / "train.log", "a")
+    return subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _log_tail(out: Path) -> str:
+    return (out / "train.log").read_text()[-6000:]
+
+
+def _wait_for_checkpoint_and_a_stored_rollout(proc: subprocess.Popen, out: Path) -> None:
     tracker = out / "ckpt" / "latest_checkpointed_iteration.txt"
     stored = out / "run" / "rollout_data" / "index" / "rollout_00000002.json"
+    deadline = time.monotonic() + 300
+    while not (tracker.exists() and tracker.read_text().strip() == "1" and stored.exists()):
+        assert proc.poll() is None, _log_tail(out)
+        assert time.monotonic() < deadline, "no checkpoint of rollout 1 and stored rollout 2 within 5 minutes"
+        time.sleep(0.1)
+
+
+def _kill_after_checkpoint_and_a_stored_rollout(cmd: list[str], out: Path) -> None:
+    proc = _start(cmd, out)
     try:
-        deadline = time.monotonic() + 300
-        while not (tracker.exists() and tracker.read_text().strip() == "1" and stored.exists()):
-            assert proc.poll() is None, proc.stderr.read()[-4000:]
-            assert time.monotonic() < deadline, "no checkpoint of rollout 1 and stored rollout 2 within 5 minutes"
-            time.sleep(0.1)
+        _wait_for_checkpoint_and_a_stored_rollout(proc, out)
         os.killpg(proc.pid, signal.SIGKILL)  # the driver, the trainer, the manager, the engines: no clean-up
         proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+    _wait_for_no_stack()
+
+
+def _wait_for_no_stack() -> None:
     deadline = time.monotonic() + 60
     while stack_pids() and time.monotonic() < deadline:
         time.sleep(1)
@@ -89,19 +109,66 @@ def test_sigkilled_trainer_resumes_and_replays_stored_rollouts(tiny_qwen3, arith
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-6000:]
 
-    expected = _uninterrupted(tiny_qwen3, data)
-    records = [json.loads(line) for line in (tmp_path / "run" / "trained_samples.jsonl").read_text().splitlines()]
-    assert [r["rollout_id"] for r in records] == list(range(NUM_ROLLOUT))
+    records = _check_trained_samples_equal_an_uninterrupted_run(tiny_qwen3, data, tmp_path)
     assert [r["replayed"] for r in records] == [False, False, True, False]  # rollout 2 came from storage
+    resumed = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    resumed = {r["rollout_id"]: r for r in resumed if "train/steps" in r and r["rollout_id"] >= 2}
+    assert resumed[2]["buffer/replayed"] == 1.0 and resumed[3]["buffer/replayed"] == 0.0
+    assert not stack_pids()
+
+
+def _check_trained_samples_equal_an_uninterrupted_run(model: Path, data: Path, out: Path) -> list[dict]:
+    expected = _uninterrupted(model, data)
+    records = [json.loads(line) for line in (out / "run" / "trained_samples.jsonl").read_text().splitlines()]
+    assert [r["rollout_id"] for r in records] == list(range(NUM_ROLLOUT))
     trained = [i for r in records for i in r["sample_ids"]]
     assert len(trained) == len(set(trained)) == NUM_ROLLOUT * GROUPS * PER_PROMPT  # nothing trained twice
     assert [r["sample_ids"] for r in records] == [[i for i, _ in rollout] for rollout in expected]
     for rollout_id in range(NUM_ROLLOUT):  # and each id carried the prompt an uninterrupted run gives it
-        saved = [json.loads(line) for line in (tmp_path / f"rollout_{rollout_id}.jsonl").read_text().splitlines()]
+        saved = [json.loads(line) for line in (out / f"rollout_{rollout_id}.jsonl").read_text().splitlines()]
         assert [(s["index"], s["prompt"]) for s in saved] == expected[rollout_id]
+    assert not list((out / "run" / "rollout_data" / "index").iterdir())  # trimmed after the last checkpoint
+    return records
 
-    resumed = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    resumed = {r["rollout_id"]: r for r in resumed if "train/steps" in r and r["rollout_id"] >= 2}
-    assert resumed[2]["buffer/replayed"] == 1.0 and resumed[3]["buffer/replayed"] == 0.0
-    assert not list((tmp_path / "run" / "rollout_data" / "index").iterdir())  # trimmed after the last checkpoint
+
+def _trainer_trees(root_pid: int) -> list[psutil.Process]:
+    """The training actors under `root_pid` and everything they started."""
+    actors = [p for p in psutil.Process(root_pid).children(recursive=True)
+              if any("TrainActor" in part for part in _cmdline(p))]
+    return [q for p in actors for q in [p, *p.children(recursive=True)]]
+
+
+def _cmdline(p: psutil.Process) -> list[str]:
+    try:
+        return p.cmdline()
+    except psutil.Error:
+        return []
+
+
+def test_sigkilled_training_actor_is_restarted_in_process_while_engines_keep_serving(tiny_qwen3, arithmetic_data,
+                                                                                     tmp_path):
     assert not stack_pids()
+    data = arithmetic_data[0]
+    proc = _start(_cmd(tiny_qwen3, data, tmp_path), tmp_path)
+    try:
+        _wait_for_checkpoint_and_a_stored_rollout(proc, tmp_path)
+        engines = stack_pids()
+        victims = _trainer_trees(proc.pid)
+        assert victims, "no TrainActor process found under the run"
+        for p in victims:
+            p.kill()  # SIGKILL, no clean-up
+        metrics_path = tmp_path / "run" / "metrics.jsonl"
+        deadline = time.monotonic() + 300
+        while "recovery/trainer_restarts" not in (metrics_path.read_text() if metrics_path.exists() else ""):
+            assert proc.poll() is None, _log_tail(tmp_path)
+            assert time.monotonic() < deadline, "the trainer was not restarted within 5 minutes"
+            time.sleep(0.2)
+        assert engines and engines <= stack_pids()  # the same engine processes still serve
+        assert proc.wait(timeout=300) == 0, _log_tail(tmp_path)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    _wait_for_no_stack()
+    _check_trained_samples_equal_an_uninterrupted_run(tiny_qwen3, data, tmp_path)
+    restarts = [json.loads(line).get("recovery/trainer_restarts") for line in metrics_path.read_text().splitlines()]
+    assert max(r or 0 for r in restarts) == 1.0

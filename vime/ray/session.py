@@ -72,19 +72,33 @@ class TrainingSession:
         self.replay: dict[int, object] = {}  # rollout id -> handle of a stored rollout to train instead of generating
         self.replayed: set[int] = set()
         self.data_state_after: dict[int, dict | None] = {}  # rollout id -> data-source state right after it
+        self.trainer_restarts = 0
+        self.total_steps = 0
 
     def __enter__(self) -> TrainingSession:
         args = self.args
         init_ray(args)
-        placement = Placement(args, with_engines=self.use_engines, with_trainers=self.train_enabled)
-        self.manager = RolloutManager.remote(args, placement)
-        self.trainers = RayTrainGroup(args, placement) if self.train_enabled else None
+        self.placement = Placement(args, with_engines=self.use_engines, with_trainers=self.train_enabled)
+        self.manager = RolloutManager.remote(args, self.placement)
         self.critic = None
-        if self.train_enabled and args.use_critic:
-            self.critic = RayTrainGroup(critic_args(args), placement, role="critic",
-                                        bundle_offset=placement.critic_offset)
+        if self.train_enabled:
+            self._create_trainers()
         self.metrics = MetricsLogger(args)
         return self
+
+    def _create_trainers(self) -> None:
+        args, placement = self.args, self.placement
+        self.trainers = RayTrainGroup(args, placement)
+        if args.use_critic:
+            self.critic = RayTrainGroup(critic_args(args), placement, role="critic",
+                                        bundle_offset=placement.critic_offset)
+
+    def _init_trainers(self) -> dict | None:
+        """Build the models (loading --load if it has a checkpoint); returns the loaded checkpoint's state."""
+        self.trainers.init(total_steps=self.total_steps)
+        if self.critic is not None:
+            self.critic.init(total_steps=self.total_steps)
+        return self.trainers.call("get_loaded_state")[0]
 
     def start(self) -> tuple[int, int]:
         """Start engines and trainers, resume if --load has a checkpoint; returns (first rollout id, count)."""
@@ -94,10 +108,8 @@ class TrainingSession:
         num_rollout = resolve_num_rollout(args, ray.get(self.manager.num_prompts.remote()))
         start = 0
         if self.trainers is not None:
-            self.trainers.init(total_steps=num_rollout * args.num_steps_per_rollout)
-            if self.critic is not None:
-                self.critic.init(total_steps=num_rollout * args.num_steps_per_rollout)
-            resumed = self.trainers.call("get_loaded_state")[0]
+            self.total_steps = num_rollout * args.num_steps_per_rollout
+            resumed = self._init_trainers()
             if resumed:  # continue after the saved rollout, with the same data order
                 start = resumed["rollout_id"] + 1
                 ray.get(self.manager.load_data_source_state.remote(resumed.get("data_source")))
@@ -110,6 +122,15 @@ class TrainingSession:
         if not (self.use_engines and self.trainers is not None):
             return {}
         self.weight_version = version
+        try:
+            return self._update_weights(version)
+        except ray.exceptions.RayActorError as e:  # the trainers died after training: rebuild them, then push
+            self._recover_trainers(trained_through=version - 1, error=e)
+            metrics = self._update_weights(version)
+            metrics["recovery/trainer_restarts"] = float(self.trainer_restarts)
+            return metrics
+
+    def _update_weights(self, version: int) -> dict[str, float]:
         metrics = update_weights(self.args, self.trainers, self.manager, version=version)
         if self.args.check_weight_update_equal:  # raises when an engine serves other weights than the trainer's
             metrics.update(check_weights_equal(self.args, self.trainers, self.manager))
@@ -176,25 +197,68 @@ class TrainingSession:
                 self.critic.call("onload")
 
     def train(self, rollout_id: int, groups) -> dict[str, float]:
-        if self.trainers is None:
+        """Train on one rollout. With straw and --save, training actors that die are restarted from the last
+        checkpoint and the rollouts since it are replayed from storage; the engines keep running."""
+        if self.trainers is None:  # --debug-rollout-only: nothing will ever replay it
+            self.transport.trim([rollout_id])
             return {}
         start = time.perf_counter()
-        if self.critic is None:
-            metrics = self.trainers.train(rollout_id, groups)
-        else:  # PPO: critic values -> actor (GAE advantages, returns) -> critic regression on the returns
-            values = {}
-            for part in self.critic.call("compute_values", groups):
-                values.update(part)
-            metrics = self.trainers.train(rollout_id, groups, values)
-            returns = self.trainers.call("get_returns")[0]
-            metrics.update(next((m for m in self.critic.call("train_critic", rollout_id, groups, values, returns)
-                                 if m), {}))
+        try:
+            metrics = self._train_step(rollout_id, groups)
+        except ray.exceptions.RayActorError as e:
+            self._recover_trainers(trained_through=rollout_id - 1, error=e)
+            metrics = self._train_step(rollout_id, groups)
+        if self.trainer_restarts:
+            metrics["recovery/trainer_restarts"] = float(self.trainer_restarts)
         metrics["perf/train_time"] = time.perf_counter() - start
         append_trained_samples(self.args.output_dir, rollout_id, groups, replayed=rollout_id in self.replayed)
         if not self.args.save:  # nothing to resume from, so nothing to replay: let the rollout go now
             self.transport.trim([rollout_id])
             self.data_state_after.pop(rollout_id, None)
         return metrics
+
+    def _train_step(self, rollout_id: int, groups) -> dict[str, float]:
+        if self.critic is None:
+            return self.trainers.train(rollout_id, groups)
+        # PPO: critic values -> actor (GAE advantages, returns) -> critic regression on the returns
+        values = {}
+        for part in self.critic.call("compute_values", groups):
+            values.update(part)
+        metrics = self.trainers.train(rollout_id, groups, values)
+        returns = self.trainers.call("get_returns")[0]
+        metrics.update(next((m for m in self.critic.call("train_critic", rollout_id, groups, values, returns)
+                             if m), {}))
+        return metrics
+
+    def _recover_trainers(self, trained_through: int, error: Exception) -> None:
+        """New training actors from the last checkpoint, retrained on the stored rollouts after it up to
+        `trained_through`, so they hold what the dead ones did. Needs straw and --save; else `error` is raised."""
+        args = self.args
+        if not (self.transport.durable and args.save):
+            raise error
+        logger.error("training actors died (%s); restarting them from the last checkpoint in %s",
+                     type(error).__name__, args.save)
+        for group in (self.trainers, self.critic):
+            if group is not None:
+                group.shutdown()
+        self.critic = None
+        args.load = args.save  # from now on this run resumes from its own checkpoints
+        self._create_trainers()
+        resumed = self._init_trainers()
+        first = resumed["rollout_id"] + 1 if resumed else 0
+        stored = self.transport.stored()
+        missing = [i for i in range(first, trained_through + 1) if i not in stored]
+        if missing:
+            raise RuntimeError(f"cannot recover the trainer: rollouts {missing} after its checkpoint are not stored "
+                               f"in {args.rollout_data_dir}") from error
+        truncate_trained_samples(args.output_dir, first)  # what the crash undid is trained again below
+        for i in range(first, trained_through + 1):
+            replay_groups, _ = self.transport.get(stored[i])
+            self._train_step(i, replay_groups)
+            append_trained_samples(args.output_dir, i, replay_groups, replayed=True)
+        self.trainer_restarts += 1
+        logger.info("trainers restarted (%d so far); replayed rollouts %d..%d from storage", self.trainer_restarts,
+                    first, trained_through)
 
     def maybe_save(self, rollout_id: int, num_rollout: int) -> None:
         args = self.args
