@@ -19,7 +19,7 @@ OPS = {"+": lambda x, k: x + k, "-": lambda x, k: x - k, "*": lambda x, k: x * k
 
 
 def make_row(rng: random.Random) -> dict:
-    (op1, op2), a, b = rng.sample(list(OPS), 2), rng.randint(2, 9), rng.randint(1, 9)
+    (op1, op2), a, b = rng.sample(list(OPS), 2), rng.randint(2, 9), rng.randint(1, 19)
     body = f"x {op1} {a} {op2} {b}" if op1 == "*" or op2 != "*" else f"(x {op1} {a}) {op2} {b}"
     code = f"def f(x):\n    return {body}"
     reference = eval("lambda x: " + body)  # our own template, never model output
@@ -40,6 +40,8 @@ def make_row(rng: random.Random) -> dict:
 def write_data(out: str | Path, n_train: int = 512, n_eval: int = 64, seed: int = 0) -> tuple[Path, Path]:
     out, rng, seen, paths = Path(out), random.Random(seed), set(), []
     out.mkdir(parents=True, exist_ok=True)
+    if n_train + n_eval > 600:  # 6 operator pairs x 8 x 19 constants = 912 distinct tasks
+        raise ValueError("at most 600 distinct tasks (train + eval); ask for fewer")
     for name, n in (("train", n_train), ("eval", n_eval)):
         rows = []
         while len(rows) < n:
