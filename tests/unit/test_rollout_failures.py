@@ -113,8 +113,9 @@ async def _serve_and_post(args, script, n_requests=1):
 def test_bad_request_fails_at_once_and_server_errors_are_retried(tiny_qwen3, plugin):
     engine, [result] = _run(_serve_and_post(_args(tiny_qwen3), [400]))
     assert isinstance(result, EngineRejectedError) and "HTTP 400" in str(result) and engine.calls == 1
-    engine, [result] = _run(_serve_and_post(_args(tiny_qwen3), [503, "drop", 502]))
-    assert result["token_ids"] == [1] and engine.calls == 4
+    args = _args(tiny_qwen3)
+    engine, [result] = _run(_serve_and_post(args, [503, "drop", 502]))
+    assert result["token_ids"] == [1] and engine.calls == 4 and GenerateState(args).retries == 3
     engine, [result] = _run(_serve_and_post(_args(tiny_qwen3, rollout_request_retries=1), [503, 503, 503]))
     assert isinstance(result, EngineUnavailableError) and "after 2 attempts" in str(result) and engine.calls == 2
 

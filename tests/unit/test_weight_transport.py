@@ -176,7 +176,7 @@ class _Manager:
 
         client.pause(self.urls, mode)
 
-    def apply_weights(self, transport, handle, version):
+    def apply_weights(self, transport, handle, version, recovery_dir=None):
         from vime.backends.vllm_utils import client
 
         if isinstance(handle, dict) and "dir" in handle:  # delta: remember what it wrote
@@ -251,6 +251,51 @@ def test_update_weights_runs_send_and_apply_together_for_a_collective(fake_ray, 
             del weight_transport.TRANSPORTS[name]
         assert metrics["perf/update_weights_time"] >= metrics["perf/update_weights_send_time"] >= 0
     assert order == ["cleanup", "send", "apply", "cleanup"]
+
+
+def test_fault_tolerance_leaves_a_recovery_copy_for_restarted_engines(fake_ray, tiny_qwen3, tmp_path, monkeypatch):
+    """--use-fault-tolerance: the disk update directory itself is kept (not cleaned up) and handed to the manager
+    as the recovery copy; any other transport gets an extra HF write into a vime_recovery_* directory."""
+    from vime.backends import weight_transport
+    from vime.backends.weight_transport.disk import DiskWeightTransport
+    from vime.utils.arguments import parse_args
+
+    args = parse_args(["--hf-checkpoint", str(tiny_qwen3), *ARGV, "--use-fault-tolerance",
+                       "--update-weight-dir", str(tmp_path)])
+    written = []
+    monkeypatch.setattr(DiskWeightTransport, "send", lambda self, trainer, handle: written.append(handle))
+    cleaned = []
+
+    class Memory:
+        def __init__(self, args):
+            pass
+
+        def prepare(self, version):
+            return {"version": version}
+
+        def send(self, trainer, handle):
+            pass
+
+        def apply(self, urls, handle):
+            pass
+
+        def cleanup(self, handle):
+            cleaned.append(handle)
+
+    fake_trainer = SimpleNamespace(args=args, send_weights=lambda transport, handle: transport.send(None, handle))
+    recoveries = []
+    weight_transport.TRANSPORTS["memory"] = Memory
+    try:
+        for name in ("disk", "memory"):
+            group, manager, raw = _driver(fake_trainer, [], fake_ray)
+            raw.apply_weights = lambda transport, handle, version, recovery_dir=None: recoveries.append(recovery_dir)
+            update_weights(argparse.Namespace(**{**vars(args), "update_weight_transport": name}), group, manager, 3)
+    finally:
+        del weight_transport.TRANSPORTS["memory"]
+    disk_dir, memory_copy = recoveries
+    assert Path(disk_dir).is_dir() and Path(disk_dir).parent == tmp_path and written[0] == disk_dir
+    assert Path(memory_copy).name.startswith("vime_recovery_") and written[1] == memory_copy
+    assert cleaned == [{"version": 3}]  # the in-memory transport is cleaned up; the kept disk directory is not
 
 
 # ---- one engine, the real trainer ----------------------------------------------------------------------------

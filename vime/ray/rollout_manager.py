@@ -2,11 +2,17 @@
 
     manager = RolloutManager.remote(args, pg)
     handle = ray.get(manager.generate.remote(rollout_id))  # -> transport.get(handle): (sample dicts, extra)
+
+With --use-fault-tolerance an `EngineHealthMonitor` thread restarts dead or hung engines (`_restart_engine`).
+`engine_urls` then lists the engines in service (the same list object as `args.rollout_engine_urls`); control
+calls skip an engine found dead, which the monitor restarts with the current weights (`recovery_weights`).
 """
 
 from __future__ import annotations
 
 import logging
+import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -14,14 +20,15 @@ import ray
 
 from vime.backends.vllm_utils import client
 from vime.backends.vllm_utils.arguments import router_args_from
-from vime.backends.vllm_utils.engine import VLLMEngine
+from vime.backends.vllm_utils.engine import VLLMEngine, http_ok
 from vime.backends.vllm_utils.router import Router, post_worker
 from vime.data.data_source import RolloutDataSource
 from vime.data.transport import make_transport
-from vime.data.prompt_dataset import load_prompt_samples
+from vime.data.prompt_dataset import load_prompt_file, load_prompt_samples
+from vime.ray.health import EngineHealthMonitor
 from vime.ray.placement import num_engines, serving_host
 from vime.rollout.debug_data import load_rollout, save_rollout
-from vime.rollout.metrics import rollout_metrics
+from vime.rollout.metrics import add_counter, record_counters, rollout_metrics
 from vime.utils.misc import find_free_port, load_function
 from vime.utils.types import Sample
 
@@ -36,14 +43,23 @@ class RolloutManager:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.engines: list = []
         self.router: Router | None = None
-        self.engine_urls: list[str] = []
+        self.engine_urls: list[str] = []  # engines in service
+        self.rank_urls: list[str] = []  # engine rank -> its current URL (in service or being restarted)
         self.weight_version = 0
+        self.served_version: str | None = None  # the version last sent to the engines, if any
+        self.recovery_weights: str | None = None  # HF directory of the current weights, for restarted engines
+        self.monitor: EngineHealthMonitor | None = None
+        self._engines_lock = threading.RLock()  # engine set changes vs. control calls and weight updates
+        self._starting: dict[int, object] = {}  # rank -> engine actor being started by a restart
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint)
         self.data_source = None
         if args.prompt_data:
-            prompts = load_prompt_samples(args.prompt_data, self.tokenizer, args)
+            loaded = load_prompt_file(args.prompt_data, self.tokenizer, args)
+            record_counters(args, {"data/skipped_rows": float(len(loaded.skipped)),
+                                   "data/too_long_prompts": float(loaded.too_long)})
+            prompts = loaded.samples
             buffer_filter = None
             if args.buffer_filter_path:
                 fn = load_function(args.buffer_filter_path)
@@ -67,18 +83,28 @@ class RolloutManager:
         if args.rollout_external_engine_addrs:
             self.engine_urls = [f"http://{a}" for a in args.rollout_external_engine_addrs]
         else:
-            actor_cls = ray.remote(VLLMEngine)
-            for rank in range(num_engines(args)):
-                options = {"num_cpus": 1}
-                if self.placement is not None and self.placement.pg is not None:
-                    bundle = self.placement.rollout_offset + rank * args.rollout_num_gpus_per_engine
-                    options = self.placement.actor_options(bundle)
-                self.engines.append(actor_cls.options(**options).remote(args, rank, str(self.log_dir)))
+            self.engines = [self._new_engine(rank) for rank in range(num_engines(args))]
             self.engine_urls = ray.get([e.start.remote() for e in self.engines])
+        self.rank_urls = list(self.engine_urls)
         self._start_router()
         args.rollout_engine_urls = self.engine_urls
         logger.info("engines %s behind router %s", self.engine_urls, self.router_url)
-        return self.engine_urls
+        if args.use_fault_tolerance and self.engines:
+            self.monitor = EngineHealthMonitor(len(self.engines), self._probe_engine_between_updates,
+                                               self._restart_engine,
+                                               args.rollout_health_check_interval,
+                                               args.rollout_health_check_first_wait)
+            self.monitor.start()
+        return list(self.engine_urls)
+
+    def _new_engine(self, rank: int):
+        """An engine actor for `rank` in its placement bundle (not started)."""
+        args = self.args
+        options = {"num_cpus": 1}
+        if self.placement is not None and self.placement.pg is not None:
+            bundle = self.placement.rollout_offset + rank * args.rollout_num_gpus_per_engine
+            options = self.placement.actor_options(bundle)
+        return ray.remote(VLLMEngine).options(**options).remote(args, rank, str(self.log_dir))
 
     def _start_router(self) -> None:
         args = self.args
@@ -94,12 +120,22 @@ class RolloutManager:
         args.vllm_router_ip, args.vllm_router_port = host, port
 
     def shutdown(self) -> None:
+        if self.monitor is not None:
+            self.monitor.stop()
+            self.monitor = None
+        for actor in list(self._starting.values()):  # a restart in progress: its engine must not outlive us
+            ray.kill(actor)
+        self._drop_recovery_weights()
         if self.router is not None:
             self.router.stop()
             self.router = None
         if self.engines:
-            ray.get([e.stop.remote() for e in self.engines])
-            for e in self.engines:
+            stops = [e.stop.remote() for e in self.engines]  # all at once: each may wait out a grace period
+            for e, stop in zip(self.engines, stops):
+                try:
+                    ray.get(stop, timeout=60)
+                except Exception as err:  # a dead engine (fault tolerance): its actor's watchdog killed it
+                    logger.warning("stopping an engine: %s", type(err).__name__)
                 ray.kill(e)
             self.engines = []
 
@@ -154,35 +190,175 @@ class RolloutManager:
         return metrics
 
     # ---- engine control (every engine, never through the router) ---------------------------------------------
+    def _post_engines(self, route: str, body: dict | None = None, params: dict | None = None) -> None:
+        """POST to every engine in service. With fault tolerance an engine that fails the call and its health
+        probe is taken out of service (the monitor restarts it); otherwise any failure raises."""
+        with self._engines_lock:
+            if self.monitor is None:
+                client.post_all(self.engine_urls, route, body, params)
+                return
+            _, errors = client.post_each(list(self.engine_urls), route, body, params)
+            self._take_out_dead(errors)
+
+    def _take_out_dead(self, errors: dict[str, str]) -> None:
+        """Of the engines whose control call failed, take the dead ones out of service; raise if one is healthy."""
+        healthy_errors = []
+        for url, error in errors.items():
+            rank = self.rank_urls.index(url)
+            reason = self._probe_engine(rank)
+            if reason is None:
+                healthy_errors.append(error)
+                continue
+            logger.error("engine %d (%s) failed a control call and its health check (%s); taken out of service "
+                         "until it is restarted", rank, url, reason)
+            self._take_out_of_service(url)
+            self.monitor.check_soon(rank)
+        if healthy_errors:
+            raise client.EngineControlError("; ".join(healthy_errors))
+
+    def _take_out_of_service(self, url: str) -> None:
+        with self._engines_lock:
+            if url in self.engine_urls:
+                self.engine_urls.remove(url)  # in place: args.rollout_engine_urls is the same list
+        try:
+            post_worker(self.router_url, "remove_worker", url)
+        except OSError as e:  # already removed
+            logger.info("router: remove_worker %s: %s", url, e)
+
     def pause(self, mode: str = "wait") -> None:
-        client.pause(self.engine_urls, mode)
+        """mode: 'wait' lets in-flight requests finish, 'abort' cancels them, 'keep' freezes them until resume."""
+        self._post_engines("/pause", params={"mode": mode})
 
     def resume(self) -> None:
-        client.resume(self.engine_urls)
+        self._post_engines("/resume")
 
     def abort(self) -> None:
-        client.abort_all(self.engine_urls)
+        self._post_engines("/abort_requests", body={})
 
     def sleep(self) -> None:
         """Free engine memory while the trainer uses the shared devices (--colocate --offload-rollout)."""
-        client.post_all(self.engine_urls, "/sleep", params={"level": 1})
+        self._post_engines("/sleep", params={"level": 1})
 
     def wake_up(self) -> None:
-        client.post_all(self.engine_urls, "/wake_up")
+        self._post_engines("/wake_up")
 
     def reset_prefix_cache(self) -> None:
-        client.reset_prefix_cache(self.engine_urls)
+        self._post_engines("/reset_prefix_cache")
 
-    def apply_weights(self, transport, handle, version: int) -> None:
-        """Load new weights into every (paused) engine, then make them visible and resume."""
-        transport.apply(self.engine_urls, handle)
-        client.reset_prefix_cache(self.engine_urls)
-        self.set_weight_version(version)
-        client.resume(self.engine_urls)
+    def apply_weights(self, transport, handle, version: int, recovery_dir: str | None = None) -> None:
+        """Load new weights into every (paused) engine, then make them visible and resume. `recovery_dir`: an HF
+        directory of the same weights (--use-fault-tolerance), kept for engines restarted later."""
+        with self._engines_lock:
+            targets = list(self.engine_urls)
+            connected = handle.get("engine_urls") if isinstance(handle, dict) else None
+            if connected is not None and recovery_dir is not None:
+                # a transport bound to the engine set it connected to (broadcast): an engine restarted since then
+                # loads the same weights from the recovery copy
+                late = [u for u in targets if u not in connected]
+                if late:
+                    client.collective_rpc(late, "reload_weights", {"weights_path": recovery_dir})
+                targets = [u for u in targets if u in connected]
+            try:
+                transport.apply(targets, handle)
+            except client.EngineControlError:
+                if self.monitor is None or not self._take_out_dead_engines():
+                    raise
+                # a dead engine gets these weights when it is restarted
+                transport.apply([u for u in targets if u in self.engine_urls], handle)
+            if recovery_dir is not None:
+                self.set_recovery_weights(recovery_dir)
+            self.reset_prefix_cache()
+            self.set_weight_version(version)
+            self.resume()
 
     def set_weight_version(self, version) -> None:
-        self.weight_version = version
-        client.update_weight_version(self.engine_urls, str(version))
+        with self._engines_lock:
+            self.weight_version = version
+            self.served_version = str(version)
+            self._post_engines("/update_weight_version", body={"new_version": str(version)})
+
+    def set_recovery_weights(self, path: str) -> None:
+        """Remember `path` (HF safetensors of the engines' current weights) for restarts; drops the previous one."""
+        with self._engines_lock:
+            if path != self.recovery_weights:
+                self._drop_recovery_weights()
+            self.recovery_weights = path
+
+    def _drop_recovery_weights(self) -> None:
+        """Delete the recovery directory if vime wrote it (a weight-update directory), never a user's."""
+        path = self.recovery_weights
+        if path and Path(path).name.startswith(("vime_weights_", "vime_recovery_")):
+            shutil.rmtree(path, ignore_errors=True)
+        self.recovery_weights = None
+
+    # ---- fault tolerance (the health monitor's thread) -----------------------------------------------------------
+    def _probe_engine(self, rank: int) -> str | None:
+        """None when engine `rank` is healthy, else why not."""
+        timeout = self.args.rollout_health_check_timeout
+        try:
+            if not ray.get(self.engines[rank].is_alive.remote(), timeout=timeout):
+                return "its server process exited"
+        except Exception as e:  # the actor died, or is stuck
+            return f"engine actor unreachable: {type(e).__name__}"
+        if not http_ok(self.rank_urls[rank] + "/health", timeout=timeout):
+            return f"/health did not answer within --rollout-health-check-timeout {timeout}s"
+        return None
+
+    def _probe_engine_between_updates(self, rank: int) -> str | None:
+        """The monitor's probe: never while weights are being loaded (a busy engine may answer /health late)."""
+        with self._engines_lock:
+            return self._probe_engine(rank)
+
+    def _take_out_dead_engines(self) -> list[str]:
+        """Probe every engine in service, take the dead ones out (the monitor restarts them); returns their URLs."""
+        dead = []
+        for url in list(self.engine_urls):
+            rank = self.rank_urls.index(url)
+            reason = self._probe_engine(rank)
+            if reason is not None:
+                logger.error("engine %d (%s) is dead (%s); taken out of service until restarted", rank, url, reason)
+                self._take_out_of_service(url)
+                self.monitor.check_soon(rank)
+                dead.append(url)
+        return dead
+
+    def _restart_engine(self, rank: int, reason: str) -> None:
+        """Take engine `rank` out, kill it, start a new one in its bundle, load the current weights, register it."""
+        args = self.args
+        start = time.perf_counter()
+        old_url = self.rank_urls[rank]
+        self._take_out_of_service(old_url)
+        old = self.engines[rank]
+        try:
+            ray.get(old.stop.remote(), timeout=30)  # kills the server's whole process tree
+        except Exception as e:
+            logger.warning("engine %d: stop failed (%s); killing its actor", rank, type(e).__name__)
+        ray.kill(old, no_restart=True)  # its watchdog then kills whatever is left of the server
+        new = self._new_engine(rank)
+        self._starting[rank] = new
+        try:
+            url = ray.get(new.start.remote(), timeout=args.engine_startup_timeout + 60)
+            with self._engines_lock:  # no weight update in between: the engine joins with the current weights
+                if self.recovery_weights:
+                    client.collective_rpc([url], "reload_weights", {"weights_path": self.recovery_weights})
+                    client.reset_prefix_cache([url])
+                if self.served_version is not None:
+                    client.update_weight_version([url], self.served_version)
+                self.engines[rank] = new
+                self.rank_urls[rank] = url
+                self.engine_urls.append(url)
+                post_worker(self.router_url, "add_worker", url)
+        except BaseException:
+            ray.kill(new)
+            raise
+        finally:
+            self._starting.pop(rank, None)
+        add_counter(args, "rollout/engine_restarts")
+        logger.warning("engine %d restarted in %.1fs (%s): %s -> %s, weight version %s", rank,
+                       time.perf_counter() - start, reason, old_url, url, self.served_version or "initial")
+
+    def engine_restarts(self) -> int:
+        return int((getattr(self.args, "rollout_counters", None) or {}).get("rollout/engine_restarts", 0))
 
     def probe_log_probs(self, tokens: list[int]) -> list[list[float]]:
         """Every engine's prompt log-probs of `tokens` (for --check-weight-update-equal)."""

@@ -49,6 +49,7 @@ class GenerateState:
         self.aborted = False  # set when the batch is full: queued requests return without being sent
         self.in_flight = 0  # generate requests sent and not yet answered (all engines)
         self.max_in_flight = 0  # its peak since the last rollout started
+        self.retries = 0  # generate requests sent again after an error or a timeout, since the rollout started
         self.generate_fn = load_function(args.custom_generate_function_path or
                                          "vime.rollout.vllm_rollout.generate")
 
@@ -135,11 +136,13 @@ async def post_generate(args, token_ids: list[int], sampling_params: dict[str, A
                 return json.loads(text)["choices"][0]
         except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as e:
             last_error = e
+            logger.info("generate request failed (attempt %d): %r", attempt + 1, e)
         finally:
             state.in_flight -= 1
         attempt += 1
         if attempt > args.rollout_request_retries and time.monotonic() >= deadline:
             break
+        state.retries += 1
         await asyncio.sleep(min(0.5 * 2 ** (attempt - 1), 8.0))
     raise EngineUnavailableError(f"generate failed after {attempt} attempts: {last_error!r}")
 
@@ -260,7 +263,7 @@ async def generate_rollout_async(args, rollout_id: int, data_source) -> tuple[li
 
     state = GenerateState(args)
     state.aborted = False
-    state.max_in_flight = state.in_flight
+    state.max_in_flight, state.retries = state.in_flight, 0
     target = args.rollout_batch_size
     params = sampling_params_for(args)
     dynamic_filter = load_function(args.dynamic_sampling_filter_path) if args.dynamic_sampling_filter_path else None
@@ -307,7 +310,7 @@ async def generate_rollout_async(args, rollout_id: int, data_source) -> tuple[li
             data_source.add_samples(list(leftovers))
         state.aborted = False
     data.sort(key=lambda g: g[0].index)
-    stats["max_in_flight"] = state.max_in_flight
+    stats["max_in_flight"], stats["request_retries"] = state.max_in_flight, state.retries
     return data, stats
 
 
@@ -331,5 +334,6 @@ def generate_rollout(args, rollout_id: int, data_source, evaluation: bool = Fals
     groups, stats = run(generate_rollout_async(args, rollout_id, data_source))
     stats["generate_time"] = time.perf_counter() - start
     args.last_rollout_stats = stats
-    record_counters(args, {"rollout/max_in_flight": float(stats["max_in_flight"])})
+    record_counters(args, {"rollout/max_in_flight": float(stats["max_in_flight"]),
+                           "rollout/request_retries": float(stats["request_retries"])})
     return groups

@@ -10,11 +10,17 @@ for transports whose two halves join one collective and must run at the same tim
 Implementations: `disk` (HF safetensors into a directory, /dev/shm when available; engines reload it),
 `broadcast` (in memory over a gloo/nccl group with the engines' worker extension), `delta` (disk, only the
 tensors whose content changed since the last sync), `cuda_ipc` (colocated GPUs: engines map the trainer's tensors).
+
+With --use-fault-tolerance every update also leaves a recovery copy, an HF safetensors directory of the new weights
+that the rollout manager reloads into an engine it restarts: the update directory itself with `disk`, else one more
+`disk` write (`write_recovery_copy`). The manager deletes the previous copy when it gets a new one.
 """
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 
 from vime.backends.weight_transport.broadcast import BroadcastWeightTransport
 from vime.backends.weight_transport.cuda_ipc import CudaIpcWeightTransport
@@ -45,18 +51,32 @@ def update_weights(args, train_group, rollout_manager, version: int) -> dict[str
     ray.get(rollout_manager.pause.remote("wait"))  # in-flight requests finish first; none is lost
     paused = time.perf_counter()
     handle = transport.prepare(version)
+    keeps_handle = args.use_fault_tolerance and type(transport) is DiskWeightTransport
+    recovery = None
+    if args.use_fault_tolerance:
+        recovery = handle if keeps_handle else write_recovery_copy(args, train_group, version)
     sends = [actor.call.remote("send_weights", transport, handle) for actor in train_group.actors]
     if getattr(transport, "concurrent", False):  # one collective: the send time is the whole transfer
-        _wait_all(sends + [rollout_manager.apply_weights.remote(transport, handle, version)])
+        _wait_all(sends + [rollout_manager.apply_weights.remote(transport, handle, version, recovery)])
         sent = done = time.perf_counter()
     else:
         _wait_all(sends)
         sent = time.perf_counter()
-        ray.get(rollout_manager.apply_weights.remote(transport, handle, version))
+        ray.get(rollout_manager.apply_weights.remote(transport, handle, version, recovery))
         done = time.perf_counter()
-    transport.cleanup(handle)
+    if not keeps_handle:  # the manager owns (and later deletes) a directory kept for recovery
+        transport.cleanup(handle)
     return {"perf/update_weights_time": done - start, "perf/update_weights_pause_time": paused - start,
             "perf/update_weights_send_time": sent - paused, "perf/update_weights_apply_time": done - sent}
+
+
+def write_recovery_copy(args, train_group, version: int) -> str:
+    """The current weights as an HF safetensors directory (the `disk` transport's writer), for engine restarts."""
+    disk = DiskWeightTransport(args)
+    path = Path(disk.root) / f"vime_recovery_{os.getpid()}_{version}"
+    path.mkdir(parents=True, exist_ok=True)
+    _wait_all([actor.call.remote("send_weights", disk, str(path)) for actor in train_group.actors])
+    return str(path)
 
 
 def _wait_all(refs: list) -> None:

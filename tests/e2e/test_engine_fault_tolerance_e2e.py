@@ -1,0 +1,224 @@
+"""Engines under load and under fire, on the real stack: 2 vLLM engines behind vllm-router, driven through the
+RolloutManager actor with --use-fault-tolerance.
+
+1. 256 requests in flight: one rollout of 64 prompts x 4 with --rollout-concurrency 256 and
+   --vllm-max-num-seqs 32 (requests queue inside the engines): every sample comes back complete, no request
+   was retried or timed out, 256 requests were in flight at once (rollout/max_in_flight) and the engines held
+   more than they run at once (running + waiting, from their /metrics).
+2. A SIGKILLed engine: new weights (version 1) are pushed, one engine's server is SIGKILLed in the middle of a
+   rollout; the rollout completes with every group, the engine is back (new URL, healthy, in the router's
+   /workers) within the health-check window plus its start-up time, serving version 1 with the same weights as
+   the other engine, and the next rollout's metrics count the restart.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.processes import stack_pids
+
+pytestmark = pytest.mark.e2e
+
+CONCURRENCY = 256
+HEALTH_INTERVAL, HEALTH_TIMEOUT = 2.0, 5.0
+
+
+def _get_json(url: str, timeout: float = 10.0):
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def _in_engine(url: str) -> float:
+    """Requests an engine holds now (running + waiting), from its Prometheus /metrics."""
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(("vllm:num_requests_running{", "vllm:num_requests_waiting{")))
+
+
+def _router_workers(router_url: str) -> list[str]:
+    data = _get_json(router_url + "/workers")
+    return sorted(w["url"] if isinstance(w, dict) else w for w in data.get("workers", data.get("urls", [])))
+
+
+def _server_pid(watchdog_pid: int) -> int:
+    import psutil
+
+    for p in psutil.Process(watchdog_pid).children(recursive=True):
+        if "vllm.entrypoints.openai.api_server" in " ".join(p.cmdline()):
+            return p.pid
+    raise AssertionError(f"no vLLM server under engine process {watchdog_pid}")
+
+
+def _rollout(manager, args, rollout_id: int):
+    """(groups of sample dicts, metrics) of one rollout, through the data transport as the training loop gets it."""
+    import ray
+
+    from vime.data.transport import make_transport
+
+    groups, extra = make_transport(args).get(ray.get(manager.generate.remote(rollout_id), timeout=600))
+    return groups, extra["metrics"]
+
+
+def _check_groups(groups: list[list[dict]], n_groups: int, versions: list[str] | None = None) -> None:
+    assert len(groups) == n_groups and all(len(g) == 4 for g in groups)
+    assert len({g[0]["group_index"] for g in groups}) == n_groups
+    for g in groups:
+        for s in g:
+            assert s["status"] in ("completed", "truncated"), s["metadata"]
+            assert s["response_length"] > 0 and len(s["rollout_log_probs"]) == s["response_length"]
+            if versions is not None:
+                assert s["weight_versions"] == versions, s["weight_versions"]
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_qwen3, arithmetic_data, tmp_path_factory):
+    import ray
+
+    from vime.ray.placement import Placement, init_ray
+    from vime.ray.rollout_manager import RolloutManager
+    from vime.utils.arguments import parse_args
+
+    assert not stack_pids(), "engine or router processes are already running"
+    out = tmp_path_factory.mktemp("fault_tolerance")
+    args = parse_args([
+        "--hf-checkpoint", str(tiny_qwen3), "--prompt-data", str(arithmetic_data[0]), "--label-key", "label",
+        "--apply-chat-template", "--rm-type", "math", "--debug-rollout-only",
+        "--rollout-batch-size", "64", "--n-samples-per-prompt", "4", "--rollout-num-gpus", "2",
+        "--rollout-max-response-len", "32", "--rollout-concurrency", str(CONCURRENCY), "--num-rollout", "3",
+        "--use-fault-tolerance", "--rollout-health-check-interval", str(HEALTH_INTERVAL),
+        "--rollout-health-check-timeout", str(HEALTH_TIMEOUT), "--update-weight-dir", str(out),
+        "--output-dir", str(out / "run"), "--vllm-enforce-eager", "--vllm-dtype", "float32",
+        "--vllm-max-model-len", "256", "--vllm-max-num-seqs", "32",
+    ])
+    init_ray(args)
+    manager = RolloutManager.remote(args, Placement(args, with_trainers=False))
+    try:
+        ray.get(manager.start.remote())
+        yield args, manager, out
+    finally:
+        ray.get(manager.shutdown.remote(), timeout=180)
+        ray.shutdown()
+        deadline = time.monotonic() + 30
+        while stack_pids() and time.monotonic() < deadline:
+            time.sleep(1)
+        assert not stack_pids(), f"processes left: {stack_pids()}"
+
+
+def test_256_requests_in_flight_through_the_router(stack):
+    import ray
+
+    args, manager, _ = stack
+    urls = ray.get(manager.get_engine_urls.remote())
+    peak, stop = [0.0], threading.Event()
+
+    def watch():  # what the engines themselves hold, polled while the rollout runs
+        while not stop.is_set():
+            try:
+                peak[0] = max(peak[0], sum(_in_engine(u) for u in urls))
+            except OSError:
+                pass
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    start = time.monotonic()
+    try:
+        groups, metrics = _rollout(manager, args, 0)
+    finally:
+        stop.set()
+        watcher.join()
+    print(f"256 in flight: rollout {time.monotonic() - start:.1f}s, client peak {metrics['rollout/max_in_flight']}, "
+          f"engines' peak {peak[0]}, retries {metrics['rollout/request_retries']}")
+    _check_groups(groups, 64)
+    assert metrics["rollout/num_samples"] == 256 and metrics["rollout/failed_samples"] == 0
+    assert metrics["rollout/max_in_flight"] >= CONCURRENCY and metrics["rollout/request_retries"] == 0
+    # more than the engines run at once (2 x --vllm-max-num-seqs 32) sat in them: requests queue, none is lost
+    assert peak[0] > 2 * 32, f"the engines never queued requests (peak {peak[0]})"
+
+
+def _perturbed_weights(model_dir: Path, out: Path) -> Path:
+    """The tiny model's weights plus noise, as an HF directory: what a trainer's disk update would write."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    weights_dir = out / "weights_v1"
+    weights_dir.mkdir()
+    gen = torch.Generator().manual_seed(0)
+    tensors = {}
+    for f in model_dir.glob("*.safetensors"):
+        for name, t in load_file(str(f)).items():
+            tensors[name] = (t + 0.05 * torch.randn(t.shape, generator=gen, dtype=t.dtype)).contiguous()
+    save_file(tensors, str(weights_dir / "model.safetensors"))
+    return weights_dir
+
+
+def test_sigkilled_engine_is_replaced_with_the_current_weights(stack, tiny_qwen3):
+    import ray
+
+    from vime.backends.weight_transport.disk import DiskWeightTransport
+
+    args, manager, out = stack
+    weights = _perturbed_weights(tiny_qwen3, out)
+    ray.get(manager.pause.remote("wait"))
+    ray.get(manager.apply_weights.remote(DiskWeightTransport(args), str(weights), 1, str(weights)))
+    probe = list(range(100, 140))
+    before = ray.get(manager.probe_log_probs.remote(probe))
+    assert max(abs(a - b) for a, b in zip(*before)) < 1e-5
+
+    old_urls = ray.get(manager.get_engine_urls.remote())
+    router_url = ray.get(manager.get_router_url.remote())
+    victim = _server_pid(ray.get(manager.engine_pids.remote())[0])
+    rollout = manager.generate.remote(1)  # runs while this test kills an engine
+    deadline = time.monotonic() + 120
+    while _in_engine(old_urls[0]) < 8:  # in the middle of the rollout: the victim is busy
+        assert time.monotonic() < deadline, "the rollout never reached engine 0"
+        time.sleep(0.05)
+    os.kill(victim, signal.SIGKILL)
+    killed = time.monotonic()
+
+    from vime.data.transport import make_transport
+
+    groups, extra = make_transport(args).get(ray.get(rollout, timeout=600))
+    metrics = extra["metrics"]
+    print(f"rollout with a SIGKILL: done {time.monotonic() - killed:.1f}s after the kill, "
+          f"{metrics['rollout/request_retries']} requests retried")
+    _check_groups(groups, 64, versions=["1"])
+    assert metrics["rollout/failed_samples"] == 0
+
+    window = HEALTH_INTERVAL + HEALTH_TIMEOUT + args.engine_startup_timeout
+    while ray.get(manager.engine_restarts.remote()) < 1:
+        assert time.monotonic() - killed < window, "the engine was not restarted within the health-check window"
+        time.sleep(1)
+    print(f"engine back {time.monotonic() - killed:.1f}s after the SIGKILL")
+    urls = ray.get(manager.get_engine_urls.remote())
+    new_url = next(u for u in urls if u not in old_urls)
+    assert len(urls) == 2 and old_urls[1] in urls
+    assert _router_workers(router_url) == sorted(urls)
+    with urllib.request.urlopen(new_url + "/health", timeout=5) as r:
+        assert r.status == 200
+    # the new engine serves version 1 and exactly the weights the other engine serves
+    after = ray.get(manager.probe_log_probs.remote(probe))
+    assert max(abs(a - b) for a, b in zip(*after)) < 1e-5 and max(abs(a - b) for a, b in zip(after[0], before[0])) < 1e-5
+    body = json.dumps({"token_ids": probe, "sampling_params": {"max_tokens": 2}, "model": "policy"}).encode()
+    req = urllib.request.Request(new_url + "/inference/v1/generate", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        answer = json.loads(r.read())
+    assert [str(v["version"]) if isinstance(v, dict) else str(v) for v in answer["choices"][0]["weight_versions"]] \
+        == ["1"], answer["choices"][0]
+
+    groups, metrics = _rollout(manager, args, 2)
+    _check_groups(groups, 64, versions=["1"])
+    assert metrics["rollout/engine_restarts"] == 1.0
+    assert (Path(weights) / "model.safetensors").exists()  # a user's directory is never deleted
+    shutil.rmtree(weights)
