@@ -30,6 +30,9 @@ PLUGIN = textwrap.dedent('''
     def none_reward(args, sample):
         return None
 
+    def bool_filter(args, samples):
+        return True
+
     async def generate(args, sample, sampling_params):
         sample.tokens = sample.tokens + [5]
         sample.response_length += 1
@@ -182,3 +185,18 @@ def test_failure_metrics_by_reason_and_counters():
     m = rollout_metrics(samples, args)
     assert "data/skipped_rows" not in m and m["rollout/engine_restarts"] == 2  # once-only vs running total
     assert "rollout/engine_restarts" not in rollout_metrics(samples, args, prefix="eval/x")
+
+
+def test_filter_returning_the_wrong_type_is_a_clear_error(tiny_qwen3, plugin):
+    from vime.data.data_source import RolloutDataSource
+    from vime.rollout.vllm_rollout import generate_rollout_async
+
+    args = _args(tiny_qwen3, custom_generate_function_path="failure_plugin.generate", rm_type="random",
+                 dynamic_sampling_filter_path="failure_plugin.bool_filter", rollout_batch_size=1,
+                 over_sampling_batch_size=1, max_dynamic_sampling_rounds=2, rollout_temperature=1.0,
+                 rollout_top_p=1.0, rollout_top_k=-1, rollout_max_response_len=4, rollout_stop=None,
+                 rollout_stop_token_ids=None, rollout_engine_urls=[], partial_rollout=False, seed=0)
+    source = RolloutDataSource([Sample(prompt="p", tokens=[1, 2], label="1")], 2, seed=0, shuffle=False)
+    with pytest.raises(TypeError, match="--dynamic-sampling-filter-path failure_plugin.bool_filter returned bool "
+                                        r"\(True\), expected a DynamicFilterOutput"):
+        _run(generate_rollout_async(args, 0, source))

@@ -287,6 +287,9 @@ async def generate_rollout_async(args, rollout_id: int, data_source) -> tuple[li
             group = task.result()
             if dynamic_filter is not None and len(data) < target:
                 verdict = dynamic_filter(args, group)
+                if not hasattr(verdict, "keep"):
+                    raise TypeError(f"--dynamic-sampling-filter-path {args.dynamic_sampling_filter_path} returned "
+                                    f"{type(verdict).__name__} ({verdict!r:.200}), expected a DynamicFilterOutput")
                 if not verdict.keep:
                     stats["dropped_groups"] += 1
                     reason = verdict.reason or "filtered"
