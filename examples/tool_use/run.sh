@@ -28,7 +28,7 @@ echo "== GRPO with multi-turn tool-calling rollouts"
 $PY train.py "${COMMON[@]}" --hf-checkpoint "$OUT/sft_hf" --prompt-data "$OUT/data/train.jsonl" \
   --custom-generate-function-path examples.tool_use.agent.generate --custom-rm-path examples.tool_use.agent.reward \
   --rollout-batch-size 8 --n-samples-per-prompt 4 --num-rollout "${GRPO_STEPS:-8}" --rollout-max-response-len 160 \
-  --advantage-estimator grpo --lr 5e-4 --rollout-num-gpus 1 --vllm-enforce-eager --vllm-dtype float32 \
+  --advantage-estimator grpo --lr 2e-5 --rollout-num-gpus 1 --vllm-enforce-eager --vllm-dtype float32 \
   --vllm-max-model-len 512 --save-debug-rollout-data "$OUT/grpo/rollouts/rollout_{rollout_id}.jsonl" \
   --output-dir "$OUT/grpo" "$@"
 
