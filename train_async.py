@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import time
 
-import ray
-
 from vime.ray.session import TrainingSession, run_entry_point
 from vime.utils.logging_utils import progress
 
@@ -47,9 +45,10 @@ def train(args) -> None:
             metrics.update(run.train(rollout_id, groups))
             run.maybe_save(rollout_id, num_rollout)
             if (rollout_id + 1) % args.update_weights_interval == 0 or rollout_id + 1 == num_rollout:
-                if rollout_id + 1 < num_rollout:
-                    ray.wait([pending])  # engines are updated between rollouts, never mid-generation
-                metrics.update(run.update_weights(version=rollout_id + 1))
+                # the trainers write the new weights while rollout N+1 finishes; the engines load them between
+                # rollouts, never mid-generation
+                after = [pending] if rollout_id + 1 < num_rollout else None
+                metrics.update(run.update_weights(version=rollout_id + 1, after=after))
                 if args.eval_interval and (rollout_id + 1) % args.eval_interval == 0:
                     run.maybe_eval(rollout_id + 1, force=True)
             metrics["perf/step_time"] = time.perf_counter() - step_start

@@ -249,8 +249,57 @@ def test_update_weights_runs_send_and_apply_together_for_a_collective(fake_ray, 
                                      group, manager, version=1)
         finally:
             del weight_transport.TRANSPORTS[name]
-        assert metrics["perf/update_weights_time"] >= metrics["perf/update_weights_send_time"] >= 0
+        assert metrics["perf/update_weights_time"] >= metrics["perf/update_weights_apply_time"] >= 0
+        assert metrics["perf/update_weights_time"] >= metrics["perf/update_weights_stage_time"] >= 0
     assert order == ["cleanup", "send", "apply", "cleanup"]
+
+
+def test_staged_update_writes_weights_while_the_rollout_still_generates(fake_ray, tiny_qwen3):
+    """train_async: the trainer half (files written) overlaps the running rollout; the pause waits for it."""
+    import time
+
+    from vime.backends import weight_transport
+    from vime.utils.arguments import parse_args
+
+    args = parse_args(["--hf-checkpoint", str(tiny_qwen3), *ARGV])
+    order, generating = [], threading.Event()
+
+    class Files:
+        concurrent = False
+
+        def __init__(self, args):
+            pass
+
+        def prepare(self, version):
+            return version
+
+        def send(self, trainer, handle):
+            order.append("send")
+            generating.set()  # the rollout may end only after the weights are written: proves the overlap
+
+        def apply(self, urls, handle):
+            order.append("apply")
+
+        def cleanup(self, handle):
+            pass
+
+    def rollout():
+        assert generating.wait(10)
+        time.sleep(0.1)
+        order.append("rollout done")
+
+    fake_trainer = SimpleNamespace(args=args, send_weights=lambda transport, handle: transport.send(None, handle))
+    weight_transport.TRANSPORTS["files"] = Files
+    try:
+        group, manager, raw = _driver(fake_trainer, [], fake_ray)
+        raw.pause = lambda mode="wait": order.append("pause")
+        pending = fake_ray.submit(rollout)
+        metrics = update_weights(argparse.Namespace(**{**vars(args), "update_weight_transport": "files"}),
+                                 group, manager, version=1, after=[pending])
+    finally:
+        del weight_transport.TRANSPORTS["files"]
+    assert order == ["send", "rollout done", "pause", "apply"]
+    assert metrics["perf/update_weights_time"] < 5  # the wait for the rollout is not counted as update time
 
 
 def test_fault_tolerance_leaves_a_recovery_copy_for_restarted_engines(fake_ray, tiny_qwen3, tmp_path, monkeypatch):

@@ -118,20 +118,22 @@ class TrainingSession:
             self.offload_train()
         return start, num_rollout
 
-    def update_weights(self, version: int) -> dict[str, float]:
+    def update_weights(self, version: int, after: list | None = None) -> dict[str, float]:
+        """Push the trainer's weights into the engines as `version`. `after`: rollouts still generating; the
+        trainers write the weights meanwhile and the engines load them once those are done (train_async)."""
         if not (self.use_engines and self.trainers is not None):
             return {}
         self.weight_version = version
         try:
-            return self._update_weights(version)
+            return self._update_weights(version, after)
         except ray.exceptions.RayActorError as e:  # the trainers died after training: rebuild them, then push
             self._recover_trainers(trained_through=version - 1, error=e)
-            metrics = self._update_weights(version)
+            metrics = self._update_weights(version, after)
             metrics["recovery/trainer_restarts"] = float(self.trainer_restarts)
             return metrics
 
-    def _update_weights(self, version: int) -> dict[str, float]:
-        metrics = update_weights(self.args, self.trainers, self.manager, version=version)
+    def _update_weights(self, version: int, after: list | None = None) -> dict[str, float]:
+        metrics = update_weights(self.args, self.trainers, self.manager, version=version, after=after)
         if self.args.check_weight_update_equal:  # raises when an engine serves other weights than the trainer's
             metrics.update(check_weights_equal(self.args, self.trainers, self.manager))
         return metrics

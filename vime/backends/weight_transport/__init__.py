@@ -5,7 +5,9 @@ A transport has two halves: `send(trainer, handle)` runs on every training rank 
 makes the handle both get, `cleanup(handle)` (driver) removes what it left. Two optional parts: `connect(engine_urls,
 trainer_address)` (driver, before `prepare`) for transports that must know the engines, and `concurrent = True`
 for transports whose two halves join one collective and must run at the same time (otherwise apply follows send).
-`update_weights` drives one update: pause -> send -> apply -> reset prefix cache -> bump weight version -> resume.
+`update_weights` drives one update in two halves: `stage_weights` (trainers send; no pause needed except for
+collective transports, so it can overlap generation) and `apply_staged` (pause -> apply -> reset prefix cache ->
+bump weight version -> resume).
 
 Implementations: `disk` (HF safetensors into a directory, /dev/shm when available; engines reload it),
 `broadcast` (in memory over a gloo/nccl group with the engines' worker extension), `delta` (disk, only the
@@ -20,7 +22,9 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from vime.backends.weight_transport.broadcast import BroadcastWeightTransport
 from vime.backends.weight_transport.cuda_ipc import CudaIpcWeightTransport
@@ -39,35 +43,71 @@ def get_transport(args):
                          f"{sorted(TRANSPORTS)}") from None
 
 
-def update_weights(args, train_group, rollout_manager, version: int) -> dict[str, float]:
-    """Push the current policy into every engine; returns timing metrics."""
+@dataclass
+class StagedUpdate:
+    """A weight update whose trainer half is done (or, for collective transports, ready to start)."""
+
+    transport: Any
+    handle: Any
+    version: int
+    recovery: str | None
+    keeps_handle: bool
+    stage_time: float
+
+
+def stage_weights(args, train_group, rollout_manager, version: int) -> StagedUpdate:
+    """The trainer half of an update, which needs no pause: the trainers write the new weights where the
+    engines will load them from (disk, delta). It can run while the engines still generate; a collective
+    transport (broadcast) only prepares here, since its send must meet the engines in `apply_staged`."""
     import ray
 
-    transport = get_transport(args)
     start = time.perf_counter()
+    transport = get_transport(args)
     if hasattr(transport, "connect"):
         transport.connect(ray.get(rollout_manager.get_engine_urls.remote()),
                           lambda: ray.get(train_group.actors[0].address.remote()))
-    ray.get(rollout_manager.pause.remote("wait"))  # in-flight requests finish first; none is lost
-    paused = time.perf_counter()
     handle = transport.prepare(version)
     keeps_handle = args.use_fault_tolerance and type(transport) is DiskWeightTransport
     recovery = None
     if args.use_fault_tolerance:
         recovery = handle if keeps_handle else write_recovery_copy(args, train_group, version)
-    sends = [actor.call.remote("send_weights", transport, handle) for actor in train_group.actors]
-    if getattr(transport, "concurrent", False):  # one collective: the send time is the whole transfer
-        _wait_all(sends + [rollout_manager.apply_weights.remote(transport, handle, version, recovery)])
-        sent = done = time.perf_counter()
+    if not getattr(transport, "concurrent", False):
+        _wait_all([actor.call.remote("send_weights", transport, handle) for actor in train_group.actors])
+    return StagedUpdate(transport, handle, version, recovery, keeps_handle, time.perf_counter() - start)
+
+
+def apply_staged(args, train_group, rollout_manager, staged: StagedUpdate) -> dict[str, float]:
+    """The engine half: pause (in-flight requests finish first; none is lost) -> load -> reset the prefix
+    cache -> bump the weight version -> resume. Returns timing metrics of the whole update."""
+    import ray
+
+    transport, handle, version = staged.transport, staged.handle, staged.version
+    start = time.perf_counter()
+    ray.get(rollout_manager.pause.remote("wait"))
+    paused = time.perf_counter()
+    if getattr(transport, "concurrent", False):  # one collective: trainers send while engines receive
+        sends = [actor.call.remote("send_weights", transport, handle) for actor in train_group.actors]
+        _wait_all(sends + [rollout_manager.apply_weights.remote(transport, handle, version, staged.recovery)])
     else:
-        _wait_all(sends)
-        sent = time.perf_counter()
-        ray.get(rollout_manager.apply_weights.remote(transport, handle, version, recovery))
-        done = time.perf_counter()
-    if not keeps_handle:  # the manager owns (and later deletes) a directory kept for recovery
+        ray.get(rollout_manager.apply_weights.remote(transport, handle, version, staged.recovery))
+    done = time.perf_counter()
+    if not staged.keeps_handle:  # the manager owns (and later deletes) a directory kept for recovery
         transport.cleanup(handle)
-    return {"perf/update_weights_time": done - start, "perf/update_weights_pause_time": paused - start,
-            "perf/update_weights_send_time": sent - paused, "perf/update_weights_apply_time": done - sent}
+    return {"perf/update_weights_time": staged.stage_time + done - start,
+            "perf/update_weights_stage_time": staged.stage_time,
+            "perf/update_weights_pause_time": paused - start,
+            "perf/update_weights_apply_time": done - paused}
+
+
+def update_weights(args, train_group, rollout_manager, version: int, after: list | None = None) -> dict[str, float]:
+    """Push the current policy into every engine. `after`: ObjectRefs (e.g. a rollout still generating) to
+    wait for between the trainer half and the engine half, so that writing the weights overlaps them."""
+    import ray
+
+    staged = stage_weights(args, train_group, rollout_manager, version)
+    if after:
+        ray.wait(list(after), num_returns=len(after))
+    return apply_staged(args, train_group, rollout_manager, staged)
 
 
 def write_recovery_copy(args, train_group, version: int) -> str:
