@@ -17,14 +17,16 @@ from vime.utils.types import Sample
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
-GRPO_STEPS = 2
+GRPO_STEPS = 1
 
 
 def _run_example(name: str, out: Path, sft_steps: int) -> list[Sample]:
     assert not stack_pids(), "engine or router processes are already running"
     env = {**os.environ, "SKIP_INSTALL": "1", "OUT": str(out), "SFT_STEPS": str(sft_steps),
            "GRPO_STEPS": str(GRPO_STEPS), "VIME_PROGRESS": "0"}
-    proc = subprocess.run(["bash", str(REPO / "examples" / name / "run.sh"), "--rollout-batch-size", "4"],
+    # 4 prompts x 4 samples: the micro-batch must divide the 16-sample global batch
+    extra = ["--rollout-batch-size", "4", "--micro-batch-size", "8"]
+    proc = subprocess.run(["bash", str(REPO / "examples" / name / "run.sh"), *extra],
                           capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert not stack_pids(), f"processes left after the example: {stack_pids()}"
@@ -60,14 +62,14 @@ def _check_trajectories(samples: list[Sample]) -> int:
 
 
 def test_tool_use_example(tmp_path):
-    samples = _run_example("tool_use", tmp_path, sft_steps=30)
+    samples = _run_example("tool_use", tmp_path, sft_steps=20)
     assert len(samples) == GRPO_STEPS * 4 * 4
     assert _check_trajectories(samples) > 0, "the warmed-up model never called the calculator"
     assert any("<|im_start|>tool\n" in s.response for s in samples)
 
 
 def test_coding_agent_example(tmp_path):
-    samples = _run_example("coding_agent", tmp_path, sft_steps=30)
+    samples = _run_example("coding_agent", tmp_path, sft_steps=20)
     assert len(samples) == GRPO_STEPS * 4 * 4
     assert _check_trajectories(samples) > 0, "the warmed-up model never ran code"
     graded = [s for s in samples if "grading" in s.metadata]
