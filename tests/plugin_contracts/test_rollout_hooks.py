@@ -4,7 +4,6 @@ function (no engine); the real engine path is covered by tests/e2e."""
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import sys
 import textwrap
