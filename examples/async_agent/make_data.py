@@ -14,13 +14,9 @@ from pathlib import Path
 from vime.tools.arithmetic_data import write_arithmetic_data
 
 
-def answer(n) -> str:
-    return f"The answer is \\boxed{{{n}}}."
-
-
 def write_data(out: str | Path, n_train: int = 256, n_eval: int = 32, seed: int = 0) -> dict[str, Path]:
     from examples.async_agent.agent import FOLLOW_UP
-    from examples.multi_agent.make_data import corrupt
+    from examples.multi_agent.make_data import answer, corrupt
 
     out = Path(out)
     train, evaluation = write_arithmetic_data(out, n_train, n_eval, seed=seed, task="repeat")

@@ -14,6 +14,7 @@ import random
 from pathlib import Path
 
 from vime.agents.tools import PYTHON
+from vime.tools.task_data import write_distinct_splits
 
 OPS = {"+": lambda x, k: x + k, "-": lambda x, k: x - k, "*": lambda x, k: x * k}
 
@@ -38,21 +39,8 @@ def make_row(rng: random.Random) -> dict:
 
 
 def write_data(out: str | Path, n_train: int = 512, n_eval: int = 64, seed: int = 0) -> tuple[Path, Path]:
-    out, rng, seen, paths = Path(out), random.Random(seed), set(), []
-    out.mkdir(parents=True, exist_ok=True)
-    if n_train + n_eval > 600:  # 6 operator pairs x 8 x 19 constants = 912 distinct tasks
-        raise ValueError("at most 600 distinct tasks (train + eval); ask for fewer")
-    for name, n in (("train", n_train), ("eval", n_eval)):
-        rows = []
-        while len(rows) < n:
-            row = make_row(rng)
-            if row["prompt"] not in seen:  # train and eval never share a task
-                seen.add(row["prompt"])
-                rows.append(row)
-        path = out / f"{name}.jsonl"
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        paths.append(path)
-    return paths[0], paths[1]
+    train, evaluation = write_distinct_splits(out, make_row, {"train": n_train, "eval": n_eval}, seed)
+    return train, evaluation
 
 
 if __name__ == "__main__":

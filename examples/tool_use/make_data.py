@@ -14,6 +14,7 @@ import random
 from pathlib import Path
 
 from vime.agents.tools import CALCULATOR, format_number, safe_eval
+from vime.tools.task_data import write_distinct_splits
 
 
 def make_row(rng: random.Random) -> dict:
@@ -34,19 +35,8 @@ def make_row(rng: random.Random) -> dict:
 
 
 def write_data(out: str | Path, n_train: int = 512, n_eval: int = 64, seed: int = 0) -> tuple[Path, Path]:
-    out, rng, seen, paths = Path(out), random.Random(seed), set(), []
-    out.mkdir(parents=True, exist_ok=True)
-    for name, n in (("train", n_train), ("eval", n_eval)):
-        rows = []
-        while len(rows) < n:
-            row = make_row(rng)
-            if row["prompt"] not in seen:  # train and eval never share a question
-                seen.add(row["prompt"])
-                rows.append(row)
-        path = out / f"{name}.jsonl"
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        paths.append(path)
-    return paths[0], paths[1]
+    train, evaluation = write_distinct_splits(out, make_row, {"train": n_train, "eval": n_eval}, seed)
+    return train, evaluation
 
 
 if __name__ == "__main__":
