@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Coding agent: a tiny model learns to write f(x), run it with the python tool (sandboxed), and answer with the code, on this machine's CPU (~6 minutes).
+# Coding agent: a tiny model learns to write f(x), run it with the python tool (sandboxed), and answer with the code, on this machine's CPU (~9 minutes).
 #   1. build a tiny Qwen3 model and coding tasks locally (no downloads);
 #   2. multi-turn SFT warm-up on demonstrations (model turns trained, tool turns masked);
 #   3. GRPO with multi-turn rollouts on a real vLLM engine: model turn -> python tool -> model turn; the final code is run against hidden tests in the sandbox, reward 1

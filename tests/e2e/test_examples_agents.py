@@ -1,4 +1,4 @@
-"""The agent examples end to end, reduced (few SFT steps, 2 GRPO rollouts, 1 engine): their run.sh as a user
+"""The agent examples end to end, reduced (few SFT steps, 1 GRPO rollout, 1 engine): their run.sh as a user
 runs it, then the saved rollouts' trajectory structure: masks, log-probs aligned with tokens, tool turns
 masked, rewards present."""
 
@@ -69,7 +69,7 @@ def test_tool_use_example(tmp_path):
 
 
 def test_coding_agent_example(tmp_path):
-    samples = _run_example("coding_agent", tmp_path, sft_steps=20)
+    samples = _run_example("coding_agent", tmp_path, sft_steps=60)  # 20 steps: no final code block yet
     assert len(samples) == GRPO_STEPS * 4 * 4
     assert _check_trajectories(samples) > 0, "the warmed-up model never ran code"
     graded = [s for s in samples if "grading" in s.metadata]
