@@ -26,7 +26,6 @@ class EngineHealthMonitor:
         self.restart = restart
         self.interval_s = interval_s
         self.first_wait_s = first_wait_s
-        self.suspects: set[int] = set()  # engines a control call found broken: checked at once
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -42,8 +41,7 @@ class EngineHealthMonitor:
             self._thread.join(timeout_s)
 
     def check_soon(self, rank: int) -> None:
-        """Probe engine `rank` now instead of at the next interval (a control call to it failed)."""
-        self.suspects.add(rank)
+        """Probe the engines now instead of at the next interval (a control call to engine `rank` failed)."""
         self._wake.set()
 
     def check_once(self) -> list[int]:
@@ -52,7 +50,6 @@ class EngineHealthMonitor:
         for rank in range(self.num_engines):
             if self._stop.is_set():
                 break
-            self.suspects.discard(rank)
             try:
                 reason = self.probe(rank)
             except Exception as e:  # a probe that fails is a failed engine, not a dead monitor

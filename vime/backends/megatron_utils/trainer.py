@@ -22,6 +22,7 @@ from vime.algorithms import compute_approx_kl, get_advantage_estimator
 from vime.backends.megatron_utils.checkpoint import load_checkpoint, save_checkpoint
 from vime.backends.megatron_utils.batching import balanced_partition, micro_batches, step_slices
 from vime.backends.megatron_utils.loss import make_loss_fn
+from vime.backends.megatron_utils.offload import TrainStateOffloader
 from vime.backends.megatron_utils.critic import attach_value_head, make_value_loss_fn
 from vime.backends.megatron_utils.model import (
     forward_log_probs,
@@ -65,6 +66,7 @@ class MegatronTrainer:
 
         self.model, self.optimizer, self.scheduler = setup_model_and_optimizer(args, total_steps, prepare)
         self.step = 0
+        self.offloader = TrainStateOffloader()  # --offload-train
         self.loaded_state = None
         self.last_returns = None
         # The reference policy for KL is the starting point: the HF checkpoint (or a converted `release`).
@@ -235,15 +237,13 @@ class MegatronTrainer:
     # ---- colocated offload (--offload-train) ------------------------------------------------------------------
     def offload(self) -> int:
         """Move parameters, grad buffers, optimizer state and the KL reference to host memory; returns bytes."""
-        from vime.backends.megatron_utils.offload import TrainStateOffloader, train_state_tensors
+        from vime.backends.megatron_utils.offload import train_state_tensors
 
-        if not hasattr(self, "_offloader"):
-            self._offloader = TrainStateOffloader()
         ref = [t for sd in self.ref_state or [] for t in sd.values()]
-        return self._offloader.offload(train_state_tensors(self.model, self.optimizer, ref))
+        return self.offloader.offload(train_state_tensors(self.model, self.optimizer, ref))
 
     def onload(self) -> int:
-        return self._offloader.onload() if hasattr(self, "_offloader") else 0
+        return self.offloader.onload()
 
     # ---- weights out ------------------------------------------------------------------------------------------
     def hf_weights(self):
