@@ -243,10 +243,10 @@ class OpenAIServer:
                 async with self._http.post(self.router_url + "/inference/v1/generate", json=payload, headers=headers,
                                            timeout=self.timeout) as r:
                     answer = await r.json(content_type=None)
-                    if 400 <= r.status < 500:
+                    if 400 <= r.status < 500 and r.status != 429:  # 429 (overloaded) is retried, as in post_generate
                         message = answer.get("error", answer) if isinstance(answer, dict) else answer
                         raise EngineError(400, f"the engine rejected the request: {message}")
-                    if r.status >= 500:
+                    if r.status >= 429:
                         raise aiohttp.ClientResponseError(r.request_info, (), status=r.status, message=str(answer))
                     return answer["choices"][0]
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
