@@ -4,15 +4,16 @@ each against a plain copy of the same bytes (every tensor written to one /dev/sh
 
     .venv/bin/python bench/weight_sync.py [--sizes 1M 20M 100M --repeats 3]
 
-Prints, per model size, the median time of the plain copy and, per path, of the whole update and of its
-send + apply part (the rest -- pause, cache reset, version, resume -- is a fixed ~40-100 ms of HTTP control calls),
-each as a ratio to the copy (target <= 3x).
+Prints, per model size, the median time of the plain copy and, per path, of the whole update as a ratio to the
+copy (target <= 3x), with its parts: the trainer's send (disk; broadcast overlaps it with the load), the engine's
+load and the engine's control steps (pause, prefix-cache reset, version, resume: one HTTP call per engine).
 One engine at a time (started with vime's worker extension, float32, eager).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shutil
 import statistics
@@ -33,8 +34,10 @@ SIZES = {
 }
 
 
-def update_once(args, trainer, url: str, name: str, version: int) -> tuple[float, float]:
-    """One update as `update_weights` runs it, without Ray: (seconds of the whole update, of send + apply)."""
+def update_once(args, trainer, url: str, name: str, version: int) -> dict[str, float]:
+    """One update as `update_weights` runs it, without Ray: seconds of the whole update, of the trainer's send,
+    and of the engine's load and of its control steps (pause, cache reset, version, resume) as the engine timed
+    them."""
     from vime.backends.vllm_utils import client
     from vime.backends.weight_transport import get_transport
     from vime.utils.misc import find_free_port
@@ -43,23 +46,24 @@ def update_once(args, trainer, url: str, name: str, version: int) -> tuple[float
     transport = get_transport(argparse.Namespace(**{**vars(args), "update_weight_transport": name}))
     if hasattr(transport, "connect"):
         transport.connect([url], lambda: ("127.0.0.1", find_free_port()))
-    client.pause([url], "wait")
     handle = transport.prepare(version)
-    transfer = time.perf_counter()
-    if getattr(transport, "concurrent", False):
+
+    def load() -> dict:
+        return client.update_weights_all([url], transport.load_calls([url], handle), version)[0]["timings"]
+
+    if getattr(transport, "concurrent", False):  # one collective: the send and the load overlap
         with ThreadPoolExecutor(1) as pool:
             sending = pool.submit(trainer.send_weights, transport, handle)
-            transport.apply([url], handle)
+            timings = load()
             sending.result()
+        send = float("nan")
     else:
         trainer.send_weights(transport, handle)
-        transport.apply([url], handle)
-    transfer = time.perf_counter() - transfer
-    client.reset_prefix_cache([url])
-    client.update_weight_version([url], str(version))
-    client.resume([url])
+        send = time.perf_counter() - start
+        timings = load()
     transport.cleanup(handle)
-    return time.perf_counter() - start, transfer
+    return {"update": time.perf_counter() - start, "send": send, "load": timings["load_s"],
+            "control": timings["pause_s"] + timings["finish_s"]}
 
 
 def plain_copy(trainer) -> tuple[float, int]:
@@ -101,16 +105,18 @@ def bench_size(label: str, shape: dict, work: Path, repeats: int) -> dict:
             trainer = MegatronTrainer(args)
             params = sum(t.numel() for _, t in trainer.hf_weights())
             url = booting.result()
-            times = {"disk": [], "disk_transfer": [], "broadcast": [], "broadcast_transfer": [], "copy": []}
+            times = {"copy": []}
             version = 0
-            for _ in range(repeats + 1):  # the first round warms up (and builds the broadcast group)
+            for round_ in range(repeats + 1):  # the first round warms up (and builds the broadcast group)
                 for name in ("disk", "broadcast"):
+                    elapsed, nbytes = plain_copy(trainer)  # interleaved: the copy sees the same machine state
                     version += 1
-                    total, transfer = update_once(args, trainer, url, name, version)
-                    times[name].append(total)
-                    times[f"{name}_transfer"].append(transfer)
-                elapsed, nbytes = plain_copy(trainer)
-                times["copy"].append(elapsed)
+                    update = update_once(args, trainer, url, name, version)
+                    if round_ == 0:
+                        continue
+                    times["copy"].append(elapsed)
+                    for part, seconds in update.items():
+                        times.setdefault(f"{name}_{part}", []).append(seconds)
             _drop_trainer_group()
             destroy_parallel()
         finally:
@@ -119,7 +125,7 @@ def bench_size(label: str, shape: dict, work: Path, repeats: int) -> dict:
             except Exception:
                 pass
             engine.stop()
-    med = {k: statistics.median(v[1:]) for k, v in times.items()}
+    med = {k: statistics.median(v) for k, v in times.items()}
     return {"size": label, "params": params, "bytes": nbytes, **med}
 
 
@@ -136,7 +142,7 @@ def _drop_trainer_group() -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
-    p.add_argument("--repeats", type=int, default=3, help="Timed rounds after one warm-up round (default: 3).")
+    p.add_argument("--repeats", type=int, default=5, help="Timed rounds after one warm-up round (default: 5).")
     a = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="vime_bench_sync_"))
     rows = []
@@ -149,10 +155,12 @@ def main() -> None:
         print(f"{row['size']:>5} {row['params'] / 1e6:6.1f}M params {row['bytes'] / 2**20:6.1f} MiB | "
               f"plain /dev/shm copy {row['copy'] * 1e3:7.1f} ms", flush=True)
         for name in ("disk", "broadcast"):
-            print(f"      {name:>9}: update {row[name] * 1e3:7.1f} ms ({row[name] / row['copy']:6.2f}x copy), "
-                  f"send+apply {row[name + '_transfer'] * 1e3:7.1f} ms "
-                  f"({row[name + '_transfer'] / row['copy']:6.2f}x copy)", flush=True)
-    worst = max(max(r["disk"], r["broadcast"]) / r["copy"] for r in rows)
+            send = "overlapped" if math.isnan(row[f"{name}_send"]) else f"{row[f'{name}_send'] * 1e3:.1f} ms"
+            print(f"      {name:>9}: update {row[f'{name}_update'] * 1e3:7.1f} ms "
+                  f"({row[f'{name}_update'] / row['copy']:5.2f}x copy) | send {send}, engine load "
+                  f"{row[f'{name}_load'] * 1e3:.1f} ms, engine control {row[f'{name}_control'] * 1e3:.1f} ms",
+                  flush=True)
+    worst = max(max(r["disk_update"], r["broadcast_update"]) / r["copy"] for r in rows)
     print(f"worst update / copy ratio {worst:.2f}x (target <= 3x)")
     shutil.rmtree(work, ignore_errors=True)
 

@@ -169,7 +169,6 @@ def test_sigkilled_engine_is_replaced_with_the_current_weights(stack, tiny_qwen3
 
     args, manager, out = stack
     weights = _perturbed_weights(tiny_qwen3, out)
-    ray.get(manager.pause.remote("wait"))
     ray.get(manager.apply_weights.remote(DiskWeightTransport(args), str(weights), 1, str(weights)))
     probe = list(range(100, 140))
     before = ray.get(manager.probe_log_probs.remote(probe))

@@ -171,11 +171,6 @@ class _Manager:
     def get_engine_urls(self):
         return list(self.urls)
 
-    def pause(self, mode="wait"):
-        from vime.backends.vllm_utils import client
-
-        client.pause(self.urls, mode)
-
     def apply_weights(self, transport, handle, version, recovery_dir=None):
         from vime.backends.vllm_utils import client
 
@@ -183,10 +178,9 @@ class _Manager:
             for f in sorted(Path(handle["dir"]).glob("*.safetensors")):
                 with safe_open(str(f), "pt") as st:
                     self.written += list(st.keys())
-        transport.apply(self.urls, handle)
-        client.reset_prefix_cache(self.urls)
-        client.update_weight_version(self.urls, str(version))
-        client.resume(self.urls)
+        answers = client.update_weights_all(self.urls, transport.load_calls(self.urls, handle), version)
+        self.answers = answers
+        return answers[0]["timings"] if answers else {}
 
     def probe_log_probs(self, tokens):
         return engine_prompt_log_probs(self.urls, tokens)
@@ -223,8 +217,9 @@ def test_update_weights_runs_send_and_apply_together_for_a_collective(fake_ray, 
         def send(self, trainer, handle):
             both.wait()
 
-        def apply(self, urls, handle):
+        def load_calls(self, urls, handle):
             both.wait()
+            return {}
 
         def cleanup(self, handle):
             order.append("cleanup")
@@ -235,8 +230,9 @@ def test_update_weights_runs_send_and_apply_together_for_a_collective(fake_ray, 
         def send(self, trainer, handle):
             order.append("send")
 
-        def apply(self, urls, handle):
+        def load_calls(self, urls, handle):
             order.append("apply")
+            return {}
 
     from vime.backends import weight_transport
 
@@ -277,8 +273,9 @@ def test_staged_update_writes_weights_while_the_rollout_still_generates(fake_ray
             order.append("send")
             generating.set()  # the rollout may end only after the weights are written: proves the overlap
 
-        def apply(self, urls, handle):
+        def load_calls(self, urls, handle):
             order.append("apply")
+            return {}
 
         def cleanup(self, handle):
             pass
@@ -292,13 +289,12 @@ def test_staged_update_writes_weights_while_the_rollout_still_generates(fake_ray
     weight_transport.TRANSPORTS["files"] = Files
     try:
         group, manager, raw = _driver(fake_trainer, [], fake_ray)
-        raw.pause = lambda mode="wait": order.append("pause")
         pending = fake_ray.submit(rollout)
         metrics = update_weights(argparse.Namespace(**{**vars(args), "update_weight_transport": "files"}),
                                  group, manager, version=1, after=[pending])
     finally:
         del weight_transport.TRANSPORTS["files"]
-    assert order == ["send", "rollout done", "pause", "apply"]
+    assert order == ["send", "rollout done", "apply"]  # the engines' pause is part of the apply
     assert metrics["perf/update_weights_time"] < 5  # the wait for the rollout is not counted as update time
 
 
@@ -325,8 +321,8 @@ def test_fault_tolerance_leaves_a_recovery_copy_for_restarted_engines(fake_ray, 
         def send(self, trainer, handle):
             pass
 
-        def apply(self, urls, handle):
-            pass
+        def load_calls(self, urls, handle):
+            return {}
 
         def cleanup(self, handle):
             cleaned.append(handle)
@@ -337,7 +333,8 @@ def test_fault_tolerance_leaves_a_recovery_copy_for_restarted_engines(fake_ray, 
     try:
         for name in ("disk", "memory"):
             group, manager, raw = _driver(fake_trainer, [], fake_ray)
-            raw.apply_weights = lambda transport, handle, version, recovery_dir=None: recoveries.append(recovery_dir)
+            raw.apply_weights = lambda transport, handle, version, recovery_dir=None: recoveries.append(
+                recovery_dir) or {}
             update_weights(argparse.Namespace(**{**vars(args), "update_weight_transport": name}), group, manager, 3)
     finally:
         del weight_transport.TRANSPORTS["memory"]
@@ -462,3 +459,38 @@ def test_delta_sends_only_changed_layers_and_they_suffice(stack, sync):
     assert sorted(written) == sorted([f"model.layers.1.self_attn.{p}_proj.weight" for p in "qkv"]
                                      + ["model.norm.weight"])
     assert _max_diff(trainer, url, tokens) <= FLOAT32_TOLERANCE
+
+
+def test_one_call_update_on_the_engine_and_its_fallback(stack):
+    """vime's route on the real engine: one POST pauses, loads, versions and resumes; a failed load names the
+    route and leaves the engine paused; the separate-call fallback (engines without the plugin) does the same."""
+    from vime.backends.vllm_utils import client
+    from vime.backends.vllm_utils.endpoint import ROUTE
+
+    args, trainer, url = stack
+    tokens = probe_tokens(args.hf_checkpoint)
+    reload = {url: ("reload_weights", {"weights_path": args.hf_checkpoint})}
+
+    def state() -> tuple[bool, str]:
+        return (client.http().get(url + "/is_paused").json()["is_paused"],
+                client.http().get(url + "/weight_info").json()["weight_version"])
+
+    try:
+        with pytest.raises(client.EngineControlError, match=f"{ROUTE}.*vime_no_such_method"):
+            client.update_weights_all([url], {url: ("vime_no_such_method", {})}, 41)
+        assert state()[0] is True  # not resumed after a failed load
+        answer = client.update_weights_all([url], reload, 42)[0]
+        assert state() == (False, "42") and answer["timings"]["load_s"] > 0
+        assert set(answer["timings"]) == {"pause_s", "load_s", "finish_s"}
+        served = engine_prompt_log_probs([url], tokens)[0]  # generation runs again: the checkpoint's weights
+
+        client._without_update_route.add(url)
+        _perturb(trainer)  # nothing pushed: only the version moves, then the checkpoint again
+        client.update_weights_all([url], {}, 43)
+        assert state() == (False, "43")
+        client.update_weights_all([url], reload, 44)
+        assert state() == (False, "44")
+        assert engine_prompt_log_probs([url], tokens)[0] == pytest.approx(served, abs=FLOAT32_TOLERANCE)
+    finally:
+        client._without_update_route.discard(url)
+        client.resume([url])

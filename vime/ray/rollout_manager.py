@@ -225,16 +225,6 @@ class RolloutManager:
         except OSError as e:  # already removed
             logger.info("router: remove_worker %s: %s", url, e)
 
-    def pause(self, mode: str = "wait") -> None:
-        """mode: 'wait' lets in-flight requests finish, 'abort' cancels them, 'keep' freezes them until resume."""
-        self._post_engines("/pause", params={"mode": mode})
-
-    def resume(self) -> None:
-        self._post_engines("/resume")
-
-    def abort(self) -> None:
-        self._post_engines("/abort_requests", body={})
-
     def sleep(self) -> None:
         """Free engine memory while the trainer uses the shared devices (--colocate --offload-rollout)."""
         self._post_engines("/sleep", params={"level": 1})
@@ -242,40 +232,33 @@ class RolloutManager:
     def wake_up(self) -> None:
         self._post_engines("/wake_up")
 
-    def reset_prefix_cache(self) -> None:
-        self._post_engines("/reset_prefix_cache")
-
-    def apply_weights(self, transport, handle, version: int, recovery_dir: str | None = None) -> None:
-        """Load new weights into every (paused) engine, then make them visible and resume. `recovery_dir`: an HF
-        directory of the same weights (--use-fault-tolerance), kept for engines restarted later."""
+    def apply_weights(self, transport, handle, version: int, recovery_dir: str | None = None) -> dict[str, float]:
+        """Every engine at once: pause -> load `transport`'s update -> reset the prefix cache -> weight `version`
+        -> resume. `recovery_dir`: an HF directory of the same weights (--use-fault-tolerance), kept for engines
+        restarted later. Returns the slowest engine's {"pause_s", "load_s", "finish_s"}."""
         with self._engines_lock:
             targets = list(self.engine_urls)
             connected = handle.get("engine_urls") if isinstance(handle, dict) else None
+            calls = {}
             if connected is not None and recovery_dir is not None:
                 # a transport bound to the engine set it connected to (broadcast): an engine restarted since then
                 # loads the same weights from the recovery copy
-                late = [u for u in targets if u not in connected]
-                if late:
-                    client.collective_rpc(late, "reload_weights", {"weights_path": recovery_dir})
-                targets = [u for u in targets if u in connected]
-            try:
-                transport.apply(targets, handle)
-            except client.EngineControlError:
-                if self.monitor is None or not self._take_out_dead_engines():
-                    raise
-                # a dead engine gets these weights when it is restarted
-                transport.apply([u for u in targets if u in self.engine_urls], handle)
+                calls = {u: ("reload_weights", {"weights_path": recovery_dir}) for u in targets if u not in connected}
+            calls.update(transport.load_calls([u for u in targets if u not in calls], handle))
+            answers, errors = client.update_weights_each(targets, calls, version)
+            if errors:
+                if self.monitor is None:
+                    raise client.EngineControlError("; ".join(errors.values()))
+                self._take_out_dead(errors)  # a dead engine gets these weights when it is restarted
             if recovery_dir is not None:
                 self.set_recovery_weights(recovery_dir)
-            self.reset_prefix_cache()
-            self.set_weight_version(version)
-            self.resume()
-
-    def set_weight_version(self, version) -> None:
-        with self._engines_lock:
             self.weight_version = version
             self.served_version = str(version)
-            self._post_engines("/update_weight_version", body={"new_version": str(version)})
+        slowest: dict[str, float] = {}
+        for answer in answers.values():
+            for phase, seconds in answer.get("timings", {}).items():
+                slowest[phase] = max(seconds, slowest.get(phase, 0.0))
+        return slowest
 
     def set_recovery_weights(self, path: str) -> None:
         """Remember `path` (HF safetensors of the engines' current weights) for restarts; drops the previous one."""
@@ -309,19 +292,6 @@ class RolloutManager:
         with self._engines_lock:
             return self._probe_engine(rank)
 
-    def _take_out_dead_engines(self) -> list[str]:
-        """Probe every engine in service, take the dead ones out (the monitor restarts them); returns their URLs."""
-        dead = []
-        for url in list(self.engine_urls):
-            rank = self.rank_urls.index(url)
-            reason = self._probe_engine(rank)
-            if reason is not None:
-                logger.error("engine %d (%s) is dead (%s); taken out of service until restarted", rank, url, reason)
-                self._take_out_of_service(url)
-                self.monitor.check_soon(rank)
-                dead.append(url)
-        return dead
-
     def _restart_engine(self, rank: int, reason: str) -> None:
         """Take engine `rank` out, kill it, start a new one in its bundle, load the current weights, register it."""
         args = self.args
@@ -339,11 +309,9 @@ class RolloutManager:
         try:
             url = ray.get(new.start.remote(), timeout=args.engine_startup_timeout + 60)
             with self._engines_lock:  # no weight update in between: the engine joins with the current weights
-                if self.recovery_weights:
-                    client.collective_rpc([url], "reload_weights", {"weights_path": self.recovery_weights})
-                    client.reset_prefix_cache([url])
-                if self.served_version is not None:
-                    client.update_weight_version([url], self.served_version)
+                if self.served_version is not None:  # weights were pushed since the start: load the latest
+                    call = ("reload_weights", {"weights_path": self.recovery_weights}) if self.recovery_weights else None
+                    client.update_weights_all([url], {url: call}, self.served_version)
                 self.engines[rank] = new
                 self.rank_urls[rank] = url
                 self.engine_urls.append(url)

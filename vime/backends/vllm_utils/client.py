@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import functools
+import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Callable
 
 import httpx
 
@@ -32,13 +33,12 @@ def _post(url: str, route: str, body: dict | None, params: dict | None, timeout:
         return r.text
 
 
-def post_each(urls: list[str], route: str, body: dict | None = None, params: dict | None = None,
-              timeout: float = 300.0) -> tuple[dict[str, Any], dict[str, str]]:
-    """POST to `route` on every engine at once; returns ({url: answer}, {url: error}) for those that failed."""
+def _each(urls: list[str], call: Callable[[str], Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """`call(url)` for every engine at once; returns ({url: answer}, {url: error}) for those that failed."""
     if not urls:
         return {}, {}
     with ThreadPoolExecutor(max_workers=len(urls)) as pool:
-        futures = {u: pool.submit(_post, u, route, body, params, timeout) for u in urls}
+        futures = {u: pool.submit(call, u) for u in urls}
         results, errors = {}, {}
         for url, f in futures.items():
             try:
@@ -48,13 +48,22 @@ def post_each(urls: list[str], route: str, body: dict | None = None, params: dic
     return results, errors
 
 
-def post_all(urls: list[str], route: str, body: dict | None = None, params: dict | None = None,
-             timeout: float = 300.0) -> list[Any]:
-    """POST to `route` on every engine at once; raise naming the engine(s) that failed."""
-    results, errors = post_each(urls, route, body, params, timeout)
+def _all(urls: list[str], results: dict[str, Any], errors: dict[str, str]) -> list[Any]:
     if errors:
         raise EngineControlError("; ".join(errors.values()))
     return [results[u] for u in urls]
+
+
+def post_each(urls: list[str], route: str, body: dict | None = None, params: dict | None = None,
+              timeout: float = 300.0) -> tuple[dict[str, Any], dict[str, str]]:
+    """POST to `route` on every engine at once; returns ({url: answer}, {url: error}) for those that failed."""
+    return _each(urls, lambda url: _post(url, route, body, params, timeout))
+
+
+def post_all(urls: list[str], route: str, body: dict | None = None, params: dict | None = None,
+             timeout: float = 300.0) -> list[Any]:
+    """POST to `route` on every engine at once; raise naming the engine(s) that failed."""
+    return _all(urls, *post_each(urls, route, body, params, timeout))
 
 
 def pause(urls: list[str], mode: str = "wait") -> None:
@@ -83,3 +92,50 @@ def collective_rpc(urls: list[str], method: str, kwargs: dict[str, str] | None =
                    timeout: float = 600.0) -> list[Any]:
     """Run a worker method on every engine; only string arguments survive the HTTP route."""
     return post_all(urls, "/collective_rpc", body={"method": method, "kwargs": kwargs or {}}, timeout=timeout)
+
+
+# ---- a whole weight update ---------------------------------------------------------------------------------------
+LoadCall = tuple[str, dict[str, str]] | None  # (worker method, string kwargs) that loads an update; None: nothing
+UPDATE_TIMEOUT_S = 900.0  # outlasts a broadcast group's 600 s join timeout, so that one reports first
+_without_update_route: set[str] = set()  # engines whose server lacks vime's route (started without the plugin)
+
+
+def update_weights_each(urls: list[str], calls: dict[str, LoadCall], version: int | str, pause_mode: str = "wait",
+                        timeout: float = UPDATE_TIMEOUT_S) -> tuple[dict[str, dict], dict[str, str]]:
+    """On every engine at once: pause -> `calls[url]` -> reset prefix cache -> weight version -> resume.
+
+    One POST to vime's route (`vime.backends.vllm_utils.endpoint`) per engine, or, for an engine without it, the
+    same steps as separate control calls. All engines run at the same time (a broadcast needs every receiver in
+    the collective). Returns ({url: {"results", "timings"}}, {url: error}); a failed engine stays paused."""
+    return _each(urls, lambda url: _update_one(url, calls.get(url), str(version), pause_mode, timeout))
+
+
+def update_weights_all(urls: list[str], calls: dict[str, LoadCall], version: int | str, pause_mode: str = "wait",
+                       timeout: float = UPDATE_TIMEOUT_S) -> list[dict]:
+    """`update_weights_each`, raising naming the engine(s) that failed."""
+    return _all(urls, *update_weights_each(urls, calls, version, pause_mode, timeout))
+
+
+def _update_one(url: str, call: LoadCall, version: str, pause_mode: str, timeout: float) -> dict:
+    from vime.backends.vllm_utils.endpoint import ROUTE
+
+    if url not in _without_update_route:
+        body = {"method": call[0] if call else None, "kwargs": call[1] if call else {}, "version": version,
+                "pause_mode": pause_mode}
+        try:
+            return _post(url, ROUTE, body, None, timeout)
+        except EngineControlError as e:
+            if "HTTP 404" not in str(e):
+                raise
+            _without_update_route.add(url)
+    start = time.perf_counter()
+    pause([url], pause_mode)
+    paused = time.perf_counter()
+    answer = collective_rpc([url], call[0], call[1], timeout)[0] if call else {}
+    results = answer.get("results", []) if isinstance(answer, dict) else []
+    loaded = time.perf_counter()
+    reset_prefix_cache([url])
+    update_weight_version([url], version)
+    resume([url])
+    return {"results": results, "timings": {"pause_s": paused - start, "load_s": loaded - paused,
+                                            "finish_s": time.perf_counter() - loaded}}

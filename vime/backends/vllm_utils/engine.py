@@ -48,9 +48,26 @@ def engine_command(args, host: str, port: int, engine_rank: int) -> list[str]:
 def engine_env(args) -> dict[str, str]:
     env = dict(os.environ)
     env["VLLM_SERVER_DEV_MODE"] = "1"
+    env["VLLM_PLUGINS"] = plugin_allowlist(os.environ.get("VLLM_PLUGINS"))
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.cpu_kv_cache_space))
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     return env
+
+
+def plugin_allowlist(current: str | None) -> str:
+    """VLLM_PLUGINS for an engine: vime's endpoint plugin added to the user's list. vLLM loads endpoint plugins
+    only when named there, but a set VLLM_PLUGINS also filters every other plugin group, so an unset one becomes
+    every installed general and platform plugin (what vLLM loads when it is unset) plus vime's."""
+    from importlib.metadata import entry_points
+
+    from vime.backends.vllm_utils.endpoint import NAME
+
+    if current is not None:
+        names = [n for n in current.split(",") if n]
+    else:
+        names = [p.name for group in ("vllm.general_plugins", "vllm.platform_plugins")
+                 for p in entry_points(group=group)]
+    return ",".join(dict.fromkeys([*names, NAME]))
 
 
 def http_ok(url: str, timeout: float = 2.0) -> bool:

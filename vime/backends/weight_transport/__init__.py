@@ -1,13 +1,15 @@
 """Moving the trainer's weights into running engines, behind one small interface.
 
-A transport has two halves: `send(trainer, handle)` runs on every training rank (collectively) and
-`apply(engine_urls, handle)` runs in the rollout manager while the engines are paused; `prepare(version)` (driver)
-makes the handle both get, `cleanup(handle)` (driver) removes what it left. Two optional parts: `connect(engine_urls,
+A transport has two halves: `send(trainer, handle)` runs on every training rank (collectively), and
+`load_calls(engine_urls, handle)` (rollout manager) names the worker method and string kwargs each engine runs to
+load the update ({url: (method, kwargs)}; an engine left out loads nothing); `prepare(version)` (driver) makes the
+handle both get, `cleanup(handle)` (driver) removes what it left. Two optional parts: `connect(engine_urls,
 trainer_address)` (driver, before `prepare`) for transports that must know the engines, and `concurrent = True`
-for transports whose two halves join one collective and must run at the same time (otherwise apply follows send).
-`update_weights` drives one update in two halves: `stage_weights` (trainers send; no pause needed except for
-collective transports, so it can overlap generation) and `apply_staged` (pause -> apply -> reset prefix cache ->
-bump weight version -> resume).
+for transports whose two halves join one collective and must run at the same time (otherwise loading follows
+send). `update_weights` drives one update in two halves: `stage_weights` (trainers send; no pause needed except
+for collective transports, so it can overlap generation) and `apply_staged`: one call per engine, all at once
+(`client.update_weights_each`), that pauses, runs the load, resets the prefix cache, bumps the weight version
+and resumes.
 
 Implementations: `disk` (HF safetensors into a directory, /dev/shm when available; engines reload it),
 `broadcast` (in memory over a gloo/nccl group with the engines' worker extension), `delta` (disk, only the
@@ -78,25 +80,25 @@ def stage_weights(args, train_group, rollout_manager, version: int) -> StagedUpd
 
 def apply_staged(args, train_group, rollout_manager, staged: StagedUpdate) -> dict[str, float]:
     """The engine half: pause (in-flight requests finish first; none is lost) -> load -> reset the prefix
-    cache -> bump the weight version -> resume. Returns timing metrics of the whole update."""
+    cache -> bump the weight version -> resume. Returns timing metrics of the whole update (pause and load as the
+    slowest engine measured them)."""
     import ray
 
     transport, handle, version = staged.transport, staged.handle, staged.version
     start = time.perf_counter()
-    ray.get(rollout_manager.pause.remote("wait"))
-    paused = time.perf_counter()
+    applying = rollout_manager.apply_weights.remote(transport, handle, version, staged.recovery)
     if getattr(transport, "concurrent", False):  # one collective: trainers send while engines receive
         sends = [actor.call.remote("send_weights", transport, handle) for actor in train_group.actors]
-        _wait_all(sends + [rollout_manager.apply_weights.remote(transport, handle, version, staged.recovery)])
-    else:
-        ray.get(rollout_manager.apply_weights.remote(transport, handle, version, staged.recovery))
+        _wait_all(sends + [applying])
+    timings = ray.get(applying)
     done = time.perf_counter()
     if not staged.keeps_handle:  # the manager owns (and later deletes) a directory kept for recovery
         transport.cleanup(handle)
     return {"perf/update_weights_time": staged.stage_time + done - start,
             "perf/update_weights_stage_time": staged.stage_time,
-            "perf/update_weights_pause_time": paused - start,
-            "perf/update_weights_apply_time": done - paused}
+            "perf/update_weights_apply_time": done - start,
+            "perf/update_weights_pause_time": timings.get("pause_s", 0.0),
+            "perf/update_weights_load_time": timings.get("load_s", 0.0)}
 
 
 def update_weights(args, train_group, rollout_manager, version: int, after: list | None = None) -> dict[str, float]:

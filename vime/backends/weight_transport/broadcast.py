@@ -20,13 +20,11 @@ from __future__ import annotations
 
 import json
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Callable, Iterator
 
 import torch
 
-from vime.backends.vllm_utils import client
 
 ALIGN = 64  # byte alignment of every tensor inside a bucket, so each can be viewed as its own dtype
 ALONE_BYTES = 1 << 20  # tensors this large travel on their own: packing gains nothing but a copy
@@ -183,23 +181,18 @@ class BroadcastWeightTransport:
         for _ in broadcast_weights(pg, handle["num_senders"], handle["bucket_bytes"], device, own=weights):
             pass  # another stage's tensors: this writer only relays its part of the collective
 
-    def apply(self, engine_urls: list[str], handle: dict) -> None:
-        """Every engine joins and receives at once (each call blocks until the whole group has joined)."""
+    def load_calls(self, engine_urls: list[str], handle: dict) -> dict:
+        """Each engine's receive (the caller runs them at once: each blocks until the whole group has joined)."""
         if list(engine_urls) != handle["engine_urls"]:
             raise RuntimeError(f"engine set changed between prepare and apply: {handle['engine_urls']} -> "
                                f"{engine_urls}")
-
-        def receive(index: int, url: str):
-            kwargs = {"key": handle["key"], "master_addr": handle["master_addr"],
-                      "master_port": str(handle["master_port"]),
-                      "rank_offset": str(handle["num_senders"] + index * self.workers_per_engine),
-                      "world_size": str(handle["world_size"]), "num_senders": str(handle["num_senders"]),
-                      "bucket_bytes": str(handle["bucket_bytes"]), "backend": handle["backend"]}
-            return client.collective_rpc([url], "vime_receive_weights", kwargs, timeout=GROUP_TIMEOUT_S + 60)
-
-        with ThreadPoolExecutor(max_workers=max(1, len(engine_urls))) as pool:
-            for future in [pool.submit(receive, i, url) for i, url in enumerate(engine_urls)]:
-                future.result()
+        common = {"key": handle["key"], "master_addr": handle["master_addr"],
+                  "master_port": str(handle["master_port"]), "world_size": str(handle["world_size"]),
+                  "num_senders": str(handle["num_senders"]), "bucket_bytes": str(handle["bucket_bytes"]),
+                  "backend": handle["backend"]}
+        return {url: ("vime_receive_weights",
+                      {**common, "rank_offset": str(handle["num_senders"] + index * self.workers_per_engine)})
+                for index, url in enumerate(engine_urls)}
 
     def cleanup(self, handle: dict) -> None:
         pass  # the group stays up for the next update

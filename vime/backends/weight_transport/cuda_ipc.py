@@ -18,7 +18,6 @@ from pathlib import Path
 
 import torch
 
-from vime.backends.vllm_utils import client
 from vime.backends.weight_transport.disk import default_weight_dir
 
 
@@ -44,8 +43,8 @@ class CudaIpcWeightTransport:
                 pickle.dump(entries, f)
         torch.cuda.synchronize()
 
-    def apply(self, engine_urls: list[str], handle: str) -> None:
-        client.collective_rpc(engine_urls, "vime_load_ipc_weights", {"path": handle})
+    def load_calls(self, engine_urls: list[str], handle: str) -> dict:
+        return {url: ("vime_load_ipc_weights", {"path": handle}) for url in engine_urls}
 
     def cleanup(self, handle: str) -> None:
         shutil.rmtree(handle, ignore_errors=True)

@@ -24,7 +24,6 @@ from typing import Callable
 
 import torch
 
-from vime.backends.vllm_utils import client
 from vime.backends.weight_transport.broadcast import engine_set_key
 from vime.backends.weight_transport.disk import DiskWeightTransport
 
@@ -88,9 +87,10 @@ class DeltaWeightTransport(DiskWeightTransport):
             tmp.replace(Path(handle["dir"]) / f"model-pp{pp_rank}.safetensors")
         _sent.update(key=handle["key"], digests=digests)
 
-    def apply(self, engine_urls: list[str], handle: dict) -> None:
-        if any(Path(handle["dir"]).glob("*.safetensors")):  # no file: nothing changed, nothing to reload
-            client.collective_rpc(engine_urls, "reload_weights", {"weights_path": handle["dir"]})
+    def load_calls(self, engine_urls: list[str], handle: dict) -> dict:
+        if not any(Path(handle["dir"]).glob("*.safetensors")):  # no file: nothing changed, nothing to reload
+            return {}
+        return super().load_calls(engine_urls, handle["dir"])
 
     def cleanup(self, handle: dict) -> None:
         super().cleanup(handle["dir"])

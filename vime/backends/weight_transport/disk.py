@@ -11,8 +11,6 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from vime.backends.vllm_utils import client
-
 
 def default_weight_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
@@ -39,8 +37,8 @@ class DiskWeightTransport:
             save_file(tensors, str(tmp))
             tmp.replace(Path(handle) / f"model-pp{pp_rank}.safetensors")
 
-    def apply(self, engine_urls: list[str], handle: str) -> None:
-        client.collective_rpc(engine_urls, "reload_weights", {"weights_path": handle})
+    def load_calls(self, engine_urls: list[str], handle: str) -> dict:
+        return {url: ("reload_weights", {"weights_path": handle}) for url in engine_urls}
 
     def cleanup(self, handle: str) -> None:
         shutil.rmtree(handle, ignore_errors=True)
