@@ -48,7 +48,7 @@ def get_server(args) -> OpenAIServer:
         if _server is None:
             from transformers import AutoTokenizer
 
-            from vime.rollout.vllm_rollout import router_url
+            from vime.rollout.vllm_rollout import retry_window_s, router_url
 
             if getattr(args, "router_policy", None) != "consistent_hash":
                 logger.warning("--router-policy is %r: a session's calls may land on different engines; "
@@ -60,7 +60,8 @@ def get_server(args) -> OpenAIServer:
                                    template_kwargs=args.apply_chat_template_kwargs, default_sampling=defaults,
                                    port=agent_flag(args, "agent_endpoint_port"),
                                    request_timeout_s=args.rollout_request_timeout,
-                                   retries=args.rollout_request_retries).start()
+                                   retries=args.rollout_request_retries,
+                                   retry_window_s=retry_window_s(args)).start()
         return _server
 
 

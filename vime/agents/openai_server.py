@@ -12,7 +12,8 @@ Session id, first found wins: header `X-Session-ID`, the API key (`Authorization
 OpenAI client sets), then the body's `user`. An id "EPISODE/ROLE" is the ROLE agent of EPISODE.
 Routes: POST /v1/chat/completions (no streaming, n=1), GET /v1/models, GET /health.
 
-Each call goes token-in/token-out to `/inference/v1/generate` through vllm-router with the header
+Each call goes token-in/token-out to `/inference/v1/generate` through vllm-router (`request_generate`, retried
+like the rollout's own requests) with the header
 `X-Session-ID: <session id>`. vllm-router 0.1.17's `consistent_hash` policy hashes that header first (then
 X-User-ID, ..., the body's session_params.session_id / user, else the whole body), so with
 `--router-policy consistent_hash` every call of a session reaches the same engine and reuses its prefix cache.
@@ -35,6 +36,8 @@ import aiohttp
 from aiohttp import web
 
 from vime.agents.chat_session import ChatSession, ChatTemplate
+from vime.backends.vllm_utils.generate_request import (EngineRejectedError, EngineUnavailableError, RequestCounters,
+                                                       request_generate)
 
 logger = logging.getLogger(__name__)
 MODEL_NAME = "policy"
@@ -100,14 +103,15 @@ class EngineError(Exception):
 class OpenAIServer:
     def __init__(self, router_url: str, tokenizer, template_kwargs: dict | None = None,
                  default_sampling: dict[str, Any] | None = None, host: str = "127.0.0.1", port: int = 0,
-                 request_timeout_s: float = 600.0, retries: int = 2):
+                 request_timeout_s: float = 600.0, retries: int = 2, retry_window_s: float = 0.0):
         self.router_url = router_url.rstrip("/")
         self.tokenizer = tokenizer
         self.template = ChatTemplate(tokenizer, template_kwargs)
         self.defaults = {"max_tokens": 256, "temperature": 1.0, "top_p": 1.0, **(default_sampling or {})}
         self.host, self.port = host, port
         self.timeout = aiohttp.ClientTimeout(total=request_timeout_s)
-        self.retries = retries
+        self.retries, self.retry_window_s = retries, retry_window_s
+        self.counters = RequestCounters()  # in flight and retried through this endpoint
         self.sessions: dict[str, ChatSession] = {}
         self.forced: dict[str, dict[str, Any]] = {}  # episode -> sampling params forced on its calls
         self._locks: dict[str, asyncio.Lock] = {}
@@ -234,25 +238,16 @@ class OpenAIServer:
         }
 
     async def _generate(self, session_id: str, prompt_ids: list[int], params: dict[str, Any]) -> dict[str, Any]:
-        """Token-in/token-out through the router, keyed by session; retries transport errors and 5xx."""
+        """Token-in/token-out through the router, keyed by session, retried like the rollout's requests."""
         payload = {"token_ids": prompt_ids, "sampling_params": params, "model": MODEL_NAME}
-        headers = {SESSION_HEADER: session_id}
-        last: Exception | None = None
-        for attempt in range(self.retries + 1):
-            try:
-                async with self._http.post(self.router_url + "/inference/v1/generate", json=payload, headers=headers,
-                                           timeout=self.timeout) as r:
-                    answer = await r.json(content_type=None)
-                    if 400 <= r.status < 500 and r.status != 429:  # 429 (overloaded) is retried, as in post_generate
-                        message = answer.get("error", answer) if isinstance(answer, dict) else answer
-                        raise EngineError(400, f"the engine rejected the request: {message}")
-                    if r.status >= 429:
-                        raise aiohttp.ClientResponseError(r.request_info, (), status=r.status, message=str(answer))
-                    return answer["choices"][0]
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                last = e
-                await asyncio.sleep(min(0.5 * 2**attempt, 4.0))
-        raise EngineError(502, f"generate through {self.router_url} failed after {self.retries + 1} attempts: {last!r}")
+        try:
+            return await request_generate(self._http, self.router_url, payload, timeout=self.timeout,
+                                          retries=self.retries, retry_window_s=self.retry_window_s,
+                                          headers={SESSION_HEADER: session_id}, counters=self.counters)
+        except EngineRejectedError as e:
+            raise EngineError(400, str(e)) from e
+        except EngineUnavailableError as e:
+            raise EngineError(502, str(e)) from e
 
 
 def _error(status: int, message: str) -> web.Response:

@@ -11,13 +11,13 @@ Hook signatures match slime's, so users' functions port unchanged:
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from typing import Any
 
 import aiohttp
 
+from vime.backends.vllm_utils.generate_request import EngineRejectedError, EngineUnavailableError, request_generate
 from vime.rollout.metrics import record_counters
 from vime.rollout.rm_hub import RewardTypeError, async_rm, batched_async_rm
 from vime.utils.misc import load_function
@@ -85,22 +85,6 @@ def sampling_params_for(args, evaluation: bool = False) -> dict[str, Any]:
     return p
 
 
-class EngineRejectedError(ValueError):
-    """The engine answered 4xx: the request itself is bad (e.g. prompt + max_tokens over --max-model-len)."""
-
-
-class EngineUnavailableError(RuntimeError):
-    """No engine answered the request within the retry budget."""
-
-
-def _error_message(text: str) -> str:
-    try:
-        body = json.loads(text)
-    except json.JSONDecodeError:
-        return text[:500]
-    return str(body.get("error", body) if isinstance(body, dict) else body)[:500]
-
-
 def retry_window_s(args) -> float:
     """How long retries of one request keep going at least. With --use-fault-tolerance the router may still
     send requests to a dead engine until the health monitor takes it out, so retries must outlast that."""
@@ -110,41 +94,14 @@ def retry_window_s(args) -> float:
 
 
 async def post_generate(args, token_ids: list[int], sampling_params: dict[str, Any]) -> dict[str, Any]:
-    """One token-in/token-out request through the router, with retries. Returns the first choice.
-
-    Connection errors, 5xx and 429 are retried (at least --rollout-request-retries times, and for
-    `retry_window_s` with fault tolerance); a 4xx raises EngineRejectedError at once.
-    """
+    """One token-in/token-out request through the router, with retries (`request_generate`: at least
+    --rollout-request-retries times, and for `retry_window_s` with fault tolerance). Returns the first choice."""
     state = GenerateState(args)
-    timeout = aiohttp.ClientTimeout(total=args.rollout_request_timeout)
     payload = {"token_ids": token_ids, "sampling_params": sampling_params, "model": "policy"}
-    last_error: Exception | None = None
-    deadline = time.monotonic() + retry_window_s(args)
-    attempt = 0
-    while True:
-        try:
-            state.in_flight += 1
-            state.max_in_flight = max(state.max_in_flight, state.in_flight)
-            async with state.http().post(router_url(args) + "/inference/v1/generate", json=payload,
-                                         timeout=timeout) as r:
-                text = await r.text()
-                if r.status >= 400:
-                    message = _error_message(text)
-                    if 400 <= r.status < 500 and r.status != 429:  # the request itself is bad: no retry
-                        raise EngineRejectedError(f"engine rejected the request (HTTP {r.status}): {message}")
-                    raise aiohttp.ClientResponseError(r.request_info, (), status=r.status, message=message)
-                return json.loads(text)["choices"][0]
-        except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as e:
-            last_error = e
-            logger.info("generate request failed (attempt %d): %r", attempt + 1, e)
-        finally:
-            state.in_flight -= 1
-        attempt += 1
-        if attempt > args.rollout_request_retries and time.monotonic() >= deadline:
-            break
-        state.retries += 1
-        await asyncio.sleep(min(0.5 * 2 ** (attempt - 1), 8.0))
-    raise EngineUnavailableError(f"generate failed after {attempt} attempts: {last_error!r}")
+    return await request_generate(state.http(), router_url(args), payload,
+                                  timeout=aiohttp.ClientTimeout(total=args.rollout_request_timeout),
+                                  retries=args.rollout_request_retries, retry_window_s=retry_window_s(args),
+                                  counters=state)
 
 
 def append_choice(sample: Sample, choice: dict[str, Any], tokenizer, trainable: bool = True) -> None:

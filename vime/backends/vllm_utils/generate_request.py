@@ -1,0 +1,83 @@
+"""One token-in/token-out generate request through vllm-router, with retries.
+
+Both the default rollout (`vime.rollout.vllm_rollout.post_generate`) and the OpenAI-compatible endpoint
+(`vime.agents.openai_server`) send their requests through `request_generate`, so both retry the same errors for
+as long: connection errors, timeouts, 5xx and 429 (overloaded) are retried at least `retries` times and for at
+least `retry_window_s` (what fault tolerance needs to outlast a dead engine); any other 4xx is the request's own
+fault and raises `EngineRejectedError` at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any
+
+import aiohttp
+
+logger = logging.getLogger(__name__)
+
+GENERATE_ROUTE = "/inference/v1/generate"
+
+
+class EngineRejectedError(ValueError):
+    """The engine answered 4xx: the request itself is bad (e.g. prompt + max_tokens over --max-model-len)."""
+
+
+class EngineUnavailableError(RuntimeError):
+    """No engine answered the request within the retry budget."""
+
+
+class RequestCounters:
+    """In-flight and retry counts across requests (the rollout's `GenerateState` carries the same three)."""
+
+    def __init__(self):
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.retries = 0
+
+
+def error_message(text: str) -> str:
+    """The `error` field of an engine's JSON error answer, else the text (cut to 500 characters)."""
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError:
+        return text[:500]
+    return str(body.get("error", body) if isinstance(body, dict) else body)[:500]
+
+
+async def request_generate(http: aiohttp.ClientSession, router_url: str, payload: dict[str, Any], *,
+                           timeout: aiohttp.ClientTimeout, retries: int, retry_window_s: float = 0.0,
+                           headers: dict[str, str] | None = None,
+                           counters: RequestCounters | None = None) -> dict[str, Any]:
+    """POST `payload` to the router's generate route; returns the answer's first choice."""
+    counters = counters if counters is not None else RequestCounters()
+    url = router_url.rstrip("/") + GENERATE_ROUTE
+    deadline = time.monotonic() + retry_window_s
+    last_error: Exception | None = None
+    attempt = 0
+    while True:
+        try:
+            counters.in_flight += 1
+            counters.max_in_flight = max(counters.max_in_flight, counters.in_flight)
+            async with http.post(url, json=payload, headers=headers, timeout=timeout) as r:
+                text = await r.text()
+                if r.status >= 400:
+                    message = error_message(text)
+                    if r.status < 500 and r.status != 429:  # the request itself is bad: no retry
+                        raise EngineRejectedError(f"engine rejected the request (HTTP {r.status}): {message}")
+                    raise aiohttp.ClientResponseError(r.request_info, (), status=r.status, message=message)
+                return json.loads(text)["choices"][0]
+        except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as e:
+            last_error = e
+            logger.info("generate request failed (attempt %d): %r", attempt + 1, e)
+        finally:
+            counters.in_flight -= 1
+        attempt += 1
+        if attempt > retries and time.monotonic() >= deadline:
+            break
+        counters.retries += 1
+        await asyncio.sleep(min(0.5 * 2 ** (attempt - 1), 8.0))
+    raise EngineUnavailableError(f"generate through {router_url} failed after {attempt} attempts: {last_error!r}")
