@@ -169,12 +169,25 @@ def test_dynamic_sampling_filter_and_post_process(plugin, tiny_qwen3):
     args = _args(tiny_qwen3, rollout_batch_size=3, over_sampling_batch_size=4,
                  dynamic_sampling_filter_path="my_plugin.keep_first_of_pair",
                  custom_reward_post_process_path="my_plugin.post_process")
-    source = _source(n_prompts=20)
-    groups, stats = _run(generate_rollout_async(args, 0, source))
+    output = vllm_rollout.generate_rollout(args, 0, _source(n_prompts=20))  # the manager's entry
+    groups, metrics = output.samples, output.metrics
     assert len(groups) == 3 and all(g[0].group_index % 2 == 0 for g in groups)
     assert [g[0].group_index for g in groups] == sorted(g[0].group_index for g in groups)
-    assert stats["drop_reasons"].get("odd_group", 0) == stats["dropped_groups"] >= 2
+    assert metrics["rollout/dropped/odd_group"] == metrics["rollout/dropped_groups"] >= 2
+    submitted = metrics["rollout/submitted_groups"]  # whole over-sampling rounds of 4
+    assert submitted % 4 == 0 and submitted >= len(groups) + metrics["rollout/dropped_groups"]
+    assert metrics["rollout/max_in_flight"] == metrics["rollout/request_retries"] == 0  # the plugin sent no request
     assert all(s.metadata["post_processed"] for g in groups for s in g)
+
+
+def test_rollout_functions_may_return_bare_groups_or_outputs():
+    from vime.utils.types import RolloutFnEvalOutput, RolloutFnTrainOutput, as_rollout_output
+
+    groups = [[Sample(prompt="p")]]
+    assert as_rollout_output(groups, evaluation=False) == RolloutFnTrainOutput(groups, None)
+    full = RolloutFnTrainOutput(groups, {"rollout/x": 1.0})
+    assert as_rollout_output(full, evaluation=False) is full
+    assert as_rollout_output({"set": groups[0]}, evaluation=True) == RolloutFnEvalOutput({"set": groups[0]})
 
 
 def test_dynamic_sampling_gives_up_with_a_clear_error(plugin, tiny_qwen3, tmp_path):

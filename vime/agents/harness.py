@@ -31,7 +31,7 @@ from vime.agents.chat_session import ChatSession, trajectory_to_sample
 from vime.agents.openai_arguments import agent_flag
 from vime.agents.openai_server import OpenAIServer
 from vime.utils.misc import load_function
-from vime.utils.types import Sample
+from vime.utils.types import RolloutFnTrainOutput, Sample
 
 logger = logging.getLogger(__name__)
 MAIN_ROLE = "main"
@@ -224,8 +224,8 @@ def generate_rollout(args, rollout_id: int, data_source, evaluation: bool = Fals
 
     result = default_rollout(args, rollout_id, data_source, evaluation=evaluation)
     if evaluation:
-        for samples in result.values():
+        for samples in result.data.values():
             for s in samples:
                 s.metadata.pop("agent_role_samples", None)
         return result
-    return split_role_groups(result)
+    return RolloutFnTrainOutput(split_role_groups(result.samples), result.metrics)

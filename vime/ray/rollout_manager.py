@@ -30,7 +30,7 @@ from vime.ray.placement import num_engines, serving_host
 from vime.rollout.debug_data import load_rollout, save_rollout
 from vime.rollout.metrics import add_counter, record_counters, rollout_metrics
 from vime.utils.misc import find_free_port, load_function
-from vime.utils.types import Sample
+from vime.utils.types import RolloutFnTrainOutput, Sample, as_rollout_output
 
 logger = logging.getLogger(__name__)
 
@@ -161,11 +161,10 @@ class RolloutManager:
         args = self.args
         start = time.perf_counter()
         if args.load_debug_rollout_data:
-            groups = load_rollout(args.load_debug_rollout_data, rollout_id)
-            stats = {}
+            output = RolloutFnTrainOutput(load_rollout(args.load_debug_rollout_data, rollout_id))
         else:
-            groups = self.rollout_fn(args, rollout_id, self.data_source)
-            stats = getattr(args, "last_rollout_stats", {}) or {}
+            output = as_rollout_output(self.rollout_fn(args, rollout_id, self.data_source), evaluation=False)
+        groups = output.samples
         elapsed = time.perf_counter() - start
         if args.save_debug_rollout_data:
             save_rollout(args.save_debug_rollout_data, rollout_id, groups)
@@ -173,18 +172,17 @@ class RolloutManager:
         metrics = rollout_metrics(samples, args)
         metrics["rollout/time"] = elapsed
         metrics["rollout/tokens_per_s"] = metrics["rollout/response_tokens"] / max(elapsed, 1e-9)
-        for key in ("dropped_groups", "aborted_groups", "submitted_groups"):
-            if key in stats:
-                metrics[f"rollout/{key}"] = float(stats[key])
+        metrics.update(output.metrics or {})
         extra = {"rollout_id": rollout_id, "metrics": metrics, "data_source": self.data_source_state()}
         return self.transport.put(rollout_id, [[s.to_dict() for s in g] for g in groups], extra)
 
     def eval(self, rollout_id: int) -> dict[str, float]:
         if not self.eval_sources:
             return {}
-        results = self.eval_fn(self.args, rollout_id, self.eval_sources, evaluation=True)
-        metrics = {}
-        for name, samples in results.items():
+        output = as_rollout_output(self.eval_fn(self.args, rollout_id, self.eval_sources, evaluation=True),
+                                   evaluation=True)
+        metrics = dict(output.metrics or {})
+        for name, samples in output.data.items():
             m = rollout_metrics(samples, self.args, prefix=f"eval/{name}")
             metrics.update(m)
         return metrics

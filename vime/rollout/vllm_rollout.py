@@ -18,10 +18,9 @@ from typing import Any
 import aiohttp
 
 from vime.backends.vllm_utils.generate_request import EngineRejectedError, EngineUnavailableError, request_generate
-from vime.rollout.metrics import record_counters
 from vime.rollout.rm_hub import RewardTypeError, async_rm, batched_async_rm
 from vime.utils.misc import load_function
-from vime.utils.types import Sample
+from vime.utils.types import RolloutFnEvalOutput, RolloutFnTrainOutput, Sample
 
 logger = logging.getLogger(__name__)
 
@@ -284,16 +283,17 @@ async def eval_rollout_async(args, rollout_id: int, eval_sources: dict[str, Any]
     return results
 
 
-def generate_rollout(args, rollout_id: int, data_source, evaluation: bool = False):
-    """Sync entry called by the rollout manager (slime's signature)."""
+def generate_rollout(args, rollout_id: int, data_source,
+                     evaluation: bool = False) -> RolloutFnTrainOutput | RolloutFnEvalOutput:
+    """Sync entry called by the rollout manager (slime's signature). Training metrics beyond the samples':
+    rollout/{submitted,dropped,aborted}_groups, rollout/dropped/<filter reason>, rollout/max_in_flight (requests
+    in flight at once, all engines) and rollout/request_retries."""
     from vime.utils.async_utils import run
 
-    start = time.perf_counter()
     if evaluation:
-        return run(eval_rollout_async(args, rollout_id, data_source))
+        return RolloutFnEvalOutput(run(eval_rollout_async(args, rollout_id, data_source)))
     groups, stats = run(generate_rollout_async(args, rollout_id, data_source))
-    stats["generate_time"] = time.perf_counter() - start
-    args.last_rollout_stats = stats
-    record_counters(args, {"rollout/max_in_flight": float(stats["max_in_flight"]),
-                           "rollout/request_retries": float(stats["request_retries"])})
-    return groups
+    metrics = {f"rollout/{key}": float(stats[key]) for key in
+               ("submitted_groups", "dropped_groups", "aborted_groups", "max_in_flight", "request_retries")}
+    metrics.update({f"rollout/dropped/{reason}": float(n) for reason, n in stats["drop_reasons"].items()})
+    return RolloutFnTrainOutput(groups, metrics)

@@ -66,3 +66,29 @@ class Sample:
         d = dict(d)
         d["status"] = cls.Status(d.get("status", cls.Status.PENDING.value))
         return cls(**d)
+
+
+@dataclass
+class RolloutFnTrainOutput:
+    """What a rollout function returns for training (slime's contract): the groups of samples, and metrics that no
+    sample carries (logged with the rollout's own, e.g. {"rollout/dropped_groups": 2.0}). A rollout function may
+    also return the bare list of groups."""
+
+    samples: list[list[Sample]]
+    metrics: dict[str, float] | None = None
+
+
+@dataclass
+class RolloutFnEvalOutput:
+    """What a rollout function returns with evaluation=True: {eval set name: samples}, and extra metrics. A bare
+    dict also works."""
+
+    data: dict[str, list[Sample]]
+    metrics: dict[str, float] | None = None
+
+
+def as_rollout_output(output, evaluation: bool) -> RolloutFnTrainOutput | RolloutFnEvalOutput:
+    """A rollout function's answer in its output type (bare lists and dicts are wrapped)."""
+    if evaluation:
+        return output if isinstance(output, RolloutFnEvalOutput) else RolloutFnEvalOutput(output)
+    return output if isinstance(output, RolloutFnTrainOutput) else RolloutFnTrainOutput(output)
