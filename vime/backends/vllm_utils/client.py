@@ -11,7 +11,9 @@ import httpx
 
 
 class EngineControlError(RuntimeError):
-    pass
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status  # the engine's HTTP status, None when it did not answer
 
 
 @functools.cache
@@ -26,7 +28,8 @@ def _post(url: str, route: str, body: dict | None, params: dict | None, timeout:
     except httpx.HTTPError as e:
         raise EngineControlError(f"engine {url}: POST {route} failed: {e!r}") from e
     if r.status_code >= 400:
-        raise EngineControlError(f"engine {url}: POST {route} -> HTTP {r.status_code}: {r.text[:500]}")
+        raise EngineControlError(f"engine {url}: POST {route} -> HTTP {r.status_code}: {r.text[:500]}",
+                                 r.status_code)
     try:
         return r.json()
     except ValueError:
@@ -125,7 +128,7 @@ def _update_one(url: str, call: LoadCall, version: str, pause_mode: str, timeout
         try:
             return _post(url, ROUTE, body, None, timeout)
         except EngineControlError as e:
-            if "HTTP 404" not in str(e):
+            if e.status != 404:
                 raise
             _without_update_route.add(url)
     start = time.perf_counter()
