@@ -45,7 +45,6 @@ class RolloutManager:
         self.router: Router | None = None
         self.engine_urls: list[str] = []  # engines in service
         self.rank_urls: list[str] = []  # engine rank -> its current URL (in service or being restarted)
-        self.weight_version = 0
         self.served_version: str | None = None  # the version last sent to the engines, if any
         self.recovery_weights: str | None = None  # HF directory of the current weights, for restarted engines
         self.monitor: EngineHealthMonitor | None = None
@@ -250,7 +249,6 @@ class RolloutManager:
                 self._take_out_dead(errors)  # a dead engine gets these weights when it is restarted
             if recovery_dir is not None:
                 self.set_recovery_weights(recovery_dir)
-            self.weight_version = version
             self.served_version = str(version)
         slowest: dict[str, float] = {}
         for answer in answers.values():
