@@ -16,3 +16,17 @@ def stack_pids() -> set[int]:
         if any(m in cmd for m in MARKERS):
             pids.add(int(pid))
     return pids
+
+
+def worker_cpus() -> list[set[int]]:
+    """The CPUs each running vLLM worker process may run on."""
+    import psutil
+
+    out = []
+    for proc in psutil.process_iter(["name"]):
+        if proc.info["name"] == "VLLM::Worker":
+            try:
+                out.append(set(proc.cpu_affinity()))
+            except psutil.Error:
+                pass
+    return out

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.e2e.processes import stack_pids as _stack_pids
+from tests.e2e.processes import worker_cpus
 from vime.rollout.debug_data import load_rollout
 from vime.utils.types import Sample
 
@@ -105,7 +106,9 @@ def test_engine_log_probs_match_transformers(rollout_run, tiny_qwen3):
     assert worst < 1e-4, f"max |vLLM - transformers| log-prob = {worst}"
 
 
-def test_ctrl_c_leaves_no_processes(tiny_qwen3, arithmetic_data, tmp_path):
+def test_live_engines_use_their_own_cpus_and_ctrl_c_leaves_no_processes(tiny_qwen3, arithmetic_data, tmp_path):
+    """While the run serves: the two engines' workers compute on different CPUs (vLLM's own binding pinned both
+    to one core). Then Ctrl-C: every engine, engine core and router process is gone."""
     assert not _stack_pids()
     proc = subprocess.Popen(_cmd(tiny_qwen3, arithmetic_data[0], tmp_path, 50), cwd=REPO,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -115,6 +118,8 @@ def test_ctrl_c_leaves_no_processes(tiny_qwen3, arithmetic_data, tmp_path):
             assert proc.poll() is None, proc.stderr.read()[-4000:]
             assert time.monotonic() < deadline, "no rollout within 10 minutes"
             time.sleep(1)
+        workers = worker_cpus()
+        assert len(workers) == 2 and not workers[0] & workers[1], workers
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=180)
     finally:

@@ -3,6 +3,7 @@ and colocated runs, with small stand-in actors (placement is what is tested here
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -80,3 +81,23 @@ def test_external_engines_take_no_bundles(cluster):
     p = Placement(_args(rollout_external_engine_addrs=["127.0.0.1:1"]))
     assert len(p.pg.bundle_specs) == 2
     ray.util.remove_placement_group(p.pg)
+
+
+def test_engines_on_one_node_split_its_cpus(cluster):
+    from vime.backends.vllm_utils.engine import engine_cpus, engine_env, omp_bind_value
+
+    p = Placement(_args(actor_num_nodes=1, rollout_num_gpus=4))  # 1 trainer + 4 engines on 2-CPU nodes
+    slots = p.engine_cpu_slots(4, 1)
+    nodes = _nodes(p, [p.engine_bundle(r, 1) for r in range(4)])
+    for rank, (index, count) in enumerate(slots):  # index among the engines that really share its node
+        assert count == nodes.count(nodes[rank]) and index == nodes[:rank].count(nodes[rank])
+    ray.util.remove_placement_group(p.pg)
+
+    assert [engine_cpus([0, 1], i, 2) for i in range(2)] == [[0], [1]]
+    assert [engine_cpus([0, 1, 2, 3, 4], i, 2) for i in range(2)] == [[0, 1, 2], [3, 4]]
+    assert [engine_cpus([4, 5], i, 3) for i in range(3)] == [[4], [5], [4]]  # more engines than CPUs
+    assert omp_bind_value([0, 1, 2, 3], 2) == "0,1|2,3" and omp_bind_value([6], 2) == "6|6"
+    args = SimpleNamespace(rollout_num_gpus_per_engine=1, cpu_kv_cache_space=1)
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in engine_env(args, (0, 1))  # alone on its node: vLLM's own binding
+    bound = engine_env(args, (1, 2))["VLLM_CPU_OMP_THREADS_BIND"]
+    assert bound == omp_bind_value(engine_cpus(sorted(os.sched_getaffinity(0)), 1, 2), 1)

@@ -74,6 +74,17 @@ class Placement:
             self.pg = placement_group([dict(bundle) for _ in range(n_bundles)], strategy="PACK")
             ray.get(self.pg.ready(), timeout=600)
 
+    def engine_bundle(self, rank: int, gpus_per_engine: int) -> int:
+        """The (first) bundle of engine `rank`."""
+        return self.rollout_offset + rank * gpus_per_engine
+
+    def engine_cpu_slots(self, engines: int, gpus_per_engine: int) -> list[tuple[int, int]]:
+        """Per engine, (its index, how many) among the engines whose bundles are on its node: engines on one node
+        split its CPUs between them (`vime.backends.vllm_utils.engine.engine_cpus`)."""
+        nodes = ray.util.placement_group_table(self.pg)["bundles_to_node_id"]
+        node_of = [nodes[self.engine_bundle(r, gpus_per_engine)] for r in range(engines)]
+        return [(node_of[:r].count(node), node_of.count(node)) for r, node in enumerate(node_of)]
+
     def actor_options(self, index: int) -> dict:
         """Ray options for an actor on bundle `index`, asking for its share of the bundle's resources."""
         options = {"num_cpus": self.share, "scheduling_strategy": bundle_strategy(self.pg, index)}

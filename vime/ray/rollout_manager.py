@@ -99,11 +99,12 @@ class RolloutManager:
     def _new_engine(self, rank: int):
         """An engine actor for `rank` in its placement bundle (not started)."""
         args = self.args
-        options = {"num_cpus": 1}
+        options, slot = {"num_cpus": 1}, None
         if self.placement is not None and self.placement.pg is not None:
-            bundle = self.placement.rollout_offset + rank * args.rollout_num_gpus_per_engine
-            options = self.placement.actor_options(bundle)
-        return ray.remote(VLLMEngine).options(**options).remote(args, rank, str(self.log_dir))
+            per_engine = args.rollout_num_gpus_per_engine
+            options = self.placement.actor_options(self.placement.engine_bundle(rank, per_engine))
+            slot = self.placement.engine_cpu_slots(num_engines(args), per_engine)[rank]
+        return ray.remote(VLLMEngine).options(**options).remote(args, rank, str(self.log_dir), slot)
 
     def _start_router(self) -> None:
         args = self.args

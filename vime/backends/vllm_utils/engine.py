@@ -45,13 +45,37 @@ def engine_command(args, host: str, port: int, engine_rank: int) -> list[str]:
 
 
 
-def engine_env(args) -> dict[str, str]:
+def engine_env(args, cpu_slot: tuple[int, int] | None = None) -> dict[str, str]:
+    """The server's environment. `cpu_slot` = (index, count) of this engine among the engines on its node."""
+    from vime.ray.placement import use_gpu
+
     env = dict(os.environ)
     env["VLLM_SERVER_DEV_MODE"] = "1"
     env["VLLM_PLUGINS"] = plugin_allowlist(os.environ.get("VLLM_PLUGINS"))
+    if cpu_slot is not None and cpu_slot[1] > 1 and not use_gpu() and "VLLM_CPU_OMP_THREADS_BIND" not in env:
+        # vLLM's "auto" binding does not know about the other engines on the node: every engine pinned its
+        # workers to the same cores (on 2 cores both to core 0), so engines computed one after the other
+        cpus = engine_cpus(sorted(os.sched_getaffinity(0)), *cpu_slot)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = omp_bind_value(cpus, args.rollout_num_gpus_per_engine)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.cpu_kv_cache_space))
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     return env
+
+
+def engine_cpus(allowed: list[int], index: int, count: int) -> list[int]:
+    """The CPUs engine `index` of `count` on a node computes on: a contiguous share of `allowed` (the first
+    len % count engines get one more), or one CPU each, round robin, when there are more engines than CPUs."""
+    if count > len(allowed):
+        return [allowed[index % len(allowed)]]
+    size, extra = divmod(len(allowed), count)
+    start = index * size + min(index, extra)
+    return allowed[start:start + size + (index < extra)]
+
+
+def omp_bind_value(cpus: list[int], workers: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for an engine of `workers` CPU workers (tensor parallel ranks): its CPUs split
+    between them, "0,1|2,3"; a worker gets a CPU of its own where there are enough."""
+    return "|".join(",".join(map(str, engine_cpus(cpus, rank, workers))) for rank in range(workers))
 
 
 def plugin_allowlist(current: str | None) -> str:
@@ -81,9 +105,10 @@ def http_ok(url: str, timeout: float = 2.0) -> bool:
 class VLLMEngine:
     """Wrapped as a Ray actor by the rollout manager: `ray.remote(VLLMEngine)`."""
 
-    def __init__(self, args, engine_rank: int, log_dir: str):
+    def __init__(self, args, engine_rank: int, log_dir: str, cpu_slot: tuple[int, int] | None = None):
         self.args = args
         self.engine_rank = engine_rank
+        self.cpu_slot = cpu_slot  # (index, count) among the engines on this node, for CPU thread binding
         self.log_path = Path(log_dir) / f"engine_{engine_rank}.log"
         self.proc = None
         self.url = None
@@ -95,7 +120,7 @@ class VLLMEngine:
         port = find_free_port()
         self.url = f"http://{host}:{port}"
         cmd = engine_command(self.args, host, port, self.engine_rank)
-        self.proc = spawn(cmd, self.log_path, env=engine_env(self.args))
+        self.proc = spawn(cmd, self.log_path, env=engine_env(self.args, self.cpu_slot))
         ready = wait_until(lambda: http_ok(self.url + "/health"), self.args.engine_startup_timeout,
                            interval_s=1.0, alive=lambda: self.proc.poll() is None)
         if not ready:
