@@ -35,7 +35,8 @@ def test_plugin_allowlist_keeps_the_users_plugins():
 
     installed = [p.name for g in ("vllm.general_plugins", "vllm.platform_plugins") for p in entry_points(group=g)]
     unset = plugin_allowlist(None).split(",")
-    assert unset[-1] == "vime" and unset[:-1] == installed  # vLLM's default (load them all) plus vime's route
+    assert "vime" in installed  # vime's own general plugin (engine_plugin)
+    assert unset == list(dict.fromkeys(installed))  # vLLM's default (load them all), vime's route included
     assert plugin_allowlist("a,b") == "a,b,vime"
     assert plugin_allowlist("vime,a") == "vime,a"
     assert plugin_allowlist("") == "vime"
@@ -104,3 +105,16 @@ def test_a_failed_engine_is_named_and_the_others_still_update(old_engine):
     assert list(answers) == [old_engine] and list(errors) == [dead] and dead in errors[dead]
     with pytest.raises(client.EngineControlError, match="127.0.0.1:9"):
         client.update_weights_all([old_engine, dead], {}, 3)
+
+
+def test_idle_spin_cap_applies_to_readers_only():
+    from vime.backends.vllm_utils.engine_plugin import cap_idle_spin
+
+    class Spin:  # vLLM's SpinCondition shape: readers busy-wait busy_loop_s after a message
+        def __init__(self, is_reader, context=None, notify_address="", busy_loop_s=1):
+            self.is_reader, self.busy_loop_s = is_reader, busy_loop_s if is_reader else 0
+
+    cap_idle_spin(Spin, 0.05)
+    cap_idle_spin(Spin, 0.5)  # a second load of the plugin changes nothing
+    assert Spin(True).busy_loop_s == 0.05 and Spin(True, busy_loop_s=0.01).busy_loop_s == 0.01
+    assert Spin(False).busy_loop_s == 0

@@ -494,3 +494,25 @@ def test_one_call_update_on_the_engine_and_its_fallback(stack):
     finally:
         client._without_update_route.discard(url)
         client.resume([url])
+
+
+def test_engine_worker_sleeps_soon_after_a_call(stack):
+    """vime's engine plugin caps vLLM's post-message busy-wait (1 s of a core by default) on CPU."""
+    import time
+
+    import psutil
+
+    from vime.backends.vllm_utils import client
+
+    args, trainer, url = stack
+    workers = [p for p in psutil.process_iter(["name"]) if p.info["name"] == "VLLM::Worker"]
+    assert len(workers) == 1
+
+    def busy() -> float:
+        t = workers[0].cpu_times()
+        return t.user + t.system
+
+    client.update_weights_all([url], {}, 50)
+    before = busy()
+    time.sleep(1.0)
+    assert busy() - before < 0.4  # vLLM's own 1 s spin costs a whole CPU-second here

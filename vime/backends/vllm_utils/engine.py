@@ -13,8 +13,12 @@ import sys
 import urllib.request
 from pathlib import Path
 
+from vime.backends.vllm_utils.engine_plugin import IDLE_SPIN_ENV
 from vime.utils.misc import find_free_port
 from vime.utils.process import kill_tree, spawn, tail, wait_until
+
+
+CPU_IDLE_SPIN_S = 0.05  # decode steps follow each other within this; a longer gap sleeps on a socket instead
 
 
 def engine_command(args, host: str, port: int, engine_rank: int) -> list[str]:
@@ -52,6 +56,8 @@ def engine_env(args, cpu_slot: tuple[int, int] | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env["VLLM_SERVER_DEV_MODE"] = "1"
     env["VLLM_PLUGINS"] = plugin_allowlist(os.environ.get("VLLM_PLUGINS"))
+    if not use_gpu():  # vLLM's workers busy-wait 1 s after each message: a core the trainer needs (engine_plugin)
+        env.setdefault(IDLE_SPIN_ENV, str(CPU_IDLE_SPIN_S))
     if cpu_slot is not None and cpu_slot[1] > 1 and not use_gpu() and "VLLM_CPU_OMP_THREADS_BIND" not in env:
         # vLLM's "auto" binding does not know about the other engines on the node: every engine pinned its
         # workers to the same cores (on 2 cores both to core 0), so engines computed one after the other
