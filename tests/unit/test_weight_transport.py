@@ -29,6 +29,7 @@ from vime.backends.weight_transport.check import (FLOAT32_TOLERANCE, WeightUpdat
                                                   check_weights_equal, compare_log_probs, engine_prompt_log_probs,
                                                   probe_tokens, tolerance_for)
 from vime.backends.weight_transport.delta import changed_tensors, load_unit  # noqa: E402
+from vime.backends.weight_transport.disk import DiskWeightTransport  # noqa: E402
 from vime.utils.misc import find_free_port  # noqa: E402
 
 EXTENSION = "vime.backends.vllm_utils.worker_extension.WeightReceiver"
@@ -115,9 +116,16 @@ def test_engine_command_adds_the_worker_extension(tiny_qwen3):
     cmd = engine_command(parse_args(base), "127.0.0.1", 8000, 0)
     assert cmd[cmd.index("--worker-extension-cls") + 1] == EXTENSION
     disk = base[:base.index("broadcast")] + ["disk"] + base[base.index("broadcast") + 1:]
-    assert "--worker-extension-cls" not in engine_command(parse_args(disk), "127.0.0.1", 8000, 0)
-    mine = engine_command(parse_args(base + ["--vllm-worker-extension-cls", "my.Ext"]), "127.0.0.1", 8000, 0)
-    assert mine.count("--worker-extension-cls") == 1 and mine[mine.index("--worker-extension-cls") + 1] == "my.Ext"
+    cmd = engine_command(parse_args(disk), "127.0.0.1", 8000, 0)  # every transport loads through it
+    assert cmd[cmd.index("--worker-extension-cls") + 1] == EXTENSION
+    assert DiskWeightTransport(parse_args(disk)).load_call("/d") == ("vime_load_weights", {"path": "/d"})
+    mine = parse_args(base + ["--vllm-worker-extension-cls", "my.Ext"])
+    cmd = engine_command(mine, "127.0.0.1", 8000, 0)
+    assert cmd.count("--worker-extension-cls") == 1 and cmd[cmd.index("--worker-extension-cls") + 1] == "my.Ext"
+    # engines without vime's methods (another extension, or started elsewhere) reload with vLLM's own method
+    external = parse_args(disk + ["--rollout-external-engine-addrs", "127.0.0.1:1"])
+    for args in (mine, external):
+        assert DiskWeightTransport(args).load_call("/d") == ("reload_weights", {"weights_path": "/d"})
 
 
 def test_compare_log_probs_and_tolerance(tiny_qwen3):
@@ -390,6 +398,7 @@ def sync(stack, fake_ray):
         return state.written
 
     push.check = lambda: check_weights_equal(args, group, manager)
+    push.answers = lambda: state.answers  # the engines' answers to the last update
     return push
 
 
@@ -424,6 +433,7 @@ def test_transport_makes_the_engine_serve_the_trainers_weights(stack, sync, name
     with pytest.raises(WeightUpdateMismatchError, match=url):
         sync.check()
     sync(name, version=1)
+    assert sync.answers()[0]["results"][0]["in_place"] is True  # vime's loader, not vLLM's layerwise reload
     assert _max_diff(trainer, url, tokens) <= FLOAT32_TOLERANCE
     assert sync.check()["weight_check/max_abs_logprob_diff"] <= FLOAT32_TOLERANCE
 

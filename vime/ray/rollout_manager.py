@@ -22,6 +22,7 @@ from vime.backends.vllm_utils import client
 from vime.backends.vllm_utils.arguments import router_args_from
 from vime.backends.vllm_utils.engine import VLLMEngine, http_ok
 from vime.backends.vllm_utils.router import Router, post_worker
+from vime.backends.weight_transport.disk import DiskWeightTransport
 from vime.data.data_source import RolloutDataSource
 from vime.data.transport import make_transport
 from vime.data.prompt_dataset import load_prompt_file, load_prompt_samples
@@ -241,7 +242,8 @@ class RolloutManager:
             if connected is not None and recovery_dir is not None:
                 # a transport bound to the engine set it connected to (broadcast): an engine restarted since then
                 # loads the same weights from the recovery copy
-                calls = {u: ("reload_weights", {"weights_path": recovery_dir}) for u in targets if u not in connected}
+                calls = {u: DiskWeightTransport(self.args).load_call(recovery_dir) for u in targets
+                         if u not in connected}
             calls.update(transport.load_calls([u for u in targets if u not in calls], handle))
             answers, errors = client.update_weights_each(targets, calls, version)
             if errors:
@@ -307,7 +309,7 @@ class RolloutManager:
             url = ray.get(new.start.remote(), timeout=args.engine_startup_timeout + 60)
             with self._engines_lock:  # no weight update in between: the engine joins with the current weights
                 if self.served_version is not None:  # weights were pushed since the start: load the latest
-                    call = ("reload_weights", {"weights_path": self.recovery_weights}) if self.recovery_weights else None
+                    call = DiskWeightTransport(args).load_call(self.recovery_weights) if self.recovery_weights else None
                     client.update_weights_all([url], {url: call}, self.served_version)
                 self.engines[rank] = new
                 self.rank_urls[rank] = url

@@ -18,6 +18,7 @@ from vime.utils.misc import find_free_port
 from vime.utils.process import kill_tree, spawn, tail, wait_until
 
 
+WORKER_EXTENSION = "vime.backends.vllm_utils.worker_extension.WeightReceiver"
 CPU_IDLE_SPIN_S = 0.05  # decode steps follow each other within this; a longer gap sleeps on a socket instead
 
 
@@ -35,9 +36,8 @@ def engine_command(args, host: str, port: int, engine_rank: int) -> list[str]:
         "--seed": str(args.seed + engine_rank),
         "--tensor-parallel-size": str(args.rollout_num_gpus_per_engine),
     }
-    if getattr(args, "update_weight_transport", None) in ("broadcast", "cuda_ipc"):
-        # the engine side of the in-memory weight broadcast (vime.backends.weight_transport.broadcast)
-        defaults["--worker-extension-cls"] = "vime.backends.vllm_utils.worker_extension.WeightReceiver"
+    # the engine side of every weight transport (in-place loading, the broadcast receiver, CUDA IPC)
+    defaults["--worker-extension-cls"] = WORKER_EXTENSION
     for flag, value in defaults.items():
         if flag not in user:
             cmd += [flag, value]
@@ -47,6 +47,13 @@ def engine_command(args, host: str, port: int, engine_rank: int) -> list[str]:
         cmd.append("--no-enable-chunked-prefill")
     return cmd + user
 
+
+
+def has_vime_worker_extension(args) -> bool:
+    """Whether the engines run vime's worker methods: vime starts them and the user named no other extension."""
+    from vime.backends.vllm_utils.arguments import vllm_cli_tokens
+
+    return not args.rollout_external_engine_addrs and "--worker-extension-cls" not in vllm_cli_tokens(args)
 
 
 def engine_env(args, cpu_slot: tuple[int, int] | None = None) -> dict[str, str]:

@@ -1,11 +1,16 @@
 """Methods vime adds to every vLLM worker (`--worker-extension-cls ...worker_extension.WeightReceiver`).
 
 vLLM mixes this class into its worker class, so `self` is the worker (`self.reload_weights`, `self.rank`,
-`self.device`). Called through the dev-mode `/collective_rpc` route, which passes only string arguments.
-`engine_command` adds the flag by itself when --update-weight-transport is broadcast.
+`self.device`). Called through the dev-mode `/collective_rpc` route (or vime's `/vime/update_weights`), which pass
+only string arguments. `engine_command` adds the flag unless the user names another extension class.
+
+Every method loads through `_vime_load`: `weight_loading.load_in_place` where it applies (unquantized dense models on
+CPU), else vLLM's `reload_weights`. Each returns what it loaded and whether in place.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 
@@ -33,10 +38,41 @@ class WeightReceiver:
                 yield name, tensor
 
         tensors = counted()
-        self.reload_weights(weights_iterator=tensors, is_checkpoint_format=True)
+        stats["in_place"] = self._vime_load(tensors)
         for _ in tensors:  # a loader that stopped early must not leave the group's broadcasts half done
             pass
         return stats
+
+    def vime_load_weights(self, path: str) -> dict:
+        """Load the HF safetensors files in directory `path` (what the disk and delta transports write)."""
+        from safetensors import safe_open
+
+        stats = {"tensors": 0}
+
+        def tensors():
+            for file in sorted(Path(path).glob("*.safetensors")):
+                with safe_open(str(file), "pt", device="cpu") as f:
+                    for name in f.keys():
+                        stats["tensors"] += 1
+                        yield name, f.get_tensor(name)
+
+        if not any(Path(path).glob("*.safetensors")):
+            raise FileNotFoundError(f"no *.safetensors weights in {path}")
+        stats["in_place"] = self._vime_load(tensors())
+        return stats
+
+    def _vime_load(self, weights) -> bool:
+        """In place where `load_in_place` applies, else vLLM's `reload_weights`; True when in place."""
+        from vime.backends.vllm_utils.weight_loading import load_in_place
+
+        runner = self.model_runner
+        if not load_in_place(self.vllm_config, runner.get_model(), weights):
+            self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+            return False
+        for reset in ("reset_encoder_cache", "reset_mm_cache"):  # what reload_weights resets after loading
+            if hasattr(runner, reset):
+                getattr(runner, reset)()
+        return True
 
     def vime_load_ipc_weights(self, path: str) -> dict:
         """Colocated GPUs: reload from the trainer's CUDA IPC handles in `path` (see weight_transport.cuda_ipc)."""
@@ -50,5 +86,5 @@ class WeightReceiver:
                 count += 1
                 yield name, tensor
 
-        self.reload_weights(weights_iterator=tensors(), is_checkpoint_format=True)
-        return {"tensors": count}
+        in_place = self._vime_load(tensors())
+        return {"tensors": count, "in_place": in_place}

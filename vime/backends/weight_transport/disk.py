@@ -18,7 +18,11 @@ def default_weight_dir() -> str:
 
 class DiskWeightTransport:
     def __init__(self, args):
+        from vime.backends.vllm_utils.engine import has_vime_worker_extension
+
         self.root = getattr(args, "update_weight_dir", None) or default_weight_dir()
+        # vime's loader (in place where it can), else vLLM's own reload (external engines, another extension)
+        self.load_method = "vime_load_weights" if has_vime_worker_extension(args) else "reload_weights"
 
     def prepare(self, version: int) -> str:
         path = Path(self.root) / f"vime_weights_{os.getpid()}_{version}"
@@ -37,8 +41,14 @@ class DiskWeightTransport:
             save_file(tensors, str(tmp))
             tmp.replace(Path(handle) / f"model-pp{pp_rank}.safetensors")
 
+    def load_call(self, path: str) -> tuple[str, dict[str, str]]:
+        """The worker call that loads the HF safetensors directory `path`."""
+        if self.load_method == "vime_load_weights":
+            return self.load_method, {"path": path}
+        return self.load_method, {"weights_path": path}
+
     def load_calls(self, engine_urls: list[str], handle: str) -> dict:
-        return {url: ("reload_weights", {"weights_path": handle}) for url in engine_urls}
+        return {url: self.load_call(handle) for url in engine_urls}
 
     def cleanup(self, handle: str) -> None:
         shutil.rmtree(handle, ignore_errors=True)

@@ -1,0 +1,106 @@
+"""New weights into a running vLLM model, in the engine's worker (called by `worker_extension.WeightReceiver`).
+
+vLLM's `reload_weights` handles every layer kind and quantization scheme: it moves each layer to the meta
+device, buffers incoming tensors until a layer is complete (counting elements under a dispatch mode),
+materialises the layer, loads it, runs its post-load processing and copies the result back into the original
+storage. For an unquantized dense model on CPU most of that is bookkeeping: of a 1M-parameter reload (16.9 ms)
+only the oneDNN repacking of the linear layers (5 ms) and the copies are work. `load_in_place` does that work
+alone:
+
+1. every linear layer whose dense weight vLLM's CPU kernels dropped after repacking gets a fresh dense parameter,
+   made from the metadata vLLM recorded at model construction (shape, dtype, weight loader);
+2. the model's own `load_weights` maps and shards the HF tensors into them (fused q/k/v and gate/up included);
+3. each layer that received a tensor is processed again (`quant_method.process_weights_after_loading`: the
+   repack into the kernel format); a layer that received nothing keeps its kernel, as with `reload_weights`.
+
+Measured in-process on this CPU: 10.9 ms vs 17.1 ms (1M parameters), 34 ms vs 45 ms (20M). The dense parameters
+of all layers exist at once, so past IN_PLACE_MAX_BYTES vLLM's layer-by-layer reload, which keeps one layer in
+cache at a time, is the faster one (100M parameters, 382 MiB: 340-400 ms vs 440-660 ms in the engine). It returns
+False, and touches nothing, where it does not apply (larger models, another platform, LoRA, quantized, MoE or
+other special layers); the caller then uses `reload_weights`. Like `reload_weights`, a layer that receives only part of its tensors would
+load garbage for the rest: vime's transports send whole layers (see weight_transport.delta).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+ONLINE_LOADER = "online_process_loader"  # vLLM's layerwise-reload wrapper around a parameter's weight loader
+IN_PLACE_MAX_BYTES = 128 * 2**20  # dense bytes made at once; beyond, vLLM's layer-by-layer reload is faster
+
+
+def load_in_place(vllm_config, model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> bool:
+    """Load `weights` (HF names) into `model`; False, with `weights` untouched, where this path does not apply."""
+    plan = _plan(vllm_config, model)
+    if plan is None:
+        return False
+    kernels = []  # (layer, name, the kernel-format parameter the dense one stands in for)
+    for layer, metas in plan:
+        for name, meta in metas.items():
+            kernels.append((layer, name, getattr(layer, name)))
+            setattr(layer, name, _dense_parameter(meta, layer))
+    try:
+        loaded = model.load_weights(weights)
+    except BaseException:
+        for layer, name, kernel in kernels:  # nothing was repacked: the engine keeps serving the old weights
+            setattr(layer, name, kernel)
+        raise
+    loaded_ids = {id(model.get_parameter(name)) for name in loaded}
+    processed = set()
+    for layer, _ in plan:
+        if any(p is not None and id(p) in loaded_ids for p in layer._parameters.values()):
+            layer.quant_method.process_weights_after_loading(layer)
+            processed.add(id(layer))
+    for layer, name, kernel in kernels:
+        if id(layer) not in processed:
+            setattr(layer, name, kernel)
+    return True
+
+
+def _plan(vllm_config, model: torch.nn.Module) -> list[tuple[torch.nn.Module, dict]] | None:
+    """[(layer with a quant method, {parameter name: its construction metadata, for parameters the kernel
+    dropped})], or None when some layer is not a plain unquantized linear/embedding layer, or the dropped
+    parameters are more than IN_PLACE_MAX_BYTES."""
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu() or vllm_config.lora_config is not None \
+            or vllm_config.model_config.quantization is not None:
+        return None
+    plan, dense_bytes = [], 0
+    for layer in model.modules():
+        method = getattr(layer, "quant_method", None)
+        if method is None:
+            continue
+        if type(method) not in (UnquantizedLinearMethod, UnquantizedEmbeddingMethod):
+            return None
+        restore, _ = get_layerwise_info(layer).restore_metadata
+        dropped = {}
+        for name, param in layer._parameters.items():
+            if param is not None and param.numel() == 0:
+                meta = restore.get(name)
+                if meta is None or meta.numel() == 0:
+                    return None
+                dropped[name] = meta
+                dense_bytes += meta.numel() * meta.element_size()
+        plan.append((layer, dropped))
+    return plan if dense_bytes <= IN_PLACE_MAX_BYTES else None
+
+
+def _dense_parameter(meta: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
+    """A new uninitialised parameter like `meta` (class and attributes included), its weight loader bound to
+    `layer` and unwrapped from any earlier layerwise reload."""
+    from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor
+    from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
+
+    param = restore_layer_refs(materialize_meta_tensor(meta), layer)  # a copy: the metadata stays as it is
+    loader = getattr(param, "weight_loader", None)
+    while loader is not None and getattr(loader, "__name__", "") == ONLINE_LOADER:
+        loader = loader.__wrapped__
+    if loader is not None:
+        param.weight_loader = loader
+    return param
