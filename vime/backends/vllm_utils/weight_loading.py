@@ -44,7 +44,9 @@ def load_in_place(vllm_config, model: torch.nn.Module, weights: Iterable[tuple[s
     try:
         loaded = model.load_weights(weights)
     except BaseException:
-        for layer, name, kernel in kernels:  # nothing was repacked: the engine keeps serving the old weights
+        # Put the kernel-format parameters back so that the layers stay consistent; parameters loaded in place
+        # (norms, embeddings) may already hold new values, as with reload_weights: the update must be redone.
+        for layer, name, kernel in kernels:
             setattr(layer, name, kernel)
         raise
     loaded_ids = {id(model.get_parameter(name)) for name in loaded}
