@@ -21,7 +21,8 @@ class WeightReceiver:
         """Join (or reuse) the weight group `key` and reload the weights the training writers broadcast.
 
         Blocks until every member has joined and every writer has sent; see
-        `vime.backends.weight_transport.broadcast` for the protocol. Returns {"tensors", "bytes"} received."""
+        `vime.backends.weight_transport.broadcast` for the protocol. Returns {"tensors", "bytes"} received and
+        "in_place"."""
         from vime.backends.weight_transport.broadcast import broadcast_weights, join_group
 
         cache = self.__dict__.setdefault("_vime_weight_group", {})
