@@ -85,10 +85,10 @@ def test_sync_disaggregated_survives_sigkill_and_resumes(tiny_qwen3, arithmetic_
     tracker = ckpt / "latest_checkpointed_iteration.txt"
     try:
         deadline = time.monotonic() + 600
-        while not (tracker.exists() and tracker.read_text().strip() == "1"):
+        while not (tracker.exists() and tracker.read_text().strip() != "0"):
             assert proc.poll() is None, proc.stderr.read()[-4000:]
             assert time.monotonic() < deadline, "no checkpoint of rollout 1 within 10 minutes"
-            time.sleep(0.5)
+            time.sleep(0.05)
         os.killpg(proc.pid, signal.SIGKILL)  # the driver and everything it started, no clean-up
         proc.wait(timeout=60)
     finally:
@@ -98,14 +98,19 @@ def test_sync_disaggregated_survives_sigkill_and_resumes(tiny_qwen3, arithmetic_
     while _stack_pids() and time.monotonic() < deadline:
         time.sleep(1)
     assert not _stack_pids(), "engines or router outlived a SIGKILLed driver"
+    # A step of this tiny run takes well under a second: the training actors may finish a save the driver asked
+    # for just before it died. The last complete checkpoint decides where the run resumes.
+    saved = int(tracker.read_text())
+    assert 1 <= saved <= 2, f"the run got to checkpoint {saved} before the kill: nothing left to resume"
 
     _run(_cmd("train.py", tiny_qwen3, data, second, 4, "--save", str(ckpt), "--save-interval", "1",
               "--load", str(ckpt)))
     records = _metrics(second)
-    _check_run(records, [2, 3], on_policy=True)  # resumed after rollout 1, not at 0
+    _check_run(records, list(range(saved + 1, 4)), on_policy=True)  # resumed after the checkpoint, not at 0
     expected = _expected_prompts(tiny_qwen3, data, 4)
-    assert [_saved_prompts(first, i) for i in (0, 1)] == expected[:2]
-    assert [_saved_prompts(second, i) for i in (2, 3)] == expected[2:]  # same data order as without the kill
+    assert [_saved_prompts(first, i) for i in range(saved + 1)] == expected[:saved + 1]
+    # the same data order as without the kill
+    assert [_saved_prompts(second, i) for i in range(saved + 1, 4)] == expected[saved + 1:]
     assert not _stack_pids()
 
 
