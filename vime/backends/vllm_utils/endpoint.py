@@ -13,7 +13,7 @@ The same steps as five separate control routes cost an HTTP round trip each, and
 
 Registered as the `vllm.endpoint_plugins` entry point `vime` (pyproject.toml); vLLM loads endpoint plugins only
 when named in VLLM_PLUGINS, which `engine.engine_env` sets. Engines started without it (external engines) get the
-same steps as separate calls (`client.load_weights`). Like the other control routes, it can run worker methods:
+same steps as separate calls (`client.update_weights_each`). Like the other control routes, it can run worker methods:
 keep engines on loopback or a private network.
 """
 

@@ -17,8 +17,8 @@ Measured in-process on this CPU: 10.9 ms vs 17.1 ms (1M parameters), 34 ms vs 45
 of all layers exist at once, so past IN_PLACE_MAX_BYTES vLLM's layer-by-layer reload, which keeps one layer in
 cache at a time, is the faster one (100M parameters, 382 MiB: 340-400 ms vs 440-660 ms in the engine). It returns
 False, and touches nothing, where it does not apply (larger models, another platform, LoRA, quantized, MoE or
-other special layers); the caller then uses `reload_weights`. Like `reload_weights`, a layer that receives only part of its tensors would
-load garbage for the rest: vime's transports send whole layers (see weight_transport.delta).
+other special layers); the caller then uses `reload_weights`. Like `reload_weights`, a layer that receives only
+part of its tensors would load garbage for the rest: vime's transports send whole layers (weight_transport.delta).
 """
 
 from __future__ import annotations
