@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.e2e.crash_hold_plugin import FUNCTION_PATH, held_run_env, wait_until_held
 from tests.e2e.processes import stack_pids as _stack_pids
 
 pytestmark = pytest.mark.e2e
@@ -79,16 +80,15 @@ def test_sync_disaggregated_survives_sigkill_and_resumes(tiny_qwen3, arithmetic_
     data = arithmetic_data[0]
     first, second = tmp_path / "first", tmp_path / "second"
     ckpt = tmp_path / "ckpt"
-    cmd = _cmd("train.py", tiny_qwen3, data, first, 4, "--save", str(ckpt), "--save-interval", "1")
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    tracker = ckpt / "latest_checkpointed_iteration.txt"
+    cmd = _cmd("train.py", tiny_qwen3, data, first, 4, "--save", str(ckpt), "--save-interval", "1",
+               "--rollout-function-path", FUNCTION_PATH)
+    hold = tmp_path / "hold"  # rollout 2 waits until the kill: a step takes under a second, too short to aim at
+    log = tmp_path / "first.log"  # a file: a pipe nobody reads while the run waits could fill and block it
+    with open(log, "w") as log_file:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=held_run_env(hold, at=2))
     try:
-        deadline = time.monotonic() + 600
-        while not (tracker.exists() and tracker.read_text().strip() != "0"):
-            assert proc.poll() is None, proc.stderr.read()[-4000:]
-            assert time.monotonic() < deadline, "no checkpoint of rollout 1 within 10 minutes"
-            time.sleep(0.05)
+        wait_until_held(proc, hold, lambda: log.read_text()[-4000:])
         os.killpg(proc.pid, signal.SIGKILL)  # the driver and everything it started, no clean-up
         proc.wait(timeout=60)
     finally:
@@ -98,19 +98,16 @@ def test_sync_disaggregated_survives_sigkill_and_resumes(tiny_qwen3, arithmetic_
     while _stack_pids() and time.monotonic() < deadline:
         time.sleep(1)
     assert not _stack_pids(), "engines or router outlived a SIGKILLed driver"
-    # A step of this tiny run takes well under a second: the training actors may finish a save the driver asked
-    # for just before it died. The last complete checkpoint decides where the run resumes.
-    saved = int(tracker.read_text())
-    assert 1 <= saved <= 2, f"the run got to checkpoint {saved} before the kill: nothing left to resume"
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
 
     _run(_cmd("train.py", tiny_qwen3, data, second, 4, "--save", str(ckpt), "--save-interval", "1",
               "--load", str(ckpt)))
     records = _metrics(second)
-    _check_run(records, list(range(saved + 1, 4)), on_policy=True)  # resumed after the checkpoint, not at 0
+    _check_run(records, [2, 3], on_policy=True)  # resumed after the checkpoint, not at 0
     expected = _expected_prompts(tiny_qwen3, data, 4)
-    assert [_saved_prompts(first, i) for i in range(saved + 1)] == expected[:saved + 1]
+    assert [_saved_prompts(first, i) for i in range(2)] == expected[:2]
     # the same data order as without the kill
-    assert [_saved_prompts(second, i) for i in range(saved + 1, 4)] == expected[saved + 1:]
+    assert [_saved_prompts(second, i) for i in range(2, 4)] == expected[2:]
     assert not _stack_pids()
 
 

@@ -1,12 +1,12 @@
 """Trainer crash recovery with the straw data buffer, on the real stack (tiny model, 1 vLLM engine behind
 vllm-router, Megatron-core, Ray).
 
-A run checkpoints every 2 rollouts. Once the checkpoint of rollout 1 exists and rollout 2 is stored in the straw
-directory, (a) the whole run's process tree is SIGKILLed and the restart with --load trains rollout 2 from storage
-(not generated again), as is rollout 3 if the kill came late enough to find it stored, and generates the
-rest; (b) only the training actor's process tree is SIGKILLed and the
-same run restarts its trainer from the checkpoint while the engines keep serving. Either way the sample ids trained
-over the whole run must be exactly an uninterrupted run's: none lost, none trained twice.
+A run checkpoints every 2 rollouts. Its rollout 3 waits (tests/e2e/crash_hold_plugin.py) until the test has struck,
+so the run has then written the checkpoint of rollout 1 and stored and trained rollout 2. (a) The whole run's process
+tree is SIGKILLed, and the restart with --load trains rollout 2 from storage (not generated again) and generates
+rollout 3; (b) only the training actor's process tree is SIGKILLed, and the same run restarts its trainer from the
+checkpoint while the engines keep serving. Either way the sample ids trained over the whole run must be exactly an
+uninterrupted run's: none lost, none trained twice.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import pytest
 
 import psutil
 
+from tests.e2e.crash_hold_plugin import FUNCTION_PATH, held_run_env, wait_until_held
 from tests.e2e.processes import stack_pids
 
 pytestmark = pytest.mark.e2e
@@ -40,7 +41,7 @@ def _cmd(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
         "--micro-batch-size", "8", "--lr", "1e-2", "--save", str(out / "ckpt"), "--save-interval", "2",
         "--rollout-data-transport", "straw", "--save-debug-rollout-data", str(out / "rollout_{rollout_id}.jsonl"),
         "--output-dir", str(out / "run"), "--vllm-enforce-eager", "--vllm-dtype", "float32",
-        "--vllm-max-model-len", "256", *extra,
+        "--vllm-max-model-len", "256", "--rollout-function-path", FUNCTION_PATH, *extra,
     ]
 
 
@@ -58,43 +59,40 @@ def _uninterrupted(model: Path, data: Path) -> list[list[tuple[int, str]]]:
     return [[(s.index, s.prompt) for g in source.get_samples(GROUPS) for s in g] for _ in range(NUM_ROLLOUT)]
 
 
-def _start(cmd: list[str], out: Path) -> subprocess.Popen:
-    """The run in its own process group, its log in a file (a pipe nobody reads would block it)."""
+def _start(cmd: list[str], out: Path, hold: Path | None = None) -> subprocess.Popen:
+    """The run in its own process group, its log in a file (a pipe nobody reads would block it). With `hold`, the
+    run's rollout 3 waits while that file exists."""
     log = open(out / "train.log", "a")
-    return subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env=held_run_env(hold, at=3))
 
 
 def _log_tail(out: Path) -> str:
     return (out / "train.log").read_text()[-6000:]
 
 
-def _wait_for_checkpoint_and_a_stored_rollout(proc: subprocess.Popen, out: Path) -> None:
-    tracker = out / "ckpt" / "latest_checkpointed_iteration.txt"
-    stored = out / "run" / "rollout_data" / "index" / "rollout_00000002.json"
-    deadline = time.monotonic() + 300
-    while not (tracker.exists() and tracker.read_text().strip() == "1" and stored.exists()):
-        assert proc.poll() is None, _log_tail(out)
-        assert time.monotonic() < deadline, "no checkpoint of rollout 1 and stored rollout 2 within 5 minutes"
-        time.sleep(0.1)
+def _wait_until_held(proc: subprocess.Popen, hold: Path, out: Path) -> None:
+    """Until the run waits before rollout 3: checkpoint 1 written, rollout 2 stored and trained."""
+    wait_until_held(proc, hold, lambda: _log_tail(out))
+    assert (out / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+    assert _stored(out) == {2}  # rollouts 0 and 1 are in the checkpoint, so storage let them go
 
 
-def _kill_after_checkpoint_and_a_stored_rollout(cmd: list[str], out: Path) -> set[int]:
-    """SIGKILL the run once checkpoint 1 and stored rollout 2 exist; returns the rollouts left in storage.
+def _stored(out: Path) -> set[int]:
+    index = out / "run" / "rollout_data" / "index"
+    return {int(p.stem.rsplit("_", 1)[1]) for p in index.glob("rollout_*.json")}
 
-    A step of the tiny run takes about a second, and on a loaded 2-core machine this poller may see the files late,
-    so the run may have stored rollout 3 too by the time the kill lands: the test expects what the kill left."""
-    proc = _start(cmd, out)
+
+def _kill_before_rollout_3(cmd: list[str], out: Path) -> None:
+    proc = _start(cmd, out, hold=out / "hold")
     try:
-        _wait_for_checkpoint_and_a_stored_rollout(proc, out)
+        _wait_until_held(proc, out / "hold", out)
         os.killpg(proc.pid, signal.SIGKILL)  # the driver, the trainer, the manager, the engines: no clean-up
         proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     _wait_for_no_stack()
-    tracker = out / "ckpt" / "latest_checkpointed_iteration.txt"
-    assert tracker.read_text().strip() == "1", "the kill came after checkpoint 3: nothing left to resume"
-    return {int(p.stem.rsplit("_", 1)[1]) for p in (out / "run" / "rollout_data" / "index").glob("rollout_*.json")}
 
 
 def _wait_for_no_stack() -> None:
@@ -107,24 +105,24 @@ def _wait_for_no_stack() -> None:
 def test_sigkilled_trainer_resumes_and_replays_stored_rollouts(tiny_qwen3, arithmetic_data, tmp_path):
     assert not stack_pids()
     data = arithmetic_data[0]
-    stored = _kill_after_checkpoint_and_a_stored_rollout(_cmd(tiny_qwen3, data, tmp_path), tmp_path)
-    assert 2 in stored and stored <= {2, 3}  # rollouts 0 and 1 are in the checkpoint, so storage let them go
+    _kill_before_rollout_3(_cmd(tiny_qwen3, data, tmp_path), tmp_path)
     trained_before = [json.loads(line)["rollout_id"]
                       for line in (tmp_path / "run" / "trained_samples.jsonl").read_text().splitlines()
                       if line.endswith("}")]
-    assert trained_before[:2] == [0, 1]
+    assert trained_before == [0, 1, 2]  # rollout 2 was trained, but after the checkpoint
 
-    proc = subprocess.run(_cmd(tiny_qwen3, data, tmp_path, "--load", str(tmp_path / "ckpt")), cwd=REPO,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-6000:]
+    proc = _start(_cmd(tiny_qwen3, data, tmp_path, "--load", str(tmp_path / "ckpt")), tmp_path)  # no hold
+    try:
+        assert proc.wait(timeout=600) == 0, _log_tail(tmp_path)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
 
     records = _check_trained_samples_equal_an_uninterrupted_run(tiny_qwen3, data, tmp_path)
-    # what the crashed run stored came from storage (rollout 2 always, rollout 3 if the kill came late); the rest
-    # was generated again
-    assert [r["replayed"] for r in records] == [i in stored for i in range(NUM_ROLLOUT)]
+    assert [r["replayed"] for r in records] == [False, False, True, False]  # rollout 2 came from storage
     resumed = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     resumed = {r["rollout_id"]: r for r in resumed if "train/steps" in r and r["rollout_id"] >= 2}
-    assert [resumed[i]["buffer/replayed"] for i in (2, 3)] == [float(i in stored) for i in (2, 3)]
+    assert resumed[2]["buffer/replayed"] == 1.0 and resumed[3]["buffer/replayed"] == 0.0
     assert not stack_pids()
 
 
@@ -160,14 +158,16 @@ def test_sigkilled_training_actor_is_restarted_in_process_while_engines_keep_ser
                                                                                      tmp_path):
     assert not stack_pids()
     data = arithmetic_data[0]
-    proc = _start(_cmd(tiny_qwen3, data, tmp_path), tmp_path)
+    hold = tmp_path / "hold"
+    proc = _start(_cmd(tiny_qwen3, data, tmp_path), tmp_path, hold=hold)
     try:
-        _wait_for_checkpoint_and_a_stored_rollout(proc, tmp_path)
+        _wait_until_held(proc, hold, tmp_path)
         engines = stack_pids()
         victims = _trainer_trees(proc.pid)
         assert victims, "no TrainActor process found under the run"
         for p in victims:
             p.kill()  # SIGKILL, no clean-up
+        hold.unlink()  # rollout 3 goes on; training it finds the trainer dead
         metrics_path = tmp_path / "run" / "metrics.jsonl"
         deadline = time.monotonic() + 300
         while "recovery/trainer_restarts" not in (metrics_path.read_text() if metrics_path.exists() else ""):
