@@ -110,12 +110,14 @@ def test_live_engines_use_their_own_cpus_and_ctrl_c_leaves_no_processes(tiny_qwe
     """While the run serves: the two engines' workers compute on different CPUs (vLLM's own binding pinned both
     to one core). Then Ctrl-C: every engine, engine core and router process is gone."""
     assert not _stack_pids()
-    proc = subprocess.Popen(_cmd(tiny_qwen3, arithmetic_data[0], tmp_path, 50), cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log = tmp_path / "run.log"  # a file: a pipe nobody reads could fill during 50 rollouts and block the run
+    with open(log, "w") as log_file:
+        proc = subprocess.Popen(_cmd(tiny_qwen3, arithmetic_data[0], tmp_path, 50), cwd=REPO, stdout=log_file,
+                                stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 600
         while not (tmp_path / "rollout_0.jsonl").exists():  # engines are up and serving
-            assert proc.poll() is None, proc.stderr.read()[-4000:]
+            assert proc.poll() is None, log.read_text()[-4000:]
             assert time.monotonic() < deadline, "no rollout within 10 minutes"
             time.sleep(1)
         workers = worker_cpus()
