@@ -103,11 +103,10 @@ def test_sync_disaggregated_survives_sigkill_and_resumes(tiny_qwen3, arithmetic_
     _run(_cmd("train.py", tiny_qwen3, data, second, 4, "--save", str(ckpt), "--save-interval", "1",
               "--load", str(ckpt)))
     records = _metrics(second)
-    _check_run(records, [2, 3], on_policy=True)  # resumed after the checkpoint, not at 0
+    _check_run(records, [2, 3], on_policy=True)  # resumed after rollout 1, not at 0
     expected = _expected_prompts(tiny_qwen3, data, 4)
-    assert [_saved_prompts(first, i) for i in range(2)] == expected[:2]
-    # the same data order as without the kill
-    assert [_saved_prompts(second, i) for i in range(2, 4)] == expected[2:]
+    assert [_saved_prompts(first, i) for i in (0, 1)] == expected[:2]
+    assert [_saved_prompts(second, i) for i in (2, 3)] == expected[2:]  # same data order as without the kill
     assert not _stack_pids()
 
 
