@@ -242,8 +242,8 @@ class RolloutManager:
             if connected is not None and recovery_dir is not None:
                 # a transport bound to the engine set it connected to (broadcast): an engine restarted since then
                 # loads the same weights from the recovery copy
-                calls = {u: DiskWeightTransport(self.args).load_call(recovery_dir) for u in targets
-                         if u not in connected}
+                recovery_call = DiskWeightTransport(self.args).load_call(recovery_dir)
+                calls = {u: recovery_call for u in targets if u not in connected}
             calls.update(transport.load_calls([u for u in targets if u not in calls], handle))
             answers, errors = client.update_weights_each(targets, calls, version)
             if errors:
