@@ -32,7 +32,7 @@ def train(args) -> None:
     if args.colocate:
         raise ValueError("train_async.py overlaps generation and training, so they need separate devices: "
                          "drop --colocate or use train.py")
-    with TrainingSession(args) as run:
+    with TrainingSession(args, overlap=True) as run:
         start, num_rollout = run.start()
         run.maybe_eval(start)
         pending = run.generate(start)

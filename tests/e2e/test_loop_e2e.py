@@ -1,7 +1,8 @@
 """The full loop on the real stack (tiny model, 2 vLLM engines behind vllm-router, Megatron-core, Ray):
 sync disaggregated with a SIGKILL and resume, sync colocated, async. After every weight update the engines'
 log-probs of a probe sequence must equal the trainer's (--check-weight-update-equal), and on-policy runs must
-report a train/rollout log-prob gap below 1e-4."""
+report a train/rollout log-prob gap below 1e-5. No dtype flag is given: the float32 checkpoint must run in
+float32 on both sides by default."""
 
 from __future__ import annotations
 
@@ -30,8 +31,7 @@ def _cmd(entry: str, model: Path, data: Path, out: Path, num_rollout: int, *extr
         "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--num-rollout", str(num_rollout),
         "--rollout-num-gpus", "2", "--rollout-max-response-len", "16", "--micro-batch-size", "8", "--lr", "1e-2",
         "--check-weight-update-equal", "--save-debug-rollout-data", str(out / "rollout_{rollout_id}.jsonl"),
-        "--output-dir", str(out / "run"), "--vllm-enforce-eager", "--vllm-dtype", "float32",
-        "--vllm-max-model-len", "256", *extra,
+        "--output-dir", str(out / "run"), "--vllm-enforce-eager", "--vllm-max-model-len", "256", *extra,
     ]
 
 
@@ -46,7 +46,7 @@ def _check_run(records: list[dict], rollout_ids: list[int], on_policy: bool) -> 
         assert r["train/steps"] >= 1  # never a zero-step rollout
         assert r["weight_check/max_abs_logprob_diff"] < 1e-5, r
         if on_policy:
-            assert r["train_rollout_logprob_abs_diff"] < 1e-4, r
+            assert r["train_rollout_logprob_abs_diff"] < 1e-5, r
     assert any(r["train/grad_norm"] > 0 for r in train)  # the weights really moved
 
 

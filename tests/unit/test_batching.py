@@ -79,6 +79,12 @@ def test_dynamic_micro_batches_respect_the_token_bound():
     assert len(mbs) < len(indices) / 2  # it packs, rather than one sample per micro-batch
 
 
+def test_packed_dynamic_micro_batches_count_real_tokens():
+    lengths = [5, 3, 8, 4, 20]
+    # Shortest first: 3 + 4 + 5 = 12 fits; + 8 = 20 > 12; 8 alone; 20 alone (over the bound)
+    assert micro_batches([0, 1, 2, 3, 4], lengths, max_tokens=12, packed=True) == [[1, 3, 0], [2], [4]]
+
+
 def test_pad_tokens_right_pads_and_numbers_positions():
     tokens, positions = pad_tokens([[5, 6, 7], [8], [9, 10]], pad_id=0)
     assert tokens.tolist() == [[5, 6, 7], [8, 0, 0], [9, 10, 0]]

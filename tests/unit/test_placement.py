@@ -11,6 +11,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 from vime.ray.placement import Placement
+from vime.utils.cpus import CpuShare
 
 
 @ray.remote
@@ -31,7 +32,8 @@ def cluster():
 
 
 def _args(**kw):
-    base = dict(actor_num_nodes=2, actor_num_gpus_per_node=1, rollout_num_gpus=2, rollout_external_engine_addrs=None,
+    base = dict(actor_num_nodes=2, actor_num_gpus_per_node=1, rollout_num_gpus=2, rollout_num_gpus_per_engine=1,
+                rollout_external_engine_addrs=None,
                 colocate=False, use_critic=False)
     base.update(kw)
     return SimpleNamespace(**base)
@@ -84,20 +86,56 @@ def test_external_engines_take_no_bundles(cluster):
 
 
 def test_engines_on_one_node_split_its_cpus(cluster):
-    from vime.backends.vllm_utils.engine import engine_cpus, engine_env, omp_bind_value
+    from vime.backends.vllm_utils.engine import engine_env, omp_bind_value
 
     p = Placement(_args(actor_num_nodes=1, rollout_num_gpus=4))  # 1 trainer + 4 engines on 2-CPU nodes
-    slots = p.engine_cpu_slots(4, 1)
     nodes = _nodes(p, [p.engine_bundle(r, 1) for r in range(4)])
-    for rank, (index, count) in enumerate(slots):  # index among the engines that really share its node
-        assert count == nodes.count(nodes[rank]) and index == nodes[:rank].count(nodes[rank])
+    for rank in range(4):  # an equal share among the engines that really share its node
+        share = p.cpu_share("engine", rank)
+        assert share.total == nodes.count(nodes[rank]) and share.first == nodes[:rank].count(nodes[rank])
     ray.util.remove_placement_group(p.pg)
 
-    assert [engine_cpus([0, 1], i, 2) for i in range(2)] == [[0], [1]]
-    assert [engine_cpus([0, 1, 2, 3, 4], i, 2) for i in range(2)] == [[0, 1, 2], [3, 4]]
-    assert [engine_cpus([4, 5], i, 3) for i in range(3)] == [[4], [5], [4]]  # more engines than CPUs
+    assert [CpuShare(i, 1, 2).cpus([0, 1]) for i in range(2)] == [[0], [1]]
+    assert [CpuShare(i, 1, 2).cpus([0, 1, 2, 3, 4]) for i in range(2)] == [[0, 1, 2], [3, 4]]
+    assert [CpuShare(i, 1, 3).cpus([4, 5]) for i in range(3)] == [[4], [5], [4]]  # more engines than CPUs
+    assert CpuShare(1, 2, 3).cpus(list(range(6))) == [2, 3, 4, 5]  # a 2-worker engine's run of two units
     assert omp_bind_value([0, 1, 2, 3], 2) == "0,1|2,3" and omp_bind_value([6], 2) == "6|6"
     args = SimpleNamespace(rollout_num_gpus_per_engine=1, cpu_kv_cache_space=1)
-    assert "VLLM_CPU_OMP_THREADS_BIND" not in engine_env(args, (0, 1))  # alone on its node: vLLM's own binding
-    bound = engine_env(args, (1, 2))["VLLM_CPU_OMP_THREADS_BIND"]
-    assert bound == omp_bind_value(engine_cpus(sorted(os.sched_getaffinity(0)), 1, 2), 1)
+    every = sorted(os.sched_getaffinity(0))
+    # alone on its node: all of it (vLLM's own binding would keep a core for its front end)
+    assert engine_env(args, CpuShare(0, 1, 1))["VLLM_CPU_OMP_THREADS_BIND"] == omp_bind_value(every, 1)
+    bound = engine_env(args, CpuShare(1, 1, 2))["VLLM_CPU_OMP_THREADS_BIND"]
+    assert bound == omp_bind_value(CpuShare(1, 1, 2).cpus(every), 1)
+
+
+def _train_args(**kw):
+    return SimpleNamespace(**{**vars(_args(actor_num_nodes=1, rollout_num_gpus=1)), "train_num_threads": None, **kw})
+
+
+def _rank_threads(placement, args) -> tuple[int, list[int]]:
+    """(torch threads, CPUs) of training rank 0 as started by the real training group on `placement`."""
+    from vime.ray.actor_group import RayTrainGroup
+
+    group = RayTrainGroup(args, placement)
+    try:
+        return ray.get(group.actors[0].compute_threads.remote())
+    finally:
+        group.shutdown()
+
+
+def test_training_ranks_compute_on_the_cpus_the_placement_gives_them(cluster):
+    every = sorted(os.sched_getaffinity(0))
+    # synchronous loop, one node: training and generation take turns, so the training rank gets every CPU
+    sync = Placement(_train_args())
+    assert sync.cpu_share("actor", 0) == CpuShare(0, 1, 1) == sync.cpu_share("engine", 0)
+    assert _rank_threads(sync, _train_args()) == (len(every), every)
+    # --train-num-threads overrides the count (and pins nothing)
+    assert _rank_threads(sync, _train_args(train_num_threads=3)) == (3, every)
+    ray.util.remove_placement_group(sync.pg)
+
+    # train_async: the phases overlap, so the rank and the engine split the node
+    overlap = Placement(_train_args(), overlap=True)
+    assert (overlap.cpu_share("actor", 0), overlap.cpu_share("engine", 0)) == (CpuShare(0, 1, 2), CpuShare(1, 1, 2))
+    mine = CpuShare(0, 1, 2).cpus(every)
+    assert _rank_threads(overlap, _train_args()) == (len(mine), mine)
+    ray.util.remove_placement_group(overlap.pg)

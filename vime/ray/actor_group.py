@@ -1,24 +1,45 @@
 """The training actors: one Ray actor per Megatron rank, placed by a placement group, driven together.
 
-    group = RayTrainGroup(args, pg)
+    group = RayTrainGroup(args, placement)
     group.init(total_steps)
     metrics = group.train(rollout_id, groups)
 """
 
 from __future__ import annotations
 
+import logging
+
 import ray
 
-from vime.ray.placement import serving_host, use_gpu
+from vime.ray.placement import serving_host
+from vime.utils.cpus import CpuShare, allowed_cpus, use_cpus
+from vime.utils.device import use_gpu
+from vime.utils.logging_utils import configure_logging
 from vime.utils.misc import find_free_port
+
+logger = logging.getLogger(__name__)
 
 
 class TrainActor:
     """Hosts one `MegatronTrainer`; its methods are what the driver calls over Ray."""
 
-    def __init__(self, args, rank: int, world_size: int, role: str = "actor"):
+    def __init__(self, args, rank: int, world_size: int, role: str = "actor", cpu_share: CpuShare | None = None):
+        configure_logging()  # an actor process: its log lines reach the driver's console through Ray
         self.args, self.rank, self.world_size, self.role = args, rank, world_size, role
         self.trainer = None
+        # Ray gives an actor of one logical CPU one OpenMP thread; the placement's share is what it computes on
+        share = cpu_share or CpuShare()
+        if args.train_num_threads:  # the user's count, on whatever CPUs the OS picks
+            self.threads = use_cpus(allowed_cpus(), threads=args.train_num_threads, pin=False)
+        else:
+            self.threads = use_cpus(share.cpus(allowed_cpus()))
+        logger.info("%s rank %d: %s", role, rank, self.threads)
+
+    def compute_threads(self) -> tuple[int, list[int]]:
+        """(torch intra-op threads, CPUs this process may run on)."""
+        import torch
+
+        return torch.get_num_threads(), allowed_cpus()
 
     def address(self) -> tuple[str, int]:
         return serving_host(self.args), find_free_port()
@@ -38,17 +59,19 @@ class TrainActor:
 
 
 class RayTrainGroup:
-    def __init__(self, args, placement=None, role: str = "actor", bundle_offset: int = 0):
+    def __init__(self, args, placement=None, role: str = "actor"):
         self.args = args
         self.world_size = args.actor_num_nodes * args.actor_num_gpus_per_node
         actor_cls = ray.remote(TrainActor)
         self.actors = []
         for rank in range(self.world_size):
+            share = None
             if placement is not None and placement.pg is not None:
-                options = placement.actor_options(placement.actor_offset + bundle_offset + rank)
+                options = placement.actor_options(placement.bundle_of(role, rank))
+                share = placement.cpu_share(role, rank)
             else:
                 options = {"num_cpus": 1, **({"num_gpus": 1} if use_gpu() else {})}
-            self.actors.append(actor_cls.options(**options).remote(args, rank, self.world_size, role))
+            self.actors.append(actor_cls.options(**options).remote(args, rank, self.world_size, role, share))
 
     def init(self, total_steps: int) -> None:
         master_addr, master_port = ray.get(self.actors[0].address.remote())

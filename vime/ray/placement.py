@@ -1,7 +1,8 @@
-"""Ray start-up and placement groups for rollout engines (and, later, training actors).
+"""Ray start-up, the placement group of training ranks and engines, and the CPUs each of them computes on.
 
 On GPU machines a bundle is one GPU; on CPU machines the same code uses CPU bundles, one per engine slot.
-Ray's CPU counts are logical here: vLLM and torch manage their own threads.
+Ray's CPU counts are logical here: each compute process is given its share of its node's CPUs
+(`Placement.cpu_share`) and sizes its own thread pools from it.
 """
 
 from __future__ import annotations
@@ -12,11 +13,8 @@ import ray
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-
-def use_gpu() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
+from vime.utils.cpus import CpuShare
+from vime.utils.device import use_gpu
 
 
 def init_ray(args) -> None:
@@ -28,8 +26,9 @@ def init_ray(args) -> None:
         return
     # A local cluster stays on loopback: engines and their control routes are never exposed to a network.
     slots = args.rollout_num_gpus + args.actor_num_nodes * args.actor_num_gpus_per_node + 2
+    # Ray runs its workers at nice 15 by default; ours are the processes that compute.
     ray.init(num_cpus=max(os.cpu_count() or 1, slots), runtime_env=env, include_dashboard=False,
-             log_to_driver=True, _node_ip_address="127.0.0.1")
+             log_to_driver=True, _node_ip_address="127.0.0.1", _system_config={"worker_niceness": 0})
 
 
 def serving_host(args) -> str:
@@ -51,9 +50,13 @@ class Placement:
     Disaggregated: training ranks take bundles [0, world), engines the next --rollout-num-gpus bundles.
     Colocated (--colocate): both start at bundle 0 and share them, each actor asking for a fraction so that a
     trainer and an engine fit in one bundle and take turns.
+
+    CPUs: `overlap` says whether training and generation run at the same time (train_async.py). If not, the
+    phase that runs gets all of a node's CPUs: its training ranks split them, and so do its engines. If so,
+    each node's CPUs are split between all of them (an engine counting one share per worker).
     """
 
-    def __init__(self, args, with_engines: bool = True, with_trainers: bool = True):
+    def __init__(self, args, with_engines: bool = True, with_trainers: bool = True, overlap: bool = False):
         actors = args.actor_num_nodes * args.actor_num_gpus_per_node if with_trainers else 0
         critic = with_trainers and getattr(args, "use_critic", False)  # PPO: as many critic ranks as actor ranks
         trainers = actors * (2 if critic else 1)
@@ -70,20 +73,44 @@ class Placement:
             self.share = 1.0
         bundle = {"GPU": 1, "CPU": 1} if use_gpu() else {"CPU": 1}
         self.pg = None
+        self.cpu_shares: dict[tuple[str, int], CpuShare] = {}
         if n_bundles:
             self.pg = placement_group([dict(bundle) for _ in range(n_bundles)], strategy="PACK")
             ray.get(self.pg.ready(), timeout=600)
+            ranks = {"actor": actors if with_trainers else 0, "critic": actors if critic else 0,
+                     "engine": engine_slots // args.rollout_num_gpus_per_engine}
+            self.cpu_shares = self._split_cpus(ranks, args.rollout_num_gpus_per_engine, overlap)
 
     def engine_bundle(self, rank: int, gpus_per_engine: int) -> int:
         """The (first) bundle of engine `rank`."""
         return self.rollout_offset + rank * gpus_per_engine
 
-    def engine_cpu_slots(self, engines: int, gpus_per_engine: int) -> list[tuple[int, int]]:
-        """Per engine, (its index, how many) among the engines whose bundles are on its node: engines on one node
-        split its CPUs between them (`vime.backends.vllm_utils.engine.engine_cpus`)."""
+    def bundle_of(self, role: str, rank: int, gpus_per_engine: int = 1) -> int:
+        """The (first) bundle of `role` ("actor", "critic" or "engine") rank `rank`."""
+        if role == "engine":
+            return self.engine_bundle(rank, gpus_per_engine)
+        return (self.critic_offset if role == "critic" else self.actor_offset) + rank
+
+    def cpu_share(self, role: str, rank: int) -> CpuShare:
+        """The share of its node's CPUs that `role` rank `rank` computes on (all of them without a placement)."""
+        return self.cpu_shares.get((role, rank), CpuShare())
+
+    def _split_cpus(self, ranks: dict[str, int], gpus_per_engine: int, overlap: bool) -> dict:
+        """Per (role, rank), its CpuShare: the processes that compute at the same time on one node split it."""
         nodes = ray.util.placement_group_table(self.pg)["bundles_to_node_id"]
-        node_of = [nodes[self.engine_bundle(r, gpus_per_engine)] for r in range(engines)]
-        return [(node_of[:r].count(node), node_of.count(node)) for r, node in enumerate(node_of)]
+        together: dict[tuple, list[tuple[str, int, int]]] = {}  # who computes at once -> (role, rank, units)
+        for role, count in ranks.items():
+            units = gpus_per_engine if role == "engine" else 1
+            for rank in range(count):
+                node = nodes[self.bundle_of(role, rank, gpus_per_engine)]
+                together.setdefault((node,) if overlap else (node, role), []).append((role, rank, units))
+        shares = {}
+        for members in together.values():
+            total, first = sum(units for _, _, units in members), 0
+            for role, rank, units in members:
+                shares[(role, rank)] = CpuShare(first, units, total)
+                first += units
+        return shares
 
     def actor_options(self, index: int) -> dict:
         """Ray options for an actor on bundle `index`, asking for its share of the bundle's resources."""

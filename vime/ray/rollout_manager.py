@@ -19,7 +19,7 @@ from pathlib import Path
 import ray
 
 from vime.backends.vllm_utils import client
-from vime.backends.vllm_utils.arguments import router_args_from
+from vime.backends.vllm_utils.arguments import engine_dtype_warning, router_args_from
 from vime.backends.vllm_utils.engine import VLLMEngine, http_ok
 from vime.backends.vllm_utils.router import Router, post_worker
 from vime.backends.weight_transport.disk import DiskWeightTransport
@@ -30,6 +30,7 @@ from vime.ray.health import EngineHealthMonitor
 from vime.ray.placement import num_engines, serving_host
 from vime.rollout.debug_data import load_rollout, save_rollout
 from vime.rollout.metrics import add_counter, record_counters, rollout_metrics
+from vime.utils.logging_utils import configure_logging
 from vime.utils.misc import find_free_port, load_function
 from vime.utils.types import RolloutFnTrainOutput, Sample, as_rollout_output
 
@@ -39,6 +40,7 @@ logger = logging.getLogger(__name__)
 @ray.remote(num_cpus=0)
 class RolloutManager:
     def __init__(self, args, placement=None):
+        configure_logging()  # an actor process: its log lines reach the driver's console through Ray
         self.args = args
         self.log_dir = Path(args.output_dir) / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -83,6 +85,8 @@ class RolloutManager:
         if args.rollout_external_engine_addrs:
             self.engine_urls = [f"http://{a}" for a in args.rollout_external_engine_addrs]
         else:
+            if engine_dtype_warning(args):
+                logger.warning(engine_dtype_warning(args))
             self.engines = [self._new_engine(rank) for rank in range(num_engines(args))]
             self.engine_urls = ray.get([e.start.remote() for e in self.engines])
         self.rank_urls = list(self.engine_urls)
@@ -100,12 +104,11 @@ class RolloutManager:
     def _new_engine(self, rank: int):
         """An engine actor for `rank` in its placement bundle (not started)."""
         args = self.args
-        options, slot = {"num_cpus": 1}, None
+        options, share = {"num_cpus": 1}, None
         if self.placement is not None and self.placement.pg is not None:
-            per_engine = args.rollout_num_gpus_per_engine
-            options = self.placement.actor_options(self.placement.engine_bundle(rank, per_engine))
-            slot = self.placement.engine_cpu_slots(num_engines(args), per_engine)[rank]
-        return ray.remote(VLLMEngine).options(**options).remote(args, rank, str(self.log_dir), slot)
+            options = self.placement.actor_options(self.placement.engine_bundle(rank, args.rollout_num_gpus_per_engine))
+            share = self.placement.cpu_share("engine", rank)
+        return ray.remote(VLLMEngine).options(**options).remote(args, rank, str(self.log_dir), share)
 
     def _start_router(self) -> None:
         args = self.args

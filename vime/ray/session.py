@@ -62,8 +62,9 @@ class TrainingSession:
     Use as a context manager: everything it started is stopped on exit, also after an error or Ctrl-C.
     """
 
-    def __init__(self, args):
+    def __init__(self, args, overlap: bool = False):
         self.args = args
+        self.overlap = overlap  # training and generation run at the same time (train_async): they split the CPUs
         self.use_engines = not args.debug_train_only
         self.train_enabled = not args.debug_rollout_only
         self.manager = self.trainers = self.metrics = None
@@ -78,7 +79,8 @@ class TrainingSession:
     def __enter__(self) -> TrainingSession:
         args = self.args
         init_ray(args)
-        self.placement = Placement(args, with_engines=self.use_engines, with_trainers=self.train_enabled)
+        self.placement = Placement(args, with_engines=self.use_engines, with_trainers=self.train_enabled,
+                                   overlap=self.overlap)
         self.manager = RolloutManager.remote(args, self.placement)
         self.critic = None
         if self.train_enabled:
@@ -90,8 +92,7 @@ class TrainingSession:
         args, placement = self.args, self.placement
         self.trainers = RayTrainGroup(args, placement)
         if args.use_critic:
-            self.critic = RayTrainGroup(critic_args(args), placement, role="critic",
-                                        bundle_offset=placement.critic_offset)
+            self.critic = RayTrainGroup(critic_args(args), placement, role="critic")
 
     def _init_trainers(self) -> dict | None:
         """Build the models (loading --load if it has a checkpoint); returns the loaded checkpoint's state."""

@@ -35,6 +35,10 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="Sequences per optimizer step over all data-parallel ranks; a multiple of "
                         "micro-batch-size x data-parallel size (default: None = micro-batch-size x DP size).")
 
+    g.add_argument("--qkv-format", default="thd", choices=["thd", "bshd"],
+                   help="Micro-batch layout: thd = the sequences packed one after another without padding (each "
+                        "attends only to itself); bshd = right-padded to the longest (default: thd).")
+
     g = parser.add_argument_group("Megatron optimizer")
     g.add_argument("--lr", type=float, default=1e-6, help="Peak learning rate (default: 1e-6).")
     g.add_argument("--min-lr", type=float, default=0.0,

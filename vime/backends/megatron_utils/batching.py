@@ -3,12 +3,14 @@
 A rollout of N samples gives N / --global-batch-size optimizer steps (--num-steps-per-rollout must agree).
 Each step's samples are dealt to data-parallel ranks with equal counts and balanced token totals; each rank cuts
 its share into micro-batches of --micro-batch-size samples, or, with --use-dynamic-batch-size, of at most
---max-tokens-per-gpu padded tokens.
+--max-tokens-per-gpu tokens (real tokens when packed, --qkv-format thd; padded ones with bshd). A micro-batch
+becomes model inputs packed one sequence after another, or right-padded (`micro_batch_inputs`).
 """
 
 from __future__ import annotations
 
 import heapq
+from dataclasses import dataclass
 
 import torch
 
@@ -44,21 +46,23 @@ def balanced_partition(indices: list[int], lengths: list[int], num_parts: int) -
 
 
 def micro_batches(indices: list[int], lengths: list[int], micro_batch_size: int | None = None,
-                  max_tokens: int | None = None) -> list[list[int]]:
-    """Fixed-size micro-batches, or (max_tokens set) micro-batches whose padded size
-    (count x longest) stays within max_tokens; a single longer sample gets a micro-batch of its own."""
+                  max_tokens: int | None = None, packed: bool = False) -> list[list[int]]:
+    """Fixed-size micro-batches, or (max_tokens set) micro-batches of similar lengths whose size stays within
+    max_tokens: the sum of their lengths when packed, count x longest when padded. A single longer sample gets a
+    micro-batch of its own."""
     if max_tokens is None:
         return [indices[i:i + micro_batch_size] for i in range(0, len(indices), micro_batch_size)]
     batches: list[list[int]] = []
     current: list[int] = []
-    longest = 0
+    longest = total = 0
     for i in sorted(indices, key=lambda i: (lengths[i], i)):  # similar lengths together: less padding
-        new_longest = max(longest, lengths[i])
-        if current and new_longest * (len(current) + 1) > max_tokens:
+        new_longest, new_total = max(longest, lengths[i]), total + lengths[i]
+        size = new_total if packed else new_longest * (len(current) + 1)
+        if current and size > max_tokens:
             batches.append(current)
-            current, new_longest = [], lengths[i]
+            current, new_longest, new_total = [], lengths[i], lengths[i]
         current.append(i)
-        longest = new_longest
+        longest, total = new_longest, new_total
     if current:
         batches.append(current)
     return batches
@@ -73,3 +77,45 @@ def pad_tokens(token_lists: list[list[int]], pad_id: int = 0) -> tuple[torch.Ten
         tokens[row, : len(t)] = torch.tensor(t, dtype=torch.long)
     positions = torch.arange(longest, dtype=torch.long).unsqueeze(0).expand(len(token_lists), -1).contiguous()
     return tokens, positions
+
+
+@dataclass
+class MicroBatchInputs:
+    """What one micro-batch feeds the model, and where its response tokens' logits come from.
+
+    Packed (`cu_seqlens` set): the sequences one after another in a single row, tokens [1, T] with T the sum of
+    their lengths, positions restarting at 0 for each. Padded: tokens [b, longest], right-padded.
+    `logit_rows` index the model's flattened [seq x batch] hidden states at each response token's predecessor
+    (the position whose logits predict it), in sample order; `targets` are those response tokens.
+    """
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    cu_seqlens: torch.Tensor | None  # int32 [n + 1] sequence boundaries in the packed row
+    max_seqlen: int
+    logit_rows: torch.Tensor  # [R] long, R = sum of response lengths
+    targets: torch.Tensor  # [R] long
+    response_lengths: list[int]
+
+
+def micro_batch_inputs(token_lists: list[list[int]], response_lengths: list[int], packed: bool = True,
+                       pad_id: int = 0) -> MicroBatchInputs:
+    """Model inputs for one micro-batch: packed without padding (`thd`), or right-padded (`bshd`)."""
+    lengths = [len(t) for t in token_lists]
+    flat = torch.tensor([tok for t in token_lists for tok in t], dtype=torch.long)
+    starts = torch.tensor([0] + lengths[:-1], dtype=torch.long).cumsum(0)
+    # the response token j of sample k sits at start_k + len_k - resp_k + j; its logits one position earlier
+    first = [s + n - r for s, n, r in zip(starts.tolist(), lengths, response_lengths)]
+    in_row = torch.cat([torch.arange(f, f + r) for f, r in zip(first, response_lengths)]) if first else \
+        torch.zeros(0, dtype=torch.long)
+    targets = flat[in_row]
+    if packed:
+        positions = torch.cat([torch.arange(n) for n in lengths])
+        cu = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        return MicroBatchInputs(flat.unsqueeze(0), positions.unsqueeze(0), cu, max(lengths), in_row - 1, targets,
+                                list(response_lengths))
+    tokens, positions = pad_tokens(token_lists, pad_id)
+    batch = len(token_lists)
+    rows = torch.cat([torch.arange(n - r - 1, n - 1) * batch + b
+                      for b, (n, r) in enumerate(zip(lengths, response_lengths))])  # [seq, batch] flattened
+    return MicroBatchInputs(tokens, positions, None, max(lengths), rows, targets, list(response_lengths))

@@ -19,6 +19,8 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.optimizer import distrib_optimizer
 
+from vime.backends.megatron_utils.model import use_fused_adam
+
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 
 
@@ -125,6 +127,7 @@ def load_checkpoint(trainer, root: str) -> dict | None:
             trainer.optimizer.load_state_dict(loaded["optimizer"])
         if args.use_distributed_optimizer and not distrib_optimizer.HAVE_APEX_OR_TE:
             _restore_adam_steps(trainer.optimizer, loaded["optimizer"])
+        use_fused_adam(trainer.optimizer)  # the loaded param groups carry the saving run's kernel choice
     else:
         trainer.optimizer.reload_model_params()
     if release or args.finetune:

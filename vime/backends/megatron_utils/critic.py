@@ -32,19 +32,11 @@ def attach_value_head(chunks) -> None:
             chunk.share_embeddings_and_output_weights = False
 
 
-def response_values(output: torch.Tensor, total_lengths: list[int], response_lengths: list[int]) -> list:
-    """Per-sample values of the response tokens from a padded micro-batch output [batch, seq, 1]."""
-    return [output[row, total - resp - 1: total - 1, 0].float()
-            for row, (total, resp) in enumerate(zip(total_lengths, response_lengths))]
-
-
 def make_value_loss_fn(args, batch: dict, denominators: dict, scale: float):
     """Clipped value loss against the returns computed by the actor (GAE), as a share of the global mean."""
 
-    def loss_fn(indices, tokens, output):
-        lens = [len(batch["tokens"][i]) for i in indices]
-        resp = [batch["response_lengths"][i] for i in indices]
-        values = response_values(output, lens, resp)
+    def loss_fn(indices, inputs, output):
+        values = list(output[:, 0].float().split(inputs.response_lengths))  # [R, 1]: one row per response token
         masks = [batch["loss_masks"][i] for i in indices]
         losses, clipped = zip(*(value_loss(v, batch["old_values"][i], batch["returns"][i], args.value_clip)
                                 for v, i in zip(values, indices)))

@@ -19,11 +19,16 @@ def _vocab_range() -> tuple[int, int]:
 
 
 def vocab_parallel_log_probs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                             with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                             with_entropy: bool = False, entropy_grad: bool = True
+                             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """logits: [..., V/TP] (this rank's vocab slice), targets: [...] full-vocab ids.
-    Returns (log p(target) [...], entropy [...] or None)."""
-    z = logits.float() / temperature
+    Returns (log p(target) [...], entropy [...] or None). `entropy_grad=False`: the entropy is only reported,
+    so it is computed without keeping a graph (a [tokens x vocab] product less to store and differentiate)."""
+    z = logits.float() / temperature if temperature != 1.0 else logits.float()
     tp_rank, tp_size = _vocab_range()
+    if tp_size == 1:  # the whole vocabulary on this rank: one fused function, few passes over [tokens x vocab]
+        log_probs, entropy = _TargetLogProbs.apply(z, targets, with_entropy, entropy_grad)
+        return log_probs, entropy
     local_v = z.shape[-1]
     z_max = z.detach().max(dim=-1).values
     if tp_size > 1:
@@ -41,30 +46,73 @@ def vocab_parallel_log_probs(logits: torch.Tensor, targets: torch.Tensor, temper
     log_probs = target_logit - log_z
 
     entropy = None
-    if with_entropy:
+    if with_entropy and not entropy_grad:
+        with torch.no_grad():
+            entropy = _entropy(exp_shifted, shifted, sum_exp, log_z)
+    elif with_entropy:
         # E_p[shifted] = sum(exp(s) * s) / sum(exp(s)): both sums are reduced from purely local terms, so the
         # identity backward of the reduction gives every rank the full gradient. (Normalising by the global log_z
         # before the reduction would leave each rank only its own slice's share of d entropy / d log_z.)
-        expected_logit = reduce_from_tensor_model_parallel_region((exp_shifted * shifted).sum(dim=-1)) / sum_exp
-        entropy = log_z - expected_logit
+        entropy = _entropy(exp_shifted, shifted, sum_exp, log_z)
     return log_probs, entropy
 
 
-def response_log_probs(logits: torch.Tensor, tokens: torch.Tensor, total_lengths: list[int],
-                       response_lengths: list[int], temperature: float, with_entropy: bool = False):
-    """Per-sample log-probs (and entropy) of the response tokens from a padded micro-batch.
+class _TargetLogProbs(torch.autograd.Function):
+    """log softmax(z)[target] and the entropy of softmax(z), rows of z being [N, V] full-vocabulary logits.
 
-    logits: [batch, seq, V/TP] where position t predicts token t+1; tokens: [batch, seq].
-    Returns lists of 1-D tensors of length response_lengths[i].
+    One [N, V] buffer serves the whole pass: torch's fused log_softmax writes it, the targets' log-probs are read
+    from it, then it becomes the softmax p in place, which the entropy (H = log Z - E_p[z], one dot product per
+    row) and the backward (d log p_t / dz = onehot_t - p; d H / dz = p * (E_p[z] - z)) reuse. The backward turns
+    it into the gradient in place, so it runs once (autograd refuses a second run: the buffer has changed).
+    On CPU every fresh [N, V] buffer costs page faults, more than the log-softmax itself."""
+
+    @staticmethod
+    def forward(ctx, z, targets, with_entropy: bool, entropy_grad: bool):
+        p = torch.log_softmax(z, dim=-1)
+        log_probs = p.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        log_z = z[:, 0] - p[:, 0] if z.shape[0] else z.new_zeros(0)  # log_softmax = z - log Z, in any column
+        p.exp_()
+        entropy = expected = None
+        if with_entropy:
+            expected = torch.bmm(p.unsqueeze(1), z.unsqueeze(2)).view(-1)
+            entropy = log_z - expected
+        ctx.entropy_grad = with_entropy and entropy_grad
+        ctx.save_for_backward(p, targets, *((z, expected) if ctx.entropy_grad else ()))
+        if entropy is not None and not ctx.entropy_grad:
+            ctx.mark_non_differentiable(entropy)
+        return log_probs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_log_probs, grad_entropy):
+        p, targets, *rest = ctx.saved_tensors
+        grad = p  # consumed: becomes the gradient in place
+        if ctx.entropy_grad and grad_entropy is not None:
+            z, expected = rest
+            entropy_part = p * (expected.unsqueeze(-1) - z) * grad_entropy.unsqueeze(-1)
+        else:
+            entropy_part = None
+        if grad_log_probs is not None:
+            grad.mul_(-grad_log_probs.unsqueeze(-1))
+            grad.scatter_add_(-1, targets.unsqueeze(-1), grad_log_probs.unsqueeze(-1))
+        else:
+            grad.zero_()
+        if entropy_part is not None:
+            grad.add_(entropy_part)
+        return grad, None, None, None
+
+
+def _entropy(exp_shifted, shifted, sum_exp, log_z):
+    expected_logit = reduce_from_tensor_model_parallel_region((exp_shifted * shifted).sum(dim=-1)) / sum_exp
+    return log_z - expected_logit
+
+
+def response_log_probs(logits: torch.Tensor, targets: torch.Tensor, response_lengths: list[int],
+                       temperature: float, with_entropy: bool = False, entropy_grad: bool = True):
+    """Per-sample log-probs (and entropy) of the response tokens.
+
+    logits: [R, V/TP], the logits of each response token's predecessor position (`MicroBatchInputs.logit_rows`),
+    targets: [R] the response tokens, in sample order. Returns lists of 1-D tensors of length response_lengths[i].
     """
-    rows, cols = [], []
-    for row, (total, resp) in enumerate(zip(total_lengths, response_lengths)):
-        positions = torch.arange(total - resp - 1, total - 1)
-        rows.append(torch.full_like(positions, row))
-        cols.append(positions)
-    rows_t, cols_t = torch.cat(rows), torch.cat(cols)
-    picked_logits = logits[rows_t, cols_t]  # [sum of response lengths, V/TP]
-    targets = tokens[rows_t, cols_t + 1].to(picked_logits.device)
-    lp, ent = vocab_parallel_log_probs(picked_logits, targets, temperature, with_entropy)
+    lp, ent = vocab_parallel_log_probs(logits, targets.to(logits.device), temperature, with_entropy, entropy_grad)
     split = list(response_lengths)
     return list(lp.split(split)), (list(ent.split(split)) if ent is not None else None)

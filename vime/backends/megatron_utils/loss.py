@@ -16,7 +16,7 @@ from vime.utils.misc import load_function
 
 
 def make_loss_fn(args, batch: dict, denominators: dict, scale: float, step_index: int):
-    """Return loss_fn(indices, tokens, logits) -> (scaled loss, metrics) for `model.run_schedule`."""
+    """Return loss_fn(indices, inputs, logits) -> (scaled loss, metrics) for `model.run_schedule`."""
     policy_loss = get_policy_loss(getattr(args, "policy_loss", "ppo"))
     custom = load_function(args.custom_loss_function_path) if args.custom_loss_function_path else None
 
@@ -24,11 +24,11 @@ def make_loss_fn(args, batch: dict, denominators: dict, scale: float, step_index
         return aggregate_loss(values, masks, args.loss_agg_mode, total_tokens=denominators["tokens"],
                               num_sequences=denominators["sequences"])
 
-    def loss_fn(indices, tokens, logits):
-        lens = [len(batch["tokens"][i]) for i in indices]
-        resp = [batch["response_lengths"][i] for i in indices]
-        log_probs, entropy = response_log_probs(logits, tokens, lens, resp, args.rollout_temperature,
-                                                with_entropy=True)  # entropy is always reported
+    def loss_fn(indices, inputs, logits):
+        # entropy is always reported; it needs a graph only when it is part of the loss
+        log_probs, entropy = response_log_probs(logits, inputs.targets, inputs.response_lengths,
+                                                args.rollout_temperature, with_entropy=True,
+                                                entropy_grad=bool(args.entropy_coef) or custom is not None)
         masks = [batch["loss_masks"][i].to(log_probs[0].device) for i in indices]
         metrics: dict[str, torch.Tensor] = {}
 

@@ -6,6 +6,7 @@ Loss and log-probs exist on the last pipeline stage only.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
@@ -13,9 +14,10 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from vime.backends.megatron_utils.batching import pad_tokens
+from vime.backends.megatron_utils.batching import MicroBatchInputs, micro_batch_inputs
 from vime.backends.megatron_utils.log_probs import response_log_probs
 from vime.backends.megatron_utils.model_provider import build_model_chunks, params_dtype
 
@@ -39,6 +41,7 @@ def setup_model_and_optimizer(args, total_steps: int, prepare_chunks: Callable |
         use_distributed_optimizer=args.use_distributed_optimizer, params_dtype=dtype,
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16)
     optimizer = get_megatron_optimizer(opt_config, model)
+    use_fused_adam(optimizer)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0 if args.lr_warmup_iters else args.lr, max_lr=args.lr, min_lr=args.min_lr,
         lr_warmup_steps=args.lr_warmup_iters, lr_decay_steps=max(total_steps, 1), lr_decay_style=args.lr_decay_style,
@@ -51,33 +54,84 @@ def setup_model_and_optimizer(args, total_steps: int, prepare_chunks: Callable |
     return model, optimizer, scheduler
 
 
-def _micro_batch_inputs(batch: dict, indices: list[int]):
-    tokens, positions = pad_tokens([batch["tokens"][i] for i in indices])
-    return tokens, positions
+def use_fused_adam(optimizer) -> None:
+    """Switch the torch Adam(W) that Megatron falls back to without TransformerEngine or Apex to torch's fused
+    kernel (one pass over each tensor; Megatron builds it with torch's default, a Python loop on CPU)."""
+    for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            continue  # TransformerEngine's or Apex's FusedAdam already is
+        for group in inner.param_groups:
+            if not group.get("differentiable") and all(p.dtype.is_floating_point for p in group["params"]):
+                group["foreach"], group["fused"] = False, True
 
 
-def run_schedule(model, micro_batches: list[list[int]], batch: dict, loss_fn: Callable, forward_only: bool):
+def _output_layer(chunk):
+    """The last stage's output layer (LM head, or the critic's value head) of a (DDP-wrapped) chunk, else None."""
+    module = getattr(chunk, "module", chunk)
+    return getattr(module, "output_layer", None) if getattr(module, "post_process", False) else None
+
+
+@contextlib.contextmanager
+def only_rows(chunk, rows: torch.Tensor):
+    """Within the block, `chunk`'s output layer sees only `rows` of the flattened [seq x batch] hidden states,
+    as a [len(rows), 1, hidden] sequence: the model returns [1, len(rows), vocab] logits for just the positions
+    whose log-probs are needed (response tokens), not for every prompt and padding position."""
+    layer = _output_layer(chunk)
+    if layer is None:
+        yield
+        return
+    sequence_parallel = getattr(layer, "sequence_parallel", False)
+
+    def select(hidden: torch.Tensor) -> torch.Tensor:
+        return hidden.reshape(-1, 1, hidden.shape[-1]).index_select(0, rows.to(hidden.device))
+
+    if sequence_parallel:  # the layer gathers the sequence itself: pick the rows from its full output
+        handle = layer.register_forward_hook(lambda mod, args, output: (select(output[0]), *output[1:]))
+    else:
+        handle = layer.register_forward_pre_hook(lambda mod, args: (select(args[0]), *args[1:]))
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def packed_seq_params(inputs: MicroBatchInputs) -> PackedSeqParams | None:
+    if inputs.cu_seqlens is None:
+        return None
+    cu = inputs.cu_seqlens.to(torch.cuda.current_device()) if torch.cuda.is_available() else inputs.cu_seqlens
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=inputs.max_seqlen,
+                           max_seqlen_kv=inputs.max_seqlen)
+
+
+def run_schedule(model, micro_batches: list[list[int]], batch: dict, loss_fn: Callable, forward_only: bool,
+                 packed: bool = True):
     """Run Megatron's schedule over micro-batches of sample indices.
 
-    loss_fn(indices, logits) -> (loss tensor, metrics dict) on the last stage. Returns the list of metrics dicts
-    (last stage) or [] (other stages). Sequence lengths vary per micro-batch (variable_seq_lengths)."""
-    longest = max(len(batch["tokens"][i]) for mb in micro_batches for i in mb)
+    loss_fn(indices, inputs, output) -> (loss tensor, metrics dict) on the last stage, where `output` holds one
+    row per response token ([R, vocab / TP] logits, or [R, 1] critic values) and `inputs` is the micro-batch's
+    `MicroBatchInputs`. `packed`: sequences packed without padding (thd) or right-padded (bshd). Returns the
+    list of metrics dicts (last stage) or [] (other stages). Micro-batches differ in length
+    (variable_seq_lengths)."""
+    inputs = [micro_batch_inputs([batch["tokens"][i] for i in mb], [batch["response_lengths"][i] for i in mb],
+                                 packed=packed) for mb in micro_batches]
+    longest = max(int(x.tokens.numel()) if packed else x.tokens.shape[1] for x in inputs)
 
     def data_iter():
-        for mb in micro_batches:
-            yield mb
+        yield from zip(micro_batches, inputs)
 
     def forward_step(iterator, chunk):
-        indices = next(iterator)
-        tokens, positions = _micro_batch_inputs(batch, indices)
+        indices, mb = next(iterator)
+        tokens, positions = mb.tokens, mb.positions
         if torch.cuda.is_available():
             tokens, positions = tokens.cuda(), positions.cuda()
-        logits = chunk(tokens, positions, attention_mask=None)
+        with only_rows(chunk, mb.logit_rows):
+            output = chunk(tokens, positions, attention_mask=None, packed_seq_params=packed_seq_params(mb))
 
         def loss_func(output):
-            return loss_fn(indices, tokens, output)
+            return loss_fn(indices, mb, output.squeeze(0))  # a view: its backward allocates nothing
 
-        return logits, loss_func
+        return output, loss_func
 
     for m in model:
         m.train(not forward_only)
@@ -86,21 +140,17 @@ def run_schedule(model, micro_batches: list[list[int]], batch: dict, loss_fn: Ca
         num_microbatches=len(micro_batches), seq_length=longest, micro_batch_size=1, forward_only=forward_only)
 
 
-def forward_values(model, batch: dict, micro_batches: list[list[int]]) -> dict[int, torch.Tensor]:
+def forward_values(args, model, batch: dict, micro_batches: list[list[int]]) -> dict[int, torch.Tensor]:
     """Critic: {sample index: values of its response tokens} on the last stage, {} elsewhere."""
-    from vime.backends.megatron_utils.critic import response_values
-
     out: dict[int, torch.Tensor] = {}
 
-    def loss_fn(indices, tokens, output):
-        lens = [len(batch["tokens"][i]) for i in indices]
-        resp = [batch["response_lengths"][i] for i in indices]
-        for i, v in zip(indices, response_values(output, lens, resp)):
+    def loss_fn(indices, inputs, values):
+        for i, v in zip(indices, values[:, 0].float().split(inputs.response_lengths)):
             out[i] = v.detach().cpu()
-        return torch.zeros((), device=output.device), {}
+        return torch.zeros((), device=values.device), {}
 
     with torch.no_grad():
-        run_schedule(model, micro_batches, batch, loss_fn, forward_only=True)
+        run_schedule(model, micro_batches, batch, loss_fn, forward_only=True, packed=is_packed(args))
     return out
 
 
@@ -108,17 +158,21 @@ def forward_log_probs(args, model, batch: dict, micro_batches: list[list[int]], 
     """{sample index: (log-probs of its response tokens, entropy or None)} on the last stage, {} elsewhere."""
     out: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
-    def loss_fn(indices, tokens, logits):
-        lens = [len(batch["tokens"][i]) for i in indices]
-        resp = [batch["response_lengths"][i] for i in indices]
-        lps, ents = response_log_probs(logits, tokens, lens, resp, args.rollout_temperature, with_entropy)
+    def loss_fn(indices, inputs, logits):
+        lps, ents = response_log_probs(logits, inputs.targets, inputs.response_lengths, args.rollout_temperature,
+                                       with_entropy)
         for k, i in enumerate(indices):
             out[i] = (lps[k].detach().cpu(), ents[k].detach().cpu() if ents is not None else None)
         return torch.zeros((), device=logits.device), {}
 
     with torch.no_grad():
-        run_schedule(model, micro_batches, batch, loss_fn, forward_only=True)
+        run_schedule(model, micro_batches, batch, loss_fn, forward_only=True, packed=is_packed(args))
     return out
+
+
+def is_packed(args) -> bool:
+    """--qkv-format thd (default): micro-batches packed without padding; bshd: right-padded."""
+    return getattr(args, "qkv_format", "thd") == "thd"
 
 
 def train_step(args, model, optimizer, scheduler, batch: dict, micro_batches: list[list[int]], loss_fn):
@@ -126,7 +180,7 @@ def train_step(args, model, optimizer, scheduler, batch: dict, micro_batches: li
     for m in model:
         m.zero_grad_buffer()
     optimizer.zero_grad()
-    metrics = run_schedule(model, micro_batches, batch, loss_fn, forward_only=False)
+    metrics = run_schedule(model, micro_batches, batch, loss_fn, forward_only=False, packed=is_packed(args))
     update_successful, grad_norm, _ = optimizer.step()
     lr = optimizer.param_groups[0]["lr"]
     if update_successful:

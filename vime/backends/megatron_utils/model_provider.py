@@ -3,8 +3,8 @@
 Who calls it: the Megatron trainer, after `parallel.init_parallel()` and
 `arguments.fill_architecture_from_hf()`; the convert tools; the tests.
 
-On CPU the model uses the local (pure PyTorch) layer spec with RMSNorm, float32 parameters, CPU
-initialisation and no fused kernels. On a GPU with TransformerEngine installed it uses the TE spec (the norms
+On CPU the model uses the local (pure PyTorch) layer spec with RMSNorm and torch's scaled-dot-product
+attention (`attention.SDPAttention`), float32 parameters, CPU initialisation and no other fused kernels. On a GPU with TransformerEngine installed it uses the TE spec (the norms
 are then fused into `linear_qkv` / `linear_fc1`, see `hf_conversion`), and bf16/fp16 when asked.
 """
 
@@ -22,6 +22,9 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 )
 from megatron.core.transformer import TransformerConfig
 
+from vime.backends.megatron_utils.attention import SDPAttention
+from vime.utils.device import training_dtype
+
 
 def use_transformer_engine() -> bool:
     """True when the TransformerEngine layer spec can be used: CUDA is available and TE imports."""
@@ -36,11 +39,7 @@ def use_transformer_engine() -> bool:
 
 def params_dtype(args: argparse.Namespace) -> torch.dtype:
     """float32 on CPU whatever the flags (bf16 is several times slower there); bf16/fp16 on GPU when asked."""
-    if not torch.cuda.is_available():
-        return torch.float32
-    if args.bf16:
-        return torch.bfloat16
-    return torch.float16 if args.fp16 else torch.float32
+    return getattr(torch, training_dtype(args))
 
 
 def build_transformer_config(args: argparse.Namespace) -> TransformerConfig:
@@ -97,6 +96,8 @@ def build_gpt_model(args: argparse.Namespace, pre_process: bool = True, post_pro
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
     else:
         spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
+        # torch's fused scaled-dot-product attention, which also takes packed (thd) micro-batches
+        spec.submodules.self_attention.submodules.core_attention = SDPAttention
     return GPTModel(
         config=config,
         transformer_layer_spec=spec,

@@ -11,10 +11,15 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
                    help="Optimizer steps per rollout; sets --global-batch-size to the rollout's samples divided "
                         "by it (default: 1 step, or from --global-batch-size).")
     g.add_argument("--use-dynamic-batch-size", action="store_true",
-                   help="Cut micro-batches by padded tokens (--max-tokens-per-gpu) instead of sample count "
+                   help="Cut micro-batches by tokens (--max-tokens-per-gpu; real tokens with --qkv-format thd, padded "
+                        "ones with bshd) instead of sample count "
                         "(default: off).")
     g.add_argument("--max-tokens-per-gpu", type=int, default=None,
-                   help="Padded tokens per micro-batch with --use-dynamic-batch-size (default: None).")
+                   help="Tokens per micro-batch with --use-dynamic-batch-size (default: None).")
+    g.add_argument("--train-num-threads", type=int, default=None,
+                   help="torch threads of each training rank (default: None = one per CPU of the rank's share of "
+                        "its node: all of the node's CPUs split between the training ranks in train.py, split "
+                        "with the engines in train_async.py).")
     g.add_argument("--update-weight-transport", default="disk", choices=["disk", "broadcast", "delta", "cuda_ipc"],
                    help="How new weights reach the engines: disk = HF safetensors the engines reload; "
                         "broadcast = in memory over a gloo/nccl group between the training writers and the "
@@ -62,5 +67,7 @@ def validate_train_args(args: argparse.Namespace) -> None:
     if getattr(args, "use_critic", False) and args.pipeline_model_parallel_size > 1:
         raise ValueError("the PPO critic (--advantage-estimator ppo) supports --pipeline-model-parallel-size 1 "
                          "only; use tensor or data parallelism")
+    if args.train_num_threads is not None and args.train_num_threads < 1:
+        raise ValueError(f"--train-num-threads must be >= 1, got {args.train_num_threads}")
     if args.use_dynamic_batch_size and not args.max_tokens_per_gpu:
         raise ValueError("--use-dynamic-batch-size needs --max-tokens-per-gpu N")

@@ -28,6 +28,7 @@ from vime.backends.megatron_utils.model import (
     forward_log_probs,
     forward_values,
     is_last_stage,
+    is_packed,
     setup_model_and_optimizer,
     train_step,
 )
@@ -110,17 +111,21 @@ class MegatronTrainer:
             "num_usable": sum(usable),
         }
 
-    def _split(self, batch: dict) -> list[tuple[range, list[int], list[list[int]]]]:
-        """Per optimizer step: (the step's sample positions, this rank's share, its micro-batches)."""
+    def _split(self, batch: dict, every_sample: bool = False) -> list[tuple[range, list[int], list[list[int]]]]:
+        """Per optimizer step: (the step's sample positions, this rank's share, its micro-batches). A sample with
+        no trainable token (failed, aborted, fully masked) adds nothing to the loss, so it is left out of the
+        micro-batches and never computed (`every_sample` keeps it: the critic's values cover every sample); a rank
+        whose share is all such samples still runs one micro-batch, of zero loss, to take part in the step."""
         args = self.args
         lengths = [len(t) for t in batch["tokens"]]
         plan = []
         for step in step_slices(len(lengths), args.global_batch_size):
             local = balanced_partition(list(step), lengths, self.dp_size)[self.dp_rank]
+            computed = local if every_sample else [i for i in local if batch["loss_masks"][i].any()] or local[:1]
             if args.use_dynamic_batch_size:
-                mbs = micro_batches(local, lengths, max_tokens=args.max_tokens_per_gpu)
+                mbs = micro_batches(computed, lengths, max_tokens=args.max_tokens_per_gpu, packed=is_packed(args))
             else:
-                mbs = micro_batches(local, lengths, micro_batch_size=args.micro_batch_size)
+                mbs = micro_batches(computed, lengths, micro_batch_size=args.micro_batch_size)
             plan.append((step, local, mbs))
         return plan
 
@@ -210,8 +215,8 @@ class MegatronTrainer:
     def compute_values(self, groups: list[list[dict]]) -> dict[int, list[float]]:
         """Critic: this rank's samples' per-token values (last pipeline stage; {} elsewhere)."""
         batch = self._batch(groups)
-        mbs = [mb for _, _, m in self._split(batch) for mb in m]
-        return {i: v.tolist() for i, v in forward_values(self.model, batch, mbs).items()}
+        mbs = [mb for _, _, m in self._split(batch, every_sample=True) for mb in m]
+        return {i: v.tolist() for i, v in forward_values(self.args, self.model, batch, mbs).items()}
 
     def get_returns(self) -> list[list[float]] | None:
         return self.last_returns

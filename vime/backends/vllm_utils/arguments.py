@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import functools
 
+from vime.utils.device import training_dtype
+
 # Options vime sets itself when it starts an engine; a user-given value would be silently overridden.
 VIME_MANAGED_VLLM_OPTIONS = {"--model", "--host", "--port", "--served-model-name"}
 VLLM_RAW_DEST = "vllm_raw_cli"  # namespace attribute holding the forwarded tokens
@@ -88,6 +90,27 @@ def validate_vllm_args(args) -> argparse.Namespace:
         return _vllm_engine_parser().parse_args(tokens)
     except SystemExit as e:
         raise ValueError(f"invalid --vllm-* option(s) {tokens}: see vLLM's message above") from e
+
+
+_DTYPE_ALIASES = {"float": "float32", "half": "float16"}
+
+
+def engine_dtype(args) -> str:
+    """The dtype the engines compute in: --vllm-dtype when given, else the trainer's. (vLLM's own default,
+    "auto", turns a float32 checkpoint into bfloat16 on CPU and float16 on GPU: the engines would then sample from
+    another policy than the one trained, and on CPUs without bf16 units generate several times slower.)"""
+    given = getattr(args, "vllm_dtype", None)
+    return _DTYPE_ALIASES.get(given, given) if given else training_dtype(args)
+
+
+def engine_dtype_warning(args) -> str | None:
+    """What a --vllm-dtype other than the trainer's dtype costs, or None when they agree."""
+    engine, trainer = engine_dtype(args), training_dtype(args)
+    if engine == trainer:
+        return None
+    return (f"--vllm-dtype {args.vllm_dtype}: the engines sample in {engine} but the trainer computes in {trainer}, "
+            "so rollout log-probs differ from the trainer's (train_rollout_logprob_abs_diff grows, and the "
+            "importance ratios of the first optimizer step are no longer 1); drop --vllm-dtype to use the trainer's")
 
 
 def add_router_args(parser: argparse.ArgumentParser) -> None:

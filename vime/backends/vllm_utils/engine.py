@@ -8,15 +8,20 @@ code in the engine, so the server binds to the node's own address and is meant f
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import urllib.request
 from pathlib import Path
 
 from vime.backends.vllm_utils.engine_plugin import IDLE_SPIN_ENV
+from vime.utils.cpus import CpuShare, allowed_cpus, raise_priority
+from vime.utils.logging_utils import configure_logging
 from vime.utils.misc import find_free_port
 from vime.utils.process import kill_tree, spawn, tail, wait_until
 
+
+logger = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "vime.backends.vllm_utils.worker_extension.WeightReceiver"
 CPU_IDLE_SPIN_S = 0.05  # decode steps follow each other within this; a longer gap sleeps on a socket instead
@@ -24,8 +29,8 @@ CPU_IDLE_SPIN_S = 0.05  # decode steps follow each other within this; a longer g
 
 def engine_command(args, host: str, port: int, engine_rank: int) -> list[str]:
     """The server command line: vime's required options, then the user's --vllm-* options."""
-    from vime.backends.vllm_utils.arguments import vllm_cli_tokens
-    from vime.ray.placement import use_gpu
+    from vime.backends.vllm_utils.arguments import engine_dtype, vllm_cli_tokens
+    from vime.utils.device import use_gpu
 
     user = vllm_cli_tokens(args)
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
@@ -35,6 +40,7 @@ def engine_command(args, host: str, port: int, engine_rank: int) -> list[str]:
         "--logprobs-mode": "processed_logprobs",
         "--seed": str(args.seed + engine_rank),
         "--tensor-parallel-size": str(args.rollout_num_gpus_per_engine),
+        "--dtype": engine_dtype(args),  # the trainer's unless --vllm-dtype says otherwise
     }
     # the engine side of every weight transport (in-place loading, the broadcast receiver, CUDA IPC)
     defaults["--worker-extension-cls"] = WORKER_EXTENSION
@@ -56,39 +62,30 @@ def has_vime_worker_extension(args) -> bool:
     return not args.rollout_external_engine_addrs and "--worker-extension-cls" not in vllm_cli_tokens(args)
 
 
-def engine_env(args, cpu_slot: tuple[int, int] | None = None) -> dict[str, str]:
-    """The server's environment. `cpu_slot` = (index, count) of this engine among the engines on its node."""
-    from vime.ray.placement import use_gpu
+def engine_env(args, cpu_share: CpuShare | None = None) -> dict[str, str]:
+    """The server's environment. `cpu_share`: the share of its node's CPUs this engine computes on
+    (`Placement.cpu_share`; all of them when None)."""
+    from vime.utils.device import use_gpu
 
     env = dict(os.environ)
     env["VLLM_SERVER_DEV_MODE"] = "1"
     env["VLLM_PLUGINS"] = plugin_allowlist(os.environ.get("VLLM_PLUGINS"))
-    if not use_gpu():  # vLLM's workers busy-wait 1 s after each message: a core the trainer needs (engine_plugin)
+    if not use_gpu():
+        # vLLM's workers busy-wait 1 s after each message: a core the trainer needs (engine_plugin)
         env.setdefault(IDLE_SPIN_ENV, str(CPU_IDLE_SPIN_S))
-    if cpu_slot is not None and cpu_slot[1] > 1 and not use_gpu() and "VLLM_CPU_OMP_THREADS_BIND" not in env:
-        # vLLM's "auto" binding does not know about the other engines on the node: every engine pinned its
-        # workers to the same cores (on 2 cores both to core 0), so engines computed one after the other
-        cpus = engine_cpus(sorted(os.sched_getaffinity(0)), *cpu_slot)
-        env["VLLM_CPU_OMP_THREADS_BIND"] = omp_bind_value(cpus, args.rollout_num_gpus_per_engine)
+        # vLLM's "auto" binding neither knows about other engines on the node (every engine pinned its workers to
+        # the same cores) nor uses the core it reserves for its front end, which on a small node is half of it
+        cpus = (cpu_share or CpuShare()).cpus(allowed_cpus())
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", omp_bind_value(cpus, args.rollout_num_gpus_per_engine))
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.cpu_kv_cache_space))
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     return env
 
 
-def engine_cpus(allowed: list[int], index: int, count: int) -> list[int]:
-    """The CPUs engine `index` of `count` on a node computes on: a contiguous share of `allowed` (the first
-    len % count engines get one more), or one CPU each, round robin, when there are more engines than CPUs."""
-    if count > len(allowed):
-        return [allowed[index % len(allowed)]]
-    size, extra = divmod(len(allowed), count)
-    start = index * size + min(index, extra)
-    return allowed[start:start + size + (index < extra)]
-
-
 def omp_bind_value(cpus: list[int], workers: int) -> str:
     """VLLM_CPU_OMP_THREADS_BIND for an engine of `workers` CPU workers (tensor parallel ranks): its CPUs split
     between them, "0,1|2,3"; a worker gets a CPU of its own where there are enough."""
-    return "|".join(",".join(map(str, engine_cpus(cpus, rank, workers))) for rank in range(workers))
+    return "|".join(",".join(map(str, CpuShare(rank, 1, workers).cpus(cpus))) for rank in range(workers))
 
 
 def plugin_allowlist(current: str | None) -> str:
@@ -118,10 +115,11 @@ def http_ok(url: str, timeout: float = 2.0) -> bool:
 class VLLMEngine:
     """Wrapped as a Ray actor by the rollout manager: `ray.remote(VLLMEngine)`."""
 
-    def __init__(self, args, engine_rank: int, log_dir: str, cpu_slot: tuple[int, int] | None = None):
+    def __init__(self, args, engine_rank: int, log_dir: str, cpu_share: CpuShare | None = None):
+        configure_logging()  # an actor process: its log lines reach the driver's console through Ray
         self.args = args
         self.engine_rank = engine_rank
-        self.cpu_slot = cpu_slot  # (index, count) among the engines on this node, for CPU thread binding
+        self.cpu_share = cpu_share  # the CPUs of this node its workers compute on (CPU engines)
         self.log_path = Path(log_dir) / f"engine_{engine_rank}.log"
         self.proc = None
         self.url = None
@@ -133,7 +131,10 @@ class VLLMEngine:
         port = find_free_port()
         self.url = f"http://{host}:{port}"
         cmd = engine_command(self.args, host, port, self.engine_rank)
-        self.proc = spawn(cmd, self.log_path, env=engine_env(self.args, self.cpu_slot))
+        env = engine_env(self.args, self.cpu_share)
+        raise_priority()  # the server inherits this process's priority, which Ray lowered
+        logger.info("engine %d: workers on CPUs %s", self.engine_rank, env.get("VLLM_CPU_OMP_THREADS_BIND", "(GPU)"))
+        self.proc = spawn(cmd, self.log_path, env=env)
         ready = wait_until(lambda: http_ok(self.url + "/health"), self.args.engine_startup_timeout,
                            interval_s=1.0, alive=lambda: self.proc.poll() is None)
         if not ready:

@@ -159,7 +159,7 @@ class BroadcastWeightTransport:
     def prepare(self, version: int) -> dict:
         if self.engine_urls is None:
             raise RuntimeError("BroadcastWeightTransport.connect(engine_urls, trainer_address) must run first")
-        from vime.ray.placement import use_gpu
+        from vime.utils.device import use_gpu
 
         host, port = self.address
         return {"version": version, "key": self.group_key, "master_addr": host, "master_port": port,

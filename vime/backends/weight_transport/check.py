@@ -70,10 +70,12 @@ def compare_log_probs(trainer: list[float], engines: list[list[float]], engine_u
 
 
 def tolerance_for(args) -> float:
-    """1e-5 when both sides run float32 (--vllm-dtype float32: vLLM's "auto" downcasts float32 models to 16 bits)."""
-    engine_fp32 = str(getattr(args, "vllm_dtype", None) or "auto").lower() in {"float32", "float"}
-    trainer_fp32 = not (getattr(args, "bf16", False) or getattr(args, "fp16", False))
-    return FLOAT32_TOLERANCE if engine_fp32 and trainer_fp32 else HALF_TOLERANCE
+    """1e-5 when engines and trainer both compute in float32 (the default on CPU), else a 16-bit tolerance."""
+    from vime.backends.vllm_utils.arguments import engine_dtype
+    from vime.utils.device import training_dtype
+
+    both_fp32 = engine_dtype(args) == training_dtype(args) == "float32"
+    return FLOAT32_TOLERANCE if both_fp32 else HALF_TOLERANCE
 
 
 def check_weights_equal(args, train_group, rollout_manager) -> dict[str, float]:
