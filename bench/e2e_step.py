@@ -8,9 +8,10 @@ samples per rollout, prompts of exactly 32 tokens (32 digits: the tokenizer spli
 temperature 1, micro-batch 16, global batch 128 (one optimizer step per rollout), lr 1e-5, no KL, a fixed reward
 (`e2e_step_plugin.reward`, the share of even token ids in the response).
 - fixed: 64 new tokens per sample (the end-of-sequence token is ignored).
-- variable: responses stop at any of 292 stop token ids, after at least 8 tokens, at most 64. The random model
-  samples close to uniformly over its 8192 ids, so about 1 token in 28 stops a response: lengths run from 8 to 64
-  with a mean near 32 (the measured mean is printed).
+- variable: responses stop at any of 200 stop token ids (`--rollout-stop-token-ids`), at most 64 tokens. The
+  random model samples close to uniformly over its 8192 ids, so about 1 token in 41 stops a response: lengths run
+  from 1 to 64 with a mean near 32 (the measured mean is printed). No minimum length: vLLM's `min_tokens` masks
+  the stop tokens, which would make the engines sample from another policy than the one trained.
 
 For each workload: `train.py` runs --rollouts rollouts (engines compiled, defaults otherwise) and the per-phase
 medians of its metrics.jsonl are read, the first rollout (compilation, warm-up) left out. Then, with nothing else
@@ -39,7 +40,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 BENCH = Path(__file__).resolve().parent
 PROMPTS, SAMPLES, PROMPT_LEN, MAX_NEW = 16, 8, 32, 64
-STOP_IDS = list(range(8192 - 292, 8192))
+STOP_IDS = list(range(8192 - 200, 8192))
 PHASES = ("rollout/time", "perf/train_time", "perf/update_weights_time", "perf/step_time")
 
 
@@ -68,13 +69,14 @@ def env() -> dict[str, str]:
 def run_vime(model: Path, data: Path, out: Path, workload: str, rollouts: int) -> list[dict]:
     cmd = [sys.executable, str(REPO / "train.py"), "--hf-checkpoint", str(model), "--prompt-data", str(data),
            "--input-key", "prompt", "--custom-rm-path", "e2e_step_plugin.reward",
-           "--custom-generate-function-path", f"e2e_step_plugin.generate_{workload}",
            "--rollout-batch-size", str(PROMPTS), "--n-samples-per-prompt", str(SAMPLES),
            "--rollout-max-response-len", str(MAX_NEW), "--rollout-temperature", "1.0",
            "--micro-batch-size", "16", "--global-batch-size", str(PROMPTS * SAMPLES), "--lr", "1e-5",
            "--rollout-num-gpus", "1", "--vllm-max-model-len", "256", "--num-rollout", str(rollouts),
            "--save-debug-rollout-data", str(out / "rollout_{rollout_id}.jsonl"), "--output-dir", str(out / "run")]
-    if workload == "variable":
+    if workload == "fixed":
+        cmd += ["--custom-generate-function-path", "e2e_step_plugin.generate_fixed"]
+    else:
         cmd += ["--rollout-stop-token-ids", *map(str, STOP_IDS)]
     log = out / "train.log"
     out.mkdir(parents=True, exist_ok=True)
@@ -92,7 +94,7 @@ RAW_GENERATION = textwrap.dedent('''
     model, prompts_file, workload, stop_ids = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
     prompts = [json.loads(line)["prompt"] for line in open(prompts_file)][:%(prompts)d]
     llm = LLM(model=model, dtype="float32", max_model_len=256, seed=0)
-    extra = dict(ignore_eos=True) if workload == "fixed" else dict(min_tokens=8, stop_token_ids=stop_ids)
+    extra = dict(ignore_eos=True) if workload == "fixed" else dict(stop_token_ids=stop_ids)
     requests = [{"prompt_token_ids": llm.get_tokenizer()(p)["input_ids"]} for p in prompts for _ in range(%(samples)d)]
     params = [SamplingParams(max_tokens=%(max_new)d, temperature=1.0, logprobs=0, seed=i, **extra)
               for i in range(len(requests))]

@@ -133,9 +133,22 @@ def test_training_ranks_compute_on_the_cpus_the_placement_gives_them(cluster):
     assert _rank_threads(sync, _train_args(train_num_threads=3)) == (3, every)
     ray.util.remove_placement_group(sync.pg)
 
-    # train_async: the phases overlap, so the rank and the engine split the node
+    # train_async: the phases overlap, so the training side and the engines split the node
     overlap = Placement(_train_args(), overlap=True)
-    assert (overlap.cpu_share("actor", 0), overlap.cpu_share("engine", 0)) == (CpuShare(0, 1, 2), CpuShare(1, 1, 2))
-    mine = CpuShare(0, 1, 2).cpus(every)
-    assert _rank_threads(overlap, _train_args()) == (len(mine), mine)
+    mine, engine = overlap.cpu_share("actor", 0), overlap.cpu_share("engine", 0)
+    assert (mine, engine) == (CpuShare(0, 1, 1, 0, 1, 2), CpuShare(0, 1, 1, 1, 1, 2))
+    assert _rank_threads(overlap, _train_args()) == (len(mine.cpus(every)), mine.cpus(every))
+    if len(every) > 1:
+        assert mine.cpus(every) and not set(mine.cpus(every)) & set(engine.cpus(every))
     ray.util.remove_placement_group(overlap.pg)
+
+
+def test_overlapping_phases_cut_the_node_between_training_and_engines():
+    # 2 CPUs, 1 training rank, 2 engines (the quickstart under train_async): a CPU each side, engines share theirs
+    training, engines = CpuShare(0, 1, 1, 0, 1, 3), [CpuShare(i, 1, 2, 1, 2, 3) for i in range(2)]
+    assert training.cpus([0, 1]) == [0] and [e.cpus([0, 1]) for e in engines] == [[1], [1]]
+    # 16 CPUs, 8 ranks and 8 one-worker engines: 8 CPUs a side, one CPU a process
+    ranks = [CpuShare(i, 1, 8, 0, 8, 16).cpus(list(range(16))) for i in range(8)]
+    assert ranks[0] == [0] and ranks[7] == [7]
+    assert CpuShare(1, 2, 4, 4, 4, 8).cpus(list(range(16))) == [10, 11, 12, 13]  # a 2-worker engine, 2nd half
+    assert CpuShare(0, 1, 1, 1, 1, 2).cpus([5]) == [5]  # one CPU: both sides time-share it

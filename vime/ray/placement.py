@@ -96,19 +96,32 @@ class Placement:
         return self.cpu_shares.get((role, rank), CpuShare())
 
     def _split_cpus(self, ranks: dict[str, int], gpus_per_engine: int, overlap: bool) -> dict:
-        """Per (role, rank), its CpuShare: the processes that compute at the same time on one node split it."""
+        """Per (role, rank), its CpuShare. Processes that compute at the same time on a node split it: without
+        overlap each role's ranks split the whole node; with it the node is cut between the training side and the
+        engines, in proportion to their units (one per training rank, one per engine worker), then within each."""
         nodes = ray.util.placement_group_table(self.pg)["bundles_to_node_id"]
-        together: dict[tuple, list[tuple[str, int, int]]] = {}  # who computes at once -> (role, rank, units)
+        groups: dict[tuple, list[tuple[str, int, int]]] = {}  # (node, group) -> [(role, rank, units)]
         for role, count in ranks.items():
             units = gpus_per_engine if role == "engine" else 1
+            side = "engines" if role == "engine" else "training"
             for rank in range(count):
                 node = nodes[self.bundle_of(role, rank, gpus_per_engine)]
-                together.setdefault((node,) if overlap else (node, role), []).append((role, rank, units))
-        shares = {}
-        for members in together.values():
-            total, first = sum(units for _, _, units in members), 0
+                groups.setdefault((node, side if overlap else role), []).append((role, rank, units))
+        node_units: dict = {}
+        for (node, _), members in groups.items():
+            node_units[node] = node_units.get(node, 0) + sum(u for *_, u in members)
+        shares, node_first = {}, {}
+        for (node, _), members in sorted(groups.items(), key=lambda item: item[0][1] != "training"):
+            group_units = sum(u for *_, u in members)
+            if overlap:
+                group = {"group_first": node_first.get(node, 0), "group_units": group_units,
+                         "group_total": node_units[node]}
+                node_first[node] = node_first.get(node, 0) + group_units
+            else:
+                group = {}
+            first = 0
             for role, rank, units in members:
-                shares[(role, rank)] = CpuShare(first, units, total)
+                shares[(role, rank)] = CpuShare(first, units, group_units, **group)
                 first += units
         return shares
 

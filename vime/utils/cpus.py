@@ -1,9 +1,9 @@
 """The CPUs a compute process (training rank, vLLM engine) uses, and setting a process up to use them.
 
-A node's CPUs are cut into `total` equal units; a process owns a run of `units` of them (`CpuShare`).
-`vime.ray.placement.Placement` decides the shares: in the synchronous loop training and generation take turns,
-so the training ranks on a node split all of its CPUs between them and so do the engines; when the two phases
-overlap (train_async.py) they split the node between all of them.
+`vime.ray.placement.Placement` decides each process's `CpuShare`: in the synchronous loop training and
+generation take turns, so the training ranks on a node split all of its CPUs between them and so do the engines;
+when the two phases overlap (train_async.py) the node is first cut between the training side and the engines, in
+proportion to their shares, and each side splits its part.
 """
 
 from __future__ import annotations
@@ -17,26 +17,43 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class CpuShare:
-    """Units [first, first + units) of `total` equal shares of a node's CPUs."""
+    """A process's CPUs: member `first`..`first + units` of `total` equal shares of its group's CPUs, where the
+    group (the processes that compute at the same time and split a side of the node) holds units
+    `group_first`..`group_first + group_units` of `group_total` of the node's CPUs, rounded to whole CPUs."""
 
     first: int = 0
     units: int = 1
     total: int = 1
+    group_first: int = 0
+    group_units: int = 1
+    group_total: int = 1
 
     def cpus(self, allowed: list[int]) -> list[int]:
-        """This share of `allowed` (the node's CPUs as the process sees them): a contiguous run where there are
-        at least as many CPUs as units (the first len % total units get one more), else one CPU per unit,
-        round robin."""
-        if not allowed:
-            return []
-        if self.total > len(allowed):
-            return sorted({allowed[(self.first + k) % len(allowed)] for k in range(self.units)})
-        size, extra = divmod(len(allowed), self.total)
+        """This share of `allowed` (the node's CPUs as the process sees them)."""
+        return _members(_group(allowed, self.group_first, self.group_units, self.group_total),
+                        self.first, self.units, self.total)
 
-        def start(unit: int) -> int:
-            return unit * size + min(unit, extra)
 
-        return allowed[start(self.first):start(self.first + self.units)]
+def _group(allowed: list[int], first: int, units: int, total: int) -> list[int]:
+    """A group's whole CPUs, cut at the rounded proportional positions (groups never share a CPU); a group that
+    rounds to none, on a node with fewer CPUs than groups, time-shares all of them."""
+    start, end = (round(u * len(allowed) / total) for u in (first, first + units))
+    return allowed[start:end] if end > start else list(allowed)
+
+
+def _members(allowed: list[int], first: int, units: int, total: int) -> list[int]:
+    """Units [first, first + units) of `total` equal shares of `allowed`: a contiguous run where there are at least
+    as many CPUs as units (the first len % total units get one more), else one CPU per unit, round robin."""
+    if not allowed:
+        return []
+    if total > len(allowed):
+        return sorted({allowed[(first + k) % len(allowed)] for k in range(units)})
+    size, extra = divmod(len(allowed), total)
+
+    def start(unit: int) -> int:
+        return unit * size + min(unit, extra)
+
+    return allowed[start(first):start(first + units)]
 
 
 def allowed_cpus() -> list[int]:
