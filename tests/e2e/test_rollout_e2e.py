@@ -82,6 +82,14 @@ def test_metrics_written(rollout_run):
     assert list((out / "run" / "tensorboard").glob("events.*"))
 
 
+def test_each_group_is_one_request_to_the_engines(rollout_run):
+    out, _ = rollout_run
+    logs = list((out / "run" / "logs").glob("engine_*.log"))
+    assert len(logs) == 2
+    requests = sum(log.read_text().count("POST /inference/v1/generate") for log in logs)
+    assert requests == 2 * 8  # 2 rollouts x 8 groups of 4 samples: one request (n = 4) per group, not 64
+
+
 def test_no_processes_left(rollout_run):
     _, left = rollout_run
     assert not left, f"processes left after the run: {left}"

@@ -74,9 +74,12 @@ class FakeEngine:
 
     def __init__(self, script: list):
         self.script, self.calls, self.concurrent, self.peak = list(script), 0, 0, 0
+        self.payloads = []
 
     async def handle(self, request):
         self.calls += 1
+        self.payloads.append(await request.json())
+        n = self.payloads[-1]["sampling_params"].get("n") or 1
         self.concurrent += 1
         self.peak = max(self.peak, self.concurrent)
         try:
@@ -87,8 +90,9 @@ class FakeEngine:
                 return web.Response(status=200)
             if status != 200:
                 return web.json_response({"error": f"status {status}"}, status=status)
-            return web.json_response({"choices": [{"token_ids": [1], "logprobs": {"content": [{"logprob": -1.0}]},
-                                                   "finish_reason": "length"}]})
+            return web.json_response({"choices": [{"index": k, "token_ids": [1 + k],
+                                                   "logprobs": {"content": [{"logprob": -1.0}]},
+                                                   "finish_reason": "length"} for k in range(n)]})
         finally:
             self.concurrent -= 1
 
@@ -143,6 +147,38 @@ def test_in_flight_peak_is_counted(tiny_qwen3, plugin):
 
 def _group(n=4):
     return [Sample(group_index=0, index=i, tokens=[1, 2], status=Sample.Status.PENDING) for i in range(n)]
+
+
+def test_a_fresh_group_is_one_request_with_each_samples_own_seed(tiny_qwen3, plugin):
+    """vime's generate sends a group of fresh samples of one prompt as one request (n = group size): the engine
+    gives sequence k the seed + k, which is sample k's own seed. Anything else goes sample by sample."""
+    from vime.rollout.vllm_rollout import sample_seed
+
+    async def rollout(group):
+        engine = FakeEngine([])
+        args = _args(tiny_qwen3, rm_type="random", rollout_seed=7, mask_offpolicy_in_partial_rollout=False)
+        args.vllm_router_port = await engine.start()
+        try:
+            return engine, args, await generate_and_rm_group(args, group, {"max_tokens": 4})
+        finally:
+            await engine.runner.cleanup()
+
+    group = [Sample(group_index=3, index=12 + k, tokens=[1, 2], status=Sample.Status.PENDING) for k in range(4)]
+    engine, args, out = _run(rollout(group))
+    assert engine.calls == 1 and engine.payloads[0]["sampling_params"]["n"] == 4
+    assert [sample_seed(args, group[0]) + k for k in range(4)] == [sample_seed(args, s) for s in group]
+    assert engine.payloads[0]["sampling_params"]["seed"] == sample_seed(args, group[0])
+    assert [s.response_tokens for s in out] == [[1], [2], [3], [4]]  # choice k went to sample k
+    assert all(s.status == Sample.Status.TRUNCATED and s.reward is not None for s in out)
+    assert GenerateState(args).max_in_flight == 4  # in flight counts sequences, not requests
+
+    GenerateState.reset()
+    partial = [Sample(group_index=3, index=12 + k, tokens=[1, 2], status=Sample.Status.PENDING) for k in range(4)]
+    partial[2].status, partial[2].tokens, partial[2].response_length = Sample.Status.ABORTED, [1, 2, 9], 1
+    partial[2].loss_mask, partial[2].rollout_log_probs = [1], [-1.0]
+    engine, args, out = _run(rollout(partial))  # a continued (partial-rollout) sample: one request per sample
+    assert engine.calls == 4 and all("n" not in p["sampling_params"] for p in engine.payloads)
+    assert sorted(p["sampling_params"]["seed"] for p in engine.payloads) == [sample_seed(args, s) for s in partial]
 
 
 def test_blocking_sync_reward_times_out_per_sample_without_stalling_the_others(tiny_qwen3, plugin):

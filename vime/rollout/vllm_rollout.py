@@ -11,12 +11,13 @@ Hook signatures match slime's, so users' functions port unchanged:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import Any
 
 import aiohttp
 
-from vime.backends.vllm_utils.generate_request import EngineRejectedError, EngineUnavailableError, request_generate
+from vime.backends.vllm_utils.generate_request import EngineRejectedError, EngineUnavailableError, request_choices
 from vime.rollout.rm_hub import RewardTypeError, async_rm, batched_async_rm
 from vime.utils.misc import load_function
 from vime.utils.types import RolloutFnEvalOutput, RolloutFnTrainOutput, Sample
@@ -43,6 +44,7 @@ class GenerateState:
         self.args = args
         self.tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint)
         self.semaphore = asyncio.Semaphore(args.rollout_concurrency)
+        self._group_lock = asyncio.Lock()
         self.session: aiohttp.ClientSession | None = None
         self.aborted = False  # set when the batch is full: queued requests return without being sent
         self.in_flight = 0  # generate requests sent and not yet answered (all engines)
@@ -50,6 +52,19 @@ class GenerateState:
         self.retries = 0  # generate requests sent again after an error or a timeout, since the rollout started
         self.generate_fn = load_function(args.custom_generate_function_path or
                                          "vime.rollout.vllm_rollout.generate")
+
+    @contextlib.asynccontextmanager
+    async def group_slots(self, count: int):
+        """Hold `count` slots of the concurrency limit at once (a group sent as one request). Taken under a lock,
+        so that two groups never each hold part of what both need."""
+        async with self._group_lock:
+            for _ in range(count):
+                await self.semaphore.acquire()
+        try:
+            yield
+        finally:
+            for _ in range(count):
+                self.semaphore.release()
 
     def http(self) -> aiohttp.ClientSession:
         if self.session is None or self.session.closed:
@@ -92,14 +107,19 @@ def retry_window_s(args) -> float:
 
 
 async def post_generate(args, token_ids: list[int], sampling_params: dict[str, Any]) -> dict[str, Any]:
-    """One token-in/token-out request through the router, with retries (`request_generate`: at least
+    """One token-in/token-out request through the router, with retries (`request_choices`: at least
     --rollout-request-retries times, and for `retry_window_s` with fault tolerance). Returns the first choice."""
+    return (await post_generate_choices(args, token_ids, sampling_params))[0]
+
+
+async def post_generate_choices(args, token_ids: list[int], sampling_params: dict[str, Any]) -> list[dict[str, Any]]:
+    """Like `post_generate`, for every choice: `sampling_params["n"]` sequences from one prompt, one request."""
     state = GenerateState(args)
     payload = {"token_ids": token_ids, "sampling_params": sampling_params, "model": "policy"}
-    return await request_generate(state.http(), router_url(args), payload,
-                                  timeout=aiohttp.ClientTimeout(total=args.rollout_request_timeout),
-                                  retries=args.rollout_request_retries, retry_window_s=retry_window_s(args),
-                                  counters=state)
+    return await request_choices(state.http(), router_url(args), payload,
+                                 timeout=aiohttp.ClientTimeout(total=args.rollout_request_timeout),
+                                 retries=args.rollout_request_retries, retry_window_s=retry_window_s(args),
+                                 counters=state)
 
 
 def append_choice(sample: Sample, choice: dict[str, Any], tokenizer, trainable: bool = True) -> None:
@@ -160,6 +180,12 @@ async def _reward_one(args, sample: Sample) -> None:
         fail_sample(sample, "reward", "error", f"{type(e).__name__}: {e}")
 
 
+def sample_seed(args, sample: Sample) -> int:
+    """The sampling seed of a sample's request: from --rollout-seed and the sample's index, so a rollout is
+    reproducible whatever order the requests run in."""
+    return (args.rollout_seed * 1_000_003 + sample.index) % 2**31
+
+
 async def generate_and_rm(args, sample: Sample, sampling_params: dict[str, Any], evaluation: bool = False) -> Sample:
     state = GenerateState(args)
     if sample.status == Sample.Status.COMPLETED or sample.status == Sample.Status.TRUNCATED:
@@ -173,12 +199,17 @@ async def generate_and_rm(args, sample: Sample, sampling_params: dict[str, Any],
             if args.mask_offpolicy_in_partial_rollout:  # those tokens came from older weights
                 sample.loss_mask = [0] * sample.response_length
         if evaluation or not sampling_params.get("seed"):
-            sampling_params = {**sampling_params, "seed": (args.rollout_seed * 1_000_003 + sample.index) % 2**31}
+            sampling_params = {**sampling_params, "seed": sample_seed(args, sample)}
         try:
             result = await state.generate_fn(args, sample, sampling_params)
         except Exception as e:  # engine errors and custom generate bugs become per-sample failures
             logger.warning("sample %s: generation failed: %s", sample.index, e)
             return fail_sample(sample, "generate", _generate_failure_reason(e), f"{type(e).__name__}: {e}")
+    return await _after_generate(args, sample, result)
+
+
+async def _after_generate(args, sample: Sample, result) -> Sample:
+    """A generated sample's type check, final status and reward (unless the group is scored at once)."""
     if not isinstance(result, Sample):
         path = args.custom_generate_function_path or "vime.rollout.vllm_rollout.generate"
         return fail_sample(sample, "generate", "bad_return_type",
@@ -192,9 +223,47 @@ async def generate_and_rm(args, sample: Sample, sampling_params: dict[str, Any],
     return result
 
 
+def _one_request(args, group: list[Sample]) -> bool:
+    """Whether a group goes to the engine as one request for all its samples (`n`): vime's own generate, fresh
+    samples of one prompt with consecutive indices (each then gets the seed its own request would have had),
+    and a concurrency limit that holds the group."""
+    return (len(group) > 1 and GenerateState(args).generate_fn is generate and len(group) <= args.rollout_concurrency
+            and all(s.status == Sample.Status.PENDING and not s.response_length and s.tokens == group[0].tokens
+                    and s.index == group[0].index + k for k, s in enumerate(group)))
+
+
+async def generate_group_and_rm(args, group: list[Sample], sampling_params: dict[str, Any],
+                                evaluation: bool = False) -> list[Sample]:
+    """A group of fresh samples of one prompt in one request: the engine prefills the prompt once and takes all
+    the group's sequences into its batch together (one request per sample arrives spread over time, and the
+    engine then runs more, fuller decode steps). Sample k gets the seed its own request would have had."""
+    state = GenerateState(args)
+    async with state.group_slots(len(group)):
+        if state.aborted:
+            for s in group:
+                s.status = Sample.Status.ABORTED
+            return group
+        params = dict(sampling_params)
+        if evaluation or not params.get("seed"):
+            params["seed"] = sample_seed(args, group[0])  # the engine gives sequence k seed + k
+        params["n"] = len(group)
+        try:
+            choices = await post_generate_choices(args, group[0].tokens, params)
+            for sample, choice in zip(group, choices):
+                append_choice(sample, choice, state.tokenizer)
+        except Exception as e:
+            logger.warning("group %s: generation failed: %s", group[0].group_index, e)
+            reason = _generate_failure_reason(e)
+            return [fail_sample(s, "generate", reason, f"{type(e).__name__}: {e}") for s in group]
+    return list(await asyncio.gather(*(_after_generate(args, s, s) for s in group)))
+
+
 async def generate_and_rm_group(args, group: list[Sample], sampling_params: dict[str, Any],
                                 evaluation: bool = False) -> list[Sample]:
-    group = list(await asyncio.gather(*(generate_and_rm(args, s, sampling_params, evaluation) for s in group)))
+    if _one_request(args, group):
+        group = await generate_group_and_rm(args, group, sampling_params, evaluation)
+    else:
+        group = list(await asyncio.gather(*(generate_and_rm(args, s, sampling_params, evaluation) for s in group)))
     if args.group_rm and all(s.status not in (Sample.Status.ABORTED, Sample.Status.FAILED) for s in group):
         try:
             rewards = await asyncio.wait_for(batched_async_rm(args, group), timeout=args.rm_timeout)

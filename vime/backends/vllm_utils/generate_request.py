@@ -48,19 +48,27 @@ def error_message(text: str) -> str:
     return str(body.get("error", body) if isinstance(body, dict) else body)[:500]
 
 
-async def request_generate(http: aiohttp.ClientSession, router_url: str, payload: dict[str, Any], *,
-                           timeout: aiohttp.ClientTimeout, retries: int, retry_window_s: float = 0.0,
-                           headers: dict[str, str] | None = None,
-                           counters: RequestCounters | None = None) -> dict[str, Any]:
-    """POST `payload` to the router's generate route; returns the answer's first choice."""
+async def request_generate(http: aiohttp.ClientSession, router_url: str, payload: dict[str, Any],
+                           **kwargs) -> dict[str, Any]:
+    """POST `payload` to the router's generate route; returns the answer's first choice (`request_choices`)."""
+    return (await request_choices(http, router_url, payload, **kwargs))[0]
+
+
+async def request_choices(http: aiohttp.ClientSession, router_url: str, payload: dict[str, Any], *,
+                          timeout: aiohttp.ClientTimeout, retries: int, retry_window_s: float = 0.0,
+                          headers: dict[str, str] | None = None,
+                          counters: RequestCounters | None = None) -> list[dict[str, Any]]:
+    """POST `payload` to the router's generate route; returns the answer's choices, one per sequence asked for
+    (`sampling_params.n`, which also counts as that many requests in flight)."""
     counters = counters if counters is not None else RequestCounters()
+    sequences = int(payload.get("sampling_params", {}).get("n") or 1)
     url = router_url.rstrip("/") + GENERATE_ROUTE
     deadline = time.monotonic() + retry_window_s
     last_error: Exception | None = None
     attempt = 0
     while True:
         try:
-            counters.in_flight += 1
+            counters.in_flight += sequences
             counters.max_in_flight = max(counters.max_in_flight, counters.in_flight)
             async with http.post(url, json=payload, headers=headers, timeout=timeout) as r:
                 text = await r.text()
@@ -69,12 +77,15 @@ async def request_generate(http: aiohttp.ClientSession, router_url: str, payload
                     if r.status < 500 and r.status != 429:  # the request itself is bad: no retry
                         raise EngineRejectedError(f"engine rejected the request (HTTP {r.status}): {message}")
                     raise aiohttp.ClientResponseError(r.request_info, (), status=r.status, message=message)
-                return json.loads(text)["choices"][0]
+                choices = json.loads(text)["choices"]
+                if len(choices) != sequences:
+                    raise EngineRejectedError(f"asked for {sequences} sequences, the engine answered {len(choices)}")
+                return sorted(choices, key=lambda c: c.get("index", 0))
         except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as e:
             last_error = e
             logger.info("generate request failed (attempt %d): %r", attempt + 1, e)
         finally:
-            counters.in_flight -= 1
+            counters.in_flight -= sequences
         attempt += 1
         if attempt > retries and time.monotonic() >= deadline:
             break
