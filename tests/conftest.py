@@ -26,3 +26,22 @@ def arithmetic_data(tmp_path_factory) -> tuple[Path, Path]:
     from vime.tools.arithmetic_data import write_arithmetic_data
 
     return write_arithmetic_data(tmp_path_factory.mktemp("arith"), n_train=64, n_eval=16, seed=0)
+
+
+_exit_status: list[int] = []
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _exit_status.append(int(exitstatus))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """Leave without the interpreter's teardown once pytest has reported. CI saw this process die with SIGSEGV
+    (exit 139) after "401 passed": a native library (Ray's core worker, vLLM/torch extensions imported by the
+    tests) crashing in its destructors at exit, which would turn a green run red. Every result is already
+    printed; the exit status is pytest's own."""
+    if _exit_status and os.environ.get("VIME_TEST_FULL_TEARDOWN") != "1":
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_exit_status[0])
