@@ -23,7 +23,7 @@ sys.path.insert(0, str(REPO))
 
 
 def build_args(model: Path, data: Path, out: Path, a) -> argparse.Namespace:
-    from vime.utils.arguments import parse_args
+    from vime.arguments import parse_args
 
     return parse_args([
         "--hf-checkpoint", str(model), "--prompt-data", str(data), "--label-key", "label", "--apply-chat-template",
@@ -68,6 +68,7 @@ def main() -> None:
     from vime.backends.vllm_utils.router import Router
     from vime.data.data_source import RolloutDataSource
     from vime.data.prompt_dataset import load_prompt_samples
+    from vime.rollout.context import reset_rollout_context
     from vime.rollout.vllm_rollout import GenerateState, generate_rollout_async
     from vime.tools.arithmetic_data import write_arithmetic_data
     from vime.tools.tiny_model import build_tiny_model
@@ -85,8 +86,7 @@ def main() -> None:
         engine_url = engine.start()
         port = find_free_port()
         router = Router(router_args_from(args, "127.0.0.1", port, [engine_url]), str(work / "logs"))
-        router.start()
-        args.vllm_router_ip, args.vllm_router_port, args.rollout_engine_urls = "127.0.0.1", port, [engine_url]
+        reset_rollout_context(router_url=router.start(), engine_urls=[engine_url])  # what the manager sets up
         tokenizer = GenerateState(args).tokenizer
         prompts = load_prompt_samples(train, tokenizer, args)
 

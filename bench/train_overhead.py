@@ -103,7 +103,7 @@ def main() -> None:
     from vime.backends.megatron_utils.parallel import destroy_parallel
     from vime.backends.megatron_utils.trainer import MegatronTrainer
     from vime.tools.tiny_model import build_tiny_model
-    from vime.utils.arguments import parse_args
+    from vime.arguments import parse_args
 
     with tempfile.TemporaryDirectory() as tmp:
         hf = build_tiny_model(Path(tmp) / "model", arch="qwen3", seed=0, vocab_size=a.vocab_size,

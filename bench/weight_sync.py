@@ -34,24 +34,21 @@ SIZES = {
 }
 
 
-def update_once(args, trainer, url: str, name: str, version: int) -> dict[str, float]:
-    """One update as `update_weights` runs it, without Ray: seconds of the whole update, of the trainer's send,
-    and of the engine's load and of its control steps (pause, cache reset, version, resume) as the engine timed
-    them."""
+def update_once(transport, trainer, url: str, version: int) -> dict[str, float]:
+    """One update as `WeightSync.update` runs it, without Ray (`transport` plays the driver's and the trainer's
+    instance, both kept for the run): seconds of the whole update, of the trainer's send, and of the engine's load
+    and of its control steps (pause, cache reset, version, resume) as the engine timed them."""
     from vime.backends.vllm_utils import client
-    from vime.backends.weight_transport import get_transport
     from vime.utils.misc import find_free_port
 
     start = time.perf_counter()
-    transport = get_transport(argparse.Namespace(**{**vars(args), "update_weight_transport": name}))
-    if hasattr(transport, "connect"):
-        transport.connect([url], lambda: ("127.0.0.1", find_free_port()))
+    transport.connect([url], lambda: ("127.0.0.1", find_free_port()))
     handle = transport.prepare(version)
 
     def load() -> dict:
         return client.update_weights_all([url], transport.load_calls([url], handle), version)[0]["timings"]
 
-    if getattr(transport, "concurrent", False):  # one collective: the send and the load overlap
+    if transport.concurrent:  # one collective: the send and the load overlap
         with ThreadPoolExecutor(1) as pool:
             sending = pool.submit(trainer.send_weights, transport, handle)
             timings = load()
@@ -89,8 +86,9 @@ def bench_size(label: str, shape: dict, work: Path, repeats: int) -> dict:
     from vime.backends.megatron_utils.parallel import destroy_parallel
     from vime.backends.megatron_utils.trainer import MegatronTrainer
     from vime.backends.vllm_utils.engine import VLLMEngine
+    from vime.backends.weight_transport import make_weight_transport
     from vime.tools.tiny_model import build_tiny_model
-    from vime.utils.arguments import parse_args
+    from vime.arguments import parse_args
 
     model = build_tiny_model(work / label, arch="qwen3", **shape)
     args = parse_args([
@@ -106,18 +104,19 @@ def bench_size(label: str, shape: dict, work: Path, repeats: int) -> dict:
             params = sum(t.numel() for _, t in trainer.hf_weights())
             url = booting.result()
             times = {"copy": []}
+            transports = {name: make_weight_transport(name, args) for name in ("disk", "broadcast")}
             version = 0
             for round_ in range(repeats + 1):  # the first round warms up (and builds the broadcast group)
                 for name in ("disk", "broadcast"):
                     elapsed, nbytes = plain_copy(trainer)  # interleaved: the copy sees the same machine state
                     version += 1
-                    update = update_once(args, trainer, url, name, version)
+                    update = update_once(transports[name], trainer, url, version)
                     if round_ == 0:
                         continue
                     times["copy"].append(elapsed)
                     for part, seconds in update.items():
                         times.setdefault(f"{name}_{part}", []).append(seconds)
-            _drop_trainer_group()
+            transports["broadcast"].close()
             destroy_parallel()
         finally:
             try:
@@ -127,16 +126,6 @@ def bench_size(label: str, shape: dict, work: Path, repeats: int) -> dict:
             engine.stop()
     med = {k: statistics.median(v) for k, v in times.items()}
     return {"size": label, "params": params, "bytes": nbytes, **med}
-
-
-def _drop_trainer_group() -> None:
-    from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
-
-    from vime.backends.weight_transport import broadcast
-
-    if broadcast._trainer_group.get("pg") is not None:
-        stateless_destroy_torch_distributed_process_group(broadcast._trainer_group["pg"])
-    broadcast._trainer_group.clear()
 
 
 def main() -> None:

@@ -86,7 +86,7 @@ def stack(tiny_qwen3, arithmetic_data, tmp_path_factory):
 
     from vime.ray.placement import Placement, init_ray
     from vime.ray.rollout_manager import RolloutManager
-    from vime.utils.arguments import parse_args
+    from vime.arguments import parse_args
 
     assert not stack_pids(), "engine or router processes are already running"
     out = tmp_path_factory.mktemp("fault_tolerance")

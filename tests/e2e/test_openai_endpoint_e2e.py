@@ -39,7 +39,7 @@ def stack(tiny_qwen3, tmp_path_factory):
     from vime.backends.vllm_utils.arguments import router_args_from
     from vime.backends.vllm_utils.engine import VLLMEngine
     from vime.backends.vllm_utils.router import Router
-    from vime.utils.arguments import parse_args
+    from vime.arguments import parse_args
     from vime.utils.misc import find_free_port
 
     assert not stack_pids(), "engine or router processes are already running"

@@ -5,7 +5,7 @@
     reports = launch(spec, out_dir, world_size)                        # blocks until every rank is done
 
 Each launched process runs `python trainer_runs.py SPEC.json RANK`: it builds the trainer from `spec["argv"]`
-(`vime.utils.arguments.parse_args`), trains the rollouts `spec["train"]` on `spec["data"][str(rollout_id)]`,
+(`vime.arguments.parse_args`), trains the rollouts `spec["train"]` on `spec["data"][str(rollout_id)]`,
 optionally saves (`spec["save"]`: the rollout id passed to `trainer.save`), and writes OUT/rank<r>.json
 ({"metrics": {rollout_id: metrics}, "step", "loaded_state"}) and, with `spec["weights"]`,
 OUT/weights_rank<r>.pt (the `hf_weights()` of its pipeline stage). A fresh process per phase makes a
@@ -35,7 +35,7 @@ def local_trainer(hf_dir, *extra: str):
     """A one-process trainer in this process with BASE_ARGV + extra; Megatron's groups are destroyed after."""
     from vime.backends.megatron_utils.parallel import destroy_parallel
     from vime.backends.megatron_utils.trainer import MegatronTrainer
-    from vime.utils.arguments import parse_args
+    from vime.arguments import parse_args
 
     args = parse_args(["--hf-checkpoint", str(hf_dir), *BASE_ARGV, *extra])
     try:
@@ -86,7 +86,7 @@ def main(spec_path: str, rank: int) -> None:
     torch.set_num_threads(1)
     from vime.backends.megatron_utils.parallel import destroy_parallel
     from vime.backends.megatron_utils.trainer import MegatronTrainer
-    from vime.utils.arguments import parse_args
+    from vime.arguments import parse_args
 
     spec = json.loads(Path(spec_path).read_text())
     out = Path(spec["out"])

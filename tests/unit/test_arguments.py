@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from vime.backends.vllm_utils.arguments import vllm_cli_tokens
-from vime.utils.arguments import build_parser, parse_args
+from vime.arguments import build_parser, parse_args
 
 
 @pytest.fixture()
@@ -80,6 +80,23 @@ def test_yaml_config_unknown_key(base, tmp_path, capsys):
 ])
 def test_validation_errors_name_the_flag(base, capsys, extra, message):
     assert message in _error(capsys, base + extra)
+
+
+FUNCTION_PATH_FLAGS = sorted(
+    a.option_strings[0] for a in build_parser()._actions
+    if a.dest.endswith(("_path", "_paths")) and not a.dest.startswith(("vllm_", "router_")))
+
+
+def test_every_function_path_flag_is_found():
+    assert {"--custom-loss-function-path", "--custom-advantage-function-path", "--custom-rm-path",
+            "--agent-tool-paths", "--rollout-function-path"} <= set(FUNCTION_PATH_FLAGS)
+
+
+@pytest.mark.parametrize("flag", FUNCTION_PATH_FLAGS)
+def test_a_bad_function_path_fails_at_parse_naming_its_flag(base, capsys, flag):
+    """Before anything starts, not inside a training rank or an engine's rollout."""
+    err = _error(capsys, base + [flag, "no_such_module.fn"])
+    assert f"{flag}: cannot import module 'no_such_module'" in err, err
 
 
 def test_missing_inputs(tiny_qwen3, capsys, tmp_path):

@@ -16,7 +16,7 @@ from tests.helpers.trainer_runs import BASE_ARGV
 def critic(hf_dir, *extra):
     from vime.backends.megatron_utils.parallel import destroy_parallel
     from vime.backends.megatron_utils.trainer import MegatronTrainer
-    from vime.utils.arguments import parse_args
+    from vime.arguments import parse_args
 
     args = parse_args(["--hf-checkpoint", str(hf_dir), *BASE_ARGV, "--advantage-estimator", "ppo", *extra])
     assert args.use_critic

@@ -15,6 +15,7 @@ from aiohttp import web
 from vime.agents import harness
 from vime.agents.harness import agent_reward, assign_rewards, forced_sampling, split_role_groups
 from vime.agents.openai_server import call_seed
+from vime.rollout.context import reset_rollout_context
 from vime.utils.types import Sample
 
 FAKE_TOKENS = [40, 41, 42]
@@ -52,9 +53,8 @@ class FakeRouter:
 
 
 def _args(model, router_url):
-    host, port = router_url.removeprefix("http://").split(":")
-    return SimpleNamespace(hf_checkpoint=str(model), vllm_router_ip=host, vllm_router_port=int(port),
-                           router_policy="consistent_hash", rollout_max_response_len=8, rollout_temperature=0.7,
+    reset_rollout_context(router_url=router_url)  # what the rollout manager sets up in its process
+    return SimpleNamespace(hf_checkpoint=str(model), router_policy="consistent_hash", rollout_max_response_len=8, rollout_temperature=0.7,
                            rollout_top_p=1.0, rollout_top_k=-1, apply_chat_template_kwargs=None,
                            rollout_request_timeout=30, rollout_request_retries=0)
 

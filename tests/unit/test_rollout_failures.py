@@ -14,6 +14,7 @@ import pytest
 from aiohttp import web
 
 from vime.rollout import vllm_rollout
+from vime.rollout.context import reset_rollout_context, rollout_context
 from vime.rollout.metrics import add_counter, record_counters, rollout_metrics
 from vime.rollout.vllm_rollout import (EngineRejectedError, EngineUnavailableError, GenerateState,
                                        generate_and_rm_group, post_generate)
@@ -54,8 +55,10 @@ def plugin(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     sys.modules.pop("failure_plugin", None)
     GenerateState.reset()
+    reset_rollout_context()
     yield
     GenerateState.reset()
+    reset_rollout_context()
     sys.modules.pop("failure_plugin", None)
 
 
@@ -108,7 +111,7 @@ class FakeEngine:
 
 async def _serve_and_post(args, script, n_requests=1):
     engine = FakeEngine(script)
-    args.vllm_router_port = await engine.start()
+    rollout_context().router_url = f"http://127.0.0.1:{await engine.start()}"
     try:
         results = await asyncio.gather(*(post_generate(args, [1, 2], {"max_tokens": 1}) for _ in range(n_requests)),
                                        return_exceptions=True)
@@ -157,7 +160,7 @@ def test_a_fresh_group_is_one_request_with_each_samples_own_seed(tiny_qwen3, plu
     async def rollout(group):
         engine = FakeEngine([])
         args = _args(tiny_qwen3, rm_type="random", rollout_seed=7, mask_offpolicy_in_partial_rollout=False)
-        args.vllm_router_port = await engine.start()
+        rollout_context().router_url = f"http://127.0.0.1:{await engine.start()}"
         try:
             return engine, args, await generate_and_rm_group(args, group, {"max_tokens": 4})
         finally:
@@ -211,13 +214,14 @@ def test_failure_metrics_by_reason_and_counters():
     samples = [failed("reward", "timeout"), failed("reward", "timeout"), failed("generate", "engine_rejected"),
                Sample(status=Sample.Status.COMPLETED, reward=1.0, response_length=3)]
     args = SimpleNamespace(reward_key=None)
-    record_counters(args, {"data/skipped_rows": 3.0})
-    add_counter(args, "rollout/engine_restarts")
+    reset_rollout_context()  # the counters live in this process's rollout context
+    record_counters({"data/skipped_rows": 3.0})
+    add_counter("rollout/engine_restarts")
     m = rollout_metrics(samples, args)
     assert m["rollout/failed_samples"] == 3 and m["rollout/failed/reward_timeout"] == 2
     assert m["rollout/failed/generate_engine_rejected"] == 1 and m["rollout/reward_mean"] == 1.0
     assert m["data/skipped_rows"] == 3 and m["rollout/engine_restarts"] == 1
-    add_counter(args, "rollout/engine_restarts")
+    add_counter("rollout/engine_restarts")
     m = rollout_metrics(samples, args)
     assert "data/skipped_rows" not in m and m["rollout/engine_restarts"] == 2  # once-only vs running total
     assert "rollout/engine_restarts" not in rollout_metrics(samples, args, prefix="eval/x")

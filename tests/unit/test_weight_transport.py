@@ -22,7 +22,7 @@ from safetensors import safe_open
 
 pytest.importorskip("megatron.core")
 
-from vime.backends.weight_transport import update_weights  # noqa: E402
+from vime.backends.weight_transport.base import WeightTransport  # noqa: E402
 from vime.backends.weight_transport.broadcast import (broadcast_weights, engine_set_key, join_group,  # noqa: E402
                                                       plan_buckets)
 from vime.backends.weight_transport.check import (FLOAT32_TOLERANCE, WeightUpdateMismatchError,  # noqa: E402
@@ -30,9 +30,10 @@ from vime.backends.weight_transport.check import (FLOAT32_TOLERANCE, WeightUpdat
                                                   probe_tokens, tolerance_for)
 from vime.backends.weight_transport.delta import changed_tensors, load_unit  # noqa: E402
 from vime.backends.weight_transport.disk import DiskWeightTransport  # noqa: E402
+from vime.ray.weight_sync import WeightSync  # noqa: E402
 from vime.utils.misc import find_free_port  # noqa: E402
 
-EXTENSION = "vime.backends.vllm_utils.worker_extension.WeightReceiver"
+EXTENSION = "vime.backends.weight_transport.worker_extension.WeightReceiver"
 ARGV = ["--debug-train-only", "--load-debug-rollout-data", "unused_{rollout_id}.jsonl", "--rm-type", "math",
         "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--micro-batch-size", "2",
         "--update-weight-transport", "broadcast", "--update-weight-buffer-size", str(64 * 1024),
@@ -101,16 +102,17 @@ def test_engine_set_key_changes_with_the_engines_only():
         calls.append(1)
         return "127.0.0.1", 1000 + len(calls)
 
-    k1, a1 = engine_set_key(["http://a", "http://b"], address)
-    assert engine_set_key(["http://a", "http://b"], address) == (k1, a1) and len(calls) == 1
-    k2, a2 = engine_set_key(["http://a"], address)
+    state = {}  # what the driver's transport keeps for the run
+    k1, a1 = engine_set_key(state, ["http://a", "http://b"], address)
+    assert engine_set_key(state, ["http://a", "http://b"], address) == (k1, a1) and len(calls) == 1
+    k2, a2 = engine_set_key(state, ["http://a"], address)
     assert k2 != k1 and a2 != a1
-    assert engine_set_key(["http://a", "http://b"], address)[0] not in (k1, k2)  # back to a set: still new
+    assert engine_set_key(state, ["http://a", "http://b"], address)[0] not in (k1, k2)  # back to a set: still new
 
 
 def test_engine_command_adds_the_worker_extension(tiny_qwen3):
     from vime.backends.vllm_utils.engine import engine_command
-    from vime.utils.arguments import parse_args
+    from vime.arguments import parse_args
 
     base = ["--hf-checkpoint", str(tiny_qwen3), *ARGV]
     cmd = engine_command(parse_args(base), "127.0.0.1", 8000, 0)
@@ -129,7 +131,7 @@ def test_engine_command_adds_the_worker_extension(tiny_qwen3):
 
 
 def test_compare_log_probs_and_tolerance(tiny_qwen3):
-    from vime.utils.arguments import parse_args
+    from vime.arguments import parse_args
 
     assert compare_log_probs([-1.0, -2.0], [[-1.0, -2.0 + 5e-6]], ["u"], 1e-5)["weight_check/max_abs_logprob_diff"] \
         == pytest.approx(5e-6)
@@ -197,26 +199,32 @@ class _Manager:
         return engine_prompt_log_probs(self.urls, tokens)
 
 
+def update_weights(args, group, manager, version: int, after=None) -> dict:
+    """One update through a new driver-side `WeightSync` (what a run holds for its whole length)."""
+    return WeightSync(args).update(group, manager, version, after=after)
+
+
 def _driver(trainer, urls: list[str], pool):
     """(train group, rollout manager) as the driver sees them."""
     from vime.ray.actor_group import TrainActor
 
     actor = TrainActor(trainer.args, 0, 1)
     actor.trainer = trainer
-    group = SimpleNamespace(actors=[_Handle(actor, pool)], call=lambda m, *a, **k: [actor.call(m, *a, **k)])
+    group = SimpleNamespace(actors=[_Handle(actor, pool)],
+                            probe_log_probs=lambda *a, **k: [actor.probe_log_probs(*a, **k)])
     manager = _Manager(urls)
     return group, _Handle(manager, pool), manager
 
 
 def test_update_weights_runs_send_and_apply_together_for_a_collective(fake_ray, tiny_qwen3):
     """A broadcast deadlocks unless both halves run at once; disk must apply only after the files exist."""
-    from vime.utils.arguments import parse_args
+    from vime.arguments import parse_args
 
     args = parse_args(["--hf-checkpoint", str(tiny_qwen3), *ARGV])
     both = threading.Barrier(2, timeout=10)
     order = []
 
-    class Collective:
+    class Collective(WeightTransport):
         concurrent = True
 
         def __init__(self, args):
@@ -266,12 +274,12 @@ def test_staged_update_writes_weights_while_the_rollout_still_generates(fake_ray
     import time
 
     from vime.backends import weight_transport
-    from vime.utils.arguments import parse_args
+    from vime.arguments import parse_args
 
     args = parse_args(["--hf-checkpoint", str(tiny_qwen3), *ARGV])
     order, generating = [], threading.Event()
 
-    class Files:
+    class Files(WeightTransport):
         concurrent = False
 
         def __init__(self, args):
@@ -314,7 +322,7 @@ def test_fault_tolerance_leaves_a_recovery_copy_for_restarted_engines(fake_ray, 
     as the recovery copy; any other transport gets an extra HF write into a vime_recovery_* directory."""
     from vime.backends import weight_transport
     from vime.backends.weight_transport.disk import DiskWeightTransport
-    from vime.utils.arguments import parse_args
+    from vime.arguments import parse_args
 
     args = parse_args(["--hf-checkpoint", str(tiny_qwen3), *ARGV, "--use-fault-tolerance",
                        "--update-weight-dir", str(tmp_path)])
@@ -322,7 +330,7 @@ def test_fault_tolerance_leaves_a_recovery_copy_for_restarted_engines(fake_ray, 
     monkeypatch.setattr(DiskWeightTransport, "send", lambda self, trainer, handle: written.append(handle))
     cleaned = []
 
-    class Memory:
+    class Memory(WeightTransport):
         def __init__(self, args):
             pass
 
@@ -363,7 +371,7 @@ def stack(tiny_qwen3, tmp_path_factory):
     from vime.backends.megatron_utils.parallel import destroy_parallel
     from vime.backends.megatron_utils.trainer import MegatronTrainer
     from vime.backends.vllm_utils.engine import VLLMEngine
-    from vime.utils.arguments import parse_args
+    from vime.arguments import parse_args
 
     out = tmp_path_factory.mktemp("weight_transport")
     args = parse_args(["--hf-checkpoint", str(tiny_qwen3), *ARGV, "--output-dir", str(out),
@@ -374,35 +382,32 @@ def stack(tiny_qwen3, tmp_path_factory):
         yield args, trainer, engine.start()
     finally:
         engine.stop()
-        _drop_trainer_group()
         destroy_parallel()
-
-
-def _drop_trainer_group() -> None:
-    from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
-
-    from vime.backends.weight_transport import broadcast
-
-    if broadcast._trainer_group.get("pg") is not None:
-        stateless_destroy_torch_distributed_process_group(broadcast._trainer_group["pg"])
-    broadcast._trainer_group.clear()
 
 
 @pytest.fixture
 def sync(stack, fake_ray):
-    """sync(transport name, version) -> what delta wrote; runs the real `update_weights`."""
+    """sync(transport name, version) -> what delta wrote; runs the real `WeightSync.update`, one driver-side
+    `WeightSync` per transport as a run keeps it."""
     args, trainer, url = stack
     group, manager, state = _driver(trainer, [url], fake_ray)
+    syncs: dict[str, WeightSync] = {}
 
     def push(name: str, version: int) -> list[str]:
         state.written = []
-        update_weights(argparse.Namespace(**{**vars(args), "update_weight_transport": name}), group, manager,
-                       version)
+        if name not in syncs:
+            syncs[name] = WeightSync(argparse.Namespace(**{**vars(args), "update_weight_transport": name}))
+        syncs[name].update(group, manager, version)
         return state.written
 
     push.check = lambda: check_weights_equal(args, group, manager)
     push.answers = lambda: state.answers  # the engines' answers to the last update
-    return push
+    push.driver = lambda name: syncs[name].transport  # the driver's transport
+    push.writer = lambda name: group.actors[0]._obj.weight_transports[name]  # the training rank's
+    yield push
+    for transport in group.actors[0]._obj.weight_transports.values():
+        if hasattr(transport, "close"):
+            transport.close()
 
 
 _seeds = itertools.count()
@@ -442,20 +447,18 @@ def test_transport_makes_the_engine_serve_the_trainers_weights(stack, sync, name
 
 
 def test_broadcast_group_is_reused_and_rebuilt_for_new_engines(stack, sync):
-    from vime.backends.weight_transport import broadcast
-
     args, trainer, url = stack
     tokens = probe_tokens(args.hf_checkpoint)
     sync("broadcast", version=2)
-    first = broadcast._trainer_group["pg"]
+    first = sync.writer("broadcast").group["pg"]
     _perturb(trainer)
     sync("broadcast", version=3)
-    assert broadcast._trainer_group["pg"] is first  # same engines: same group
+    assert sync.writer("broadcast").group["pg"] is first  # same engines: same group
     assert _max_diff(trainer, url, tokens) <= FLOAT32_TOLERANCE
-    engine_set_key(["http://another-engine"])  # the driver saw another engine set in between
+    engine_set_key(sync.driver("broadcast").engine_set, ["http://another-engine"])  # the driver saw another set
     _perturb(trainer)
     sync("broadcast", version=4)
-    assert broadcast._trainer_group["pg"] is not first  # rebuilt, on both sides
+    assert sync.writer("broadcast").group["pg"] is not first  # rebuilt, on both sides
     assert _max_diff(trainer, url, tokens) <= FLOAT32_TOLERANCE
 
 

@@ -56,7 +56,7 @@ def get_server(args) -> OpenAIServer:
                                getattr(args, "router_policy", None))
             defaults = {"max_tokens": args.rollout_max_response_len, "temperature": args.rollout_temperature,
                         "top_p": args.rollout_top_p, "top_k": args.rollout_top_k}
-            _server = OpenAIServer(router_url(args), AutoTokenizer.from_pretrained(args.hf_checkpoint),
+            _server = OpenAIServer(router_url(), AutoTokenizer.from_pretrained(args.hf_checkpoint),
                                    template_kwargs=args.apply_chat_template_kwargs, default_sampling=defaults,
                                    port=agent_flag(args, "agent_endpoint_port"),
                                    request_timeout_s=args.rollout_request_timeout,

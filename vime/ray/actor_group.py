@@ -11,9 +11,8 @@ import logging
 
 import ray
 
-from vime.ray.placement import serving_host
 from vime.utils.cpus import CpuShare, allowed_cpus, use_cpus
-from vime.utils.device import use_gpu
+from vime.utils.device import serving_host, use_gpu
 from vime.utils.logging_utils import configure_logging
 from vime.utils.misc import find_free_port
 
@@ -27,6 +26,7 @@ class TrainActor:
         configure_logging()  # an actor process: its log lines reach the driver's console through Ray
         self.args, self.rank, self.world_size, self.role = args, rank, world_size, role
         self.trainer = None
+        self.weight_transports = {}  # kind -> this rank's transport
         # Ray gives an actor of one logical CPU one OpenMP thread; the placement's share is what it computes on
         share = cpu_share or CpuShare()
         if args.train_num_threads:  # the user's count, on whatever CPUs the OS picks
@@ -53,9 +53,45 @@ class TrainActor:
     def train(self, rollout_id: int, groups, values=None) -> dict:
         return self.trainer.train(rollout_id, groups, values)
 
-    def call(self, method: str, *args, **kwargs):
-        """Run any trainer method (save, load, weight export, probes) on this rank."""
-        return getattr(self.trainer, method)(*args, **kwargs)
+    # PPO: the critic's values for the actor, the actor's returns for the critic
+    def compute_values(self, groups) -> dict[int, list[float]]:
+        return self.trainer.compute_values(groups)
+
+    def get_returns(self) -> list[list[float]] | None:
+        return self.trainer.get_returns()
+
+    def train_critic(self, rollout_id: int, groups, values: dict, returns: list) -> dict:
+        return self.trainer.train_critic(rollout_id, groups, values, returns)
+
+    # colocated runs: the trainer's state to host memory and back
+    def offload(self) -> int:
+        return self.trainer.offload()
+
+    def onload(self) -> int:
+        return self.trainer.onload()
+
+    # checkpoints
+    def save(self, rollout_id: int, extra_state: dict | None = None) -> str:
+        return self.trainer.save(rollout_id, extra_state)
+
+    def save_hf(self, out_dir: str) -> str:
+        return self.trainer.save_hf(out_dir)
+
+    def get_loaded_state(self) -> dict | None:
+        return self.trainer.get_loaded_state()
+
+    # weights to the engines, and the probe that checks they arrived
+    def send_weights(self, kind: str, handle) -> None:
+        """This rank's half of a weight update through the `kind` transport (one instance per kind for the run:
+        it keeps what must outlive an update, such as a process group)."""
+        from vime.backends.weight_transport import make_weight_transport
+
+        if kind not in self.weight_transports:
+            self.weight_transports[kind] = make_weight_transport(kind, self.args)
+        return self.trainer.send_weights(self.weight_transports[kind], handle)
+
+    def probe_log_probs(self, tokens: list[int], response_length: int, temperature: float | None = None):
+        return self.trainer.probe_log_probs(tokens, response_length, temperature)
 
 
 class RayTrainGroup:
@@ -83,8 +119,33 @@ class RayTrainGroup:
         results = ray.get([a.train.remote(rollout_id, ref, values) for a in self.actors])
         return next((r for r in results if r), {})
 
-    def call(self, method: str, *args, **kwargs) -> list:
-        return ray.get([a.call.remote(method, *args, **kwargs) for a in self.actors])
+    # each of these runs on every rank and returns the ranks' answers in rank order
+    def compute_values(self, groups) -> list[dict[int, list[float]]]:
+        return ray.get([a.compute_values.remote(groups) for a in self.actors])
+
+    def get_returns(self) -> list:
+        return ray.get([a.get_returns.remote() for a in self.actors])
+
+    def train_critic(self, rollout_id: int, groups, values: dict, returns: list) -> list[dict]:
+        return ray.get([a.train_critic.remote(rollout_id, groups, values, returns) for a in self.actors])
+
+    def offload(self) -> list[int]:
+        return ray.get([a.offload.remote() for a in self.actors])
+
+    def onload(self) -> list[int]:
+        return ray.get([a.onload.remote() for a in self.actors])
+
+    def save(self, rollout_id: int, extra_state: dict | None = None) -> list[str]:
+        return ray.get([a.save.remote(rollout_id, extra_state) for a in self.actors])
+
+    def save_hf(self, out_dir: str) -> list[str]:
+        return ray.get([a.save_hf.remote(out_dir) for a in self.actors])
+
+    def get_loaded_state(self) -> list[dict | None]:
+        return ray.get([a.get_loaded_state.remote() for a in self.actors])
+
+    def probe_log_probs(self, tokens: list[int], response_length: int, temperature: float | None = None) -> list:
+        return ray.get([a.probe_log_probs.remote(tokens, response_length, temperature) for a in self.actors])
 
     def shutdown(self) -> None:
         for a in self.actors:

@@ -31,13 +31,6 @@ def init_ray(args) -> None:
              log_to_driver=True, _node_ip_address="127.0.0.1", _system_config={"worker_niceness": 0})
 
 
-def serving_host(args) -> str:
-    """Address engines and the router bind to: this node's address on a cluster, loopback otherwise."""
-    if getattr(args, "ray_address", None) and ray.is_initialized():
-        return ray.util.get_node_ip_address()
-    return "127.0.0.1"
-
-
 def num_engines(args) -> int:
     if args.rollout_external_engine_addrs:
         return len(args.rollout_external_engine_addrs)

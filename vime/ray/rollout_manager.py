@@ -4,8 +4,8 @@
     handle = ray.get(manager.generate.remote(rollout_id))  # -> transport.get(handle): (sample dicts, extra)
 
 With --use-fault-tolerance an `EngineHealthMonitor` thread restarts dead or hung engines (`_restart_engine`).
-`engine_urls` then lists the engines in service (the same list object as `args.rollout_engine_urls`); control
-calls skip an engine found dead, which the monitor restarts with the current weights (`recovery_weights`).
+`engine_urls` then lists the engines in service (the rollout context's list, `vime.rollout.context`, which rollouts
+read); control calls skip an engine found dead, which the monitor restarts with the current weights (`recovery_weights`).
 """
 
 from __future__ import annotations
@@ -27,12 +27,14 @@ from vime.data.data_source import RolloutDataSource
 from vime.data.transport import make_transport
 from vime.data.prompt_dataset import load_prompt_file, load_prompt_samples
 from vime.ray.health import EngineHealthMonitor
-from vime.ray.placement import num_engines, serving_host
+from vime.ray.placement import num_engines
+from vime.rollout.context import reset_rollout_context
 from vime.rollout.debug_data import load_rollout, save_rollout
 from vime.rollout.metrics import add_counter, record_counters, rollout_metrics
+from vime.utils.device import serving_host
 from vime.utils.logging_utils import configure_logging
 from vime.utils.misc import find_free_port, load_function
-from vime.utils.types import RolloutFnTrainOutput, Sample, as_rollout_output
+from vime.utils.types import RolloutFnTrainOutput, as_rollout_output
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +48,7 @@ class RolloutManager:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.engines: list = []
         self.router: Router | None = None
-        self.engine_urls: list[str] = []  # engines in service
+        self.context = reset_rollout_context()  # router URL, engines in service, counters: what rollouts read
         self.rank_urls: list[str] = []  # engine rank -> its current URL (in service or being restarted)
         self.served_version: str | None = None  # the version last sent to the engines, if any
         self.recovery_weights: str | None = None  # HF directory of the current weights, for restarted engines
@@ -59,8 +61,8 @@ class RolloutManager:
         self.data_source = None
         if args.prompt_data:
             loaded = load_prompt_file(args.prompt_data, self.tokenizer, args)
-            record_counters(args, {"data/skipped_rows": float(len(loaded.skipped)),
-                                   "data/too_long_prompts": float(loaded.too_long)})
+            record_counters({"data/skipped_rows": float(len(loaded.skipped)),
+                             "data/too_long_prompts": float(loaded.too_long)})
             prompts = loaded.samples
             buffer_filter = None
             if args.buffer_filter_path:
@@ -78,6 +80,23 @@ class RolloutManager:
         self.placement = placement
         self.transport = make_transport(args)  # how generate() hands rollouts to the trainer side
 
+    @property
+    def engine_urls(self) -> list[str]:
+        """The engines in service (the rollout context's list: rollouts abort on these)."""
+        return self.context.engine_urls
+
+    @engine_urls.setter
+    def engine_urls(self, urls: list[str]) -> None:
+        self.context.engine_urls = list(urls)
+
+    @property
+    def router_url(self) -> str | None:
+        return self.context.router_url
+
+    @router_url.setter
+    def router_url(self, url: str) -> None:
+        self.context.router_url = url
+
     # ---- lifecycle -------------------------------------------------------------------------------------------
     def start(self) -> list[str]:
         """Start (or connect to) the engines and the router; returns the engine URLs."""
@@ -91,7 +110,6 @@ class RolloutManager:
             self.engine_urls = ray.get([e.start.remote() for e in self.engines])
         self.rank_urls = list(self.engine_urls)
         self._start_router()
-        args.rollout_engine_urls = self.engine_urls
         logger.info("engines %s behind router %s", self.engine_urls, self.router_url)
         if args.use_fault_tolerance and self.engines:
             self.monitor = EngineHealthMonitor(len(self.engines), self._probe_engine_between_updates,
@@ -121,7 +139,6 @@ class RolloutManager:
         port = args.vllm_router_port or find_free_port()
         self.router = Router(router_args_from(args, host, port, self.engine_urls), str(self.log_dir))
         self.router_url = self.router.start()
-        args.vllm_router_ip, args.vllm_router_port = host, port
 
     def shutdown(self) -> None:
         if self.monitor is not None:
@@ -145,9 +162,6 @@ class RolloutManager:
 
     def engine_pids(self) -> list[int]:
         return ray.get([e.pid.remote() for e in self.engines])
-
-    def router_pid(self) -> int | None:
-        return self.router.proc.pid if self.router and self.router.proc else None
 
     def get_engine_urls(self) -> list[str]:
         return list(self.engine_urls)
@@ -221,7 +235,7 @@ class RolloutManager:
     def _take_out_of_service(self, url: str) -> None:
         with self._engines_lock:
             if url in self.engine_urls:
-                self.engine_urls.remove(url)  # in place: args.rollout_engine_urls is the same list
+                self.engine_urls.remove(url)
         try:
             post_worker(self.router_url, "remove_worker", url)
         except OSError as e:  # already removed
@@ -240,10 +254,10 @@ class RolloutManager:
         restarted later. Returns the slowest engine's {"pause_s", "load_s", "finish_s"}."""
         with self._engines_lock:
             targets = list(self.engine_urls)
-            connected = handle.get("engine_urls") if isinstance(handle, dict) else None
+            connected = transport.bound_engines(handle)
             calls = {}
             if connected is not None and recovery_dir is not None:
-                # a transport bound to the engine set it connected to (broadcast): an engine restarted since then
+                # an update bound to the engine set it was made for (broadcast): an engine restarted since then
                 # loads the same weights from the recovery copy
                 recovery_call = DiskWeightTransport(self.args).load_call(recovery_dir)
                 calls = {u: recovery_call for u in targets if u not in connected}
@@ -323,12 +337,12 @@ class RolloutManager:
             raise
         finally:
             self._starting.pop(rank, None)
-        add_counter(args, "rollout/engine_restarts")
+        add_counter("rollout/engine_restarts")
         logger.warning("engine %d restarted in %.1fs (%s): %s -> %s, weight version %s", rank,
                        time.perf_counter() - start, reason, old_url, url, self.served_version or "initial")
 
     def engine_restarts(self) -> int:
-        return int((getattr(self.args, "rollout_counters", None) or {}).get("rollout/engine_restarts", 0))
+        return int(self.context.counters.get("rollout/engine_restarts", 0))
 
     def probe_log_probs(self, tokens: list[int]) -> list[list[float]]:
         """Every engine's prompt log-probs of `tokens` (for --check-weight-update-equal)."""
@@ -345,7 +359,3 @@ class RolloutManager:
 
     def num_prompts(self) -> int:
         return len(self.data_source.prompts) if self.data_source else 0
-
-
-def samples_from_dicts(groups: list[list[dict]]) -> list[list[Sample]]:
-    return [[Sample.from_dict(d) for d in g] for g in groups]

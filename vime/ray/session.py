@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
+import argparse
 import logging
 import time
 
 import ray
 
-from vime.backends.weight_transport import update_weights
 from vime.backends.weight_transport.check import check_weights_equal
 from vime.data.transport import make_transport
 from vime.data.transport.replay import append_trained_samples, replay_ids, truncate_trained_samples
 from vime.ray.actor_group import RayTrainGroup
 from vime.ray.placement import Placement, init_ray
 from vime.ray.rollout_manager import RolloutManager
+from vime.ray.weight_sync import WeightSync
 from vime.utils.logging_utils import MetricsLogger
 from vime.utils.plot import save_reward_curve
 
@@ -23,7 +24,7 @@ def run_entry_point(train_fn, argv: list[str] | None = None) -> None:
     """Parse flags, run `train_fn(args)`, and always shut Ray down (what train.py and train_async.py do)."""
     import logging
 
-    from vime.utils.arguments import parse_args
+    from vime.arguments import parse_args
     from vime.utils.logging_utils import configure_logging
 
     configure_logging()
@@ -75,6 +76,7 @@ class TrainingSession:
         self.data_state_after: dict[int, dict | None] = {}  # rollout id -> data-source state right after it
         self.trainer_restarts = 0
         self.total_steps = 0
+        self.weight_sync = WeightSync(args) if self.use_engines and self.train_enabled else None
 
     def __enter__(self) -> TrainingSession:
         args = self.args
@@ -88,8 +90,9 @@ class TrainingSession:
         self.metrics = MetricsLogger(args)
         return self
 
-    def _create_trainers(self) -> None:
-        args, placement = self.args, self.placement
+    def _create_trainers(self, args=None) -> None:
+        """Training actors (and PPO's critic) for `args` (default: the run's)."""
+        args, placement = args or self.args, self.placement
         self.trainers = RayTrainGroup(args, placement)
         if args.use_critic:
             self.critic = RayTrainGroup(critic_args(args), placement, role="critic")
@@ -99,7 +102,7 @@ class TrainingSession:
         self.trainers.init(total_steps=self.total_steps)
         if self.critic is not None:
             self.critic.init(total_steps=self.total_steps)
-        return self.trainers.call("get_loaded_state")[0]
+        return self.trainers.get_loaded_state()[0]
 
     def start(self) -> tuple[int, int]:
         """Start engines and trainers, resume if --load has a checkpoint; returns (first rollout id, count)."""
@@ -134,7 +137,7 @@ class TrainingSession:
             return metrics
 
     def _update_weights(self, version: int, after: list | None = None) -> dict[str, float]:
-        metrics = update_weights(self.args, self.trainers, self.manager, version=version, after=after)
+        metrics = self.weight_sync.update(self.trainers, self.manager, version, after=after)
         if self.args.check_weight_update_equal:  # raises when an engine serves other weights than the trainer's
             metrics.update(check_weights_equal(self.args, self.trainers, self.manager))
         return metrics
@@ -189,15 +192,15 @@ class TrainingSession:
     def offload_train(self) -> None:
         """Colocated runs: the trainer's state goes to host memory while the engines generate (--offload-train)."""
         if self.args.offload_train and self.trainers is not None:
-            self.trainers.call("offload")
+            self.trainers.offload()
             if self.critic is not None:
-                self.critic.call("offload")
+                self.critic.offload()
 
     def onload_train(self) -> None:
         if self.args.offload_train and self.trainers is not None:
-            self.trainers.call("onload")
+            self.trainers.onload()
             if self.critic is not None:
-                self.critic.call("onload")
+                self.critic.onload()
 
     def train(self, rollout_id: int, groups) -> dict[str, float]:
         """Train on one rollout. With straw and --save, training actors that die are restarted from the last
@@ -225,11 +228,11 @@ class TrainingSession:
             return self.trainers.train(rollout_id, groups)
         # PPO: critic values -> actor (GAE advantages, returns) -> critic regression on the returns
         values = {}
-        for part in self.critic.call("compute_values", groups):
+        for part in self.critic.compute_values(groups):
             values.update(part)
         metrics = self.trainers.train(rollout_id, groups, values)
-        returns = self.trainers.call("get_returns")[0]
-        metrics.update(next((m for m in self.critic.call("train_critic", rollout_id, groups, values, returns)
+        returns = self.trainers.get_returns()[0]
+        metrics.update(next((m for m in self.critic.train_critic(rollout_id, groups, values, returns)
                              if m), {}))
         return metrics
 
@@ -245,8 +248,8 @@ class TrainingSession:
             if group is not None:
                 group.shutdown()
         self.critic = None
-        args.load = args.save  # from now on this run resumes from its own checkpoints
-        self._create_trainers()
+        self._create_trainers(argparse.Namespace(**{**vars(args), "load": args.save}))  # its own last checkpoint
+        self.weight_sync = WeightSync(args)  # new writers: a collective transport builds a new group with them
         resumed = self._init_trainers()
         first = resumed["rollout_id"] + 1 if resumed else 0
         stored = self.transport.stored()
@@ -274,14 +277,14 @@ class TrainingSession:
                 state = {"data_source": self.data_state_after[rollout_id]}
             else:
                 state = {"data_source": ray.get(self.manager.data_source_state.remote())}
-            self.trainers.call("save", rollout_id, state)
+            self.trainers.save(rollout_id, state)
             if self.critic is not None:
-                self.critic.call("save", rollout_id, {})
+                self.critic.save(rollout_id, {})
             # rollouts up to here are inside the checkpoint: no resume will replay them
             self.transport.trim([i for i in self.transport.stored() if i <= rollout_id])
             self.data_state_after = {i: s for i, s in self.data_state_after.items() if i > rollout_id}
         if args.save_hf and (last or periodic):
-            self.trainers.call("save_hf", args.save_hf.format(rollout_id=rollout_id))
+            self.trainers.save_hf(args.save_hf.format(rollout_id=rollout_id))
 
     def maybe_eval(self, rollout_id: int, force: bool = False) -> None:
         args = self.args

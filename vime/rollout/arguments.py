@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from vime.rollout.rm_hub import remote_rm
+
 DEFAULT_ROLLOUT_FUNCTION = "vime.rollout.vllm_rollout.generate_rollout"
 DEFAULT_GENERATE_FUNCTION = "vime.rollout.vllm_rollout.generate"
 
@@ -133,9 +135,11 @@ def add_reward_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--group-rm", action="store_true",
                    help="Score each group of samples in one call (default: off).")
     g.add_argument("--rm-url", default=None, help="URL of a remote reward model, for --rm-type remote_rm.")
-    g.add_argument("--rm-max-retries", type=int, default=3, help="Retries of a remote reward call (default: 3).")
-    g.add_argument("--rm-timeout", type=float, default=60.0,
-                   help="Seconds before one reward call fails; the sample is then marked failed (default: 60).")
+    g.add_argument("--rm-max-retries", type=int, default=remote_rm.MAX_RETRIES,
+                   help=f"Retries of a remote reward call (default: {remote_rm.MAX_RETRIES}).")
+    g.add_argument("--rm-timeout", type=float, default=remote_rm.TIMEOUT_S,
+                   help="Seconds before one reward call fails; the sample is then marked failed "
+                        f"(default: {remote_rm.TIMEOUT_S:g}).")
     g.add_argument("--reward-key", default=None,
                    help="Field of a dict-valued reward used as the scalar reward (default: None).")
 

@@ -1,4 +1,4 @@
-"""Rollout metrics: pure functions of the samples, plus counters kept on `args` by the rollout side.
+"""Rollout metrics: pure functions of the samples, plus counters kept in the rollout context.
 
 Counters are things no sample shows: engine restarts (the health monitor), malformed prompt rows (the loader),
 the peak number of requests in flight (the generate path). `record_counters(..., once=True)` values are reported
@@ -8,41 +8,35 @@ with the next rollout only; the others are running totals reported with every ro
 from __future__ import annotations
 
 import statistics
-import threading
 
+from vime.rollout.context import rollout_context
 from vime.utils.types import Sample
-
-_lock = threading.Lock()  # the health monitor records from its own thread
 
 
 def _mean(xs):
     return sum(xs) / len(xs) if xs else 0.0
 
 
-def record_counters(args, values: dict[str, float], once: bool = True) -> None:
+def record_counters(values: dict[str, float], once: bool = True) -> None:
     """Set counters reported with the next rollout's metrics (`once`) or with every rollout from now on."""
-    with _lock:
-        name = "rollout_counters_once" if once else "rollout_counters"
-        counters = getattr(args, name, None) or {}
-        counters.update(values)
-        setattr(args, name, counters)
+    context = rollout_context()
+    with context.lock:
+        (context.counters_once if once else context.counters).update(values)
 
 
-def add_counter(args, key: str, n: float = 1.0) -> None:
+def add_counter(key: str, n: float = 1.0) -> None:
     """Add `n` to a running total (e.g. rollout/engine_restarts)."""
-    with _lock:
-        counters = getattr(args, "rollout_counters", None) or {}
-        counters[key] = counters.get(key, 0.0) + n
-        args.rollout_counters = counters
+    context = rollout_context()
+    with context.lock:
+        context.counters[key] = context.counters.get(key, 0.0) + n
 
 
-def take_counters(args) -> dict[str, float]:
+def take_counters() -> dict[str, float]:
     """The counters to report now: the running totals and the once-only values (which are then cleared)."""
-    with _lock:
-        out = dict(getattr(args, "rollout_counters", None) or {})
-        out.update(getattr(args, "rollout_counters_once", None) or {})
-        if args is not None:
-            args.rollout_counters_once = {}
+    context = rollout_context()
+    with context.lock:
+        out = {**context.counters, **context.counters_once}
+        context.counters_once.clear()
     return out
 
 
@@ -73,5 +67,5 @@ def rollout_metrics(samples: list[Sample], args=None, prefix: str = "rollout") -
             key = f"{prefix}/failed/{failure_key(s)}"
             m[key] = m.get(key, 0.0) + 1.0
     if prefix == "rollout" and args is not None:
-        m.update(take_counters(args))
+        m.update(take_counters())
     return m

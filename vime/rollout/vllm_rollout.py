@@ -18,6 +18,7 @@ from typing import Any
 import aiohttp
 
 from vime.backends.vllm_utils.generate_request import EngineRejectedError, EngineUnavailableError, request_choices
+from vime.rollout.context import rollout_context
 from vime.rollout.rm_hub import RewardTypeError, async_rm, batched_async_rm
 from vime.utils.misc import load_function
 from vime.utils.types import RolloutFnEvalOutput, RolloutFnTrainOutput, Sample
@@ -77,8 +78,13 @@ class GenerateState:
         cls._instance = None
 
 
-def router_url(args) -> str:
-    return f"http://{args.vllm_router_ip}:{args.vllm_router_port}"
+def router_url() -> str:
+    """The router every generate request goes through (the rollout manager started or registered with it)."""
+    url = rollout_context().router_url
+    if url is None:
+        raise RuntimeError("no router in this process's rollout context: generate runs in the rollout manager, "
+                           "after it started the engines")
+    return url
 
 
 def sampling_params_for(args, evaluation: bool = False) -> dict[str, Any]:
@@ -116,7 +122,7 @@ async def post_generate_choices(args, token_ids: list[int], sampling_params: dic
     """Like `post_generate`, for every choice: `sampling_params["n"]` sequences from one prompt, one request."""
     state = GenerateState(args)
     payload = {"token_ids": token_ids, "sampling_params": sampling_params, "model": "policy"}
-    return await request_choices(state.http(), router_url(args), payload,
+    return await request_choices(state.http(), router_url(), payload,
                                  timeout=aiohttp.ClientTimeout(total=args.rollout_request_timeout),
                                  retries=args.rollout_request_retries, retry_window_s=retry_window_s(args),
                                  counters=state)
@@ -326,11 +332,12 @@ async def generate_rollout_async(args, rollout_id: int, data_source) -> tuple[li
 
     if pending:
         state.aborted = True
+        engines = list(rollout_context().engine_urls)
         if getattr(args, "use_fault_tolerance", False):  # an engine may be dead: it has nothing left to abort
-            for url, error in client.post_each(list(args.rollout_engine_urls), "/abort_requests", body={})[1].items():
+            for url, error in client.post_each(engines, "/abort_requests", body={})[1].items():
                 logger.warning("abort on %s failed: %s", url, error)
         else:
-            client.abort_all(args.rollout_engine_urls)
+            client.abort_all(engines)
         leftovers = await asyncio.gather(*pending)
         stats["aborted_groups"] = len(leftovers)
         if args.partial_rollout:  # continue the cut-off groups first next rollout

@@ -1,4 +1,5 @@
-"""What kind of machine this process computes on, and the precision training runs in there."""
+"""What kind of machine this process computes on, the precision training runs in there, and the address its
+servers bind to."""
 
 from __future__ import annotations
 
@@ -17,3 +18,12 @@ def training_dtype(args) -> str:
     if args.bf16:
         return "bfloat16"
     return "float16" if args.fp16 else "float32"
+
+
+def serving_host(args) -> str:
+    """Address engines and the router bind to: this node's address on a cluster, loopback otherwise."""
+    import ray
+
+    if getattr(args, "ray_address", None) and ray.is_initialized():
+        return ray.util.get_node_ip_address()
+    return "127.0.0.1"

@@ -2,7 +2,7 @@
 
 The pip package `megatron-core` has no `megatron.training`, so vime declares the Megatron-LM flags it uses
 itself, with Megatron's names, so that Megatron users' scripts read the same. `--seed` lives in vime's run
-flags (`vime.utils.arguments`).
+flags (`vime.arguments`).
 
 Architecture flags default to None: `fill_architecture_from_hf(args, hf_config)` fills each one left None
 from the HF config, and refuses a given value that contradicts the config.

@@ -270,7 +270,11 @@ class MegatronTrainer:
         return self.loaded_state
 
     def send_weights(self, transport, handle) -> None:
-        transport.send(self, handle)
+        """Hand `transport` this rank's weights (all ranks gather over tensor parallel, together) and, on the one
+        rank per pipeline stage that writes them (data- and tensor-parallel rank 0), the stage."""
+        weights = list(self.hf_weights())
+        writes = parallel_state.get_data_parallel_rank() == 0 and parallel_state.get_tensor_model_parallel_rank() == 0
+        transport.send(weights, parallel_state.get_pipeline_model_parallel_rank() if writes else None, handle)
 
     def probe_log_probs(self, tokens: list[int], response_length: int, temperature: float | None = None) -> list[float]:
         """Log-probs of the last `response_length` tokens of one sequence under the current weights, at

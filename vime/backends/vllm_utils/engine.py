@@ -23,7 +23,7 @@ from vime.utils.process import kill_tree, spawn, tail, wait_until
 
 logger = logging.getLogger(__name__)
 
-WORKER_EXTENSION = "vime.backends.vllm_utils.worker_extension.WeightReceiver"
+WORKER_EXTENSION = "vime.backends.weight_transport.worker_extension.WeightReceiver"
 CPU_IDLE_SPIN_S = 0.05  # decode steps follow each other within this; a longer gap sleeps on a socket instead
 
 
@@ -125,7 +125,7 @@ class VLLMEngine:
         self.url = None
 
     def start(self) -> str:
-        from vime.ray.placement import serving_host
+        from vime.utils.device import serving_host
 
         host = serving_host(self.args)
         port = find_free_port()

@@ -1,4 +1,5 @@
-"""New weights into a running vLLM model, in the engine's worker (called by `worker_extension.WeightReceiver`).
+"""New weights into a running vLLM model, in the engine's worker (called by
+`vime.backends.weight_transport.worker_extension.WeightReceiver`).
 
 vLLM's `reload_weights` handles every layer kind and quantization scheme: it moves each layer to the meta
 device, buffers incoming tensors until a layer is complete (counting elements under a dispatch mode),

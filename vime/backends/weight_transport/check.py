@@ -87,5 +87,5 @@ def check_weights_equal(args, train_group, rollout_manager) -> dict[str, float]:
     tokens = probe_tokens(args.hf_checkpoint)
     urls = ray.get(rollout_manager.get_engine_urls.remote())
     engines = rollout_manager.probe_log_probs.remote(tokens)
-    trainer = next(r for r in train_group.call("probe_log_probs", tokens, len(tokens) - 1, temperature=1.0) if r)
+    trainer = next(r for r in train_group.probe_log_probs(tokens, len(tokens) - 1, temperature=1.0) if r)
     return compare_log_probs(trainer, ray.get(engines), urls, tolerance_for(args))

@@ -18,27 +18,27 @@ from pathlib import Path
 
 import torch
 
+from vime.backends.weight_transport.base import Weights, WeightTransport
 from vime.backends.weight_transport.disk import default_weight_dir
 
 
-class CudaIpcWeightTransport:
+class CudaIpcWeightTransport(WeightTransport):
     def __init__(self, args):
+        super().__init__(args)
         self.root = getattr(args, "update_weight_dir", None) or default_weight_dir()
+        self.keepalive: Weights = []  # a training rank: the tensors engines map, alive until the next update
 
     def prepare(self, version: int) -> str:
         return tempfile.mkdtemp(prefix=f"vime_ipc_{version}_", dir=self.root)
 
-    def send(self, trainer, handle: str) -> None:
-        from megatron.core import parallel_state
+    def send(self, weights: Weights, stage: int | None, handle: str) -> None:
         from torch.multiprocessing.reductions import reduce_tensor
 
         if not torch.cuda.is_available():
             raise RuntimeError("--update-weight-transport cuda_ipc needs GPUs; use disk or broadcast on CPU")
-        tensors = [(name, t.detach().contiguous()) for name, t in trainer.hf_weights()]
-        trainer.ipc_keepalive = tensors  # engines map this memory; it must outlive their reload
-        if parallel_state.get_data_parallel_rank() == 0 and parallel_state.get_tensor_model_parallel_rank() == 0:
-            stage = parallel_state.get_pipeline_model_parallel_rank()
-            entries = [(name, reduce_tensor(t)) for name, t in tensors]
+        self.keepalive = [(name, t.detach().contiguous()) for name, t in weights]  # must outlive the reload
+        if stage is not None:
+            entries = [(name, reduce_tensor(t)) for name, t in self.keepalive]
             with open(Path(handle) / f"stage_{stage}.pkl", "wb") as f:
                 pickle.dump(entries, f)
         torch.cuda.synchronize()

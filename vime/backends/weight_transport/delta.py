@@ -24,14 +24,14 @@ from typing import Callable
 
 import torch
 
+from vime.backends.weight_transport.base import Weights
 from vime.backends.weight_transport.broadcast import engine_set_key
-from vime.backends.weight_transport.disk import DiskWeightTransport
+from vime.backends.weight_transport.disk import DiskWeightTransport, write_stage_file
 
 # HF projections that vLLM fuses into one layer: they must travel together
 _FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
           "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
 
-_sent: dict = {"key": None, "digests": {}}  # in each training writer process: what the engines hold
 
 
 def load_unit(name: str) -> str:
@@ -56,36 +56,32 @@ def changed_tensors(weights: list[tuple[str, torch.Tensor]], previous: dict[str,
 
 
 class DeltaWeightTransport(DiskWeightTransport):
+    update_is_hf_dir = False  # a handle holds only what changed
+
     def __init__(self, args):
         super().__init__(args)
-        self.key = None
+        self.engine_set: dict = {}  # driver: the engine set of the coming update and its key
+        self.sent = {"key": None, "digests": {}}  # a training writer: what that engine set holds
 
     def connect(self, engine_urls: list[str], trainer_address: Callable[[], tuple[str, int]] | None = None) -> None:
         """Driver side, before `prepare`: a new engine set means the engines' weights are unknown."""
-        self.key, _ = engine_set_key(engine_urls)
+        engine_set_key(self.engine_set, engine_urls)
 
     def prepare(self, version: int) -> dict:
-        if self.key is None:
+        if not self.engine_set:
             raise RuntimeError("DeltaWeightTransport.connect(engine_urls) must run first")
-        return {"dir": super().prepare(version), "key": self.key}
+        return {"dir": super().prepare(version), "key": self.engine_set["key"]}
 
-    def send(self, trainer, handle: dict) -> None:
-        """Collective over training ranks (TP gather); the writer of each stage writes its changed tensors."""
-        from megatron.core import parallel_state
-        from safetensors.torch import save_file
-
-        weights = [(name, t.detach()) for name, t in trainer.hf_weights()]
-        if parallel_state.get_data_parallel_rank() != 0 or parallel_state.get_tensor_model_parallel_rank() != 0:
+    def send(self, weights: Weights, stage: int | None, handle: dict) -> None:
+        """The writer of each stage writes the tensors that changed since it last sent to this engine set."""
+        if stage is None:
             return
-        previous = _sent["digests"] if _sent["key"] == handle["key"] else {}
+        previous = self.sent["digests"] if self.sent["key"] == handle["key"] else {}
         names, digests = changed_tensors(weights, previous)
         if names:
             by_name = dict(weights)
-            pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-            tmp = Path(handle["dir"]) / f".model-pp{pp_rank}.safetensors.tmp"
-            save_file({n: by_name[n].contiguous().cpu() for n in names}, str(tmp))
-            tmp.replace(Path(handle["dir"]) / f"model-pp{pp_rank}.safetensors")
-        _sent.update(key=handle["key"], digests=digests)
+            write_stage_file(Path(handle["dir"]), stage, [(n, by_name[n]) for n in names])
+        self.sent = {"key": handle["key"], "digests": digests}
 
     def load_calls(self, engine_urls: list[str], handle: dict) -> dict:
         if not any(Path(handle["dir"]).glob("*.safetensors")):  # no file: nothing changed, nothing to reload

@@ -11,15 +11,20 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from vime.backends.weight_transport.base import Weights, WeightTransport
+
 
 def default_weight_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 
 
-class DiskWeightTransport:
+class DiskWeightTransport(WeightTransport):
+    update_is_hf_dir = True
+
     def __init__(self, args):
         from vime.backends.vllm_utils.engine import has_vime_worker_extension
 
+        super().__init__(args)
         self.root = getattr(args, "update_weight_dir", None) or default_weight_dir()
         # vime's loader (in place where it can), else vLLM's own reload (external engines, another extension)
         self.load_method = "vime_load_weights" if has_vime_worker_extension(args) else "reload_weights"
@@ -29,17 +34,10 @@ class DiskWeightTransport:
         path.mkdir(parents=True, exist_ok=True)
         return str(path)
 
-    def send(self, trainer, handle: str) -> None:
-        """Collective over training ranks: TP shards are gathered, one writer per pipeline stage."""
-        from megatron.core import parallel_state
-        from safetensors.torch import save_file
-
-        tensors = {name: t.detach().contiguous().cpu() for name, t in trainer.hf_weights()}
-        if parallel_state.get_data_parallel_rank() == 0 and parallel_state.get_tensor_model_parallel_rank() == 0:
-            pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-            tmp = Path(handle) / f".model-pp{pp_rank}.safetensors.tmp"
-            save_file(tensors, str(tmp))
-            tmp.replace(Path(handle) / f"model-pp{pp_rank}.safetensors")
+    def send(self, weights: Weights, stage: int | None, handle: str) -> None:
+        """The writer of each pipeline stage saves its tensors as one safetensors file."""
+        if stage is not None:
+            write_stage_file(Path(handle), stage, weights)
 
     def load_call(self, path: str) -> tuple[str, dict[str, str]]:
         """The worker call that loads the HF safetensors directory `path`."""
@@ -52,3 +50,12 @@ class DiskWeightTransport:
 
     def cleanup(self, handle: str) -> None:
         shutil.rmtree(handle, ignore_errors=True)
+
+
+def write_stage_file(directory: Path, stage: int, weights: Weights) -> None:
+    """`weights` as directory/model-pp<stage>.safetensors, renamed into place once complete."""
+    from safetensors.torch import save_file
+
+    tmp = directory / f".model-pp{stage}.safetensors.tmp"
+    save_file({name: t.detach().contiguous().cpu() for name, t in weights}, str(tmp))
+    tmp.replace(directory / f"model-pp{stage}.safetensors")

@@ -15,6 +15,8 @@ import httpx
 from .registry import register_rm
 
 BACKOFF_BASE_S = 0.5  # waits 0.5 s, 1 s, 2 s, ... between attempts
+MAX_RETRIES = 3  # the defaults of --rm-max-retries and --rm-timeout
+TIMEOUT_S = 60.0
 
 
 def _parse_reward(url: str, body) -> float | dict:
@@ -30,10 +32,10 @@ async def remote_rm(args, sample) -> float | dict:
     url = getattr(args, "rm_url", None)
     if not url:
         raise ValueError("--rm-type remote_rm needs --rm-url")
-    attempts = 1 + getattr(args, "rm_max_retries", 3)
+    attempts = 1 + getattr(args, "rm_max_retries", MAX_RETRIES)
     payload = {"prompt": sample.prompt, "response": sample.response, "label": sample.label, "metadata": sample.metadata}
     last_error: Exception | None = None
-    async with httpx.AsyncClient(timeout=getattr(args, "rm_timeout", 30.0)) as client:
+    async with httpx.AsyncClient(timeout=getattr(args, "rm_timeout", TIMEOUT_S)) as client:
         for attempt in range(attempts):
             if attempt:
                 await asyncio.sleep(BACKOFF_BASE_S * 2 ** (attempt - 1))

@@ -136,6 +136,17 @@ def _find_config(argv: list[str]) -> str | None:
     return None
 
 
+def function_path_flags(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(flag, path) of every function path given: each of vime's flags named `*_path` or `*_paths` (the
+    extension seam, resolved by `load_function`); vLLM's and the router's flags name files, not functions."""
+    given = []
+    for flag, value in sorted(vars(args).items()):
+        if flag.startswith(("vllm_", "router_")) or not flag.endswith(("_path", "_paths")) or not value:
+            continue
+        given += [(flag, path) for path in (value if isinstance(value, (list, tuple)) else [value])]
+    return given
+
+
 def validate_args(args: argparse.Namespace) -> None:
     """Fill derived defaults and reject bad combinations with a message that says how to fix them."""
     from vime.utils.misc import load_function
@@ -199,16 +210,11 @@ def validate_args(args: argparse.Namespace) -> None:
 
     if args.mask_offpolicy_in_partial_rollout and not args.partial_rollout:
         raise ValueError("--mask-offpolicy-in-partial-rollout needs --partial-rollout")
-    for flag in ("rollout_function_path", "custom_generate_function_path", "dynamic_sampling_filter_path",
-                 "buffer_filter_path",
-                 "custom_rm_path", "custom_reward_post_process_path", "eval_function_path",
-                 "agent_function_path", "agent_environment_path"):
-        path = getattr(args, flag, None)
-        if path:
-            try:
-                load_function(path)
-            except (ImportError, AttributeError, ValueError) as e:
-                raise ValueError(f"--{flag.replace('_', '-')}: {e}") from e
+    for flag, path in function_path_flags(args):
+        try:
+            load_function(path)
+        except (ImportError, AttributeError, ValueError) as e:
+            raise ValueError(f"--{flag.replace('_', '-')}: {e}") from e
 
     if args.use_fault_tolerance and args.rollout_external_engine_addrs:
         raise ValueError("--use-fault-tolerance restarts engines vime started; it cannot restart "

@@ -1,4 +1,5 @@
-"""Methods vime adds to every vLLM worker (`--worker-extension-cls ...worker_extension.WeightReceiver`).
+"""The engine side of every weight transport: methods vime adds to every vLLM worker
+(`--worker-extension-cls vime.backends.weight_transport.worker_extension.WeightReceiver`).
 
 vLLM mixes this class into its worker class, so `self` is the worker (`self.reload_weights`, `self.rank`,
 `self.device`). Called through the dev-mode `/collective_rpc` route (or vime's `/vime/update_weights`), which pass

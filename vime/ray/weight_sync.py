@@ -1,0 +1,108 @@
+"""One weight update, driven from the driver: the trainers send, every engine loads, the version moves on.
+
+    sync = WeightSync(args)                      # one for the run: it holds the driver's transport
+    metrics = sync.update(trainers, manager, version, after=[rollout_ref])
+
+An update has two halves. `stage` (the trainers write the new weights where the engines will load them from;
+no pause needed, so it can overlap generation; a collective transport only prepares here) and `apply`: one call
+per engine, all at once (`client.update_weights_each` in the rollout manager), that pauses, loads, resets the
+prefix cache, bumps the weight version and resumes. A collective transport (broadcast) sends during `apply`,
+since its send must meet the engines in the same group.
+
+With --use-fault-tolerance every update also leaves a recovery copy, an HF safetensors directory of the new weights
+that the rollout manager reloads into an engine it restarts: the update directory itself when the transport writes
+one (`disk`), else one more `disk` write. The manager deletes the previous copy when it gets a new one.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from vime.backends.weight_transport import make_weight_transport
+
+RECOVERY = "disk"  # the transport that writes recovery copies
+
+
+@dataclass
+class StagedUpdate:
+    """A weight update whose trainer half is done (or, for collective transports, ready to start)."""
+
+    handle: Any
+    version: int
+    recovery: str | None
+    stage_time: float
+
+
+class WeightSync:
+    def __init__(self, args):
+        self.args = args
+        self.kind = args.update_weight_transport
+        self.transport = make_weight_transport(self.kind, args)
+        self.recovery_writer = make_weight_transport(RECOVERY, args) if args.use_fault_tolerance else None
+
+    @property
+    def keeps_handle(self) -> bool:
+        """The update directory doubles as the recovery copy (the manager owns and later deletes it)."""
+        return self.recovery_writer is not None and self.transport.update_is_hf_dir
+
+    def update(self, train_group, rollout_manager, version: int, after: list | None = None) -> dict[str, float]:
+        """Push the current policy into every engine. `after`: ObjectRefs (e.g. a rollout still generating) to
+        wait for between the trainer half and the engine half, so that writing the weights overlaps them."""
+        staged = self.stage(train_group, rollout_manager, version)
+        if after:
+            ray.wait(list(after), num_returns=len(after))
+        return self.apply(train_group, rollout_manager, staged)
+
+    def stage(self, train_group, rollout_manager, version: int) -> StagedUpdate:
+        """The trainer half, which needs no pause."""
+        start = time.perf_counter()
+        self.transport.connect(ray.get(rollout_manager.get_engine_urls.remote()),
+                               lambda: ray.get(train_group.actors[0].address.remote()))
+        handle = self.transport.prepare(version)
+        recovery = None
+        if self.recovery_writer is not None:
+            recovery = handle if self.keeps_handle else self._write_recovery_copy(train_group, version)
+        if not self.transport.concurrent:
+            wait_all([a.send_weights.remote(self.kind, handle) for a in train_group.actors])
+        return StagedUpdate(handle, version, recovery, time.perf_counter() - start)
+
+    def apply(self, train_group, rollout_manager, staged: StagedUpdate) -> dict[str, float]:
+        """The engine half: pause (in-flight requests finish first; none is lost) -> load -> reset the prefix
+        cache -> bump the weight version -> resume. Returns timing metrics of the whole update (pause and load as
+        the slowest engine measured them)."""
+        start = time.perf_counter()
+        applying = rollout_manager.apply_weights.remote(self.transport, staged.handle, staged.version,
+                                                        staged.recovery)
+        if self.transport.concurrent:  # one collective: trainers send while engines receive
+            wait_all([a.send_weights.remote(self.kind, staged.handle) for a in train_group.actors] + [applying])
+        timings = ray.get(applying)
+        done = time.perf_counter()
+        if not self.keeps_handle:
+            self.transport.cleanup(staged.handle)
+        return {"perf/update_weights_time": staged.stage_time + done - start,
+                "perf/update_weights_stage_time": staged.stage_time,
+                "perf/update_weights_apply_time": done - start,
+                "perf/update_weights_pause_time": timings.get("pause_s", 0.0),
+                "perf/update_weights_load_time": timings.get("load_s", 0.0)}
+
+    def _write_recovery_copy(self, train_group, version: int) -> str:
+        """The current weights as an HF safetensors directory (the `disk` transport's writer), for engine restarts."""
+        path = Path(self.recovery_writer.root) / f"vime_recovery_{os.getpid()}_{version}"
+        path.mkdir(parents=True, exist_ok=True)
+        wait_all([a.send_weights.remote(RECOVERY, str(path)) for a in train_group.actors])
+        return str(path)
+
+
+def wait_all(refs: list) -> None:
+    """ray.get every ref, raising the first failure as soon as it happens: the other members of a collective
+    would otherwise sit in it until its timeout."""
+    pending = list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1)
+        ray.get(ready)

@@ -1,0 +1,37 @@
+"""What rollout code needs from the running system rather than from the flags: where the router listens, which
+engines are in service, and the run's counters.
+
+One per process, owned by the rollout manager (it fills the context in as it starts the router and the engines,
+and as the health monitor takes engines out and puts restarted ones back) and read by rollout code through
+`rollout_context()`. Custom rollout, generate and reward functions keep slime's signatures and reach it the
+same way.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RolloutContext:
+    router_url: str | None = None  # "http://host:port" of the router every generate request goes through
+    engine_urls: list[str] = field(default_factory=list)  # the engines in service now
+    counters: dict[str, float] = field(default_factory=dict)  # running totals, reported with every rollout
+    counters_once: dict[str, float] = field(default_factory=dict)  # reported with the next rollout only
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # the health monitor's thread writes
+
+
+_context = RolloutContext()
+
+
+def rollout_context() -> RolloutContext:
+    """This process's rollout context."""
+    return _context
+
+
+def reset_rollout_context(**fields) -> RolloutContext:
+    """A fresh context for this process (a new run in it, or a test), with `fields` set."""
+    global _context
+    _context = RolloutContext(**fields)
+    return _context
