@@ -1,0 +1,283 @@
+"""The engine fleet: the one owner of the vLLM engines, the router in front of them, their health, restarts,
+sleep and wake-up, and the weights they serve.
+
+Lives in the rollout manager's process (`RolloutManager.fleet`), where the rollouts run, and keeps that
+process's rollout context (`vime.rollout.context`) up to date: the router's URL and the engines in service.
+With --use-fault-tolerance an `EngineHealthMonitor` thread restarts dead or hung engines (`_restart_engine`);
+control calls skip an engine found dead, which the monitor restarts with the current weights
+(`recovery_weights`, an HF directory the weight sync leaves with every update).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import ray
+
+from vime.backends.vllm_utils import client
+from vime.backends.vllm_utils.arguments import engine_dtype_warning, router_args_from
+from vime.backends.vllm_utils.engine import VLLMEngine, http_ok
+from vime.backends.vllm_utils.router import Router, post_worker
+from vime.backends.weight_transport.disk import DiskWeightTransport
+from vime.ray.health import EngineHealthMonitor
+from vime.ray.placement import num_engines
+from vime.rollout.context import RolloutContext
+from vime.rollout.metrics import add_counter
+from vime.utils.device import serving_host
+from vime.utils.misc import find_free_port
+
+logger = logging.getLogger(__name__)
+
+
+class EngineFleet:
+    def __init__(self, args, placement, log_dir: Path, context: RolloutContext):
+        self.args = args
+        self.placement = placement
+        self.log_dir = log_dir
+        self.context = context  # the router URL and the engines in service, as rollouts read them
+        self.engines: list = []
+        self.router: Router | None = None
+        self.rank_urls: list[str] = []  # engine rank -> its current URL (in service or being restarted)
+        self.served_version: str | None = None  # the version last sent to the engines, if any
+        self.recovery_weights: str | None = None  # HF directory of the current weights, for restarted engines
+        self.monitor: EngineHealthMonitor | None = None
+        self._engines_lock = threading.RLock()  # engine set changes vs. control calls and weight updates
+        self._starting: dict[int, object] = {}  # rank -> engine actor being started by a restart
+
+    @property
+    def engine_urls(self) -> list[str]:
+        """The engines in service (the rollout context's list: rollouts abort on these)."""
+        return self.context.engine_urls
+
+    @engine_urls.setter
+    def engine_urls(self, urls: list[str]) -> None:
+        self.context.engine_urls = list(urls)
+
+    @property
+    def router_url(self) -> str | None:
+        return self.context.router_url
+
+    @router_url.setter
+    def router_url(self, url: str) -> None:
+        self.context.router_url = url
+
+    # ---- lifecycle -------------------------------------------------------------------------------------------
+    def start(self) -> list[str]:
+        """Start (or connect to) the engines and the router; returns the engine URLs."""
+        args = self.args
+        if args.rollout_external_engine_addrs:
+            self.engine_urls = [f"http://{a}" for a in args.rollout_external_engine_addrs]
+        else:
+            if engine_dtype_warning(args):
+                logger.warning(engine_dtype_warning(args))
+            self.engines = [self._new_engine(rank) for rank in range(num_engines(args))]
+            self.engine_urls = ray.get([e.start.remote() for e in self.engines])
+        self.rank_urls = list(self.engine_urls)
+        self._start_router()
+        logger.info("engines %s behind router %s", self.engine_urls, self.router_url)
+        if args.use_fault_tolerance and self.engines:
+            self.monitor = EngineHealthMonitor(len(self.engines), self._probe_engine_between_updates,
+                                               self._restart_engine,
+                                               args.rollout_health_check_interval,
+                                               args.rollout_health_check_first_wait)
+            self.monitor.start()
+        return list(self.engine_urls)
+
+    def _new_engine(self, rank: int):
+        """An engine actor for `rank` in its placement bundle (not started)."""
+        args = self.args
+        options, share = {"num_cpus": 1}, None
+        if self.placement is not None and self.placement.pg is not None:
+            options = self.placement.actor_options(self.placement.engine_bundle(rank, args.rollout_num_gpus_per_engine))
+            share = self.placement.cpu_share("engine", rank)
+        return ray.remote(VLLMEngine).options(**options).remote(args, rank, str(self.log_dir), share)
+
+    def _start_router(self) -> None:
+        args = self.args
+        if args.vllm_router_ip:  # an external router: register our engines with it
+            self.router_url = f"http://{args.vllm_router_ip}:{args.vllm_router_port}"
+            for url in self.engine_urls:
+                post_worker(self.router_url, "add_worker", url)
+            return  # not ours to stop
+        host = serving_host(args)
+        port = args.vllm_router_port or find_free_port()
+        self.router = Router(router_args_from(args, host, port, self.engine_urls), str(self.log_dir))
+        self.router_url = self.router.start()
+
+    def shutdown(self) -> None:
+        if self.monitor is not None:
+            self.monitor.stop()
+            self.monitor = None
+        for actor in list(self._starting.values()):  # a restart in progress: its engine must not outlive us
+            ray.kill(actor)
+        self._drop_recovery_weights()
+        if self.router is not None:
+            self.router.stop()
+            self.router = None
+        if self.engines:
+            stops = [e.stop.remote() for e in self.engines]  # all at once: each may wait out a grace period
+            for e, stop in zip(self.engines, stops):
+                try:
+                    ray.get(stop, timeout=60)
+                except Exception as err:  # a dead engine (fault tolerance): its actor's watchdog killed it
+                    logger.warning("stopping an engine: %s", type(err).__name__)
+                ray.kill(e)
+            self.engines = []
+
+    def engine_pids(self) -> list[int]:
+        return ray.get([e.pid.remote() for e in self.engines])
+
+    # ---- engine control (every engine, never through the router) ---------------------------------------------
+    def post_engines(self, route: str, body: dict | None = None, params: dict | None = None) -> None:
+        """POST to every engine in service. With fault tolerance an engine that fails the call and its health
+        probe is taken out of service (the monitor restarts it); otherwise any failure raises."""
+        with self._engines_lock:
+            if self.monitor is None:
+                client.post_all(self.engine_urls, route, body, params)
+                return
+            _, errors = client.post_each(list(self.engine_urls), route, body, params)
+            self._settle(errors)
+
+    def _settle(self, errors: dict[str, str]) -> None:
+        """The engines whose control call failed ({url: error}): without fault tolerance that is an error; with it,
+        the dead ones are taken out of service (the monitor restarts them) and a healthy one's failure raises."""
+        if not errors:
+            return
+        if self.monitor is None:
+            raise client.EngineControlError("; ".join(errors.values()))
+        self._take_out_dead(errors)
+
+    def _take_out_dead(self, errors: dict[str, str]) -> None:
+        """Of the engines whose control call failed, take the dead ones out of service; raise if one is healthy."""
+        healthy_errors = []
+        for url, error in errors.items():
+            rank = self.rank_urls.index(url)
+            reason = self._probe_engine(rank)
+            if reason is None:
+                healthy_errors.append(error)
+                continue
+            logger.error("engine %d (%s) failed a control call and its health check (%s); taken out of service "
+                         "until it is restarted", rank, url, reason)
+            self._take_out_of_service(url)
+            self.monitor.check_soon(rank)
+        if healthy_errors:
+            raise client.EngineControlError("; ".join(healthy_errors))
+
+    def _take_out_of_service(self, url: str) -> None:
+        with self._engines_lock:
+            if url in self.engine_urls:
+                self.engine_urls.remove(url)
+        try:
+            post_worker(self.router_url, "remove_worker", url)
+        except OSError as e:  # already removed
+            logger.info("router: remove_worker %s: %s", url, e)
+
+    def sleep(self) -> None:
+        """Free engine memory while the trainer uses the shared devices (--colocate --offload-rollout)."""
+        self.post_engines("/sleep", params={"level": 1})
+
+    def wake_up(self) -> None:
+        self.post_engines("/wake_up")
+
+    def apply_weights(self, transport, handle, version: int, recovery_dir: str | None = None) -> dict[str, float]:
+        """Every engine at once: pause -> load `transport`'s update -> reset the prefix cache -> weight `version`
+        -> resume. `recovery_dir`: an HF directory of the same weights (--use-fault-tolerance), kept for engines
+        restarted later. Returns the slowest engine's {"pause_s", "load_s", "finish_s"}."""
+        with self._engines_lock:
+            targets = list(self.engine_urls)
+            connected = transport.bound_engines(handle)
+            calls = {}
+            if connected is not None and recovery_dir is not None:
+                # an update bound to the engine set it was made for (broadcast): an engine restarted since then
+                # loads the same weights from the recovery copy
+                recovery_call = DiskWeightTransport(self.args).load_call(recovery_dir)
+                calls = {u: recovery_call for u in targets if u not in connected}
+            calls.update(transport.load_calls([u for u in targets if u not in calls], handle))
+            answers, errors = client.update_weights_each(targets, calls, version)
+            self._settle(errors)  # a dead engine gets these weights when it is restarted
+            if recovery_dir is not None:
+                self.set_recovery_weights(recovery_dir)
+            self.served_version = str(version)
+        slowest: dict[str, float] = {}
+        for answer in answers.values():
+            for phase, seconds in answer.get("timings", {}).items():
+                slowest[phase] = max(seconds, slowest.get(phase, 0.0))
+        return slowest
+
+    def set_recovery_weights(self, path: str) -> None:
+        """Remember `path` (HF safetensors of the engines' current weights) for restarts; drops the previous one."""
+        with self._engines_lock:
+            if path != self.recovery_weights:
+                self._drop_recovery_weights()
+            self.recovery_weights = path
+
+    def _drop_recovery_weights(self) -> None:
+        """Delete the recovery directory if vime wrote it (a weight-update directory), never a user's."""
+        path = self.recovery_weights
+        if path and Path(path).name.startswith(("vime_weights_", "vime_recovery_")):
+            shutil.rmtree(path, ignore_errors=True)
+        self.recovery_weights = None
+
+    # ---- fault tolerance (the health monitor's thread) -----------------------------------------------------------
+    def _probe_engine(self, rank: int) -> str | None:
+        """None when engine `rank` is healthy, else why not."""
+        timeout = self.args.rollout_health_check_timeout
+        try:
+            if not ray.get(self.engines[rank].is_alive.remote(), timeout=timeout):
+                return "its server process exited"
+        except Exception as e:  # the actor died, or is stuck
+            return f"engine actor unreachable: {type(e).__name__}"
+        if not http_ok(self.rank_urls[rank] + "/health", timeout=timeout):
+            return f"/health did not answer within --rollout-health-check-timeout {timeout}s"
+        return None
+
+    def _probe_engine_between_updates(self, rank: int) -> str | None:
+        """The monitor's probe: never while weights are being loaded (a busy engine may answer /health late)."""
+        with self._engines_lock:
+            return self._probe_engine(rank)
+
+    def _restart_engine(self, rank: int, reason: str) -> None:
+        """Take engine `rank` out, kill it, start a new one in its bundle, load the current weights, register it."""
+        args = self.args
+        start = time.perf_counter()
+        old_url = self.rank_urls[rank]
+        self._take_out_of_service(old_url)
+        old = self.engines[rank]
+        try:
+            ray.get(old.stop.remote(), timeout=30)  # kills the server's whole process tree
+        except Exception as e:
+            logger.warning("engine %d: stop failed (%s); killing its actor", rank, type(e).__name__)
+        ray.kill(old, no_restart=True)  # its watchdog then kills whatever is left of the server
+        new = self._new_engine(rank)
+        self._starting[rank] = new
+        try:
+            url = ray.get(new.start.remote(), timeout=args.engine_startup_timeout + 60)
+            with self._engines_lock:  # no weight update in between: the engine joins with the current weights
+                if self.served_version is not None:  # weights were pushed since the start: load the latest
+                    call = DiskWeightTransport(args).load_call(self.recovery_weights) if self.recovery_weights else None
+                    client.update_weights_all([url], {url: call}, self.served_version)
+                self.engines[rank] = new
+                self.rank_urls[rank] = url
+                self.engine_urls.append(url)
+                post_worker(self.router_url, "add_worker", url)
+        except BaseException:
+            ray.kill(new)
+            raise
+        finally:
+            self._starting.pop(rank, None)
+        add_counter("rollout/engine_restarts")
+        logger.warning("engine %d restarted in %.1fs (%s): %s -> %s, weight version %s", rank,
+                       time.perf_counter() - start, reason, old_url, url, self.served_version or "initial")
+
+    def engine_restarts(self) -> int:
+        return int(self.context.counters.get("rollout/engine_restarts", 0))
+
+    def probe_log_probs(self, tokens: list[int]) -> list[list[float]]:
+        """Every engine's prompt log-probs of `tokens` (for --check-weight-update-equal)."""
+        from vime.backends.weight_transport.check import engine_prompt_log_probs
+
+        return engine_prompt_log_probs(self.engine_urls, tokens)
