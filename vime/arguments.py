@@ -28,7 +28,7 @@ from vime.algorithms.arguments import add_algorithm_args, validate_algorithm_arg
 from vime.backends.megatron_utils.arguments import add_megatron_args
 from vime.backends.megatron_utils.train_arguments import add_train_args, validate_train_args
 from vime.backends.vllm_utils.arguments import add_router_args, add_vllm_engine_args, validate_vllm_args
-from vime.rollout.arguments import DEFAULT_ROLLOUT_FUNCTION, add_all_rollout_args
+from vime.rollout.arguments import add_all_rollout_args, validate_rollout_args
 
 
 def add_run_args(parser: argparse.ArgumentParser) -> None:
@@ -148,102 +148,26 @@ def function_path_flags(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 
 def validate_args(args: argparse.Namespace) -> None:
-    """Fill derived defaults and reject bad combinations with a message that says how to fix them."""
+    """Fill derived defaults and reject bad combinations with a message that says how to fix them: the run's and
+    the placement's flags here, each package's own next to where it declares them, then every function path."""
     from vime.utils.misc import load_function
 
-    if args.debug_rollout_only and args.debug_train_only:
-        raise ValueError("--debug-rollout-only and --debug-train-only exclude each other; pick one")
     if not args.hf_checkpoint:
         raise ValueError("--hf-checkpoint DIR is required (build a tiny one: python -m vime.tools.tiny_model)")
     if not (Path(args.hf_checkpoint) / "config.json").is_file():
         raise ValueError(f"--hf-checkpoint {args.hf_checkpoint}: no config.json there; is it an HF checkpoint?")
+    args.output_dir = os.path.abspath(args.output_dir)
+    for flag in ("offload_rollout", "offload_train"):
+        if getattr(args, flag) and not args.colocate:
+            raise ValueError(f"--{flag.replace('_', '-')} only makes sense with --colocate (engines and trainer "
+                             "share devices)")
 
-    replaying = args.load_debug_rollout_data is not None
-    engine_free_rollout = args.rollout_function_path != DEFAULT_ROLLOUT_FUNCTION  # e.g. sft_rollout
-    if args.debug_train_only and not replaying and not engine_free_rollout:
-        raise ValueError("--debug-train-only needs --load-debug-rollout-data PATH_{rollout_id}, or a "
-                         "--rollout-function-path that needs no engines (vime.rollout.sft_rollout.generate_rollout)")
-    if args.debug_rollout_only and replaying:
-        raise ValueError("--debug-rollout-only generates rollouts; it cannot also --load-debug-rollout-data")
-    for flag in ("save_debug_rollout_data", "load_debug_rollout_data"):
-        template = getattr(args, flag)
-        if template is not None and "{rollout_id}" not in template:
-            raise ValueError(f"--{flag.replace('_', '-')} {template!r} must contain '{{rollout_id}}'")
-
-    if not replaying:
-        if not args.prompt_data:
-            raise ValueError("--prompt-data FILE is required (JSONL or Parquet) unless replaying saved rollouts")
-        if not Path(args.prompt_data).is_file():
-            raise ValueError(f"--prompt-data {args.prompt_data}: file not found")
-        if args.rm_type is None and args.custom_rm_path is None and not args.debug_train_only:
-            raise ValueError("choose a reward: --rm-type (math, boxed, f1, ...) or --custom-rm-path module.fn")
-        if args.rm_type == "remote_rm" and not args.rm_url:
-            raise ValueError("--rm-type remote_rm needs --rm-url http://host:port/path")
-    if args.eval_prompt_data is not None:
-        if len(args.eval_prompt_data) % 2:
-            raise ValueError("--eval-prompt-data takes pairs NAME PATH [NAME PATH ...]")
-        for name, path in zip(args.eval_prompt_data[::2], args.eval_prompt_data[1::2]):
-            if not Path(path).is_file():
-                raise ValueError(f"--eval-prompt-data {name}: file {path} not found")
-
-    for flag in ("rollout_batch_size", "n_samples_per_prompt", "rollout_max_response_len", "rollout_concurrency",
-                 "rollout_num_gpus", "rollout_num_gpus_per_engine", "n_samples_per_eval_prompt"):
-        if getattr(args, flag) is not None and getattr(args, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    if args.over_sampling_batch_size is None:
-        args.over_sampling_batch_size = args.rollout_batch_size
-    if args.over_sampling_batch_size < args.rollout_batch_size:
-        raise ValueError(f"--over-sampling-batch-size ({args.over_sampling_batch_size}) must be >= "
-                         f"--rollout-batch-size ({args.rollout_batch_size})")
-    if args.rollout_temperature <= 0:
-        raise ValueError("--rollout-temperature must be > 0: RL needs sampled responses and their log-probs")
-    if not 0 < args.rollout_top_p <= 1:
-        raise ValueError(f"--rollout-top-p must be in (0, 1], got {args.rollout_top_p}")
-    if args.rollout_num_gpus % args.rollout_num_gpus_per_engine:
-        raise ValueError(f"--rollout-num-gpus ({args.rollout_num_gpus}) must be a multiple of "
-                         f"--rollout-num-gpus-per-engine ({args.rollout_num_gpus_per_engine})")
-    if args.rollout_external_engine_addrs:
-        for addr in args.rollout_external_engine_addrs:
-            host, _, port = addr.rpartition(":")
-            if not host or not port.isdigit():
-                raise ValueError(f"--rollout-external-engine-addrs: {addr!r} is not host:port")
-
-    if args.mask_offpolicy_in_partial_rollout and not args.partial_rollout:
-        raise ValueError("--mask-offpolicy-in-partial-rollout needs --partial-rollout")
+    validate_rollout_args(args)
     for flag, path in function_path_flags(args):
         try:
             load_function(path)
         except (ImportError, AttributeError, ValueError) as e:
             raise ValueError(f"--{flag.replace('_', '-')}: {e}") from e
-
-    if args.use_fault_tolerance and args.rollout_external_engine_addrs:
-        raise ValueError("--use-fault-tolerance restarts engines vime started; it cannot restart "
-                         "--rollout-external-engine-addrs servers (drop one of the two)")
-    for flag in ("rollout_health_check_interval", "rollout_health_check_timeout"):
-        if getattr(args, flag) <= 0:
-            raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
-    if args.rollout_data_dir is None:
-        args.rollout_data_dir = os.path.join(os.path.abspath(args.output_dir), "rollout_data")
-    args.rollout_data_dir = os.path.abspath(args.rollout_data_dir)
-
-    for flag in ("offload_rollout", "offload_train"):
-        if getattr(args, flag) and not args.colocate:
-            raise ValueError(f"--{flag.replace('_', '-')} only makes sense with --colocate (engines and trainer "
-                             "share devices)")
-    if args.rollout_seed is None:
-        args.rollout_seed = args.seed
-    if args.apply_chat_template_kwargs is not None:
-        try:
-            args.apply_chat_template_kwargs = json.loads(args.apply_chat_template_kwargs)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--apply-chat-template-kwargs is not valid JSON: {e}") from e
-    for name, default in (("eval_temperature", args.rollout_temperature), ("eval_top_p", args.rollout_top_p),
-                          ("eval_top_k", args.rollout_top_k),
-                          ("eval_max_response_len", args.rollout_max_response_len)):
-        if getattr(args, name) is None:
-            setattr(args, name, default)
     args.vllm_engine_args = validate_vllm_args(args)
-    args.output_dir = os.path.abspath(args.output_dir)
-
     validate_algorithm_args(args)
     validate_train_args(args)
