@@ -137,6 +137,6 @@ def load_checkpoint(trainer, root: str) -> dict | None:
         trainer.scheduler.load_state_dict(meta["scheduler"])
     rng_file = path / "rng" / f"rank_{dist.get_rank()}.pt"
     if not args.no_load_rng and rng_file.is_file():
-        _set_rng_state(torch.load(rng_file, weights_only=False))
+        _set_rng_state(torch.load(rng_file, weights_only=True))  # tensors and plain values only: nothing is unpickled
     trainer.step = meta["step"]
     return meta
