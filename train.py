@@ -20,10 +20,10 @@ def train(args) -> None:
         for rollout_id in progress(range(start, num_rollout), desc="rollouts", initial=start, total=num_rollout):
             step_start = time.perf_counter()
             run.maybe_eval(rollout_id)
-            groups, metrics = run.collect(run.generate(rollout_id))
+            rollout, metrics = run.collect(run.generate(rollout_id))
             run.offload_rollout()  # colocated: the trainer gets the devices
             run.onload_train()
-            metrics.update(run.train(rollout_id, groups))
+            metrics.update(run.train(rollout))
             run.maybe_save(rollout_id, num_rollout)
             run.onload_rollout()
             metrics.update(run.update_weights(version=rollout_id + 1))

@@ -15,14 +15,9 @@ from vime.ray.session import TrainingSession, run_entry_point
 from vime.utils.logging_utils import progress
 
 
-def staleness_metrics(groups, trainer_version: int) -> dict[str, float]:
+def staleness_metrics(sample_versions: list, trainer_version: int) -> dict[str, float]:
     """How many weight updates behind the trainer each sample's (last) generating version was."""
-    lags = []
-    for group in groups:
-        for sample in group:
-            versions = sample.get("weight_versions") or []
-            if versions and str(versions[-1]).isdigit():
-                lags.append(trainer_version - int(versions[-1]))
+    lags = [trainer_version - int(v) for v in sample_versions if v is not None and str(v).isdigit()]
     if not lags:
         return {}
     return {"async/staleness_mean": sum(lags) / len(lags), "async/staleness_max": float(max(lags))}
@@ -38,11 +33,11 @@ def train(args) -> None:
         pending = run.generate(start)
         for rollout_id in progress(range(start, num_rollout), desc="rollouts", initial=start, total=num_rollout):
             step_start = time.perf_counter()
-            groups, metrics = run.collect(pending)
+            rollout, metrics = run.collect(pending)
             if rollout_id + 1 < num_rollout:
                 pending = run.generate(rollout_id + 1)  # runs on the engines while we train below
-            metrics.update(staleness_metrics(groups, run.weight_version))
-            metrics.update(run.train(rollout_id, groups))
+            metrics.update(staleness_metrics(rollout.extra["sample_versions"], run.weight_version))
+            metrics.update(run.train(rollout))
             run.maybe_save(rollout_id, num_rollout)
             if (rollout_id + 1) % args.update_weights_interval == 0 or rollout_id + 1 == num_rollout:
                 # the trainers write the new weights while rollout N+1 finishes; the engines load them between

@@ -65,7 +65,7 @@ def _rollout(manager, args, rollout_id: int):
 
     from vime.data.transport import make_transport
 
-    groups, extra = make_transport(args).get(ray.get(manager.generate.remote(rollout_id), timeout=600))
+    groups, extra = make_transport(args).get(ray.get(manager.generate.remote(rollout_id), timeout=600).handle)
     return groups, extra["metrics"]
 
 
@@ -187,7 +187,7 @@ def test_sigkilled_engine_is_replaced_with_the_current_weights(stack, tiny_qwen3
 
     from vime.data.transport import make_transport
 
-    groups, extra = make_transport(args).get(ray.get(rollout, timeout=600))
+    groups, extra = make_transport(args).get(ray.get(rollout, timeout=600).handle)
     metrics = extra["metrics"]
     print(f"rollout with a SIGKILL: done {time.monotonic() - killed:.1f}s after the kill, "
           f"{metrics['rollout/request_retries']} requests retried")

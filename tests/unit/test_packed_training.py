@@ -11,6 +11,7 @@ pytest.importorskip("megatron.core")
 from tests.helpers.rollouts import make_rollout  # noqa: E402
 from tests.helpers.trainer_runs import local_trainer  # noqa: E402
 from vime.backends.megatron_utils.batching import micro_batch_inputs  # noqa: E402
+from vime.backends.megatron_utils.train_batch import TrainBatch  # noqa: E402
 from vime.backends.megatron_utils.loss import make_loss_fn  # noqa: E402
 from vime.backends.megatron_utils.model import forward_log_probs, run_schedule  # noqa: E402
 from vime.backends.megatron_utils.trainer import _denominators  # noqa: E402
@@ -34,7 +35,7 @@ def test_micro_batch_inputs_pack_without_padding_and_point_at_response_logits():
 def _loss_and_grads(t, batch, mbs, packed: bool):
     for m in t.model:
         m.zero_grad_buffer()
-    loss_fn = make_loss_fn(t.args, batch, _denominators(batch, range(len(batch["tokens"]))), scale=len(mbs),
+    loss_fn = make_loss_fn(t.args, batch, _denominators(batch, range(len(batch.tokens))), scale=len(mbs),
                            step_index=0)
     metrics = run_schedule(t.model, mbs, batch, loss_fn, forward_only=False, packed=packed)
     loss = sum(float(m["loss"]) for m in metrics)
@@ -45,11 +46,11 @@ def _loss_and_grads(t, batch, mbs, packed: bool):
 def test_packed_and_padded_training_give_the_same_loss_and_gradients(tiny_qwen3):
     groups = make_rollout(seed=7, prompt_lengths=(3, 30), response_lengths=(1, 25))
     with local_trainer(tiny_qwen3, "--entropy-coef", "0.01") as t:
-        batch = t._batch(groups)
+        batch = TrainBatch.from_samples(groups, t.args)
         t._compute_advantages(batch)
-        n = len(batch["tokens"])
+        n = len(batch.tokens)
         mbs = [list(range(0, 5)), list(range(5, 11)), list(range(11, n))]
-        assert len({len(batch["tokens"][i]) for i in mbs[0]}) > 1  # mixed lengths within a micro-batch
+        assert len({len(batch.tokens[i]) for i in mbs[0]}) > 1  # mixed lengths within a micro-batch
         packed_loss, packed_grads = _loss_and_grads(t, batch, mbs, packed=True)
         padded_loss, padded_grads = _loss_and_grads(t, batch, mbs, packed=False)
         assert packed_loss == pytest.approx(padded_loss, abs=1e-6)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from vime.data.transport import rollout_summary
 from vime.data.transport.replay import (TRAINED_SAMPLES, append_trained_samples, read_trained_samples, replay_ids,
                                         truncate_trained_samples)
 
@@ -16,16 +17,20 @@ def _groups(ids):
     return [[{"index": i} for i in ids[:2]], [{"index": i} for i in ids[2:]]]
 
 
+def _ids(groups):  # what the driver keeps of a rollout (vime.data.transport.rollout_summary)
+    return rollout_summary(groups)["sample_ids"]
+
+
 def test_trained_samples_are_cut_back_to_the_checkpoint_on_resume(tmp_path):
     for rollout_id in range(4):
-        append_trained_samples(tmp_path, rollout_id, _groups([4 * rollout_id + j for j in range(4)]), False)
+        append_trained_samples(tmp_path, rollout_id, _ids(_groups([4 * rollout_id + j for j in range(4)])), False)
     with open(tmp_path / TRAINED_SAMPLES, "a") as f:
         f.write('{"rollout_id": 4, "sample_')  # killed mid-write
     truncate_trained_samples(tmp_path, start=2)  # resumed from the checkpoint of rollout 1
     records = read_trained_samples(tmp_path)
     assert [r["rollout_id"] for r in records] == [0, 1]
     assert [i for r in records for i in r["sample_ids"]] == list(range(8))
-    append_trained_samples(tmp_path, 2, _groups([8, 9, 10, 11]), replayed=True)
+    append_trained_samples(tmp_path, 2, _ids(_groups([8, 9, 10, 11])), replayed=True)
     assert read_trained_samples(tmp_path)[-1] == {"rollout_id": 2, "sample_ids": [8, 9, 10, 11], "replayed": True}
 
 

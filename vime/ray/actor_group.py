@@ -2,7 +2,7 @@
 
     group = RayTrainGroup(args, placement)
     group.init(total_steps)
-    metrics = group.train(rollout_id, groups)
+    metrics = group.train(rollout_id, handle)      # each rank reads the rollout from the data transport itself
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import logging
 
 import ray
 
+from vime.data.transport import make_transport
 from vime.utils.cpus import CpuShare, allowed_cpus, use_cpus
 from vime.utils.device import serving_host, use_gpu
 from vime.utils.logging_utils import configure_logging
@@ -27,6 +28,8 @@ class TrainActor:
         self.args, self.rank, self.world_size, self.role = args, rank, world_size, role
         self.trainer = None
         self.weight_transports = {}  # kind -> this rank's transport
+        self.rollouts = make_transport(args)  # where this rank reads the rollouts it trains on
+        self.last_rollout: tuple[int, list] | None = None  # (id, groups): PPO's critic reads one rollout twice
         # Ray gives an actor of one logical CPU one OpenMP thread; the placement's share is what it computes on
         share = cpu_share or CpuShare()
         if args.train_num_threads:  # the user's count, on whatever CPUs the OS picks
@@ -50,18 +53,27 @@ class TrainActor:
         self.trainer = MegatronTrainer(self.args, self.rank, self.world_size, master_addr, master_port, total_steps,
                                        role=self.role)
 
-    def train(self, rollout_id: int, groups, values=None) -> dict:
-        return self.trainer.train(rollout_id, groups, values)
+    def _read(self, handle) -> list[list[dict]]:
+        """The rollout behind a data-transport handle, as groups of sample dicts."""
+        if self.last_rollout is None or self.last_rollout[0] != handle.rollout_id:
+            self.last_rollout = (handle.rollout_id, self.rollouts.get(handle)[0])
+        return self.last_rollout[1]
 
-    # PPO: the critic's values for the actor, the actor's returns for the critic
-    def compute_values(self, groups) -> dict[int, list[float]]:
-        return self.trainer.compute_values(groups)
+    def train(self, rollout_id: int, handle) -> dict:
+        return self.trainer.train(rollout_id, self._read(handle))
 
-    def get_returns(self) -> list[list[float]] | None:
-        return self.trainer.get_returns()
+    # PPO: the critic's values for the actor, the actor's returns for the critic. Values arrive as one dict per
+    # critic rank ({sample index: per-token values}); Ray resolves the refs the driver passes on.
+    def train_with_values(self, rollout_id: int, handle, *value_parts: dict) -> tuple[dict, list | None]:
+        """(metrics, the GAE returns for the critic)."""
+        metrics = self.trainer.train(rollout_id, self._read(handle), _merged(value_parts))
+        return metrics, self.trainer.get_returns()
 
-    def train_critic(self, rollout_id: int, groups, values: dict, returns: list) -> dict:
-        return self.trainer.train_critic(rollout_id, groups, values, returns)
+    def compute_values(self, handle) -> dict[int, list[float]]:
+        return self.trainer.compute_values(self._read(handle))
+
+    def train_critic(self, rollout_id: int, handle, returns: list, *value_parts: dict) -> dict:
+        return self.trainer.train_critic(rollout_id, self._read(handle), _merged(value_parts), returns)
 
     # colocated runs: the trainer's state to host memory and back
     def offload(self) -> int:
@@ -113,21 +125,24 @@ class RayTrainGroup:
         master_addr, master_port = ray.get(self.actors[0].address.remote())
         ray.get([a.init.remote(master_addr, master_port, total_steps) for a in self.actors])
 
-    def train(self, rollout_id: int, groups, values=None) -> dict[str, float]:
-        """All ranks train together; the metrics come from the last pipeline stage."""
-        ref = ray.put(groups)
-        results = ray.get([a.train.remote(rollout_id, ref, values) for a in self.actors])
-        return next((r for r in results if r), {})
+    def train(self, rollout_id: int, handle) -> dict[str, float]:
+        """All ranks train together on the rollout behind `handle`; the metrics come from the last pipeline
+        stage."""
+        return _first_nonempty(ray.get([a.train.remote(rollout_id, handle) for a in self.actors]))
 
-    # each of these runs on every rank and returns the ranks' answers in rank order
-    def compute_values(self, groups) -> list[dict[int, list[float]]]:
-        return ray.get([a.compute_values.remote(groups) for a in self.actors])
+    # PPO. Values and returns pass between the groups as object refs: the driver never fetches them.
+    def compute_values(self, handle) -> list[ray.ObjectRef]:
+        """The critic's values, one ref per rank (each holds its own samples' values)."""
+        return [a.compute_values.remote(handle) for a in self.actors]
 
-    def get_returns(self) -> list:
-        return ray.get([a.get_returns.remote() for a in self.actors])
+    def train_with_values(self, rollout_id: int, handle, values: list[ray.ObjectRef]) -> tuple[dict, ray.ObjectRef]:
+        """The actor's step with the critic's values; returns (metrics, a ref to the GAE returns)."""
+        refs = [a.train_with_values.options(num_returns=2).remote(rollout_id, handle, *values) for a in self.actors]
+        return _first_nonempty(ray.get([m for m, _ in refs])), refs[0][1]
 
-    def train_critic(self, rollout_id: int, groups, values: dict, returns: list) -> list[dict]:
-        return ray.get([a.train_critic.remote(rollout_id, groups, values, returns) for a in self.actors])
+    def train_critic(self, rollout_id: int, handle, values: list[ray.ObjectRef], returns: ray.ObjectRef) -> dict:
+        return _first_nonempty(ray.get([a.train_critic.remote(rollout_id, handle, returns, *values)
+                                        for a in self.actors]))
 
     def offload(self) -> list[int]:
         return ray.get([a.offload.remote() for a in self.actors])
@@ -151,3 +166,15 @@ class RayTrainGroup:
         for a in self.actors:
             ray.kill(a)
         self.actors = []
+
+
+def _first_nonempty(results: list[dict]) -> dict:
+    """The ranks' answers -> the one that reports (the last pipeline stage's first rank), or {}."""
+    return next((r for r in results if r), {})
+
+
+def _merged(parts) -> dict | None:
+    merged = {}
+    for part in parts:
+        merged.update(part)
+    return merged or None

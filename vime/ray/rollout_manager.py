@@ -3,7 +3,7 @@ transport, debug save and load) next to the engine fleet it hands the engines to
 
     manager = RolloutManager.remote(args, placement)
     ray.get(manager.start.remote())                              # the fleet: engines and router
-    handle = ray.get(manager.generate.remote(rollout_id))        # -> transport.get(handle): (sample dicts, extra)
+    rollout = ray.get(manager.generate.remote(rollout_id))       # a RolloutRef: transport handle + JSON extra
 
 The rollout function runs in this process, where the fleet keeps the rollout context (router URL, engines in
 service, counters) that rollout code reads (`vime.rollout.context`).
@@ -19,7 +19,7 @@ import ray
 
 from vime.data.data_source import RolloutDataSource
 from vime.data.prompt_dataset import load_prompt_file, load_prompt_samples
-from vime.data.transport import make_transport
+from vime.data.transport import RolloutRef, make_transport, rollout_summary
 from vime.ray.engine_fleet import EngineFleet
 from vime.rollout.context import reset_rollout_context
 from vime.rollout.debug_data import load_rollout, save_rollout
@@ -100,11 +100,12 @@ class RolloutManager:
         return self.fleet.probe_log_probs(tokens)
 
     # ---- rollouts --------------------------------------------------------------------------------------------
-    def generate(self, rollout_id: int):
-        """One rollout, handed to the data transport; returns its handle.
+    def generate(self, rollout_id: int) -> RolloutRef:
+        """One rollout, handed to the data transport; returns its `RolloutRef`.
 
-        `transport.get(handle)` gives (groups of sample dicts, extra), where extra holds the rollout id, its
-        metrics and the data-source state right after it (what a resumed run needs to continue after it).
+        The training ranks read the samples with `transport.get(ref.handle)`. `ref.extra` (stored with them)
+        holds the rollout id, its metrics, the sample ids and weight versions, and the data-source state right
+        after it (what a resumed run needs to continue after it).
         """
         args = self.args
         start = time.perf_counter()
@@ -121,8 +122,10 @@ class RolloutManager:
         metrics["rollout/time"] = elapsed
         metrics["rollout/tokens_per_s"] = metrics["rollout/response_tokens"] / max(elapsed, 1e-9)
         metrics.update(output.metrics or {})
-        extra = {"rollout_id": rollout_id, "metrics": metrics, "data_source": self.data_source_state()}
-        return self.transport.put(rollout_id, [[s.to_dict() for s in g] for g in groups], extra)
+        dicts = [[s.to_dict() for s in g] for g in groups]
+        extra = {"rollout_id": rollout_id, "metrics": metrics, "data_source": self.data_source_state(),
+                 **rollout_summary(dicts)}
+        return RolloutRef(self.transport.put(rollout_id, dicts, extra), extra)
 
     def eval(self, rollout_id: int) -> dict[str, float]:
         if not self.eval_sources:

@@ -9,7 +9,7 @@ import time
 import ray
 
 from vime.backends.weight_transport.check import check_weights_equal
-from vime.data.transport import make_transport
+from vime.data.transport import RolloutRef, make_transport, rollout_summary
 from vime.data.transport.replay import append_trained_samples, replay_ids, truncate_trained_samples
 from vime.ray.actor_group import RayTrainGroup
 from vime.ray.placement import Placement, init_ray
@@ -70,8 +70,8 @@ class TrainingSession:
         self.train_enabled = not args.debug_rollout_only
         self.manager = self.trainers = self.metrics = None
         self.weight_version = 0
-        self.transport = make_transport(args)  # rollouts come from the manager through this
-        self.replay: dict[int, object] = {}  # rollout id -> handle of a stored rollout to train instead of generating
+        self.transport = make_transport(args)  # stored rollouts: replay after a crash, and letting them go
+        self.replay: dict[int, RolloutRef] = {}  # rollout id -> a stored rollout to train instead of generating
         self.replayed: set[int] = set()
         self.data_state_after: dict[int, dict | None] = {}  # rollout id -> data-source state right after it
         self.trainer_restarts = 0
@@ -157,11 +157,17 @@ class TrainingSession:
         self.transport.trim([i for i in stored if i not in ids])  # already in the checkpoint, or after a gap
         if not ids:
             return
-        _, extra = self.transport.get(stored[ids[-1]])
-        ray.get(self.manager.load_data_source_state.remote(extra.get("data_source")))  # continue after them
-        self.replay = {i: stored[i] for i in ids}
+        self.replay = {i: self._stored_rollout(stored[i]) for i in ids}
+        last = self.replay[ids[-1]].extra
+        ray.get(self.manager.load_data_source_state.remote(last.get("data_source")))  # continue after them
         logger.info("replaying rollouts %d..%d from %s before generating again", ids[0], ids[-1],
                     self.args.rollout_data_dir)
+
+    def _stored_rollout(self, handle) -> RolloutRef:
+        """A rollout stored by an earlier (crashed) run, with the summary the driver keeps of it (rollouts stored
+        before the summary was part of their extra get it from their samples)."""
+        groups, extra = self.transport.get(handle)
+        return RolloutRef(handle, {**rollout_summary(groups), **extra})
 
     def generate(self, rollout_id: int):
         """Start rollout `rollout_id` (replayed from storage when a crashed run stored it); returns an ObjectRef
@@ -171,14 +177,14 @@ class TrainingSession:
             return ray.put(self.replay.pop(rollout_id))
         return self.manager.generate.remote(rollout_id)
 
-    def collect(self, pending) -> tuple[list[list[dict]], dict[str, float]]:
-        """Wait for a rollout from `generate` and fetch it through the transport: (groups, metrics)."""
-        groups, extra = self.transport.get(ray.get(pending))
-        rollout_id = extra["rollout_id"]
-        self.data_state_after[rollout_id] = extra.get("data_source")
-        metrics = dict(extra.get("metrics") or {})
-        metrics["buffer/replayed"] = float(rollout_id in self.replayed)
-        return groups, metrics
+    def collect(self, pending) -> tuple[RolloutRef, dict[str, float]]:
+        """Wait for a rollout from `generate`: (its RolloutRef, its metrics). The samples stay in the transport
+        until the training ranks read them."""
+        rollout = ray.get(pending)
+        self.data_state_after[rollout.rollout_id] = rollout.extra.get("data_source")
+        metrics = dict(rollout.extra.get("metrics") or {})
+        metrics["buffer/replayed"] = float(rollout.rollout_id in self.replayed)
+        return rollout, metrics
 
     def offload_rollout(self) -> None:
         """Colocated runs: free the engines' device memory for training (--offload-rollout)."""
@@ -202,38 +208,37 @@ class TrainingSession:
             if self.critic is not None:
                 self.critic.onload()
 
-    def train(self, rollout_id: int, groups) -> dict[str, float]:
+    def train(self, rollout: RolloutRef) -> dict[str, float]:
         """Train on one rollout. With straw and --save, training actors that die are restarted from the last
         checkpoint and the rollouts since it are replayed from storage; the engines keep running."""
+        rollout_id = rollout.rollout_id
         if self.trainers is None:  # --debug-rollout-only: nothing will ever replay it
             self.transport.trim([rollout_id])
             return {}
         start = time.perf_counter()
         try:
-            metrics = self._train_step(rollout_id, groups)
+            metrics = self._train_step(rollout)
         except ray.exceptions.RayActorError as e:
             self._recover_trainers(trained_through=rollout_id - 1, error=e)
-            metrics = self._train_step(rollout_id, groups)
+            metrics = self._train_step(rollout)
         if self.trainer_restarts:
             metrics["recovery/trainer_restarts"] = float(self.trainer_restarts)
         metrics["perf/train_time"] = time.perf_counter() - start
-        append_trained_samples(self.args.output_dir, rollout_id, groups, replayed=rollout_id in self.replayed)
+        append_trained_samples(self.args.output_dir, rollout_id, rollout.extra["sample_ids"],
+                               replayed=rollout_id in self.replayed)
         if not self.args.save:  # nothing to resume from, so nothing to replay: let the rollout go now
             self.transport.trim([rollout_id])
             self.data_state_after.pop(rollout_id, None)
         return metrics
 
-    def _train_step(self, rollout_id: int, groups) -> dict[str, float]:
+    def _train_step(self, rollout: RolloutRef) -> dict[str, float]:
         if self.critic is None:
-            return self.trainers.train(rollout_id, groups)
-        # PPO: critic values -> actor (GAE advantages, returns) -> critic regression on the returns
-        values = {}
-        for part in self.critic.compute_values(groups):
-            values.update(part)
-        metrics = self.trainers.train(rollout_id, groups, values)
-        returns = self.trainers.get_returns()[0]
-        metrics.update(next((m for m in self.critic.train_critic(rollout_id, groups, values, returns)
-                             if m), {}))
+            return self.trainers.train(rollout.rollout_id, rollout.handle)
+        # PPO: critic values -> actor (GAE advantages, returns) -> critic regression on the returns; values and
+        # returns go from actor to actor as object refs, the driver never fetches them
+        values = self.critic.compute_values(rollout.handle)
+        metrics, returns = self.trainers.train_with_values(rollout.rollout_id, rollout.handle, values)
+        metrics.update(self.critic.train_critic(rollout.rollout_id, rollout.handle, values, returns))
         return metrics
 
     def _recover_trainers(self, trained_through: int, error: Exception) -> None:
@@ -259,9 +264,9 @@ class TrainingSession:
                                f"in {args.rollout_data_dir}") from error
         truncate_trained_samples(args.output_dir, first)  # what the crash undid is trained again below
         for i in range(first, trained_through + 1):
-            replay_groups, _ = self.transport.get(stored[i])
-            self._train_step(i, replay_groups)
-            append_trained_samples(args.output_dir, i, replay_groups, replayed=True)
+            replayed = self._stored_rollout(stored[i])
+            self._train_step(replayed)
+            append_trained_samples(args.output_dir, i, replayed.extra["sample_ids"], replayed=True)
         self.trainer_restarts += 1
         logger.info("trainers restarted (%d so far); replayed rollouts %d..%d from storage", self.trainer_restarts,
                     first, trained_through)

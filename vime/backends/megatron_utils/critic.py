@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from vime.algorithms import aggregate_loss, value_loss
+from vime.backends.megatron_utils.train_batch import TrainBatch
 
 
 class ValueHead(torch.nn.Module):
@@ -32,13 +33,13 @@ def attach_value_head(chunks) -> None:
             chunk.share_embeddings_and_output_weights = False
 
 
-def make_value_loss_fn(args, batch: dict, denominators: dict, scale: float):
+def make_value_loss_fn(args, batch: TrainBatch, denominators: dict, scale: float):
     """Clipped value loss against the returns computed by the actor (GAE), as a share of the global mean."""
 
     def loss_fn(indices, inputs, output):
         values = list(output[:, 0].float().split(inputs.response_lengths))  # [R, 1]: one row per response token
-        masks = [batch["loss_masks"][i] for i in indices]
-        losses, clipped = zip(*(value_loss(v, batch["old_values"][i], batch["returns"][i], args.value_clip)
+        masks = [batch.loss_masks[i] for i in indices]
+        losses, clipped = zip(*(value_loss(v, batch.old_values[i], batch.returns[i], args.value_clip)
                                 for v, i in zip(values, indices)))
 
         def agg(xs):

@@ -11,11 +11,12 @@ from __future__ import annotations
 import torch
 
 from vime.algorithms import aggregate_loss, compute_approx_kl, compute_tis_weights, get_policy_loss
+from vime.backends.megatron_utils.train_batch import TrainBatch
 from vime.backends.megatron_utils.log_probs import response_log_probs
 from vime.utils.misc import load_function
 
 
-def make_loss_fn(args, batch: dict, denominators: dict, scale: float, step_index: int):
+def make_loss_fn(args, batch: TrainBatch, denominators: dict, scale: float, step_index: int):
     """Return loss_fn(indices, inputs, logits) -> (scaled loss, metrics) for `model.run_schedule`."""
     policy_loss = get_policy_loss(getattr(args, "policy_loss", "ppo"))
     custom = load_function(args.custom_loss_function_path) if args.custom_loss_function_path else None
@@ -29,23 +30,23 @@ def make_loss_fn(args, batch: dict, denominators: dict, scale: float, step_index
         log_probs, entropy = response_log_probs(logits, inputs.targets, inputs.response_lengths,
                                                 args.rollout_temperature, with_entropy=True,
                                                 entropy_grad=bool(args.entropy_coef) or custom is not None)
-        masks = [batch["loss_masks"][i].to(log_probs[0].device) for i in indices]
+        masks = [batch.loss_masks[i].to(log_probs[0].device) for i in indices]
         metrics: dict[str, torch.Tensor] = {}
 
         if custom is not None:
-            mb = {k: [v[i] for i in indices] for k, v in batch.items() if isinstance(v, list)}
+            mb = batch.select(indices)
             loss, metrics = custom(args, mb, log_probs, entropy, agg)
         elif args.loss_type == "sft_loss":
             loss = agg([-lp for lp in log_probs], masks)
             metrics["sft_loss"] = loss.detach()
         else:
-            old = [batch["old_log_probs"][i] if batch.get("old_log_probs") else lp.detach()
+            old = [batch.old_log_probs[i] if batch.old_log_probs else lp.detach()
                    for i, lp in zip(indices, log_probs)]
-            adv = [batch["advantages"][i] for i in indices]
+            adv = [batch.advantages[i] for i in indices]
             pg, clipped = policy_loss(log_probs, old, adv, masks, eps_clip=args.eps_clip,
                                       eps_clip_high=args.eps_clip_high, eps_clip_c=args.eps_clip_c)
             if args.use_tis:
-                weights = [compute_tis_weights(o, batch["rollout_log_probs"][i], args.tis_clip, args.tis_clip_low)
+                weights = [compute_tis_weights(o, batch.rollout_log_probs[i], args.tis_clip, args.tis_clip_low)
                            for o, i in zip(old, indices)]
                 pg = [p * w for p, w in zip(pg, weights)]
                 metrics["tis_weight_mean"] = agg(weights, masks).detach()
@@ -56,15 +57,15 @@ def make_loss_fn(args, batch: dict, denominators: dict, scale: float, step_index
             if args.entropy_coef:
                 loss = loss - args.entropy_coef * agg(entropy, masks)
             if args.use_kl_loss:
-                ref = [batch["ref_log_probs"][i] for i in indices]
+                ref = [batch.ref_log_probs[i] for i in indices]
                 kl = agg([compute_approx_kl(lp, r, args.kl_loss_type) for lp, r in zip(log_probs, ref)], masks)
                 loss = loss + args.kl_loss_coef * kl
                 metrics["kl_loss"] = kl.detach()
         metrics["entropy"] = agg([e.detach() for e in entropy], masks)
         metrics["loss"] = loss.detach()
         if step_index == 0:  # parameters still equal the rollout policy's: report the train/inference gap
-            diffs = [(lp.detach() - batch["rollout_log_probs"][i].to(lp.device)).abs()[m.bool()]
-                     for lp, i, m in zip(log_probs, indices, masks) if batch["rollout_log_probs"][i] is not None]
+            diffs = [(lp.detach() - batch.rollout_log_probs[i].to(lp.device)).abs()[m.bool()]
+                     for lp, i, m in zip(log_probs, indices, masks) if batch.rollout_log_probs[i] is not None]
             flat = torch.cat(diffs) if diffs else torch.zeros(0)
             metrics["logprob_diff_sum"] = flat.sum()
             metrics["logprob_diff_count"] = torch.tensor(float(flat.numel()))

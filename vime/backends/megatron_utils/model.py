@@ -20,6 +20,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from vime.backends.megatron_utils.batching import MicroBatchInputs, micro_batch_inputs
 from vime.backends.megatron_utils.log_probs import response_log_probs
 from vime.backends.megatron_utils.model_provider import build_model_chunks, params_dtype
+from vime.backends.megatron_utils.train_batch import TrainBatch
 
 
 def setup_model_and_optimizer(args, total_steps: int, prepare_chunks: Callable | None = None):
@@ -104,8 +105,8 @@ def packed_seq_params(inputs: MicroBatchInputs) -> PackedSeqParams | None:
                            max_seqlen_kv=inputs.max_seqlen)
 
 
-def run_schedule(model, micro_batches: list[list[int]], batch: dict, loss_fn: Callable, forward_only: bool,
-                 packed: bool = True):
+def run_schedule(model, micro_batches: list[list[int]], batch: TrainBatch, loss_fn: Callable,
+                 forward_only: bool, packed: bool = True):
     """Run Megatron's schedule over micro-batches of sample indices.
 
     loss_fn(indices, inputs, output) -> (loss tensor, metrics dict) on the last stage, where `output` holds one
@@ -113,7 +114,7 @@ def run_schedule(model, micro_batches: list[list[int]], batch: dict, loss_fn: Ca
     `MicroBatchInputs`. `packed`: sequences packed without padding (thd) or right-padded (bshd). Returns the
     list of metrics dicts (last stage) or [] (other stages). Micro-batches differ in length
     (variable_seq_lengths)."""
-    inputs = [micro_batch_inputs([batch["tokens"][i] for i in mb], [batch["response_lengths"][i] for i in mb],
+    inputs = [micro_batch_inputs([batch.tokens[i] for i in mb], [batch.response_lengths[i] for i in mb],
                                  packed=packed) for mb in micro_batches]
     longest = max(int(x.tokens.numel()) if packed else x.tokens.shape[1] for x in inputs)
 
@@ -140,7 +141,7 @@ def run_schedule(model, micro_batches: list[list[int]], batch: dict, loss_fn: Ca
         num_microbatches=len(micro_batches), seq_length=longest, micro_batch_size=1, forward_only=forward_only)
 
 
-def forward_values(args, model, batch: dict, micro_batches: list[list[int]]) -> dict[int, torch.Tensor]:
+def forward_values(args, model, batch: TrainBatch, micro_batches: list[list[int]]) -> dict[int, torch.Tensor]:
     """Critic: {sample index: values of its response tokens} on the last stage, {} elsewhere."""
     out: dict[int, torch.Tensor] = {}
 
@@ -154,7 +155,7 @@ def forward_values(args, model, batch: dict, micro_batches: list[list[int]]) -> 
     return out
 
 
-def forward_log_probs(args, model, batch: dict, micro_batches: list[list[int]], with_entropy: bool = False):
+def forward_log_probs(args, model, batch: TrainBatch, micro_batches: list[list[int]], with_entropy: bool = False):
     """{sample index: (log-probs of its response tokens, entropy or None)} on the last stage, {} elsewhere."""
     out: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
@@ -175,7 +176,7 @@ def is_packed(args) -> bool:
     return getattr(args, "qkv_format", "thd") == "thd"
 
 
-def train_step(args, model, optimizer, scheduler, batch: dict, micro_batches: list[list[int]], loss_fn):
+def train_step(args, model, optimizer, scheduler, batch: TrainBatch, micro_batches: list[list[int]], loss_fn):
     """One optimizer step over this rank's micro-batches. Returns (metrics list, grad_norm, lr, skipped)."""
     for m in model:
         m.zero_grad_buffer()

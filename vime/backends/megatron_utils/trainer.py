@@ -23,6 +23,7 @@ from vime.backends.megatron_utils.checkpoint import load_checkpoint, save_checkp
 from vime.backends.megatron_utils.batching import balanced_partition, micro_batches, step_slices
 from vime.backends.megatron_utils.loss import make_loss_fn
 from vime.backends.megatron_utils.offload import TrainStateOffloader
+from vime.backends.megatron_utils.train_batch import TrainBatch
 from vime.backends.megatron_utils.critic import attach_value_head, make_value_loss_fn
 from vime.backends.megatron_utils.model import (
     forward_log_probs,
@@ -33,7 +34,6 @@ from vime.backends.megatron_utils.model import (
     train_step,
 )
 from vime.utils.misc import load_function
-from vime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
 
@@ -93,35 +93,17 @@ class MegatronTrainer:
                     own[k].copy_(v)
 
     # ---- data ------------------------------------------------------------------------------------------------
-    def _batch(self, groups: list[list[dict]]) -> dict:
-        samples = [Sample.from_dict(d) for g in groups for d in g]
-        usable = [s.status not in (Sample.Status.FAILED, Sample.Status.ABORTED) and s.reward is not None
-                  for s in samples]
-        masks = []
-        for s, ok in zip(samples, usable):
-            mask = s.loss_mask if s.loss_mask is not None else [1] * s.response_length
-            masks.append(torch.tensor(mask if ok else [0] * s.response_length, dtype=torch.float32))
-        return {
-            "tokens": [s.tokens for s in samples],
-            "response_lengths": [s.response_length for s in samples],
-            "loss_masks": masks,
-            "rewards": torch.tensor([s.get_reward_value(self.args) if ok else 0.0 for s, ok in zip(samples, usable)]),
-            "rollout_log_probs": [torch.tensor(s.rollout_log_probs, dtype=torch.float32)
-                                  if s.rollout_log_probs is not None else None for s in samples],
-            "num_usable": sum(usable),
-        }
-
-    def _split(self, batch: dict, every_sample: bool = False) -> list[tuple[range, list[int], list[list[int]]]]:
+    def _split(self, batch: TrainBatch, every_sample: bool = False) -> list[tuple[range, list[int], list]]:
         """Per optimizer step: (the step's sample positions, this rank's share, its micro-batches). A sample with
         no trainable token (failed, aborted, fully masked) adds nothing to the loss, so it is left out of the
         micro-batches and never computed (`every_sample` keeps it: the critic's values cover every sample); a rank
         whose share is all such samples still runs one micro-batch, of zero loss, to take part in the step."""
         args = self.args
-        lengths = [len(t) for t in batch["tokens"]]
+        lengths = [len(t) for t in batch.tokens]
         plan = []
         for step in step_slices(len(lengths), args.global_batch_size):
             local = balanced_partition(list(step), lengths, self.dp_size)[self.dp_rank]
-            computed = local if every_sample else [i for i in local if batch["loss_masks"][i].any()] or local[:1]
+            computed = local if every_sample else [i for i in local if batch.loss_masks[i].any()] or local[:1]
             if args.use_dynamic_batch_size:
                 mbs = micro_batches(computed, lengths, max_tokens=args.max_tokens_per_gpu, packed=is_packed(args))
             else:
@@ -134,9 +116,9 @@ class MegatronTrainer:
         """Actor: one rollout's optimizer steps. `values` ({sample index: per-token values}) come from the
         critic for --advantage-estimator ppo; the GAE returns are then kept in `last_returns` for it."""
         args = self.args
-        batch = self._batch(groups)
+        batch = TrainBatch.from_samples(groups, self.args)
         if values is not None:
-            batch["values"] = [torch.as_tensor(values[i], dtype=torch.float32) for i in range(len(batch["tokens"]))]
+            batch.values = [torch.as_tensor(values[i], dtype=torch.float32) for i in range(len(batch.tokens))]
         plan = self._split(batch)
         all_local_mbs = [mb for _, _, mbs in plan for mb in mbs]
         needs_old = args.loss_type != "sft_loss" and (
@@ -146,16 +128,17 @@ class MegatronTrainer:
             self._load(self.ref_state)
             ref = forward_log_probs(args, self.model, batch, all_local_mbs)
             self._load(current)
-            batch["ref_log_probs"] = _dense(ref, len(batch["tokens"]))
+            batch.ref_log_probs = _dense(ref, len(batch.tokens))
         if needs_old:
             old = forward_log_probs(args, self.model, batch, all_local_mbs)
-            batch["old_log_probs"] = _dense(old, len(batch["tokens"]))
+            batch.old_log_probs = _dense(old, len(batch.tokens))
         if args.loss_type != "sft_loss":
             self._compute_advantages(batch)
 
         metrics: dict[str, float] = {}
         for step_index, (step, local, mbs) in enumerate(plan):
-            loss_fn = make_loss_fn(args, batch, _denominators(batch, step), scale=len(mbs) * self.dp_size, step_index=step_index)
+            loss_fn = make_loss_fn(args, batch, _denominators(batch, step), scale=len(mbs) * self.dp_size,
+                                   step_index=step_index)
             mb_metrics, grad_norm, lr, skipped = train_step(args, self.model, self.optimizer, self.scheduler,
                                                             batch, mbs, loss_fn)
             self.step += 1
@@ -169,31 +152,31 @@ class MegatronTrainer:
             metrics["train/grad_norm"] = float(grad_norm or 0.0)
             metrics["train/lr"] = float(lr)
             metrics["train/skipped_steps"] = metrics.get("train/skipped_steps", 0.0) + float(skipped)
-        metrics["train/num_usable_samples"] = float(batch["num_usable"])
+        metrics["train/num_usable_samples"] = float(batch.num_usable)
         metrics["train/steps"] = float(len(plan))
         return metrics if is_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0 else {}
 
-    def _compute_advantages(self, batch: dict) -> None:
+    def _compute_advantages(self, batch: TrainBatch) -> None:
         args = self.args
-        n = len(batch["tokens"])
+        n = len(batch.tokens)
         if args.custom_advantage_function_path:
             estimator = load_function(args.custom_advantage_function_path)
         else:
             estimator = get_advantage_estimator(args.advantage_estimator)
         kl = None
         group_size = args.n_samples_per_prompt
-        if args.kl_coef and args.advantage_estimator in _PER_TOKEN_ESTIMATORS and "ref_log_probs" in batch:
+        if args.kl_coef and args.advantage_estimator in _PER_TOKEN_ESTIMATORS and batch.ref_log_probs is not None:
             kl = [compute_approx_kl(o, r, args.kl_loss_type) if o is not None and r is not None
-                  else torch.zeros(batch["response_lengths"][i])
-                  for i, (o, r) in enumerate(zip(batch["old_log_probs"], batch["ref_log_probs"]))]
+                  else torch.zeros(batch.response_lengths[i])
+                  for i, (o, r) in enumerate(zip(batch.old_log_probs, batch.ref_log_probs))]
         advantages, returns = estimator(
-            rewards=batch["rewards"], loss_masks=batch["loss_masks"], n_samples_per_prompt=group_size, kl=kl,
-            values=batch.get("values"), kl_coef=args.kl_coef, gamma=args.gamma, lambd=args.lambd,
+            rewards=batch.rewards, loss_masks=batch.loss_masks, n_samples_per_prompt=group_size, kl=kl,
+            values=batch.values, kl_coef=args.kl_coef, gamma=args.gamma, lambd=args.lambd,
             normalize_std=not args.disable_grpo_std_normalization, normalize_advantages=args.normalize_advantages,
             eps=args.advantage_eps)
-        batch["advantages"], batch["returns"] = list(advantages), list(returns)
-        assert len(batch["advantages"]) == n
-        self.last_returns = [r.tolist() for r in returns] if "values" in batch else None
+        batch.advantages, batch.returns = list(advantages), list(returns)
+        assert len(batch.advantages) == n
+        self.last_returns = [r.tolist() for r in returns] if batch.values is not None else None
 
     def _reduce(self, mb_metrics: list[dict]) -> dict[str, float]:
         """Sum the micro-batch shares, then over data-parallel ranks (last stage only)."""
@@ -214,7 +197,7 @@ class MegatronTrainer:
     # ---- critic ---------------------------------------------------------------------------------------------
     def compute_values(self, groups: list[list[dict]]) -> dict[int, list[float]]:
         """Critic: this rank's samples' per-token values (last pipeline stage; {} elsewhere)."""
-        batch = self._batch(groups)
+        batch = TrainBatch.from_samples(groups, self.args)
         mbs = [mb for _, _, m in self._split(batch, every_sample=True) for mb in m]
         return {i: v.tolist() for i, v in forward_values(self.args, self.model, batch, mbs).items()}
 
@@ -224,10 +207,10 @@ class MegatronTrainer:
     def train_critic(self, rollout_id: int, groups: list[list[dict]], values: dict, returns: list) -> dict:
         """Critic: value-loss steps against the actor's GAE returns, clipped around the rollout-time values."""
         args = self.args
-        batch = self._batch(groups)
-        n = len(batch["tokens"])
-        batch["old_values"] = [torch.as_tensor(values[i], dtype=torch.float32) for i in range(n)]
-        batch["returns"] = [torch.as_tensor(returns[i], dtype=torch.float32) for i in range(n)]
+        batch = TrainBatch.from_samples(groups, self.args)
+        n = len(batch.tokens)
+        batch.old_values = [torch.as_tensor(values[i], dtype=torch.float32) for i in range(n)]
+        batch.returns = [torch.as_tensor(returns[i], dtype=torch.float32) for i in range(n)]
         plan = self._split(batch)
         metrics: dict[str, float] = {}
         for step, local, mbs in plan:
@@ -282,15 +265,15 @@ class MegatronTrainer:
         args = self.args
         if temperature is not None:
             args = argparse.Namespace(**{**vars(args), "rollout_temperature": temperature})
-        batch = {"tokens": [tokens], "response_lengths": [response_length]}
+        batch = TrainBatch(tokens=[tokens], response_lengths=[response_length])
         out = forward_log_probs(args, self.model, batch, [[0]])
         return out[0][0].tolist() if out else []
 
 
-def _denominators(batch: dict, step) -> dict:
+def _denominators(batch: TrainBatch, step) -> dict:
     """Trainable tokens and sequences of one optimizer step, over all data-parallel ranks (global means)."""
-    return {"tokens": max(1.0, float(sum(batch["loss_masks"][i].sum() for i in step))),
-            "sequences": max(1, sum(int(batch["loss_masks"][i].sum() > 0) for i in step))}
+    return {"tokens": max(1.0, float(sum(batch.loss_masks[i].sum() for i in step))),
+            "sequences": max(1, sum(int(batch.loss_masks[i].sum() > 0) for i in step))}
 
 
 def _dense(by_index: dict, n: int) -> list:

@@ -2,7 +2,9 @@
 
     transport = make_transport(args)
     handle = transport.put(rollout_id, groups, extra)   # rollout manager; groups of Sample dicts, JSON `extra`
-    groups, extra = transport.get(handle)               # driver / trainers, in another process
+    groups, extra = transport.get(handle)               # the training ranks, in other processes
+
+The driver holds a `RolloutRef` (handle + the small JSON extra) and never decodes the samples.
 
 `--rollout-data-transport object-store` (default) keeps rollouts in Ray's object store; `straw` writes them
 durably to `--rollout-data-dir`, where they outlive a crash and are replayed on resume. Both carry the bytes
@@ -11,7 +13,7 @@ of `vime.data.sample_codec`, so nothing is unpickled from a stored rollout.
 
 from __future__ import annotations
 
-from vime.data.transport.base import RolloutTransport
+from vime.data.transport.base import RolloutRef, RolloutTransport, rollout_summary
 
 
 def make_transport(args) -> RolloutTransport:
@@ -27,4 +29,4 @@ def make_transport(args) -> RolloutTransport:
     raise ValueError(f"unknown --rollout-data-transport {kind!r}: use object-store or straw")
 
 
-__all__ = ["RolloutTransport", "make_transport"]
+__all__ = ["RolloutRef", "RolloutTransport", "make_transport", "rollout_summary"]

@@ -2,7 +2,30 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
+
+
+@dataclass(frozen=True)
+class RolloutRef:
+    """A produced rollout as the driver sees it: its transport handle and its small JSON `extra` (rollout id,
+    metrics, data-source state, sample ids, sample weight versions). The samples themselves are read by the
+    training ranks, `transport.get(handle)`; the driver never decodes them."""
+
+    handle: Any
+    extra: dict[str, Any]
+
+    @property
+    def rollout_id(self) -> int:
+        return self.extra["rollout_id"]
+
+
+def rollout_summary(groups: list[list[dict]]) -> dict[str, list]:
+    """What the driver keeps of a rollout's samples: their ids (the trained-samples record) and the weight
+    version that generated each one's last turn (async staleness)."""
+    samples = [s for g in groups for s in g]
+    return {"sample_ids": [s["index"] for s in samples],
+            "sample_versions": [(s.get("weight_versions") or [None])[-1] for s in samples]}
 
 
 class RolloutTransport:

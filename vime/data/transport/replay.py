@@ -51,10 +51,10 @@ def truncate_trained_samples(output_dir, start: int) -> None:
     os.replace(tmp, path)
 
 
-def append_trained_samples(output_dir, rollout_id: int, groups: list[list[dict]], replayed: bool) -> None:
+def append_trained_samples(output_dir, rollout_id: int, sample_ids: list[int], replayed: bool) -> None:
     path = Path(output_dir) / TRAINED_SAMPLES
     path.parent.mkdir(parents=True, exist_ok=True)
-    record = {"rollout_id": rollout_id, "sample_ids": [s["index"] for g in groups for s in g], "replayed": replayed}
+    record = {"rollout_id": rollout_id, "sample_ids": list(sample_ids), "replayed": replayed}
     with open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps(record) + "\n")
         f.flush()

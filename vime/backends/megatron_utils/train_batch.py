@@ -1,0 +1,67 @@
+"""What one training rank holds of a rollout: per-sample tensors, filled in stage by stage.
+
+    batch = TrainBatch.from_samples(groups, args)     # tokens, masks, rewards, rollout log-probs
+    batch.old_log_probs = ...                          # the trainer adds what each stage computes
+    custom_loss(args, batch.select(indices), ...)      # plugins get a plain dict of the micro-batch's samples
+
+Every per-sample field is a list indexed by the sample's position in the rollout (None where not computed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from vime.utils.types import Sample
+
+
+@dataclass
+class TrainBatch:
+    tokens: list[list[int]]
+    response_lengths: list[int]
+    # 1 where a response token is trained; all 0 for a sample with no usable reward (failed, aborted)
+    loss_masks: list[torch.Tensor] = field(default_factory=list)
+    rewards: torch.Tensor | None = None  # [n] scalar rewards (0 where unusable)
+    rollout_log_probs: list[torch.Tensor | None] = field(default_factory=list)  # the engine's, per response token
+    num_usable: int = 0
+    # computed on the trainer side (stages of one rollout)
+    ref_log_probs: list[torch.Tensor | None] | None = None  # the reference policy's (KL)
+    old_log_probs: list[torch.Tensor | None] | None = None  # the policy's before this rollout's first step
+    values: list[torch.Tensor] | None = None  # PPO: the critic's values at rollout time (actor side)
+    advantages: list[torch.Tensor] | None = None
+    returns: list[torch.Tensor] | None = None
+    old_values: list[torch.Tensor] | None = None  # PPO: the critic's own values at rollout time (critic side)
+
+    @classmethod
+    def from_samples(cls, groups: list[list[dict]], args) -> TrainBatch:
+        """Groups of `Sample` dicts -> a batch. A failed or aborted sample, or one without a reward, keeps its
+        place (indices stay those of the rollout) with an all-zero loss mask and reward 0."""
+        samples = [Sample.from_dict(d) for g in groups for d in g]
+        usable = [s.status not in (Sample.Status.FAILED, Sample.Status.ABORTED) and s.reward is not None
+                  for s in samples]
+        masks = []
+        for s, ok in zip(samples, usable):
+            mask = s.loss_mask if s.loss_mask is not None else [1] * s.response_length
+            masks.append(torch.tensor(mask if ok else [0] * s.response_length, dtype=torch.float32))
+        return cls(
+            tokens=[s.tokens for s in samples],
+            response_lengths=[s.response_length for s in samples],
+            loss_masks=masks,
+            rewards=torch.tensor([s.get_reward_value(args) if ok else 0.0 for s, ok in zip(samples, usable)]),
+            rollout_log_probs=[torch.tensor(s.rollout_log_probs, dtype=torch.float32)
+                               if s.rollout_log_probs is not None else None for s in samples],
+            num_usable=sum(usable),
+        )
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def select(self, indices: list[int]) -> dict[str, list]:
+        """The per-sample fields that are set, for `indices` only (what a custom loss function receives)."""
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, list) and value:
+                out[f.name] = [value[i] for i in indices]
+        return out
