@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> None:
     init_parallel(1, 1)
     try:
         model_args = add_megatron_args(argparse.ArgumentParser()).parse_args([])
-        fill_architecture_from_hf(model_args, AutoConfig.from_pretrained(args.hf_checkpoint))
+        model_args = fill_architecture_from_hf(model_args, AutoConfig.from_pretrained(args.hf_checkpoint))
         model = build_model_chunks(model_args)
         load_hf_checkpoint_into_model(model, args.hf_checkpoint)
         dist_checkpointing.save({"model": model[0].sharded_state_dict()}, str(release_dir))

@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
     init_parallel(1, 1)
     try:
         model_args = add_megatron_args(argparse.ArgumentParser()).parse_args([])
-        fill_architecture_from_hf(model_args, AutoConfig.from_pretrained(args.hf_checkpoint))
+        model_args = fill_architecture_from_hf(model_args, AutoConfig.from_pretrained(args.hf_checkpoint))
         model = build_model_chunks(model_args)
         state = dist_checkpointing.load({"model": model[0].sharded_state_dict()}, str(ckpt))
         model[0].load_state_dict(state["model"])

@@ -121,7 +121,7 @@ def parse_args(argv: list[str] | None = None, extra_args_provider=None, validate
     args = parser.parse_args(argv)
     if validate:
         try:
-            validate_args(args)
+            args = validate_args(args)
         except ValueError as e:
             parser.error(str(e))
     return args
@@ -147,27 +147,28 @@ def function_path_flags(args: argparse.Namespace) -> list[tuple[str, str]]:
     return given
 
 
-def validate_args(args: argparse.Namespace) -> None:
-    """Fill derived defaults and reject bad combinations with a message that says how to fix them: the run's and
-    the placement's flags here, each package's own next to where it declares them, then every function path."""
-    from vime.utils.misc import load_function
+def validate_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Reject bad combinations with a message that says how to fix them: the run's and the placement's flags
+    here, each package's own next to where it declares them, then every function path. Returns a copy of `args`
+    with every derived default filled in (the only place the run's flags are written)."""
+    from vime.utils.misc import load_function, with_values
 
     if not args.hf_checkpoint:
         raise ValueError("--hf-checkpoint DIR is required (build a tiny one: python -m vime.tools.tiny_model)")
     if not (Path(args.hf_checkpoint) / "config.json").is_file():
         raise ValueError(f"--hf-checkpoint {args.hf_checkpoint}: no config.json there; is it an HF checkpoint?")
-    args.output_dir = os.path.abspath(args.output_dir)
+    args = with_values(args, output_dir=os.path.abspath(args.output_dir))
     for flag in ("offload_rollout", "offload_train"):
         if getattr(args, flag) and not args.colocate:
             raise ValueError(f"--{flag.replace('_', '-')} only makes sense with --colocate (engines and trainer "
                              "share devices)")
 
-    validate_rollout_args(args)
+    args = validate_rollout_args(args)
     for flag, path in function_path_flags(args):
         try:
             load_function(path)
         except (ImportError, AttributeError, ValueError) as e:
             raise ValueError(f"--{flag.replace('_', '-')}: {e}") from e
-    args.vllm_engine_args = validate_vllm_args(args)
-    validate_algorithm_args(args)
-    validate_train_args(args)
+    args = with_values(args, vllm_engine_args=validate_vllm_args(args))
+    args = validate_algorithm_args(args)
+    return validate_train_args(args)

@@ -117,3 +117,51 @@ def test_derived_defaults(base):
     args = parse_args(base + ["--seed", "7", "--rollout-temperature", "0.7"])
     assert args.rollout_seed == 7 and args.over_sampling_batch_size == args.rollout_batch_size
     assert args.eval_temperature == 0.7 and args.eval_max_response_len == args.rollout_max_response_len
+
+
+def _writes_onto_args(tree) -> list[int]:
+    """Lines that assign an attribute of a name `args` (or `self.args`), or setattr/delattr one."""
+    import ast
+
+    def is_args(node) -> bool:
+        return ((isinstance(node, ast.Name) and node.id == "args") or
+                (isinstance(node, ast.Attribute) and node.attr == "args"))
+
+    lines = []
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr")
+              and node.args and is_args(node.args[0])):
+            lines.append(node.lineno)
+        lines += [node.lineno for t in targets if isinstance(t, ast.Attribute) and is_args(t.value)]
+    return lines
+
+
+def test_nothing_writes_onto_parsed_args():
+    """Derived values go into a copy (`vime.utils.misc.with_values`) made while parsing; no module writes a flag
+    onto a namespace that other code, or another process, already holds."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    found = {str(p.relative_to(root)): lines for p in sorted((root / "vime").rglob("*.py"))
+             if (lines := _writes_onto_args(ast.parse(p.read_text())))}
+    assert found == {}
+    assert _writes_onto_args(ast.parse("args.x = 1\nself.args.y += 2\nsetattr(args, 'z', 3)")) == [1, 2, 3]
+
+
+def test_parsing_derives_into_a_copy(base):
+    import argparse
+
+    from vime.algorithms.arguments import validate_algorithm_args
+
+    args = parse_args(base + ["--rollout-batch-size", "4", "--n-samples-per-prompt", "2"])
+    assert (args.global_batch_size, args.num_steps_per_rollout, args.over_sampling_batch_size) == (8, 1, 4)
+    given = argparse.Namespace(**{**vars(args), "eps_clip_high": None, "advantage_estimator": "gspo"})
+    derived = validate_algorithm_args(given)
+    assert (derived.eps_clip_high, derived.policy_loss) == (args.eps_clip, "gspo")
+    assert given.eps_clip_high is None and given.policy_loss != "gspo"  # the caller's namespace is untouched

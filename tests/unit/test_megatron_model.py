@@ -61,7 +61,7 @@ def hf_config(path):
 def megatron_args(argv=(), config=None) -> argparse.Namespace:
     args = add_megatron_args(argparse.ArgumentParser()).parse_args(list(argv))
     if config is not None:
-        fill_architecture_from_hf(args, config)
+        args = fill_architecture_from_hf(args, config)
     return args
 
 

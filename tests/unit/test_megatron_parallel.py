@@ -40,7 +40,7 @@ def _build(hf_dir: str, tp: int, pp: int) -> list[torch.nn.Module]:
 
     args = add_megatron_args(argparse.ArgumentParser()).parse_args(
         ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)])
-    fill_architecture_from_hf(args, AutoConfig.from_pretrained(hf_dir))
+    args = fill_architecture_from_hf(args, AutoConfig.from_pretrained(hf_dir))
     model = build_model_chunks(args)
     load_hf_checkpoint_into_model(model, hf_dir)
     return [chunk.eval() for chunk in model]

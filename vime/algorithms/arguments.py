@@ -7,6 +7,7 @@ import logging
 
 from vime.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from vime.algorithms.losses import KL_TYPES, LOSS_AGG_MODES, POLICY_LOSSES
+from vime.utils.misc import with_values
 
 logger = logging.getLogger(__name__)
 
@@ -141,11 +142,13 @@ def add_algorithm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
 
 
 def validate_algorithm_args(args: argparse.Namespace) -> argparse.Namespace:
-    """Check flag combinations and fill derived values in place: eps_clip_high, policy_loss, use_critic."""
+    """Check flag combinations; returns a copy of `args` with the derived values: eps_clip_high, policy_loss,
+    use_critic."""
+    derived = {}
     if args.eps_clip <= 0:
         raise ValueError(f"--eps-clip must be > 0, got {args.eps_clip}")
     if args.eps_clip_high is None:
-        args.eps_clip_high = args.eps_clip
+        derived["eps_clip_high"] = args.eps_clip
     elif args.eps_clip_high <= 0:
         raise ValueError(f"--eps-clip-high must be > 0, got {args.eps_clip_high}; omit it to use --eps-clip")
     if args.eps_clip_c is not None and args.eps_clip_c <= 1.0:
@@ -172,9 +175,6 @@ def validate_algorithm_args(args: argparse.Namespace) -> argparse.Namespace:
         logger.warning("--normalize-advantages only affects --advantage-estimator ppo; it is ignored here")
     if args.advantage_estimator == "gspo" and args.policy_loss != "gspo":
         logger.info("--advantage-estimator gspo: using --policy-loss gspo (sequence-level ratio)")
-        args.policy_loss = "gspo"
-    if args.advantage_estimator == "ppo":
-        args.use_critic = True
-    else:
-        args.use_critic = getattr(args, "use_critic", False)
-    return args
+        derived["policy_loss"] = "gspo"
+    derived["use_critic"] = args.advantage_estimator == "ppo" or getattr(args, "use_critic", False)
+    return with_values(args, **derived)

@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 from vime.rollout.rm_hub import remote_rm
+from vime.utils.misc import with_values
 
 DEFAULT_ROLLOUT_FUNCTION = "vime.rollout.vllm_rollout.generate_rollout"
 DEFAULT_GENERATE_FUNCTION = "vime.rollout.vllm_rollout.generate"
@@ -186,9 +187,11 @@ def add_all_rollout_args(parser: argparse.ArgumentParser) -> None:
         add(parser)
 
 
-def validate_rollout_args(args: argparse.Namespace) -> None:
+def validate_rollout_args(args: argparse.Namespace) -> argparse.Namespace:
     """The rollout side's flags (data, sampling, engines, fault tolerance, the data buffer, rewards, eval, debug):
-    derived defaults filled in, bad values and combinations rejected with how to fix them."""
+    bad values and combinations rejected with how to fix them; returns a copy of `args` with the derived
+    defaults filled in."""
+    derived = {}
     if args.debug_rollout_only and args.debug_train_only:
         raise ValueError("--debug-rollout-only and --debug-train-only exclude each other; pick one")
     replaying = args.load_debug_rollout_data is not None
@@ -223,10 +226,10 @@ def validate_rollout_args(args: argparse.Namespace) -> None:
                  "rollout_num_gpus", "rollout_num_gpus_per_engine", "n_samples_per_eval_prompt"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    if args.over_sampling_batch_size is None:
-        args.over_sampling_batch_size = args.rollout_batch_size
-    if args.over_sampling_batch_size < args.rollout_batch_size:
-        raise ValueError(f"--over-sampling-batch-size ({args.over_sampling_batch_size}) must be >= "
+    over_sampling = args.rollout_batch_size if args.over_sampling_batch_size is None else args.over_sampling_batch_size
+    derived["over_sampling_batch_size"] = over_sampling
+    if over_sampling < args.rollout_batch_size:
+        raise ValueError(f"--over-sampling-batch-size ({over_sampling}) must be >= "
                          f"--rollout-batch-size ({args.rollout_batch_size})")
     if args.rollout_temperature <= 0:
         raise ValueError("--rollout-temperature must be > 0: RL needs sampled responses and their log-probs")
@@ -249,19 +252,19 @@ def validate_rollout_args(args: argparse.Namespace) -> None:
     for flag in ("rollout_health_check_interval", "rollout_health_check_timeout"):
         if getattr(args, flag) <= 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
-    if args.rollout_data_dir is None:
-        args.rollout_data_dir = os.path.join(os.path.abspath(args.output_dir), "rollout_data")
-    args.rollout_data_dir = os.path.abspath(args.rollout_data_dir)
+    derived["rollout_data_dir"] = os.path.abspath(args.rollout_data_dir or
+                                                  os.path.join(os.path.abspath(args.output_dir), "rollout_data"))
 
     if args.rollout_seed is None:
-        args.rollout_seed = args.seed
-    if args.apply_chat_template_kwargs is not None:
+        derived["rollout_seed"] = args.seed
+    if isinstance(args.apply_chat_template_kwargs, str):
         try:
-            args.apply_chat_template_kwargs = json.loads(args.apply_chat_template_kwargs)
+            derived["apply_chat_template_kwargs"] = json.loads(args.apply_chat_template_kwargs)
         except json.JSONDecodeError as e:
             raise ValueError(f"--apply-chat-template-kwargs is not valid JSON: {e}") from e
     for name, default in (("eval_temperature", args.rollout_temperature), ("eval_top_p", args.rollout_top_p),
                           ("eval_top_k", args.rollout_top_k),
                           ("eval_max_response_len", args.rollout_max_response_len)):
         if getattr(args, name) is None:
-            setattr(args, name, default)
+            derived[name] = default
+    return with_values(args, **derived)

@@ -1,5 +1,6 @@
 """What rollout code needs from the running system rather than from the flags: where the router listens, which
-engines are in service, and the run's counters.
+engines are in service, the run's counters, and the generate state (tokenizer, HTTP session, concurrency limit)
+that every generate call of the run shares.
 
 One per process, owned by the rollout manager (it fills the context in as it starts the router and the engines,
 and as the health monitor takes engines out and puts restarted ones back) and read by rollout code through
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -20,6 +22,7 @@ class RolloutContext:
     counters: dict[str, float] = field(default_factory=dict)  # running totals, reported with every rollout
     counters_once: dict[str, float] = field(default_factory=dict)  # reported with the next rollout only
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # the health monitor's thread writes
+    generate_state: Any = None  # vime.rollout.vllm_rollout.GenerateState, made by the first generate call
 
 
 _context = RolloutContext()

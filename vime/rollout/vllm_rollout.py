@@ -29,15 +29,32 @@ _FINISH_STATUS = {"stop": Sample.Status.COMPLETED, "length": Sample.Status.TRUNC
 
 
 class GenerateState:
-    """Per-process state shared by all generate calls: tokenizer, HTTP session, concurrency limit."""
+    """The run's state shared by all generate calls: tokenizer, HTTP session, concurrency limit, counters.
 
-    _instance: GenerateState | None = None
+    `GenerateState(args)` (slime's spelling, kept for custom generate functions) returns the one held by this
+    process's rollout context, made from `args` by the first call; a new run (`reset_rollout_context()`) or
+    `GenerateState.reset()` starts a fresh one. A call with flags that would need another state (another
+    checkpoint, concurrency or generate function) is refused rather than silently given the old one.
+    """
+
+    _KEYS = ("hf_checkpoint", "rollout_concurrency", "custom_generate_function_path")
 
     def __new__(cls, args):
-        if cls._instance is None:
-            cls._instance = super().__new__(cls)
-            cls._instance._init(args)
-        return cls._instance
+        context = rollout_context()
+        state = context.generate_state
+        if state is None:
+            state = super().__new__(cls)
+            state._init(args)
+            context.generate_state = state
+        elif state.args is not args:
+            changed = [k for k in cls._KEYS if getattr(args, k, None) != getattr(state.args, k, None)]
+            if changed:
+                key = changed[0]
+                raise ValueError(f"GenerateState: this process's generate state was made for another "
+                                 f"--{key.replace('_', '-')} ({getattr(state.args, key, None)!r}, now "
+                                 f"{getattr(args, key, None)!r}); call GenerateState.reset() (or "
+                                 "vime.rollout.context.reset_rollout_context()) before another run in this process")
+        return state
 
     def _init(self, args) -> None:
         from transformers import AutoTokenizer
@@ -75,7 +92,7 @@ class GenerateState:
 
     @classmethod
     def reset(cls) -> None:
-        cls._instance = None
+        rollout_context().generate_state = None
 
 
 def router_url() -> str:

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import socket
 from typing import Any, Callable
+
+
+def with_values(args: argparse.Namespace, **values: Any) -> argparse.Namespace:
+    """A copy of `args` with `values` set. Derived flags go into a new namespace, never onto a parsed one that
+    other code (or another process) already holds."""
+    return argparse.Namespace(**{**vars(args), **values})
 
 
 def load_function(path: str) -> Callable[..., Any]:

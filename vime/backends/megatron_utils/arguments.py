@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from vime.utils.misc import with_values
+
 # Architecture flags (argparse dest names) that `hf_architecture` reads from an HF config.
 ARCHITECTURE_FLAGS = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
@@ -155,27 +157,30 @@ def hf_architecture(hf_config) -> dict[str, Any]:
 
 
 def fill_architecture_from_hf(args: argparse.Namespace, hf_config) -> argparse.Namespace:
-    """Set each architecture flag left None from `hf_config`; check the given ones against it.
+    """A copy of `args` with each architecture flag left None taken from `hf_config`; the given ones are checked
+    against it.
 
-    Mutates and returns `args`. Raises ValueError naming the flag, the given and the config value when a
-    given flag contradicts the config (e.g. `--num-layers 4` for a 2-layer checkpoint).
+    Raises ValueError naming the flag, the given and the config value when a given flag contradicts the config
+    (e.g. `--num-layers 4` for a 2-layer checkpoint).
     """
+    filled = {}
     for dest, value in hf_architecture(hf_config).items():
         given = getattr(args, dest, None)
         if given is None:
-            setattr(args, dest, value)
+            filled[dest] = value
         elif given != value:
             flag = "--" + dest.replace("_", "-")
             raise ValueError(f"{flag}={given!r} contradicts the HF config, which gives {value!r}; "
                              f"drop {flag} to use the config's value")
-    return args
+    return with_values(args, **filled)
 
 
 def validate_megatron_args(args: argparse.Namespace, world_size: int | None = None) -> argparse.Namespace:
     """Check parallel sizes, batch sizes and the architecture against each other; fill global batch size.
 
     `world_size` is the number of training ranks (default: tensor x pipeline size, i.e. DP=1). Call after
-    `fill_architecture_from_hf`. Raises ValueError with a suggested fix; returns `args` (global_batch_size set).
+    `fill_architecture_from_hf`. Raises ValueError with a suggested fix; returns a copy of `args` with
+    --global-batch-size set (one micro-batch per data-parallel rank when not given).
     """
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if tp < 1 or pp < 1:
@@ -187,12 +192,11 @@ def validate_megatron_args(args: argparse.Namespace, world_size: int | None = No
     dp = world_size // (tp * pp)
     if args.micro_batch_size < 1:
         raise ValueError(f"--micro-batch-size must be >= 1, got {args.micro_batch_size}")
-    if args.global_batch_size is None:
-        args.global_batch_size = args.micro_batch_size * dp
-    if args.global_batch_size % (args.micro_batch_size * dp):
-        raise ValueError(f"--global-batch-size {args.global_batch_size} must be a multiple of --micro-batch-size "
+    gbs = args.micro_batch_size * dp if args.global_batch_size is None else args.global_batch_size
+    if gbs % (args.micro_batch_size * dp):
+        raise ValueError(f"--global-batch-size {gbs} must be a multiple of --micro-batch-size "
                          f"x data-parallel size = {args.micro_batch_size} x {dp}; e.g. use --global-batch-size "
-                         f"{(args.global_batch_size // (args.micro_batch_size * dp) + 1) * args.micro_batch_size * dp}")
+                         f"{(gbs // (args.micro_batch_size * dp) + 1) * args.micro_batch_size * dp}")
     if args.bf16 and args.fp16:
         raise ValueError("--bf16 and --fp16 are exclusive; pass one of them")
     if args.min_lr > args.lr:
@@ -214,4 +218,4 @@ def validate_megatron_args(args: argparse.Namespace, world_size: int | None = No
     if args.num_layers % pp:
         raise ValueError(f"{args.num_layers} layers are not divisible by --pipeline-model-parallel-size {pp}; "
                          f"choose a pipeline size that divides the layer count")
-    return args
+    return with_values(args, global_batch_size=gbs)

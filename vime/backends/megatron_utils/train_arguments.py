@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from vime.utils.misc import with_values
+
 
 def add_train_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("training loop")
@@ -45,7 +47,9 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
                    help="Path template with {rollout_id}: also export HF safetensors when saving (default: None).")
 
 
-def validate_train_args(args: argparse.Namespace) -> None:
+def validate_train_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Check the training-loop flags; returns a copy of `args` with --global-batch-size and
+    --num-steps-per-rollout derived from each other and the rollout's size."""
     samples = args.rollout_batch_size * args.n_samples_per_prompt
     if args.num_steps_per_rollout is not None:
         if samples % args.num_steps_per_rollout:
@@ -55,13 +59,11 @@ def validate_train_args(args: argparse.Namespace) -> None:
         if args.global_batch_size is not None and args.global_batch_size != gbs:
             raise ValueError(f"--global-batch-size {args.global_batch_size} contradicts --num-steps-per-rollout "
                              f"{args.num_steps_per_rollout} ({samples} samples per rollout -> {gbs}); give one")
-        args.global_batch_size = gbs
-    elif args.global_batch_size is None:
-        args.global_batch_size = samples
-    if samples % args.global_batch_size:
-        raise ValueError(f"--global-batch-size {args.global_batch_size} must divide the {samples} samples of a "
+    else:
+        gbs = samples if args.global_batch_size is None else args.global_batch_size
+    if samples % gbs:
+        raise ValueError(f"--global-batch-size {gbs} must divide the {samples} samples of a "
                          "rollout (rollout-batch-size x n-samples-per-prompt)")
-    args.num_steps_per_rollout = samples // args.global_batch_size
     if args.update_weight_buffer_size < 1:
         raise ValueError(f"--update-weight-buffer-size must be >= 1 byte, got {args.update_weight_buffer_size}")
     if getattr(args, "use_critic", False) and args.pipeline_model_parallel_size > 1:
@@ -71,3 +73,4 @@ def validate_train_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--train-num-threads must be >= 1, got {args.train_num_threads}")
     if args.use_dynamic_batch_size and not args.max_tokens_per_gpu:
         raise ValueError("--use-dynamic-batch-size needs --max-tokens-per-gpu N")
+    return with_values(args, global_batch_size=gbs, num_steps_per_rollout=samples // gbs)

@@ -53,11 +53,11 @@ class MegatronTrainer:
         if world_size > 1 or master_port is not None:
             os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0",
                               MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
-        self.args = args
         init_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, seed=args.seed)
         self.hf_config = AutoConfig.from_pretrained(args.hf_checkpoint)
-        fill_architecture_from_hf(args, self.hf_config)
-        validate_megatron_args(args, world_size=dist.get_world_size())
+        # the run's flags plus the architecture read from the checkpoint: this rank's own copy
+        args = validate_megatron_args(fill_architecture_from_hf(args, self.hf_config), world_size=dist.get_world_size())
+        self.args = args
         self.role = role
 
         def prepare(chunks):
