@@ -3,7 +3,7 @@
     .venv/bin/python bench/e2e_step.py [--rollouts 8] [--workloads fixed variable]
 
 The workload (one engine, one training rank, this machine's CPUs): a random-init 20M-parameter Qwen3 (hidden 384,
-6 layers, 6 heads, 2 KV heads, head_dim 64, MLP 1536, vocab 8192, untied; `vime.tools.tiny_model`), 16 prompts x 8
+6 layers, 6 heads, 2 KV heads, head_dim 64, MLP 1536, vocab 8192, untied; `vime.synthetic.tiny_model`), 16 prompts x 8
 samples per rollout, prompts of exactly 32 tokens (32 digits: the tokenizer splits digits one by one),
 temperature 1, micro-batch 16, global batch 128 (one optimizer step per rollout), lr 1e-5, no KL, a fixed reward
 (`e2e_step_plugin.reward`, the share of even token ids in the response).
@@ -46,7 +46,7 @@ PHASES = ("rollout/time", "perf/train_time", "perf/update_weights_time", "perf/s
 
 def build_model(out: Path) -> Path:
     sys.path.insert(0, str(REPO))
-    from vime.tools.tiny_model import build_tiny_model
+    from vime.synthetic.tiny_model import build_tiny_model
 
     return build_tiny_model(out, arch="qwen3", vocab_size=8192, hidden_size=384, num_layers=6, num_heads=6,
                             num_kv_heads=2, intermediate_size=1536)

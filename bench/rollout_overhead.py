@@ -70,8 +70,8 @@ def main() -> None:
     from vime.data.prompt_dataset import load_prompt_samples
     from vime.rollout.context import reset_rollout_context
     from vime.rollout.vllm_rollout import GenerateState, generate_rollout_async
-    from vime.tools.arithmetic_data import write_arithmetic_data
-    from vime.tools.tiny_model import build_tiny_model
+    from vime.synthetic.arithmetic_data import write_arithmetic_data
+    from vime.synthetic.tiny_model import build_tiny_model
     from vime.utils.async_utils import run
     from vime.utils.misc import find_free_port
 

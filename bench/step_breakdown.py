@@ -43,8 +43,8 @@ def main() -> None:
     p.add_argument("--rollouts", type=int, default=6)
     a = p.parse_args()
     sys.path.insert(0, str(REPO))
-    from vime.tools.arithmetic_data import write_arithmetic_data
-    from vime.tools.tiny_model import build_tiny_model
+    from vime.synthetic.arithmetic_data import write_arithmetic_data
+    from vime.synthetic.tiny_model import build_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="vime_steps_"))
     model = build_tiny_model(work / "model", arch="qwen3", hidden_size=256, num_layers=4, num_heads=4,

@@ -102,7 +102,7 @@ def main() -> None:
     from vime.backends.megatron_utils.model import setup_model_and_optimizer
     from vime.backends.megatron_utils.parallel import destroy_parallel
     from vime.backends.megatron_utils.trainer import MegatronTrainer
-    from vime.tools.tiny_model import build_tiny_model
+    from vime.synthetic.tiny_model import build_tiny_model
     from vime.arguments import parse_args
 
     with tempfile.TemporaryDirectory() as tmp:

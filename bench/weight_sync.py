@@ -87,7 +87,7 @@ def bench_size(label: str, shape: dict, work: Path, repeats: int) -> dict:
     from vime.backends.megatron_utils.trainer import MegatronTrainer
     from vime.backends.vllm_utils.engine import VLLMEngine
     from vime.backends.weight_transport import make_weight_transport
-    from vime.tools.tiny_model import build_tiny_model
+    from vime.synthetic.tiny_model import build_tiny_model
     from vime.arguments import parse_args
 
     model = build_tiny_model(work / label, arch="qwen3", **shape)

@@ -154,7 +154,7 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     from vime.utils.misc import load_function, with_values
 
     if not args.hf_checkpoint:
-        raise ValueError("--hf-checkpoint DIR is required (build a tiny one: python -m vime.tools.tiny_model)")
+        raise ValueError("--hf-checkpoint DIR is required (build a tiny one: python -m vime.synthetic.tiny_model)")
     if not (Path(args.hf_checkpoint) / "config.json").is_file():
         raise ValueError(f"--hf-checkpoint {args.hf_checkpoint}: no config.json there; is it an HF checkpoint?")
     args = with_values(args, output_dir=os.path.abspath(args.output_dir))

@@ -11,7 +11,7 @@ import json
 import random
 from pathlib import Path
 
-from vime.tools.arithmetic_data import write_arithmetic_data
+from vime.synthetic.arithmetic_data import write_arithmetic_data
 
 
 def write_data(out: str | Path, n_train: int = 256, n_eval: int = 32, seed: int = 0) -> dict[str, Path]:

@@ -14,7 +14,7 @@ import random
 from pathlib import Path
 
 from vime.agents.tools import PYTHON
-from vime.tools.task_data import write_distinct_splits
+from vime.synthetic.task_data import write_distinct_splits
 
 OPS = {"+": lambda x, k: x + k, "-": lambda x, k: x - k, "*": lambda x, k: x * k}
 

@@ -12,7 +12,7 @@ OUT=${OUT:-outputs/coding_agent}
 PY=.venv/bin/python
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # so that examples.coding_agent.agent imports everywhere
 
-[ -f "$OUT/model/config.json" ] || $PY -m vime.tools.tiny_model --arch qwen3 --out "$OUT/model" --seed 0 \
+[ -f "$OUT/model/config.json" ] || $PY -m vime.synthetic.tiny_model --arch qwen3 --out "$OUT/model" --seed 0 \
   --hidden-size 256 --num-layers 4 --num-heads 4 --num-kv-heads 2 --intermediate-size 768
 [ -f "$OUT/data/train.jsonl" ] || $PY examples/coding_agent/make_data.py --out "$OUT/data" --seed 0
 

@@ -11,7 +11,7 @@ import json
 import random
 from pathlib import Path
 
-from vime.tools.arithmetic_data import write_arithmetic_data
+from vime.synthetic.arithmetic_data import write_arithmetic_data
 
 
 def answer(n) -> str:

@@ -16,7 +16,7 @@ export VIME_PROGRESS=${VIME_PROGRESS:-1}
 SFT_ROLLOUTS=${SFT_ROLLOUTS:-120}
 NUM_ROLLOUT=${NUM_ROLLOUT:-12}
 
-[ -f "$OUT/model/config.json" ] || $PY -m vime.tools.tiny_model --arch qwen3 --out "$OUT/model" --seed 0 \
+[ -f "$OUT/model/config.json" ] || $PY -m vime.synthetic.tiny_model --arch qwen3 --out "$OUT/model" --seed 0 \
   --hidden-size 256 --num-layers 4 --num-heads 4 --num-kv-heads 2 --intermediate-size 768
 [ -f "$OUT/data/sft.jsonl" ] || $PY -m examples.multi_agent.make_data --out "$OUT/data"
 

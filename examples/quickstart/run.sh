@@ -12,9 +12,9 @@ OUT=${OUT:-outputs/quickstart}
 PY=.venv/bin/python
 export VIME_PROGRESS=${VIME_PROGRESS:-1}
 
-[ -f "$OUT/model/config.json" ] || $PY -m vime.tools.tiny_model --arch qwen3 --out "$OUT/model" --seed 0 \
+[ -f "$OUT/model/config.json" ] || $PY -m vime.synthetic.tiny_model --arch qwen3 --out "$OUT/model" --seed 0 \
   --hidden-size 256 --num-layers 4 --num-heads 4 --num-kv-heads 2 --intermediate-size 768
-[ -f "$OUT/data/train.jsonl" ] || $PY -m vime.tools.arithmetic_data --out "$OUT/data" --task repeat \
+[ -f "$OUT/data/train.jsonl" ] || $PY -m vime.synthetic.arithmetic_data --out "$OUT/data" --task repeat \
   --train 512 --eval 64 --seed 0
 
 COMMON=(--label-key label --apply-chat-template --rollout-shuffle --seed 1234 --micro-batch-size 32)

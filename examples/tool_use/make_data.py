@@ -14,7 +14,7 @@ import random
 from pathlib import Path
 
 from vime.agents.tools import CALCULATOR, format_number, safe_eval
-from vime.tools.task_data import write_distinct_splits
+from vime.synthetic.task_data import write_distinct_splits
 
 
 def make_row(rng: random.Random) -> dict:

@@ -21,7 +21,7 @@ LAYERS = [
     "agents",
     "arguments",  # vime/arguments.py: every package's flags in one parser (the ray layer's session parses them)
     "ray",
-    "tools",  # command-line builders (tiny models, tasks): nothing in vime imports them
+    "synthetic",  # builders of tiny models and task data (tests, examples, benches): nothing in vime imports them
 ]
 
 

@@ -36,7 +36,7 @@ CASES = {  # name -> (arch, tie_word_embeddings)
 
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):
-    from vime.tools.tiny_model import build_tiny_model
+    from vime.synthetic.tiny_model import build_tiny_model
 
     root = tmp_path_factory.mktemp("tiny")
     return {name: build_tiny_model(root / name, arch=arch, seed=7, tie_word_embeddings=tied)

@@ -111,14 +111,14 @@ def _spawn(tp: int, pp: int, hf_dir: Path, out_dir: Path, timeout_s: float = 120
 
 @pytest.fixture(scope="module")
 def tiny_qwen2(tmp_path_factory):
-    from vime.tools.tiny_model import build_tiny_model
+    from vime.synthetic.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen2", arch="qwen2", seed=3)
 
 
 @pytest.fixture(scope="module")
 def tiny_llama_tied(tmp_path_factory):
-    from vime.tools.tiny_model import build_tiny_model
+    from vime.synthetic.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "llama-tied", arch="llama", seed=5,
                             tie_word_embeddings=True)

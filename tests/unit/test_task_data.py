@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from vime.tools.task_data import write_distinct_splits
+from vime.synthetic.task_data import write_distinct_splits
 
 
 def _row(rng):

@@ -1,6 +1,6 @@
 """Convert a Megatron torch_dist checkpoint back to an HF checkpoint (safetensors + config + tokenizer).
 
-    python tools/convert_torch_dist_to_hf.py --load /tmp/ckpt --hf-checkpoint /tmp/tiny-qwen3 --save /tmp/hf-out
+    python scripts/convert_torch_dist_to_hf.py --load /tmp/ckpt --hf-checkpoint /tmp/tiny-qwen3 --save /tmp/hf-out
 
 --load is a checkpoint root with latest_checkpointed_iteration.txt ("release" -> LOAD/release, N ->
 LOAD/iter_000000N), or a torch_dist directory itself. The model's sharded state dict is read from the key

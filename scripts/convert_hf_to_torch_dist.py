@@ -1,6 +1,6 @@
 """Convert an HF checkpoint (Qwen2 / Qwen3 / Llama) to a Megatron torch_dist checkpoint.
 
-    python tools/convert_hf_to_torch_dist.py --hf-checkpoint /tmp/tiny-qwen3 --save /tmp/tiny-qwen3-torch-dist
+    python scripts/convert_hf_to_torch_dist.py --hf-checkpoint /tmp/tiny-qwen3 --save /tmp/tiny-qwen3-torch-dist
 
 Writes Megatron-LM's layout: SAVE/release/ (dist_checkpointing torch_dist; the model's sharded state dict
 under the key "model") and SAVE/latest_checkpointed_iteration.txt containing "release". Runs in one process;

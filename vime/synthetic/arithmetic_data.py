@@ -1,6 +1,6 @@
 """Small tasks with checkable answers, for the quickstart, tests and benchmarks.
 
-    python -m vime.tools.arithmetic_data --out DIR [--task add|repeat --train 512 --eval 64 --seed 0]
+    python -m vime.synthetic.arithmetic_data --out DIR [--task add|repeat --train 512 --eval 64 --seed 0]
 
 - add:    "What is 7 + 12?" -> 19 (operands up to --max-operand, + and -)
 - repeat: "Repeat the number 4719." -> 4719 (3 to 5 digits); a tiny model learns it in minutes, so it is

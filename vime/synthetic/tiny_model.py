@@ -1,6 +1,6 @@
 """Build a tiny Qwen2 / Qwen3 / Llama model with a locally trained tokenizer. No downloads.
 
-    python -m vime.tools.tiny_model --arch qwen3 --out /tmp/tiny-qwen3
+    python -m vime.synthetic.tiny_model --arch qwen3 --out /tmp/tiny-qwen3
 
 The result is a normal HF checkpoint directory (config.json, model.safetensors, tokenizer files with a
 chat template) that vLLM, transformers and vime's Megatron loader all read. Deterministic from --seed.
