@@ -178,7 +178,7 @@ def test_convert_tools_round_trip(tiny_qwen2, tmp_path):
     from safetensors.torch import load_file
 
     def run(tool, *argv):
-        proc = subprocess.run([sys.executable, str(REPO / "tools" / tool), *map(str, argv)], capture_output=True,
+        proc = subprocess.run([sys.executable, str(REPO / "scripts" / tool), *map(str, argv)], capture_output=True,
                               text=True, timeout=180, env={k: v for k, v in os.environ.items() if k != "WORLD_SIZE"})
         assert proc.returncode == 0, proc.stderr[-3000:]
 
