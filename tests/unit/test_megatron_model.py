@@ -1,4 +1,5 @@
-"""Megatron-core GPTModel vs transformers on tiny Qwen2 / Qwen3 / Llama checkpoints (one process, CPU).
+"""Megatron-core GPTModel vs transformers on tiny Qwen2 / Qwen2.5 / Qwen3 / Llama / Llama 3.x checkpoints (one
+process, CPU).
 
 Checks: logits equal transformers' within 1e-5 (float32, eager attention); HF -> Megatron -> HF is bit-exact,
 also through TP/PP sharding; architecture flags fill from / are checked against the HF config; validation.
@@ -31,6 +32,9 @@ CASES = {  # name -> (arch, tie_word_embeddings)
     "qwen3": ("qwen3", False),
     "llama": ("llama", False),
     "qwen3-tied": ("qwen3", True),
+    "qwen2_5-tied": ("qwen2_5", True),  # Qwen2.5-0.5B..3B tie their embeddings
+    "llama3": ("llama3", False),  # Llama 3.1's rope_scaling block, as published
+    "llama3-tied": ("llama3", True),  # Llama 3.2 1B / 3B
 }
 
 
@@ -72,16 +76,23 @@ def test_logits_match_transformers(case, tiny_models, megatron_world):
     from vime.backends.megatron_utils.model_provider import build_model_chunks
 
     path = tiny_models[case]
-    model = build_model_chunks(megatron_args(config=hf_config(path)))
+    args = megatron_args(config=hf_config(path))
+    model = build_model_chunks(args)
     load_hf_checkpoint_into_model(model, path)
     hf_model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32)
-    tokens = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
+    # long enough that Llama 3's scaled low frequencies turn by a visible angle
+    tokens = torch.randint(0, 512, (2, 600), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(tokens.shape[1]).expand_as(tokens)
     with torch.no_grad():
         expected = hf_model(input_ids=tokens).logits
         got = model[0].eval()(tokens, positions, attention_mask=None)
-    assert got.shape == expected.shape == (2, 24, 512)
+    assert got.shape == expected.shape == (2, 600, 512)
     assert (got - expected).abs().max().item() < 1e-5
+    if args.rope_scaling is not None:  # the scaling is what makes them agree: plain RoPE would not
+        plain = build_model_chunks(argparse.Namespace(**{**vars(args), "rope_scaling": None}))
+        load_hf_checkpoint_into_model(plain, path)
+        with torch.no_grad():
+            assert (plain[0].eval()(tokens, positions, attention_mask=None) - expected).abs().max().item() > 1e-3
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -93,7 +104,7 @@ def test_hf_megatron_hf_round_trip_is_bit_exact(case, tiny_models):
     assert all(torch.equal(back[k], hf[k]) for k in hf)
 
 
-@pytest.mark.parametrize("case", ["qwen2", "qwen3-tied"])
+@pytest.mark.parametrize("case", ["qwen2", "qwen3-tied", "qwen2_5-tied", "llama3"])
 def test_round_trip_through_tp_and_pp_shards(case, tiny_models):
     path = tiny_models[case]
     config, hf = hf_config(path), load_file(path / "model.safetensors")
@@ -152,6 +163,34 @@ def test_architecture_flag_contradicting_config_is_an_error(tiny_models, argv, f
     with pytest.raises(ValueError) as err:
         megatron_args(argv, hf_config(tiny_models["qwen2"]))
     assert flag in str(err.value) and given in str(err.value) and config_value in str(err.value)
+
+
+def test_llama3_rope_scaling_is_read_and_checked(tiny_models):
+    args = megatron_args(config=hf_config(tiny_models["llama3"]))
+    assert args.rotary_base == 500000.0 and args.use_rope_scaling and args.rope_scaling_factor == 8.0
+    assert args.rope_scaling == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192.0}
+    assert megatron_args(["--use-rope-scaling", "--rope-scaling-factor", "8"],
+                         hf_config(tiny_models["llama3"])).use_rope_scaling  # Megatron-LM's flags, agreeing
+    with pytest.raises(ValueError, match="--rope-scaling-factor=32.0 contradicts"):
+        megatron_args(["--rope-scaling-factor", "32"], hf_config(tiny_models["llama3"]))
+    with pytest.raises(ValueError, match="--use-rope-scaling=True contradicts"):
+        megatron_args(["--use-rope-scaling"], hf_config(tiny_models["qwen2"]))
+
+
+@pytest.mark.parametrize("rope, match", [
+    ({"rope_type": "longrope", "factor": 4.0}, r"rope_parameters.rope_type 'longrope' is not supported; supported: \('default', "
+                                               r"'llama3', 'linear'\)"),
+    ({"rope_type": "llama3", "factor": 8.0}, r"lacks \['low_freq_factor', 'high_freq_factor', "
+                                             r"'original_max_position_embeddings'\]"),
+])
+def test_unsupported_rope_is_refused_naming_the_key(tiny_models, rope, match):
+    from vime.backends.megatron_utils.arguments import hf_architecture
+
+    config = hf_config(tiny_models["llama"])
+    config.rope_parameters = {**rope, "rope_theta": 10000.0}
+    with pytest.raises(ValueError, match=match):
+        hf_architecture(config)
 
 
 @pytest.mark.parametrize("argv, world_size, match", [

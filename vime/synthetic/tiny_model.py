@@ -1,4 +1,4 @@
-"""Build a tiny Qwen2 / Qwen3 / Llama model with a locally trained tokenizer. No downloads.
+"""Build a tiny Qwen2 / Qwen2.5 / Qwen3 / Llama / Llama 3.x model with a locally trained tokenizer. No downloads.
 
     python -m vime.synthetic.tiny_model --arch qwen3 --out /tmp/tiny-qwen3
 
@@ -14,7 +14,10 @@ import os
 import random
 from pathlib import Path
 
-ARCHS = ("qwen2", "qwen3", "llama")
+ARCHS = ("qwen2", "qwen2_5", "qwen3", "llama", "llama3")
+# Llama 3.1's RoPE, as its config.json publishes it (3.2 and 3.3 differ only in the factor)
+LLAMA3_ROPE_SCALING = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 8192, "rope_type": "llama3"}
 
 # Chat template in the ChatML style used by Qwen; enough for prompts, multi-turn and tool turns.
 CHAT_TEMPLATE = (
@@ -103,10 +106,15 @@ def build_config(arch: str, vocab_size: int, hidden_size: int, num_layers: int, 
     )
     if arch == "qwen2":
         return Qwen2Config(**common)
+    if arch == "qwen2_5":  # Qwen2.5's shapes: qkv biases, theta 1e6 (the small ones tie their embeddings)
+        return Qwen2Config(rope_theta=1000000.0, **common)
     if arch == "qwen3":
         return Qwen3Config(head_dim=hidden_size // num_heads, **common)
     if arch == "llama":
         return LlamaConfig(**common)
+    if arch == "llama3":  # Llama 3.1: theta 5e5 with its rope_scaling block and 128k positions
+        return LlamaConfig(rope_theta=500000.0, rope_scaling=dict(LLAMA3_ROPE_SCALING),
+                           **{**common, "max_position_embeddings": max(max_position_embeddings, 131072)})
     raise ValueError(f"--arch must be one of {ARCHS}, got {arch!r}")
 
 
@@ -141,6 +149,11 @@ def build_tiny_model(
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
     model.save_pretrained(out, safe_serialization=True)
+    if arch == "llama3":  # config.json as Meta publishes it (transformers would write rope_parameters instead)
+        saved = json.loads((out / "config.json").read_text())
+        rope = saved.pop("rope_parameters", None) or {}
+        saved.update(rope_theta=rope.get("rope_theta", 500000.0), rope_scaling=dict(LLAMA3_ROPE_SCALING))
+        (out / "config.json").write_text(json.dumps(saved, indent=2, sort_keys=True))
     GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id).save_pretrained(out)
     (out / "vime_tiny_model.json").write_text(json.dumps({"arch": arch, "seed": seed}))
     return out

@@ -22,6 +22,10 @@ ARCHITECTURE_FLAGS = (
     "qk_layernorm", "add_qkv_bias",
 )
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+# RoPE variants (HF's rope_parameters / rope_scaling "rope_type") whose frequencies vime reproduces bit for bit
+ROPE_TYPES = ("default", "llama3", "linear")
+_ROPE_KEYS = {"llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+              "linear": ("factor",)}
 
 
 def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -100,7 +104,10 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         ("--max-position-embeddings", int, "Longest sequence for position embeddings (max_position_embeddings)"),
     ):
         g.add_argument(flag, type=kind, default=None, help=f"{what} (default: None = from the HF config).")
+    g.add_argument("--rope-scaling-factor", type=float, default=None,
+                   help="Llama 3.x RoPE scaling factor (rope_scaling.factor; default: None = from the HF config).")
     for flag, what in (
+        ("--use-rope-scaling", "Llama 3.x RoPE frequency scaling (rope_scaling.rope_type llama3)"),
         ("--untie-embeddings-and-output-weights", "Separate output layer, not tied to the embedding "
                                                   "(not tie_word_embeddings)"),
         ("--qk-layernorm", "RMSNorm on queries and keys per head (Qwen3)"),
@@ -110,15 +117,24 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     return parser
 
 
-def _rope_theta(hf_config) -> float:
-    rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+def hf_rope(hf_config) -> tuple[float, dict | None]:
+    """(theta, scaling) of an HF config's RoPE. `scaling` is None for plain RoPE, else {"rope_type", and the
+    type's parameters}: "llama3" (factor, low/high_freq_factor, original_max_position_embeddings) or "linear"
+    (factor). Any other type is refused, naming the key and the supported set."""
+    key = "rope_parameters" if getattr(hf_config, "rope_parameters", None) else "rope_scaling"
+    rope = dict(getattr(hf_config, key, None) or {})
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"HF config rope_type {rope_type!r} is not supported (only 'default' RoPE)")
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"HF config {key}.rope_type {rope_type!r} is not supported; supported: {ROPE_TYPES}")
     theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", None))
     if theta is None:
         raise ValueError("HF config has no rope theta (rope_parameters.rope_theta or rope_theta)")
-    return float(theta)
+    if rope_type == "default":
+        return float(theta), None
+    missing = [k for k in _ROPE_KEYS[rope_type] if rope.get(k) is None]
+    if missing:
+        raise ValueError(f"HF config {key} of rope_type {rope_type!r} lacks {missing}")
+    return float(theta), {"rope_type": rope_type, **{k: float(rope[k]) for k in _ROPE_KEYS[rope_type]}}
 
 
 def hf_architecture(hf_config) -> dict[str, Any]:
@@ -139,6 +155,8 @@ def hf_architecture(hf_config) -> dict[str, Any]:
     if getattr(hf_config, "use_sliding_window", False):
         raise ValueError("HF config use_sliding_window=True is not supported")
     heads = hf_config.num_attention_heads
+    theta, rope_scaling = hf_rope(hf_config)
+    llama3 = rope_scaling is not None and rope_scaling["rope_type"] == "llama3"
     return {
         "num_layers": hf_config.num_hidden_layers,
         "hidden_size": hf_config.hidden_size,
@@ -146,7 +164,10 @@ def hf_architecture(hf_config) -> dict[str, Any]:
         "num_attention_heads": heads,
         "num_query_groups": getattr(hf_config, "num_key_value_heads", None) or heads,
         "kv_channels": getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
-        "rotary_base": _rope_theta(hf_config),
+        "rotary_base": theta,
+        "rope_scaling": rope_scaling,  # no flag: the frequencies are computed from the config's own values
+        "use_rope_scaling": llama3,
+        "rope_scaling_factor": rope_scaling["factor"] if llama3 else None,
         "norm_epsilon": float(hf_config.rms_norm_eps),
         "vocab_size": hf_config.vocab_size,
         "untie_embeddings_and_output_weights": not getattr(hf_config, "tie_word_embeddings", False),

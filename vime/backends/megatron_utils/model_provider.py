@@ -1,4 +1,4 @@
-"""Build Megatron-core `GPTModel`s for Qwen2 / Qwen3 / Llama checkpoints.
+"""Build Megatron-core `GPTModel`s for Qwen2 / Qwen2.5 / Qwen3 / Llama (3.x RoPE scaling too) checkpoints.
 
 Who calls it: the Megatron trainer, after `parallel.init_parallel()` and
 `arguments.fill_architecture_from_hf()`; the convert tools; the tests.
@@ -98,7 +98,7 @@ def build_gpt_model(args: argparse.Namespace, pre_process: bool = True, post_pro
         spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
         # torch's fused scaled-dot-product attention, which also takes packed (thd) micro-batches
         spec.submodules.self_attention.submodules.core_attention = SDPAttention
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
         vocab_size=args.vocab_size,
@@ -112,6 +112,21 @@ def build_gpt_model(args: argparse.Namespace, pre_process: bool = True, post_pro
         rotary_base=args.rotary_base,
         vp_stage=vp_stage,
     )
+    scaling = getattr(args, "rope_scaling", None)
+    if scaling is not None:
+        rope = model.rotary_pos_emb
+        rope.inv_freq = scaled_inv_freq(rope, scaling)
+    return model
+
+
+def scaled_inv_freq(rope, scaling: dict) -> torch.Tensor:
+    """The RoPE frequencies of an HF `rope_scaling` block, computed as transformers does (bit for bit):
+    llama3 scales the low frequencies by 1/factor and blends the middle band; linear divides all by factor."""
+    if scaling["rope_type"] == "linear":
+        return rope.inv_freq / scaling["factor"]
+    return rope._apply_scaling(rope.inv_freq, factor=scaling["factor"], low_freq_factor=scaling["low_freq_factor"],
+                               high_freq_factor=scaling["high_freq_factor"],
+                               original_max_position_embeddings=scaling["original_max_position_embeddings"])
 
 
 def build_model_chunks(args: argparse.Namespace) -> list[GPTModel]:

@@ -3,8 +3,9 @@
     trainer = MegatronTrainer(args, rank, world_size, master_addr, master_port)   # one per process
     metrics = trainer.train(rollout_id, groups)                                    # groups of Sample dicts
 
-Every rank receives the whole rollout (it is small next to the model) and derives the same step / data-parallel
-/ micro-batch split from it, so no scatter is needed. Per rollout: (optional) reference and old log-probs ->
+Every rank reads the whole rollout from the data transport (its Ray actor, `vime.ray.actor_group`, does; the
+rollout is small next to the model), turns it into a `TrainBatch` and derives the same step / data-parallel /
+micro-batch split from it, so no scatter is needed. Per rollout: (optional) reference and old log-probs ->
 advantages -> --num-steps-per-rollout optimizer steps.
 """
 
