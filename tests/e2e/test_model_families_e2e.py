@@ -1,5 +1,6 @@
 """Model families end to end on the real stack (1 vLLM engine + router, Megatron-core, Ray): a tiny Llama 3.1
-(its rope_scaling block as published) and a tiny tied Qwen2.5 each generate, train two GRPO steps and sync weights.
+(its rope_scaling block as published), a tiny tied Qwen2.5 and a tiny Qwen3-MoE (a dense layer, then 4 experts,
+top-2) each generate, train three GRPO steps and sync weights after each.
 
 Prompts are about 600 tokens long, so that Llama 3's scaled low RoPE frequencies turn by a visible angle: if the
 trainer or the engine computed plain RoPE, their log-probs would part. Checked per family: the engine's log-probs
@@ -22,7 +23,8 @@ from vime.rollout.debug_data import load_rollout
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
-FAMILIES = {"llama3": dict(arch="llama3"), "qwen2_5-tied": dict(arch="qwen2_5", tie_word_embeddings=True)}
+FAMILIES = {"llama3": dict(arch="llama3"), "qwen2_5-tied": dict(arch="qwen2_5", tie_word_embeddings=True),
+            "qwen3_moe": dict(arch="qwen3_moe")}
 
 
 def _long_prompts(path: Path, n: int = 4, digits: int = 600) -> Path:
@@ -43,7 +45,7 @@ def test_family_generates_trains_and_syncs(family, tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, str(REPO / "train.py"), "--hf-checkpoint", str(model),
            "--prompt-data", str(_long_prompts(tmp_path / "prompts.jsonl")), "--label-key", "label",
-           "--rm-type", "random", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--num-rollout", "2",
+           "--rm-type", "random", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--num-rollout", "3",
            "--rollout-num-gpus", "1", "--rollout-max-response-len", "8", "--micro-batch-size", "8", "--lr", "1e-3",
            "--check-weight-update-equal", "--save-debug-rollout-data", str(out / "rollout_{rollout_id}.jsonl"),
            "--output-dir", str(out / "run"), "--vllm-enforce-eager", "--vllm-max-model-len", "1024"]
@@ -52,7 +54,7 @@ def test_family_generates_trains_and_syncs(family, tmp_path):
 
     records = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "train/steps" in r]
-    assert [r["rollout_id"] for r in train] == [0, 1]
+    assert [r["rollout_id"] for r in train] == [0, 1, 2]
     for r in train:
         assert r["train_rollout_logprob_abs_diff_max"] <= 1e-5, r
         assert r["weight_check/max_abs_logprob_diff"] <= 1e-5, r

@@ -35,6 +35,7 @@ CASES = {  # name -> (arch, tie_word_embeddings)
     "qwen2_5-tied": ("qwen2_5", True),  # Qwen2.5-0.5B..3B tie their embeddings
     "llama3": ("llama3", False),  # Llama 3.1's rope_scaling block, as published
     "llama3-tied": ("llama3", True),  # Llama 3.2 1B / 3B
+    "qwen3_moe": ("qwen3_moe", False),  # a dense first layer, then 4 experts, top-2
 }
 
 
@@ -115,6 +116,25 @@ def test_round_trip_through_tp_and_pp_shards(case, tiny_models):
         if pp_rank == 1 and config.tie_word_embeddings:  # last stage keeps a copy of the tied embedding
             assert torch.equal(torch.cat([s["output_layer.weight"] for s in shards]), hf["model.embed_tokens.weight"])
         back.update(megatron_to_hf_state_dict(shards, config, pp_rank, 2))
+    assert back.keys() == hf.keys()
+    assert all(torch.equal(back[k], hf[k]) for k in hf)
+
+
+def test_moe_round_trip_through_tp_pp_and_ep_shards(tiny_models):
+    path = tiny_models["qwen3_moe"]
+    config, hf = hf_config(path), load_file(path / "model.safetensors")
+    back = {}
+    for pp_rank in range(2):
+        for ep_rank in range(2):
+            shards = [hf_to_megatron_state_dict(hf, config, tp_rank, 2, pp_rank, 2, ep_rank, 2) for tp_rank in range(2)]
+            if pp_rank == 1:  # the MoE layer: two of the four experts on each EP rank, under local indices
+                experts = {k for k in shards[0] if ".local_experts." in k}
+                assert experts == {f"decoder.layers.0.mlp.experts.local_experts.{e}.linear_fc{f}.weight"
+                                   for e in range(2) for f in (1, 2)}
+                first = hf[f"model.layers.1.mlp.experts.{2 * ep_rank}.down_proj.weight"]
+                assert torch.equal(shards[1]["decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.weight"],
+                                   first.chunk(2, dim=1)[1])
+            back.update(megatron_to_hf_state_dict(shards, config, pp_rank, 2, ep_rank, 2))
     assert back.keys() == hf.keys()
     assert all(torch.equal(back[k], hf[k]) for k in hf)
 

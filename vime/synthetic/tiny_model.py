@@ -1,4 +1,5 @@
-"""Build a tiny Qwen2 / Qwen2.5 / Qwen3 / Llama / Llama 3.x model with a locally trained tokenizer. No downloads.
+"""Build a tiny Qwen2 / Qwen2.5 / Qwen3 / Qwen3-MoE / Llama / Llama 3.x model with a locally trained tokenizer.
+No downloads.
 
     python -m vime.synthetic.tiny_model --arch qwen3 --out /tmp/tiny-qwen3
 
@@ -14,7 +15,7 @@ import os
 import random
 from pathlib import Path
 
-ARCHS = ("qwen2", "qwen2_5", "qwen3", "llama", "llama3")
+ARCHS = ("qwen2", "qwen2_5", "qwen3", "qwen3_moe", "llama", "llama3")
 # Llama 3.1's RoPE, as its config.json publishes it (3.2 and 3.3 differ only in the factor)
 LLAMA3_ROPE_SCALING = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                        "original_max_position_embeddings": 8192, "rope_type": "llama3"}
@@ -87,7 +88,7 @@ def build_tokenizer(out: Path, vocab_size: int, seed: int):
 def build_config(arch: str, vocab_size: int, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
                  intermediate_size: int, max_position_embeddings: int, tie_word_embeddings: bool, eos_id: int,
                  pad_id: int):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     common = dict(
         vocab_size=vocab_size,
@@ -110,6 +111,10 @@ def build_config(arch: str, vocab_size: int, hidden_size: int, num_layers: int, 
         return Qwen2Config(rope_theta=1000000.0, **common)
     if arch == "qwen3":
         return Qwen3Config(head_dim=hidden_size // num_heads, **common)
+    if arch == "qwen3_moe":  # 4 experts, top-2 with norm_topk_prob; the first layer dense (mlp_only_layers)
+        return Qwen3MoeConfig(head_dim=hidden_size // num_heads, num_experts=4, num_experts_per_tok=2,
+                              moe_intermediate_size=intermediate_size // 2, norm_topk_prob=True,
+                              mlp_only_layers=[0] if num_layers > 1 else [], decoder_sparse_step=1, **common)
     if arch == "llama":
         return LlamaConfig(**common)
     if arch == "llama3":  # Llama 3.1: theta 5e5 with its rope_scaling block and 128k positions

@@ -11,6 +11,7 @@ from the HF config, and refuses a given value that contradicts the config.
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
 
 from vime.utils.misc import with_values
@@ -21,7 +22,8 @@ ARCHITECTURE_FLAGS = (
     "rotary_base", "norm_epsilon", "vocab_size", "untie_embeddings_and_output_weights", "max_position_embeddings",
     "qk_layernorm", "add_qkv_bias",
 )
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe")
+MOE_MODEL_TYPES = ("qwen3_moe",)
 # RoPE variants (HF's rope_parameters / rope_scaling "rope_type") whose frequencies vime reproduces bit for bit
 ROPE_TYPES = ("default", "llama3", "linear")
 _ROPE_KEYS = {"llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
@@ -40,6 +42,12 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--global-batch-size", type=int, default=None,
                    help="Sequences per optimizer step over all data-parallel ranks; a multiple of "
                         "micro-batch-size x data-parallel size (default: None = micro-batch-size x DP size).")
+
+    g.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="Expert-parallel size (MoE): ranks that split each MoE layer's experts, carved from the "
+                        "data-parallel ranks (default: 1).")
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                   help="Tensor-parallel size inside each expert (default: None = --tensor-model-parallel-size).")
 
     g.add_argument("--qkv-format", default="thd", choices=["thd", "bshd"],
                    help="Micro-batch layout: thd = the sequences packed one after another without padding (each "
@@ -74,6 +82,24 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--hidden-dropout", type=float, default=0.0,
                    help="Dropout on hidden states (default: 0.0; Megatron-LM's is 0.1).")
 
+    g = parser.add_argument_group("Megatron mixture of experts")
+    g.add_argument("--moe-router-load-balancing-type", default="aux_loss",
+                   choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "none"],
+                   help="Load-balancing loss of the router (default: aux_loss, weighted by --moe-aux-loss-coeff).")
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=None,
+                   help="Weight of the load-balancing loss (default: None = the HF config's router_aux_loss_coef, "
+                        "else 0).")
+    g.add_argument("--moe-z-loss-coeff", type=float, default=None,
+                   help="Weight of the router z-loss (default: None = off).")
+    g.add_argument("--moe-token-dispatcher-type", default="alltoall", choices=["alltoall"],
+                   help="How tokens reach their experts (default: alltoall, the dispatcher that takes RL's "
+                        "variable-length micro-batches).")
+    g.add_argument("--moe-grouped-gemm", action="store_true", default=False,
+                   help="Grouped GEMM for the experts (GPU with TransformerEngine; default: off = one GEMM per "
+                        "expert).")
+    g.add_argument("--moe-router-dtype", default="fp32", choices=["fp32", "fp64"],
+                   help="Precision of the router's logits and probabilities (default: fp32).")
+
     g = parser.add_argument_group("Megatron checkpoints")
     g.add_argument("--load", default=None,
                    help="torch_dist checkpoint directory to resume from (default: None = start from "
@@ -104,6 +130,17 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         ("--max-position-embeddings", int, "Longest sequence for position embeddings (max_position_embeddings)"),
     ):
         g.add_argument(flag, type=kind, default=None, help=f"{what} (default: None = from the HF config).")
+    g.add_argument("--num-experts", type=int, default=None,
+                   help="Routed experts per MoE layer (num_experts; default: None = from the HF config, none for "
+                        "dense models).")
+    g.add_argument("--moe-router-topk", type=int, default=None,
+                   help="Experts each token is routed to (num_experts_per_tok; default: None = from the HF config).")
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None,
+                   help="Hidden size of each expert's MLP (moe_intermediate_size; default: None = from the HF "
+                        "config).")
+    g.add_argument("--moe-layer-freq", type=_layer_pattern, default=None,
+                   help="Which layers are MoE: N (layers 0, N, 2N, ...) or a JSON list of 0/1 per layer "
+                        "(decoder_sparse_step and mlp_only_layers; default: None = from the HF config).")
     g.add_argument("--rope-scaling-factor", type=float, default=None,
                    help="Llama 3.x RoPE scaling factor (rope_scaling.factor; default: None = from the HF config).")
     for flag, what in (
@@ -115,6 +152,32 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     ):
         g.add_argument(flag, action="store_true", default=None, help=f"{what} (default: None = from the HF config).")
     return parser
+
+
+def _layer_pattern(text: str) -> list[int]:
+    """--moe-layer-freq: "N" (every N-th layer is MoE, counting from 1) is kept as N; "[0, 1, 1]" as a list."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither an integer nor a JSON list of 0/1") from e
+    if isinstance(value, int) or (isinstance(value, list) and all(v in (0, 1) for v in value)):
+        return value
+    raise argparse.ArgumentTypeError(f"{text!r} is neither an integer nor a JSON list of 0/1")
+
+
+def hf_moe(hf_config) -> dict[str, Any]:
+    """The MoE architecture of an HF config (Qwen3-MoE): experts, top-k, expert size, which layers are MoE
+    (as a 0/1 list) and how the top-k weights are normalised. Dense configs give num_experts None."""
+    if getattr(hf_config, "model_type", None) not in MOE_MODEL_TYPES:
+        return {"num_experts": None, "moe_router_topk": None, "moe_ffn_hidden_size": None, "moe_layer_freq": None,
+                "moe_router_pre_softmax": None}
+    dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
+    step = getattr(hf_config, "decoder_sparse_step", 1) or 1
+    pattern = [int(i not in dense and (i + 1) % step == 0) for i in range(hf_config.num_hidden_layers)]
+    return {"num_experts": hf_config.num_experts, "moe_router_topk": hf_config.num_experts_per_tok,
+            "moe_ffn_hidden_size": hf_config.moe_intermediate_size, "moe_layer_freq": pattern,
+            # norm_topk_prob: softmax over the chosen k; else softmax over all experts, then the top k
+            "moe_router_pre_softmax": not getattr(hf_config, "norm_topk_prob", False)}
 
 
 def hf_rope(hf_config) -> tuple[float, dict | None]:
@@ -172,7 +235,8 @@ def hf_architecture(hf_config) -> dict[str, Any]:
         "vocab_size": hf_config.vocab_size,
         "untie_embeddings_and_output_weights": not getattr(hf_config, "tie_word_embeddings", False),
         "max_position_embeddings": hf_config.max_position_embeddings,
-        "qk_layernorm": model_type == "qwen3",
+        "qk_layernorm": model_type in ("qwen3", "qwen3_moe"),
+        **hf_moe(hf_config),
         "add_qkv_bias": model_type == "qwen2",
     }
 
@@ -187,12 +251,16 @@ def fill_architecture_from_hf(args: argparse.Namespace, hf_config) -> argparse.N
     filled = {}
     for dest, value in hf_architecture(hf_config).items():
         given = getattr(args, dest, None)
+        if dest == "moe_layer_freq" and isinstance(given, int):  # Megatron-LM's "every N-th layer, from 0"
+            given = [int(i % given == 0) for i in range(hf_config.num_hidden_layers)]
         if given is None:
             filled[dest] = value
         elif given != value:
             flag = "--" + dest.replace("_", "-")
             raise ValueError(f"{flag}={given!r} contradicts the HF config, which gives {value!r}; "
                              f"drop {flag} to use the config's value")
+    if getattr(args, "moe_aux_loss_coeff", None) is None:  # a training choice: the config's is only the default
+        filled["moe_aux_loss_coeff"] = float(getattr(hf_config, "router_aux_loss_coef", 0.0) or 0.0)
     return with_values(args, **filled)
 
 
@@ -239,4 +307,34 @@ def validate_megatron_args(args: argparse.Namespace, world_size: int | None = No
     if args.num_layers % pp:
         raise ValueError(f"{args.num_layers} layers are not divisible by --pipeline-model-parallel-size {pp}; "
                          f"choose a pipeline size that divides the layer count")
+    _check_moe(args, world_size)
     return with_values(args, global_batch_size=gbs)
+
+
+def _check_moe(args: argparse.Namespace, world_size: int) -> None:
+    ep = getattr(args, "expert_model_parallel_size", 1)
+    etp = getattr(args, "expert_tensor_parallel_size", None) or args.tensor_model_parallel_size
+    experts = getattr(args, "num_experts", None)
+    if ep < 1 or etp < 1:
+        raise ValueError(f"--expert-model-parallel-size ({ep}) and --expert-tensor-parallel-size ({etp}) must be >= 1")
+    if etp != args.tensor_model_parallel_size:
+        raise ValueError(f"--expert-tensor-parallel-size {etp} differs from --tensor-model-parallel-size "
+                         f"{args.tensor_model_parallel_size}: vime splits experts over tensor parallel like the dense "
+                         "layers; drop --expert-tensor-parallel-size")
+    if not experts:
+        if ep > 1:
+            raise ValueError(f"--expert-model-parallel-size {ep} needs a mixture-of-experts model; this one is dense")
+        return
+    if experts % ep:
+        raise ValueError(f"{experts} experts do not split over --expert-model-parallel-size {ep}; choose a size that "
+                         "divides the expert count")
+    per_stage = world_size // args.pipeline_model_parallel_size
+    if per_stage % (ep * etp):
+        raise ValueError(f"{per_stage} ranks per pipeline stage are not a multiple of expert-parallel x "
+                         f"expert-tensor-parallel size ({ep} x {etp}); add training ranks or lower the sizes")
+    if getattr(args, "moe_grouped_gemm", False):
+        from vime.utils.device import use_gpu
+
+        if not use_gpu():
+            raise ValueError("--moe-grouped-gemm needs a GPU with TransformerEngine; drop it on CPU (one GEMM per "
+                             "expert computes the same)")

@@ -121,6 +121,42 @@ class CPURNGStatesTracker:
             torch.set_rng_state(outer)
 
 
+class _HostEvent:
+    """What a `_HostStream` records: always complete."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _HostStream:
+    """Stands in for `torch.cuda.Stream` on CPU, where every op has finished when it returns: nothing to order or
+    wait for. (MoE's all-to-all token dispatcher creates a side stream for its device-to-host copies.)"""
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return event if event is not None else _HostEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+_HOST_STREAM = _HostStream()
+
+
 def apply_cpu_compat() -> None:
     """Patch torch.cuda and megatron-core for CPU training. No-op when CUDA is available.
 
@@ -138,6 +174,10 @@ def apply_cpu_compat() -> None:
         torch.cuda.current_device = lambda: 0
         # Pipeline p2p and dist_checkpointing synchronize the GPU; nothing to wait for on CPU.
         torch.cuda.synchronize = lambda device=None: None
+        # MoE's token dispatcher orders its copies with a side stream; on CPU there is one, synchronous, stream.
+        torch.cuda.Stream = lambda *args, **kwargs: _HOST_STREAM
+        torch.cuda.current_stream = lambda device=None: _HOST_STREAM
+        torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
         # Megatron instantiates `CudaRNGStatesTracker` by its module-level name: swap the class so that
         # model_parallel_cuda_manual_seed() and get_cuda_rng_tracker() hand out CPU generator states.
         mcore_random.CudaRNGStatesTracker = CPURNGStatesTracker

@@ -1,4 +1,5 @@
-"""HF (Qwen2 / Qwen3 / Llama) <-> Megatron-core GPTModel weights, with tensor- and pipeline-parallel sharding.
+"""HF (Qwen2 / Qwen3 / Llama / Qwen3-MoE) <-> Megatron-core GPTModel weights, with tensor-, pipeline- and
+expert-parallel sharding.
 
 Layout facts (megatron-core 0.16.1, local layer spec; a naive q|k|v concat gives wrong logits):
 - `linear_qkv` stacks, per KV group g, [q heads of g | k_g | v_g] (weight [G*(H/G+2)*D, hidden], bias alike);
@@ -11,6 +12,9 @@ Layout facts (megatron-core 0.16.1, local layer spec; a naive q|k|v concat gives
 - Module names use local layer indices; the global layer is `layer_number - 1`.
 - Tied embeddings: with one pipeline stage the model has no output weight; with several, the last stage keeps
   a copy of the embedding as `output_layer.weight`, which HF does not store.
+- MoE layers: `mlp.router.weight` is HF's `mlp.gate.weight` (replicated); expert-parallel rank r holds experts
+  [r * E/EP, (r + 1) * E/EP) as `mlp.experts.local_experts.{local index}.linear_fc1/2`, each laid out like a
+  dense MLP (fc1 = [gate; up]) and split over tensor parallel the same way (expert TP = TP).
 
 Who calls it: the trainer (load at start, `iter_hf_weights` to stream weights to vLLM, `save_hf_checkpoint`),
 the convert tools, the tests. The pure functions take state dicts; the model-level ones use `parallel_state`.
@@ -47,12 +51,18 @@ class _Arch:
     tied: bool
     qk_norm: bool
     qkv_bias: bool
+    moe_layers: tuple[int, ...] = ()  # per global layer: 1 = MoE, 0 = dense (empty: a dense model)
+    num_experts: int = 0
 
     @classmethod
     def from_hf(cls, hf_config) -> "_Arch":
         a = hf_architecture(hf_config)
         return cls(a["num_layers"], a["num_attention_heads"], a["num_query_groups"], a["kv_channels"],
-                   not a["untie_embeddings_and_output_weights"], a["qk_layernorm"], a["add_qkv_bias"])
+                   not a["untie_embeddings_and_output_weights"], a["qk_layernorm"], a["add_qkv_bias"],
+                   tuple(a["moe_layer_freq"] or ()), a["num_experts"] or 0)
+
+    def is_moe(self, layer: int) -> bool:
+        return bool(self.moe_layers) and bool(self.moe_layers[layer])
 
 
 @dataclass(frozen=True)
@@ -79,17 +89,30 @@ _LAYER_PARAMS = {
     "mlp.linear_fc1.weight": ("fc1", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), 0),
     "mlp.linear_fc2.weight": ("copy", ("mlp.down_proj.weight",), 1),
 }
+# MoE layers: the router, and each expert's MLP (local index -> global expert = EP rank * local count + index)
+_MOE_PARAMS = {
+    "mlp.router.weight": ("copy", ("mlp.gate.weight",), None),
+    "linear_fc1.weight": ("fc1", ("gate_proj.weight", "up_proj.weight"), 0),
+    "linear_fc2.weight": ("copy", ("down_proj.weight",), 1),
+}
+_EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12]\.weight)$")
 _TE_FUSED_NORMS = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
                    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
-def _param_for(name: str, arch: _Arch, layer_offset: int) -> _Param | None:
-    """The HF mapping of a Megatron parameter name of a chunk; None for the tied copy of the embedding."""
+def _param_for(name: str, arch: _Arch, layer_offset: int, expert_offset: int = 0) -> _Param | None:
+    """The HF mapping of a Megatron parameter name of a chunk; None for the tied copy of the embedding.
+    `expert_offset`: the global index of this rank's first local expert."""
     m = _LAYER_RE.match(name)
     if m:
-        kind, hf_suffixes, split_dim = _LAYER_PARAMS[m.group(2)]
         prefix = f"model.layers.{int(m.group(1)) + layer_offset}."
+        expert = _EXPERT_RE.match(m.group(2))
+        if expert:
+            kind, hf_suffixes, split_dim = _MOE_PARAMS[expert.group(2)]
+            prefix += f"mlp.experts.{int(expert.group(1)) + expert_offset}."
+        else:
+            kind, hf_suffixes, split_dim = _MOE_PARAMS.get(m.group(2)) or _LAYER_PARAMS[m.group(2)]
         return _Param(kind, tuple(prefix + s for s in hf_suffixes), split_dim)
     if name == "embedding.word_embeddings.weight":
         return _Param("copy", ("model.embed_tokens.weight",), 0)
@@ -100,15 +123,21 @@ def _param_for(name: str, arch: _Arch, layer_offset: int) -> _Param | None:
     raise KeyError(f"no HF mapping for Megatron parameter {name!r}")
 
 
-def _chunk_param_names(arch: _Arch, num_local_layers: int, pre_process: bool, post_process: bool) -> list[str]:
-    """Megatron parameter names (local spec) of a chunk holding `num_local_layers` layers."""
+def _chunk_param_names(arch: _Arch, num_local_layers: int, pre_process: bool, post_process: bool,
+                       layer_offset: int = 0, num_local_experts: int = 0) -> list[str]:
+    """Megatron parameter names (local spec) of a chunk holding `num_local_layers` layers from `layer_offset`
+    (MoE layers with `num_local_experts` experts each)."""
     suffixes = ["input_layernorm.weight", "self_attention.linear_qkv.weight", "self_attention.linear_proj.weight",
-                "pre_mlp_layernorm.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
+                "pre_mlp_layernorm.weight"]
     if arch.qkv_bias:
         suffixes.append("self_attention.linear_qkv.bias")
     if arch.qk_norm:
         suffixes += ["self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"]
-    names = [f"decoder.layers.{i}.{s}" for i in range(num_local_layers) for s in suffixes]
+    dense = ["mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
+    moe = ["mlp.router.weight"] + [f"mlp.experts.local_experts.{e}.linear_fc{k}.weight"
+                                   for e in range(num_local_experts) for k in (1, 2)]
+    names = [f"decoder.layers.{i}.{s}" for i in range(num_local_layers)
+             for s in suffixes + (moe if arch.is_moe(layer_offset + i) else dense)]
     if pre_process:
         names.insert(0, "embedding.word_embeddings.weight")
     if post_process:
@@ -170,10 +199,12 @@ def _layer_range(arch: _Arch, pp_rank: int, pp_size: int) -> tuple[int, int]:
 
 
 def _hf_to_chunk(hf: Mapping[str, torch.Tensor], arch: _Arch, tp_rank: int, tp_size: int, layer_offset: int,
-                 num_local_layers: int, pre_process: bool, post_process: bool) -> dict[str, torch.Tensor]:
+                 num_local_layers: int, pre_process: bool, post_process: bool, ep_rank: int = 0,
+                 ep_size: int = 1) -> dict[str, torch.Tensor]:
     out = {}
-    for name in _chunk_param_names(arch, num_local_layers, pre_process, post_process):
-        p = _param_for(name, arch, layer_offset)
+    local_experts = arch.num_experts // ep_size
+    for name in _chunk_param_names(arch, num_local_layers, pre_process, post_process, layer_offset, local_experts):
+        p = _param_for(name, arch, layer_offset, ep_rank * local_experts)
         if p is None:  # last stage's copy of the tied embedding
             p = _Param("copy", ("model.embed_tokens.weight",), 0)
         out[name] = _tp_split(p, _to_full_megatron(p, hf, arch), tp_rank, tp_size)
@@ -181,31 +212,36 @@ def _hf_to_chunk(hf: Mapping[str, torch.Tensor], arch: _Arch, tp_rank: int, tp_s
 
 
 def hf_to_megatron_state_dict(hf_state_dict: Mapping[str, torch.Tensor], hf_config, tp_rank: int = 0,
-                              tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1) -> dict[str, torch.Tensor]:
+                              tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1, ep_rank: int = 0,
+                              ep_size: int = 1) -> dict[str, torch.Tensor]:
     """The Megatron parameters (local-spec names, no `_extra_state`) of one rank's model chunk.
 
-    Layers are split evenly over the `pp_size` stages. Tensors keep the HF dtype and may be views of the
-    inputs. `hf_state_dict` only needs `__getitem__` (a lazy safetensors reader works).
+    Layers are split evenly over the `pp_size` stages, MoE experts evenly over the `ep_size` expert-parallel
+    ranks. Tensors keep the HF dtype and may be views of the inputs. `hf_state_dict` only needs `__getitem__`
+    (a lazy safetensors reader works).
     """
     arch = _Arch.from_hf(hf_config)
     offset, n_local = _layer_range(arch, pp_rank, pp_size)
-    return _hf_to_chunk(hf_state_dict, arch, tp_rank, tp_size, offset, n_local, pp_rank == 0, pp_rank == pp_size - 1)
+    return _hf_to_chunk(hf_state_dict, arch, tp_rank, tp_size, offset, n_local, pp_rank == 0, pp_rank == pp_size - 1,
+                        ep_rank, ep_size)
 
 
 def megatron_to_hf_state_dict(megatron_state_dicts: list[Mapping[str, torch.Tensor]], hf_config, pp_rank: int = 0,
-                              pp_size: int = 1) -> dict[str, torch.Tensor]:
-    """Full HF tensors of one pipeline stage from its TP shards (`megatron_state_dicts[r]` = TP rank r's chunk).
+                              pp_size: int = 1, ep_rank: int = 0, ep_size: int = 1) -> dict[str, torch.Tensor]:
+    """Full HF tensors of one pipeline stage from its TP shards (`megatron_state_dicts[r]` = TP rank r's chunk)
+    on expert-parallel rank `ep_rank` (its experts; everything else is the same on every EP rank).
 
-    Inverse of `hf_to_megatron_state_dict`: the union over stages is the HF state dict, bit for bit
-    (`lm_head.weight` is absent for tied embeddings, as in HF checkpoints). `_extra_state` keys are ignored.
+    Inverse of `hf_to_megatron_state_dict`: the union over stages (and EP ranks) is the HF state dict, bit for
+    bit (`lm_head.weight` is absent for tied embeddings, as in HF checkpoints). `_extra_state` keys are ignored.
     """
     arch = _Arch.from_hf(hf_config)
     offset, _ = _layer_range(arch, pp_rank, pp_size)
+    expert_offset = ep_rank * (arch.num_experts // ep_size)
     out = {}
     for name in megatron_state_dicts[0]:
         if name.endswith("_extra_state"):
             continue
-        p = _param_for(name, arch, offset)
+        p = _param_for(name, arch, offset, expert_offset)
         if p is not None:
             out.update(_from_full_megatron(p, _tp_merge(p, [sd[name] for sd in megatron_state_dicts]), arch))
     return out
@@ -230,6 +266,22 @@ def _tp_rank_size() -> tuple[int, int]:
     return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
 
 
+def _ep_rank_size() -> tuple[int, int]:
+    if not parallel_state.model_parallel_is_initialized():
+        return 0, 1
+    return parallel_state.get_expert_model_parallel_rank(), parallel_state.get_expert_model_parallel_world_size()
+
+
+def _gather_ep(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The same local expert's parameter from every expert-parallel rank (index = EP rank). Collective."""
+    _, ep_size = _ep_rank_size()
+    if ep_size == 1:
+        return [tensor]
+    out = [torch.empty_like(tensor) for _ in range(ep_size)]
+    dist.all_gather(out, tensor.contiguous(), group=parallel_state.get_expert_model_parallel_group())
+    return out
+
+
 def gather_tp_shards(tensor: torch.Tensor) -> list[torch.Tensor]:
     """All TP ranks' shards of a parameter (index = TP rank), via all_gather on the TP group.
 
@@ -252,15 +304,20 @@ def iter_hf_weights(model_chunks: list[torch.nn.Module], hf_config) -> Iterator[
     the rollout engines and for `save_hf_checkpoint`.
     """
     arch = _Arch.from_hf(hf_config)
+    _, ep_size = _ep_rank_size()
+    local_experts = arch.num_experts // ep_size
     for chunk in model_chunks:
         model = _unwrap(chunk)
         offset = _layer_offset(model)
         for name, param in model.named_parameters():
-            p = _param_for(name, arch, offset)
-            if p is None:
-                continue
-            shards = [param.detach()] if p.split_dim is None else gather_tp_shards(param.detach())
-            yield from _from_full_megatron(p, _tp_merge(p, shards), arch)
+            # an expert's parameter: every EP rank holds its own experts under the same local names
+            per_ep = _gather_ep(param.detach()) if ".local_experts." in name else [param.detach()]
+            for ep_rank, tensor in enumerate(per_ep):
+                p = _param_for(name, arch, offset, ep_rank * local_experts)
+                if p is None:
+                    continue
+                shards = [tensor] if p.split_dim is None else gather_tp_shards(tensor)
+                yield from _from_full_megatron(p, _tp_merge(p, shards), arch)
 
 
 class _SafetensorsDir(Mapping):
@@ -304,11 +361,12 @@ def load_hf_checkpoint_into_model(model_chunks: list[torch.nn.Module], hf_dir: s
     arch = _Arch.from_hf(AutoConfig.from_pretrained(hf_dir))
     hf = _SafetensorsDir(hf_dir)
     tp_rank, tp_size = _tp_rank_size()
+    ep_rank, ep_size = _ep_rank_size()
     for chunk in model_chunks:
         model = _unwrap(chunk)
         params = dict(model.named_parameters())
         expected = _hf_to_chunk(hf, arch, tp_rank, tp_size, _layer_offset(model), len(model.decoder.layers),
-                                model.pre_process, model.post_process)
+                                model.pre_process, model.post_process, ep_rank, ep_size)
         for name, local in _TE_FUSED_NORMS.items():  # TE spec: norms live inside the linear layers
             for key in [k for k in expected if k.endswith(name)]:
                 fused = key[: -len(name)] + local

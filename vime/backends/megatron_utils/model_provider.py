@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_decoder_block_spec,
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
 )
@@ -75,7 +76,7 @@ def build_transformer_config(args: argparse.Namespace) -> TransformerConfig:
         fp16=dtype == torch.float16,
         # RL micro-batches differ in length, so pipeline stages exchange shapes before activations.
         variable_seq_lengths=True,
-        moe_token_dispatcher_type="alltoall",  # unused (dense model); the default refuses variable lengths
+        **_moe_config(args),
         use_cpu_initialization=not on_gpu,
         # Fused kernels need CUDA (some need apex); off everywhere, so CPU and GPU run the same math.
         bias_activation_fusion=False,
@@ -87,20 +88,57 @@ def build_transformer_config(args: argparse.Namespace) -> TransformerConfig:
     )
 
 
+def _moe_config(args: argparse.Namespace) -> dict:
+    """TransformerConfig's MoE fields (Qwen3-MoE: softmax top-k routing, no shared experts)."""
+    if not getattr(args, "num_experts", None):  # dense; alltoall because the default dispatcher refuses
+        return {"moe_token_dispatcher_type": "alltoall"}  # variable sequence lengths even where unused
+    return dict(
+        num_moe_experts=args.num_experts,
+        moe_router_topk=args.moe_router_topk,
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+        moe_layer_freq=list(args.moe_layer_freq),
+        moe_router_pre_softmax=bool(args.moe_router_pre_softmax),
+        moe_router_score_function="softmax",
+        moe_router_load_balancing_type=args.moe_router_load_balancing_type,
+        moe_aux_loss_coeff=args.moe_aux_loss_coeff or 0.0,
+        moe_z_loss_coeff=args.moe_z_loss_coeff,
+        moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+        moe_grouped_gemm=bool(args.moe_grouped_gemm),
+        moe_router_dtype=args.moe_router_dtype,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size or args.tensor_model_parallel_size,
+    )
+
+
+def _layer_specs(config: TransformerConfig):
+    """The decoder's layer spec: one for all layers (dense), or a block spec with per-layer MoE / dense MLPs."""
+    if config.num_moe_experts:
+        import megatron.core.transformer.moe.moe_utils as moe_utils
+
+        if not hasattr(moe_utils, "te_general_gemm"):  # megatron-core 0.16.1 names it only when TE imports
+            moe_utils.te_general_gemm = None
+        te = use_transformer_engine()
+        block = get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization="RMSNorm")
+        if not te:
+            for layer in block.layer_specs:
+                layer.submodules.self_attention.submodules.core_attention = SDPAttention
+        return block
+    if use_transformer_engine():
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
+    # torch's fused scaled-dot-product attention, which also takes packed (thd) micro-batches
+    spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    return spec
+
+
 def build_gpt_model(args: argparse.Namespace, pre_process: bool = True, post_process: bool = True,
                     vp_stage: int | None = None) -> GPTModel:
     """One GPTModel chunk. `pre_process` holds the embedding (first stage), `post_process` the final norm
     and output layer (last stage). Logits come out vocab-parallel over TP: [batch, seq, vocab / TP]."""
     config = build_transformer_config(args)
-    if use_transformer_engine():
-        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
-    else:
-        spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
-        # torch's fused scaled-dot-product attention, which also takes packed (thd) micro-batches
-        spec.submodules.self_attention.submodules.core_attention = SDPAttention
     model = GPTModel(
         config=config,
-        transformer_layer_spec=spec,
+        transformer_layer_spec=_layer_specs(config),
         vocab_size=args.vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,

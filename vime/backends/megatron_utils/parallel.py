@@ -21,8 +21,10 @@ from vime.utils.misc import find_free_port
 
 
 def init_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1, seed: int = 1234,
-                  timeout_s: float = 1800.0) -> None:
-    """Initialise the process group (gloo on CPU, nccl on GPU), Megatron's TP/PP/DP groups and RNG seeds.
+                  timeout_s: float = 1800.0, expert_model_parallel_size: int = 1,
+                  expert_tensor_parallel_size: int | None = None) -> None:
+    """Initialise the process group (gloo on CPU, nccl on GPU), Megatron's TP/PP/DP (and expert) groups and RNG
+    seeds.
 
     Seeds follow Megatron-LM: every stage gets `seed + 100 * pp_rank` for the Python and torch default
     generators, and the tensor-parallel RNG tracker is seeded from it (`model_parallel_cuda_manual_seed`).
@@ -44,7 +46,9 @@ def init_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_s
     if world_size % (tensor_model_parallel_size * pipeline_model_parallel_size):
         raise ValueError(f"world size {world_size} is not a multiple of tensor x pipeline parallel size "
                          f"({tensor_model_parallel_size} x {pipeline_model_parallel_size})")
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size, pipeline_model_parallel_size)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size, pipeline_model_parallel_size,
+                                             expert_model_parallel_size=expert_model_parallel_size,
+                                             expert_tensor_parallel_size=expert_tensor_parallel_size)
     set_seed(seed)
 
 

@@ -23,6 +23,7 @@ from vime.algorithms import compute_approx_kl, get_advantage_estimator
 from vime.backends.megatron_utils.checkpoint import load_checkpoint, save_checkpoint
 from vime.backends.megatron_utils.batching import balanced_partition, micro_batches, step_slices
 from vime.backends.megatron_utils.loss import make_loss_fn
+from vime.backends.megatron_utils.moe_metrics import take_moe_losses
 from vime.backends.megatron_utils.offload import TrainStateOffloader
 from vime.backends.megatron_utils.train_batch import TrainBatch
 from vime.backends.megatron_utils.critic import attach_value_head, make_value_loss_fn
@@ -54,7 +55,9 @@ class MegatronTrainer:
         if world_size > 1 or master_port is not None:
             os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0",
                               MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
-        init_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, seed=args.seed)
+        init_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, seed=args.seed,
+                      expert_model_parallel_size=args.expert_model_parallel_size,
+                      expert_tensor_parallel_size=args.expert_tensor_parallel_size)
         self.hf_config = AutoConfig.from_pretrained(args.hf_checkpoint)
         # the run's flags plus the architecture read from the checkpoint: this rank's own copy
         args = validate_megatron_args(fill_architecture_from_hf(args, self.hf_config), world_size=dist.get_world_size())
@@ -143,7 +146,7 @@ class MegatronTrainer:
             mb_metrics, grad_norm, lr, skipped = train_step(args, self.model, self.optimizer, self.scheduler,
                                                             batch, mbs, loss_fn)
             self.step += 1
-            step_metrics = self._reduce(mb_metrics)
+            step_metrics = {**self._reduce(mb_metrics), **take_moe_losses(args, len(mbs))}
             if "logprob_diff_count" in step_metrics:  # first step only: the rollout policy's parameters
                 count = max(step_metrics.pop("logprob_diff_count"), 1.0)
                 metrics["train_rollout_logprob_abs_diff"] = step_metrics.pop("logprob_diff_sum") / count
@@ -218,7 +221,7 @@ class MegatronTrainer:
             loss_fn = make_value_loss_fn(args, batch, _denominators(batch, step), scale=len(mbs) * self.dp_size)
             mb_metrics, grad_norm, _, _ = train_step(args, self.model, self.optimizer, self.scheduler, batch, mbs,
                                                      loss_fn)
-            for k, v in self._reduce(mb_metrics).items():
+            for k, v in {**self._reduce(mb_metrics), **take_moe_losses(args, len(mbs))}.items():
                 metrics[f"critic/{k}"] = metrics.get(f"critic/{k}", 0.0) + v / len(plan)
             metrics["critic/grad_norm"] = float(grad_norm or 0.0)
         return metrics if is_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0 else {}

@@ -62,6 +62,28 @@ def load_in_place(vllm_config, model: torch.nn.Module, weights: Iterable[tuple[s
     return True
 
 
+def repack_cpu_experts(model: torch.nn.Module) -> int:
+    """After `reload_weights` on CPU: pack every MoE layer's freshly loaded expert weights into the CPU kernel's
+    layout again; returns how many layers were packed.
+
+    vLLM 0.32's unquantized MoE method runs the CPU experts' prepack (`process_weights_after_loading` of the
+    fused experts) on the first load only; a weight update copies the new weights, in checkpoint layout, into
+    the packed storage, which the kernel then misreads (measured: reloading a tiny Qwen3-MoE's own weights moved
+    its log-probs by 0.2)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return 0
+    packed = 0
+    for layer in model.modules():
+        kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is not None and type(experts).__module__.endswith(".cpu_moe"):
+            experts.process_weights_after_loading(layer)
+            packed += 1
+    return packed
+
+
 def _plan(vllm_config, model: torch.nn.Module) -> list[tuple[torch.nn.Module, dict]] | None:
     """[(layer with a quant method, {parameter name: its construction metadata, for parameters the kernel
     dropped})], or None when some layer is not a plain unquantized linear/embedding layer, or the dropped
