@@ -171,4 +171,18 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
             raise ValueError(f"--{flag.replace('_', '-')}: {e}") from e
     args = with_values(args, vllm_engine_args=validate_vllm_args(args))
     args = validate_algorithm_args(args)
-    return validate_train_args(args)
+    args = validate_train_args(args)
+    if not args.debug_rollout_only:  # the model and its parallel layout, checked before any process starts
+        from transformers import AutoConfig
+
+        from vime.backends.megatron_utils.arguments import fill_architecture_from_hf, validate_megatron_args
+
+        try:
+            hf_config = AutoConfig.from_pretrained(args.hf_checkpoint)
+        except Exception as e:  # transformers' own checks raise KeyError, ValueError, OSError, ...
+            raise ValueError(f"--hf-checkpoint {args.hf_checkpoint}: transformers cannot read its config.json "
+                             f"({type(e).__name__}: {e})") from e
+        world_size = args.actor_num_nodes * args.actor_num_gpus_per_node
+        validate_megatron_args(fill_architecture_from_hf(args, hf_config),
+                               world_size=world_size)  # each rank fills its own architecture again
+    return args

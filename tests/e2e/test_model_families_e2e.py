@@ -1,6 +1,7 @@
 """Model families end to end on the real stack (1 vLLM engine + router, Megatron-core, Ray): a tiny Llama 3.1
 (its rope_scaling block as published), a tiny tied Qwen2.5 and a tiny Qwen3-MoE (a dense layer, then 4 experts,
-top-2) each generate, train three GRPO steps and sync weights after each.
+top-2; also with its experts split over 2 expert-parallel ranks) each generate, train three GRPO steps and sync
+weights after each.
 
 Prompts are about 600 tokens long, so that Llama 3's scaled low RoPE frequencies turn by a visible angle: if the
 trainer or the engine computed plain RoPE, their log-probs would part. Checked per family: the engine's log-probs
@@ -24,7 +25,9 @@ from vime.rollout.debug_data import load_rollout
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
 FAMILIES = {"llama3": dict(arch="llama3"), "qwen2_5-tied": dict(arch="qwen2_5", tie_word_embeddings=True),
-            "qwen3_moe": dict(arch="qwen3_moe")}
+            "qwen3_moe": dict(arch="qwen3_moe"), "qwen3_moe-ep2": dict(arch="qwen3_moe")}
+EXTRA = {"qwen3_moe-ep2": ["--actor-num-gpus-per-node", "2", "--expert-model-parallel-size", "2",  # gloo all-to-all
+                           "--micro-batch-size", "4"]}
 
 
 def _long_prompts(path: Path, n: int = 4, digits: int = 600) -> Path:
@@ -48,7 +51,8 @@ def test_family_generates_trains_and_syncs(family, tmp_path):
            "--rm-type", "random", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--num-rollout", "3",
            "--rollout-num-gpus", "1", "--rollout-max-response-len", "8", "--micro-batch-size", "8", "--lr", "1e-3",
            "--check-weight-update-equal", "--save-debug-rollout-data", str(out / "rollout_{rollout_id}.jsonl"),
-           "--output-dir", str(out / "run"), "--vllm-enforce-eager", "--vllm-max-model-len", "1024"]
+           "--output-dir", str(out / "run"), "--vllm-enforce-eager", "--vllm-max-model-len", "1024",
+           *EXTRA.get(family, [])]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-6000:]
 
@@ -59,6 +63,8 @@ def test_family_generates_trains_and_syncs(family, tmp_path):
         assert r["train_rollout_logprob_abs_diff_max"] <= 1e-5, r
         assert r["weight_check/max_abs_logprob_diff"] <= 1e-5, r
         assert r["train/grad_norm"] > 0
+        if "moe" in family:  # the router's load-balancing loss (Qwen3-MoE's router_aux_loss_coef), per MoE layer
+            assert r["train/moe_aux_loss"] > 0 and r["train/moe_aux_loss/layer_1"] == r["train/moe_aux_loss"]
 
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation="eager").eval()
     samples = [s for g in load_rollout(str(out / "rollout_{rollout_id}.jsonl"), 0) for s in g]

@@ -77,6 +77,12 @@ def test_yaml_config_unknown_key(base, tmp_path, capsys):
     (["--offload-train"], "--offload-train only makes sense with --colocate"),
     (["--use-fault-tolerance", "--rollout-external-engine-addrs", "h:1"], "cannot restart"),
     (["--rollout-health-check-interval", "0"], "--rollout-health-check-interval must be > 0"),
+    # the model's parallel layout, before any process starts
+    (["--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--micro-batch-size", "8",
+      "--actor-num-gpus-per-node", "2"], "--global-batch-size 8 must be a multiple of --micro-batch-size"),
+    (["--tensor-model-parallel-size", "8", "--actor-num-gpus-per-node", "8"], "attention heads"),
+    (["--expert-model-parallel-size", "2", "--actor-num-gpus-per-node", "2"], "needs a mixture-of-experts model"),
+    (["--num-layers", "7"], "--num-layers=7 contradicts the HF config"),
 ])
 def test_validation_errors_name_the_flag(base, capsys, extra, message):
     assert message in _error(capsys, base + extra)
@@ -165,3 +171,19 @@ def test_parsing_derives_into_a_copy(base):
     derived = validate_algorithm_args(given)
     assert (derived.eps_clip_high, derived.policy_loss) == (args.eps_clip, "gspo")
     assert given.eps_clip_high is None and given.policy_loss != "gspo"  # the caller's namespace is untouched
+
+
+@pytest.mark.parametrize("rope, message", [
+    ({"rope_type": "dynamic", "factor": 2.0}, "rope_type 'dynamic' is not supported; supported: ('default', "
+                                              "'llama3', 'linear')"),
+    ({"rope_type": "longrope", "factor": 4.0}, "transformers cannot read its config.json (KeyError"),  # malformed
+])
+def test_an_unsupported_model_is_refused_at_parse_time(base, capsys, tiny_qwen3, tmp_path, rope, message):
+    import json
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_qwen3, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "rope_scaling": rope}))
+    assert message in _error(capsys, [*base[:1], str(model), *base[2:]])

@@ -157,6 +157,31 @@ class _HostStream:
 _HOST_STREAM = _HostStream()
 
 
+def _all_to_all_forward(ctx, group, input, output_split_sizes, input_split_sizes):
+    """megatron-core's `_AllToAll.forward` with its output on the input's device. The original allocates on
+    `torch.cuda.current_device()`, and its backward runs inside autograd, where the device-redirecting mode is
+    off (a mode is suspended while it handles a call, here `torch.autograd.backward`)."""
+    ctx.group, ctx.output_split_sizes, ctx.input_split_sizes = group, output_split_sizes, input_split_sizes
+    if group.size() == 1:
+        return input
+    input = input.contiguous()
+    if output_split_sizes is None:
+        output = torch.empty_like(input)
+    else:
+        output = input.new_empty(size=[int(sum(output_split_sizes))] + list(input.size()[1:]))
+    torch.distributed.all_to_all_single(output, input, output_split_sizes=output_split_sizes,
+                                        input_split_sizes=input_split_sizes, group=group)
+    return output
+
+
+def _split_sizes_on_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """megatron-core's `maybe_move_tensor_to_cpu` for tensors already on the CPU: the all-to-all split sizes must
+    still become numpy (torch.distributed refuses a tensor there), which the original does only for GPU ones."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.numpy()
+    return tensor
+
+
 def apply_cpu_compat() -> None:
     """Patch torch.cuda and megatron-core for CPU training. No-op when CUDA is available.
 
@@ -180,6 +205,12 @@ def apply_cpu_compat() -> None:
         torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
         # Megatron instantiates `CudaRNGStatesTracker` by its module-level name: swap the class so that
         # model_parallel_cuda_manual_seed() and get_cuda_rng_tracker() hand out CPU generator states.
+        import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
+
+        import megatron.core.tensor_parallel.mappings as mappings
+
+        token_dispatcher.maybe_move_tensor_to_cpu = _split_sizes_on_host  # expert parallel's all-to-all
+        mappings._AllToAll.forward = staticmethod(_all_to_all_forward)
         mcore_random.CudaRNGStatesTracker = CPURNGStatesTracker
         mcore_random.initialize_rng_tracker(force_reset=True)
         _PATCHED = True
