@@ -98,7 +98,7 @@ def main() -> None:
         torch.set_num_threads(a.threads)
 
     from vime.backends.megatron_utils.batching import micro_batches
-    from vime.backends.megatron_utils.hf_conversion import load_hf_checkpoint_into_model
+    from vime.backends.megatron_utils.hf_checkpoint import load_hf_checkpoint_into_model
     from vime.backends.megatron_utils.model import setup_model_and_optimizer
     from vime.backends.megatron_utils.parallel import destroy_parallel
     from vime.backends.megatron_utils.trainer import MegatronTrainer

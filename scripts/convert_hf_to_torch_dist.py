@@ -16,7 +16,7 @@ from megatron.core import dist_checkpointing
 from transformers import AutoConfig
 
 from vime.backends.megatron_utils.arguments import add_megatron_args, fill_architecture_from_hf
-from vime.backends.megatron_utils.hf_conversion import load_hf_checkpoint_into_model
+from vime.backends.megatron_utils.hf_checkpoint import load_hf_checkpoint_into_model
 from vime.backends.megatron_utils.model_provider import build_model_chunks
 from vime.backends.megatron_utils.parallel import destroy_parallel, init_parallel
 

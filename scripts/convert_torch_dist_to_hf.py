@@ -17,7 +17,7 @@ from megatron.core import dist_checkpointing
 from transformers import AutoConfig
 
 from vime.backends.megatron_utils.arguments import add_megatron_args, fill_architecture_from_hf
-from vime.backends.megatron_utils.hf_conversion import save_hf_checkpoint
+from vime.backends.megatron_utils.hf_checkpoint import save_hf_checkpoint
 from vime.backends.megatron_utils.model_provider import build_model_chunks
 from vime.backends.megatron_utils.parallel import destroy_parallel, init_parallel
 

@@ -20,11 +20,10 @@ from vime.backends.megatron_utils.arguments import (  # noqa: E402
     fill_architecture_from_hf,
     validate_megatron_args,
 )
+from vime.backends.megatron_utils.hf_checkpoint import load_hf_checkpoint_into_model, save_hf_checkpoint  # noqa: E402
 from vime.backends.megatron_utils.hf_conversion import (  # noqa: E402
     hf_to_megatron_state_dict,
-    load_hf_checkpoint_into_model,
     megatron_to_hf_state_dict,
-    save_hf_checkpoint,
 )
 
 CASES = {  # name -> (arch, tie_word_embeddings)
@@ -241,6 +240,14 @@ def test_cpu_layer_is_idempotent_and_scoped_to_megatron(megatron_world):
     assert torch._C._len_torch_function_stack() == depth
     assert torch.zeros(1, device="cuda").device.type == "cpu"
     assert torch.zeros(1).type() == "torch.FloatTensor"  # only callers inside megatron see a CUDA type name
+    # MoE's token dispatcher orders copies with a side stream: on CPU streams and events are no-ops, and
+    # torch.cuda.Stream stays a class (transformers annotates with `torch.cuda.Stream | None` at import)
+    assert (torch.cuda.Stream | None) is not None
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    side.record_event().synchronize()
+    with torch.cuda.stream(side):
+        assert torch.ones(2).sum().item() == 2.0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU layer is off when CUDA is available")

@@ -35,7 +35,7 @@ def _build(hf_dir: str, tp: int, pp: int) -> list[torch.nn.Module]:
     from transformers import AutoConfig
 
     from vime.backends.megatron_utils.arguments import add_megatron_args, fill_architecture_from_hf
-    from vime.backends.megatron_utils.hf_conversion import load_hf_checkpoint_into_model
+    from vime.backends.megatron_utils.hf_checkpoint import load_hf_checkpoint_into_model
     from vime.backends.megatron_utils.model_provider import build_model_chunks
 
     args = add_megatron_args(argparse.ArgumentParser()).parse_args(
@@ -53,7 +53,7 @@ def _forward(model: list[torch.nn.Module]) -> list[dict] | None:
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    from vime.backends.megatron_utils.hf_conversion import gather_tp_shards
+    from vime.backends.megatron_utils.hf_checkpoint import gather_tp_shards
 
     def forward_step(data_iterator, chunk):
         tokens = next(data_iterator)
@@ -81,7 +81,7 @@ def _worker(rank: int, world_size: int, port: int, tp: int, pp: int, hf_dir: str
     torch.set_num_threads(1)
     from vime.backends.megatron_utils.parallel import destroy_parallel, init_parallel
 
-    from vime.backends.megatron_utils.hf_conversion import save_hf_checkpoint
+    from vime.backends.megatron_utils.hf_checkpoint import save_hf_checkpoint
 
     init_parallel(tp, pp, seed=1234)
     try:

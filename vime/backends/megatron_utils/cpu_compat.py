@@ -138,6 +138,9 @@ class _HostStream:
     """Stands in for `torch.cuda.Stream` on CPU, where every op has finished when it returns: nothing to order or
     wait for. (MoE's all-to-all token dispatcher creates a side stream for its device-to-host copies.)"""
 
+    def __init__(self, *args, **kwargs):
+        pass
+
     def wait_stream(self, stream) -> None:
         pass
 
@@ -200,7 +203,7 @@ def apply_cpu_compat() -> None:
         # Pipeline p2p and dist_checkpointing synchronize the GPU; nothing to wait for on CPU.
         torch.cuda.synchronize = lambda device=None: None
         # MoE's token dispatcher orders its copies with a side stream; on CPU there is one, synchronous, stream.
-        torch.cuda.Stream = lambda *args, **kwargs: _HOST_STREAM
+        torch.cuda.Stream = _HostStream  # a class: other libraries annotate with `torch.cuda.Stream | None`
         torch.cuda.current_stream = lambda device=None: _HOST_STREAM
         torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
         # Megatron instantiates `CudaRNGStatesTracker` by its module-level name: swap the class so that

@@ -49,7 +49,7 @@ class MegatronTrainer:
         from transformers import AutoConfig
 
         from vime.backends.megatron_utils.arguments import fill_architecture_from_hf, validate_megatron_args
-        from vime.backends.megatron_utils.hf_conversion import load_hf_checkpoint_into_model
+        from vime.backends.megatron_utils.hf_checkpoint import load_hf_checkpoint_into_model
         from vime.backends.megatron_utils.parallel import init_parallel
 
         if world_size > 1 or master_port is not None:
@@ -240,7 +240,7 @@ class MegatronTrainer:
     # ---- weights out ------------------------------------------------------------------------------------------
     def hf_weights(self):
         """(HF name, full tensor) pairs of the current policy, gathered over TP (for weight sync / export)."""
-        from vime.backends.megatron_utils.hf_conversion import iter_hf_weights
+        from vime.backends.megatron_utils.hf_checkpoint import iter_hf_weights
 
         return iter_hf_weights(self.model, self.hf_config)
 
@@ -248,7 +248,7 @@ class MegatronTrainer:
         return str(save_checkpoint(self, self.args.save, rollout_id, extra_state))
 
     def save_hf(self, out_dir: str) -> str:
-        from vime.backends.megatron_utils.hf_conversion import save_hf_checkpoint
+        from vime.backends.megatron_utils.hf_checkpoint import save_hf_checkpoint
 
         save_hf_checkpoint(self.model, self.args.hf_checkpoint, out_dir)
         return out_dir
