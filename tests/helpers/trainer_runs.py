@@ -90,7 +90,8 @@ def main(spec_path: str, rank: int) -> None:
 
     spec = json.loads(Path(spec_path).read_text())
     out = Path(spec["out"])
-    args = parse_args(spec["argv"])
+    # the ranks are this helper's processes, not Ray's: say how many, as a run's placement flags would
+    args = parse_args([*spec["argv"], "--actor-num-gpus-per-node", str(spec["world_size"])])
     trainer = MegatronTrainer(args, rank, spec["world_size"], "127.0.0.1", spec["port"],
                               total_steps=spec.get("total_steps", 1000))
     try:

@@ -56,14 +56,17 @@ def _ep_rank_size() -> tuple[int, int]:
     return parallel_state.get_expert_model_parallel_rank(), parallel_state.get_expert_model_parallel_world_size()
 
 
+def _all_gather(tensor: torch.Tensor, size: int, group) -> list[torch.Tensor]:
+    if size == 1:
+        return [tensor]
+    out = [torch.empty_like(tensor) for _ in range(size)]
+    dist.all_gather(out, tensor.contiguous(), group=group())
+    return out
+
+
 def _gather_ep(tensor: torch.Tensor) -> list[torch.Tensor]:
     """The same local expert's parameter from every expert-parallel rank (index = EP rank). Collective."""
-    _, ep_size = _ep_rank_size()
-    if ep_size == 1:
-        return [tensor]
-    out = [torch.empty_like(tensor) for _ in range(ep_size)]
-    dist.all_gather(out, tensor.contiguous(), group=parallel_state.get_expert_model_parallel_group())
-    return out
+    return _all_gather(tensor, _ep_rank_size()[1], parallel_state.get_expert_model_parallel_group)
 
 
 def gather_tp_shards(tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -71,12 +74,7 @@ def gather_tp_shards(tensor: torch.Tensor) -> list[torch.Tensor]:
 
     Collective: every rank of the TP group must call it for the same parameter in the same order.
     """
-    _, tp_size = _tp_rank_size()
-    if tp_size == 1:
-        return [tensor]
-    shards = [torch.empty_like(tensor) for _ in range(tp_size)]
-    dist.all_gather(shards, tensor.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
-    return shards
+    return _all_gather(tensor, _tp_rank_size()[1], parallel_state.get_tensor_model_parallel_group)
 
 
 def iter_hf_weights(model_chunks: list[torch.nn.Module], hf_config) -> Iterator[tuple[str, torch.Tensor]]:
