@@ -3,7 +3,7 @@ the host. Skipped without a GPU."""
 
 from __future__ import annotations
 
-import pickle
+import json
 import subprocess
 import sys
 import textwrap
@@ -17,10 +17,12 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 def test_ipc_handles_open_in_another_process(tmp_path):
     from torch.multiprocessing.reductions import reduce_tensor
 
+    from vime.backends.weight_transport.cuda_ipc import encode_rebuild_args
+
     weights = {"model.embed_tokens.weight": torch.randn(64, 32, device="cuda"),
                "lm_head.weight": torch.randn(16, 32, device="cuda")}
-    with open(tmp_path / "stage_0.pkl", "wb") as f:
-        pickle.dump([(name, reduce_tensor(t)) for name, t in weights.items()], f)
+    (tmp_path / "stage_0.json").write_text(json.dumps(  # what CudaIpcWeightTransport.send writes
+        [{"name": name, "args": encode_rebuild_args(reduce_tensor(t))} for name, t in weights.items()]))
     torch.save({k: v.cpu() for k, v in weights.items()}, tmp_path / "expected.pt")
     reader = textwrap.dedent(f"""
         import torch

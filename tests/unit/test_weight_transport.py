@@ -532,3 +532,27 @@ def test_engine_worker_sleeps_soon_after_a_call(stack):
     before = busy()
     time.sleep(1.0)
     assert busy() - before < 0.4  # vLLM's own 1 s spin costs a whole CPU-second here
+
+
+def test_cuda_ipc_handles_cross_as_json_not_pickle():
+    """The rebuild arguments torch's reduce_tensor gives a CUDA tensor (their exact types, in order) survive the
+    JSON round trip; anything outside them is refused. (Mapping real handles needs a GPU: tests/gpu.)"""
+    import json
+
+    import pytest
+    import torch
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    from vime.backends.weight_transport.cuda_ipc import decode_rebuild_args, encode_rebuild_args
+
+    args = (torch.nn.Parameter, torch.Size([4, 8]), (8, 1), 0, torch.UntypedStorage, torch.bfloat16, 0,
+            b"\x00\x01handle\xff", 64, 128, False, b"ref\x00", 16, b"\x02event", True)
+    encoded = json.loads(json.dumps(encode_rebuild_args((rebuild_cuda_tensor, args))))
+    decoded = decode_rebuild_args(encoded)
+    assert decoded == list(args) and type(decoded[1]) is torch.Size
+    with pytest.raises(ValueError, match="CUDA tensors only"):
+        encode_rebuild_args((len, args))
+    with pytest.raises(KeyError):
+        decode_rebuild_args([["class", "os.system"], *encoded[1:]])
+    with pytest.raises(ValueError, match="unknown argument kind"):
+        decode_rebuild_args([["pickle", "gASV"], *encoded[1:]])
