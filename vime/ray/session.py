@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import logging
 import time
 
@@ -16,6 +15,7 @@ from vime.ray.placement import Placement, init_ray
 from vime.ray.rollout_manager import RolloutManager
 from vime.ray.weight_sync import WeightSync
 from vime.utils.logging_utils import MetricsLogger
+from vime.utils.misc import with_values
 from vime.utils.plot import save_reward_curve
 
 logger = logging.getLogger(__name__)
@@ -253,7 +253,7 @@ class TrainingSession:
             if group is not None:
                 group.shutdown()
         self.critic = None
-        self._create_trainers(argparse.Namespace(**{**vars(args), "load": args.save}))  # its own last checkpoint
+        self._create_trainers(with_values(args, load=args.save))  # its own last checkpoint
         self.weight_sync = WeightSync(args)  # new writers: a collective transport builds a new group with them
         resumed = self._init_trainers()
         first = resumed["rollout_id"] + 1 if resumed else 0

@@ -11,7 +11,6 @@ advantages -> --num-steps-per-rollout optimizer steps.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 
@@ -35,7 +34,7 @@ from vime.backends.megatron_utils.model import (
     setup_model_and_optimizer,
     train_step,
 )
-from vime.utils.misc import load_function
+from vime.utils.misc import load_function, with_values
 
 logger = logging.getLogger(__name__)
 
@@ -268,7 +267,7 @@ class MegatronTrainer:
         `temperature` (default: --rollout-temperature). [] on all but the last pipeline stage."""
         args = self.args
         if temperature is not None:
-            args = argparse.Namespace(**{**vars(args), "rollout_temperature": temperature})
+            args = with_values(args, rollout_temperature=temperature)
         batch = TrainBatch(tokens=[tokens], response_lengths=[response_length])
         out = forward_log_probs(args, self.model, batch, [[0]])
         return out[0][0].tolist() if out else []
