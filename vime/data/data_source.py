@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import random
 
+from vime.data.sample_codec import json_ready
 from vime.utils.types import Sample
 
 
@@ -71,7 +72,7 @@ class RolloutDataSource:
             "offset": self.offset,
             "next_sample_index": self.next_sample_index,
             "next_group_index": self.next_group_index,
-            "buffer": [[s.to_dict() for s in g] for g in self.buffer],
+            "buffer": [[json_ready(s.to_dict()) for s in g] for g in self.buffer],
         }
 
     def load_state_dict(self, state: dict) -> None:

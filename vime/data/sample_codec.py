@@ -3,7 +3,7 @@
 What the data buffer stores and sends. Nothing is ever unpickled: the numeric per-token fields are packed
 little-endian arrays, everything else is JSON.
 
-Layout (format version 1), all integers little-endian:
+Layout (format version 1; 2 when a rollout holds integer tensors), all integers little-endian:
 
     magic b"VIMEROLL" | version u16 | reserved u16 | header_len u32 | body_crc32 u32 | header | arrays
 
@@ -12,6 +12,11 @@ where each packed field is left out of its sample dict; a sample whose value was
 (and has length -1). `arrays` are each field's values of all samples concatenated, in the order of `arrays`.
 The CRC32 covers header + arrays, so a truncated or bit-flipped payload is refused instead of mis-decoded.
 Floats round-trip bit-exactly (float64); ints are stored as int32 when they fit, else int64.
+
+Version 2 adds `tensors`: {field: {dtype, shapes}} for the n-dimensional integer fields (`TENSOR_FIELDS`: the
+routed experts of MoE routing replay, [tokens - 1, layers, top-k] per sample), each sample's array stored
+C-ordered in the narrowest of uint8 / uint16 / int32 / int64 that holds it, after the version-1 arrays; they
+decode as numpy arrays. A sample without one has shape None.
 """
 
 from __future__ import annotations
@@ -24,11 +29,15 @@ from typing import Any
 import numpy as np
 
 MAGIC = b"VIMEROLL"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+_READABLE_VERSIONS = (1, 2)
 _PREFIX = struct.Struct("<8sHHII")  # magic, version, reserved, header length, crc32 of everything after
 # Sample fields packed as binary arrays, and the kind of number each holds.
 PACKED_FIELDS = {"tokens": "int", "loss_mask": "int", "rollout_log_probs": "float"}
 _ARRAY_DTYPES = ("<i4", "<i8", "<f8")
+# Sample fields holding integer arrays of any shape (numpy, or nested lists after JSON)
+TENSOR_FIELDS = ("rollout_routed_experts",)
+_TENSOR_DTYPES = ("|u1", "<u2", "<i4", "<i8")
 
 
 class SampleCodecError(ValueError):
@@ -53,13 +62,43 @@ def encode_rollout(groups: list[list[dict]], extra: dict[str, Any] | None = None
                 del s[name]
         arrays[name] = {"dtype": dtype, "lengths": lengths}
         blobs.append(blob)
+    tensors = _pack_tensors(samples, blobs)
+    table = {"groups": plain_groups, "extra": extra or {}, "arrays": arrays, **({"tensors": tensors} if tensors else {})}
     try:
-        header = json.dumps({"groups": plain_groups, "extra": extra or {}, "arrays": arrays},
-                            separators=(",", ":")).encode()
+        header = json.dumps(table, separators=(",", ":")).encode()
     except TypeError as e:
         raise SampleCodecError(f"a rollout must hold JSON values outside {sorted(PACKED_FIELDS)}: {e}") from e
     body = b"".join([header, *blobs])
-    return _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(header), zlib.crc32(body)) + body
+    return _PREFIX.pack(MAGIC, 2 if tensors else 1, 0, len(header), zlib.crc32(body)) + body
+
+
+def json_ready(sample: dict) -> dict:
+    """A sample dict whose tensor fields are nested lists: what `json.dumps` takes (saved rollouts, state)."""
+    out = dict(sample)
+    for name in TENSOR_FIELDS:
+        if isinstance(out.get(name), np.ndarray):
+            out[name] = out[name].tolist()
+    return out
+
+
+def _pack_tensors(samples: list[dict], blobs: list[bytes]) -> dict:
+    tensors = {}
+    for name in TENSOR_FIELDS:
+        values = [None if s.get(name) is None else np.asarray(s[name]) for s in samples]
+        if all(v is None for v in values):
+            continue
+        if any(v is not None and v.size and v.dtype.kind not in "iu" for v in values):
+            bad = next(v for v in values if v is not None and v.size and v.dtype.kind not in "iu")
+            raise SampleCodecError(f"field {name!r} must hold integers, got an array of {bad.dtype}")
+        lo = min((int(v.min()) for v in values if v is not None and v.size), default=0)
+        hi = max((int(v.max()) for v in values if v is not None and v.size), default=0)
+        dtype = next(d for d in _TENSOR_DTYPES if np.iinfo(np.dtype(d)).min <= lo and hi <= np.iinfo(np.dtype(d)).max)
+        for s, v in zip(samples, values):
+            if v is not None:
+                blobs.append(np.ascontiguousarray(v, dtype=dtype).tobytes())
+                del s[name]
+        tensors[name] = {"dtype": dtype, "shapes": [None if v is None else list(v.shape) for v in values]}
+    return tensors
 
 
 def decode_rollout(data: bytes | bytearray | memoryview) -> tuple[list[list[dict]], dict[str, Any]]:
@@ -70,9 +109,9 @@ def decode_rollout(data: bytes | bytearray | memoryview) -> tuple[list[list[dict
     magic, version, _, header_len, crc = _PREFIX.unpack_from(data)
     if magic != MAGIC:
         raise SampleCodecError(f"not a vime rollout: magic {bytes(magic)!r}, expected {MAGIC!r}")
-    if version != FORMAT_VERSION:
-        raise SampleCodecError(f"rollout format version {version} is not readable by this vime (it reads version "
-                               f"{FORMAT_VERSION}); use the vime version that wrote it")
+    if version not in _READABLE_VERSIONS:
+        raise SampleCodecError(f"rollout format version {version} is not readable by this vime (it reads versions "
+                               f"{_READABLE_VERSIONS}); use the vime version that wrote it")
     body = data[_PREFIX.size:]
     if zlib.crc32(body) != crc:
         raise SampleCodecError("rollout payload is corrupt: CRC32 mismatch (truncated or modified bytes)")
@@ -84,7 +123,11 @@ def decode_rollout(data: bytes | bytearray | memoryview) -> tuple[list[list[dict
     except (ValueError, KeyError, TypeError) as e:
         raise SampleCodecError(f"rollout header is not valid: {e}") from e
     try:
-        _unpack_arrays(body, header_len, [s for g in groups for s in g], arrays)
+        samples = [s for g in groups for s in g]
+        offset = _unpack_arrays(body, header_len, samples, arrays)
+        offset = _unpack_tensors(body, offset, samples, header.get("tensors") or {})
+        if offset != len(body):
+            raise SampleCodecError(f"rollout payload has {len(body) - offset} unexpected trailing bytes")
     except (KeyError, TypeError, ValueError) as e:
         if isinstance(e, SampleCodecError):
             raise
@@ -111,8 +154,28 @@ def _unpack_arrays(body: memoryview, offset: int, samples: list[dict], arrays: d
             if n >= 0:
                 s[name] = flat[pos:pos + n]
                 pos += n
-    if offset != len(body):
-        raise SampleCodecError(f"rollout payload has {len(body) - offset} unexpected trailing bytes")
+    return offset
+
+
+def _unpack_tensors(body: memoryview, offset: int, samples: list[dict], tensors: dict) -> int:
+    for name, spec in tensors.items():
+        shapes = spec["shapes"]
+        if len(shapes) != len(samples):
+            raise SampleCodecError(f"field {name!r}: {len(shapes)} shapes for {len(samples)} samples")
+        if spec["dtype"] not in _TENSOR_DTYPES:
+            raise SampleCodecError(f"field {name!r}: tensor dtype {spec['dtype']!r} is not one of {_TENSOR_DTYPES}")
+        dtype = np.dtype(spec["dtype"])
+        for s, shape in zip(samples, shapes):
+            if shape is None:
+                continue
+            if any(not isinstance(d, int) or d < 0 for d in shape):
+                raise SampleCodecError(f"field {name!r}: bad shape {shape!r}")
+            end = offset + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            if end > len(body):
+                raise SampleCodecError(f"field {name!r} needs {end - offset} bytes, payload has {len(body) - offset}")
+            s[name] = np.frombuffer(body[offset:end], dtype=dtype).reshape(shape).copy()
+            offset = end
+    return offset
 
 
 def _pack(flat: list, kind: str) -> tuple[str, bytes] | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from vime.data.sample_codec import json_ready
 from vime.utils.types import Sample
 
 
@@ -20,7 +21,7 @@ def save_rollout(template: str, rollout_id: int, groups: list[list[Sample]]) -> 
     with tmp.open("w", encoding="utf-8") as f:
         for group in groups:
             for sample in group:
-                f.write(json.dumps(sample.to_dict(), ensure_ascii=False) + "\n")
+                f.write(json.dumps(json_ready(sample.to_dict()), ensure_ascii=False) + "\n")
     tmp.replace(path)  # readers never see a half-written file
     return path
 

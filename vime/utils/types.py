@@ -34,6 +34,9 @@ class Sample:
     metadata: dict[str, Any] = field(default_factory=dict)
     weight_versions: list[str] = field(default_factory=list)  # engine weight versions that produced the tokens
     tools: list[dict[str, Any]] | None = None  # tool schemas offered to the model, if any
+    # --use-rollout-routing-replay: the experts the engine routed each forwarded token to, [len(tokens) - 1, layers,
+    # top-k] (the last token is sampled, never forwarded); a numpy integer array, nested lists after JSON
+    rollout_routed_experts: Any = None
 
     @property
     def prompt_length(self) -> int:
