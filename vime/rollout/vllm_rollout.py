@@ -17,7 +17,12 @@ from typing import Any
 
 import aiohttp
 
-from vime.backends.vllm_utils.generate_request import EngineRejectedError, EngineUnavailableError, request_choices
+from vime.backends.vllm_utils.generate_request import (
+    EngineRejectedError,
+    EngineUnavailableError,
+    decode_routed_experts,
+    request_choices,
+)
 from vime.rollout.context import rollout_context
 from vime.rollout.rm_hub import RewardTypeError, async_rm, batched_async_rm
 from vime.utils.misc import load_function
@@ -146,7 +151,9 @@ async def post_generate_choices(args, token_ids: list[int], sampling_params: dic
 
 
 def append_choice(sample: Sample, choice: dict[str, Any], tokenizer, trainable: bool = True) -> None:
-    """Append a generate answer (token ids, log-probs, weight versions, finish reason) to `sample`."""
+    """Append a generate answer (token ids, log-probs, weight versions, finish reason) to `sample`. The routed
+    experts an engine returns (--use-rollout-routing-replay) cover the request's whole prompt, so they replace
+    the sample's."""
     new_tokens = choice.get("token_ids") or []
     content = (choice.get("logprobs") or {}).get("content") or []
     if len(content) != len(new_tokens):
@@ -159,6 +166,8 @@ def append_choice(sample: Sample, choice: dict[str, Any], tokenizer, trainable: 
         version = str(wv["version"]) if isinstance(wv, dict) else str(wv)
         if not sample.weight_versions or sample.weight_versions[-1] != version:
             sample.weight_versions.append(version)
+    if choice.get("routed_experts") is not None:
+        sample.rollout_routed_experts = decode_routed_experts(choice["routed_experts"])
     sample.response = tokenizer.decode(sample.response_tokens, skip_special_tokens=False)
     sample.status = _FINISH_STATUS.get(choice.get("finish_reason"), Sample.Status.COMPLETED)
 
@@ -385,7 +394,23 @@ def generate_rollout(args, rollout_id: int, data_source,
     if evaluation:
         return RolloutFnEvalOutput(run(eval_rollout_async(args, rollout_id, data_source)))
     groups, stats = run(generate_rollout_async(args, rollout_id, data_source))
+    if getattr(args, "use_rollout_routing_replay", False):
+        check_routed_experts(groups)
     metrics = {f"rollout/{key}": float(stats[key]) for key in
                ("submitted_groups", "dropped_groups", "aborted_groups", "max_in_flight", "request_retries")}
     metrics.update({f"rollout/dropped/{reason}": float(n) for reason, n in stats["drop_reasons"].items()})
     return RolloutFnTrainOutput(groups, metrics)
+
+
+def check_routed_experts(groups: list[list[Sample]]) -> None:
+    """--use-rollout-routing-replay: every generated sample carries the engine's routing, else a clear error."""
+    for sample in (s for g in groups for s in g):
+        if sample.status in (Sample.Status.FAILED, Sample.Status.ABORTED) or not sample.response_length:
+            continue
+        if sample.rollout_routed_experts is None:
+            raise RuntimeError(
+                f"--use-rollout-routing-replay: the engine returned no routed experts for sample {sample.index}. "
+                "Engines vime starts return them; an external engine (--rollout-external-engine-addrs) must run "
+                "with --enable-return-routed-experts (vLLM's V2 model runner, VLLM_USE_V2_MODEL_RUNNER=1, a GPU), "
+                "and a custom generate function must keep the `routed_experts` of the engine's answer "
+                "(vime.rollout.vllm_rollout.append_choice does)")

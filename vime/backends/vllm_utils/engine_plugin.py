@@ -18,7 +18,12 @@ IDLE_SPIN_ENV = "VIME_ENGINE_IDLE_SPIN_S"
 
 
 def configure() -> None:
-    """The entry point: cap the workers' idle spin when vime started this engine."""
+    """The entry point: cap the workers' idle spin when vime started this engine; capture routed experts when
+    asked (`routing_capture`, CPU engines of --use-rollout-routing-replay)."""
+    from vime.backends.vllm_utils import routing_capture
+
+    if routing_capture.enabled():
+        routing_capture.install()
     seconds = os.environ.get(IDLE_SPIN_ENV)
     if seconds is None:
         return

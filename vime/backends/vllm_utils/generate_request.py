@@ -10,12 +10,16 @@ fault and raises `EngineRejectedError` at once.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
+import io
 import json
 import logging
 import time
 from typing import Any
 
 import aiohttp
+import numpy as np
 
 logger = logging.getLogger(__name__)
 
@@ -92,3 +96,17 @@ async def request_choices(http: aiohttp.ClientSession, router_url: str, payload:
         counters.retries += 1
         await asyncio.sleep(min(0.5 * 2 ** (attempt - 1), 8.0))
     raise EngineUnavailableError(f"generate through {router_url} failed after {attempt} attempts: {last_error!r}")
+
+
+def decode_routed_experts(encoded: str) -> np.ndarray:
+    """A generate choice's `routed_experts` (base64 of a `.npy`, as vLLM writes it) -> [tokens - 1, layers,
+    top-k] expert ids: the routing of every token the engine forwarded (prompt and response; the last sampled
+    token never is). Read without pickle; anything else raises ValueError."""
+    try:
+        array = np.load(io.BytesIO(base64.b64decode(encoded, validate=True)), allow_pickle=False)
+    except (binascii.Error, ValueError, OSError) as e:
+        raise ValueError(f"routed_experts is not a base64 .npy array: {e}") from e
+    if array.ndim != 3 or array.dtype.kind not in "iu":
+        raise ValueError(f"routed_experts must be a [tokens, layers, top-k] integer array, got {array.dtype} "
+                         f"{array.shape}")
+    return array
