@@ -26,6 +26,7 @@ from vime.agents.arguments import add_agent_args
 from vime.agents.openai_arguments import add_agent_harness_args
 from vime.algorithms.arguments import add_algorithm_args, validate_algorithm_args
 from vime.backends.megatron_utils.arguments import add_megatron_args
+from vime.backends.megatron_utils.routing_replay import add_routing_replay_args, validate_routing_replay_args
 from vime.backends.megatron_utils.train_arguments import add_train_args, validate_train_args
 from vime.backends.vllm_utils.arguments import add_router_args, add_vllm_engine_args, validate_vllm_args
 from vime.rollout.arguments import add_all_rollout_args, validate_rollout_args
@@ -72,6 +73,7 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     add_all_rollout_args(parser)
     add_megatron_args(parser)
     add_train_args(parser)
+    add_routing_replay_args(parser)
     add_algorithm_args(parser)
     add_vllm_engine_args(parser)
     add_router_args(parser)
@@ -172,6 +174,7 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     args = with_values(args, vllm_engine_args=validate_vllm_args(args))
     args = validate_algorithm_args(args)
     args = validate_train_args(args)
+    validate_routing_replay_args(args)
     if not args.debug_rollout_only:  # the model and its parallel layout, checked before any process starts
         from transformers import AutoConfig
 

@@ -106,12 +106,13 @@ def packed_seq_params(inputs: MicroBatchInputs) -> PackedSeqParams | None:
 
 
 def run_schedule(model, micro_batches: list[list[int]], batch: TrainBatch, loss_fn: Callable,
-                 forward_only: bool, packed: bool = True):
+                 forward_only: bool, packed: bool = True, routing=None):
     """Run Megatron's schedule over micro-batches of sample indices.
 
     loss_fn(indices, inputs, output) -> (loss tensor, metrics dict) on the last stage, where `output` holds one
     row per response token ([R, vocab / TP] logits, or [R, 1] critic values) and `inputs` is the micro-batch's
-    `MicroBatchInputs`. `packed`: sequences packed without padding (thd) or right-padded (bshd). Returns the
+    `MicroBatchInputs`. `packed`: sequences packed without padding (thd) or right-padded (bshd). `routing`: a
+    `routing_replay.RoutingReplay` that replays or records the MoE routing of each micro-batch. Returns the
     list of metrics dicts (last stage) or [] (other stages). Micro-batches differ in length
     (variable_seq_lengths)."""
     inputs = [micro_batch_inputs([batch.tokens[i] for i in mb], [batch.response_lengths[i] for i in mb],
@@ -126,7 +127,9 @@ def run_schedule(model, micro_batches: list[list[int]], batch: TrainBatch, loss_
         tokens, positions = mb.tokens, mb.positions
         if torch.cuda.is_available():
             tokens, positions = tokens.cuda(), positions.cuda()
-        with only_rows(chunk, mb.logit_rows):
+        replay = routing.micro_batch(indices, [len(batch.tokens[i]) for i in indices], packed) if routing is not None \
+            else contextlib.nullcontext()
+        with only_rows(chunk, mb.logit_rows), replay:
             output = chunk(tokens, positions, attention_mask=None, packed_seq_params=packed_seq_params(mb))
 
         def loss_func(output):
@@ -155,7 +158,8 @@ def forward_values(args, model, batch: TrainBatch, micro_batches: list[list[int]
     return out
 
 
-def forward_log_probs(args, model, batch: TrainBatch, micro_batches: list[list[int]], with_entropy: bool = False):
+def forward_log_probs(args, model, batch: TrainBatch, micro_batches: list[list[int]], with_entropy: bool = False,
+                      routing=None):
     """{sample index: (log-probs of its response tokens, entropy or None)} on the last stage, {} elsewhere."""
     out: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
@@ -167,7 +171,7 @@ def forward_log_probs(args, model, batch: TrainBatch, micro_batches: list[list[i
         return torch.zeros((), device=logits.device), {}
 
     with torch.no_grad():
-        run_schedule(model, micro_batches, batch, loss_fn, forward_only=True, packed=is_packed(args))
+        run_schedule(model, micro_batches, batch, loss_fn, forward_only=True, packed=is_packed(args), routing=routing)
     return out
 
 
@@ -176,12 +180,14 @@ def is_packed(args) -> bool:
     return getattr(args, "qkv_format", "thd") == "thd"
 
 
-def train_step(args, model, optimizer, scheduler, batch: TrainBatch, micro_batches: list[list[int]], loss_fn):
+def train_step(args, model, optimizer, scheduler, batch: TrainBatch, micro_batches: list[list[int]], loss_fn,
+               routing=None):
     """One optimizer step over this rank's micro-batches. Returns (metrics list, grad_norm, lr, skipped)."""
     for m in model:
         m.zero_grad_buffer()
     optimizer.zero_grad()
-    metrics = run_schedule(model, micro_batches, batch, loss_fn, forward_only=False, packed=is_packed(args))
+    metrics = run_schedule(model, micro_batches, batch, loss_fn, forward_only=False, packed=is_packed(args),
+                           routing=routing)
     update_successful, grad_norm, _ = optimizer.step()
     lr = optimizer.param_groups[0]["lr"]
     if update_successful:

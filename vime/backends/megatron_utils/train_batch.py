@@ -32,6 +32,8 @@ class TrainBatch:
     advantages: list[torch.Tensor] | None = None
     returns: list[torch.Tensor] | None = None
     old_values: list[torch.Tensor] | None = None  # PPO: the critic's own values at rollout time (critic side)
+    # --use-rollout-routing-replay: the engine's routing per sample ([tokens - 1, layers, top-k] arrays, or None)
+    rollout_routed_experts: list | None = None
 
     @classmethod
     def from_samples(cls, groups: list[list[dict]], args) -> TrainBatch:
@@ -52,6 +54,8 @@ class TrainBatch:
             rollout_log_probs=[torch.tensor(s.rollout_log_probs, dtype=torch.float32)
                                if s.rollout_log_probs is not None else None for s in samples],
             num_usable=sum(usable),
+            rollout_routed_experts=[s.rollout_routed_experts for s in samples]
+            if getattr(args, "use_rollout_routing_replay", False) else None,
         )
 
     def __len__(self) -> int:

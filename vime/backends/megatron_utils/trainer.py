@@ -11,8 +11,11 @@ advantages -> --num-steps-per-rollout optimizer steps.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+
+import numpy as np
 
 import torch
 import torch.distributed as dist
@@ -24,6 +27,7 @@ from vime.backends.megatron_utils.batching import balanced_partition, micro_batc
 from vime.backends.megatron_utils.loss import make_loss_fn
 from vime.backends.megatron_utils.moe_metrics import take_moe_losses
 from vime.backends.megatron_utils.offload import TrainStateOffloader
+from vime.backends.megatron_utils.routing_replay import RoutingReplay, sample_routing
 from vime.backends.megatron_utils.train_batch import TrainBatch
 from vime.backends.megatron_utils.critic import attach_value_head, make_value_loss_fn
 from vime.backends.megatron_utils.model import (
@@ -126,14 +130,20 @@ class MegatronTrainer:
         all_local_mbs = [mb for _, _, mbs in plan for mb in mbs]
         needs_old = args.loss_type != "sft_loss" and (
             len(plan) > 1 or (args.kl_coef and args.advantage_estimator in _PER_TOKEN_ESTIMATORS))
+        routing = self._routing_replay(batch, first_pass=needs_old)
+        replay = routing.replaying if routing is not None else contextlib.nullcontext
+        engine_routing = routing is not None and getattr(args, "use_rollout_routing_replay", False)
         if self._needs_ref() and args.loss_type != "sft_loss":
             current = self._snapshot()
             self._load(self.ref_state)
-            ref = forward_log_probs(args, self.model, batch, all_local_mbs)
+            with replay() if engine_routing else contextlib.nullcontext():
+                ref = forward_log_probs(args, self.model, batch, all_local_mbs, routing=routing)
             self._load(current)
             batch.ref_log_probs = _dense(ref, len(batch.tokens))
-        if needs_old:
-            old = forward_log_probs(args, self.model, batch, all_local_mbs)
+        if needs_old:  # --use-routing-replay records this first pass's routing for the optimizer steps
+            with replay() if engine_routing else \
+                    routing.recording() if routing is not None else contextlib.nullcontext():
+                old = forward_log_probs(args, self.model, batch, all_local_mbs, routing=routing)
             batch.old_log_probs = _dense(old, len(batch.tokens))
         if args.loss_type != "sft_loss":
             self._compute_advantages(batch)
@@ -142,8 +152,9 @@ class MegatronTrainer:
         for step_index, (step, local, mbs) in enumerate(plan):
             loss_fn = make_loss_fn(args, batch, _denominators(batch, step), scale=len(mbs) * self.dp_size,
                                    step_index=step_index)
-            mb_metrics, grad_norm, lr, skipped = train_step(args, self.model, self.optimizer, self.scheduler,
-                                                            batch, mbs, loss_fn)
+            with replay():
+                mb_metrics, grad_norm, lr, skipped = train_step(args, self.model, self.optimizer, self.scheduler,
+                                                                batch, mbs, loss_fn, routing=routing)
             self.step += 1
             step_metrics = {**self._reduce(mb_metrics), **take_moe_losses(args, len(mbs))}
             if "logprob_diff_count" in step_metrics:  # first step only: the rollout policy's parameters
@@ -158,6 +169,21 @@ class MegatronTrainer:
         metrics["train/num_usable_samples"] = float(batch.num_usable)
         metrics["train/steps"] = float(len(plan))
         return metrics if is_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0 else {}
+
+    def _routing_replay(self, batch: TrainBatch, first_pass: bool) -> RoutingReplay | None:
+        """The rollout's MoE routing replay: the engine's routing (--use-rollout-routing-replay), the trainer's own
+        as the first pass (`first_pass`: the old log-prob forward runs) records it (--use-routing-replay), or None."""
+        args = self.args
+        if getattr(args, "use_rollout_routing_replay", False):
+            routing = RoutingReplay(self.model, args.num_layers, len(batch.tokens))
+            for i, (tokens, routed) in enumerate(zip(batch.tokens, batch.rollout_routed_experts)):
+                if routed is None and not batch.loss_masks[i].any():  # failed or aborted: computed, never trained
+                    routed = np.zeros((0, args.num_layers, args.moe_router_topk), dtype=np.int64)
+                routing.routing[i] = sample_routing(routed, len(tokens), args.num_layers, args.moe_router_topk, i)
+            return routing
+        if getattr(args, "use_routing_replay", False) and first_pass:
+            return RoutingReplay(self.model, args.num_layers, len(batch.tokens))
+        return None
 
     def _compute_advantages(self, batch: TrainBatch) -> None:
         args = self.args
