@@ -107,10 +107,12 @@ def test_json_dump_of_a_sample_with_routing_loads_back_for_the_trainer(tmp_path)
 
 def test_sample_routing_pads_the_unforwarded_tail_and_checks_shapes():
     routing = _routing(4)
-    full = sample_routing(routing, 5, num_layers=2, topk=2, index=3)
-    assert full.shape == (5, 2, 2) and full.dtype == torch.int64
-    assert torch.equal(full[:4], torch.as_tensor(routing).long()) and full[4].tolist() == [[0, 1], [0, 1]]
-    assert torch.equal(sample_routing(routing.tolist(), 4, 2, 2, 0), torch.as_tensor(routing).long())
+    full = sample_routing(routing, 5, num_layers=2, topk=2, index=3, num_experts=4)
+    assert full.shape == (5, 2, 2) and full.dtype == torch.uint8  # kept compact; cast per micro-batch
+    assert torch.equal(full[:4], torch.as_tensor(routing)) and full[4].tolist() == [[0, 1], [0, 1]]
+    assert torch.equal(sample_routing(routing.tolist(), 4, 2, 2, 0).long(), torch.as_tensor(routing).long())
+    with pytest.raises(ValueError, match="routes to expert 3, but the model has 3"):
+        sample_routing(routing, 5, num_layers=2, topk=2, index=3, num_experts=3)
     with pytest.raises(ValueError, match="sample 3 carries no routed experts"):
         sample_routing(None, 5, 2, 2, 3)
     with pytest.raises(ValueError, match=r"shape \(4, 2, 2\), expected \[<= 5, 3, 2\]"):

@@ -179,7 +179,8 @@ class MegatronTrainer:
             for i, (tokens, routed) in enumerate(zip(batch.tokens, batch.rollout_routed_experts)):
                 if routed is None and not batch.loss_masks[i].any():  # failed or aborted: computed, never trained
                     routed = np.zeros((0, args.num_layers, args.moe_router_topk), dtype=np.int64)
-                routing.routing[i] = sample_routing(routed, len(tokens), args.num_layers, args.moe_router_topk, i)
+                routing.routing[i] = sample_routing(routed, len(tokens), args.num_layers, args.moe_router_topk, i,
+                                                    args.num_experts)
             return routing
         if getattr(args, "use_routing_replay", False) and first_pass:
             return RoutingReplay(self.model, args.num_layers, len(batch.tokens))
