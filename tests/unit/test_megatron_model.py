@@ -35,6 +35,7 @@ CASES = {  # name -> (arch, tie_word_embeddings)
     "llama3": ("llama3", False),  # Llama 3.1's rope_scaling block, as published
     "llama3-tied": ("llama3", True),  # Llama 3.2 1B / 3B
     "qwen3_moe": ("qwen3_moe", False),  # a dense first layer, then 4 experts, top-2
+    "deepseek_v3": ("deepseek_v3", False),  # MLA; a dense first layer, then 4 sigmoid-routed experts + 1 shared
 }
 
 
@@ -119,8 +120,9 @@ def test_round_trip_through_tp_and_pp_shards(case, tiny_models):
     assert all(torch.equal(back[k], hf[k]) for k in hf)
 
 
-def test_moe_round_trip_through_tp_pp_and_ep_shards(tiny_models):
-    path = tiny_models["qwen3_moe"]
+@pytest.mark.parametrize("case", ["qwen3_moe", "deepseek_v3"])
+def test_moe_round_trip_through_tp_pp_and_ep_shards(case, tiny_models):
+    path = tiny_models[case]
     config, hf = hf_config(path), load_file(path / "model.safetensors")
     back = {}
     for pp_rank in range(2):
@@ -204,7 +206,7 @@ def test_llama3_rope_scaling_is_read_and_checked(tiny_models):
                                              r"'original_max_position_embeddings'\]"),
 ])
 def test_unsupported_rope_is_refused_naming_the_key(tiny_models, rope, match):
-    from vime.backends.megatron_utils.arguments import hf_architecture
+    from vime.backends.megatron_utils.hf_architecture import hf_architecture
 
     config = hf_config(tiny_models["llama"])
     config.rope_parameters = {**rope, "rope_theta": 10000.0}
@@ -282,3 +284,55 @@ def test_cpu_layer_runs_a_megatron_training_step(tiny_models, megatron_world):
     updated, grad_norm, _ = optimizer.step()
     assert updated and 0 < grad_norm < float("inf")
     assert all(not torch.equal(a, b) for a, b in zip(before, model[0].parameters()))
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"scoring_func": "softmax"}, r"scoring_func 'softmax' is not supported for deepseek_v3; supported: 'sigmoid'"),
+    ({"topk_method": "greedy"}, r"topk_method 'greedy' is not supported for deepseek_v3; supported: 'noaux_tc'"),
+    ({"norm_topk_prob": False}, r"norm_topk_prob=False is not supported for deepseek_v3"),
+    ({"topk_group": 2}, r"num_experts_per_tok 2 with topk_group 2"),
+    ({"n_group": 3}, r"n_group 3 does not divide n_routed_experts 4"),
+    ({"rope_interleave": False}, r"rope_interleave=False is not supported for deepseek_v3"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 40.0, "rope_theta": 10000.0}},
+     r"rope_type 'yarn' is not supported; supported: \('default',\) \(multi-latent attention"),
+])
+def test_unsupported_deepseek_v3_keys_are_refused_naming_the_key(tiny_models, change, match):
+    from vime.backends.megatron_utils.hf_architecture import hf_architecture
+
+    config = hf_config(tiny_models["deepseek_v3"])
+    for key, value in change.items():
+        setattr(config, key, value)
+    with pytest.raises(ValueError, match=match):
+        hf_architecture(config)
+
+
+def test_deepseek_v3_architecture_and_mtp_layers(tiny_models, megatron_world, caplog):
+    """The DeepSeek-V3 config's MLA and router read into Megatron's flag names; the checkpoint's declared
+    multi-token-prediction layer is skipped with a log line, and stored MTP tensors are not read."""
+    import logging
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from vime.backends.megatron_utils.model_provider import build_model_chunks
+
+    path = tiny_models["deepseek_v3"]
+    args = megatron_args(config=hf_config(path))
+    assert (args.multi_latent_attention, args.q_lora_rank, args.kv_lora_rank) == (True, 64, 512)
+    assert (args.qk_head_dim, args.qk_pos_emb_head_dim, args.v_head_dim, args.kv_channels) == (32, 64, 32, 32)
+    assert args.moe_layer_freq == [0, 1] and args.num_experts == 4 and args.moe_router_topk == 2
+    assert (args.moe_router_score_function, args.moe_router_enable_expert_bias) == ("sigmoid", True)
+    assert (args.moe_router_num_groups, args.moe_router_group_topk, args.moe_router_topk_scaling_factor) == (2, 1, 2.5)
+    assert args.moe_shared_expert_intermediate_size == 64 and args.qk_layernorm
+    with pytest.raises(ValueError, match="--q-lora-rank=32 contradicts the HF config, which gives 64"):
+        megatron_args(["--q-lora-rank", "32"], hf_config(path))
+
+    with_mtp = path.parent / "deepseek_v3-mtp"
+    shutil.copytree(path, with_mtp)
+    hf = load_file(with_mtp / "model.safetensors")
+    hf["model.layers.2.eh_proj.weight"] = torch.zeros(128, 256)  # an MTP layer's tensor, as DeepSeek stores it
+    save_file(hf, with_mtp / "model.safetensors")
+    model = build_model_chunks(args)
+    with caplog.at_level(logging.INFO):
+        load_hf_checkpoint_into_model(model, with_mtp)
+    assert "1 multi-token-prediction layer(s) (num_nextn_predict_layers) are not loaded" in caplog.text

@@ -191,3 +191,24 @@ def test_convert_tools_round_trip(tiny_qwen2, tmp_path):
     assert all(torch.equal(back[k], original[k]) for k in original)
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         assert (tmp_path / "hf" / name).read_bytes() == (tiny_qwen2 / name).read_bytes()
+
+
+@pytest.fixture(scope="module")
+def tiny_deepseek_v3(tmp_path_factory):
+    from vime.synthetic.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "deepseek_v3", arch="deepseek_v3", seed=9)
+
+
+def test_multi_latent_attention_and_moe_over_tensor_parallel(tiny_deepseek_v3, tmp_path):
+    """DeepSeek-V3: the MLA down projections are column-parallel with a gathered output, the up projections and
+    the shared expert split like dense layers, the router's expert bias is a replicated buffer; two TP ranks give
+    the one-process logits and save the checkpoint back bit for bit (expert bias included)."""
+    from safetensors.torch import load_file
+
+    reference = _single_process_reference(tiny_deepseek_v3)
+    _spawn(2, 1, tiny_deepseek_v3, tmp_path)
+    _assert_close_to(reference, torch.load(tmp_path / "rank0.pt"))
+    original, saved = (load_file(d / "model.safetensors") for d in (tiny_deepseek_v3, tmp_path / "hf"))
+    assert saved.keys() == original.keys() and "model.layers.1.mlp.gate.e_score_correction_bias" in saved
+    assert all(torch.equal(saved[k], original[k]) for k in original)

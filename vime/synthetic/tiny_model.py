@@ -1,5 +1,5 @@
-"""Build a tiny Qwen2 / Qwen2.5 / Qwen3 / Qwen3-MoE / Llama / Llama 3.x model with a locally trained tokenizer.
-No downloads.
+"""Build a tiny Qwen2 / Qwen2.5 / Qwen3 / Qwen3-MoE / Llama / Llama 3.x / DeepSeek-V3 model with a locally trained
+tokenizer. No downloads.
 
     python -m vime.synthetic.tiny_model --arch qwen3 --out /tmp/tiny-qwen3
 
@@ -15,7 +15,7 @@ import os
 import random
 from pathlib import Path
 
-ARCHS = ("qwen2", "qwen2_5", "qwen3", "qwen3_moe", "llama", "llama3")
+ARCHS = ("qwen2", "qwen2_5", "qwen3", "qwen3_moe", "llama", "llama3", "deepseek_v3")
 # Llama 3.1's RoPE, as its config.json publishes it (3.2 and 3.3 differ only in the factor)
 LLAMA3_ROPE_SCALING = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                        "original_max_position_embeddings": 8192, "rope_type": "llama3"}
@@ -88,7 +88,7 @@ def build_tokenizer(out: Path, vocab_size: int, seed: int):
 def build_config(arch: str, vocab_size: int, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
                  intermediate_size: int, max_position_embeddings: int, tie_word_embeddings: bool, eos_id: int,
                  pad_id: int):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import DeepseekV3Config, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     common = dict(
         vocab_size=vocab_size,
@@ -120,7 +120,25 @@ def build_config(arch: str, vocab_size: int, hidden_size: int, num_layers: int, 
     if arch == "llama3":  # Llama 3.1: theta 5e5 with its rope_scaling block and 128k positions
         return LlamaConfig(rope_theta=500000.0, rope_scaling=dict(LLAMA3_ROPE_SCALING),
                            **{**common, "max_position_embeddings": max(max_position_embeddings, 131072)})
+    if arch == "deepseek_v3":
+        return DeepseekV3Config(**_deepseek_v3_shape(hidden_size, num_heads, intermediate_size),
+                                **{**common, "num_key_value_heads": num_heads})
     raise ValueError(f"--arch must be one of {ARCHS}, got {arch!r}")
+
+
+def _deepseek_v3_shape(hidden_size: int, num_heads: int, intermediate_size: int) -> dict:
+    """DeepSeek-V3's structure, shrunk: multi-latent attention with a low-rank query, 4 routed experts in 2
+    groups (top-2 from the best group, sigmoid scores with the expert bias, scaled by 2.5), a shared expert, the
+    first layer dense, one multi-token-prediction layer declared (not stored, as transformers writes it). The
+    key/value latent and the rotary head keep DeepSeek-V3's sizes (512 + 64): vLLM's CPU MLA kernel is built for
+    that latent size only."""
+    return dict(q_lora_rank=hidden_size // 2, kv_lora_rank=512, qk_rope_head_dim=64,
+                qk_nope_head_dim=hidden_size // num_heads, v_head_dim=hidden_size // num_heads,
+                moe_intermediate_size=intermediate_size // 4, n_routed_experts=4, num_experts_per_tok=2, n_group=2,
+                topk_group=1, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                first_k_dense_replace=1, num_nextn_predict_layers=1, rope_interleave=True, rope_scaling=None,
+                # DeepSeek-V3's config.json states its router; transformers assumes it, vLLM reads it
+                scoring_func="sigmoid", topk_method="noaux_tc")
 
 
 def build_tiny_model(
@@ -153,6 +171,9 @@ def build_tiny_model(
     with torch.no_grad():  # HF init leaves some tensors (norms, biases) at constants; perturb all for tests
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
+        for name, b in model.named_buffers():  # DeepSeek-V3's expert bias: large enough to change the choice
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b) * 0.05)
     model.save_pretrained(out, safe_serialization=True)
     if arch == "llama3":  # config.json as Meta publishes it (transformers would write rope_parameters instead)
         saved = json.loads((out / "config.json").read_text())

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
 
+from vime.backends.megatron_utils.hf_architecture import hf_architecture
 from vime.utils.misc import with_values
 
 # Architecture flags (argparse dest names) that `hf_architecture` reads from an HF config.
@@ -22,13 +22,6 @@ ARCHITECTURE_FLAGS = (
     "rotary_base", "norm_epsilon", "vocab_size", "untie_embeddings_and_output_weights", "max_position_embeddings",
     "qk_layernorm", "add_qkv_bias",
 )
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe")
-MOE_MODEL_TYPES = ("qwen3_moe",)
-# RoPE variants (HF's rope_parameters / rope_scaling "rope_type") whose frequencies vime reproduces bit for bit
-ROPE_TYPES = ("default", "llama3", "linear")
-_ROPE_KEYS = {"llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-              "linear": ("factor",)}
-
 
 def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the Megatron-LM flags vime uses (parallelism, batch, optimizer, precision, checkpoint, model)."""
@@ -99,6 +92,10 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                         "expert).")
     g.add_argument("--moe-router-dtype", default="fp32", choices=["fp32", "fp64"],
                    help="Precision of the router's logits and probabilities (default: fp32).")
+    g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3,
+                   help="Step of the expert-bias update after each optimizer step (aux-loss-free load balancing, "
+                        "models with an expert bias such as DeepSeek-V3; the bias goes to the engines with the "
+                        "weights; 0 freezes it; default: 1e-3, Megatron-LM's).")
 
     g = parser.add_argument_group("Megatron checkpoints")
     g.add_argument("--load", default=None,
@@ -141,6 +138,21 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--moe-layer-freq", type=_layer_pattern, default=None,
                    help="Which layers are MoE: N (layers 0, N, 2N, ...) or a JSON list of 0/1 per layer "
                         "(decoder_sparse_step and mlp_only_layers; default: None = from the HF config).")
+    for flag, kind, what in (
+        ("--moe-router-score-function", str, "Router scores: softmax or sigmoid (scoring_func)"),
+        ("--moe-router-num-groups", int, "Expert groups of group-limited routing (n_group)"),
+        ("--moe-router-group-topk", int, "Groups each token may route into (topk_group)"),
+        ("--moe-router-topk-scaling-factor", float, "Scale of the routing weights (routed_scaling_factor)"),
+        ("--moe-shared-expert-intermediate-size", int, "Hidden size of the shared experts, all of them together "
+                                                       "(n_shared_experts x moe_intermediate_size)"),
+        ("--q-lora-rank", int, "Multi-latent attention: rank of the query compression (q_lora_rank)"),
+        ("--kv-lora-rank", int, "Multi-latent attention: rank of the key/value latent (kv_lora_rank)"),
+        ("--qk-head-dim", int, "Multi-latent attention: query/key head size without position (qk_nope_head_dim)"),
+        ("--qk-pos-emb-head-dim", int, "Multi-latent attention: rotary part of the query/key heads "
+                                       "(qk_rope_head_dim)"),
+        ("--v-head-dim", int, "Multi-latent attention: value head size (v_head_dim)"),
+    ):
+        g.add_argument(flag, type=kind, default=None, help=f"{what} (default: None = from the HF config).")
     g.add_argument("--rope-scaling-factor", type=float, default=None,
                    help="Llama 3.x RoPE scaling factor (rope_scaling.factor; default: None = from the HF config).")
     for flag, what in (
@@ -149,6 +161,9 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                                                   "(not tie_word_embeddings)"),
         ("--qk-layernorm", "RMSNorm on queries and keys per head (Qwen3)"),
         ("--add-qkv-bias", "Bias on the query/key/value projection (Qwen2)"),
+        ("--multi-latent-attention", "Multi-latent attention (DeepSeek-V3)"),
+        ("--moe-router-enable-expert-bias", "Expert bias in the routing choice (e_score_correction_bias, "
+                                            "DeepSeek-V3's topk_method noaux_tc)"),
     ):
         g.add_argument(flag, action="store_true", default=None, help=f"{what} (default: None = from the HF config).")
     return parser
@@ -163,82 +178,6 @@ def _layer_pattern(text: str) -> list[int]:
     if isinstance(value, int) or (isinstance(value, list) and all(v in (0, 1) for v in value)):
         return value
     raise argparse.ArgumentTypeError(f"{text!r} is neither an integer nor a JSON list of 0/1")
-
-
-def hf_moe(hf_config) -> dict[str, Any]:
-    """The MoE architecture of an HF config (Qwen3-MoE): experts, top-k, expert size, which layers are MoE
-    (as a 0/1 list) and how the top-k weights are normalised. Dense configs give num_experts None."""
-    if getattr(hf_config, "model_type", None) not in MOE_MODEL_TYPES:
-        return {"num_experts": None, "moe_router_topk": None, "moe_ffn_hidden_size": None, "moe_layer_freq": None,
-                "moe_router_pre_softmax": None}
-    dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
-    step = getattr(hf_config, "decoder_sparse_step", 1) or 1
-    pattern = [int(i not in dense and (i + 1) % step == 0) for i in range(hf_config.num_hidden_layers)]
-    return {"num_experts": hf_config.num_experts, "moe_router_topk": hf_config.num_experts_per_tok,
-            "moe_ffn_hidden_size": hf_config.moe_intermediate_size, "moe_layer_freq": pattern,
-            # norm_topk_prob: softmax over the chosen k; else softmax over all experts, then the top k
-            "moe_router_pre_softmax": not getattr(hf_config, "norm_topk_prob", False)}
-
-
-def hf_rope(hf_config) -> tuple[float, dict | None]:
-    """(theta, scaling) of an HF config's RoPE. `scaling` is None for plain RoPE, else {"rope_type", and the
-    type's parameters}: "llama3" (factor, low/high_freq_factor, original_max_position_embeddings) or "linear"
-    (factor). Any other type is refused, naming the key and the supported set."""
-    key = "rope_parameters" if getattr(hf_config, "rope_parameters", None) else "rope_scaling"
-    rope = dict(getattr(hf_config, key, None) or {})
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ROPE_TYPES:
-        raise ValueError(f"HF config {key}.rope_type {rope_type!r} is not supported; supported: {ROPE_TYPES}")
-    theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", None))
-    if theta is None:
-        raise ValueError("HF config has no rope theta (rope_parameters.rope_theta or rope_theta)")
-    if rope_type == "default":
-        return float(theta), None
-    missing = [k for k in _ROPE_KEYS[rope_type] if rope.get(k) is None]
-    if missing:
-        raise ValueError(f"HF config {key} of rope_type {rope_type!r} lacks {missing}")
-    return float(theta), {"rope_type": rope_type, **{k: float(rope[k]) for k in _ROPE_KEYS[rope_type]}}
-
-
-def hf_architecture(hf_config) -> dict[str, Any]:
-    """Megatron architecture values (dest name -> value) for a Qwen2 / Qwen3 / Llama HF config.
-
-    Raises ValueError for model types or features vime's Megatron model does not implement.
-    """
-    model_type = getattr(hf_config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"HF model_type {model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
-    if getattr(hf_config, "hidden_act", "silu") != "silu":
-        raise ValueError(f"HF config hidden_act {hf_config.hidden_act!r} is not supported (only silu / SwiGLU)")
-    # Qwen3 and Llama's attention_bias also adds an output-projection bias, which Megatron's GPT has not.
-    if model_type != "qwen2" and getattr(hf_config, "attention_bias", False):
-        raise ValueError(f"HF config attention_bias=True is not supported for {model_type}")
-    if getattr(hf_config, "mlp_bias", False):
-        raise ValueError("HF config mlp_bias=True is not supported")
-    if getattr(hf_config, "use_sliding_window", False):
-        raise ValueError("HF config use_sliding_window=True is not supported")
-    heads = hf_config.num_attention_heads
-    theta, rope_scaling = hf_rope(hf_config)
-    llama3 = rope_scaling is not None and rope_scaling["rope_type"] == "llama3"
-    return {
-        "num_layers": hf_config.num_hidden_layers,
-        "hidden_size": hf_config.hidden_size,
-        "ffn_hidden_size": hf_config.intermediate_size,
-        "num_attention_heads": heads,
-        "num_query_groups": getattr(hf_config, "num_key_value_heads", None) or heads,
-        "kv_channels": getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
-        "rotary_base": theta,
-        "rope_scaling": rope_scaling,  # no flag: the frequencies are computed from the config's own values
-        "use_rope_scaling": llama3,
-        "rope_scaling_factor": rope_scaling["factor"] if llama3 else None,
-        "norm_epsilon": float(hf_config.rms_norm_eps),
-        "vocab_size": hf_config.vocab_size,
-        "untie_embeddings_and_output_weights": not getattr(hf_config, "tie_word_embeddings", False),
-        "max_position_embeddings": hf_config.max_position_embeddings,
-        "qk_layernorm": model_type in ("qwen3", "qwen3_moe"),
-        **hf_moe(hf_config),
-        "add_qkv_bias": model_type == "qwen2",
-    }
 
 
 def fill_architecture_from_hf(args: argparse.Namespace, hf_config) -> argparse.Namespace:

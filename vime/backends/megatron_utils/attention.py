@@ -18,7 +18,13 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 
 class SDPAttention(DotProductAttention):
-    """Core attention: query [s, b, heads, d] (or [t, heads, d] packed), key/value with query groups -> [s, b, h]."""
+    """Core attention: query [s, b, heads, d] (or [t, heads, d] packed), key/value with query groups -> [s, b, h].
+    Multi-latent attention passes its head sizes: queries/keys of `k_channels`, values of `v_channels`."""
+
+    def __init__(self, *args, k_channels: int | None = None, v_channels: int | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        if v_channels is not None:  # the output is heads x the value head size
+            self.hidden_size_per_partition = self.num_attention_heads_per_partition * v_channels
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):

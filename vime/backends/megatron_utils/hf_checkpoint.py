@@ -9,6 +9,7 @@ writing files on one rank per stage. Who calls it: the trainer, the convert scri
 from __future__ import annotations
 
 import json
+import logging
 import math
 import shutil
 from pathlib import Path
@@ -28,7 +29,9 @@ from vime.backends.megatron_utils.hf_conversion import (
     param_for,
     tp_merge,
 )
+from vime.backends.megatron_utils.hf_architecture import multi_token_prediction_layers
 
+logger = logging.getLogger(__name__)
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
@@ -37,6 +40,13 @@ def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     while hasattr(chunk, "module"):  # DDP, Float16Module
         chunk = chunk.module
     return chunk
+
+
+def _named_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's parameters, and the buffers that are part of the checkpoint: the MoE router's expert bias
+    (DeepSeek-V3's e_score_correction_bias, updated after each step without a gradient)."""
+    yield from model.named_parameters()
+    yield from ((n, b) for n, b in model.named_buffers() if n.endswith(".router.expert_bias"))
 
 
 def _layer_offset(model: torch.nn.Module) -> int:
@@ -91,7 +101,7 @@ def iter_hf_weights(model_chunks: list[torch.nn.Module], hf_config) -> Iterator[
     for chunk in model_chunks:
         model = _unwrap(chunk)
         offset = _layer_offset(model)
-        for name, param in model.named_parameters():
+        for name, param in _named_weights(model):
             # an expert's parameter: every EP rank holds its own experts under the same local names
             per_ep = _gather_ep(param.detach()) if ".local_experts." in name else [param.detach()]
             for ep_rank, tensor in enumerate(per_ep):
@@ -140,13 +150,18 @@ def load_hf_checkpoint_into_model(model_chunks: list[torch.nn.Module], hf_dir: s
     """
     from transformers import AutoConfig
 
-    arch = Arch.from_hf(AutoConfig.from_pretrained(hf_dir))
+    config = AutoConfig.from_pretrained(hf_dir)
+    arch = Arch.from_hf(config)
+    if multi_token_prediction_layers(config):
+        logger.info("%s: the checkpoint's %d multi-token-prediction layer(s) (num_nextn_predict_layers) are not "
+                    "loaded: vime trains and serves the next-token model only", hf_dir,
+                    multi_token_prediction_layers(config))
     hf = _SafetensorsDir(hf_dir)
     tp_rank, tp_size = _tp_rank_size()
     ep_rank, ep_size = _ep_rank_size()
     for chunk in model_chunks:
         model = _unwrap(chunk)
-        params = dict(model.named_parameters())
+        params = dict(_named_weights(model))
         expected = hf_to_chunk(hf, arch, tp_rank, tp_size, _layer_offset(model), len(model.decoder.layers),
                                 model.pre_process, model.post_process, ep_rank, ep_size)
         for name, local in TE_FUSED_NORMS.items():  # TE spec: norms live inside the linear layers

@@ -1,5 +1,5 @@
-"""HF (Qwen2 / Qwen3 / Llama / Qwen3-MoE) <-> Megatron-core GPTModel weights, with tensor-, pipeline- and
-expert-parallel sharding.
+"""HF (Qwen2 / Qwen3 / Llama / Qwen3-MoE / DeepSeek-V3) <-> Megatron-core GPTModel weights, with tensor-,
+pipeline- and expert-parallel sharding.
 
 Layout facts (megatron-core 0.16.1, local layer spec; a naive q|k|v concat gives wrong logits):
 - `linear_qkv` stacks, per KV group g, [q heads of g | k_g | v_g] (weight [G*(H/G+2)*D, hidden], bias alike);
@@ -15,6 +15,14 @@ Layout facts (megatron-core 0.16.1, local layer spec; a naive q|k|v concat gives
 - MoE layers: `mlp.router.weight` is HF's `mlp.gate.weight` (replicated); expert-parallel rank r holds experts
   [r * E/EP, (r + 1) * E/EP) as `mlp.experts.local_experts.{local index}.linear_fc1/2`, each laid out like a
   dense MLP (fc1 = [gate; up]) and split over tensor parallel the same way (expert TP = TP).
+  DeepSeek-V3 adds the router's `expert_bias` buffer (HF `mlp.gate.e_score_correction_bias`) and
+  `mlp.shared_experts.linear_fc1/2` (HF `mlp.shared_experts.gate/up/down_proj`, laid out like a dense MLP).
+- Multi-latent attention (local spec): every projection is a plain copy of its HF matrix. The down projections
+  (`linear_q_down_proj` = `q_a_proj`, `linear_kv_down_proj` = `kv_a_proj_with_mqa`) are column-parallel with
+  their output gathered, so TP splits their rows like the up projections' (`linear_q_up_proj` = `q_b_proj`,
+  `linear_kv_up_proj` = `kv_b_proj`, one head's rows after another); `q_layernorm` / `kv_layernorm` are
+  `q_a_layernorm` / `kv_a_layernorm`. HF's interleaved rotary pairs need no permutation: Megatron's MLA rotates
+  interleaved pairs too.
 
 Pure functions on state dicts; `hf_checkpoint` applies them to live models (loading, streaming, saving).
 """
@@ -27,7 +35,7 @@ from typing import Mapping
 
 import torch
 
-from vime.backends.megatron_utils.arguments import hf_architecture
+from vime.backends.megatron_utils.hf_architecture import hf_architecture
 
 
 @dataclass(frozen=True)
@@ -41,13 +49,19 @@ class Arch:
     qkv_bias: bool
     moe_layers: tuple[int, ...] = ()  # per global layer: 1 = MoE, 0 = dense (empty: a dense model)
     num_experts: int = 0
+    mla: bool = False  # multi-latent attention
+    q_lora: bool = False  # MLA with a low-rank query (q_lora_rank set)
+    shared_experts: bool = False
+    expert_bias: bool = False
 
     @classmethod
     def from_hf(cls, hf_config) -> "Arch":
         a = hf_architecture(hf_config)
         return cls(a["num_layers"], a["num_attention_heads"], a["num_query_groups"], a["kv_channels"],
                    not a["untie_embeddings_and_output_weights"], a["qk_layernorm"], a["add_qkv_bias"],
-                   tuple(a["moe_layer_freq"] or ()), a["num_experts"] or 0)
+                   tuple(a["moe_layer_freq"] or ()), a["num_experts"] or 0, bool(a["multi_latent_attention"]),
+                   a["q_lora_rank"] is not None, bool(a["moe_shared_expert_intermediate_size"]),
+                   bool(a["moe_router_enable_expert_bias"]))
 
     def is_moe(self, layer: int) -> bool:
         return bool(self.moe_layers) and bool(self.moe_layers[layer])
@@ -76,16 +90,32 @@ _LAYER_PARAMS = {
     "mlp.linear_fc1.layer_norm_weight": ("copy", ("post_attention_layernorm.weight",), None),  # TE spec
     "mlp.linear_fc1.weight": ("fc1", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), 0),
     "mlp.linear_fc2.weight": ("copy", ("mlp.down_proj.weight",), 1),
+    # multi-latent attention
+    "self_attention.linear_q_proj.weight": ("copy", ("self_attn.q_proj.weight",), 0),
+    "self_attention.linear_q_down_proj.weight": ("copy", ("self_attn.q_a_proj.weight",), 0),
+    "self_attention.linear_q_up_proj.weight": ("copy", ("self_attn.q_b_proj.weight",), 0),
+    "self_attention.linear_q_up_proj.layer_norm_weight": ("copy", ("self_attn.q_a_layernorm.weight",), None),  # TE
+    "self_attention.linear_kv_down_proj.weight": ("copy", ("self_attn.kv_a_proj_with_mqa.weight",), 0),
+    "self_attention.linear_kv_up_proj.weight": ("copy", ("self_attn.kv_b_proj.weight",), 0),
+    "self_attention.linear_kv_up_proj.layer_norm_weight": ("copy", ("self_attn.kv_a_layernorm.weight",), None),  # TE
+    "self_attention.kv_layernorm.weight": ("copy", ("self_attn.kv_a_layernorm.weight",), None),
 }
+_MLA_Q_NORM = ("copy", ("self_attn.q_a_layernorm.weight",), None)  # MLA's q_layernorm is the query latent's norm
 # MoE layers: the router, and each expert's MLP (local index -> global expert = EP rank * local count + index)
 _MOE_PARAMS = {
     "mlp.router.weight": ("copy", ("mlp.gate.weight",), None),
+    "mlp.router.expert_bias": ("copy", ("mlp.gate.e_score_correction_bias",), None),  # a buffer, not a parameter
+    "mlp.shared_experts.linear_fc1.weight": ("fc1", ("mlp.shared_experts.gate_proj.weight",
+                                                     "mlp.shared_experts.up_proj.weight"), 0),
+    "mlp.shared_experts.linear_fc2.weight": ("copy", ("mlp.shared_experts.down_proj.weight",), 1),
     "linear_fc1.weight": ("fc1", ("gate_proj.weight", "up_proj.weight"), 0),
     "linear_fc2.weight": ("copy", ("down_proj.weight",), 1),
 }
 _EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12]\.weight)$")
 TE_FUSED_NORMS = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
-                   "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+                  "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+                  "self_attention.q_layernorm.weight": "self_attention.linear_q_up_proj.layer_norm_weight",  # MLA
+                  "self_attention.kv_layernorm.weight": "self_attention.linear_kv_up_proj.layer_norm_weight"}
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
@@ -99,6 +129,8 @@ def param_for(name: str, arch: Arch, layer_offset: int, expert_offset: int = 0) 
         if expert:
             kind, hf_suffixes, split_dim = _MOE_PARAMS[expert.group(2)]
             prefix += f"mlp.experts.{int(expert.group(1)) + expert_offset}."
+        elif arch.mla and m.group(2) == "self_attention.q_layernorm.weight":
+            kind, hf_suffixes, split_dim = _MLA_Q_NORM
         else:
             kind, hf_suffixes, split_dim = _MOE_PARAMS.get(m.group(2)) or _LAYER_PARAMS[m.group(2)]
         return _Param(kind, tuple(prefix + s for s in hf_suffixes), split_dim)
@@ -115,15 +147,25 @@ def _chunk_param_names(arch: Arch, num_local_layers: int, pre_process: bool, pos
                        layer_offset: int = 0, num_local_experts: int = 0) -> list[str]:
     """Megatron parameter names (local spec) of a chunk holding `num_local_layers` layers from `layer_offset`
     (MoE layers with `num_local_experts` experts each)."""
-    suffixes = ["input_layernorm.weight", "self_attention.linear_qkv.weight", "self_attention.linear_proj.weight",
-                "pre_mlp_layernorm.weight"]
-    if arch.qkv_bias:
-        suffixes.append("self_attention.linear_qkv.bias")
-    if arch.qk_norm:
-        suffixes += ["self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"]
+    suffixes = ["input_layernorm.weight", "self_attention.linear_proj.weight", "pre_mlp_layernorm.weight"]
+    if arch.mla:
+        suffixes += ["self_attention.linear_kv_down_proj.weight", "self_attention.linear_kv_up_proj.weight",
+                     "self_attention.kv_layernorm.weight"]
+        suffixes += (["self_attention.linear_q_down_proj.weight", "self_attention.linear_q_up_proj.weight",
+                      "self_attention.q_layernorm.weight"] if arch.q_lora else ["self_attention.linear_q_proj.weight"])
+    else:
+        suffixes.append("self_attention.linear_qkv.weight")
+        if arch.qkv_bias:
+            suffixes.append("self_attention.linear_qkv.bias")
+        if arch.qk_norm:
+            suffixes += ["self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"]
     dense = ["mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
     moe = ["mlp.router.weight"] + [f"mlp.experts.local_experts.{e}.linear_fc{k}.weight"
                                    for e in range(num_local_experts) for k in (1, 2)]
+    if arch.expert_bias:
+        moe.append("mlp.router.expert_bias")
+    if arch.shared_experts:
+        moe += ["mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.linear_fc2.weight"]
     names = [f"decoder.layers.{i}.{s}" for i in range(num_local_layers)
              for s in suffixes + (moe if arch.is_moe(layer_offset + i) else dense)]
     if pre_process:

@@ -1,4 +1,5 @@
-"""Build Megatron-core `GPTModel`s for Qwen2 / Qwen2.5 / Qwen3 / Llama (3.x RoPE scaling too) checkpoints.
+"""Build Megatron-core `GPTModel`s for Qwen2 / Qwen2.5 / Qwen3 / Llama (3.x RoPE scaling too) / Qwen3-MoE /
+DeepSeek-V3 (multi-latent attention) checkpoints.
 
 Who calls it: the Megatron trainer, after `parallel.init_parallel()` and
 `arguments.fill_architecture_from_hf()`; the convert tools; the tests.
@@ -21,7 +22,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
 )
-from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
 from vime.backends.megatron_utils.attention import SDPAttention
 from vime.utils.device import training_dtype
@@ -50,7 +51,8 @@ def build_transformer_config(args: argparse.Namespace) -> TransformerConfig:
     """
     on_gpu = torch.cuda.is_available()
     dtype = params_dtype(args)
-    return TransformerConfig(
+    config_class = MLATransformerConfig if getattr(args, "multi_latent_attention", None) else TransformerConfig
+    return config_class(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size,
@@ -77,6 +79,7 @@ def build_transformer_config(args: argparse.Namespace) -> TransformerConfig:
         # RL micro-batches differ in length, so pipeline stages exchange shapes before activations.
         variable_seq_lengths=True,
         **_moe_config(args),
+        **_mla_config(args),
         use_cpu_initialization=not on_gpu,
         # Fused kernels need CUDA (some need apex); off everywhere, so CPU and GPU run the same math.
         bias_activation_fusion=False,
@@ -89,7 +92,8 @@ def build_transformer_config(args: argparse.Namespace) -> TransformerConfig:
 
 
 def _moe_config(args: argparse.Namespace) -> dict:
-    """TransformerConfig's MoE fields (Qwen3-MoE: softmax top-k routing, no shared experts)."""
+    """TransformerConfig's MoE fields (Qwen3-MoE: softmax top-k routing; DeepSeek-V3: sigmoid routing with the
+    expert bias, expert groups, scaled weights and shared experts)."""
     if not getattr(args, "num_experts", None):  # dense; alltoall because the default dispatcher refuses
         return {"moe_token_dispatcher_type": "alltoall"}  # variable sequence lengths even where unused
     return dict(
@@ -98,7 +102,13 @@ def _moe_config(args: argparse.Namespace) -> dict:
         moe_ffn_hidden_size=args.moe_ffn_hidden_size,
         moe_layer_freq=list(args.moe_layer_freq),
         moe_router_pre_softmax=bool(args.moe_router_pre_softmax),
-        moe_router_score_function="softmax",
+        moe_router_score_function=args.moe_router_score_function or "softmax",
+        moe_router_enable_expert_bias=bool(args.moe_router_enable_expert_bias),
+        moe_router_bias_update_rate=args.moe_router_bias_update_rate,
+        moe_router_num_groups=args.moe_router_num_groups,
+        moe_router_group_topk=args.moe_router_group_topk,
+        moe_router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
+        moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
         moe_router_load_balancing_type=args.moe_router_load_balancing_type,
         moe_aux_loss_coeff=args.moe_aux_loss_coeff or 0.0,
         moe_z_loss_coeff=args.moe_z_loss_coeff,
@@ -112,22 +122,45 @@ def _moe_config(args: argparse.Namespace) -> dict:
     )
 
 
+def _mla_config(args: argparse.Namespace) -> dict:
+    """MLATransformerConfig's fields for multi-latent attention (DeepSeek-V3), {} for other attention. Plain
+    RoPE on the rotary part (the HF config's rope_parameters are refused unless default), so no YaRN softmax
+    scaling either (mscale 1)."""
+    if not getattr(args, "multi_latent_attention", None):
+        return {}
+    return dict(q_lora_rank=args.q_lora_rank, kv_lora_rank=args.kv_lora_rank, qk_head_dim=args.qk_head_dim,
+                qk_pos_emb_head_dim=args.qk_pos_emb_head_dim, v_head_dim=args.v_head_dim, rope_type="rope",
+                rotary_base=args.rotary_base, rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
+
+
+def _without_transformer_engine() -> None:
+    """megatron-core 0.16.1 without TransformerEngine: the MoE utilities name `te_general_gemm` only when TE
+    imports, and multi-latent attention believes TE is there (its TE classes are mock stand-ins, which its
+    isinstance checks cannot take)."""
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    import megatron.core.transformer.multi_latent_attention as mla
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    mla.HAVE_TE = False
+
+
 def _layer_specs(config: TransformerConfig):
     """The decoder's layer spec: one for all layers (dense), or a block spec with per-layer MoE / dense MLPs."""
+    te = use_transformer_engine()
+    if not te:
+        _without_transformer_engine()
     if config.num_moe_experts:
-        import megatron.core.transformer.moe.moe_utils as moe_utils
-
-        if not hasattr(moe_utils, "te_general_gemm"):  # megatron-core 0.16.1 names it only when TE imports
-            moe_utils.te_general_gemm = None
-        te = use_transformer_engine()
         block = get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization="RMSNorm")
         if not te:
             for layer in block.layer_specs:
                 layer.submodules.self_attention.submodules.core_attention = SDPAttention
         return block
-    if use_transformer_engine():
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
+    mla = bool(config.multi_latent_attention)
+    if te:
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm, multi_latent_attention=mla)
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm,
+                                    multi_latent_attention=mla)
     # torch's fused scaled-dot-product attention, which also takes packed (thd) micro-batches
     spec.submodules.self_attention.submodules.core_attention = SDPAttention
     return spec

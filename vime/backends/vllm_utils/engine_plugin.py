@@ -8,6 +8,9 @@ sleeps on a socket (`shm_broadcast.SpinCondition`, busy_loop_s=1); on a GPU that
 machine of a few cores that second is a whole core taken from the trainer each time a rollout or a weight update
 ends (measured here: 1.0 CPU-second per engine after every call, and a send of the weights 2.5x slower during it).
 The cap keeps the spin between decode steps, which follow each other within milliseconds.
+
+In the same engines it also mends vLLM's CPU rotary kernel for 3-D queries and keys (`cpu_rope`; DeepSeek's
+multi-latent attention).
 """
 
 from __future__ import annotations
@@ -21,7 +24,10 @@ def configure() -> None:
     """The entry point: cap the workers' idle spin when vime started this engine; capture routed experts when
     asked (`routing_capture`, CPU engines of --use-rollout-routing-replay)."""
     from vime.backends.vllm_utils import routing_capture
+    from vime.backends.vllm_utils.cpu_rope import patch_cpu_rotary
 
+    if os.environ.get(IDLE_SPIN_ENV) is not None:  # a CPU engine vime started: its rotary kernel's 3-D bug
+        patch_cpu_rotary()
     if routing_capture.enabled():
         routing_capture.install()
     seconds = os.environ.get(IDLE_SPIN_ENV)

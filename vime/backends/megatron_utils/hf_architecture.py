@@ -1,0 +1,163 @@
+"""The Megatron architecture of an HF config: which model families vime's Megatron model reproduces, and the
+Megatron-LM flag values (argparse dest names) each config gives.
+
+Families: Qwen2 / Qwen2.5, Qwen3, Llama (3.x RoPE scaling too), Qwen3-MoE, DeepSeek-V3 (multi-latent attention,
+MoE with shared experts, sigmoid routing with the expert bias, group-limited routing). A config key vime cannot
+reproduce is refused here, naming the key and what is supported, before any process starts.
+
+Pure functions of the config; `arguments.fill_architecture_from_hf` applies them to parsed flags.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe", "deepseek_v3")
+MOE_MODEL_TYPES = ("qwen3_moe", "deepseek_v3")
+MLA_MODEL_TYPES = ("deepseek_v3",)
+# RoPE variants (HF's rope_parameters / rope_scaling "rope_type") whose frequencies vime reproduces bit for bit
+ROPE_TYPES = ("default", "llama3", "linear")
+_ROPE_KEYS = {"llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+              "linear": ("factor",)}
+_NO_MOE = {"num_experts": None, "moe_router_topk": None, "moe_ffn_hidden_size": None, "moe_layer_freq": None,
+           "moe_router_pre_softmax": None, "moe_router_score_function": None, "moe_router_enable_expert_bias": None,
+           "moe_router_num_groups": None, "moe_router_group_topk": None, "moe_router_topk_scaling_factor": None,
+           "moe_shared_expert_intermediate_size": None}
+_NO_MLA = {"multi_latent_attention": None, "q_lora_rank": None, "kv_lora_rank": None, "qk_head_dim": None,
+           "qk_pos_emb_head_dim": None, "v_head_dim": None}
+
+
+def hf_moe(hf_config) -> dict[str, Any]:
+    """The MoE architecture of an HF config: experts, top-k, expert size, which layers are MoE (a 0/1 list), the
+    router's scoring and the shared experts. Dense configs give None everywhere."""
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type == "qwen3_moe":
+        dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
+        step = getattr(hf_config, "decoder_sparse_step", 1) or 1
+        pattern = [int(i not in dense and (i + 1) % step == 0) for i in range(hf_config.num_hidden_layers)]
+        return {**_NO_MOE, "num_experts": hf_config.num_experts, "moe_router_topk": hf_config.num_experts_per_tok,
+                "moe_ffn_hidden_size": hf_config.moe_intermediate_size, "moe_layer_freq": pattern,
+                # norm_topk_prob: softmax over the chosen k; else softmax over all experts, then the top k
+                "moe_router_pre_softmax": not getattr(hf_config, "norm_topk_prob", False),
+                "moe_router_score_function": "softmax", "moe_router_enable_expert_bias": False}
+    if model_type == "deepseek_v3":
+        return _deepseek_moe(hf_config)
+    return dict(_NO_MOE)
+
+
+def _deepseek_moe(c) -> dict[str, Any]:
+    """DeepSeek-V3's router: sigmoid scores, the expert bias (`e_score_correction_bias`) choosing the experts but
+    not weighting them, the top-k weights normalised then scaled by `routed_scaling_factor`, experts picked from
+    the `topk_group` best of `n_group` groups (a group's score: the sum of its two best experts)."""
+    for key, supported in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+        value = getattr(c, key, supported)
+        if value != supported:
+            raise ValueError(f"HF config {key} {value!r} is not supported for deepseek_v3; supported: {supported!r}")
+    topk, experts = c.num_experts_per_tok, c.n_routed_experts
+    if topk > 1 and not getattr(c, "norm_topk_prob", True):
+        raise ValueError("HF config norm_topk_prob=False is not supported for deepseek_v3 (Megatron normalises the "
+                         "top-k sigmoid scores); supported: True")
+    groups, group_topk = getattr(c, "n_group", 1) or 1, getattr(c, "topk_group", 1) or 1
+    if experts % groups:
+        raise ValueError(f"HF config n_group {groups} does not divide n_routed_experts {experts}")
+    if groups > 1 and topk != 2 * group_topk:  # Megatron scores a group by its top (topk / topk_group) experts
+        raise ValueError(f"HF config num_experts_per_tok {topk} with topk_group {group_topk}: group-limited routing "
+                         "scores each group by its two best experts, which Megatron reproduces only when "
+                         "num_experts_per_tok = 2 x topk_group (DeepSeek-V3: 8 and 4)")
+    first_dense, freq = getattr(c, "first_k_dense_replace", 0) or 0, getattr(c, "moe_layer_freq", 1) or 1
+    shared = getattr(c, "n_shared_experts", 0) or 0
+    return {**_NO_MOE, "num_experts": experts, "moe_router_topk": topk, "moe_ffn_hidden_size": c.moe_intermediate_size,
+            "moe_layer_freq": [int(i >= first_dense and i % freq == 0) for i in range(c.num_hidden_layers)],
+            "moe_router_pre_softmax": False, "moe_router_score_function": "sigmoid",
+            "moe_router_enable_expert_bias": True,
+            "moe_router_num_groups": groups if groups > 1 else None,
+            "moe_router_group_topk": group_topk if groups > 1 else None,
+            "moe_router_topk_scaling_factor": float(getattr(c, "routed_scaling_factor", 1.0) or 1.0),
+            "moe_shared_expert_intermediate_size": shared * c.moe_intermediate_size if shared else None}
+
+
+def hf_mla(hf_config) -> dict[str, Any]:
+    """Multi-latent attention (DeepSeek-V3): queries through an optional low-rank `q_lora_rank`, keys and values
+    from one `kv_lora_rank` latent, each head's query/key split into a no-position part (`qk_nope_head_dim`) and a
+    decoupled rotary part (`qk_rope_head_dim`, one key shared by all heads). None everywhere for other models."""
+    if getattr(hf_config, "model_type", None) not in MLA_MODEL_TYPES:
+        return dict(_NO_MLA)
+    if not getattr(hf_config, "rope_interleave", True):
+        raise ValueError("HF config rope_interleave=False is not supported for deepseek_v3 (Megatron's and vLLM's "
+                         "MLA rotate interleaved pairs, as DeepSeek's checkpoints are laid out); supported: True")
+    return {"multi_latent_attention": True, "q_lora_rank": hf_config.q_lora_rank,
+            "kv_lora_rank": hf_config.kv_lora_rank, "qk_head_dim": hf_config.qk_nope_head_dim,
+            "qk_pos_emb_head_dim": hf_config.qk_rope_head_dim, "v_head_dim": hf_config.v_head_dim}
+
+
+def hf_rope(hf_config) -> tuple[float, dict | None]:
+    """(theta, scaling) of an HF config's RoPE. `scaling` is None for plain RoPE, else {"rope_type", and the
+    type's parameters}: "llama3" (factor, low/high_freq_factor, original_max_position_embeddings) or "linear"
+    (factor). Any other type is refused, naming the key and the supported set."""
+    key = "rope_parameters" if getattr(hf_config, "rope_parameters", None) else "rope_scaling"
+    rope = dict(getattr(hf_config, key, None) or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    supported = ("default",) if getattr(hf_config, "model_type", None) in MLA_MODEL_TYPES else ROPE_TYPES
+    if rope_type not in supported:
+        raise ValueError(f"HF config {key}.rope_type {rope_type!r} is not supported; supported: {supported}"
+                         + (" (multi-latent attention: plain RoPE only)" if supported != ROPE_TYPES else ""))
+    theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", None))
+    if theta is None:
+        raise ValueError("HF config has no rope theta (rope_parameters.rope_theta or rope_theta)")
+    if rope_type == "default":
+        return float(theta), None
+    missing = [k for k in _ROPE_KEYS[rope_type] if rope.get(k) is None]
+    if missing:
+        raise ValueError(f"HF config {key} of rope_type {rope_type!r} lacks {missing}")
+    return float(theta), {"rope_type": rope_type, **{k: float(rope[k]) for k in _ROPE_KEYS[rope_type]}}
+
+
+def hf_architecture(hf_config) -> dict[str, Any]:
+    """Megatron architecture values (dest name -> value) for an HF config of a supported family.
+
+    Raises ValueError for model types or features vime's Megatron model does not implement.
+    """
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"HF model_type {model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
+    if getattr(hf_config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"HF config hidden_act {hf_config.hidden_act!r} is not supported (only silu / SwiGLU)")
+    # Qwen3 and Llama's attention_bias also adds an output-projection bias, which Megatron's GPT has not.
+    if model_type != "qwen2" and getattr(hf_config, "attention_bias", False):
+        raise ValueError(f"HF config attention_bias=True is not supported for {model_type}")
+    if getattr(hf_config, "mlp_bias", False):
+        raise ValueError("HF config mlp_bias=True is not supported")
+    if getattr(hf_config, "use_sliding_window", False):
+        raise ValueError("HF config use_sliding_window=True is not supported")
+    heads = hf_config.num_attention_heads
+    theta, rope_scaling = hf_rope(hf_config)
+    llama3 = rope_scaling is not None and rope_scaling["rope_type"] == "llama3"
+    mla = hf_mla(hf_config)
+    return {
+        "num_layers": hf_config.num_hidden_layers,
+        "hidden_size": hf_config.hidden_size,
+        "ffn_hidden_size": hf_config.intermediate_size,
+        "num_attention_heads": heads,
+        "num_query_groups": getattr(hf_config, "num_key_value_heads", None) or heads,
+        # MLA: Megatron-LM's DeepSeek recipes give the value head size (the attention output per head)
+        "kv_channels": mla["v_head_dim"] or getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
+        "rotary_base": theta,
+        "rope_scaling": rope_scaling,  # no flag: the frequencies are computed from the config's own values
+        "use_rope_scaling": llama3,
+        "rope_scaling_factor": rope_scaling["factor"] if llama3 else None,
+        "norm_epsilon": float(hf_config.rms_norm_eps),
+        "vocab_size": hf_config.vocab_size,
+        "untie_embeddings_and_output_weights": not getattr(hf_config, "tie_word_embeddings", False),
+        "max_position_embeddings": hf_config.max_position_embeddings,
+        # Qwen3's per-head q/k norms; MLA's norms of the query and key/value latents
+        "qk_layernorm": model_type in ("qwen3", "qwen3_moe") or bool(mla["multi_latent_attention"]),
+        **hf_moe(hf_config),
+        **mla,
+        "add_qkv_bias": model_type == "qwen2",
+    }
+
+
+def multi_token_prediction_layers(hf_config) -> int:
+    """How many multi-token-prediction layers the checkpoint stores after its decoder layers (DeepSeek-V3's
+    `num_nextn_predict_layers`); vime neither trains nor serves them."""
+    return int(getattr(hf_config, "num_nextn_predict_layers", 0) or 0)
