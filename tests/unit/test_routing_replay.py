@@ -1,7 +1,7 @@
 """MoE routing replay: routed experts from the engine's answer into samples, through the codec and JSON, into
 per-micro-batch replay tensors; the CPU engine's capture store; the flags' errors; and on a real tiny Qwen3-MoE
-trainer (one CPU process): replaying its own routing changes nothing, replaying another routing reproduces the
-log-probs computed under that routing, packed and padded alike."""
+(and DeepSeek-V3) trainer (one CPU process): replaying its own routing changes nothing, replaying another routing
+reproduces the log-probs computed under that routing, packed and padded alike."""
 
 from __future__ import annotations
 
@@ -257,20 +257,24 @@ def _log_probs(t, groups, routing=None) -> list[torch.Tensor]:
     return [out[i][0] for i in range(len(batch.tokens))]
 
 
-@pytest.mark.parametrize("qkv_format", ["thd", "bshd"])
-def test_trainer_replays_a_given_routing(tiny_moe, qkv_format):
+@pytest.mark.parametrize("arch, qkv_format", [("qwen3_moe", "thd"), ("qwen3_moe", "bshd"),
+                                              ("deepseek_v3", "thd")])  # sigmoid, expert bias, expert groups
+def test_trainer_replays_a_given_routing(arch, qkv_format, tiny_moe, tmp_path):
     from tests.helpers.rollouts import flat, make_rollout
     from tests.helpers.trainer_runs import local_trainer
+    from vime.synthetic.tiny_model import build_tiny_model
 
+    model = tiny_moe if arch == "qwen3_moe" else build_tiny_model(tmp_path / arch, arch=arch, seed=3)
     groups = make_rollout(seed=5)
-    with local_trainer(tiny_moe, "--use-rollout-routing-replay", "--qkv-format", qkv_format) as t:
+    with local_trainer(model, "--use-rollout-routing-replay", "--qkv-format", qkv_format) as t:
+        experts, topk = t.args.num_experts, t.args.moe_router_topk
         own = _own_routing(t, groups)
-        assert own[0].shape == (len(flat(groups)[0]["tokens"]), t.args.num_layers, 2)
-        assert (own[0][:, 0] == torch.tensor([0, 1])).all()  # layer 0 is dense: never routed, left at 0..k-1
+        assert own[0].shape == (len(flat(groups)[0]["tokens"]), t.args.num_layers, topk)
+        assert (own[0][:, 0] == torch.arange(topk)).all()  # layer 0 is dense: never routed, left at 0..k-1
         plain = _log_probs(t, groups)
         same = _log_probs(t, groups, own)
         assert max((a - b).abs().max().item() for a, b in zip(plain, same)) < 1e-6  # its own routing: no change
-        other = [(r + 1) % 4 for r in own]  # every token to other experts
+        other = [(r + 1) % experts for r in own]  # every token to other experts
         moved = _log_probs(t, groups, other)
         assert min((a - b).abs().max().item() for a, b in zip(plain, moved)) > 1e-4
 
