@@ -1,7 +1,8 @@
 """Model families end to end on the real stack (1 vLLM engine + router, Megatron-core, Ray): a tiny Llama 3.1
-(its rope_scaling block as published), a tiny tied Qwen2.5 and a tiny Qwen3-MoE (a dense layer, then 4 experts,
-top-2; also with its experts split over 2 expert-parallel ranks) each generate, train three GRPO steps and sync
-weights after each.
+(its rope_scaling block as published), a tiny tied Qwen2.5, a tiny Qwen3-MoE (a dense layer, then 4 experts,
+top-2) and a tiny DeepSeek-V3 (multi-latent attention; a dense layer, then 4 sigmoid-routed experts in 2 groups
+with the expert bias, and a shared expert), the MoE ones also with their experts split over 2 expert-parallel
+ranks, each generate, train three GRPO steps and sync weights after each.
 
 Prompts are about 600 tokens long, so that Llama 3's scaled low RoPE frequencies turn by a visible angle: if the
 trainer or the engine computed plain RoPE, their log-probs would part. Checked per family: the engine's log-probs
@@ -26,9 +27,10 @@ from vime.rollout.debug_data import load_rollout
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
 FAMILIES = {"llama3": dict(arch="llama3"), "qwen2_5-tied": dict(arch="qwen2_5", tie_word_embeddings=True),
-            "qwen3_moe": dict(arch="qwen3_moe"), "qwen3_moe-ep2": dict(arch="qwen3_moe")}
-EXTRA = {"qwen3_moe-ep2": ["--actor-num-gpus-per-node", "2", "--expert-model-parallel-size", "2",  # gloo all-to-all
-                           "--micro-batch-size", "4"]}
+            "qwen3_moe": dict(arch="qwen3_moe"), "qwen3_moe-ep2": dict(arch="qwen3_moe"),
+            "deepseek_v3": dict(arch="deepseek_v3"), "deepseek_v3-ep2": dict(arch="deepseek_v3")}
+_EP2 = ["--actor-num-gpus-per-node", "2", "--expert-model-parallel-size", "2", "--micro-batch-size", "4"]  # gloo a2a
+EXTRA = {"qwen3_moe-ep2": _EP2, "deepseek_v3-ep2": _EP2}
 
 
 def _long_prompts(path: Path, n: int = 4, digits: int = 600) -> Path:
@@ -38,10 +40,11 @@ def _long_prompts(path: Path, n: int = 4, digits: int = 600) -> Path:
     return path
 
 
-# CI runs the two that cover the most (Llama 3's RoPE scaling on both sides; MoE with expert parallelism); the
-# other two repeat a path those cover with one difference each: VIME_TEST_ALL_FAMILIES=1 runs them too
+# CI runs the two that cover the most (Llama 3's RoPE scaling on both sides; DeepSeek-V3's MLA and MoE with expert
+# parallelism; Qwen3-MoE runs in the routing-replay test below); the others repeat a path those cover with one
+# difference each: VIME_TEST_ALL_FAMILIES=1 runs them too
 _ALL = bool(os.environ.get("VIME_TEST_ALL_FAMILIES"))
-CI_FAMILIES = ("llama3", "qwen3_moe-ep2")
+CI_FAMILIES = ("llama3", "deepseek_v3-ep2")
 
 
 @pytest.mark.parametrize("family", [
@@ -74,6 +77,8 @@ def test_family_generates_trains_and_syncs(family, tmp_path):
         assert r["train/grad_norm"] > 0
         if "moe" in family:  # the router's load-balancing loss (Qwen3-MoE's router_aux_loss_coef), per MoE layer
             assert r["train/moe_aux_loss"] > 0 and r["train/moe_aux_loss/layer_1"] == r["train/moe_aux_loss"]
+        if "moe" in family or "deepseek" in family:  # tokens of the busiest expert over the mean, per MoE layer
+            assert 1.0 <= r["train/moe_load_imbalance/layer_1"] <= 4.0 and "train/moe_load_imbalance/layer_0" not in r
 
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation="eager").eval()
     samples = [s for g in load_rollout(str(out / "rollout_{rollout_id}.jsonl"), 0) for s in g]

@@ -25,7 +25,7 @@ from vime.algorithms import compute_approx_kl, get_advantage_estimator
 from vime.backends.megatron_utils.checkpoint import load_checkpoint, save_checkpoint
 from vime.backends.megatron_utils.batching import balanced_partition, micro_batches, step_slices
 from vime.backends.megatron_utils.loss import make_loss_fn
-from vime.backends.megatron_utils.moe_metrics import take_moe_losses
+from vime.backends.megatron_utils.moe_metrics import ExpertLoad, take_moe_losses
 from vime.backends.megatron_utils.offload import TrainStateOffloader
 from vime.backends.megatron_utils.routing_replay import RoutingReplay, sample_routing
 from vime.backends.megatron_utils.train_batch import TrainBatch
@@ -73,6 +73,7 @@ class MegatronTrainer:
                 attach_value_head(chunks)
 
         self.model, self.optimizer, self.scheduler = setup_model_and_optimizer(args, total_steps, prepare)
+        self.expert_load = ExpertLoad(self.model, args.num_layers, args.num_experts) if args.num_experts else None
         self.step = 0
         self.offloader = TrainStateOffloader()  # --offload-train
         self.loaded_state = None
@@ -83,6 +84,12 @@ class MegatronTrainer:
             self.loaded_state = load_checkpoint(self, args.load)
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
+
+    def _moe_metrics(self, num_micro_batches: int) -> dict[str, float]:
+        """The routers' losses and expert loads of the step just run ({} for dense models). Collective."""
+        if self.expert_load is None:
+            return {}
+        return {**take_moe_losses(self.args, num_micro_batches), **self.expert_load.take()}
 
     # ---- reference weights (KL) -----------------------------------------------------------------------------
     def _needs_ref(self) -> bool:
@@ -156,7 +163,7 @@ class MegatronTrainer:
                 mb_metrics, grad_norm, lr, skipped = train_step(args, self.model, self.optimizer, self.scheduler,
                                                                 batch, mbs, loss_fn, routing=routing)
             self.step += 1
-            step_metrics = {**self._reduce(mb_metrics), **take_moe_losses(args, len(mbs))}
+            step_metrics = {**self._reduce(mb_metrics), **self._moe_metrics(len(mbs))}
             if "logprob_diff_count" in step_metrics:  # first step only: the rollout policy's parameters
                 count = max(step_metrics.pop("logprob_diff_count"), 1.0)
                 metrics["train_rollout_logprob_abs_diff"] = step_metrics.pop("logprob_diff_sum") / count
@@ -247,7 +254,7 @@ class MegatronTrainer:
             loss_fn = make_value_loss_fn(args, batch, _denominators(batch, step), scale=len(mbs) * self.dp_size)
             mb_metrics, grad_norm, _, _ = train_step(args, self.model, self.optimizer, self.scheduler, batch, mbs,
                                                      loss_fn)
-            for k, v in {**self._reduce(mb_metrics), **take_moe_losses(args, len(mbs))}.items():
+            for k, v in {**self._reduce(mb_metrics), **self._moe_metrics(len(mbs))}.items():
                 metrics[f"critic/{k}"] = metrics.get(f"critic/{k}", 0.0) + v / len(plan)
             metrics["critic/grad_norm"] = float(grad_norm or 0.0)
         return metrics if is_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0 else {}
