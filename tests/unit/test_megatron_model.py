@@ -35,7 +35,7 @@ CASES = {  # name -> (arch, tie_word_embeddings)
     "llama3": ("llama3", False),  # Llama 3.1's rope_scaling block, as published
     "llama3-tied": ("llama3", True),  # Llama 3.2 1B / 3B
     "qwen3_moe": ("qwen3_moe", False),  # a dense first layer, then 4 experts, top-2
-    "deepseek_v3": ("deepseek_v3", False),  # MLA; a dense first layer, then 4 sigmoid-routed experts + 1 shared
+    "deepseek_v3": ("deepseek_v3", False),  # MLA with YaRN; a dense layer, then 4 sigmoid-routed experts + 1 shared
 }
 
 
@@ -293,8 +293,11 @@ def test_cpu_layer_runs_a_megatron_training_step(tiny_models, megatron_world):
     ({"topk_group": 2}, r"num_experts_per_tok 2 with topk_group 2"),
     ({"n_group": 3}, r"n_group 3 does not divide n_routed_experts 4"),
     ({"rope_interleave": False}, r"rope_interleave=False is not supported for deepseek_v3"),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 40.0, "rope_theta": 10000.0}},
-     r"rope_type 'yarn' is not supported; supported: \('default',\) \(multi-latent attention"),
+    ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 10000.0}},
+     r"rope_type 'llama3' is not supported; supported: \('default', 'yarn'\) \(multi-latent attention\)"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+                          "attention_factor": 2.0, "rope_theta": 10000.0}},
+     r"rope_parameters.attention_factor 2.0 is not supported for YaRN; supported: None"),
 ])
 def test_unsupported_deepseek_v3_keys_are_refused_naming_the_key(tiny_models, change, match):
     from vime.backends.megatron_utils.hf_architecture import hf_architecture
@@ -324,6 +327,8 @@ def test_deepseek_v3_architecture_and_mtp_layers(tiny_models, megatron_world, ca
     assert (args.moe_router_score_function, args.moe_router_enable_expert_bias) == ("sigmoid", True)
     assert (args.moe_router_num_groups, args.moe_router_group_topk, args.moe_router_topk_scaling_factor) == (2, 1, 2.5)
     assert args.moe_shared_expert_intermediate_size == 64 and args.qk_layernorm
+    assert args.rope_scaling == {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096.0,
+                                 "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
     with pytest.raises(ValueError, match="--q-lora-rank=32 contradicts the HF config, which gives 64"):
         megatron_args(["--q-lora-rank", "32"], hf_config(path))
 

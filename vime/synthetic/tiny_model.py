@@ -19,6 +19,9 @@ ARCHS = ("qwen2", "qwen2_5", "qwen3", "qwen3_moe", "llama", "llama3", "deepseek_
 # Llama 3.1's RoPE, as its config.json publishes it (3.2 and 3.3 differ only in the factor)
 LLAMA3_ROPE_SCALING = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                        "original_max_position_embeddings": 8192, "rope_type": "llama3"}
+# DeepSeek-V3's YaRN, as its config.json publishes it (with max_position_embeddings 163840)
+DEEPSEEK_V3_ROPE_SCALING = {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                            "original_max_position_embeddings": 4096, "type": "yarn"}
 
 # Chat template in the ChatML style used by Qwen; enough for prompts, multi-turn and tool turns.
 CHAT_TEMPLATE = (
@@ -122,21 +125,23 @@ def build_config(arch: str, vocab_size: int, hidden_size: int, num_layers: int, 
                            **{**common, "max_position_embeddings": max(max_position_embeddings, 131072)})
     if arch == "deepseek_v3":
         return DeepseekV3Config(**_deepseek_v3_shape(hidden_size, num_heads, intermediate_size),
-                                **{**common, "num_key_value_heads": num_heads})
+                                rope_scaling=dict(DEEPSEEK_V3_ROPE_SCALING),
+                                **{**common, "num_key_value_heads": num_heads, "max_position_embeddings": 163840})
     raise ValueError(f"--arch must be one of {ARCHS}, got {arch!r}")
 
 
 def _deepseek_v3_shape(hidden_size: int, num_heads: int, intermediate_size: int) -> dict:
     """DeepSeek-V3's structure, shrunk: multi-latent attention with a low-rank query, 4 routed experts in 2
     groups (top-2 from the best group, sigmoid scores with the expert bias, scaled by 2.5), a shared expert, the
-    first layer dense, one multi-token-prediction layer declared (not stored, as transformers writes it). The
+    first layer dense, one multi-token-prediction layer declared (not stored, as transformers writes it), YaRN
+    RoPE as DeepSeek-V3 publishes it. The
     key/value latent and the rotary head keep DeepSeek-V3's sizes (512 + 64): vLLM's CPU MLA kernel is built for
     that latent size only."""
     return dict(q_lora_rank=hidden_size // 2, kv_lora_rank=512, qk_rope_head_dim=64,
                 qk_nope_head_dim=hidden_size // num_heads, v_head_dim=hidden_size // num_heads,
                 moe_intermediate_size=intermediate_size // 4, n_routed_experts=4, num_experts_per_tok=2, n_group=2,
                 topk_group=1, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
-                first_k_dense_replace=1, num_nextn_predict_layers=1, rope_interleave=True, rope_scaling=None,
+                first_k_dense_replace=1, num_nextn_predict_layers=1, rope_interleave=True,
                 # DeepSeek-V3's config.json states its router; transformers assumes it, vLLM reads it
                 scoring_func="sigmoid", topk_method="noaux_tc")
 
@@ -175,10 +180,11 @@ def build_tiny_model(
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn_like(b) * 0.05)
     model.save_pretrained(out, safe_serialization=True)
-    if arch == "llama3":  # config.json as Meta publishes it (transformers would write rope_parameters instead)
+    published = {"llama3": LLAMA3_ROPE_SCALING, "deepseek_v3": DEEPSEEK_V3_ROPE_SCALING}.get(arch)
+    if published:  # config.json as Meta / DeepSeek publish it (transformers would write rope_parameters instead)
         saved = json.loads((out / "config.json").read_text())
         rope = saved.pop("rope_parameters", None) or {}
-        saved.update(rope_theta=rope.get("rope_theta", 500000.0), rope_scaling=dict(LLAMA3_ROPE_SCALING))
+        saved.update(rope_theta=rope["rope_theta"], rope_scaling=dict(published))
         (out / "config.json").write_text(json.dumps(saved, indent=2, sort_keys=True))
     GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id).save_pretrained(out)
     (out / "vime_tiny_model.json").write_text(json.dumps({"arch": arch, "seed": seed}))

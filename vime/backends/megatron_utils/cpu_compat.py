@@ -61,6 +61,8 @@ class _CudaToCpuMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.device and len(args) == 1 and _is_cuda_device(args[0]):  # `with torch.device(index):`
+            return torch.device("cpu")  # (YaRN's rotary embedding builds its frequencies so)
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
             kwargs = {**kwargs, "device": "cpu"}
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:

@@ -18,7 +18,8 @@ MLA_MODEL_TYPES = ("deepseek_v3",)
 # RoPE variants (HF's rope_parameters / rope_scaling "rope_type") whose frequencies vime reproduces bit for bit
 ROPE_TYPES = ("default", "llama3", "linear")
 _ROPE_KEYS = {"llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-              "linear": ("factor",)}
+              "linear": ("factor",), "yarn": ("factor", "original_max_position_embeddings")}
+MLA_ROPE_TYPES = ("default", "yarn")  # Megatron's MLA has plain RoPE and YaRN (DeepSeek-V3's published config)
 _NO_MOE = {"num_experts": None, "moe_router_topk": None, "moe_ffn_hidden_size": None, "moe_layer_freq": None,
            "moe_router_pre_softmax": None, "moe_router_score_function": None, "moe_router_enable_expert_bias": None,
            "moe_router_num_groups": None, "moe_router_group_topk": None, "moe_router_topk_scaling_factor": None,
@@ -93,14 +94,16 @@ def hf_mla(hf_config) -> dict[str, Any]:
 def hf_rope(hf_config) -> tuple[float, dict | None]:
     """(theta, scaling) of an HF config's RoPE. `scaling` is None for plain RoPE, else {"rope_type", and the
     type's parameters}: "llama3" (factor, low/high_freq_factor, original_max_position_embeddings) or "linear"
-    (factor). Any other type is refused, naming the key and the supported set."""
+    (factor); for multi-latent attention "yarn" (factor, original_max_position_embeddings, beta_fast/slow,
+    mscale, mscale_all_dim). Any other type is refused, naming the key and the supported set."""
     key = "rope_parameters" if getattr(hf_config, "rope_parameters", None) else "rope_scaling"
     rope = dict(getattr(hf_config, key, None) or {})
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    supported = ("default",) if getattr(hf_config, "model_type", None) in MLA_MODEL_TYPES else ROPE_TYPES
+    mla = getattr(hf_config, "model_type", None) in MLA_MODEL_TYPES
+    supported = MLA_ROPE_TYPES if mla else ROPE_TYPES
     if rope_type not in supported:
         raise ValueError(f"HF config {key}.rope_type {rope_type!r} is not supported; supported: {supported}"
-                         + (" (multi-latent attention: plain RoPE only)" if supported != ROPE_TYPES else ""))
+                         + (" (multi-latent attention)" if mla else ""))
     theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", None))
     if theta is None:
         raise ValueError("HF config has no rope theta (rope_parameters.rope_theta or rope_theta)")
@@ -109,7 +112,22 @@ def hf_rope(hf_config) -> tuple[float, dict | None]:
     missing = [k for k in _ROPE_KEYS[rope_type] if rope.get(k) is None]
     if missing:
         raise ValueError(f"HF config {key} of rope_type {rope_type!r} lacks {missing}")
-    return float(theta), {"rope_type": rope_type, **{k: float(rope[k]) for k in _ROPE_KEYS[rope_type]}}
+    scaling = {"rope_type": rope_type, **{k: float(rope[k]) for k in _ROPE_KEYS[rope_type]}}
+    if rope_type == "yarn":
+        scaling.update(_yarn(rope, key))
+    return float(theta), scaling
+
+
+def _yarn(rope: dict, key: str) -> dict:
+    """YaRN's optional parameters, as transformers reads them: the cos/sin scale is mscale's over
+    mscale_all_dim's when both are given, else that of mscale 1; the softmax scale takes mscale_all_dim's."""
+    for name, default in (("attention_factor", None), ("truncate", True)):
+        if rope.get(name, default) != default:
+            raise ValueError(f"HF config {key}.{name} {rope[name]!r} is not supported for YaRN; supported: {default!r}")
+    both = bool(rope.get("mscale") and rope.get("mscale_all_dim"))
+    return {"beta_fast": float(rope.get("beta_fast") or 32), "beta_slow": float(rope.get("beta_slow") or 1),
+            "mscale": float(rope["mscale"]) if both else 1.0,
+            "mscale_all_dim": float(rope.get("mscale_all_dim") or 0.0)}
 
 
 def hf_architecture(hf_config) -> dict[str, Any]:

@@ -123,14 +123,20 @@ def _moe_config(args: argparse.Namespace) -> dict:
 
 
 def _mla_config(args: argparse.Namespace) -> dict:
-    """MLATransformerConfig's fields for multi-latent attention (DeepSeek-V3), {} for other attention. Plain
-    RoPE on the rotary part (the HF config's rope_parameters are refused unless default), so no YaRN softmax
-    scaling either (mscale 1)."""
+    """MLATransformerConfig's fields for multi-latent attention (DeepSeek-V3), {} for other attention: plain RoPE
+    on the rotary part, or YaRN with the HF config's parameters (its frequencies, its cos/sin scale and the
+    softmax scale of mscale_all_dim, as transformers computes them)."""
     if not getattr(args, "multi_latent_attention", None):
         return {}
-    return dict(q_lora_rank=args.q_lora_rank, kv_lora_rank=args.kv_lora_rank, qk_head_dim=args.qk_head_dim,
-                qk_pos_emb_head_dim=args.qk_pos_emb_head_dim, v_head_dim=args.v_head_dim, rope_type="rope",
-                rotary_base=args.rotary_base, rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
+    mla = dict(q_lora_rank=args.q_lora_rank, kv_lora_rank=args.kv_lora_rank, qk_head_dim=args.qk_head_dim,
+               qk_pos_emb_head_dim=args.qk_pos_emb_head_dim, v_head_dim=args.v_head_dim, rotary_base=args.rotary_base)
+    yarn = getattr(args, "rope_scaling", None)
+    if yarn is None:
+        return {**mla, "rope_type": "rope", "rotary_scaling_factor": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}
+    return {**mla, "rope_type": "yarn", "rotary_scaling_factor": yarn["factor"],
+            "original_max_position_embeddings": int(yarn["original_max_position_embeddings"]),
+            "beta_fast": yarn["beta_fast"], "beta_slow": yarn["beta_slow"], "mscale": yarn["mscale"],
+            "mscale_all_dim": yarn["mscale_all_dim"]}
 
 
 def _without_transformer_engine() -> None:
@@ -186,7 +192,7 @@ def build_gpt_model(args: argparse.Namespace, pre_process: bool = True, post_pro
         vp_stage=vp_stage,
     )
     scaling = getattr(args, "rope_scaling", None)
-    if scaling is not None:
+    if scaling is not None and not config.multi_latent_attention:  # MLA builds its own (YaRN) rotary embedding
         rope = model.rotary_pos_emb
         rope.inv_freq = scaled_inv_freq(rope, scaling)
     return model
