@@ -187,3 +187,40 @@ def test_an_unsupported_model_is_refused_at_parse_time(base, capsys, tiny_qwen3,
     config = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**config, "rope_scaling": rope}))
     assert message in _error(capsys, [*base[:1], str(model), *base[2:]])
+
+
+def test_vllm_options_come_from_a_cache_of_the_installed_vllms_parser(tmp_path, monkeypatch):
+    import json
+
+    from vime.backends.vllm_utils.arguments import vllm_option_table
+
+    monkeypatch.setenv("VIME_CACHE_DIR", str(tmp_path))
+    built = vllm_option_table()  # from vLLM's own parser, then written to the cache
+    [cache] = tmp_path.glob("vllm-engine-options-*.json")
+    assert json.loads(cache.read_text()) == built and len(built) > 100
+    by_option = {o["option"]: o for o in built}
+    assert by_option["--enforce-eager"]["boolean"] and by_option["--enforce-eager"]["nargs"] == 0
+    assert "float32" in by_option["--dtype"]["choices"] and "--model" not in by_option
+    cache.write_text(json.dumps(built[:1]))  # what is read is the cache...
+    assert vllm_option_table() == built[:1]
+    cache.write_text("{damaged")  # ...and a damaged one is rebuilt
+    assert vllm_option_table() == built
+
+
+def test_a_run_without_vllm_options_is_parsed_without_importing_vllm(base, tmp_path, monkeypatch):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from vime.backends.vllm_utils.arguments import vllm_option_table
+
+    monkeypatch.setenv("VIME_CACHE_DIR", str(tmp_path))
+    vllm_option_table()  # the cache an earlier start left
+    code = ("import sys, json; from vime.arguments import parse_args; args = parse_args(json.loads(sys.argv[1])); "
+            "print(args.vllm_engine_args, 'vllm.engine.arg_utils' in sys.modules, hasattr(args, 'vllm_max_model_len'))")
+    run = subprocess.run([sys.executable, "-c", code, json.dumps(base)], capture_output=True, text=True,
+                         env=dict(os.environ), timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    # every --vllm-* option is there (from the cache), nothing to validate, and vLLM never imported
+    assert run.stdout.split()[-3:] == ["None", "False", "True"]

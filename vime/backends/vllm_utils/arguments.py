@@ -4,12 +4,22 @@ We do not re-declare vLLM's ~250 engine options by hand: each option of vLLM's `
 mirrored under a `--vllm-` prefix. The mirrored option records the raw command-line tokens it was given, so an
 engine is started with exactly what the user typed, and vLLM's own parser validates them (`validate_vllm_args`).
 vllm-router's Python `RouterArgs` already knows how to add itself with a `router-` prefix.
+
+Importing vLLM's parser takes about 6 s (most of a driver's start-up), so the mirrored options are kept as plain
+data in a JSON cache keyed by the installed vLLM's source (`VIME_CACHE_DIR`, default ~/.cache/vime): vLLM is
+imported once per installation, and later only when --vllm-* options are given (to validate them).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
+import importlib.util
+import json
+import os
+import tempfile
+from pathlib import Path
 
 from vime.utils.device import training_dtype
 
@@ -47,32 +57,89 @@ class _ForwardToVllm(argparse.Action):
         setattr(namespace, self.dest, value)
 
 
-def add_vllm_engine_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group(
-        "vLLM engine", "Every vLLM engine option, prefixed with --vllm- (e.g. --vllm-max-model-len 2048)."
-    )
+_OPTION_TABLE_FORMAT = 1  # part of the cache key: bump when the table's fields change
+
+
+def vllm_option_table() -> list[dict]:
+    """vLLM's engine options as plain data, one dict per option ("option", "dest", "nargs", "boolean", "choices",
+    "metavar", "help"): from the cache when it holds the installed vLLM's, else from vLLM's parser (then cached)."""
+    cache = _option_table_cache()
+    if cache is not None and cache.is_file():
+        try:
+            return json.loads(cache.read_text())
+        except (OSError, ValueError):
+            pass  # unreadable: rebuilt below
+    table = []
     for action in _vllm_engine_parser()._actions:
         long_options = [o for o in action.option_strings if o.startswith("--") and not o.startswith("--no-")]
         if not long_options or long_options[0] in VIME_MANAGED_VLLM_OPTIONS or action.dest == "help":
             continue
-        original = long_options[0]
-        options = ["--vllm-" + original[2:]]
-        nargs = action.nargs
-        if isinstance(action, argparse.BooleanOptionalAction):
-            options.append("--no-vllm-" + original[2:])
-            nargs = 0
-        elif action.nargs == 0:  # store_true / store_const style
-            nargs = 0
-        help_text = (action.help or "").replace("%", "%%")
+        boolean = isinstance(action, argparse.BooleanOptionalAction)
+        nargs = 0 if boolean or action.nargs == 0 else action.nargs  # store_true / store_const: no value
+        table.append({"option": long_options[0], "dest": action.dest, "nargs": nargs, "boolean": boolean,
+                      # the forwarded values are the raw tokens, so choices compare as strings
+                      "choices": [str(c) for c in action.choices] if action.choices and nargs != 0 else None,
+                      "metavar": _plain(action.metavar), "help": action.help or ""})
+    if cache is not None:
+        _write_atomically(cache, json.dumps(table))
+    return table
+
+
+def _plain(metavar):
+    """A metavar as JSON keeps it: None, a string, or a list of strings (vLLM lists the choices so)."""
+    if metavar is None or isinstance(metavar, str):
+        return metavar
+    if isinstance(metavar, list):
+        return [str(m) for m in metavar]
+    return str(metavar)
+
+
+def _option_table_cache() -> Path | None:
+    """The cache file for the installed vLLM: named by its engine-arguments source (path, size, mtime), found
+    without importing vLLM. None when vLLM is not installed."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    source = Path(next(iter(spec.submodule_search_locations))) / "engine" / "arg_utils.py"
+    try:
+        stat = source.stat()
+    except OSError:
+        return None
+    key = hashlib.sha256(f"{_OPTION_TABLE_FORMAT}|{source}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()
+    root = os.environ.get("VIME_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache",
+                                                    "vime")
+    return Path(root) / f"vllm-engine-options-{key[:16]}.json"
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temporary file and a rename (concurrent starts read a whole file or none);
+    a cache that cannot be written is only a slower next start."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
+            f.write(text)
+        os.replace(f.name, path)
+    except OSError:
+        pass
+
+
+def add_vllm_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "vLLM engine", "Every vLLM engine option, prefixed with --vllm- (e.g. --vllm-max-model-len 2048)."
+    )
+    for option in vllm_option_table():
+        original = option["option"]
+        options = ["--vllm-" + original[2:]] + (["--no-vllm-" + original[2:]] if option["boolean"] else [])
+        help_text = option["help"].replace("%", "%%")
         group.add_argument(
             *options,
-            dest="vllm_" + action.dest,
+            dest="vllm_" + option["dest"],
             action=_ForwardToVllm,
             original_option=original,
-            nargs=nargs,
+            nargs=option["nargs"],
             default=None,
-            choices=action.choices if nargs != 0 else None,
-            metavar=action.metavar,
+            choices=option["choices"],
+            metavar=option["metavar"],
             help=f"vLLM: {help_text}"[:400],
         )
     parser.set_defaults(**{VLLM_RAW_DEST: {}})
@@ -83,9 +150,12 @@ def vllm_cli_tokens(args) -> list[str]:
     return [tok for tokens in (getattr(args, VLLM_RAW_DEST, None) or {}).values() for tok in tokens]
 
 
-def validate_vllm_args(args) -> argparse.Namespace:
-    """Parse the forwarded options with vLLM's own parser so mistakes surface before any engine starts."""
+def validate_vllm_args(args) -> argparse.Namespace | None:
+    """Parse the forwarded options with vLLM's own parser so mistakes surface before any engine starts; None when
+    no --vllm-* option was given (nothing to check, and vLLM's import is spared)."""
     tokens = vllm_cli_tokens(args)
+    if not tokens:
+        return None
     try:
         return _vllm_engine_parser().parse_args(tokens)
     except SystemExit as e:
