@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
-exec .venv/bin/python -m pytest -q -p no:cacheprovider --timeout 1800 "$@" tests
+exec .venv/bin/python -m pytest -q -p no:cacheprovider --timeout 1800 --durations=25 "$@" tests
