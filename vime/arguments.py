@@ -149,6 +149,25 @@ def function_path_flags(args: argparse.Namespace) -> list[tuple[str, str]]:
     return given
 
 
+def validate_transport_placement(args: argparse.Namespace) -> None:
+    """Weight transports that cannot work with the engines' placement, refused before anything starts."""
+    from vime.utils.device import use_gpu
+
+    kind = args.update_weight_transport
+    if kind == "cuda_ipc":
+        if not use_gpu():
+            raise ValueError("--update-weight-transport cuda_ipc needs GPUs; use disk or broadcast on CPU")
+        if not args.colocate:
+            raise ValueError("--update-weight-transport cuda_ipc maps the trainer's GPU tensors into engines on the "
+                             "same GPUs: add --colocate, or use broadcast (or disk) for engines on their own GPUs")
+        if args.rollout_num_gpus_per_engine > 1:
+            raise ValueError("--update-weight-transport cuda_ipc serves engines of one GPU; with "
+                             f"--rollout-num-gpus-per-engine {args.rollout_num_gpus_per_engine} use disk or broadcast")
+    if kind == "broadcast" and args.colocate and use_gpu():
+        raise ValueError("--update-weight-transport broadcast with --colocate would put a trainer rank and an engine "
+                         "on one GPU into one NCCL group, which NCCL refuses; use cuda_ipc (or disk) with --colocate")
+
+
 def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     """Reject bad combinations with a message that says how to fix them: the run's and the placement's flags
     here, each package's own next to where it declares them, then every function path. Returns a copy of `args`
@@ -165,6 +184,7 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
             raise ValueError(f"--{flag.replace('_', '-')} only makes sense with --colocate (engines and trainer "
                              "share devices)")
 
+    validate_transport_placement(args)
     args = validate_rollout_args(args)
     for flag, path in function_path_flags(args):
         try:

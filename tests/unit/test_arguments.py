@@ -77,6 +77,7 @@ def test_yaml_config_unknown_key(base, tmp_path, capsys):
     (["--offload-train"], "--offload-train only makes sense with --colocate"),
     (["--use-fault-tolerance", "--rollout-external-engine-addrs", "h:1"], "cannot restart"),
     (["--rollout-health-check-interval", "0"], "--rollout-health-check-interval must be > 0"),
+    (["--update-weight-transport", "cuda_ipc", "--colocate"], "cuda_ipc needs GPUs; use disk or broadcast on CPU"),
     # the model's parallel layout, before any process starts
     (["--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--micro-batch-size", "8",
       "--actor-num-gpus-per-node", "2"], "--global-batch-size 8 must be a multiple of --micro-batch-size"),
@@ -224,3 +225,20 @@ def test_a_run_without_vllm_options_is_parsed_without_importing_vllm(base, tmp_p
     assert run.returncode == 0, run.stderr[-2000:]
     # every --vllm-* option is there (from the cache), nothing to validate, and vLLM never imported
     assert run.stdout.split()[-3:] == ["None", "False", "True"]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--update-weight-transport", "cuda_ipc"], "cuda_ipc maps the trainer's GPU tensors into engines on the same "
+                                                "GPUs: add --colocate"),
+    (["--update-weight-transport", "cuda_ipc", "--colocate", "--rollout-num-gpus", "2",
+      "--rollout-num-gpus-per-engine", "2"], "cuda_ipc serves engines of one GPU; with "
+                                             "--rollout-num-gpus-per-engine 2"),
+    (["--update-weight-transport", "broadcast", "--colocate"], "into one NCCL group, which NCCL refuses"),
+])
+def test_transport_and_placement_that_cannot_work_on_gpus_are_refused(base, capsys, monkeypatch, extra, message):
+    """As a GPU machine parses them (the check reads the device, so a CPU run of broadcast + --colocate over gloo
+    stays allowed)."""
+    import vime.utils.device
+
+    monkeypatch.setattr(vime.utils.device, "use_gpu", lambda: True)
+    assert message in _error(capsys, base + extra)
