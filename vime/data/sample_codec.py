@@ -63,13 +63,16 @@ def encode_rollout(groups: list[list[dict]], extra: dict[str, Any] | None = None
         arrays[name] = {"dtype": dtype, "lengths": lengths}
         blobs.append(blob)
     tensors = _pack_tensors(samples, blobs)
-    table = {"groups": plain_groups, "extra": extra or {}, "arrays": arrays, **({"tensors": tensors} if tensors else {})}
+    table = {"groups": plain_groups, "extra": extra or {}, "arrays": arrays}
+    if tensors:
+        table["tensors"] = tensors
     try:
         header = json.dumps(table, separators=(",", ":")).encode()
     except TypeError as e:
         raise SampleCodecError(f"a rollout must hold JSON values outside {sorted(PACKED_FIELDS)}: {e}") from e
     body = b"".join([header, *blobs])
-    return _PREFIX.pack(MAGIC, 2 if tensors else 1, 0, len(header), zlib.crc32(body)) + body
+    version = FORMAT_VERSION if tensors else 1  # version-1 readers still read rollouts without tensors
+    return _PREFIX.pack(MAGIC, version, 0, len(header), zlib.crc32(body)) + body
 
 
 def json_ready(sample: dict) -> dict:
@@ -87,11 +90,12 @@ def _pack_tensors(samples: list[dict], blobs: list[bytes]) -> dict:
         values = [None if s.get(name) is None else np.asarray(s[name]) for s in samples]
         if all(v is None for v in values):
             continue
-        if any(v is not None and v.size and v.dtype.kind not in "iu" for v in values):
-            bad = next(v for v in values if v is not None and v.size and v.dtype.kind not in "iu")
+        filled = [v for v in values if v is not None and v.size]
+        bad = next((v for v in filled if v.dtype.kind not in "iu"), None)
+        if bad is not None:
             raise SampleCodecError(f"field {name!r} must hold integers, got an array of {bad.dtype}")
-        lo = min((int(v.min()) for v in values if v is not None and v.size), default=0)
-        hi = max((int(v.max()) for v in values if v is not None and v.size), default=0)
+        lo = min((int(v.min()) for v in filled), default=0)
+        hi = max((int(v.max()) for v in filled), default=0)
         dtype = next(d for d in _TENSOR_DTYPES if np.iinfo(np.dtype(d)).min <= lo and hi <= np.iinfo(np.dtype(d)).max)
         for s, v in zip(samples, values):
             if v is not None:
@@ -135,18 +139,26 @@ def decode_rollout(data: bytes | bytearray | memoryview) -> tuple[list[list[dict
     return groups, extra
 
 
-def _unpack_arrays(body: memoryview, offset: int, samples: list[dict], arrays: dict) -> None:
+def _field_dtype(name: str, spec: dict, per_sample: str, num_samples: int, allowed: tuple[str, ...]) -> np.dtype:
+    """A packed field's dtype, once its table has one entry (`per_sample`) per sample and an allowed dtype."""
+    if len(spec[per_sample]) != num_samples:
+        raise SampleCodecError(f"field {name!r}: {len(spec[per_sample])} {per_sample} for {num_samples} samples")
+    if spec["dtype"] not in allowed:
+        raise SampleCodecError(f"field {name!r}: array dtype {spec['dtype']!r} is not one of {allowed}")
+    return np.dtype(spec["dtype"])
+
+
+def _field_end(name: str, body: memoryview, offset: int, nbytes: int) -> int:
+    if offset + nbytes > len(body):
+        raise SampleCodecError(f"field {name!r} needs {nbytes} bytes, payload has {len(body) - offset}")
+    return offset + nbytes
+
+
+def _unpack_arrays(body: memoryview, offset: int, samples: list[dict], arrays: dict) -> int:
     for name, spec in arrays.items():
         lengths = spec["lengths"]
-        if len(lengths) != len(samples):
-            raise SampleCodecError(f"field {name!r}: {len(lengths)} lengths for {len(samples)} samples")
-        if spec["dtype"] not in _ARRAY_DTYPES:
-            raise SampleCodecError(f"field {name!r}: array dtype {spec['dtype']!r} is not one of {_ARRAY_DTYPES}")
-        dtype = np.dtype(spec["dtype"])
-        count = sum(n for n in lengths if n > 0)
-        end = offset + count * dtype.itemsize
-        if end > len(body):
-            raise SampleCodecError(f"field {name!r} needs {end - offset} bytes, payload has {len(body) - offset}")
+        dtype = _field_dtype(name, spec, "lengths", len(samples), _ARRAY_DTYPES)
+        end = _field_end(name, body, offset, sum(n for n in lengths if n > 0) * dtype.itemsize)
         flat = np.frombuffer(body[offset:end], dtype=dtype).tolist()
         offset = end
         pos = 0
@@ -159,20 +171,13 @@ def _unpack_arrays(body: memoryview, offset: int, samples: list[dict], arrays: d
 
 def _unpack_tensors(body: memoryview, offset: int, samples: list[dict], tensors: dict) -> int:
     for name, spec in tensors.items():
-        shapes = spec["shapes"]
-        if len(shapes) != len(samples):
-            raise SampleCodecError(f"field {name!r}: {len(shapes)} shapes for {len(samples)} samples")
-        if spec["dtype"] not in _TENSOR_DTYPES:
-            raise SampleCodecError(f"field {name!r}: tensor dtype {spec['dtype']!r} is not one of {_TENSOR_DTYPES}")
-        dtype = np.dtype(spec["dtype"])
-        for s, shape in zip(samples, shapes):
+        dtype = _field_dtype(name, spec, "shapes", len(samples), _TENSOR_DTYPES)
+        for s, shape in zip(samples, spec["shapes"]):
             if shape is None:
                 continue
             if any(not isinstance(d, int) or d < 0 for d in shape):
                 raise SampleCodecError(f"field {name!r}: bad shape {shape!r}")
-            end = offset + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-            if end > len(body):
-                raise SampleCodecError(f"field {name!r} needs {end - offset} bytes, payload has {len(body) - offset}")
+            end = _field_end(name, body, offset, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
             s[name] = np.frombuffer(body[offset:end], dtype=dtype).reshape(shape).copy()
             offset = end
     return offset
