@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vime.backends.megatron_utils.hf_architecture import hf_moe
+
 
 def add_routing_replay_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("MoE routing replay")
@@ -50,10 +52,7 @@ def validate_routing_replay_args(args: argparse.Namespace, hf_config=None) -> No
             raise ValueError(f"--hf-checkpoint {args.hf_checkpoint}: transformers cannot read its config.json "
                              f"({type(e).__name__}: {e})") from e
     names = " and ".join("--" + f.replace("_", "-") for f in flags)
-    # Qwen3-MoE: num_experts; DeepSeek-V3: n_routed_experts; Mixtral-style: num_local_experts
-    num_experts = next((getattr(hf_config, k) for k in ("num_experts", "n_routed_experts", "num_local_experts")
-                        if getattr(hf_config, k, None)), None)
-    if not num_experts:
+    if not hf_moe(hf_config)["num_experts"]:
         raise ValueError(f"{names}: {args.hf_checkpoint} is a dense model (no routed experts in its config.json); "
                          "routing replay is for MoE models, drop the flag")
     if getattr(args, "use_rollout_routing_replay", False):
@@ -133,11 +132,20 @@ class RoutingReplay:
     `routing` holds per sample [tokens, all layers, top-k] indices (None where unknown); `recording()` fills it
     from the routers' own choices, `replaying()` feeds it back. Used by `model.run_schedule` around each micro-batch."""
 
-    def __init__(self, model, num_layers: int, num_samples: int):
+    def __init__(self, model, num_layers: int, num_samples: int, given: bool = False):
         self.slots = model_routers(model)
         self.num_layers = num_layers
         self.routing: list[torch.Tensor | None] = [None] * num_samples
+        self.given = given  # True: `routing` is the engine's, filled by the caller; False: recorded here
         self.mode: str | None = None  # "record", "replay" or None (the routers' own top-k)
+
+    def phase(self, name: str):
+        """The context for the forwards of one phase of a rollout: "reference" (the KL reference policy),
+        "first_pass" (the old log-probs) or "steps" (the optimizer steps). Given routing is replayed in all three;
+        the trainer's own is recorded in the first pass and replayed in the steps."""
+        if self.given or name == "steps":
+            return self.replaying()
+        return self.recording() if name == "first_pass" else contextlib.nullcontext()
 
     @contextlib.contextmanager
     def recording(self):

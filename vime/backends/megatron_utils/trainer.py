@@ -138,18 +138,16 @@ class MegatronTrainer:
         needs_old = args.loss_type != "sft_loss" and (
             len(plan) > 1 or (args.kl_coef and args.advantage_estimator in _PER_TOKEN_ESTIMATORS))
         routing = self._routing_replay(batch, first_pass=needs_old)
-        replay = routing.replaying if routing is not None else contextlib.nullcontext
-        engine_routing = routing is not None and getattr(args, "use_rollout_routing_replay", False)
+        phase = routing.phase if routing is not None else (lambda name: contextlib.nullcontext())
         if self._needs_ref() and args.loss_type != "sft_loss":
             current = self._snapshot()
             self._load(self.ref_state)
-            with replay() if engine_routing else contextlib.nullcontext():
+            with phase("reference"):
                 ref = forward_log_probs(args, self.model, batch, all_local_mbs, routing=routing)
             self._load(current)
             batch.ref_log_probs = _dense(ref, len(batch.tokens))
         if needs_old:  # --use-routing-replay records this first pass's routing for the optimizer steps
-            with replay() if engine_routing else \
-                    routing.recording() if routing is not None else contextlib.nullcontext():
+            with phase("first_pass"):
                 old = forward_log_probs(args, self.model, batch, all_local_mbs, routing=routing)
             batch.old_log_probs = _dense(old, len(batch.tokens))
         if args.loss_type != "sft_loss":
@@ -159,7 +157,7 @@ class MegatronTrainer:
         for step_index, (step, local, mbs) in enumerate(plan):
             loss_fn = make_loss_fn(args, batch, _denominators(batch, step), scale=len(mbs) * self.dp_size,
                                    step_index=step_index)
-            with replay():
+            with phase("steps"):
                 mb_metrics, grad_norm, lr, skipped = train_step(args, self.model, self.optimizer, self.scheduler,
                                                                 batch, mbs, loss_fn, routing=routing)
             self.step += 1
@@ -182,7 +180,7 @@ class MegatronTrainer:
         as the first pass (`first_pass`: the old log-prob forward runs) records it (--use-routing-replay), or None."""
         args = self.args
         if getattr(args, "use_rollout_routing_replay", False):
-            routing = RoutingReplay(self.model, args.num_layers, len(batch.tokens))
+            routing = RoutingReplay(self.model, args.num_layers, len(batch.tokens), given=True)
             for i, (tokens, routed) in enumerate(zip(batch.tokens, batch.rollout_routed_experts)):
                 if routed is None and not batch.loss_masks[i].any():  # failed or aborted: computed, never trained
                     routed = np.zeros((0, args.num_layers, args.moe_router_topk), dtype=np.int64)
