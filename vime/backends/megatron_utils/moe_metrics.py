@@ -68,7 +68,9 @@ class ExpertLoad:
     def __init__(self, model_chunks: list[torch.nn.Module], num_layers: int, num_experts: int):
         from megatron.core.transformer.moe.router import TopKRouter
 
-        self.counts = torch.zeros(num_layers, num_experts, dtype=torch.float64)
+        # on the routers' device, so that counting stays asynchronous on a GPU (one copy per step, in `take`)
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        self.counts = torch.zeros(num_layers, num_experts, dtype=torch.float64, device=device)
         self.moe_layers: set[int] = set()
         for chunk in model_chunks:
             for module in chunk.modules():
@@ -79,7 +81,7 @@ class ExpertLoad:
     def _count(self, router, inputs, outputs) -> None:
         if torch.is_grad_enabled():  # a training forward
             _, routing_map = outputs  # [tokens, experts] bool
-            self.counts[router.layer_number - 1] += routing_map.sum(dim=0).to(self.counts)
+            self.counts[router.layer_number - 1] += routing_map.sum(dim=0)
 
     def take(self) -> dict[str, float]:
         """{"moe_load_imbalance": mean over MoE layers, "moe_load_imbalance/layer_<i>": ...}; the counts summed
@@ -93,6 +95,7 @@ class ExpertLoad:
         if dist.is_initialized() and parallel_state.model_parallel_is_initialized():
             dist.all_reduce(counts, group=parallel_state.get_data_parallel_group())
             dist.all_reduce(counts, group=parallel_state.get_pipeline_model_parallel_group())
+        counts = counts.cpu()
         layers = [i for i in range(len(counts)) if counts[i].sum() > 0]
         if not layers:
             return {}
