@@ -21,10 +21,14 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 
 def patch_cpu_rotary() -> bool:
-    """Patch vLLM's `RotaryEmbedding.forward_cpu` (once per process); False where there is nothing to patch."""
+    """Patch vLLM's `RotaryEmbedding.forward_cpu` (once per process, CPU platform only); False where there is
+    nothing to patch."""
     try:
         from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+        from vllm.platforms import current_platform
     except ImportError:
+        return False
+    if not current_platform.is_cpu():
         return False
     original = RotaryEmbedding.forward_cpu
     if getattr(original, "vime_flattens_3d", False):

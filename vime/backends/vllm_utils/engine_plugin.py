@@ -1,7 +1,8 @@
 """vime's vLLM general plugin (entry point `vllm.general_plugins: vime`, pyproject.toml).
 
-vLLM runs general plugins in every process of an engine (API server, engine core, workers). This one acts only
-in engines vime starts, which carry VIME_ENGINE_IDLE_SPIN_S in their environment (`engine.engine_env`, CPU only).
+vLLM runs general plugins in every process of an engine (API server, engine core, workers). The idle-spin cap
+acts only in engines vime starts, which carry VIME_ENGINE_IDLE_SPIN_S in their environment (`engine.engine_env`,
+CPU only).
 
 Why: a vLLM worker busy-waits (sched_yield) for one second after every message from its engine core before it
 sleeps on a socket (`shm_broadcast.SpinCondition`, busy_loop_s=1); on a GPU that keeps step dispatch quick. On a
@@ -9,8 +10,8 @@ machine of a few cores that second is a whole core taken from the trainer each t
 ends (measured here: 1.0 CPU-second per engine after every call, and a send of the weights 2.5x slower during it).
 The cap keeps the spin between decode steps, which follow each other within milliseconds.
 
-In the same engines it also mends vLLM's CPU rotary kernel for 3-D queries and keys (`cpu_rope`; DeepSeek's
-multi-latent attention).
+On every CPU engine it also mends vLLM's CPU rotary kernel for 3-D queries and keys (`cpu_rope`; DeepSeek's
+multi-latent attention): a wrong result is not a matter of tuning.
 """
 
 from __future__ import annotations
@@ -26,8 +27,7 @@ def configure() -> None:
     from vime.backends.vllm_utils import routing_capture
     from vime.backends.vllm_utils.cpu_rope import patch_cpu_rotary
 
-    if os.environ.get(IDLE_SPIN_ENV) is not None:  # a CPU engine vime started: its rotary kernel's 3-D bug
-        patch_cpu_rotary()
+    patch_cpu_rotary()  # a correctness fix: on every CPU engine, whoever started it
     if routing_capture.enabled():
         routing_capture.install()
     seconds = os.environ.get(IDLE_SPIN_ENV)
