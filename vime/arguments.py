@@ -191,7 +191,7 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
             load_function(path)
         except (ImportError, AttributeError, ValueError) as e:
             raise ValueError(f"--{flag.replace('_', '-')}: {e}") from e
-    args = with_values(args, vllm_engine_args=validate_vllm_args(args))
+    validate_vllm_args(args)
     args = validate_algorithm_args(args)
     args = validate_train_args(args)
     validate_routing_replay_args(args)

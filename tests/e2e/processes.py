@@ -18,15 +18,31 @@ def stack_pids() -> set[int]:
     return pids
 
 
+def engine_compute_processes() -> list:
+    """The processes that run a vLLM model on this machine: worker processes, and engine cores that run their one
+    worker inside (`engine.single_worker_env`)."""
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter(["name"]):
+        try:
+            if proc.info["name"] == "VLLM::Worker" or (
+                    proc.info["name"] == "VLLM::EngineCore"
+                    and not any(c.name() == "VLLM::Worker" for c in proc.children())):
+                found.append(proc)
+        except psutil.Error:
+            pass
+    return found
+
+
 def worker_cpus() -> list[set[int]]:
-    """The CPUs each running vLLM worker process may run on."""
+    """The CPUs each running vLLM model computes on (its main thread, which OpenMP binds with its team)."""
     import psutil
 
     out = []
-    for proc in psutil.process_iter(["name"]):
-        if proc.info["name"] == "VLLM::Worker":
-            try:
-                out.append(set(proc.cpu_affinity()))
-            except psutil.Error:
-                pass
+    for proc in engine_compute_processes():
+        try:
+            out.append(set(proc.cpu_affinity()))
+        except psutil.Error:
+            pass
     return out

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vime.backends.vllm_utils.arguments import vllm_cli_tokens
+from vime.backends.vllm_utils.arguments import parse_with_vllm, vllm_cli_tokens
 from vime.arguments import build_parser, parse_args
 
 
@@ -36,8 +36,8 @@ def test_vllm_options_are_forwarded_verbatim(base):
                               "--vllm-enforce-eager", "--vllm-dtype", "float32"])
     assert vllm_cli_tokens(args) == ["--max-model-len", "512", "--no-enable-prefix-caching", "--enforce-eager",
                                      "--dtype", "float32"]
-    assert args.vllm_engine_args.max_model_len == 512  # parsed by vLLM's own parser
-    assert args.vllm_engine_args.enable_prefix_caching is False
+    parsed = parse_with_vllm(args)  # as vLLM's own parser reads them
+    assert parsed.max_model_len == 512 and parsed.enable_prefix_caching is False
     assert args.router_policy == "round_robin"
 
 
@@ -52,7 +52,7 @@ def test_yaml_config_supplies_flags_and_cli_wins(base, tmp_path):
                    "vllm-max-model-len: 256\nrollout_stop: [\"\\n\\n\", END]\n")
     args = parse_args(base + ["--config", str(cfg), "--rollout-batch-size", "2"])
     assert args.rollout_batch_size == 2 and args.n_samples_per_prompt == 4 and args.apply_chat_template
-    assert args.vllm_engine_args.max_model_len == 256 and args.rollout_stop == ["\n\n", "END"]
+    assert parse_with_vllm(args).max_model_len == 256 and args.rollout_stop == ["\n\n", "END"]
 
 
 def test_yaml_config_unknown_key(base, tmp_path, capsys):
@@ -208,7 +208,9 @@ def test_vllm_options_come_from_a_cache_of_the_installed_vllms_parser(tmp_path, 
     assert vllm_option_table() == built
 
 
-def test_a_run_without_vllm_options_is_parsed_without_importing_vllm(base, tmp_path, monkeypatch):
+def test_plain_vllm_options_are_checked_without_importing_vllm(base, tmp_path, monkeypatch):
+    """The table judges flags, strings and plain numbers; only a value it cannot judge ("1k") asks vLLM's parser.
+    The parsed run carries nothing of vLLM's: every actor it is sent to would otherwise import vLLM's configs."""
     import json
     import os
     import subprocess
@@ -218,13 +220,27 @@ def test_a_run_without_vllm_options_is_parsed_without_importing_vllm(base, tmp_p
 
     monkeypatch.setenv("VIME_CACHE_DIR", str(tmp_path))
     vllm_option_table()  # the cache an earlier start left
-    code = ("import sys, json; from vime.arguments import parse_args; args = parse_args(json.loads(sys.argv[1])); "
-            "print(args.vllm_engine_args, 'vllm.engine.arg_utils' in sys.modules, hasattr(args, 'vllm_max_model_len'))")
-    run = subprocess.run([sys.executable, "-c", code, json.dumps(base)], capture_output=True, text=True,
-                         env=dict(os.environ), timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
-    # every --vllm-* option is there (from the cache), nothing to validate, and vLLM never imported
-    assert run.stdout.split()[-3:] == ["None", "False", "True"]
+    code = ("import sys, json, pickle; from vime.arguments import parse_args; "
+            "args = parse_args(json.loads(sys.argv[1])); "
+            "print('vllm' in pickle.dumps(args).decode('latin-1').replace('vllm_', ''), "
+            "'vllm.engine.arg_utils' in sys.modules, hasattr(args, 'vllm_max_model_len'))")
+
+    def parse(extra: list[str]) -> list[str]:
+        run = subprocess.run([sys.executable, "-c", code, json.dumps(base + extra)], capture_output=True, text=True,
+                             env=dict(os.environ), timeout=300)
+        assert run.returncode == 0, run.stderr[-2000:]
+        return run.stdout.split()[-3:]
+
+    plain = ["--vllm-enforce-eager", "--vllm-max-model-len", "512", "--vllm-dtype", "float32",
+             "--vllm-gpu-memory-utilization", "0.5", "--no-vllm-enable-prefix-caching"]
+    assert parse([]) == ["False", "False", "True"]  # nothing to check; every --vllm-* option is there (the cache)
+    assert parse(plain) == ["False", "False", "True"]
+    assert parse(["--vllm-max-model-len", "1k"]) == ["False", "True", "True"]  # vLLM's parser reads "1k"
+
+
+def test_a_value_only_vllm_can_judge_is_refused_by_vllms_parser(base, capsys):
+    err = _error(capsys, base + ["--vllm-max-model-len", "12x"])
+    assert "--max-model-len" in err and "invalid --vllm-* option" in err
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -104,8 +104,14 @@ def test_engines_on_one_node_split_its_cpus(cluster):
     every = sorted(os.sched_getaffinity(0))
     # alone on its node: all of it (vLLM's own binding would keep a core for its front end)
     assert engine_env(args, CpuShare(0, 1, 1))["VLLM_CPU_OMP_THREADS_BIND"] == omp_bind_value(every, 1)
-    bound = engine_env(args, CpuShare(1, 1, 2))["VLLM_CPU_OMP_THREADS_BIND"]
-    assert bound == omp_bind_value(CpuShare(1, 1, 2).cpus(every), 1)
+    bound = engine_env(args, CpuShare(1, 1, 2))
+    assert bound["VLLM_CPU_OMP_THREADS_BIND"] == omp_bind_value(CpuShare(1, 1, 2).cpus(every), 1)
+    # one worker: inside the engine core, its OpenMP team bound to the share (whatever OMP_NUM_THREADS Ray set)
+    mine = CpuShare(1, 1, 2).cpus(every)
+    assert bound["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and bound["OMP_PROC_BIND"] == "true"
+    assert bound["OMP_NUM_THREADS"] == str(len(mine)) and bound["OMP_PLACES"] == "{%s}" % ",".join(map(str, mine))
+    two = engine_env(SimpleNamespace(rollout_num_gpus_per_engine=2, cpu_kv_cache_space=1))
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in two and two["VLLM_CPU_OMP_THREADS_BIND"] == omp_bind_value(every, 2)
 
 
 def _train_args(**kw):

@@ -513,15 +513,15 @@ def test_one_call_update_on_the_engine_and_its_fallback(stack):
 
 
 def test_engine_worker_sleeps_soon_after_a_call(stack):
-    """vime's engine plugin caps vLLM's post-message busy-wait (1 s of a core by default) on CPU."""
+    """The engine computes idle soon after a call: no busy-wait of vLLM's (1 s of a core after each message between
+    an engine core and a worker process, capped by vime's engine plugin; a one-worker CPU engine has none)."""
     import time
 
-    import psutil
-
+    from tests.e2e.processes import engine_compute_processes
     from vime.backends.vllm_utils import client
 
     args, trainer, url = stack
-    workers = [p for p in psutil.process_iter(["name"]) if p.info["name"] == "VLLM::Worker"]
+    workers = engine_compute_processes()
     assert len(workers) == 1
 
     def busy() -> float:

@@ -7,7 +7,8 @@ vllm-router's Python `RouterArgs` already knows how to add itself with a `router
 
 Importing vLLM's parser takes about 6 s (most of a driver's start-up), so the mirrored options are kept as plain
 data in a JSON cache keyed by the installed vLLM's source (`VIME_CACHE_DIR`, default ~/.cache/vime): vLLM is
-imported once per installation, and later only when --vllm-* options are given (to validate them).
+imported once per installation. The table also says which values it can check alone (strings, plain numbers);
+vLLM's parser is imported to validate only a value the table cannot judge (a JSON, a dataclass, "1k", ...).
 """
 
 from __future__ import annotations
@@ -57,12 +58,13 @@ class _ForwardToVllm(argparse.Action):
         setattr(namespace, self.dest, value)
 
 
-_OPTION_TABLE_FORMAT = 1  # part of the cache key: bump when the table's fields change
+_OPTION_TABLE_FORMAT = 2  # part of the cache key: bump when the table's fields change
 
 
 def vllm_option_table() -> list[dict]:
     """vLLM's engine options as plain data, one dict per option ("option", "dest", "nargs", "boolean", "choices",
-    "metavar", "help"): from the cache when it holds the installed vLLM's, else from vLLM's parser (then cached)."""
+    "value", "metavar", "help"): from the cache when it holds the installed vLLM's, else from vLLM's parser (then
+    cached). "value" says how vLLM reads a value (`_value_kind`)."""
     cache = _option_table_cache()
     if cache is not None and cache.is_file():
         try:
@@ -79,10 +81,30 @@ def vllm_option_table() -> list[dict]:
         table.append({"option": long_options[0], "dest": action.dest, "nargs": nargs, "boolean": boolean,
                       # the forwarded values are the raw tokens, so choices compare as strings
                       "choices": [str(c) for c in action.choices] if action.choices and nargs != 0 else None,
-                      "metavar": _plain(action.metavar), "help": action.help or ""})
+                      "value": _value_kind(action.type), "metavar": _plain(action.metavar), "help": action.help or ""})
     if cache is not None:
         _write_atomically(cache, json.dumps(table))
     return table
+
+
+# vLLM's converters that take every plain integer (and more: "1k", "auto"): a plain integer needs no vLLM to check
+_INTEGER_CONVERTERS = {"human_readable_int", "human_readable_int_or_auto"}
+
+
+def _value_kind(convert) -> str | None:
+    """"str", "int" or "float" when every such value is one vLLM accepts (a string, a number that int() / float()
+    reads), None when only vLLM's own converter can judge a value (JSON, dataclass fields, ...)."""
+    if convert is None or convert is str:
+        return "str"
+    if convert in (int, float):
+        return convert.__name__
+    name = getattr(convert, "__name__", "")
+    if name in _INTEGER_CONVERTERS:
+        return "int"
+    if name == "_optional_type" and convert.__closure__:  # vLLM's optional_type(int): the wrapped type
+        inner = convert.__closure__[0].cell_contents
+        return inner.__name__ if inner in (str, int, float) else None
+    return None
 
 
 def _plain(metavar):
@@ -150,16 +172,36 @@ def vllm_cli_tokens(args) -> list[str]:
     return [tok for tokens in (getattr(args, VLLM_RAW_DEST, None) or {}).values() for tok in tokens]
 
 
-def validate_vllm_args(args) -> argparse.Namespace | None:
-    """Parse the forwarded options with vLLM's own parser so mistakes surface before any engine starts; None when
-    no --vllm-* option was given (nothing to check, and vLLM's import is spared)."""
+def validate_vllm_args(args) -> None:
+    """Check the forwarded options before any engine starts: from the option table when it can judge every value
+    (names and choices argparse already checked), else with vLLM's own parser. Raises ValueError naming them."""
+    given = getattr(args, VLLM_RAW_DEST, None) or {}
+    kinds = {"vllm_" + o["dest"]: o["value"] for o in vllm_option_table()}
+    if all(_plainly_valid(kinds.get(dest), tokens[1:]) for dest, tokens in given.items()):
+        return
+    parse_with_vllm(args)
+
+
+def parse_with_vllm(args) -> argparse.Namespace:
+    """The forwarded options as vLLM's own parser reads them (imports vLLM: about 6 s)."""
     tokens = vllm_cli_tokens(args)
-    if not tokens:
-        return None
     try:
         return _vllm_engine_parser().parse_args(tokens)
     except SystemExit as e:
         raise ValueError(f"invalid --vllm-* option(s) {tokens}: see vLLM's message above") from e
+
+
+def _plainly_valid(kind: str | None, values: list[str]) -> bool:
+    """Whether vLLM surely accepts these values of an option whose values are read as `kind`."""
+    if kind is None:
+        return not values  # a flag without a value; otherwise only vLLM can tell
+    convert = {"str": str, "int": int, "float": float}[kind]
+    try:
+        for value in values:
+            convert(value)
+    except ValueError:
+        return False  # vLLM may still read it ("1k"); its parser decides and names the mistake
+    return True
 
 
 _DTYPE_ALIASES = {"float": "float32", "half": "float16"}

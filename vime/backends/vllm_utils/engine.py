@@ -93,6 +93,8 @@ def engine_env(args, cpu_share: CpuShare | None = None) -> dict[str, str]:
         # the same cores) nor uses the core it reserves for its front end, which on a small node is half of it
         cpus = (cpu_share or CpuShare()).cpus(allowed_cpus())
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", omp_bind_value(cpus, args.rollout_num_gpus_per_engine))
+        if args.rollout_num_gpus_per_engine == 1:
+            env.update(single_worker_env(cpus, env))
     if getattr(args, "use_rollout_routing_replay", False):  # routing_capture_options
         if use_gpu():
             env.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
@@ -101,6 +103,20 @@ def engine_env(args, cpu_share: CpuShare | None = None) -> dict[str, str]:
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.cpu_kv_cache_space))
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     return env
+
+
+def single_worker_env(cpus: list[int], env: dict[str, str]) -> dict[str, str]:
+    """A CPU engine of one worker runs it inside its engine core, as vLLM does on a GPU (its uniprocess
+    executor): one process and one import of vLLM (about 9 s of a core) fewer per engine start, no busy-wait
+    between them, and decoding measured 1.3-1.5x faster here. vLLM's CPU platform gives every worker a process of
+    its own unless V1 multiprocessing is off, which for an OpenAI server means only that (the engine core still
+    runs apart from the front end). The worker's OpenMP threads are bound as vLLM binds a worker process; the
+    whole OMP setting is set here, since Ray gives an actor OMP_NUM_THREADS=1, which the server would inherit.
+    A user's VLLM_ENABLE_V1_MULTIPROCESSING=1 keeps vLLM's worker process."""
+    if env.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
+        return {}
+    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(len(cpus)),
+            "OMP_PLACES": "{" + ",".join(map(str, cpus)) + "}", "OMP_PROC_BIND": "true"}
 
 
 def omp_bind_value(cpus: list[int], workers: int) -> str:
