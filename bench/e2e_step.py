@@ -17,7 +17,8 @@ For each workload: `train.py` runs --rollouts rollouts (engines compiled, defaul
 medians of its metrics.jsonl are read, the first rollout (compilation, warm-up) left out. Then, with nothing else
 running, the two raw pieces on the same requests and token batches:
 - raw generation: vLLM's offline `LLM.generate` in a fresh process, the same 128 requests and sampling
-  parameters, compiled, float32, on all of this machine's CPUs (median of 3 after a warm-up);
+  parameters, compiled, float32, on all of this machine's CPUs, engine core and worker in that one process
+  (vLLM's fastest layout here; median of 3 after a warm-up);
 - raw training: a bare torch forward + backward + fused AdamW step of the HF model on the token batches the run
   trained on (its saved rollouts), micro-batches of 16 right-padded sequences, loss on response tokens, all CPUs
   (median over the saved rollouts after a warm-up).
@@ -111,8 +112,11 @@ RAW_GENERATION = textwrap.dedent('''
 
 def raw_generation(model: Path, data: Path, workload: str) -> dict:
     cpus = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+    # vLLM's fastest layout here: engine core and worker inside this process, OpenMP on every CPU
     child_env = {**env(), "VLLM_CPU_OMP_THREADS_BIND": cpus, "VLLM_CPU_KVCACHE_SPACE": "1",
-                 "VLLM_LOGGING_LEVEL": "WARNING"}
+                 "VLLM_LOGGING_LEVEL": "WARNING", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                 "OMP_NUM_THREADS": str(len(os.sched_getaffinity(0))), "OMP_PLACES": "{%s}" % cpus,
+                 "OMP_PROC_BIND": "true"}
     proc = subprocess.run([sys.executable, "-c", RAW_GENERATION, str(model), str(data), workload,
                            json.dumps(STOP_IDS)], env=child_env, capture_output=True, text=True, cwd=REPO)
     if proc.returncode:

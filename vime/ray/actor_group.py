@@ -122,8 +122,12 @@ class RayTrainGroup:
             self.actors.append(actor_cls.options(**options).remote(args, rank, self.world_size, role, share))
 
     def init(self, total_steps: int) -> None:
+        ray.get(self.begin_init(total_steps))
+
+    def begin_init(self, total_steps: int) -> list[ray.ObjectRef]:
+        """Start building every rank's model; the refs resolve when they are built."""
         master_addr, master_port = ray.get(self.actors[0].address.remote())
-        ray.get([a.init.remote(master_addr, master_port, total_steps) for a in self.actors])
+        return [a.init.remote(master_addr, master_port, total_steps) for a in self.actors]
 
     def train(self, rollout_id: int, handle) -> dict[str, float]:
         """All ranks train together on the rollout behind `handle`; the metrics come from the last pipeline

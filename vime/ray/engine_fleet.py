@@ -47,6 +47,7 @@ class EngineFleet:
         self.monitor: EngineHealthMonitor | None = None
         self._engines_lock = threading.RLock()  # engine set changes vs. control calls and weight updates
         self._starting: dict[int, object] = {}  # rank -> engine actor being started by a restart
+        self._launched: list = []  # the engines' start calls in flight (`launch`)
 
     @property
     def engine_urls(self) -> list[str]:
@@ -66,16 +67,25 @@ class EngineFleet:
         self.context.router_url = url
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
+    def launch(self) -> None:
+        """Begin starting vime's engines without waiting for them (the longest part of a run's start-up: its
+        owner prepares the rest meanwhile); `start` waits."""
+        args = self.args
+        if args.rollout_external_engine_addrs or self.engines:
+            return
+        if engine_dtype_warning(args):
+            logger.warning(engine_dtype_warning(args))
+        self.engines = [self._new_engine(rank) for rank in range(num_engines(args))]
+        self._launched = [e.start.remote() for e in self.engines]
+
     def start(self) -> list[str]:
         """Start (or connect to) the engines and the router; returns the engine URLs."""
         args = self.args
         if args.rollout_external_engine_addrs:
             self.engine_urls = [f"http://{a}" for a in args.rollout_external_engine_addrs]
         else:
-            if engine_dtype_warning(args):
-                logger.warning(engine_dtype_warning(args))
-            self.engines = [self._new_engine(rank) for rank in range(num_engines(args))]
-            self.engine_urls = ray.get([e.start.remote() for e in self.engines])
+            self.launch()
+            self.engine_urls = ray.get(self._launched)
         self.rank_urls = list(self.engine_urls)
         self._start_router()
         logger.info("engines %s behind router %s", self.engine_urls, self.router_url)

@@ -26,9 +26,12 @@ def init_ray(args) -> None:
         return
     # A local cluster stays on loopback: engines and their control routes are never exposed to a network.
     slots = args.rollout_num_gpus + args.actor_num_nodes * args.actor_num_gpus_per_node + 2
-    # Ray runs its workers at nice 15 by default; ours are the processes that compute.
+    # Ray runs its workers at nice 15 by default; ours are the processes that compute. Nor does it prestart idle
+    # workers: every actor of a run has the run's environment, which a prestarted worker lacks (they stayed idle,
+    # a process each to start while the run starts).
     ray.init(num_cpus=max(os.cpu_count() or 1, slots), runtime_env=env, include_dashboard=False,
-             log_to_driver=True, _node_ip_address="127.0.0.1", _system_config={"worker_niceness": 0})
+             log_to_driver=True, _node_ip_address="127.0.0.1",
+             _system_config={"worker_niceness": 0, "enable_worker_prestart": False})
 
 
 def num_engines(args) -> int:

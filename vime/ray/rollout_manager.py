@@ -40,6 +40,8 @@ class RolloutManager:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.context = reset_rollout_context()  # router URL, engines in service, counters: what rollouts read
         self.fleet = EngineFleet(args, placement, self.log_dir, self.context)
+        if not args.debug_train_only:
+            self.fleet.launch()  # the engines boot while the tokenizer, data and functions load
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint)

@@ -99,21 +99,25 @@ class TrainingSession:
 
     def _init_trainers(self) -> dict | None:
         """Build the models (loading --load if it has a checkpoint); returns the loaded checkpoint's state."""
-        self.trainers.init(total_steps=self.total_steps)
-        if self.critic is not None:
-            self.critic.init(total_steps=self.total_steps)
+        groups = [g for g in (self.trainers, self.critic) if g is not None]
+        ray.get([ref for group in groups for ref in group.begin_init(total_steps=self.total_steps)])
         return self.trainers.get_loaded_state()[0]
 
     def start(self) -> tuple[int, int]:
-        """Start engines and trainers, resume if --load has a checkpoint; returns (first rollout id, count)."""
+        """Start engines and trainers, resume if --load has a checkpoint; returns (first rollout id, count).
+        The trainers build their models while the engines boot, unless they share devices (--colocate), where
+        the engines size their memory first."""
         args = self.args
-        if self.use_engines:
-            ray.get(self.manager.start.remote())
         num_rollout = resolve_num_rollout(args, ray.get(self.manager.num_prompts.remote()))
+        engines = self.manager.start.remote() if self.use_engines else None
+        if engines is not None and (self.trainers is None or self.placement.colocate):
+            ray.get(engines)
         start = 0
         if self.trainers is not None:
             self.total_steps = num_rollout * args.num_steps_per_rollout
             resumed = self._init_trainers()
+            if engines is not None:
+                ray.get(engines)
             if resumed:  # continue after the saved rollout, with the same data order
                 start = resumed["rollout_id"] + 1
                 ray.get(self.manager.load_data_source_state.remote(resumed.get("data_source")))

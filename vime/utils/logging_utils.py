@@ -11,8 +11,14 @@ from pathlib import Path
 from tqdm import tqdm
 
 
+# HTTP clients that log every request at INFO: thousands of lines a rollout on the console
+QUIET_LOGGERS = ("httpx", "httpcore")
+
+
 def configure_logging(level: int = logging.INFO) -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(max(level, logging.WARNING))
 
 
 def progress(iterable, desc: str, **kwargs):
