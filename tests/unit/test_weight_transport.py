@@ -178,11 +178,14 @@ def fake_ray(monkeypatch):
 class _Manager:
     """The rollout manager's weight-related methods (as in RolloutManager), for one engine list."""
 
-    def __init__(self, urls: list[str]):
-        self.urls, self.written = urls, []
+    def __init__(self, urls: list[str], hf_checkpoint: str):
+        self.urls, self.written, self.hf_checkpoint = urls, [], hf_checkpoint
 
     def get_engine_urls(self):
         return list(self.urls)
+
+    def probe_tokens(self):
+        return probe_tokens(self.hf_checkpoint)
 
     def apply_weights(self, transport, handle, version, recovery_dir=None):
         from vime.backends.vllm_utils import client
@@ -212,7 +215,7 @@ def _driver(trainer, urls: list[str], pool):
     actor.trainer = trainer
     group = SimpleNamespace(actors=[_Handle(actor, pool)],
                             probe_log_probs=lambda *a, **k: [actor.probe_log_probs(*a, **k)])
-    manager = _Manager(urls)
+    manager = _Manager(urls, trainer.args.hf_checkpoint)
     return group, _Handle(manager, pool), manager
 
 

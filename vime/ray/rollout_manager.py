@@ -19,6 +19,7 @@ import ray
 
 from vime.data.data_source import RolloutDataSource
 from vime.data.prompt_dataset import load_prompt_file, load_prompt_samples
+from vime.backends.weight_transport.check import probe_tokens_for
 from vime.data.transport import RolloutRef, make_transport, rollout_summary
 from vime.ray.engine_fleet import EngineFleet
 from vime.rollout.context import reset_rollout_context
@@ -97,6 +98,9 @@ class RolloutManager:
 
     def engine_restarts(self) -> int:
         return self.fleet.engine_restarts()
+
+    def probe_tokens(self) -> list[int]:
+        return probe_tokens_for(len(self.tokenizer))
 
     def probe_log_probs(self, tokens: list[int]) -> list[list[float]]:
         return self.fleet.probe_log_probs(tokens)

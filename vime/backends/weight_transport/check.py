@@ -30,8 +30,11 @@ def probe_tokens(hf_checkpoint: str, length: int = PROBE_LENGTH) -> list[int]:
     """A fixed, deterministic sequence of ids the tokenizer knows (no special tokens needed)."""
     from transformers import AutoTokenizer
 
-    vocab = len(AutoTokenizer.from_pretrained(hf_checkpoint))
-    return [(17 + 7919 * i) % vocab for i in range(length)]
+    return probe_tokens_for(len(AutoTokenizer.from_pretrained(hf_checkpoint)), length)
+
+
+def probe_tokens_for(vocab_size: int, length: int = PROBE_LENGTH) -> list[int]:
+    return [(17 + 7919 * i) % vocab_size for i in range(length)]
 
 
 def engine_prompt_log_probs(engine_urls: list[str], tokens: list[int], timeout: float = 120.0) -> list[list[float]]:
@@ -81,10 +84,11 @@ def tolerance_for(args) -> float:
 def check_weights_equal(args, train_group, rollout_manager) -> dict[str, float]:
     """Driver side, after `update_weights`: raise `WeightUpdateMismatchError` unless every engine matches.
 
-    Needs `RolloutManager.probe_log_probs(tokens)` (-> `engine_prompt_log_probs(self.engine_urls, tokens)`)."""
+    Needs `RolloutManager.probe_tokens()` (the probe for its tokenizer: the driver does not load one) and
+    `RolloutManager.probe_log_probs(tokens)` (-> `engine_prompt_log_probs(self.engine_urls, tokens)`)."""
     import ray
 
-    tokens = probe_tokens(args.hf_checkpoint)
+    tokens = ray.get(rollout_manager.probe_tokens.remote())
     urls = ray.get(rollout_manager.get_engine_urls.remote())
     engines = rollout_manager.probe_log_probs.remote(tokens)
     trainer = next(r for r in train_group.probe_log_probs(tokens, len(tokens) - 1, temperature=1.0) if r)

@@ -1,0 +1,36 @@
+"""vLLM 0.32's sampler ranks each returned log-prob with `batched_count_greater_than`, a comparison and a sum that
+it compiles with torch.compile (inductor). On CPU inductor builds C++ for it at an engine's first log-prob request:
+measured here 2.5 s with a warm inductor cache and 14 s cold, in every engine start and every restarted engine,
+ahead of the first rollout or weight check. vime asks for log-probs on every request, so every engine paid it.
+
+`patch_rank_count` makes CPU engines count eagerly, in row chunks so that the comparison's boolean copy stays
+small (what the compilation avoids on GPUs); the counts are the same integers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+CHUNK_ELEMENTS = 1 << 24  # booleans compared at a time: 16 MB
+
+
+def count_at_least(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Per row of `x` [batch, n]: how many elements are >= that row's value in `values` [batch, 1]."""
+    rows = max(1, CHUNK_ELEMENTS // max(1, x.shape[-1]))
+    if x.shape[0] <= rows:
+        return (x >= values).sum(-1)
+    return torch.cat([(x[i:i + rows] >= values[i:i + rows]).sum(-1) for i in range(0, x.shape[0], rows)])
+
+
+def patch_rank_count() -> bool:
+    """Replace the sampler's compiled count (once per process, CPU platform only); False where there is nothing
+    to patch."""
+    try:
+        from vllm.platforms import current_platform
+        from vllm.v1.sample import sampler
+    except ImportError:
+        return False
+    if not current_platform.is_cpu() or not hasattr(sampler, "batched_count_greater_than"):
+        return False
+    sampler.batched_count_greater_than = count_at_least
+    return True
