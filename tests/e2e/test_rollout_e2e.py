@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.e2e.crash_hold_plugin import FUNCTION_PATH, held_run_env, wait_until_held
 from tests.e2e.processes import stack_pids as _stack_pids
 from tests.e2e.processes import worker_cpus
 from vime.rollout.debug_data import load_rollout
@@ -36,16 +37,33 @@ def _cmd(model: Path, data: Path, out: Path, num_rollout: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def rollout_run(tiny_qwen3, arithmetic_data, tmp_path_factory):
+    """One run, held before its third rollout: what it did in two rollouts and, while it serves, the CPUs its
+    engines compute on; then Ctrl-C, and the stack's processes that are left after it."""
     assert not _stack_pids(), "engine or router processes are already running"
     out = tmp_path_factory.mktemp("rollout_e2e")
-    proc = subprocess.run(_cmd(tiny_qwen3, arithmetic_data[0], out, 2), capture_output=True, text=True,
-                          timeout=900, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    return out, _stack_pids()
+    hold, log = out / "hold", out / "run.log"  # a file: a pipe nobody reads could fill and block the run
+    cmd = _cmd(tiny_qwen3, arithmetic_data[0], out, 3) + ["--rollout-function-path", FUNCTION_PATH]
+    with open(log, "w") as log_file:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT,
+                                env=held_run_env(hold, at=2))
+    try:
+        wait_until_held(proc, hold, lambda: log.read_text()[-6000:])
+        served = {"workers": worker_cpus(), "metrics": (out / "run" / "metrics.jsonl").read_text(),
+                  "engine_logs": {p.name: p.read_text() for p in (out / "run" / "logs").glob("engine_*.log")}}
+        proc.send_signal(signal.SIGINT)
+        hold.unlink()
+        proc.wait(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    deadline = time.monotonic() + 30
+    while _stack_pids() and time.monotonic() < deadline:
+        time.sleep(1)
+    return out, served, _stack_pids()
 
 
 def test_every_sample_is_complete(rollout_run):
-    out, _ = rollout_run
+    out, _, _ = rollout_run
     for rollout_id in range(2):
         groups = load_rollout(str(out / "rollout_{rollout_id}.jsonl"), rollout_id)
         assert len(groups) == 8 and all(len(g) == 4 for g in groups)
@@ -66,7 +84,7 @@ def test_every_sample_is_complete(rollout_run):
 
 
 def test_saved_rollouts_load_back_equal(rollout_run):
-    out, _ = rollout_run
+    out, _, _ = rollout_run
     path = out / "rollout_0.jsonl"
     lines = path.read_text().splitlines()
     samples = [Sample.from_dict(json.loads(line)) for line in lines]
@@ -75,31 +93,39 @@ def test_saved_rollouts_load_back_equal(rollout_run):
 
 
 def test_metrics_written(rollout_run):
-    out, _ = rollout_run
-    records = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+    out, served, _ = rollout_run
+    records = [json.loads(line) for line in served["metrics"].splitlines()]
     assert [r["rollout_id"] for r in records] == [0, 1]
     assert all(r["rollout/num_samples"] == 32 for r in records)
     assert list((out / "run" / "tensorboard").glob("events.*"))
 
 
 def test_each_group_is_one_request_to_the_engines(rollout_run):
-    out, _ = rollout_run
-    logs = list((out / "run" / "logs").glob("engine_*.log"))
-    assert len(logs) == 2
-    requests = sum(log.read_text().count("POST /inference/v1/generate") for log in logs)
+    _, served, _ = rollout_run
+    assert len(served["engine_logs"]) == 2
+    requests = sum(text.count("POST /inference/v1/generate") for text in served["engine_logs"].values())
     assert requests == 2 * 8  # 2 rollouts x 8 groups of 4 samples: one request (n = 4) per group, not 64
 
 
-def test_no_processes_left(rollout_run):
-    _, left = rollout_run
-    assert not left, f"processes left after the run: {left}"
+def test_live_engines_compute_on_cpus_of_their_own(rollout_run):
+    """While the run serves, the two engines compute on different CPUs (vLLM's own binding pinned both to one
+    core)."""
+    _, served, _ = rollout_run
+    workers = served["workers"]
+    assert len(workers) == 2 and not workers[0] & workers[1], workers
+
+
+def test_ctrl_c_leaves_no_processes(rollout_run):
+    """Ctrl-C while the run serves: every engine, engine core and router process is gone."""
+    _, _, left = rollout_run
+    assert not left, f"processes left after Ctrl-C: {left}"
 
 
 def test_engine_log_probs_match_transformers(rollout_run, tiny_qwen3):
     """vLLM's processed log-probs of sampled tokens == log_softmax(logits / T) of a float32 HF forward."""
     from transformers import AutoModelForCausalLM
 
-    out, _ = rollout_run
+    out, _, _ = rollout_run
     model = AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32, attn_implementation="eager")
     model.eval()
     samples = [s for g in load_rollout(str(out / "rollout_{rollout_id}.jsonl"), 0) for s in g][:12]
@@ -112,30 +138,3 @@ def test_engine_log_probs_match_transformers(rollout_run, tiny_qwen3):
         ref = logp[s.prompt_length - 1 : len(s.tokens) - 1].gather(-1, targets[:, None]).squeeze(-1)
         worst = max(worst, (ref - torch.tensor(s.rollout_log_probs)).abs().max().item())
     assert worst < 1e-4, f"max |vLLM - transformers| log-prob = {worst}"
-
-
-def test_live_engines_use_their_own_cpus_and_ctrl_c_leaves_no_processes(tiny_qwen3, arithmetic_data, tmp_path):
-    """While the run serves: the two engines' workers compute on different CPUs (vLLM's own binding pinned both
-    to one core). Then Ctrl-C: every engine, engine core and router process is gone."""
-    assert not _stack_pids()
-    log = tmp_path / "run.log"  # a file: a pipe nobody reads could fill during 50 rollouts and block the run
-    with open(log, "w") as log_file:
-        proc = subprocess.Popen(_cmd(tiny_qwen3, arithmetic_data[0], tmp_path, 50), cwd=REPO, stdout=log_file,
-                                stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 600
-        while not (tmp_path / "rollout_0.jsonl").exists():  # engines are up and serving
-            assert proc.poll() is None, log.read_text()[-4000:]
-            assert time.monotonic() < deadline, "no rollout within 10 minutes"
-            time.sleep(1)
-        workers = worker_cpus()
-        assert len(workers) == 2 and not workers[0] & workers[1], workers
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=180)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    deadline = time.monotonic() + 30
-    while _stack_pids() and time.monotonic() < deadline:
-        time.sleep(1)
-    assert not _stack_pids(), f"processes left after Ctrl-C: {_stack_pids()}"
