@@ -175,6 +175,13 @@ def fake_ray(monkeypatch):
         yield pool
 
 
+def _probe(hf_checkpoint: str) -> list[int]:
+    """The weight check's probe for this checkpoint's tokenizer (as RolloutManager.probe_tokens makes it)."""
+    from transformers import AutoTokenizer
+
+    return probe_tokens(len(AutoTokenizer.from_pretrained(hf_checkpoint)))
+
+
 class _Manager:
     """The rollout manager's weight-related methods (as in RolloutManager), for one engine list."""
 
@@ -185,7 +192,7 @@ class _Manager:
         return list(self.urls)
 
     def probe_tokens(self):
-        return probe_tokens(self.hf_checkpoint)
+        return _probe(self.hf_checkpoint)
 
     def apply_weights(self, transport, handle, version, recovery_dir=None):
         from vime.backends.vllm_utils import client
@@ -438,7 +445,7 @@ def _max_diff(trainer, url: str, tokens: list[int]) -> float:
 @pytest.mark.parametrize("name", ["disk", "broadcast", "delta"])
 def test_transport_makes_the_engine_serve_the_trainers_weights(stack, sync, name):
     args, trainer, url = stack
-    tokens = probe_tokens(args.hf_checkpoint)
+    tokens = _probe(args.hf_checkpoint)
     _perturb(trainer)
     assert _max_diff(trainer, url, tokens) > 1e-3  # the engine does not have these weights yet
     with pytest.raises(WeightUpdateMismatchError, match=url):
@@ -451,7 +458,7 @@ def test_transport_makes_the_engine_serve_the_trainers_weights(stack, sync, name
 
 def test_broadcast_group_is_reused_and_rebuilt_for_new_engines(stack, sync):
     args, trainer, url = stack
-    tokens = probe_tokens(args.hf_checkpoint)
+    tokens = _probe(args.hf_checkpoint)
     sync("broadcast", version=2)
     first = sync.writer("broadcast").group["pg"]
     _perturb(trainer)
@@ -467,7 +474,7 @@ def test_broadcast_group_is_reused_and_rebuilt_for_new_engines(stack, sync):
 
 def test_delta_sends_only_changed_layers_and_they_suffice(stack, sync):
     args, trainer, url = stack
-    tokens = probe_tokens(args.hf_checkpoint)
+    tokens = _probe(args.hf_checkpoint)
     sync("delta", version=5)  # the engine now has what the trainer has
     assert sync("delta", version=6) == []  # nothing changed: nothing sent
     # Rows 0-7 of layer 1's linear_qkv are query rows only: HF q_proj changes, k_proj and v_proj do not.
@@ -487,7 +494,7 @@ def test_one_call_update_on_the_engine_and_its_fallback(stack):
     from vime.backends.vllm_utils.endpoint import ROUTE
 
     args, trainer, url = stack
-    tokens = probe_tokens(args.hf_checkpoint)
+    tokens = _probe(args.hf_checkpoint)
     reload = {url: ("reload_weights", {"weights_path": args.hf_checkpoint})}
 
     def state() -> tuple[bool, str]:

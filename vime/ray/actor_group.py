@@ -1,7 +1,7 @@
 """The training actors: one Ray actor per Megatron rank, placed by a placement group, driven together.
 
     group = RayTrainGroup(args, placement)
-    group.init(total_steps)
+    ray.get(group.begin_init(total_steps))    # every rank builds its model
     metrics = group.train(rollout_id, handle)      # each rank reads the rollout from the data transport itself
 """
 
@@ -120,9 +120,6 @@ class RayTrainGroup:
             else:
                 options = {"num_cpus": 1, **({"num_gpus": 1} if use_gpu() else {})}
             self.actors.append(actor_cls.options(**options).remote(args, rank, self.world_size, role, share))
-
-    def init(self, total_steps: int) -> None:
-        ray.get(self.begin_init(total_steps))
 
     def begin_init(self, total_steps: int) -> list[ray.ObjectRef]:
         """Start building every rank's model; the refs resolve when they are built."""

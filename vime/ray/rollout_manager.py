@@ -19,7 +19,7 @@ import ray
 
 from vime.data.data_source import RolloutDataSource
 from vime.data.prompt_dataset import load_prompt_file, load_prompt_samples
-from vime.backends.weight_transport.check import probe_tokens_for
+from vime.backends.weight_transport.check import probe_tokens
 from vime.data.transport import RolloutRef, make_transport, rollout_summary
 from vime.ray.engine_fleet import EngineFleet
 from vime.rollout.context import reset_rollout_context
@@ -100,7 +100,7 @@ class RolloutManager:
         return self.fleet.engine_restarts()
 
     def probe_tokens(self) -> list[int]:
-        return probe_tokens_for(len(self.tokenizer))
+        return probe_tokens(len(self.tokenizer))
 
     def probe_log_probs(self, tokens: list[int]) -> list[list[float]]:
         return self.fleet.probe_log_probs(tokens)

@@ -110,14 +110,16 @@ class TrainingSession:
         args = self.args
         num_rollout = resolve_num_rollout(args, ray.get(self.manager.num_prompts.remote()))
         engines = self.manager.start.remote() if self.use_engines else None
-        if engines is not None and (self.trainers is None or self.placement.colocate):
+        if engines is not None and self.placement.colocate:
             ray.get(engines)
-        start = 0
+        resumed = None
         if self.trainers is not None:
             self.total_steps = num_rollout * args.num_steps_per_rollout
             resumed = self._init_trainers()
-            if engines is not None:
-                ray.get(engines)
+        if engines is not None:
+            ray.get(engines)
+        start = 0
+        if self.trainers is not None:
             if resumed:  # continue after the saved rollout, with the same data order
                 start = resumed["rollout_id"] + 1
                 ray.get(self.manager.load_data_source_state.remote(resumed.get("data_source")))

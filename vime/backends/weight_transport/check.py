@@ -12,8 +12,6 @@ Exact in float32 (the two stacks agree to ~1e-6); with 16-bit weights it only ca
 
 from __future__ import annotations
 
-import functools
-
 from vime.backends.vllm_utils import client
 
 PROBE_LENGTH = 64
@@ -25,15 +23,8 @@ class WeightUpdateMismatchError(RuntimeError):
     pass
 
 
-@functools.cache
-def probe_tokens(hf_checkpoint: str, length: int = PROBE_LENGTH) -> list[int]:
-    """A fixed, deterministic sequence of ids the tokenizer knows (no special tokens needed)."""
-    from transformers import AutoTokenizer
-
-    return probe_tokens_for(len(AutoTokenizer.from_pretrained(hf_checkpoint)), length)
-
-
-def probe_tokens_for(vocab_size: int, length: int = PROBE_LENGTH) -> list[int]:
+def probe_tokens(vocab_size: int, length: int = PROBE_LENGTH) -> list[int]:
+    """A fixed, deterministic sequence of ids a tokenizer of `vocab_size` ids knows (no special tokens needed)."""
     return [(17 + 7919 * i) % vocab_size for i in range(length)]
 
 
