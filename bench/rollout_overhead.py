@@ -37,13 +37,14 @@ def build_args(model: Path, data: Path, out: Path, a) -> argparse.Namespace:
 async def raw_rollout(args, engine_url: str, groups) -> int:
     """What a hand-written client would do: one POST per sample straight to the engine."""
     from vime.rollout.vllm_rollout import sampling_params_for
+    from vime.utils.auth import serving_headers
 
     params = sampling_params_for(args)
     sem = asyncio.Semaphore(args.rollout_concurrency)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         async def one(sample) -> int:
             p = {**params, "seed": (args.rollout_seed * 1_000_003 + sample.index) % 2**31}
-            async with sem, session.post(engine_url + "/inference/v1/generate",
+            async with sem, session.post(engine_url + "/inference/v1/generate", headers=serving_headers(),
                                          json={"token_ids": sample.tokens, "sampling_params": p}) as r:
                 body = await r.json()
             return len(body["choices"][0]["token_ids"])

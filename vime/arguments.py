@@ -45,6 +45,13 @@ def add_run_args(parser: argparse.ArgumentParser) -> None:
                    help="Directory for metrics.jsonl, TensorBoard events and plots (default: outputs/run).")
     g.add_argument("--ray-address", default=None,
                    help="Address of an existing Ray cluster; a local one is started when unset (default: None).")
+    g.add_argument("--control-token-file", default=None,
+                   help="File (mode 600) holding the run's control token, which every engine route but /health "
+                        "requires; a fresh random token is made when unset (default: None).")
+    g.add_argument("--serving-interface", default=None,
+                   help="On a cluster (--ray-address): the network interface the engines listen on, e.g. eth1; "
+                        "the node address Ray uses when unset. Without a cluster everything listens on loopback "
+                        "(default: None).")
 
 
 def add_placement_args(parser: argparse.ArgumentParser) -> None:
@@ -179,6 +186,10 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     if not (Path(args.hf_checkpoint) / "config.json").is_file():
         raise ValueError(f"--hf-checkpoint {args.hf_checkpoint}: no config.json there; is it an HF checkpoint?")
     args = with_values(args, output_dir=os.path.abspath(args.output_dir))
+    if args.control_token_file:
+        from vime.utils.auth import read_token_file
+
+        read_token_file(args.control_token_file)  # unreadable, short or readable by others: say so now
     for flag in ("offload_rollout", "offload_train"):
         if getattr(args, flag) and not args.colocate:
             raise ValueError(f"--{flag.replace('_', '-')} only makes sense with --colocate (engines and trainer "

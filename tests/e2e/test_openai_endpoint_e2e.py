@@ -13,20 +13,23 @@ import pytest
 
 from tests.e2e.processes import stack_pids
 from vime.agents.openai_server import OpenAIServer
+from vime.utils.auth import control_headers, serving_headers
 
 pytestmark = pytest.mark.e2e
 SEED = 1234
 
 
 def _post(url: str, payload: dict) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(url, data=json.dumps(payload).encode(),
+                                 headers={"Content-Type": "application/json", **serving_headers()})
     with urllib.request.urlopen(req, timeout=120) as r:
         return json.loads(r.read())
 
 
 def _served(engine_url: str) -> float:
     """Requests this engine finished (vLLM's Prometheus counter)."""
-    with urllib.request.urlopen(engine_url + "/metrics", timeout=30) as r:
+    with urllib.request.urlopen(urllib.request.Request(engine_url + "/metrics", headers=control_headers()),
+                                timeout=30) as r:
         text = r.read().decode()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("vllm:request_success_total"))

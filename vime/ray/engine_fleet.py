@@ -6,6 +6,10 @@ process's rollout context (`vime.rollout.context`) up to date: the router's URL 
 With --use-fault-tolerance an `EngineHealthMonitor` thread restarts dead or hung engines (`_restart_engine`);
 control calls skip an engine found dead, which the monitor restarts with the current weights
 (`recovery_weights`, an HF directory the weight sync leaves with every update).
+
+It also holds the run's control token (`vime.utils.auth`; made here, or read from --control-token-file), which
+its engines require on their routes. The router, which authenticates nobody, listens on this node's loopback
+only; it holds the serving key, which opens the engines' generation routes and none of their control routes.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from vime.ray.health import EngineHealthMonitor
 from vime.ray.placement import num_engines
 from vime.rollout.context import RolloutContext
 from vime.rollout.metrics import add_counter
-from vime.utils.device import serving_host
+from vime.utils.auth import control_token, read_token_file, serving_key, use_control_token
 from vime.utils.misc import find_free_port
 
 logger = logging.getLogger(__name__)
@@ -48,6 +52,9 @@ class EngineFleet:
         self._engines_lock = threading.RLock()  # engine set changes vs. control calls and weight updates
         self._starting: dict[int, object] = {}  # rank -> engine actor being started by a restart
         self._launched: list = []  # the engines' start calls in flight (`launch`)
+        if args.control_token_file:
+            use_control_token(read_token_file(args.control_token_file))
+        self.token = control_token()  # this process's copy, which rollouts and control calls send
 
     @property
     def engine_urls(self) -> list[str]:
@@ -104,7 +111,7 @@ class EngineFleet:
         if self.placement is not None and self.placement.pg is not None:
             options = self.placement.actor_options(self.placement.engine_bundle(rank, args.rollout_num_gpus_per_engine))
             share = self.placement.cpu_share("engine", rank)
-        return ray.remote(VLLMEngine).options(**options).remote(args, rank, str(self.log_dir), share)
+        return ray.remote(VLLMEngine).options(**options).remote(args, rank, str(self.log_dir), share, self.token)
 
     def _start_router(self) -> None:
         args = self.args
@@ -113,9 +120,11 @@ class EngineFleet:
             for url in self.engine_urls:
                 post_worker(self.router_url, "add_worker", url)
             return  # not ours to stop
-        host = serving_host(args)
+        # loopback: whoever reaches the router can add engines to it; rollouts run in this process
+        host = "127.0.0.1"
         port = args.vllm_router_port or find_free_port()
-        self.router = Router(router_args_from(args, host, port, self.engine_urls), str(self.log_dir))
+        router_args = router_args_from(args, host, port, self.engine_urls, api_key=serving_key(self.token))
+        self.router = Router(router_args, str(self.log_dir))
         self.router_url = self.router.start()
 
     def shutdown(self) -> None:

@@ -21,9 +21,28 @@ def training_dtype(args) -> str:
 
 
 def serving_host(args) -> str:
-    """Address engines and the router bind to: this node's address on a cluster, loopback otherwise."""
+    """Address this node's servers that other nodes call (engines, the trainers' rendezvous) bind to: loopback
+    unless the run is on a cluster, and there the address of --serving-interface, or else the one Ray uses."""
     import ray
 
-    if getattr(args, "ray_address", None) and ray.is_initialized():
-        return ray.util.get_node_ip_address()
-    return "127.0.0.1"
+    if not (getattr(args, "ray_address", None) and ray.is_initialized()):
+        return "127.0.0.1"
+    if getattr(args, "serving_interface", None):
+        return interface_address(args.serving_interface)
+    return ray.util.get_node_ip_address()
+
+
+def interface_address(name: str) -> str:
+    """The IPv4 address of network interface `name` on this node."""
+    import socket
+
+    import psutil
+
+    interfaces = psutil.net_if_addrs()
+    if name not in interfaces:
+        raise ValueError(f"--serving-interface {name}: no such interface on this node (it has "
+                         f"{', '.join(sorted(interfaces))})")
+    for address in interfaces[name]:
+        if address.family == socket.AF_INET:
+            return address.address
+    raise ValueError(f"--serving-interface {name}: the interface has no IPv4 address")

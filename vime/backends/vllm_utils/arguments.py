@@ -236,8 +236,8 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     sub = argparse.ArgumentParser(add_help=False)
     RouterArgs.add_cli_args(sub, use_router_prefix=True, exclude_host_port=True)
     for action in sub._actions:
-        if action.dest in {"router_worker_urls"}:
-            continue  # vime registers its engines itself
+        if action.dest in {"router_worker_urls", "router_api_key"}:
+            continue  # vime registers its engines itself, and gives the router the run's serving key
         help_text = (action.help or f"vllm-router's --{action.option_strings[0][len('--router-'):]}").replace("%", "%%")
         kwargs = dict(dest=action.dest, default=action.default, help=f"{help_text} (default: {action.default})")
         if isinstance(action, argparse._StoreTrueAction):
@@ -253,10 +253,13 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(router_policy="round_robin")
 
 
-def router_args_from(args, host: str, port: int, worker_urls: list[str]):
-    """Build vllm-router's `RouterArgs` from vime's namespace."""
+def router_args_from(args, host: str, port: int, worker_urls: list[str], api_key: str | None = None):
+    """Build vllm-router's `RouterArgs` from vime's namespace. `api_key`: what the router sends to the engines
+    (the run's serving key), in place of any --router-api-key."""
     from vllm_router.router_args import RouterArgs
 
     ns = argparse.Namespace(**{k: v for k, v in vars(args).items() if k.startswith("router_")})
     ns.router_host, ns.router_port, ns.router_worker_urls = host, port, list(worker_urls)
+    if api_key is not None:
+        ns.router_api_key = api_key
     return RouterArgs.from_cli_args(ns, use_router_prefix=True)

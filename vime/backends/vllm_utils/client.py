@@ -1,4 +1,5 @@
-"""Control calls sent to every engine directly (never through the router, which picks only one)."""
+"""Control calls sent to every engine directly (never through the router, which picks only one), each carrying
+the run's control token (`vime.utils.auth`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from typing import Any, Callable
 
 import httpx
 
+from vime.utils.auth import control_headers
+
 
 class EngineControlError(RuntimeError):
     def __init__(self, message: str, status: int | None = None):
@@ -16,10 +19,18 @@ class EngineControlError(RuntimeError):
         self.status = status  # the engine's HTTP status, None when it did not answer
 
 
+class _RunToken(httpx.Auth):
+    """Every request made with `http()` carries this process's copy of the run's control token."""
+
+    def auth_flow(self, request):
+        request.headers.update(control_headers())
+        yield request
+
+
 @functools.cache
 def http() -> httpx.Client:
     """One client per process: `httpx.post` builds a new client, and its TLS context costs ~50 ms per call."""
-    return httpx.Client()
+    return httpx.Client(auth=_RunToken())
 
 
 def _post(url: str, route: str, body: dict | None, params: dict | None, timeout: float) -> Any:

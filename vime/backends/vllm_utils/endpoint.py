@@ -13,8 +13,10 @@ The same steps as five separate control routes cost an HTTP round trip each, and
 
 Registered as the `vllm.endpoint_plugins` entry point `vime` (pyproject.toml); vLLM loads endpoint plugins only
 when named in VLLM_PLUGINS, which `engine.engine_env` sets. Engines started without it (external engines) get the
-same steps as separate calls (`client.update_weights_each`). Like the other control routes, it can run worker methods:
-keep engines on loopback or a private network.
+same steps as separate calls (`client.update_weights_each`).
+
+The plugin also puts `route_auth.RunTokenMiddleware` in front of every route of the server when vime started it
+(its environment carries the run's control token): this route, like vLLM's control routes, runs worker methods.
 """
 
 # No `from __future__ import annotations`: FastAPI reads the route's parameter annotations (`Request`) at runtime.
@@ -50,9 +52,20 @@ class VimeEndpoints:
             return JSONResponse(answer)
 
         app.include_router(router)
+        require_run_token(app)
 
     async def init_state(self, engine_client, state, args) -> None:
         pass
+
+
+def require_run_token(app) -> None:
+    """Every route but /health asks for the run's keys (`route_auth`), when the server was given a token."""
+    from vime.backends.vllm_utils.route_auth import RunTokenMiddleware
+    from vime.utils.auth import serving_key, token_from_environment
+
+    token = token_from_environment()
+    if token is not None:  # an engine vime did not start: `VLLMEngine.start` refuses to serve without it
+        app.add_middleware(RunTokenMiddleware, control_token=token, serving_key=serving_key(token))
 
 
 def _parse(body) -> tuple[str | None, dict, str, str]:

@@ -3,7 +3,8 @@
 The server speaks token ids in and out (`/inference/v1/generate`, enabled by --enable-scale-out), returns
 `processed_logprobs` (log_softmax(logits / T) after top-k/top-p, which is what an RL ratio needs) and exposes the
 control routes (/pause, /resume, /collective_rpc, ...) because VLLM_SERVER_DEV_MODE=1. Those routes can run
-code in the engine, so the server binds to the node's own address and is meant for a private network.
+code in the engine: every route but /health asks for the run's keys (`route_auth`, installed by vime's vLLM
+plugin from the token in the server's environment), and `VLLMEngine.start` checks that it does before serving.
 """
 
 from __future__ import annotations
@@ -11,11 +12,13 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import urllib.error
 import urllib.request
 from pathlib import Path
 
 from vime.backends.vllm_utils.engine_plugin import IDLE_SPIN_ENV
 from vime.backends.vllm_utils.routing_capture import CAPTURE_ENV
+from vime.utils.auth import CONTROL_TOKEN_ENV, control_headers, control_token, use_control_token
 from vime.utils.cpus import CpuShare, allowed_cpus, raise_priority
 from vime.utils.logging_utils import configure_logging
 from vime.utils.misc import find_free_port
@@ -79,13 +82,16 @@ def has_vime_worker_extension(args) -> bool:
 
 
 def engine_env(args, cpu_share: CpuShare | None = None) -> dict[str, str]:
-    """The server's environment. `cpu_share`: the share of its node's CPUs this engine computes on
-    (`Placement.cpu_share`; all of them when None)."""
+    """The server's environment, with this process's copy of the run's control token. `cpu_share`: the share of
+    its node's CPUs this engine computes on (`Placement.cpu_share`; all of them when None)."""
+    from vime.backends.vllm_utils.weight_loading import WEIGHT_ROOT_ENV, weight_root
     from vime.utils.device import use_gpu
 
     env = dict(os.environ)
     env["VLLM_SERVER_DEV_MODE"] = "1"
+    env[CONTROL_TOKEN_ENV] = control_token()
     env["VLLM_PLUGINS"] = plugin_allowlist(os.environ.get("VLLM_PLUGINS"))
+    env[WEIGHT_ROOT_ENV] = weight_root(args)  # the one directory its workers load weight files from
     if not use_gpu():
         # vLLM's workers busy-wait 1 s after each message: a core the trainer needs (engine_plugin)
         env.setdefault(IDLE_SPIN_ENV, str(CPU_IDLE_SPIN_S))
@@ -142,21 +148,43 @@ def plugin_allowlist(current: str | None) -> str:
 
 
 def http_ok(url: str, timeout: float = 2.0) -> bool:
+    return http_status(url, timeout=timeout) == 200
+
+
+def http_status(url: str, headers: dict[str, str] | None = None, timeout: float = 2.0) -> int | None:
+    """The HTTP status of GET `url`; None when nothing answered."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status == 200
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
     except OSError:
-        return False
+        return None
+
+
+def control_routes_locked(url: str) -> str | None:
+    """None when the engine at `url` refuses a control route without the run's token and opens it with it; else
+    what is wrong (vime's plugin, which guards the routes, did not load in its server)."""
+    probe = url + "/is_paused"
+    without, with_token = http_status(probe), http_status(probe, control_headers())
+    if without == 401 and with_token == 200:
+        return None
+    return (f"GET {probe} answered {without} without the run's token and {with_token} with it (expected 401 and "
+            "200): vime's vLLM plugin did not guard the server's routes; check that VLLM_PLUGINS names 'vime' and "
+            "that vime is installed in the engine's environment")
 
 
 class VLLMEngine:
     """Wrapped as a Ray actor by the rollout manager: `ray.remote(VLLMEngine)`."""
 
-    def __init__(self, args, engine_rank: int, log_dir: str, cpu_share: CpuShare | None = None):
+    def __init__(self, args, engine_rank: int, log_dir: str, cpu_share: CpuShare | None = None,
+                 token: str | None = None):
         configure_logging()  # an actor process: its log lines reach the driver's console through Ray
         self.args = args
         self.engine_rank = engine_rank
         self.cpu_share = cpu_share  # the CPUs of this node its workers compute on (CPU engines)
+        if token is not None:  # the run's control token (the fleet's); else this process's own
+            use_control_token(token)
         self.log_path = Path(log_dir) / f"engine_{engine_rank}.log"
         self.proc = None
         self.url = None
@@ -182,6 +210,10 @@ class VLLMEngine:
                 f"vLLM engine {self.engine_rank} {state} (--engine-startup-timeout "
                 f"{self.args.engine_startup_timeout}s). Log {self.log_path}:\n{tail(self.log_path)}"
             )
+        problem = control_routes_locked(self.url)
+        if problem is not None:  # an engine anyone could control must not serve the run
+            self.stop()
+            raise RuntimeError(f"vLLM engine {self.engine_rank}: {problem}")
         return self.url
 
     def pid(self) -> int | None:

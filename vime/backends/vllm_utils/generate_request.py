@@ -21,6 +21,8 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from vime.utils.auth import serving_headers
+
 logger = logging.getLogger(__name__)
 
 GENERATE_ROUTE = "/inference/v1/generate"
@@ -63,7 +65,8 @@ async def request_choices(http: aiohttp.ClientSession, router_url: str, payload:
                           headers: dict[str, str] | None = None,
                           counters: RequestCounters | None = None) -> list[dict[str, Any]]:
     """POST `payload` to the router's generate route; returns the answer's choices, one per sequence asked for
-    (`sampling_params.n`, which also counts as that many requests in flight)."""
+    (`sampling_params.n`, which also counts as that many requests in flight). The request carries the run's
+    serving key, which the router passes on to the engine (`vime.utils.auth`)."""
     counters = counters if counters is not None else RequestCounters()
     sequences = int(payload.get("sampling_params", {}).get("n") or 1)
     url = router_url.rstrip("/") + GENERATE_ROUTE
@@ -74,7 +77,8 @@ async def request_choices(http: aiohttp.ClientSession, router_url: str, payload:
         try:
             counters.in_flight += sequences
             counters.max_in_flight = max(counters.max_in_flight, counters.in_flight)
-            async with http.post(url, json=payload, headers=headers, timeout=timeout) as r:
+            async with http.post(url, json=payload, headers={**serving_headers(), **(headers or {})},
+                                 timeout=timeout) as r:
                 text = await r.text()
                 if r.status >= 400:
                     message = error_message(text)

@@ -1,0 +1,134 @@
+"""The run's control token and serving key (`vime.utils.auth`), the engine routes each opens (`route_auth`), and
+the clients that send them. The real engines and router are checked in tests/e2e/test_engine_fault_tolerance_e2e.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
+
+import pytest
+
+from vime.backends.vllm_utils.route_auth import RunTokenMiddleware, accepted_keys
+from vime.utils import auth
+
+TOKEN = "t" * 64
+
+
+def test_each_route_opens_with_its_keys():
+    serve = auth.serving_key(TOKEN)
+    assert serve != TOKEN and serve == auth.serving_key(TOKEN) and len(serve) == 64
+    assert accepted_keys("/health", TOKEN, serve) == ()
+    for path in ("/inference/v1/generate", "/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize"):
+        assert accepted_keys(path, TOKEN, serve) == (TOKEN, serve), path
+    for path in ("/collective_rpc", "/vime/update_weights", "/pause", "/sleep", "/metrics", "/docs", "/",
+                 "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/healthz", "/health/../pause"):
+        assert accepted_keys(path, TOKEN, serve) == (TOKEN,), path
+
+
+def test_bearer_matches_only_the_whole_key():
+    assert auth.bearer_matches(f"Bearer {TOKEN}", (TOKEN,))
+    assert auth.bearer_matches(f"bearer {TOKEN}", ("other", TOKEN))
+    for header in (None, "", TOKEN, f"Basic {TOKEN}", f"Bearer {TOKEN[:-1]}", f"Bearer {TOKEN}x", "Bearer "):
+        assert not auth.bearer_matches(header, (TOKEN,)), header
+
+
+def test_the_middleware_answers_401_before_the_route_runs():
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+    from starlette.testclient import TestClient
+
+    ran = []
+
+    async def handler(request):
+        ran.append(request.url.path)
+        return PlainTextResponse("ok")
+
+    routes = [Route(p, handler, methods=["GET", "POST"]) for p in ("/health", "/collective_rpc", "/v1/completions")]
+    app = Starlette(routes=routes)
+    app.add_middleware(RunTokenMiddleware, control_token=TOKEN, serving_key=auth.serving_key(TOKEN))
+    client = TestClient(app)
+    control, serve = {"Authorization": f"Bearer {TOKEN}"}, {"Authorization": f"Bearer {auth.serving_key(TOKEN)}"}
+    assert client.get("/health").status_code == 200
+    assert [client.post("/collective_rpc", headers=h).status_code for h in ({}, serve, control)] == [401, 401, 200]
+    assert [client.post("/v1/completions", headers=h).status_code for h in ({}, serve, control)] == [401, 200, 200]
+    refused = client.post("/collective_rpc")
+    assert refused.headers["www-authenticate"] == "Bearer" and "token" in refused.json()["error"]
+    assert ran == ["/health", "/collective_rpc", "/v1/completions", "/v1/completions"]
+
+
+def test_token_file_must_be_private_and_long(tmp_path):
+    path = tmp_path / "token"
+    path.write_text(TOKEN + "\n")
+    path.chmod(0o644)
+    with pytest.raises(ValueError, match="chmod 600"):
+        auth.read_token_file(str(path))
+    path.chmod(0o600)
+    assert auth.read_token_file(str(path)) == TOKEN
+    path.write_text("short")
+    with pytest.raises(ValueError, match="at least 32"):
+        auth.read_token_file(str(path))
+    with pytest.raises(ValueError, match="cannot read"):
+        auth.read_token_file(str(tmp_path / "missing"))
+
+
+def test_the_token_reaches_the_engine_server_and_no_other_child(monkeypatch):
+    from vime.backends.vllm_utils.arguments import router_args_from
+    from vime.backends.vllm_utils.engine import engine_env
+
+    monkeypatch.setattr(auth, "_token", TOKEN)
+    args = SimpleNamespace(rollout_num_gpus_per_engine=1, cpu_kv_cache_space=1)
+    assert engine_env(args)[auth.CONTROL_TOKEN_ENV] == TOKEN
+    assert auth.CONTROL_TOKEN_ENV not in os.environ  # a reward server or sandbox this process starts never gets it
+    from vime.arguments import parse_args
+
+    parsed = parse_args(["--hf-checkpoint", "x"], validate=False)
+    assert not hasattr(parsed, "router_api_key")  # vime gives the router its key; a flag for it would be ignored
+    assert router_args_from(parsed, "127.0.0.1", 1, [], api_key=auth.serving_key()).api_key == auth.serving_key()
+
+
+class _Recorder(BaseHTTPRequestHandler):
+    seen: list = []
+
+    def do_POST(self):  # noqa: N802 - http.server's name
+        self.rfile.read(int(self.headers.get("content-length", 0)))
+        self.seen.append((self.path, self.headers.get("Authorization")))
+        body = json.dumps({"choices": [{"index": 0, "token_ids": [1]}]}).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_clients_send_the_control_token_and_the_serving_key(monkeypatch):
+    import aiohttp
+
+    from vime.backends.vllm_utils import client
+    from vime.backends.vllm_utils.generate_request import request_generate
+
+    monkeypatch.setattr(auth, "_token", TOKEN)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        client.reset_prefix_cache([url])
+
+        async def generate():
+            async with aiohttp.ClientSession() as http:
+                await request_generate(http, url, {"token_ids": [1]}, timeout=aiohttp.ClientTimeout(total=10),
+                                       retries=0)
+
+        asyncio.run(generate())
+    finally:
+        server.shutdown()
+    assert _Recorder.seen == [("/reset_prefix_cache", f"Bearer {TOKEN}"),
+                              ("/inference/v1/generate", f"Bearer {auth.serving_key(TOKEN)}")]
