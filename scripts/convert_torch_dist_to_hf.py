@@ -17,6 +17,7 @@ from megatron.core import dist_checkpointing
 from transformers import AutoConfig
 
 from vime.backends.megatron_utils.arguments import add_megatron_args, fill_architecture_from_hf
+from vime.backends.megatron_utils.checkpoint import no_code_from_files
 from vime.backends.megatron_utils.hf_checkpoint import save_hf_checkpoint
 from vime.backends.megatron_utils.model_provider import build_model_chunks
 from vime.backends.megatron_utils.parallel import destroy_parallel, init_parallel
@@ -50,7 +51,8 @@ def main(argv: list[str] | None = None) -> None:
         model_args = add_megatron_args(argparse.ArgumentParser()).parse_args([])
         model_args = fill_architecture_from_hf(model_args, AutoConfig.from_pretrained(args.hf_checkpoint))
         model = build_model_chunks(model_args)
-        state = dist_checkpointing.load({"model": model[0].sharded_state_dict()}, str(ckpt))
+        with no_code_from_files():  # a checkpoint from elsewhere: its pickles may hold only data
+            state = dist_checkpointing.load({"model": model[0].sharded_state_dict()}, str(ckpt))
         model[0].load_state_dict(state["model"])
         save_hf_checkpoint(model, args.hf_checkpoint, args.save)
     finally:

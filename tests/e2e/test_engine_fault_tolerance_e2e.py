@@ -5,7 +5,10 @@ RolloutManager actor with --use-fault-tolerance.
    --vllm-max-num-seqs 32 (requests queue inside the engines): every sample comes back complete, no request
    was retried or timed out, 256 requests were in flight at once (rollout/max_in_flight) and the engines held
    more than they run at once (running + waiting, from their /metrics).
-2. A SIGKILLed engine: new weights (version 1) are pushed, one engine's server is SIGKILLed in the middle of a
+2. The run's token: every control route of both engines answers 401 without it (also with a wrong key or the
+   serving key, and when sent through the router, which stays on loopback), opens with it, and a weight load
+   from outside the run's weight root is refused.
+3. A SIGKILLed engine: new weights (version 1) are pushed, one engine's server is SIGKILLed in the middle of a
    rollout; the rollout completes with every group, the engine is back (new URL, healthy, in the router's
    /workers) within the health-check window plus its start-up time, serving version 1 with the same weights as
    the other engine, and the next rollout's metrics count the restart.
@@ -15,16 +18,20 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import signal
+import socket
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 
 from tests.e2e.processes import stack_pids
+from vime.utils.auth import control_headers, serving_headers, use_control_token
 
 pytestmark = pytest.mark.e2e
 
@@ -37,9 +44,20 @@ def _get_json(url: str, timeout: float = 10.0):
         return json.loads(r.read())
 
 
+def _status(url: str, method: str = "GET", headers: dict | None = None, body: dict | None = None) -> int:
+    data = json.dumps(body or {}).encode() if method == "POST" else None
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
 def _in_engine(url: str) -> float:
     """Requests an engine holds now (running + waiting), from its Prometheus /metrics."""
-    with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+    with urllib.request.urlopen(urllib.request.Request(url + "/metrics", headers=control_headers()), timeout=5) as r:
         text = r.read().decode()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith(("vllm:num_requests_running{", "vllm:num_requests_waiting{")))
@@ -90,6 +108,10 @@ def stack(tiny_qwen3, arithmetic_data, tmp_path_factory):
 
     assert not stack_pids(), "engine or router processes are already running"
     out = tmp_path_factory.mktemp("fault_tolerance")
+    token_file = out / "control_token"
+    token_file.write_text(secrets.token_hex(32))
+    token_file.chmod(0o600)
+    use_control_token(token_file.read_text())  # this test process calls the engines as the run does
     args = parse_args([
         "--hf-checkpoint", str(tiny_qwen3), "--prompt-data", str(arithmetic_data[0]), "--label-key", "label",
         "--apply-chat-template", "--rm-type", "math", "--debug-rollout-only",
@@ -98,7 +120,7 @@ def stack(tiny_qwen3, arithmetic_data, tmp_path_factory):
         "--use-fault-tolerance", "--rollout-health-check-interval", str(HEALTH_INTERVAL),
         "--rollout-health-check-timeout", str(HEALTH_TIMEOUT), "--update-weight-dir", str(out),
         "--output-dir", str(out / "run"), "--vllm-enforce-eager", "--vllm-dtype", "float32",
-        "--vllm-max-model-len", "256", "--vllm-max-num-seqs", "32",
+        "--vllm-max-model-len", "256", "--vllm-max-num-seqs", "32", "--control-token-file", str(token_file),
     ])
     init_ray(args)
     manager = RolloutManager.remote(args, Placement(args, with_trainers=False))
@@ -146,6 +168,54 @@ def test_256_requests_in_flight_through_the_router(stack):
     assert peak[0] > 2 * 32, f"the engines never queued requests (peak {peak[0]})"
 
 
+def _node_addresses() -> list[str]:
+    import psutil
+
+    return [a.address for addrs in psutil.net_if_addrs().values() for a in addrs
+            if a.family == socket.AF_INET and not a.address.startswith("127.")]
+
+
+CONTROL_ROUTES = [("POST", "/pause"), ("POST", "/resume"), ("POST", "/sleep"), ("POST", "/wake_up"),
+                  ("POST", "/collective_rpc"), ("POST", "/vime/update_weights"), ("POST", "/abort_requests"),
+                  ("POST", "/reset_prefix_cache"), ("POST", "/update_weight_version"), ("POST", "/start_profile"),
+                  ("POST", "/v1/load_lora_adapter"), ("GET", "/is_paused"), ("GET", "/metrics"),
+                  ("GET", "/server_info")]
+
+
+def test_control_routes_answer_only_to_the_run_token(stack, tiny_qwen3):
+    import ray
+
+    args, manager, out = stack
+    urls = ray.get(manager.get_engine_urls.remote())
+    router_url = ray.get(manager.get_router_url.remote())
+    assert router_url.startswith("http://127.0.0.1:"), router_url  # admin routes on this node's loopback only
+    port = int(router_url.rsplit(":", 1)[1])
+    for address in _node_addresses():  # not on any other address of this node
+        with pytest.raises(OSError):
+            socket.create_connection((address, port), timeout=5).close()
+    wrong = {"Authorization": "Bearer " + "0" * 64}
+    for url in urls:
+        for method, route in CONTROL_ROUTES:
+            seen = [_status(url + route, method, h) for h in (None, wrong, serving_headers())]
+            assert seen == [401, 401, 401], (url, route, seen)
+        assert _status(url + "/health") == 200
+        assert _status(url + "/is_paused", headers=control_headers()) == 200
+        generate = {"token_ids": [100, 101, 102], "sampling_params": {"max_tokens": 2}, "model": "policy"}
+        assert _status(url + "/inference/v1/generate", "POST", None, generate) == 401
+        assert _status(url + "/inference/v1/generate", "POST", serving_headers(), generate) == 200
+        # a weight load from outside the run's weight root (--update-weight-dir) is refused, token or not
+        load = {"method": "vime_load_weights", "kwargs": {"path": str(tiny_qwen3)}}
+        assert _status(url + "/collective_rpc", "POST", control_headers(), load) >= 400
+    # through the router, which sends its own (serving) key with every control call it forwards: refused
+    for route in ("/pause", "/sleep", "/collective_rpc", "/vime/update_weights"):
+        for headers in (None, control_headers()):
+            assert _status(router_url + route, "POST", headers, {"method": "vime_load_weights"}) != 200, route
+    for url in urls:  # nothing above changed an engine
+        state = json.loads(urllib.request.urlopen(urllib.request.Request(url + "/is_paused",
+                                                                         headers=control_headers())).read())
+        assert state["is_paused"] is False, (url, state)
+
+
 def _perturbed_weights(model_dir: Path, out: Path) -> Path:
     """The tiny model's weights plus noise, as an HF directory: what a trainer's disk update would write."""
     import torch
@@ -158,7 +228,7 @@ def _perturbed_weights(model_dir: Path, out: Path) -> Path:
     for f in model_dir.glob("*.safetensors"):
         for name, t in load_file(str(f)).items():
             tensors[name] = (t + 0.05 * torch.randn(t.shape, generator=gen, dtype=t.dtype)).contiguous()
-    save_file(tensors, str(weights_dir / "model.safetensors"))
+    save_file(tensors, str(weights_dir / "model-pp0.safetensors"))  # the name the disk transport writes
     return weights_dir
 
 
@@ -210,7 +280,7 @@ def test_sigkilled_engine_is_replaced_with_the_current_weights(stack, tiny_qwen3
     assert max(abs(a - b) for a, b in zip(*after)) < 1e-5 and max(abs(a - b) for a, b in zip(after[0], before[0])) < 1e-5
     body = json.dumps({"token_ids": probe, "sampling_params": {"max_tokens": 2}, "model": "policy"}).encode()
     req = urllib.request.Request(new_url + "/inference/v1/generate", data=body,
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **serving_headers()})
     with urllib.request.urlopen(req, timeout=60) as r:
         answer = json.loads(r.read())
     assert [str(v["version"]) if isinstance(v, dict) else str(v) for v in answer["choices"][0]["weight_versions"]] \
@@ -219,5 +289,5 @@ def test_sigkilled_engine_is_replaced_with_the_current_weights(stack, tiny_qwen3
     groups, metrics = _rollout(manager, args, 2)
     _check_groups(groups, 64, versions=["1"])
     assert metrics["rollout/engine_restarts"] == 1.0
-    assert (Path(weights) / "model.safetensors").exists()  # a user's directory is never deleted
+    assert (Path(weights) / "model-pp0.safetensors").exists()  # a user's directory is never deleted
     shutil.rmtree(weights)

@@ -1,38 +1,52 @@
 """CUDA IPC weight handles (colocated GPUs): a second process maps the trainer's tensors without a copy through
-the host. Skipped without a GPU."""
+the host, from the JSON manifest the transport writes under the weight root. Skipped without a GPU. (The
+manifest's encoding and its refusals are tested on CPU: tests/unit/test_untrusted_files.py.)"""
 
 from __future__ import annotations
 
-import json
+import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
+REPO = Path(__file__).resolve().parents[2]
+
 
 def test_ipc_handles_open_in_another_process(tmp_path):
-    from torch.multiprocessing.reductions import reduce_tensor
-
-    from vime.backends.weight_transport.cuda_ipc import encode_rebuild_args
+    from vime.backends.vllm_utils.weight_loading import WEIGHT_ROOT_ENV
+    from vime.backends.weight_transport.cuda_ipc import CudaIpcWeightTransport
 
     weights = {"model.embed_tokens.weight": torch.randn(64, 32, device="cuda"),
-               "lm_head.weight": torch.randn(16, 32, device="cuda")}
-    (tmp_path / "stage_0.json").write_text(json.dumps(  # what CudaIpcWeightTransport.send writes
-        [{"name": name, "args": encode_rebuild_args(reduce_tensor(t))} for name, t in weights.items()]))
+               "lm_head.weight": torch.randn(16, 32, device="cuda"),
+               "model.norm.weight": torch.randn(32, device="cuda").bfloat16()}
+    root = tmp_path / "root"
+    transport = CudaIpcWeightTransport(SimpleNamespace(update_weight_dir=str(root)))
+    handle = transport.prepare(version=1)
+    transport.send(list(weights.items()), 0, handle)  # what a training writer does: stage_0.json in `handle`
+    assert [p.name for p in Path(handle).iterdir()] == ["stage_0.json"]
     torch.save({k: v.cpu() for k, v in weights.items()}, tmp_path / "expected.pt")
     reader = textwrap.dedent(f"""
         import torch
         from vime.backends.weight_transport.cuda_ipc import open_ipc_tensors
         expected = torch.load({str(tmp_path / 'expected.pt')!r})
-        got = dict(open_ipc_tensors({str(tmp_path)!r}, torch.cuda.current_device()))
+        got = dict(open_ipc_tensors({handle!r}, torch.cuda.current_device()))
         assert set(got) == set(expected)
         for name, tensor in got.items():
             assert tensor.is_cuda and torch.equal(tensor.cpu(), expected[name]), name
-        print("ok")
+        try:
+            open_ipc_tensors({str(tmp_path)!r}, torch.cuda.current_device())  # outside the weight root
+        except PermissionError:
+            print("ok")
     """)
-    proc = subprocess.run([sys.executable, "-c", reader], capture_output=True, text=True, timeout=120)
+    env = {**os.environ, WEIGHT_ROOT_ENV: str(root), "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", reader], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+    transport.cleanup(handle)
+    assert not Path(handle).exists()

@@ -16,15 +16,14 @@ one (`disk`), else one more `disk` write. The manager deletes the previous copy 
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import ray
 
 from vime.backends.weight_transport import make_weight_transport
+from vime.backends.weight_transport.staging import stage_dir
 
 RECOVERY = "disk"  # the transport that writes recovery copies
 
@@ -92,11 +91,11 @@ class WeightSync:
                 "perf/update_weights_load_time": timings.get("load_s", 0.0)}
 
     def _write_recovery_copy(self, train_group, version: int) -> str:
-        """The current weights as an HF safetensors directory (the `disk` transport's writer), for engine restarts."""
-        path = Path(self.recovery_writer.root) / f"vime_recovery_{os.getpid()}_{version}"
-        path.mkdir(parents=True, exist_ok=True)
-        wait_all([a.send_weights.remote(RECOVERY, str(path)) for a in train_group.actors])
-        return str(path)
+        """The current weights as an HF safetensors directory (the `disk` transport's writer), for engine restarts:
+        a new private directory under the weight root, like every update's."""
+        path = stage_dir(self.recovery_writer.root, f"vime_recovery_{version}_")
+        wait_all([a.send_weights.remote(RECOVERY, path) for a in train_group.actors])
+        return path
 
 
 def wait_all(refs: list) -> None:

@@ -6,11 +6,22 @@
     SAVE/latest_checkpointed_iteration.txt
 
 The tools in tools/ write the same layout ("release" for a converted HF checkpoint), so `--load` accepts both.
+
+Loading runs no code from the files (`no_code_from_files`). Megatron reads common.pt with `torch.load`; torch DCP
+reads each byte item of the .distcp files with `torch.load(weights_only=False)` and `.metadata` with a plain
+`pickle.load`. While a checkpoint loads, every `torch.load` is weights_only (torch's own
+TORCH_FORCE_WEIGHTS_ONLY_LOAD switch, which overrides an explicit weights_only=False; its restricted unpickler builds
+tensors, containers, and the plain classes Megatron registers as safe) and `.metadata` is read by an unpickler
+that builds DCP's metadata classes only. torch 2.13 defaults `torch.load` to weights_only=True anyway; the switch
+keeps it so under a user's TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 and covers DCP's explicit False.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import pickle
 import random
 from pathlib import Path
 
@@ -18,10 +29,76 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.optimizer import distrib_optimizer
+from torch.distributed.checkpoint import filesystem as dcp_filesystem
 
 from vime.backends.megatron_utils.model import use_fused_adam
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
+FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
+NO_WEIGHTS_ONLY = "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"  # set together with the former, torch.load raises
+
+# What torch DCP's `.metadata` pickle refers to (torch 2.13, checked on vime's checkpoints and DCP's own): plain
+# dataclasses, enums, torch.Size, dtypes, paths, and a lookup of torch layouts by name.
+DCP_METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {"Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
+                                              "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                                              "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.planner": {"SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "collections": {"OrderedDict"},
+    "pathlib": {"PosixPath"},  # StorageMeta.checkpoint_id, when the writer was given a Path
+}
+
+
+class DcpMetadataUnpickler(pickle.Unpickler):
+    """Reads torch DCP's `.metadata`: finds only DCP_METADATA_GLOBALS and torch dtypes, so it can call nothing
+    else."""
+
+    def find_class(self, module: str, name: str):
+        if name in DCP_METADATA_GLOBALS.get(module, ()) or module == "torch" and isinstance(
+                getattr(torch, name, None), torch.dtype):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(
+            f"checkpoint metadata refers to {module}.{name}, which is not part of torch DCP's metadata: the file was "
+            f"not written by torch.distributed.checkpoint (or a newer torch added a class: add it to "
+            f"DCP_METADATA_GLOBALS in {__name__} once you checked that it is plain data); nothing was run")
+
+
+class _DcpPickle:
+    """Stands in for the `pickle` module in torch DCP's filesystem reader while a checkpoint loads."""
+
+    dump = staticmethod(pickle.dump)
+
+    @staticmethod
+    def load(file) -> object:
+        return DcpMetadataUnpickler(file).load()
+
+
+@contextlib.contextmanager
+def no_code_from_files():
+    """While it is open, loading a checkpoint unpickles only data (see the module docstring). Process-wide: it sets
+    an environment variable and swaps DCP's reader's `pickle`, both put back on leaving."""
+    saved_env = {key: os.environ.get(key) for key in (FORCE_WEIGHTS_ONLY, NO_WEIGHTS_ONLY)}
+    saved_pickle = dcp_filesystem.pickle
+    os.environ[FORCE_WEIGHTS_ONLY] = "1"
+    os.environ.pop(NO_WEIGHTS_ONLY, None)
+    dcp_filesystem.pickle = _DcpPickle
+    try:
+        yield
+    finally:
+        dcp_filesystem.pickle = saved_pickle
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def read_rng_state(path: Path) -> dict:
+    """A rank's RNG states: tensors and plain values, read weights_only (torch's restricted unpickler: no code)."""
+    return torch.load(path, weights_only=True)
 
 
 def checkpoint_dir(root: str, rollout_id: int) -> Path:
@@ -120,7 +197,8 @@ def load_checkpoint(trainer, root: str) -> dict | None:
     release = path.name == "release"
     if release or args.no_load_optim or args.finetune:
         state_template.pop("optimizer", None)
-    loaded = dist_checkpointing.load(state_template, str(path))
+    with no_code_from_files():
+        loaded = dist_checkpointing.load(state_template, str(path))
     trainer.model[0].module.load_state_dict(loaded["model"])
     if "optimizer" in loaded:
         with torch.no_grad():  # the distributed optimizer copies into views of leaf parameters
@@ -137,6 +215,6 @@ def load_checkpoint(trainer, root: str) -> dict | None:
         trainer.scheduler.load_state_dict(meta["scheduler"])
     rng_file = path / "rng" / f"rank_{dist.get_rank()}.pt"
     if not args.no_load_rng and rng_file.is_file():
-        _set_rng_state(torch.load(rng_file, weights_only=True))  # tensors and plain values only: nothing is unpickled
+        _set_rng_state(read_rng_state(rng_file))
     trainer.step = meta["step"]
     return meta

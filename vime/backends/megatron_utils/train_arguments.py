@@ -29,8 +29,9 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
                         "the tensors whose content hash changed since the last sync, for engines behind a slow "
                         "link; cuda_ipc = colocated GPUs, engines map the trainer's tensors (default: disk).")
     g.add_argument("--update-weight-dir", default=None,
-                   help="Directory for the disk and delta transports; must be visible to the engines "
-                        "(default: /dev/shm).")
+                   help="Root of the disk and delta transports' update directories (each a fresh 0700 "
+                        "directory; engines load only from under it); must be visible to the engines "
+                        "(default: /dev/shm/vime-<uid>, private to this user).")
     g.add_argument("--update-weight-buffer-size", type=int, default=512 * 1024 ** 2,
                    help="Bucket size of the broadcast transport, in bytes: small tensors travel packed in flat "
                         "buckets of at most this size; a tensor of 1 MiB or more, or of at least this size, travels "

@@ -20,16 +20,71 @@ cache at a time, is the faster one (100M parameters, 382 MiB: 340-400 ms vs 440-
 False, and touches nothing, where it does not apply (larger models, another platform, LoRA, quantized, MoE or
 other special layers); the caller then uses `reload_weights`. Like `reload_weights`, a layer that receives only
 part of its tensors would load garbage for the rest: vime's transports send whole layers (weight_transport.delta).
+
+What a worker may read (`update_files`): only a directory under the run's weight root (`weight_root`, given to the
+engine as VIME_WEIGHT_ROOT by `engine.engine_env`; symlinks resolved), and in it only the file names the writer
+uses, each a regular file. The worker methods take a path from an HTTP route, so a path elsewhere, or a file
+someone else put beside the weights, is refused instead of read.
 """
 
 from __future__ import annotations
 
+import os
+import re
+import stat
+import tempfile
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 
 ONLINE_LOADER = "online_process_loader"  # vLLM's layerwise-reload wrapper around a parameter's weight loader
 IN_PLACE_MAX_BYTES = 128 * 2**20  # dense bytes made at once; beyond, vLLM's layer-by-layer reload is faster
+WEIGHT_ROOT_ENV = "VIME_WEIGHT_ROOT"  # the engine's weight root (`engine_env`)
+
+
+def default_weight_root() -> str:
+    """This user's own directory on /dev/shm (in memory), else in the temp dir: both are shared by every user,
+    so the root is per user and private (`weight_transport.staging.stage_dir` checks that)."""
+    shm = "/dev/shm"
+    base = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else tempfile.gettempdir()
+    return os.path.join(base, f"vime-{os.getuid()}")
+
+
+def weight_root(args) -> str:
+    """The one directory weight updates are staged under and engines load from: --update-weight-dir, else
+    `default_weight_root()`; absolute, since the engines do not share the driver's working directory."""
+    return os.path.abspath(getattr(args, "update_weight_dir", None) or default_weight_root())
+
+
+def update_files(path: str, name: re.Pattern, root: str | None = None) -> list[Path]:
+    """The files of the weight update directory `path`, sorted by the stage number `name` captures.
+
+    Raises PermissionError unless `path` resolves to a directory inside `root` (default: $VIME_WEIGHT_ROOT, else
+    `default_weight_root()`), and ValueError for any entry that is not a regular file named as `name` says (a
+    planted file, a link): a writer's directory holds nothing else."""
+    root = root or os.environ.get(WEIGHT_ROOT_ENV) or default_weight_root()
+    real, real_root = Path(path).resolve(), Path(root).resolve()
+    if real_root not in real.parents:
+        raise PermissionError(f"weight path {path!r} (resolved: {real}) is outside the weight root {real_root}: "
+                              f"engines load only what vime staged under --update-weight-dir (the engine's "
+                              f"{WEIGHT_ROOT_ENV}); stage the weights there")
+    if not real.is_dir():
+        raise FileNotFoundError(f"weight directory {path!r} does not exist (or is not a directory)")
+    files, unexpected = [], []
+    for entry in sorted(real.iterdir()):
+        match = name.fullmatch(entry.name)
+        if match and stat.S_ISREG(entry.lstat().st_mode):
+            files.append((int(match.group(1)), entry))
+        else:
+            unexpected.append(entry.name)
+    if unexpected:
+        raise ValueError(f"weight directory {real} holds {unexpected}, which vime did not write there (it writes "
+                         f"only files named {name.pattern!r}, no links): nothing was loaded; remove them, and check "
+                         f"who else can write to {real_root}")
+    if not files:
+        raise FileNotFoundError(f"no weight files ({name.pattern!r}) in {real}")
+    return [entry for _, entry in sorted(files)]
 
 
 def load_in_place(vllm_config, model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> bool:

@@ -1,21 +1,33 @@
 """Weight sync through files: each pipeline stage writes its layers as HF safetensors, engines reload them.
 
-Works everywhere (CPU, GPU, engines on other machines with a shared mount). /dev/shm keeps it in memory on
-one machine.
+Works everywhere (CPU, GPU, engines on other machines with a shared mount). The default root on /dev/shm keeps it
+in memory on one machine. Each update is a fresh private directory under the weight root
+(`staging.stage_dir`) holding model-pp<stage>.safetensors files only; the engines load nothing else from it
+(`weight_loading.update_files`).
 """
 
 from __future__ import annotations
 
-import os
+import json
+import re
 import shutil
-import tempfile
+import struct
 from pathlib import Path
+from typing import BinaryIO
 
+import torch
+
+from vime.backends.vllm_utils.weight_loading import weight_root
 from vime.backends.weight_transport.base import Weights, WeightTransport
+from vime.backends.weight_transport.staging import stage_dir, write_new_file
 
+STAGE_FILE = re.compile(r"model-pp(\d+)\.safetensors")  # the only names in an update directory
 
-def default_weight_dir() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+# torch dtype -> safetensors dtype name (the format's spec); a dtype not here cannot be written
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
+    torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
 
 
 class DiskWeightTransport(WeightTransport):
@@ -25,14 +37,12 @@ class DiskWeightTransport(WeightTransport):
         from vime.backends.vllm_utils.engine import has_vime_worker_extension
 
         super().__init__(args)
-        self.root = getattr(args, "update_weight_dir", None) or default_weight_dir()
+        self.root = weight_root(args)
         # vime's loader (in place where it can), else vLLM's own reload (external engines, another extension)
         self.load_method = "vime_load_weights" if has_vime_worker_extension(args) else "reload_weights"
 
     def prepare(self, version: int) -> str:
-        path = Path(self.root) / f"vime_weights_{os.getpid()}_{version}"
-        path.mkdir(parents=True, exist_ok=True)
-        return str(path)
+        return stage_dir(self.root, f"vime_weights_{version}_")
 
     def send(self, weights: Weights, stage: int | None, handle: str) -> None:
         """The writer of each pipeline stage saves its tensors as one safetensors file."""
@@ -52,10 +62,25 @@ class DiskWeightTransport(WeightTransport):
         shutil.rmtree(handle, ignore_errors=True)
 
 
-def write_stage_file(directory: Path, stage: int, weights: Weights) -> None:
-    """`weights` as directory/model-pp<stage>.safetensors, renamed into place once complete."""
-    from safetensors.torch import save_file
+def write_stage_file(directory: Path, stage: int, weights: Weights) -> Path:
+    """`weights` as directory/model-pp<stage>.safetensors, created new and renamed into place once complete."""
+    return write_new_file(directory, f"model-pp{stage}.safetensors", lambda f: write_safetensors(f, weights))
 
-    tmp = directory / f".model-pp{stage}.safetensors.tmp"
-    save_file({name: t.detach().contiguous().cpu() for name, t in weights}, str(tmp))
-    tmp.replace(directory / f"model-pp{stage}.safetensors")
+
+def write_safetensors(f: BinaryIO, weights: Weights) -> None:
+    """The safetensors format, streamed: a header of names, dtypes, shapes and byte ranges, then each tensor's
+    bytes, one tensor at a time (safetensors' own writers take a path, or build the whole file in memory)."""
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, t in weights:
+        if t.dtype not in SAFETENSORS_DTYPES:
+            raise TypeError(f"{name}: safetensors has no {t.dtype}; cast it to one of "
+                            f"{sorted(map(str, SAFETENSORS_DTYPES))}")
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the spec's padding: the data starts 8-byte aligned
+    f.write(struct.pack("<Q", len(raw)) + raw)
+    for _, t in weights:
+        f.write(t.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy().data)

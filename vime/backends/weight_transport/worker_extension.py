@@ -6,12 +6,12 @@ vLLM mixes this class into its worker class, so `self` is the worker (`self.relo
 only string arguments. `engine_command` adds the flag unless the user names another extension class.
 
 Every method loads through `_vime_load`: `weight_loading.load_in_place` where it applies (unquantized dense models on
-CPU), else vLLM's `reload_weights`. Each returns what it loaded and whether in place.
+CPU), else vLLM's `reload_weights`. Each returns what it loaded and whether in place. A method that takes a path
+reads only an update directory under the engine's weight root, and in it only the writer's files
+(`weight_loading.update_files`): the path comes from an HTTP request. Nothing read is unpickled.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import torch
 
@@ -46,20 +46,23 @@ class WeightReceiver:
         return stats
 
     def vime_load_weights(self, path: str) -> dict:
-        """Load the HF safetensors files in directory `path` (what the disk and delta transports write)."""
+        """Load the model-pp<stage>.safetensors files of update directory `path` (what the disk and delta
+        transports write; it must be under the weight root and hold nothing else)."""
         from safetensors import safe_open
 
+        from vime.backends.vllm_utils.weight_loading import update_files
+        from vime.backends.weight_transport.disk import STAGE_FILE
+
+        files = update_files(path, STAGE_FILE)
         stats = {"tensors": 0}
 
         def tensors():
-            for file in sorted(Path(path).glob("*.safetensors")):
+            for file in files:
                 with safe_open(str(file), "pt", device="cpu") as f:
                     for name in f.keys():
                         stats["tensors"] += 1
                         yield name, f.get_tensor(name)
 
-        if not any(Path(path).glob("*.safetensors")):
-            raise FileNotFoundError(f"no *.safetensors weights in {path}")
         stats["in_place"] = self._vime_load(tensors())
         return stats
 
@@ -82,10 +85,11 @@ class WeightReceiver:
         from vime.backends.weight_transport.cuda_ipc import open_ipc_tensors
 
         count = 0
+        opened = open_ipc_tensors(path, self.device.index)  # checks the path and every handle file first
 
         def tensors():
             nonlocal count
-            for name, tensor in open_ipc_tensors(path, self.device.index):
+            for name, tensor in opened:
                 count += 1
                 yield name, tensor
 
