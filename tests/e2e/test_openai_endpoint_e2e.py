@@ -87,7 +87,8 @@ def _chat(client, messages, max_tokens=12):
 
 def test_multi_turn_chat_records_the_engines_tokens(stack):
     server, engine_urls = stack
-    client = openai.OpenAI(base_url=server.base_url, api_key="conv-1", max_retries=0, timeout=120)
+    conv1, conv2 = server.open_episode(), server.open_episode()  # each agent's key: its episode's token
+    client = openai.OpenAI(base_url=server.base_url, api_key=conv1, max_retries=0, timeout=120)
     assert [m.id for m in client.models.list().data] == ["policy"]
 
     messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is 2 + 3?"}]
@@ -104,7 +105,7 @@ def test_multi_turn_chat_records_the_engines_tokens(stack):
     assert sorted(served) == [0, 3], f"the session's 3 calls were spread over the engines: {served}"
     engine = engine_urls[served.index(3)]
 
-    session = server.session("conv-1")
+    session = server.session(conv1)
     (traj,) = session.trajectories  # every call extended the previous one: one token sequence
     assert len(traj.turns) == 3
     assert len(traj.tokens) == len(traj.loss_mask) == len(traj.log_probs)
@@ -139,17 +140,25 @@ def test_multi_turn_chat_records_the_engines_tokens(stack):
             assert prompt_logprobs[i][str(token)]["logprob"] == pytest.approx(traj.log_probs[i], abs=1e-4)
 
     # The second session gets its own record; the first is untouched.
-    other = openai.OpenAI(base_url=server.base_url, api_key="conv-2", max_retries=0, timeout=120)
+    other = openai.OpenAI(base_url=server.base_url, api_key=conv2, max_retries=0, timeout=120)
     _chat(other, [{"role": "user", "content": "hello"}])
-    assert len(server.session("conv-2").trajectories[0].turns) == 1
-    assert len(server.session("conv-1").trajectories[0].turns) == 3
+    assert len(server.session(conv2).trajectories[0].turns) == 1
+    assert len(server.session(conv1).trajectories[0].turns) == 3
+    closed = server.close_episode(conv2)
+    assert list(closed) == [conv2]
+    with pytest.raises(openai.AuthenticationError):  # a closed episode's token, like a guessed one, is refused
+        _chat(other, [{"role": "user", "content": "hello"}])
 
 
 def test_errors_are_openai_shaped(stack):
     server, _ = stack
-    client = openai.OpenAI(base_url=server.base_url, api_key="conv-err", max_retries=0, timeout=120)
+    conv = server.open_episode()
+    client = openai.OpenAI(base_url=server.base_url, api_key=conv, max_retries=0, timeout=120)
     with pytest.raises(openai.BadRequestError, match="stream"):
         client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}], stream=True)
     with pytest.raises(openai.BadRequestError):  # longer than --vllm-max-model-len 256: the engine says no
         client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "one two " * 300}])
-    assert server.session("conv-err") is None  # failed calls record nothing
+    assert server.session(conv) is None  # failed calls record nothing
+    guessed = openai.OpenAI(base_url=server.base_url, api_key="conv-err", max_retries=0, timeout=120)
+    with pytest.raises(openai.AuthenticationError):
+        guessed.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}])

@@ -14,7 +14,7 @@ from aiohttp import web
 
 from vime.agents import harness
 from vime.agents.harness import agent_reward, assign_rewards, forced_sampling, split_role_groups
-from vime.agents.openai_server import call_seed
+from vime.agents.openai_server import call_seed, routing_key
 from vime.rollout.context import reset_rollout_context
 from vime.utils.types import Sample
 
@@ -54,9 +54,9 @@ class FakeRouter:
 
 def _args(model, router_url):
     reset_rollout_context(router_url=router_url)  # what the rollout manager sets up in its process
-    return SimpleNamespace(hf_checkpoint=str(model), router_policy="consistent_hash", rollout_max_response_len=8, rollout_temperature=0.7,
-                           rollout_top_p=1.0, rollout_top_k=-1, apply_chat_template_kwargs=None,
-                           rollout_request_timeout=30, rollout_request_retries=0)
+    return SimpleNamespace(hf_checkpoint=str(model), router_policy="consistent_hash", rollout_max_response_len=8,
+                           rollout_temperature=0.7, rollout_top_p=1.0, rollout_top_k=-1,
+                           apply_chat_template_kwargs=None, rollout_request_timeout=30, rollout_request_retries=0)
 
 
 def test_episode_with_two_roles_becomes_per_role_samples(tiny_qwen3):
@@ -88,7 +88,12 @@ def test_episode_with_two_roles_becomes_per_role_samples(tiny_qwen3):
         assert temps == {0.7}
         seeds = [body["sampling_params"]["seed"] for body, _ in router.requests]
         assert len(set(seeds)) == 3
-        assert [sid for _, sid in router.requests] == [f"{seen['session']}/solver"] * 2 + [f"{seen['session']}/checker"]
+        token = seen["session"]
+        assert len(token) == 32 and int(token, 16) >= 0  # 128 random bits, the agent's credential
+        # one router affinity key per session, which is not the credential
+        keys = [key for _, key in router.requests]
+        assert keys == [routing_key(f"{token}/solver")] * 2 + [routing_key(f"{token}/checker")]
+        assert token not in "".join(keys)
         assert router.requests[1][0]["sampling_params"]["max_tokens"] == 2  # a smaller request is honoured
 
         assert main.metadata["agent_role"] == "solver" and main.metadata["m"] == 1
@@ -102,7 +107,12 @@ def test_episode_with_two_roles_becomes_per_role_samples(tiny_qwen3):
         assert main.weight_versions == ["7"]
         assert agent_reward(None, main) == 1.0 and agent_reward(None, checker) == 0.0
         assert main.status == Sample.Status.TRUNCATED
-        assert harness._server.sessions == {}  # closed episodes are handed over, not kept
+        assert main.metadata["agent_session"] == f"{token}/solver"
+        assert harness._server.episodes == {}  # closed episodes are handed over, not kept
+        late = openai.OpenAI(base_url=harness._server.base_url, api_key=f"{token}/solver", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):  # the episode is over: its token no longer works
+            late.chat.completions.create(model="policy", messages=[{"role": "user", "content": "again"}])
+        assert harness._server.episodes == {} and len(router.requests) == 3
     finally:
         if harness._server is not None:
             harness._server.stop()

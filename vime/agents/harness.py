@@ -6,7 +6,8 @@
         --rollout-function-path vime.agents.harness.generate_rollout     # only for several roles
 
 The agent is `[async] def run(base_url, session_id, sample)`: it drives the policy with the `openai` client
-(`AsyncOpenAI(base_url=base_url, api_key=session_id)`) and returns the episode's reward (a number or a reward
+(`AsyncOpenAI(base_url=base_url, api_key=session_id)`; the session id is the episode's 128-bit token, which the
+endpoint accepts only while the episode runs) and returns the episode's reward (a number or a reward
 dict), per-agent rewards `{role: reward}`, a final answer string (then the usual reward function scores it) or
 None. Each call goes through vime's OpenAI-compatible endpoint (`openai_server.py`), which records the exact
 tokens; the harness turns each session into a trainable `Sample`: model tokens are trained (loss mask 1), all
@@ -24,12 +25,12 @@ import asyncio
 import inspect
 import logging
 import threading
-import uuid
 from typing import Any, Awaitable, Callable
 
 from vime.agents.chat_session import ChatSession, trajectory_to_sample
 from vime.agents.openai_arguments import agent_flag
 from vime.agents.openai_server import OpenAIServer
+from vime.utils.device import serving_host
 from vime.utils.misc import load_function
 from vime.utils.types import RolloutFnTrainOutput, Sample
 
@@ -58,7 +59,8 @@ def get_server(args) -> OpenAIServer:
                         "top_p": args.rollout_top_p, "top_k": args.rollout_top_k}
             _server = OpenAIServer(router_url(), AutoTokenizer.from_pretrained(args.hf_checkpoint),
                                    template_kwargs=args.apply_chat_template_kwargs, default_sampling=defaults,
-                                   port=agent_flag(args, "agent_endpoint_port"),
+                                   host=serving_host(args), port=agent_flag(args, "agent_endpoint_port"),
+                                   max_request_bytes=int(agent_flag(args, "agent_endpoint_max_request_mb") * 2**20),
                                    request_timeout_s=args.rollout_request_timeout,
                                    retries=args.rollout_request_retries,
                                    retry_window_s=retry_window_s(args)).start()
@@ -118,8 +120,7 @@ async def run_episode(args, agent_fn: AgentFn, sample: Sample, sampling_params: 
     """Run the agent on `sample` and return its first role's Sample; the other roles' Samples ride along in
     metadata["agent_role_samples"] (as dicts) until `generate_rollout` regroups them."""
     server = get_server(args)
-    episode = f"s{sample.index}-{uuid.uuid4().hex[:8]}"
-    server.open_episode(episode, forced_sampling(args, sampling_params))
+    episode = server.open_episode(forced_sampling(args, sampling_params))  # unguessable: the agent's credential
     try:
         result = await asyncio.wait_for(agent_fn(server.base_url, episode, sample),
                                         timeout=agent_flag(args, "agent_timeout"))

@@ -12,6 +12,7 @@ DEFAULTS = {
     "agent_function_path": None,
     "agent_timeout": 600.0,
     "agent_endpoint_port": 0,
+    "agent_endpoint_max_request_mb": 16.0,
     "agent_use_request_sampling": False,
 }
 
@@ -29,6 +30,10 @@ def add_agent_harness_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--agent-endpoint-port", type=int, default=DEFAULTS["agent_endpoint_port"],
                    help="Port of the OpenAI-compatible endpoint in the rollout process; 0 picks a free one "
                         "(default: 0).")
+    g.add_argument("--agent-endpoint-max-request-mb", type=float, default=DEFAULTS["agent_endpoint_max_request_mb"],
+                   help="Largest chat request body the endpoint reads, in MiB; a larger one is answered 413. "
+                        "Parsing a body holds the rollout process's GIL (about 1.5 ms per MiB), so a higher limit "
+                        "lets one request delay every agent's calls (default: 16).")
     g.add_argument("--agent-use-request-sampling", action="store_true",
                    help="Use the agent's own temperature/top_p/top_k instead of --rollout-temperature/top-p/top-k. "
                         "Off by default because the trainer computes log-probs at the rollout temperature "

@@ -4,32 +4,48 @@ An existing agent harness points the `openai` client at it and chats; vime recor
 token ids the engines saw and sampled, the loss mask, log-probs and weight versions (`chat_session.py`).
 
     server = OpenAIServer(router_url, tokenizer).start()     # -> "http://127.0.0.1:PORT/v1"
-    client = openai.AsyncOpenAI(base_url=server.base_url, api_key="episode-7/solver")
+    token = server.open_episode()                              # 128 random bits, e.g. "3f9c...e1"
+    client = openai.AsyncOpenAI(base_url=server.base_url, api_key=f"{token}/solver")
     await client.chat.completions.create(model="policy", messages=[...], max_tokens=64)
-    server.close_episode("episode-7")                          # -> {"episode-7/solver": ChatSession}
+    server.close_episode(token)                                # -> {f"{token}/solver": ChatSession}
 
 Session id, first found wins: header `X-Session-ID`, the API key (`Authorization: Bearer <id>`, what every
-OpenAI client sets), then the body's `user`. An id "EPISODE/ROLE" is the ROLE agent of EPISODE.
+OpenAI client sets), then the body's `user`. An id "TOKEN/ROLE" is the ROLE agent of the episode TOKEN.
 Routes: POST /v1/chat/completions (no streaming, n=1), GET /v1/models, GET /health.
 
+Only open episodes are served: the token is the episode's credential (the endpoint may listen on the node's
+address on a cluster), so a call with an unknown or closed token gets 401 and records nothing; a call still in
+flight when its episode closes is answered 401 too and leaves no state behind. An episode's sessions and locks
+live in its `_Episode`, dropped on close, so memory follows the open episodes only.
+
 Each call goes token-in/token-out to `/inference/v1/generate` through vllm-router (`request_generate`, retried
-like the rollout's own requests) with the header
-`X-Session-ID: <session id>`. vllm-router 0.1.17's `consistent_hash` policy hashes that header first (then
+like the rollout's own requests) with the header `X-Session-ID: <routing key>`, a digest of the session id (the
+router never sees the token). vllm-router 0.1.17's `consistent_hash` policy hashes that header first (then
 X-User-ID, ..., the body's session_params.session_id / user, else the whole body), so with
 `--router-policy consistent_hash` every call of a session reaches the same engine and reuses its prefix cache.
 
 The server runs on its own event loop in a daemon thread, so a harness may use the sync or the async client
-from any thread of the rollout process.
+from any thread of the rollout process. That loop only moves bytes: JSON parsing, template rendering,
+tokenization and detokenization run in a thread pool (the tokenizer releases the GIL), so /health and other
+sessions stay responsive while a large request is prepared. Bodies over `max_request_bytes` (16 MiB by default,
+--agent-endpoint-max-request-mb) get 413: json.loads holds the GIL for the whole body (~90 ms at 60 MiB).
 """
 
 from __future__ import annotations
 
 import asyncio
+import codecs
+import functools
+import hashlib
+import json
 import logging
+import secrets
 import threading
 import time
 import uuid
 import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -42,6 +58,10 @@ from vime.backends.vllm_utils.generate_request import (EngineRejectedError, Engi
 logger = logging.getLogger(__name__)
 MODEL_NAME = "policy"
 SESSION_HEADER = "X-Session-ID"
+MAX_SESSION_ID_CHARS = 256  # a token (32 hex digits), "/" and a role name
+# json.loads holds the GIL (every thread of the rollout process waits) ~1.5 ms per MiB; a text-only policy's
+# longest useful request, a full context window, is well under 1 MiB.
+DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20
 
 
 def session_id_of(headers, body: dict[str, Any]) -> str | None:
@@ -56,6 +76,51 @@ def session_id_of(headers, body: dict[str, Any]) -> str | None:
 
 def episode_of(session_id: str) -> str:
     return session_id.split("/", 1)[0]
+
+
+def token_key(token: str) -> bytes:
+    """What an episode is filed under: the token's SHA-256. Lookups then compare digests, never the token itself,
+    so their timing says nothing about how much of a guessed token is right."""
+    return hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()
+
+
+def routing_key(session_id: str) -> str:
+    """The router's affinity key for a session: stable per session, and no use as a credential."""
+    return hashlib.sha256(session_id.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+async def read_text(request: web.Request, max_bytes: int) -> list[str]:
+    """The request body as text pieces, decoded chunk by chunk as it arrives: every step on the event loop stays
+    short (one `bytes(body)` or `decode` of a large body would hold it for tens of milliseconds)."""
+    if (request.content_length or 0) > max_bytes:
+        raise BodyTooLarge
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    pieces, size = [], 0
+    try:
+        async for chunk in request.content.iter_any():
+            size += len(chunk)
+            if size > max_bytes:
+                raise BodyTooLarge
+            pieces.append(decoder.decode(chunk))
+        pieces.append(decoder.decode(b"", final=True))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"the request body is not UTF-8 ({e})") from e
+    return pieces
+
+
+def parse_body(pieces: list[str]) -> dict[str, Any]:
+    """A chat request's JSON object from its text pieces (run off the event loop: ~1.5 ms per MiB)."""
+    try:
+        body = json.loads("".join(pieces))
+    except (ValueError, RecursionError) as e:  # RecursionError: nested deeper than the parser's stack
+        raise ValueError(f"the request body is not JSON ({e})") from e
+    if not isinstance(body, dict):
+        raise ValueError(f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
 
 
 def engine_sampling_params(body: dict[str, Any], defaults: dict[str, Any], forced: dict[str, Any]) -> dict[str, Any]:
@@ -100,10 +165,26 @@ class EngineError(Exception):
         self.status = status
 
 
+class EpisodeClosed(Exception):
+    """The call's episode closed while the call ran: nothing is recorded."""
+
+
+@dataclass
+class _Episode:
+    """One open episode: the sampling params forced on its calls, its sessions (in order of first recorded
+    call) and one lock per session. All of it goes when the episode closes."""
+
+    forced: dict[str, Any]
+    sessions: dict[str, ChatSession] = field(default_factory=dict)
+    locks: dict[str, asyncio.Lock] = field(default_factory=dict)
+    open: bool = True
+
+
 class OpenAIServer:
     def __init__(self, router_url: str, tokenizer, template_kwargs: dict | None = None,
                  default_sampling: dict[str, Any] | None = None, host: str = "127.0.0.1", port: int = 0,
-                 request_timeout_s: float = 600.0, retries: int = 2, retry_window_s: float = 0.0):
+                 request_timeout_s: float = 600.0, retries: int = 2, retry_window_s: float = 0.0,
+                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, prepare_threads: int = 4):
         self.router_url = router_url.rstrip("/")
         self.tokenizer = tokenizer
         self.template = ChatTemplate(tokenizer, template_kwargs)
@@ -111,11 +192,14 @@ class OpenAIServer:
         self.host, self.port = host, port
         self.timeout = aiohttp.ClientTimeout(total=request_timeout_s)
         self.retries, self.retry_window_s = retries, retry_window_s
+        if max_request_bytes <= 0:
+            raise ValueError(f"max_request_bytes is {max_request_bytes}; give a positive limit "
+                             "(--agent-endpoint-max-request-mb)")
+        self.max_request_bytes = int(max_request_bytes)
         self.counters = RequestCounters()  # in flight and retried through this endpoint
-        self.sessions: dict[str, ChatSession] = {}
-        self.forced: dict[str, dict[str, Any]] = {}  # episode -> sampling params forced on its calls
-        self._locks: dict[str, asyncio.Lock] = {}
-        self._guard = threading.Lock()
+        self.episodes: dict[bytes, _Episode] = {}  # open episodes by token_key(token)
+        self._guard = threading.Lock()  # episodes and their sessions: the harness opens/closes from its thread
+        self._pool = ThreadPoolExecutor(prepare_threads, thread_name_prefix="vime-openai-prepare")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
         self._http: aiohttp.ClientSession | None = None
@@ -133,7 +217,7 @@ class OpenAIServer:
         return self
 
     async def _serve(self) -> None:
-        app = web.Application(client_max_size=64 * 2**20)
+        app = web.Application(client_max_size=self.max_request_bytes)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
@@ -157,23 +241,38 @@ class OpenAIServer:
         asyncio.run_coroutine_threadsafe(_close(), self._loop).result(30)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._loop = None
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- episodes (thread-safe: the harness calls these from the rollout's loop) -------------------------------
-    def open_episode(self, episode: str, forced_sampling: dict[str, Any] | None = None) -> None:
-        """Force sampling params on every session "EPISODE" or "EPISODE/ROLE" (e.g. the RL run's temperature)."""
+    def open_episode(self, forced_sampling: dict[str, Any] | None = None) -> str:
+        """A new episode's token (128 random bits): its agents use it, or "TOKEN/ROLE", as their API key.
+        `forced_sampling` is imposed on each of its calls (e.g. the RL run's temperature)."""
+        token = secrets.token_hex(16)
         with self._guard:
-            self.forced[episode] = dict(forced_sampling or {})
+            self.episodes[token_key(token)] = _Episode(dict(forced_sampling or {}))
+        return token
 
-    def close_episode(self, episode: str) -> dict[str, ChatSession]:
-        """Remove and return the episode's sessions ({session id: ChatSession}, in order of first call)."""
+    def close_episode(self, token: str) -> dict[str, ChatSession]:
+        """End an episode and hand over its sessions ({session id: ChatSession}, in order of first call); its
+        token is refused from now on. {} for an unknown or already closed token."""
         with self._guard:
-            self.forced.pop(episode, None)
-            ids = [sid for sid in self.sessions if episode_of(sid) == episode]
-            return {sid: self.sessions.pop(sid) for sid in ids}
+            episode = self.episodes.pop(token_key(token), None)
+            if episode is None:
+                return {}
+            episode.open = False
+            episode.locks.clear()  # a call waiting on one still holds it, and finds the episode closed
+            return episode.sessions
 
     def session(self, session_id: str) -> ChatSession | None:
+        episode = self._episode(session_id)
+        if episode is None:
+            return None
         with self._guard:
-            return self.sessions.get(session_id)
+            return episode.sessions.get(session_id)
+
+    def _episode(self, session_id: str) -> _Episode | None:
+        with self._guard:
+            return self.episodes.get(token_key(episode_of(session_id)))
 
     # ---- routes ----------------------------------------------------------------------------------------------
     async def _health(self, request: web.Request) -> web.Response:
@@ -184,34 +283,53 @@ class OpenAIServer:
             {"id": MODEL_NAME, "object": "model", "created": 0, "owned_by": "vime"}]})
 
     async def _chat(self, request: web.Request) -> web.Response:
+        session_id = session_id_of(request.headers, {})
+        if session_id is not None and self._episode(session_id) is None:
+            return _unauthorized()  # before reading a body that would not be served
         try:
-            body = await request.json()
-        except ValueError:
-            return _error(400, "the request body is not JSON")
-        session_id = session_id_of(request.headers, body)
+            body = await self._off_loop(parse_body, await read_text(request, self.max_request_bytes))
+        except BodyTooLarge:
+            return _error(413, f"the request body is over the endpoint's limit of {self.max_request_bytes} bytes; "
+                               "raise --agent-endpoint-max-request-mb or send less")
+        except ValueError as e:
+            return _error(400, str(e))
+        session_id = session_id or session_id_of({}, body)
         if not session_id:
-            return _error(400, f"no session id: set the {SESSION_HEADER} header or the API key "
-                               "(openai.OpenAI(base_url=..., api_key=SESSION_ID))")
+            return _error(401, f"no session id: set the API key to the episode's session id "
+                               f"(openai.OpenAI(base_url=..., api_key=SESSION_ID)) or the {SESSION_HEADER} header",
+                          code="invalid_api_key")
+        if len(session_id) > MAX_SESSION_ID_CHARS:
+            return _error(400, f"the session id is {len(session_id)} characters, over {MAX_SESSION_ID_CHARS}; "
+                               "use the episode's token with a short role name, TOKEN/ROLE")
+        episode = self._episode(session_id)
+        if episode is None:
+            return _unauthorized()
         if body.get("stream"):
             return _error(400, "stream=True is not supported by vime's endpoint; call without streaming")
         if body.get("n", 1) != 1:
             return _error(400, "n must be 1")
         with self._guard:
-            lock = self._locks.setdefault(session_id, asyncio.Lock())
-            forced = self.forced.get(episode_of(session_id), {})
+            if not episode.open:  # closed since the lookup: a lock now would outlive it
+                return _unauthorized()
+            lock = episode.locks.setdefault(session_id, asyncio.Lock())
         async with lock:  # one call at a time per session: each call extends the previous one
             try:
-                return web.json_response(await self._complete(session_id, body, forced))
+                return web.json_response(await self._complete(episode, session_id, body))
+            except EpisodeClosed:
+                return _unauthorized()
             except ValueError as e:
                 return _error(400, str(e))
             except EngineError as e:
                 return _error(e.status, str(e))
 
-    async def _complete(self, session_id: str, body: dict[str, Any], forced: dict[str, Any]) -> dict[str, Any]:
+    async def _complete(self, episode: _Episode, session_id: str, body: dict[str, Any]) -> dict[str, Any]:
         with self._guard:
-            session = self.sessions.get(session_id) or ChatSession(session_id)
-        tools = body.get("tools")
-        trajectory, prompt_ids, messages = session.prepare(body.get("messages"), tools, self.template)
+            if not episode.open:
+                raise EpisodeClosed
+            session = episode.sessions.get(session_id) or ChatSession(session_id)
+        trajectory, prompt_ids, messages = await self._off_loop(session.prepare, body.get("messages"),
+                                                                body.get("tools"), self.template)
+        forced = episode.forced
         params = engine_sampling_params(body, self.defaults, forced)
         if forced.get("seed") is not None:  # one run seed per episode: vary it per role and call
             params["seed"] = call_seed(forced["seed"], session_id, sum(len(t.turns) for t in session.trajectories))
@@ -224,10 +342,9 @@ class OpenAIServer:
         if finish == "abort":  # 422: the openai client does not retry it; the episode ends, nothing recorded
             raise EngineError(422, "generation was aborted (the rollout batch is full or the engines were "
                                    "paused); this episode cannot continue")
-        text = reply_text(self.tokenizer, sampled, params.get("stop"))
-        session.record(trajectory, prompt_ids, messages, sampled, log_probs, versions, finish, text, self.template)
-        with self._guard:
-            self.sessions[session_id] = session
+        text = await self._off_loop(reply_text, self.tokenizer, sampled, params.get("stop"))
+        await self._off_loop(self._record, episode, session, trajectory, prompt_ids, messages, sampled, log_probs,
+                             versions, finish, text)
         return {
             "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
             "model": body.get("model") or MODEL_NAME,
@@ -237,19 +354,37 @@ class OpenAIServer:
                       "total_tokens": len(prompt_ids) + len(sampled)},
         }
 
+    def _record(self, episode: _Episode, session: ChatSession, *turn) -> None:
+        """Record a finished call, only while its episode is open: close_episode has handed the sessions over."""
+        with self._guard:
+            if not episode.open:
+                raise EpisodeClosed
+            session.record(*turn, self.template)
+            episode.sessions.setdefault(session.session_id, session)
+
+    async def _off_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))
+
     async def _generate(self, session_id: str, prompt_ids: list[int], params: dict[str, Any]) -> dict[str, Any]:
         """Token-in/token-out through the router, keyed by session, retried like the rollout's requests."""
         payload = {"token_ids": prompt_ids, "sampling_params": params, "model": MODEL_NAME}
         try:
             return await request_generate(self._http, self.router_url, payload, timeout=self.timeout,
                                           retries=self.retries, retry_window_s=self.retry_window_s,
-                                          headers={SESSION_HEADER: session_id}, counters=self.counters)
+                                          headers={SESSION_HEADER: routing_key(session_id)}, counters=self.counters)
         except EngineRejectedError as e:
             raise EngineError(400, str(e)) from e
         except EngineUnavailableError as e:
             raise EngineError(502, str(e)) from e
 
 
-def _error(status: int, message: str) -> web.Response:
+def _unauthorized() -> web.Response:
+    return _error(401, "no open episode for this session id: use the session id the harness gave this episode's "
+                       "agent (or it + '/ROLE'), and only until the episode ends", code="invalid_api_key")
+
+
+def _error(status: int, message: str, code: str | int | None = None) -> web.Response:
+    """An OpenAI-style error body (the openai client raises it as BadRequestError, AuthenticationError, ...)."""
     kind = "invalid_request_error" if status < 500 else "api_error"
-    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
+    return web.json_response({"error": {"message": message, "type": kind, "param": None,
+                                        "code": status if code is None else code}}, status=status)
