@@ -4,19 +4,29 @@
     --custom-rm-path examples.coding_agent.agent.reward
 
 The model may run code with the `python` tool (in the sandbox) before answering; its final code block is
-graded by running the hidden tests (the sample's label) in the sandbox too.
+graded in the sandbox too, by hidden tests (the sample's label) that import it (`grading.py`).
 """
 
 from __future__ import annotations
 
 import re
 
+from examples.coding_agent.grading import grade
 from vime.agents import multi_turn
-from vime.agents.sandbox import LocalSandbox, SandboxLimits
+from vime.agents.arguments import agent_setting
+from vime.agents.sandbox import Sandbox, SandboxLimits, make_sandbox
 from vime.rollout.vllm_rollout import GenerateState
 
 CODE_BLOCK = re.compile(r"```(?:python)?\n(.*?)```", re.DOTALL)
-_sandbox = LocalSandbox()
+_sandboxes: dict[tuple[str, bool], Sandbox] = {}
+
+
+def _sandbox(args) -> Sandbox:
+    """The --agent-sandbox (local by default), refusing weak isolation unless --agent-sandbox-allow-weak-isolation."""
+    key = (agent_setting(args, "agent_sandbox"), bool(agent_setting(args, "agent_sandbox_allow_weak_isolation")))
+    if key not in _sandboxes:
+        _sandboxes[key] = make_sandbox(key[0], allow_weak_isolation=key[1])
+    return _sandboxes[key]
 
 
 async def generate(args, sample, sampling_params):
@@ -30,12 +40,10 @@ def final_code(text: str) -> str | None:
 
 
 async def reward(args, sample) -> float:
-    """1.0 when the last model turn's code passes every hidden test in the sandbox, else 0.0."""
+    """1.0 when the last model turn's code passes every hidden test in the sandbox (all of them ran), else 0.0."""
     turns = multi_turn.model_turn_texts(GenerateState(args).tokenizer, sample)
     code = final_code(turns[-1]) if turns else None
     if code is None:
         return 0.0
-    result = await _sandbox.run(code=code + "\n\n" + sample.label + "\n", limits=SandboxLimits(wall_time_s=5))
-    sample.metadata["grading"] = {"exit_code": result.exit_code, "stopped_reason": result.stopped_reason,
-                                  "stderr": result.stderr[-500:]}
-    return 1.0 if result.ok else 0.0
+    score, sample.metadata["grading"] = await grade(_sandbox(args), code, sample.label, SandboxLimits(wall_time_s=5))
+    return score

@@ -74,6 +74,7 @@ def test_coding_agent_example(tmp_path):
     assert _check_trajectories(samples) > 0, "the warmed-up model never ran code"
     graded = [s for s in samples if "grading" in s.metadata]
     assert graded, "no final code block was ever graded in the sandbox"
-    for s in graded:  # reward 1 exactly when the hidden tests passed in the sandbox
-        passed = s.metadata["grading"]["exit_code"] == 0 and s.metadata["grading"]["stopped_reason"] is None
-        assert s.reward == float(passed)
+    for s in graded:  # reward 1 exactly when the hidden tests passed in the sandbox (and printed the nonce)
+        grading = s.metadata["grading"]
+        assert s.reward == float(grading["passed"])
+        assert not grading["passed"] or (grading["exit_code"] == 0 and grading["stopped_reason"] is None)

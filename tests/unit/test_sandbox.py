@@ -5,13 +5,12 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from vime.agents.sandbox import HTTPSandbox, LocalSandbox, SandboxLimits, make_sandbox, sandbox_app
+from vime.agents.sandbox import LocalSandbox, SandboxLimits, make_sandbox
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc"), reason="LocalSandbox needs Linux")
 QUICK = SandboxLimits(wall_time_s=3, max_processes=16)
@@ -156,34 +155,59 @@ def test_bad_arguments():
         _run(code="1", files={"../x": "no"})
     with pytest.raises(ValueError, match="sandbox must be"):
         make_sandbox("ftp://x")
+    with pytest.raises(ValueError, match="positive number"):
+        SandboxLimits(wall_time_s=-1)
+    with pytest.raises(ValueError, match="true or false"):
+        SandboxLimits.from_dict({"allow_network": "yes"})
 
 
-def test_http_sandbox_against_a_local_service():
-    from aiohttp import web
+def test_program_gets_a_minimal_environment(monkeypatch):
+    monkeypatch.setenv("VIME_CONTROL_TOKEN", "secret-control-token")
+    r = _run(code="import os\nprint(' '.join(sorted(os.environ)))\nprint(os.environ['HOME'] == os.getcwd())")
+    names = set(r.stdout.split("\n")[0].split())
+    assert r.ok and "VIME_CONTROL_TOKEN" not in names and r.stdout.split("\n")[1] == "True", r
+    assert names <= {"PATH", "HOME", "TMPDIR", "LANG", "PYTHONPATH", "PYTHONNOUSERSITE", "PYTHONDONTWRITEBYTECODE",
+                     "PYTHONUNBUFFERED", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"} | {
+        n for n in names if n.startswith("VIME_SANDBOX_")}
 
-    ready, holder = threading.Event(), {}
 
-    def serve():
-        loop = asyncio.new_event_loop()
-        runner = web.AppRunner(sandbox_app(LocalSandbox()))
-        loop.run_until_complete(runner.setup())
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        loop.run_until_complete(site.start())
-        holder["port"], holder["loop"] = site._server.sockets[0].getsockname()[1], loop
-        ready.set()
-        loop.run_forever()
-        loop.run_until_complete(runner.cleanup())
+@needs_pid_namespace
+def test_own_proc_in_the_pid_namespace():
+    r = _run(code="import os\nprint(os.getpid(), sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))")
+    pid, pids = r.stdout.split(" ", 1)
+    assert r.ok and int(pid) <= 3 and os.getpid() not in eval(pids) and len(eval(pids)) <= 3, r
 
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    assert ready.wait(10)
-    try:
-        remote = make_sandbox(f"http://127.0.0.1:{holder['port']}")
-        assert isinstance(remote, HTTPSandbox)
-        r = _run(remote, code="print(open('f.txt').read() * 2)", files={"f.txt": "ab"})
-        assert r.ok and r.stdout == "abab\n"
-        r = _run(remote, code="while True: pass", limits=SandboxLimits(wall_time_s=1))
-        assert r.stopped_reason == "timeout"
-    finally:
-        holder["loop"].call_soon_threadsafe(holder["loop"].stop)
-        thread.join(10)
+
+WRITE_40MB = ("import time\nfor i in range(40):\n    open(f'f{i}', 'wb').write(b'x' * 2**20)\n    time.sleep(0.02)\n"
+              "print('wrote')")
+
+
+@pytest.mark.parametrize("namespaces", [True, False], ids=["tmpfs", "size-check"])
+def test_scratch_directory_is_size_limited(namespaces):
+    sandbox = LocalSandbox(namespaces=namespaces, allow_weak_isolation=True)
+    if namespaces and "tmpfs" not in sandbox.isolation["scratch"]:
+        pytest.skip(f"no tmpfs in a mount namespace here: {sandbox.isolation['scratch']}")
+    r = _run(sandbox, code=WRITE_40MB, limits=SandboxLimits(wall_time_s=5, max_scratch_mb=8))
+    assert r.stopped_reason == "disk_quota" and "wrote" not in r.stdout, r
+    assert _run(sandbox, code=WRITE_40MB, limits=SandboxLimits(wall_time_s=5, max_scratch_mb=64)).ok
+
+
+def test_jail_runs_nothing_when_an_isolation_step_fails(tmp_path):
+    """Fail closed: a step the config asks for that cannot be applied means the program never starts."""
+    import json
+    import subprocess
+    import sys
+
+    from vime.agents.sandbox import _JAIL, _read_events, _result
+
+    marker, events = tmp_path / "ran", tmp_path / "events.jsonl"
+    events.touch()
+    config = {"events": str(events), "cwd": str(tmp_path), "env": {}, "rlimits": {},
+              "argv": ["/bin/sh", "-c", f"touch {marker}"], "cgroup": str(tmp_path / "no-such-cgroup")}
+    (tmp_path / "jail.json").write_text(json.dumps(config))
+    proc = subprocess.run([sys.executable, "-S", str(_JAIL), str(tmp_path / "jail.json")], capture_output=True,
+                          timeout=30)
+    assert proc.returncode == 126 and not marker.exists()
+    assert b"isolation failed, the program was not run: cgroup:" in proc.stderr
+    r = _result(b"", proc.stderr, False, False, proc.returncode, False, False, False, _read_events(events), 0.1)
+    assert r.stopped_reason == "sandbox_error" and r.exit_code is None and "cgroup" in r.violations[0]["detail"]

@@ -19,6 +19,7 @@ DEFAULTS: dict[str, Any] = {
     "agent_max_tool_output_chars": 2000,
     "agent_environment_path": "vime.agents.multi_turn.tool_environment",
     "agent_sandbox": "local",
+    "agent_sandbox_allow_weak_isolation": False,
 }
 
 
@@ -53,3 +54,8 @@ def add_agent_args(parser: argparse.ArgumentParser) -> None:
                         "model turn; None ends the episode (default: vime.agents.multi_turn.tool_environment).")
     g.add_argument("--agent-sandbox", default=DEFAULTS["agent_sandbox"],
                    help="Where code runs: 'local' (LocalSandbox) or the URL of a sandbox service (default: local).")
+    g.add_argument("--agent-sandbox-allow-weak-isolation", action="store_true",
+                   default=DEFAULTS["agent_sandbox_allow_weak_isolation"],
+                   help="Run model code in a local sandbox even where it lacks network, pid or file-system isolation "
+                        "(no unprivileged namespaces or Landlock, e.g. a default container); such runs are logged "
+                        "and counted in rollout/sandbox_weak_isolation_runs (default: off = refuse to run).")

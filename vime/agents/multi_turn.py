@@ -99,16 +99,17 @@ def _load_tool_paths(args) -> None:
             register_tool(tool)
 
 
-_sandboxes: dict[str, Any] = {}
+_sandboxes: dict[tuple[str, bool], Any] = {}
 
 
 def _sandbox(args):
     from vime.agents.sandbox import make_sandbox
 
     spec = agent_setting(args, "agent_sandbox")
-    if spec not in _sandboxes:
-        _sandboxes[spec] = make_sandbox(spec)
-    return _sandboxes[spec]
+    allow_weak = bool(agent_setting(args, "agent_sandbox_allow_weak_isolation"))
+    if (spec, allow_weak) not in _sandboxes:
+        _sandboxes[spec, allow_weak] = make_sandbox(spec, allow_weak_isolation=allow_weak)
+    return _sandboxes[spec, allow_weak]
 
 
 async def tool_environment(args, sample: Sample, model_text: str, turn: int) -> list[dict[str, Any]] | None:

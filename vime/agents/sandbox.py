@@ -4,17 +4,26 @@
     result.stdout == "2\\n"; result.stopped_reason is None
 
 `Sandbox` is the interface: `run(code=... | command=..., files=..., limits=...) -> SandboxResult`.
-`LocalSandbox` runs a subprocess in a fresh temporary directory:
-- wall time: the whole process tree is killed (a pid namespace when `unshare` works, else the process group);
-- CPU time, memory (RLIMIT_AS), file size, open files: rlimits;
-- processes: RLIMIT_NPROC; as root the program runs as an unprivileged user (`sandbox_uid`, default nobody)
-  since root ignores that limit; otherwise a fresh user namespace gives it its own count;
-- file system: writes outside the sandbox directory are refused by Landlock (Linux >= 5.13) and, for Python,
-  by an audit hook that also records the refusal;
-- network: off by default, a fresh network namespace (`unshare -n`) plus the audit hook (and Landlock TCP rules).
-What is actually in force on this machine is in `LocalSandbox().isolation`.
-`HTTPSandbox` implements the same interface against a remote service; `sandbox_app` serves any sandbox over
-HTTP (POST /run), so a sandbox can live on another machine.
+`LocalSandbox` runs a subprocess (`sandbox_jail.py`) in a fresh directory, with whatever of these the machine
+allows (`LocalSandbox().isolation` is the report; `sandbox_isolation.py` finds it by trying):
+- its own pid namespace and /proc, mount namespace and network namespace (`unshare`; as non-root inside a user
+  namespace of its own);
+- as root a uid of its own per running sandbox (`sandbox_slots.py`), so the process limit is per sandbox and
+  the trainer's files and processes are another user's;
+- Landlock (`sandbox_landlock.py`): reads beneath system paths and its own directory only, writes in its
+  directory only, no signals or abstract sockets outside;
+- seccomp (`sandbox_seccomp.py`): no sockets but AF_UNIX unless network is allowed, no new namespaces;
+- cgroup v2 memory.max and pids.max over the whole sandbox (`sandbox_cgroup.py`);
+- a tmpfs of `max_scratch_mb` as its directory (else a size check of the directory every 0.2 s);
+- rlimits per process: CPU time, address space, file size, open files, processes;
+- an environment of its own (PATH, HOME, LANG, PYTHON*), never the trainer's (its secrets live there);
+- every descendant killed at the end: pid namespace, cgroup.kill, the slot's uid, or a process group nothing can
+  leave (setsid refused), whichever is strongest here.
+Without network + pid + file-system isolation it refuses to run (`SandboxRefused`) unless
+`allow_weak_isolation=True` (`--agent-sandbox-allow-weak-isolation`); such runs are logged and counted in the
+rollout metrics (`rollout/sandbox_weak_isolation_runs`) and carry `SandboxResult.weak_isolation`.
+`HTTPSandbox` implements the same interface against a remote service that `sandbox_app` serves
+(`sandbox_http.py`: bearer token, the server's own maximum limits).
 """
 
 from __future__ import annotations
@@ -22,70 +31,30 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from vime.agents.sandbox_cgroup import cgroup_pool
+from vime.agents.sandbox_http import HTTPSandbox, sandbox_app
+from vime.agents.sandbox_isolation import Isolation, note_weak_run, probe_isolation, refusal
+from vime.agents.sandbox_slots import DEFAULT_SLOTS, DEFAULT_UID_BASE, Slot, UidPool, kill_uid
+from vime.agents.sandbox_types import STOP_REASONS, Sandbox, SandboxLimits, SandboxRefused, SandboxResult
+
+logger = logging.getLogger(__name__)
 _HERE = Path(__file__).resolve().parent
 _JAIL = _HERE / "sandbox_jail.py"
 _SITE = _HERE / "sandbox_site"
-
-# Why a run stopped early. None: the program ended by itself (its exit code may still be non-zero).
-STOP_REASONS = ("timeout", "memory", "forbidden_write", "network", "process_limit", "file_size", "output_limit",
-                "killed")
-
-
-@dataclass
-class SandboxLimits:
-    wall_time_s: float = 10.0  # the whole process tree is killed after this many seconds
-    cpu_time_s: int | None = None  # RLIMIT_CPU per process (default: ceil(wall_time_s))
-    memory_mb: int = 1024  # RLIMIT_AS per process, MiB of address space
-    max_processes: int = 32  # RLIMIT_NPROC: processes and threads of the sandbox user
-    max_file_size_mb: int = 16  # RLIMIT_FSIZE
-    max_open_files: int = 256  # RLIMIT_NOFILE
-    max_output_bytes: int = 65536  # stdout and stderr are each cut at this size (the run goes on)
-    allow_network: bool = False
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any] | None) -> SandboxLimits:
-        d = d or {}
-        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise ValueError(f"unknown sandbox limits {sorted(unknown)}")
-        return cls(**d)
-
-
-@dataclass
-class SandboxResult:
-    stdout: str
-    stderr: str
-    exit_code: int | None  # negative: killed by that signal; None: never started
-    stopped_reason: str | None = None  # one of STOP_REASONS, or None when the program ended by itself
-    duration_s: float = 0.0
-    violations: list[dict[str, str]] = field(default_factory=list)  # every refused action, in order
-
-    @property
-    def ok(self) -> bool:
-        return self.exit_code == 0 and self.stopped_reason is None
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-class Sandbox:
-    """Runs `code` (Python source) or `command` (argv list or shell string) with `files` in a fresh directory."""
-
-    async def run(self, code: str | None = None, command: list[str] | str | None = None,
-                  files: dict[str, str | bytes] | None = None, limits: SandboxLimits | None = None) -> SandboxResult:
-        raise NotImplementedError
+# what any program may read (and execute): the system, never /tmp, /home, /root or /run
+SYSTEM_READ_PATHS = ("/bin", "/sbin", "/usr", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt", "/proc", "/sys",
+                     "/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
+_SCRATCH_CHECK_S = 0.2
 
 
 def _safe_relative(name: str) -> Path:
@@ -93,24 +62,6 @@ def _safe_relative(name: str) -> Path:
     if path.is_absolute() or ".." in path.parts or not path.parts:
         raise ValueError(f"sandbox file name must be a relative path inside the sandbox, got {name!r}")
     return path
-
-
-@lru_cache(maxsize=None)
-def _unshare_flags(is_root: bool, network: bool) -> tuple[str, ...] | None:
-    """`unshare` options that work unprivileged here (pid namespace, +network when asked), or None."""
-    exe = shutil.which("unshare")
-    if exe is None or not sys.platform.startswith("linux"):
-        return None
-    flags = ["--fork", "--pid", "--kill-child"]
-    if not is_root:
-        flags += ["--user", "--map-root-user"]
-    if network:
-        flags.append("--net")
-    try:
-        ok = subprocess.run([exe, *flags, "true"], capture_output=True, timeout=10).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        ok = False
-    return (exe, *flags) if ok else None
 
 
 async def _read_capped(stream: asyncio.StreamReader, cap: int) -> tuple[bytes, bool]:
@@ -143,8 +94,13 @@ def _stderr_reason(stderr: str) -> str | None:
     lowered = stderr.lower()
     if "cannot fork" in lowered or ("fork" in lowered and "resource temporarily unavailable" in lowered):
         return "process_limit"
+    if "no space left on device" in lowered or "disk quota exceeded" in lowered:
+        return "disk_quota"
+    if "/dev/tcp/" in lowered or "/dev/udp/" in lowered or "socket: operation not permitted" in lowered:
+        return "network"
+    tools = ("touch:", "mkdir:", "cp:", "mv:", "rm:")
     if any(w in lowered for w in ("cannot create", "can't create", "read-only file system")) \
-            or ("permission denied" in lowered and any(w in lowered for w in ("touch:", "mkdir:", "cp:", "mv:", "rm:"))):
+            or ("permission denied" in lowered and any(w in lowered for w in tools)):
         return "forbidden_write"
     if "memoryerror" in lowered or "cannot allocate memory" in lowered:
         return "memory"
@@ -167,30 +123,76 @@ def _default_python(is_root: bool) -> str:
     for candidate in ("/usr/bin/python3", "/usr/local/bin/python3"):
         if os.path.exists(candidate) and _world_executable(candidate):
             return candidate
-    raise RuntimeError(f"no Python the sandbox user may run: {sys.executable} is not world-executable; "
-                       "pass LocalSandbox(python=...) or sandbox_uid of a user who can run it")
+    raise RuntimeError(f"no Python the sandbox users may run: {sys.executable} is not world-executable; "
+                       "pass LocalSandbox(python=...) of an interpreter every user can run")
+
+
+def _dir_usage(path: Path, cap: int) -> int:
+    """Bytes the files under `path` take (stops counting past `cap`)."""
+    total, stack = 0, [str(path)]
+    while stack and total <= cap:
+        try:
+            with os.scandir(stack.pop()) as entries:
+                for entry in entries:
+                    st = entry.stat(follow_symlinks=False)
+                    total += st.st_blocks * 512 + 4096 * entry.is_dir(follow_symlinks=False)
+                    if entry.is_dir(follow_symlinks=False):
+                        stack.append(entry.path)
+        except OSError:
+            continue
+    return total
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 class LocalSandbox(Sandbox):
     """A subprocess sandbox on this machine; see the module docstring for what is enforced and how.
 
-    sandbox_uid/gid: user the program runs as when vime runs as root (default 65534, nobody);
-    python: interpreter for `code` (default: this one); base_dir: where temporary directories go.
+    python: interpreter for `code` (default: this one, or a system one every uid may run when root);
+    base_dir: where the temporary directories go; read_paths: more paths programs may read (and execute);
+    allow_weak_isolation: run even without network + pid + file-system isolation (logged, counted);
+    namespaces / cgroups / landlock: False turns that mechanism off (tests of the weaker paths);
+    uid_base / slots: as root, sandboxes run as uids uid_base .. uid_base + slots - 1, one per running sandbox
+    (at most `slots` run at once, the others wait).
     """
 
-    def __init__(self, sandbox_uid: int = 65534, sandbox_gid: int = 65534, python: str | None = None,
-                 base_dir: str | None = None, landlock: bool = True):
+    def __init__(self, python: str | None = None, base_dir: str | None = None, landlock: bool = True,
+                 allow_weak_isolation: bool = False, namespaces: bool = True, cgroups: bool = True,
+                 uid_base: int = DEFAULT_UID_BASE, slots: int = DEFAULT_SLOTS, read_paths: tuple[str, ...] = ()):
         self.is_root = hasattr(os, "geteuid") and os.geteuid() == 0
-        self.sandbox_uid, self.sandbox_gid = sandbox_uid, sandbox_gid
         self.python = python or _default_python(self.is_root)
         self.base_dir = base_dir
-        self.landlock = landlock
+        self.landlock, self.namespaces, self.cgroups = landlock, namespaces, cgroups
+        self.allow_weak_isolation = allow_weak_isolation
+        self.uid_range = (uid_base, slots) if self.is_root else None
+        self.read_paths = tuple(read_paths)
+        self._uids: UidPool | None = None
+        self._reported = False
+
+    def _isolation(self) -> Isolation:
+        iso = probe_isolation(self.is_root, self.namespaces, self.cgroups, self.uid_range)
+        return iso if self.landlock else dataclasses.replace(iso, landlock_abi=0)
 
     @property
     def isolation(self) -> dict[str, Any]:
-        return {"pid_namespace": _unshare_flags(self.is_root, False) is not None,
-                "network_namespace": _unshare_flags(self.is_root, True) is not None,
-                "drops_to_uid": self.sandbox_uid if self.is_root else None}
+        """What runs get here: see Isolation.report (strong, missing, namespaces, Landlock ABI, seccomp, ...)."""
+        return self._isolation().report()
+
+    def check_isolation(self) -> dict[str, Any]:
+        """The isolation report (logged the first time); raises SandboxRefused if too weak and not allowed."""
+        report = self.isolation
+        if report["missing"] and not self.allow_weak_isolation:
+            raise refusal(report["missing"])
+        if not self._reported:
+            self._reported = True
+            log = logger.warning if report["missing"] else logger.info
+            log("sandbox isolation: %s", json.dumps(report))
+        return report
 
     def _argv(self, code: str | None, command: list[str] | str | None, root: Path) -> list[str]:
         if (code is None) == (command is None):
@@ -209,147 +211,185 @@ class LocalSandbox(Sandbox):
     async def run(self, code: str | None = None, command: list[str] | str | None = None,
                   files: dict[str, str | bytes] | None = None, limits: SandboxLimits | None = None) -> SandboxResult:
         limits = limits or SandboxLimits()
+        if (code is None) == (command is None):
+            raise ValueError("pass exactly one of code= or command=")
+        for name in files or {}:
+            _safe_relative(name)
+        self.check_isolation()
+        iso = self._isolation()
+        missing = [m for m in iso.missing() if not (m == "network" and limits.allow_network)]
+        if missing:
+            note_weak_run(missing)
+        slot = None
+        if self.uid_range:
+            self._uids = self._uids or UidPool(*self.uid_range)
+            slot = await self._uids.acquire(self.python)
         root = Path(tempfile.mkdtemp(prefix="vime-sandbox-", dir=self.base_dir))
         try:
-            return await self._run_in(root, code, command, files or {}, limits)
+            result = await self._run_in(root, iso, slot, code, command, files or {}, limits)
         finally:
+            if slot is not None:
+                await self._uids.release(slot, self.python)
             shutil.rmtree(root, ignore_errors=True)
+        result.weak_isolation = missing
+        return result
 
-    async def _run_in(self, root: Path, code, command, files, limits: SandboxLimits) -> SandboxResult:
+    def _env(self, work: Path, events: Path, limits: SandboxLimits, run_id: str) -> dict[str, str]:
+        """All the program sees of an environment: nothing of the trainer's (tokens, keys, paths)."""
+        return {
+            "PATH": f"{os.path.dirname(self.python)}:/usr/local/bin:/usr/bin:/bin", "HOME": str(work),
+            "TMPDIR": str(work), "LANG": "C.UTF-8", "PYTHONPATH": str(_SITE), "PYTHONNOUSERSITE": "1",
+            "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1", "VIME_SANDBOX_ROOT": str(work),
+            "VIME_SANDBOX_EVENTS": str(events), "VIME_SANDBOX_ALLOW_NETWORK": "1" if limits.allow_network else "0",
+            "VIME_SANDBOX_ID": run_id, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
+        }
+
+    def _read_paths(self, root: Path) -> list[str]:
+        pythons = {self.python, os.path.realpath(self.python)}
+        prefixes = {os.path.dirname(os.path.dirname(p)) for p in pythons}
+        if self.python == sys.executable:
+            prefixes |= {sys.prefix, sys.base_prefix, sys.exec_prefix}
+        return [*SYSTEM_READ_PATHS, *sorted(prefixes), str(_SITE), str(root), *self.read_paths]
+
+    def _prepare(self, root: Path, iso: Isolation, slot: Slot | None, code, command, files, limits) -> dict:
+        """The run's directory (program, files, event log, scratch) and the jail's config."""
         work, events = root / "work", root / "events.jsonl"
+        stage = root / "files" if iso.tmpfs else work  # with a tmpfs the jail copies the files into it
         work.mkdir()
+        stage.mkdir(exist_ok=True)
         for name, content in files.items():
-            path = work / _safe_relative(name)
+            path = stage / _safe_relative(name)
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(content.encode() if isinstance(content, str) else content)
         argv = self._argv(code, command, root)
         events.touch()
-        os.chmod(root, 0o755)
-        if self.is_root:  # the program runs as the sandbox user: it owns its directory and the event log
-            for path in [work, events, *work.rglob("*")]:
-                os.chown(path, self.sandbox_uid, self.sandbox_gid)
-        env = {
-            "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(work), "TMPDIR": str(work),
-            "LANG": "C.UTF-8", "PYTHONPATH": str(_SITE), "PYTHONNOUSERSITE": "1", "PYTHONDONTWRITEBYTECODE": "1",
-            "PYTHONUNBUFFERED": "1", "VIME_SANDBOX_ROOT": str(work), "VIME_SANDBOX_EVENTS": str(events),
-            "VIME_SANDBOX_ALLOW_NETWORK": "1" if limits.allow_network else "0",
-            "VIME_SANDBOX_ID": root.name, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
+        if slot is not None:  # the slot's uid owns what the program may touch; root keeps the rest
+            os.chmod(root, 0o711)
+            program = [p for p in [root / "program.py"] if p.exists()]
+            for path in [work, events, *program, *([] if iso.tmpfs else work.rglob("*"))]:
+                os.chown(path, slot.uid, slot.gid, follow_symlinks=False)
+            for path, mode in [(work, 0o700), (stage, 0o700), (events, 0o600), *[(p, 0o600) for p in program]]:
+                os.chmod(path, mode)
+        write = [str(work), str(events), "/dev/null"]
+        return {
+            "events": str(events), "cwd": str(work), "argv": argv, "env": self._env(work, events, limits, root.name),
+            "parent_mnt_ns": os.stat("/proc/self/ns/mnt").st_ino,
+            "tmpfs": {"size_mb": limits.max_scratch_mb, "nr_inodes": 16384} if iso.tmpfs else None,
+            "stage": str(stage),
+            "uid": slot.uid if slot else None, "gid": slot.gid if slot else None,
+            "nproc_shared": slot is None and not iso.user_namespace,
+            "kill_uid_at_exit": slot is not None and not iso.pid_namespace,
+            "rlimits": {"CPU": limits.cpu_seconds, "AS": limits.memory_mb * 2**20,
+                        "FSIZE": limits.max_file_size_mb * 2**20, "NOFILE": limits.max_open_files,
+                        "NPROC": limits.max_processes, "CORE": 0},
+            "landlock": ({"read": self._read_paths(root), "write": write, "deny_tcp": not limits.allow_network}
+                         if iso.landlock_abi else None),
+            "seccomp": ({"arch": iso.seccomp_arch, "deny_network": not limits.allow_network,
+                         "deny_new_session": iso.deny_new_session} if iso.seccomp_arch else None),
         }
-        config = {
-            "events": str(events), "cwd": str(work), "argv": argv, "env": env, "allow_network": limits.allow_network,
-            "writable": [str(work), str(events), "/dev/null"], "landlock": self.landlock,
-            "uid": self.sandbox_uid if self.is_root else None, "gid": self.sandbox_gid if self.is_root else None,
-            "rlimits": {"CPU": limits.cpu_time_s or max(1, int(limits.wall_time_s + 0.999)),
-                        "AS": limits.memory_mb * 2**20, "FSIZE": limits.max_file_size_mb * 2**20,
-                        "NOFILE": limits.max_open_files, "NPROC": limits.max_processes, "CORE": 0},
-        }
-        prefix = _unshare_flags(self.is_root, not limits.allow_network) or ()
-        config["own_user_namespace"] = "--user" in prefix
+
+    async def _run_in(self, root: Path, iso: Isolation, slot: Slot | None, code, command, files,
+                      limits: SandboxLimits) -> SandboxResult:
+        """Start the jail, wait at most the wall time, kill everything left, then say why it stopped."""
+        config = self._prepare(root, iso, slot, code, command, files, limits)
+        pool = cgroup_pool() if iso.cgroup_dir else None
+        if pool is not None:
+            config["cgroup"] = pool.start_run(root.name, (limits.memory_mb + limits.max_scratch_mb) * 2**20,
+                                              limits.max_processes + 1)  # + the jail
         config_path = root / "jail.json"
         config_path.write_text(json.dumps(config))
+        os.chmod(config_path, 0o600)
+        prefix = iso.prefix_network if limits.allow_network else iso.prefix
         start = time.monotonic()
         proc = await asyncio.create_subprocess_exec(
             *prefix, sys.executable, "-S", str(_JAIL), str(config_path), stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True, env=env)
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True,
+            env=config["env"])
         readers = asyncio.gather(_read_capped(proc.stdout, limits.max_output_bytes),
                                  _read_capped(proc.stderr, limits.max_output_bytes))
+        cap = limits.max_scratch_mb * 2**20
+        watcher = None if iso.tmpfs else asyncio.ensure_future(_watch_scratch(Path(config["cwd"]), cap, proc.pid))
         timed_out = False
         try:
             await asyncio.wait_for(proc.wait(), timeout=limits.wall_time_s)
         except asyncio.TimeoutError:
             timed_out = True
-        finally:  # the namespace dies with its pid 1; the group kill covers the no-namespace fallback
+        finally:  # the namespace dies with its pid 1; without one, the group, the cgroup or the slot's uid
             _kill_group(proc.pid)
-        await proc.wait()
+            if watcher is not None:
+                watcher.cancel()
+            if pool is not None:
+                await pool.end_run(config["cgroup"])
+            if slot is not None and not iso.pid_namespace:  # a setsid child would hold the output pipes open
+                await kill_uid(slot.uid, slot.gid, self.python)
         try:
             (out, out_cut), (err, err_cut) = await asyncio.wait_for(readers, timeout=5)
+            await proc.wait()  # asyncio's wait() also waits for the pipes to close: only once they did
         except asyncio.TimeoutError:  # a descendant escaped and holds the pipes open
             readers.cancel()
             out, err, out_cut, err_cut = b"", b"sandbox: output pipes did not close\n", False, False
-        duration = time.monotonic() - start
-
-        logged = _read_events(events)
-        violations = [{"reason": e["reason"], "detail": e.get("detail", "")} for e in logged
-                      if e.get("event") == "violation"][:50]
-        stderr = err.decode(errors="replace")
-        exit_code = proc.returncode
-        signalled = next((e["signal"] for e in logged if e.get("event") == "exit"), None)
-        if signalled is not None:
-            exit_code = -signalled
-        reason = violations[0]["reason"] if violations else _stderr_reason(stderr)
-        if reason is None:
-            if timed_out or signalled == signal.SIGXCPU:
-                reason = "timeout"
-            elif signalled == signal.SIGXFSZ:
-                reason = "file_size"
-            elif signalled == signal.SIGKILL:
-                reason = "killed"
-            elif out_cut or err_cut:
-                reason = "output_limit"
-        if timed_out and exit_code is not None and exit_code >= 0:
-            exit_code = -signal.SIGKILL
-        return SandboxResult(stdout=out.decode(errors="replace"), stderr=stderr, exit_code=exit_code,
-                             stopped_reason=reason, duration_s=duration, violations=violations)
+        scratch_full = watcher is not None and (watcher.done() and not watcher.cancelled() and watcher.result()
+                                                or _dir_usage(Path(config["cwd"]), cap) > cap)  # one last look
+        oom = pool is not None and pool.oom_killed(config["cgroup"])
+        return _result(out, err, out_cut, err_cut, proc.returncode, timed_out, scratch_full, oom,
+                       _read_events(Path(config["events"])), time.monotonic() - start)
 
 
-def _kill_group(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+async def _watch_scratch(work: Path, cap: int, pgid: int) -> bool:
+    """Without a tmpfs: kill the run once its directory holds more than `cap` bytes (True when it did)."""
+    while True:
+        await asyncio.sleep(_SCRATCH_CHECK_S)
+        if _dir_usage(work, cap) > cap:
+            _kill_group(pgid)
+            return True
 
 
-class HTTPSandbox(Sandbox):
-    """A sandbox service over HTTP: POST {url}/run with {code|command, files, limits} -> SandboxResult JSON."""
-
-    def __init__(self, url: str, request_timeout_margin_s: float = 30.0):
-        self.url = url.rstrip("/")
-        self.margin = request_timeout_margin_s
-
-    async def run(self, code: str | None = None, command: list[str] | str | None = None,
-                  files: dict[str, str | bytes] | None = None, limits: SandboxLimits | None = None) -> SandboxResult:
-        import aiohttp
-
-        limits = limits or SandboxLimits()
-        if any(isinstance(v, bytes) for v in (files or {}).values()):
-            raise ValueError("HTTPSandbox sends files as text; decode bytes first")
-        payload = {"code": code, "command": command, "files": files or {}, "limits": dataclasses.asdict(limits)}
-        timeout = aiohttp.ClientTimeout(total=limits.wall_time_s + self.margin)
-        async with aiohttp.ClientSession() as session:
-            async with session.post(self.url + "/run", json=payload, timeout=timeout) as r:
-                body = await r.json(content_type=None)
-                if r.status != 200:
-                    raise RuntimeError(f"sandbox service {self.url} answered HTTP {r.status}: {body}")
-        return SandboxResult(**body)
-
-
-def sandbox_app(sandbox: Sandbox):
-    """An aiohttp application serving `sandbox` at POST /run (what HTTPSandbox talks to)."""
-    from aiohttp import web
-
-    async def run(request: web.Request) -> web.Response:
-        body = await request.json()
-        try:
-            limits = SandboxLimits.from_dict(body.get("limits"))
-            result = await sandbox.run(code=body.get("code"), command=body.get("command"),
-                                       files=body.get("files"), limits=limits)
-        except ValueError as e:
-            return web.json_response({"error": str(e)}, status=400)
-        return web.json_response(result.to_dict())
-
-    app = web.Application()
-    app.router.add_post("/run", run)
-    return app
+def _result(out: bytes, err: bytes, out_cut: bool, err_cut: bool, returncode: int | None, timed_out: bool,
+            scratch_full: bool, oom: bool, logged: list[dict], duration: float) -> SandboxResult:
+    """Why the run stopped, from the jail's events, the program's own words and how it ended."""
+    violations = [{"reason": e["reason"], "detail": e.get("detail", "")} for e in logged
+                  if e.get("event") == "violation"][:50]
+    violations += [{"reason": "sandbox_error", "detail": e.get("message", "")} for e in logged
+                   if e.get("event") == "isolation_error"]
+    stderr = err.decode(errors="replace")
+    exit_code = returncode
+    signalled = next((e["signal"] for e in logged if e.get("event") == "exit"), None)
+    if signalled is not None:
+        exit_code = -signalled
+    reason = violations[0]["reason"] if violations else None
+    if reason is None and scratch_full:
+        reason = "disk_quota"
+    if reason is None and oom:
+        reason = "memory"
+    reason = reason or _stderr_reason(stderr)
+    if reason is None:
+        if timed_out or signalled == signal.SIGXCPU:
+            reason = "timeout"
+        elif signalled == signal.SIGXFSZ:
+            reason = "file_size"
+        elif signalled == signal.SIGKILL:
+            reason = "killed"
+        elif out_cut or err_cut:
+            reason = "output_limit"
+    if reason == "sandbox_error":
+        exit_code = None  # the program never started
+    elif (timed_out or scratch_full) and exit_code is not None and exit_code >= 0:
+        exit_code = -signal.SIGKILL
+    return SandboxResult(stdout=out.decode(errors="replace"), stderr=stderr, exit_code=exit_code,
+                         stopped_reason=reason, duration_s=duration, violations=violations)
 
 
-def make_sandbox(spec: str | None = None) -> Sandbox:
-    """`None`/"local" -> LocalSandbox(); "http://host:port" -> HTTPSandbox(url)."""
+def make_sandbox(spec: str | None = None, allow_weak_isolation: bool = False) -> Sandbox:
+    """`None`/"local" -> LocalSandbox() (its isolation checked now); "http://host:port" -> HTTPSandbox(url)
+    (token from VIME_SANDBOX_TOKEN)."""
     if not spec or spec == "local":
-        return LocalSandbox()
+        sandbox = LocalSandbox(allow_weak_isolation=allow_weak_isolation)
+        sandbox.check_isolation()
+        return sandbox
     if spec.startswith(("http://", "https://")):
         return HTTPSandbox(spec)
     raise ValueError(f"sandbox must be 'local' or an http(s) URL of a sandbox service, got {spec!r}")
 
 
-__all__ = ["Sandbox", "SandboxLimits", "SandboxResult", "LocalSandbox", "HTTPSandbox", "sandbox_app",
-           "make_sandbox", "STOP_REASONS"]
+__all__ = ["Sandbox", "SandboxLimits", "SandboxResult", "SandboxRefused", "LocalSandbox", "HTTPSandbox",
+           "sandbox_app", "make_sandbox", "STOP_REASONS"]

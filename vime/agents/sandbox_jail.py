@@ -1,9 +1,15 @@
-"""Inside a LocalSandbox: drop privileges, set limits, restrict writes, then run the program and reap.
+"""Inside a LocalSandbox: join the cgroup, mount the scratch, set limits, drop privileges, restrict, run and reap.
 
-Run as `python -S sandbox_jail.py CONFIG.json` by LocalSandbox, usually as pid 1 of a fresh pid (and network)
-namespace made by `unshare`. Standard library only, no site packages: it runs before any sandboxed code.
-It forks the program, waits for it and exits with its status; when it exits the kernel kills every process
-left in the pid namespace, so nothing the program started outlives the run.
+Run as `python -S sandbox_jail.py CONFIG.json` by LocalSandbox, usually as pid 1 of fresh pid, mount and network
+namespaces made by `unshare`. Standard library only, no site packages: it runs before any sandboxed code.
+Every isolation step the config asks for must succeed, or the program is not run at all (exit 126 and an
+`isolation_error` event): LocalSandbox asks only for what its probe found working here, so a failure is a
+surprise, never a reason to run with less.
+It forks the program, waits for it and exits with its status; when pid 1 exits the kernel kills every process
+left in the pid namespace. Without one, a jail that runs as a uid of its own kills every process of that uid.
+
+`python -S sandbox_jail.py --probe DIR MNT_NS`: what works here (pid 1, own /proc, tmpfs, Landlock, seccomp), as
+JSON on stdout; LocalSandbox runs it once inside the namespaces it means to use.
 """
 
 from __future__ import annotations
@@ -12,58 +18,24 @@ import ctypes
 import json
 import os
 import resource
+import shutil
 import signal
-import struct
+import socket
 import sys
 
-# Landlock (Linux >= 5.13), syscall numbers shared by x86_64 and aarch64.
-_CREATE_RULESET, _ADD_RULE, _RESTRICT_SELF = 444, 445, 446
-_RULE_PATH_BENEATH = 1
-_PR_SET_NO_NEW_PRIVS = 38
-# Write-like file-system rights; reads and execution stay unrestricted.
-_WRITE_RIGHTS_BY_ABI = {
-    1: (1 << 1) | (1 << 4) | (1 << 5) | (1 << 6) | (1 << 7) | (1 << 8) | (1 << 9) | (1 << 10) | (1 << 11) | (1 << 12),
-    2: 1 << 13,  # REFER (moving files between directories)
-    3: 1 << 14,  # TRUNCATE
-}
-_NET_TCP_BIND_CONNECT = 0b11  # ABI >= 4
+import sandbox_landlock  # beside this file (sys.path[0])
+import sandbox_seccomp
+
+_MS_NOSUID, _MS_NODEV, _MNT_DETACH = 2, 4, 2
+
+
+class IsolationError(Exception):
+    pass
 
 
 def _event(path: str, **fields) -> None:
     with open(path, "a") as f:
         f.write(json.dumps(fields) + "\n")
-
-
-def apply_landlock(writable: list[str], deny_tcp: bool) -> str:
-    """Allow writes only beneath `writable`; returns what was applied ("" when Landlock is unavailable)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.syscall.restype = ctypes.c_long
-    abi = libc.syscall(_CREATE_RULESET, None, ctypes.c_size_t(0), ctypes.c_uint32(1))  # 1 = VERSION
-    if abi < 1:
-        return ""
-    rights = 0
-    for level, bits in _WRITE_RIGHTS_BY_ABI.items():
-        if abi >= level:
-            rights |= bits
-    net = _NET_TCP_BIND_CONNECT if deny_tcp and abi >= 4 else 0
-    attr = struct.pack("=QQ", rights, net) if abi >= 4 else struct.pack("=Q", rights)
-    buf = ctypes.create_string_buffer(attr, len(attr))
-    ruleset = libc.syscall(_CREATE_RULESET, buf, ctypes.c_size_t(len(attr)), ctypes.c_uint32(0))
-    if ruleset < 0:
-        return ""
-    for path in writable:
-        fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
-        allowed = rights if os.path.isdir(path) else rights & ((1 << 1) | (1 << 14))  # files: write, truncate
-        rule = ctypes.create_string_buffer(struct.pack("=Qi", allowed, fd), 12)
-        if libc.syscall(_ADD_RULE, ctypes.c_int(ruleset), ctypes.c_int(_RULE_PATH_BENEATH), rule,
-                        ctypes.c_uint32(0)) < 0:
-            raise OSError(ctypes.get_errno(), f"landlock_add_rule({path})")
-        os.close(fd)
-    libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-    if libc.syscall(_RESTRICT_SELF, ctypes.c_int(ruleset), ctypes.c_uint32(0)) < 0:
-        raise OSError(ctypes.get_errno(), "landlock_restrict_self")
-    os.close(ruleset)
-    return f"landlock-abi{abi}" + ("+tcp" if net else "")
 
 
 def tasks_of_user(uid: int) -> int:
@@ -81,31 +53,85 @@ def tasks_of_user(uid: int) -> int:
     return count
 
 
-def main(config_path: str) -> None:
-    with open(config_path) as f:
-        cfg = json.load(f)
-    events = cfg["events"]
+def in_new_mount_namespace(parent_mnt_ns: int) -> bool:
+    """Mounting is only ever done in a mount namespace of our own, never in the trainer's."""
+    return os.stat("/proc/self/ns/mnt").st_ino != parent_mnt_ns
+
+
+def mount_tmpfs(target: str, options: str) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mount(b"tmpfs", target.encode(), b"tmpfs", ctypes.c_ulong(_MS_NOSUID | _MS_NODEV),
+                  options.encode()) != 0:
+        raise OSError(ctypes.get_errno(), f"mount tmpfs on {target}")
+
+
+def _step(name: str, fn, *a, **kw):
+    try:
+        return fn(*a, **kw)
+    except (OSError, ValueError) as e:
+        raise IsolationError(f"{name}: {e}") from e
+
+
+def _join_cgroup(path: str) -> None:
+    with open(os.path.join(path, "cgroup.procs"), "w") as f:
+        f.write("0\n")
+
+
+def _scratch(cfg: dict) -> None:
+    """The program's directory: a size-limited tmpfs holding copies of its files."""
+    tmpfs, work = cfg["tmpfs"], cfg["cwd"]
+    if not in_new_mount_namespace(cfg["parent_mnt_ns"]):
+        raise IsolationError("tmpfs: not in a mount namespace of its own; refusing to mount")
+    owner = f",uid={cfg['uid']},gid={cfg['gid']}" if cfg.get("uid") is not None else ""
+    _step("tmpfs", mount_tmpfs, work, f"size={tmpfs['size_mb']}m,nr_inodes={tmpfs['nr_inodes']},mode=0700{owner}")
+    _step("tmpfs files", shutil.copytree, cfg["stage"], work, dirs_exist_ok=True)
+    if cfg.get("uid") is not None:
+        for base, dirs, files in os.walk(work):
+            for name in dirs + files:
+                os.chown(os.path.join(base, name), cfg["uid"], cfg["gid"], follow_symlinks=False)
+
+
+def _drop_privileges(cfg: dict) -> None:
+    os.setgroups([])
+    os.setgid(cfg["gid"])
+    os.setuid(cfg["uid"])
+    if os.getuid() != cfg["uid"] or os.geteuid() != cfg["uid"]:
+        raise IsolationError(f"setuid({cfg['uid']}) did not take")
+
+
+def isolate(cfg: dict) -> dict:
+    """Every step the config asks for, in order; returns what was applied (the `isolation` event)."""
+    applied = {}
+    if cfg.get("cgroup"):
+        _step("cgroup", _join_cgroup, cfg["cgroup"])
+        applied["cgroup"] = cfg["cgroup"]
+    if cfg.get("tmpfs"):
+        _scratch(cfg)
+        applied["scratch"] = f"tmpfs {cfg['tmpfs']['size_mb']} MiB"
     limits = cfg["rlimits"]
     for name, value in limits.items():
         if name != "NPROC" and value is not None:
-            resource.setrlimit(getattr(resource, "RLIMIT_" + name), (value, value))
-    if cfg.get("uid") is not None:  # started as root: run as an unprivileged user so RLIMIT_NPROC holds
-        os.setgroups([])
-        os.setgid(cfg["gid"])
-        os.setuid(cfg["uid"])
+            _step(f"rlimit {name}", resource.setrlimit, getattr(resource, "RLIMIT_" + name), (value, value))
+    if cfg.get("uid") is not None:  # started as root: a uid of this slot's own, so RLIMIT_NPROC holds per sandbox
+        _step("uid", _drop_privileges, cfg)
+        applied["uid"] = cfg["uid"]
     if limits.get("NPROC") is not None:
         nproc = limits["NPROC"]
-        if cfg.get("uid") is None and not cfg.get("own_user_namespace"):  # the count is shared with the user
+        if cfg.get("nproc_shared"):  # no uid or user namespace of its own: the count is shared with the user
             nproc += tasks_of_user(os.getuid())
-        resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
-    applied = ""
-    if cfg.get("landlock", True):
-        try:
-            applied = apply_landlock(cfg["writable"], deny_tcp=not cfg["allow_network"])
-        except OSError as e:
-            _event(events, event="isolation_warning", message=f"landlock: {e}")
-    _event(events, event="isolation", landlock=applied)
+        _step("rlimit NPROC", resource.setrlimit, resource.RLIMIT_NPROC, (nproc, nproc))
+    if cfg.get("landlock"):
+        ll = cfg["landlock"]
+        applied["landlock"] = _step("landlock", sandbox_landlock.restrict, ll["read"], ll["write"], ll["deny_tcp"])
+    if cfg.get("seccomp"):
+        sc = cfg["seccomp"]
+        _step("seccomp", sandbox_seccomp.install,
+              sandbox_seccomp.build_filter(sc["arch"], sc["deny_network"], sc["deny_new_session"]))
+        applied["seccomp"] = sc
+    return applied
 
+
+def _run_and_reap(cfg: dict) -> int:
     pid = os.fork()
     if pid == 0:
         os.chdir(cfg["cwd"])
@@ -120,14 +146,69 @@ def main(config_path: str) -> None:
         try:
             waited, status = os.wait()
         except ChildProcessError:
-            sys.exit(1)
+            return 1 << 8
         if waited == pid:
-            break
+            return status
+
+
+def main(config_path: str) -> None:
+    with open(config_path) as f:
+        cfg = json.load(f)
+    events = cfg["events"]
+    try:
+        applied = isolate(cfg)
+    except Exception as e:  # noqa: BLE001  (whatever went wrong, the program must not run with less)
+        os.write(2, f"sandbox: isolation failed, the program was not run: {e}\n".encode())
+        _event(events, event="isolation_error", message=str(e))
+        sys.exit(126)
+    _event(events, event="isolation", **applied)
+    status = _run_and_reap(cfg)
+    if cfg.get("kill_uid_at_exit") and cfg.get("uid") is not None:
+        # no pid namespace: a uid of its own finds every descendant, setsid or not
+        try:
+            os.kill(-1, signal.SIGKILL)  # every process this uid may signal, i.e. its own, but not this one
+        except ProcessLookupError:
+            pass
     if os.WIFSIGNALED(status):
         _event(events, event="exit", signal=os.WTERMSIG(status))
         sys.exit(128 + os.WTERMSIG(status))
     sys.exit(os.WEXITSTATUS(status))
 
 
+def _seccomp_works() -> bool:
+    """Install the filter in a child and see a socket refused there (the filter cannot be taken off)."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            sandbox_seccomp.install(sandbox_seccomp.build_filter(sandbox_seccomp.machine(), True, False))
+            socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        except PermissionError:
+            os._exit(0)
+        except BaseException:
+            os._exit(2)
+        os._exit(1)
+    return os.waitpid(pid, 0)[1] == 0
+
+
+def probe(scratch_dir: str, parent_mnt_ns: int) -> dict:
+    found = {"pid1": os.getpid() == 1, "own_proc": os.readlink("/proc/self") == str(os.getpid()),
+             "mount_namespace": in_new_mount_namespace(parent_mnt_ns), "tmpfs": False,
+             "landlock_abi": sandbox_landlock.abi(), "seccomp": False}
+    if found["mount_namespace"]:
+        try:
+            mount_tmpfs(scratch_dir, "size=1m,mode=0700")
+            found["tmpfs"] = True
+        except OSError:
+            pass
+    try:
+        found["seccomp"] = _seccomp_works()
+    except (OSError, ValueError):
+        pass
+    return found
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if sys.argv[1] == "--probe":
+        print(json.dumps(probe(sys.argv[2], int(sys.argv[3]))))
+    else:
+        main(sys.argv[1])

@@ -2,8 +2,8 @@
 
 An audit hook refuses writes outside the sandbox directory and network connections (when disallowed) and
 records each refusal as an event, so that the sandbox can say *why* a program stopped; uncaught MemoryError,
-process-limit and file-size errors are recorded the same way. Landlock and the network namespace enforce the
-same rules in the kernel; this hook names the cause.
+process-limit, file-size and full-scratch errors are recorded the same way. Landlock, seccomp and the network
+namespace enforce the same rules in the kernel; this hook names the cause.
 """
 
 import json
@@ -67,6 +67,11 @@ def _hook(event, args):
             if not _inside(p):
                 _record("forbidden_write", p)
                 raise PermissionError(f"sandbox: changing files outside the sandbox directory is not allowed: {p}")
+    if not _ALLOW_NET and event == "socket.__new__":
+        family = args[1]
+        if family not in (-1, None, getattr(__import__("socket"), "AF_UNIX", None)):
+            _record("network", f"socket family {family}")
+            raise PermissionError(f"sandbox: network access is not allowed (socket family {family})")
     if not _ALLOW_NET and event in ("socket.connect", "socket.sendto", "socket.bind"):
         sock, address = args[0], args[1]
         if getattr(sock, "family", None) == getattr(__import__("socket"), "AF_UNIX", None):
@@ -84,6 +89,8 @@ def _excepthook(kind, value, tb, _default=sys.excepthook):
         _record("process_limit", value)
     elif isinstance(value, OSError) and value.errno == errno.EFBIG:
         _record("file_size", value)
+    elif isinstance(value, OSError) and value.errno in (errno.ENOSPC, errno.EDQUOT):
+        _record("disk_quota", value)
     _default(kind, value, tb)
 
 

@@ -1,0 +1,188 @@
+"""What isolation LocalSandbox can put in force on this machine, found by trying it, and what is missing.
+
+    iso = probe_isolation(is_root=True, namespaces=True, cgroups=True)
+    iso.missing()   # [] when network, pid and file-system isolation are all in force
+    iso.report()    # what a run gets: namespaces, Landlock ABI, seccomp, cgroups, uids, scratch, how it is killed
+
+Strong isolation, required unless a run is started with --agent-sandbox-allow-weak-isolation:
+- network: a network namespace of its own, or a seccomp filter refusing every socket but AF_UNIX;
+- pid: a pid namespace with its own /proc (the trainer and other sandboxes are invisible, unsignalable);
+- filesystem: Landlock (reads beneath system paths and its own directory only, writes in its directory only).
+The probe runs the jail in `--probe` mode inside the namespaces it means to use (`unshare`), strongest first,
+so what is reported is what a run actually gets.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from vime.agents import sandbox_cgroup
+from vime.agents.sandbox_seccomp import machine
+from vime.agents.sandbox_types import SandboxRefused
+from vime.rollout.metrics import add_counter
+
+logger = logging.getLogger(__name__)
+JAIL = Path(__file__).resolve().parent / "sandbox_jail.py"
+
+_USER = ("--user", "--map-root-user")
+_PID = ("--fork", "--pid", "--kill-child", "--mount", "--mount-proc")
+_MOUNT = ("--fork", "--kill-child", "--mount")
+_NET = ("--net",)
+REQUIRED = ("network", "pid", "filesystem")
+WEAK_RUNS_COUNTER = "rollout/sandbox_weak_isolation_runs"
+
+
+@dataclass(frozen=True)
+class Isolation:
+    is_root: bool
+    prefix: tuple[str, ...]  # `unshare ...` argv before the jail, for runs without network
+    prefix_network: tuple[str, ...]  # the same for runs with network
+    user_namespace: bool
+    pid_namespace: bool  # with its own /proc
+    mount_namespace: bool
+    net_namespace: bool
+    tmpfs: bool
+    landlock_abi: int
+    seccomp_arch: str  # "" when no filter can be installed
+    cgroup_dir: str  # the pool's directory, "" when off
+    cgroup_reason: str  # why off
+    uid_range: tuple[int, int] | None  # (base, count) of the per-slot uids when root
+
+    @property
+    def kill(self) -> str:
+        if self.pid_namespace:
+            return "pid namespace (its pid 1 exits, the kernel kills the rest)"
+        if self.cgroup_dir:
+            return "cgroup.kill"
+        if self.uid_range:
+            return "every process of the slot's uid (kill -1 as that uid)"
+        if self.seccomp_arch:
+            return "process group (setsid and setpgid refused by seccomp, so nothing leaves it)"
+        return "process group only: a setsid child escapes"
+
+    @property
+    def deny_new_session(self) -> bool:
+        """Refuse setsid/setpgid only where the process group is the only sure kill."""
+        return not (self.pid_namespace or self.cgroup_dir or self.uid_range)
+
+    def missing(self) -> list[str]:
+        found = {"network": self.net_namespace or bool(self.seccomp_arch), "pid": self.pid_namespace,
+                 "filesystem": self.landlock_abi >= 1}
+        return [name for name in REQUIRED if not found[name]]
+
+    def report(self) -> dict:
+        namespaces = [n for n, on in (("user", self.user_namespace), ("pid", self.pid_namespace),
+                                      ("mount", self.mount_namespace), ("net", self.net_namespace)) if on]
+        if self.uid_range:
+            base, count = self.uid_range
+            user = f"a uid of its own per running sandbox ({base}..{base + count - 1})"
+        else:
+            user = "a user namespace per sandbox" if self.user_namespace else "the trainer's uid (shared)"
+        net = [n for n, on in (("network namespace", self.net_namespace),
+                               ("seccomp: sockets other than AF_UNIX refused", bool(self.seccomp_arch))) if on]
+        signals = [n for n, on in (("pid namespace: the trainer is invisible", self.pid_namespace),
+                                   ("a uid of its own", bool(self.uid_range)),
+                                   ("landlock scope", self.landlock_abi >= 6)) if on]
+        return {
+            "strong": not self.missing(),
+            "missing": self.missing(),
+            "user": user,
+            "namespaces": namespaces,
+            "network": " + ".join(net) or "none (a Python audit hook only)",
+            "pid": "pid namespace with its own /proc" if self.pid_namespace else "none: shares the trainer's pids",
+            "filesystem": (f"landlock abi {self.landlock_abi}: reads beneath system paths and its own directory, "
+                           "writes in its directory" if self.landlock_abi else "none: file permissions only"),
+            "landlock_abi": self.landlock_abi,
+            "seccomp": f"{self.seccomp_arch} filter" if self.seccomp_arch else "unavailable",
+            "cgroup": (f"memory.max and pids.max per sandbox under {self.cgroup_dir}" if self.cgroup_dir
+                       else f"off: {self.cgroup_reason}"),
+            "scratch": ("tmpfs of max_scratch_mb in a mount namespace" if self.tmpfs else
+                        "RLIMIT_FSIZE per file + the directory's size checked every 0.2 s"),
+            "kill": self.kill,
+            "signals": " + ".join(signals) or "none: the same uid may signal the trainer",
+            # the keys older callers read
+            "pid_namespace": self.pid_namespace,
+            "network_namespace": self.net_namespace,
+            "drops_to_uid": self.uid_range[0] if self.uid_range else None,
+        }
+
+
+def _probe_in(prefix: tuple[str, ...]) -> dict | None:
+    """Run the jail's probe inside `unshare prefix` (or directly when prefix is empty); None when that fails."""
+    with tempfile.TemporaryDirectory(prefix="vime-sandbox-probe-") as scratch:
+        argv = [*prefix, sys.executable, "-S", str(JAIL), "--probe", scratch, str(os.stat("/proc/self/ns/mnt").st_ino)]
+        try:
+            out = subprocess.run(argv, capture_output=True, timeout=30, env={"PATH": "/usr/bin:/bin"})
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+    if out.returncode != 0:
+        return None
+    try:
+        return json.loads(out.stdout.decode().strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return None
+
+
+def _best_namespaces(is_root: bool) -> tuple[tuple[str, ...], dict]:
+    """The strongest namespace set (without network) that works here, and its probe result."""
+    exe = shutil.which("unshare")
+    user = () if is_root else _USER
+    if exe and sys.platform.startswith("linux"):
+        for flags in (_PID, _MOUNT, ()):
+            if not flags and not user:
+                break
+            found = _probe_in((exe, *user, *flags))
+            if found is not None:
+                return (exe, *user, *flags), found
+    return (), _probe_in(()) or {}
+
+
+@lru_cache(maxsize=None)
+def probe_isolation(is_root: bool, namespaces: bool = True, cgroups: bool = True,
+                    uid_range: tuple[int, int] | None = None) -> Isolation:
+    """What runs get here; `namespaces=False` probes as if `unshare` were unavailable (a default container)."""
+    base, found = _best_namespaces(is_root) if namespaces else ((), _probe_in(()) or {})
+    no_network, net = base, False
+    if base and _probe_in((*base, *_NET)) is not None:
+        no_network, net = (*base, *_NET), True
+    pool = sandbox_cgroup.cgroup_pool() if cgroups else None
+    reason = ("" if pool else sandbox_cgroup.cgroup_reason()) if cgroups else "turned off (cgroups=False)"
+    return Isolation(
+        is_root=is_root, prefix=no_network, prefix_network=base, user_namespace="--user" in base,
+        pid_namespace=bool(found.get("pid1") and found.get("own_proc")),
+        mount_namespace=bool(found.get("mount_namespace")), net_namespace=net, tmpfs=bool(found.get("tmpfs")),
+        landlock_abi=int(found.get("landlock_abi", 0)), seccomp_arch=machine() if found.get("seccomp") else "",
+        cgroup_dir=pool.dir if pool else "", cgroup_reason=reason, uid_range=uid_range if is_root else None)
+
+
+def refusal(missing: list[str]) -> SandboxRefused:
+    fixes = {"network": "a network namespace (unshare --net) or seccomp",
+             "pid": "a pid namespace with its own /proc (unshare --pid --mount-proc; as non-root with --user)",
+             "filesystem": "Landlock (Linux >= 5.13 with landlock in the lsm= boot list)"}
+    return SandboxRefused(
+        f"sandbox isolation too weak to run model code: no {', no '.join(missing)} isolation here. Needs "
+        + "; ".join(fixes[m] for m in missing) + ". In a container, allow unprivileged user namespaces "
+        "(e.g. docker --security-opt seccomp=unconfined --security-opt apparmor=unconfined) or run it privileged; "
+        "or accept the risk with --agent-sandbox-allow-weak-isolation (LocalSandbox(allow_weak_isolation=True)).")
+
+
+_warned: set[tuple[str, ...]] = set()
+
+
+def note_weak_run(missing: list[str]) -> None:
+    """A run under weak isolation: a warning (once per kind) in the log and a count in the rollout metrics."""
+    key = tuple(missing)
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning("sandbox: running model code WITHOUT %s isolation (--agent-sandbox-allow-weak-isolation); "
+                       "counted in %s", ", ".join(missing), WEAK_RUNS_COUNTER)
+    add_counter(WEAK_RUNS_COUNTER)
