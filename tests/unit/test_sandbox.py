@@ -198,7 +198,7 @@ def test_jail_runs_nothing_when_an_isolation_step_fails(tmp_path):
     import subprocess
     import sys
 
-    from vime.agents.sandbox import _JAIL, _read_events, _result
+    from vime.agents.sandbox.local import _JAIL, _read_events, _result
 
     marker, events = tmp_path / "ran", tmp_path / "events.jsonl"
     events.touch()

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from vime.agents.sandbox import LocalSandbox, SandboxLimits
-from vime.agents.sandbox_cgroup import CgroupPool, CgroupUnavailable, cgroup_pool, cgroup_reason, own_cgroup_dir
+from vime.agents.sandbox.cgroup import CgroupPool, CgroupUnavailable, cgroup_pool, cgroup_reason, own_cgroup_dir
 
 MOUNTINFO = ("24 1 0:22 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw\n"
              "25 1 0:23 / /proc rw - proc proc rw\n")

@@ -14,7 +14,7 @@ import urllib.request
 import pytest
 
 from vime.agents.sandbox import HTTPSandbox, LocalSandbox, SandboxLimits, SandboxRefused, make_sandbox, sandbox_app
-from vime.agents.sandbox_http import authorized
+from vime.agents.sandbox.service import authorized
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc"), reason="LocalSandbox needs Linux")
 TOKEN = "test-token-" + "x" * 32

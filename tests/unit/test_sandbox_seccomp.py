@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from vime.agents.sandbox_seccomp import ARCHES, build_filter, encode, machine
+from vime.agents.sandbox.seccomp import ARCHES, build_filter, encode, machine
 
 pytestmark = pytest.mark.skipif(machine() not in ARCHES or not sys.platform.startswith("linux"),
                                 reason=f"no seccomp filter for {machine()}")
@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 PROBE = r'''
 import ctypes, errno, json, os, socket, subprocess, sys, threading
-from vime.agents.sandbox_seccomp import build_filter, install, machine
+from vime.agents.sandbox.seccomp import build_filter, install, machine
 
 install(build_filter(machine(), deny_network=sys.argv[1] == "1", deny_new_session=sys.argv[2] == "1"))
 libc = ctypes.CDLL(None, use_errno=True)

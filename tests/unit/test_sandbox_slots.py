@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from vime.agents.sandbox_slots import UidPool, check_unused_ids, uid_processes
+from vime.agents.sandbox.slots import UidPool, check_unused_ids, uid_processes
 
 needs_root = pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="uid slots are for root")
 

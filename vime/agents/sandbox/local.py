@@ -1,30 +1,5 @@
-"""Sandboxes that run untrusted code (model-written programs, tests) with limits, and say why they stopped.
-
-    result = await LocalSandbox().run(code="print(1 + 1)", limits=SandboxLimits(wall_time_s=5))
-    result.stdout == "2\\n"; result.stopped_reason is None
-
-`Sandbox` is the interface: `run(code=... | command=..., files=..., limits=...) -> SandboxResult`.
-`LocalSandbox` runs a subprocess (`sandbox_jail.py`) in a fresh directory, with whatever of these the machine
-allows (`LocalSandbox().isolation` is the report; `sandbox_isolation.py` finds it by trying):
-- its own pid namespace and /proc, mount namespace and network namespace (`unshare`; as non-root inside a user
-  namespace of its own);
-- as root a uid of its own per running sandbox (`sandbox_slots.py`), so the process limit is per sandbox and
-  the trainer's files and processes are another user's;
-- Landlock (`sandbox_landlock.py`): reads beneath system paths and its own directory only, writes in its
-  directory only, no signals or abstract sockets outside;
-- seccomp (`sandbox_seccomp.py`): no sockets but AF_UNIX unless network is allowed, no new namespaces;
-- cgroup v2 memory.max and pids.max over the whole sandbox (`sandbox_cgroup.py`);
-- a tmpfs of `max_scratch_mb` as its directory (else a size check of the directory every 0.2 s);
-- rlimits per process: CPU time, address space, file size, open files, processes;
-- an environment of its own (PATH, HOME, LANG, PYTHON*), never the trainer's (its secrets live there);
-- every descendant killed at the end: pid namespace, cgroup.kill, the slot's uid, or a process group nothing can
-  leave (setsid refused), whichever is strongest here.
-Without network + pid + file-system isolation it refuses to run (`SandboxRefused`) unless
-`allow_weak_isolation=True` (`--agent-sandbox-allow-weak-isolation`); such runs are logged and counted in the
-rollout metrics (`rollout/sandbox_weak_isolation_runs`) and carry `SandboxResult.weak_isolation`.
-`HTTPSandbox` implements the same interface against a remote service that `sandbox_app` serves
-(`sandbox_http.py`: bearer token, the server's own maximum limits).
-"""
+"""`LocalSandbox`: one run in a subprocess (`jail.py`) with the isolation this machine allows, and `make_sandbox`,
+which picks the local or the HTTP sandbox from --agent-sandbox."""
 
 from __future__ import annotations
 
@@ -41,16 +16,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vime.agents.sandbox_cgroup import cgroup_pool
-from vime.agents.sandbox_http import HTTPSandbox, sandbox_app
-from vime.agents.sandbox_isolation import Isolation, note_weak_run, probe_isolation, refusal
-from vime.agents.sandbox_slots import DEFAULT_SLOTS, DEFAULT_UID_BASE, Slot, UidPool, kill_uid
-from vime.agents.sandbox_types import STOP_REASONS, Sandbox, SandboxLimits, SandboxRefused, SandboxResult
+from vime.agents.sandbox.cgroup import cgroup_pool
+from vime.agents.sandbox.service import HTTPSandbox
+from vime.agents.sandbox.isolation import Isolation, note_weak_run, probe_isolation, refusal
+from vime.agents.sandbox.slots import DEFAULT_SLOTS, DEFAULT_UID_BASE, Slot, UidPool, kill_uid
+from vime.agents.sandbox.interface import Sandbox, SandboxLimits, SandboxRefused, SandboxResult
 
 logger = logging.getLogger(__name__)
 _HERE = Path(__file__).resolve().parent
-_JAIL = _HERE / "sandbox_jail.py"
-_SITE = _HERE / "sandbox_site"
+_JAIL = _HERE / "jail.py"
+_SITE = _HERE / "site_hooks"
 # what any program may read (and execute): the system, never /tmp, /home, /root or /run
 SYSTEM_READ_PATHS = ("/bin", "/sbin", "/usr", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt", "/proc", "/sys",
                      "/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
@@ -390,6 +365,3 @@ def make_sandbox(spec: str | None = None, allow_weak_isolation: bool = False) ->
         return HTTPSandbox(spec)
     raise ValueError(f"sandbox must be 'local' or an http(s) URL of a sandbox service, got {spec!r}")
 
-
-__all__ = ["Sandbox", "SandboxLimits", "SandboxResult", "SandboxRefused", "LocalSandbox", "HTTPSandbox",
-           "sandbox_app", "make_sandbox", "STOP_REASONS"]

@@ -17,8 +17,8 @@ import hmac
 import json
 import os
 
-from vime.agents.sandbox_isolation import note_weak_run
-from vime.agents.sandbox_types import Sandbox, SandboxLimits, SandboxRefused, SandboxResult
+from vime.agents.sandbox.isolation import note_weak_run
+from vime.agents.sandbox.interface import Sandbox, SandboxLimits, SandboxRefused, SandboxResult
 
 TOKEN_ENV = "VIME_SANDBOX_TOKEN"
 

@@ -1,6 +1,6 @@
 """Inside a LocalSandbox: join the cgroup, mount the scratch, set limits, drop privileges, restrict, run and reap.
 
-Run as `python -S sandbox_jail.py CONFIG.json` by LocalSandbox, usually as pid 1 of fresh pid, mount and network
+Run as `python -S jail.py CONFIG.json` by LocalSandbox, usually as pid 1 of fresh pid, mount and network
 namespaces made by `unshare`. Standard library only, no site packages: it runs before any sandboxed code.
 Every isolation step the config asks for must succeed, or the program is not run at all (exit 126 and an
 `isolation_error` event): LocalSandbox asks only for what its probe found working here, so a failure is a
@@ -8,7 +8,7 @@ surprise, never a reason to run with less.
 It forks the program, waits for it and exits with its status; when pid 1 exits the kernel kills every process
 left in the pid namespace. Without one, a jail that runs as a uid of its own kills every process of that uid.
 
-`python -S sandbox_jail.py --probe DIR MNT_NS`: what works here (pid 1, own /proc, tmpfs, Landlock, seccomp), as
+`python -S jail.py --probe DIR MNT_NS`: what works here (pid 1, own /proc, tmpfs, Landlock, seccomp), as
 JSON on stdout; LocalSandbox runs it once inside the namespaces it means to use.
 """
 
@@ -23,8 +23,8 @@ import signal
 import socket
 import sys
 
-import sandbox_landlock  # beside this file (sys.path[0])
-import sandbox_seccomp
+import landlock  # beside this file (sys.path[0])
+import seccomp
 
 _MS_NOSUID, _MS_NODEV, _MNT_DETACH = 2, 4, 2
 
@@ -122,11 +122,11 @@ def isolate(cfg: dict) -> dict:
         _step("rlimit NPROC", resource.setrlimit, resource.RLIMIT_NPROC, (nproc, nproc))
     if cfg.get("landlock"):
         ll = cfg["landlock"]
-        applied["landlock"] = _step("landlock", sandbox_landlock.restrict, ll["read"], ll["write"], ll["deny_tcp"])
+        applied["landlock"] = _step("landlock", landlock.restrict, ll["read"], ll["write"], ll["deny_tcp"])
     if cfg.get("seccomp"):
         sc = cfg["seccomp"]
-        _step("seccomp", sandbox_seccomp.install,
-              sandbox_seccomp.build_filter(sc["arch"], sc["deny_network"], sc["deny_new_session"]))
+        _step("seccomp", seccomp.install,
+              seccomp.build_filter(sc["arch"], sc["deny_network"], sc["deny_new_session"]))
         applied["seccomp"] = sc
     return applied
 
@@ -180,7 +180,7 @@ def _seccomp_works() -> bool:
     pid = os.fork()
     if pid == 0:
         try:
-            sandbox_seccomp.install(sandbox_seccomp.build_filter(sandbox_seccomp.machine(), True, False))
+            seccomp.install(seccomp.build_filter(seccomp.machine(), True, False))
             socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         except PermissionError:
             os._exit(0)
@@ -193,7 +193,7 @@ def _seccomp_works() -> bool:
 def probe(scratch_dir: str, parent_mnt_ns: int) -> dict:
     found = {"pid1": os.getpid() == 1, "own_proc": os.readlink("/proc/self") == str(os.getpid()),
              "mount_namespace": in_new_mount_namespace(parent_mnt_ns), "tmpfs": False,
-             "landlock_abi": sandbox_landlock.abi(), "seccomp": False}
+             "landlock_abi": landlock.abi(), "seccomp": False}
     if found["mount_namespace"]:
         try:
             mount_tmpfs(scratch_dir, "size=1m,mode=0700")

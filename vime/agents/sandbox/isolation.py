@@ -25,13 +25,13 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from vime.agents import sandbox_cgroup
-from vime.agents.sandbox_seccomp import machine
-from vime.agents.sandbox_types import SandboxRefused
+from vime.agents.sandbox import cgroup
+from vime.agents.sandbox.seccomp import machine
+from vime.agents.sandbox.interface import SandboxRefused
 from vime.rollout.metrics import add_counter
 
 logger = logging.getLogger(__name__)
-JAIL = Path(__file__).resolve().parent / "sandbox_jail.py"
+JAIL = Path(__file__).resolve().parent / "jail.py"
 
 _USER = ("--user", "--map-root-user")
 _PID = ("--fork", "--pid", "--kill-child", "--mount", "--mount-proc")
@@ -154,8 +154,8 @@ def probe_isolation(is_root: bool, namespaces: bool = True, cgroups: bool = True
     no_network, net = base, False
     if base and _probe_in((*base, *_NET)) is not None:
         no_network, net = (*base, *_NET), True
-    pool = sandbox_cgroup.cgroup_pool() if cgroups else None
-    reason = ("" if pool else sandbox_cgroup.cgroup_reason()) if cgroups else "turned off (cgroups=False)"
+    pool = cgroup.cgroup_pool() if cgroups else None
+    reason = ("" if pool else cgroup.cgroup_reason()) if cgroups else "turned off (cgroups=False)"
     return Isolation(
         is_root=is_root, prefix=no_network, prefix_network=base, user_namespace="--user" in base,
         pid_namespace=bool(found.get("pid1") and found.get("own_proc")),
