@@ -10,8 +10,12 @@ from types import SimpleNamespace
 import pytest
 
 from vime.rollout import rm_hub
+from vime.rollout.context import reset_rollout_context
+from vime.rollout.metrics import take_counters
 from vime.rollout.rm_hub import RM_REGISTRY, async_rm, batched_async_rm, register_rm, remote_rm
 from vime.rollout.rm_hub.answer_utils import last_boxed, normalize_answer
+from vime.rollout.rm_hub.pool import close_reward_pool, reward_pool
+from vime.rollout.vllm_rollout import _reward_one
 from vime.utils.types import Sample
 
 
@@ -92,11 +96,32 @@ def test_math_runs_off_the_main_thread():
     assert asyncio.run(score_all()) == [1.0] * 8
 
 
-def test_math_timeout_raises(monkeypatch):
-    monkeypatch.setattr(rm_hub.math_rm, "math_verify_reward", lambda response, label: time.sleep(0.5) or 1.0)
-    args = make_args(rm_type="math", rm_timeout=0.05)
-    with pytest.raises(TimeoutError, match="sample 2: math_verify took over --rm-timeout 0.05s"):
-        asyncio.run(async_rm(args, Sample(index=2, response="1", label="1")))
+@pytest.fixture(autouse=True, scope="module")
+def _close_reward_workers():
+    yield
+    close_reward_pool()
+
+
+@pytest.fixture
+def fresh_reward_pool(tmp_path, monkeypatch):
+    """A reward pool started for this test, whose workers see `tmp_path` on sys.path (for stand-in functions)."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    close_reward_pool()
+    reset_rollout_context()
+    yield tmp_path
+    close_reward_pool()
+
+
+def test_math_answer_that_hangs_sympy_is_killed_at_the_timeout(fresh_reward_pool):
+    args = make_args(rm_type="math", rm_timeout=3.0, rm_num_workers=1)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="sample 2: math_verify took over --rm-timeout 3s"):
+        asyncio.run(async_rm(args, Sample(index=2, response=r"\boxed{9^{9^{9^{9^{9}}}}}", label="1")))
+    assert time.monotonic() - start < 4.5
+    pool = reward_pool(args)
+    assert pool.replaced == 1 and len(pool.started_pids) == 2
+    assert take_counters() == {"rollout/reward_workers_replaced": 1.0}
+    assert asyncio.run(async_rm(args, Sample(response=r"\boxed{\sqrt{8}}", label=r"2\sqrt{2}"))) == 1.0  # replacement
 
 
 # ---- boxed / deepscaler ----
@@ -253,10 +278,42 @@ def test_group_rm_calls_once_and_checks_length(custom_rm_module):
         asyncio.run(batched_async_rm(args, samples))
 
 
+def test_custom_rm_in_workers_gets_args_and_sample_copies(fresh_reward_pool):
+    (fresh_reward_pool / "pooled_rewards.py").write_text(
+        "import os\n"
+        "def sync_reward(args, sample, bonus=0.0):\n"
+        "    return {'pid': os.getpid(), 'seed': args.seed, 'len': len(sample.tokens), 'label': sample.label,\n"
+        "            'status': sample.status.value, 'bonus': bonus}\n"
+        "async def group_reward(args, samples):\n"
+        "    return [float(s.index) for s in samples]\n"
+    )
+    args = make_args(custom_rm_path="pooled_rewards.sync_reward", custom_rm_in_workers=True, rm_num_workers=1,
+                     tokenizer=object())  # not JSON-able: stays behind
+    sample = Sample(index=1, tokens=[1, 2, 3], label={"a": [1]}, status=Sample.Status.TRUNCATED)
+    got = asyncio.run(async_rm(args, sample, bonus=0.5))
+    assert got == {"pid": reward_pool(args).started_pids[0], "seed": 1234, "len": 3, "label": {"a": [1]},
+                   "status": "truncated", "bonus": 0.5}
+    args.custom_rm_path, args.group_rm = "pooled_rewards.group_reward", True
+    assert asyncio.run(batched_async_rm(args, [Sample(index=i) for i in (4, 2)])) == [4.0, 2.0]
+
+
+def test_custom_rm_in_workers_needs_an_importable_path(fresh_reward_pool):
+    args = make_args(custom_rm_path="no_such_module_xyz.reward", custom_rm_in_workers=True, rm_num_workers=1)
+    with pytest.raises(RuntimeError, match="no_such_module_xyz.*must name a function in a module on sys.path"):
+        asyncio.run(async_rm(args, Sample(index=0)))
+
+
+def test_custom_rm_in_workers_names_what_is_not_json(fresh_reward_pool):
+    args = make_args(custom_rm_path="any.reward", custom_rm_in_workers=True, rm_num_workers=1)
+    with pytest.raises(TypeError, match="any.reward to a worker as JSON: object is not JSON-able; keep sample"):
+        asyncio.run(async_rm(args, Sample(index=0, metadata={"handle": object()})))
+
+
 # ---- remote_rm against a real local HTTP server ----
 
 class RewardServer:
-    """Answers POSTs from a script of (status, body) pairs; repeats the last one. Records request bodies."""
+    """Answers POSTs from a script of (status, body) pairs, (None, seconds) to hang; repeats the last one. Records
+    request bodies."""
 
     def __init__(self, script):
         self.script = list(script)
@@ -267,6 +324,9 @@ class RewardServer:
             def do_POST(self):
                 server.requests.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
                 status, body = server.script.pop(0) if len(server.script) > 1 else server.script[0]
+                if status is None:  # (None, seconds): hang, then drop the connection
+                    time.sleep(body)
+                    return
                 data = json.dumps(body).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
@@ -322,7 +382,7 @@ def test_remote_rm_retries_after_500(reward_server):
 
 def test_remote_rm_exhausted_retries_names_url(reward_server):
     server = reward_server((503, {"error": "down"}))
-    with pytest.raises(RuntimeError, match=f"{server.url} failed 3 times.*503"):
+    with pytest.raises(RuntimeError, match=f"{server.url} failed 3 times within --rm-timeout 30s.*503"):
         remote_reward(server.url, rm_max_retries=2)
     assert len(server.requests) == 3
 
@@ -334,6 +394,39 @@ def test_remote_rm_unreachable_and_bad_body(reward_server):
     dead_url = server.url.replace(str(server.httpd.server_address[1]), "1")  # nothing listens on port 1
     with pytest.raises(RuntimeError, match="127.0.0.1:1/reward failed 2 times"):
         remote_reward(dead_url, rm_max_retries=1)
+
+
+@pytest.mark.parametrize("body", [float("nan"), float("inf"), {"reward": float("-inf"), "acc": 1.0}])
+def test_remote_rm_non_finite_reward_fails_clearly(reward_server, body):
+    server = reward_server((200, body))
+    with pytest.raises(remote_rm.NonFiniteRewardError, match=f"reward server {server.url} returned a non-finite"
+                       r".*(nan|inf)"):
+        remote_reward(server.url)
+    assert len(server.requests) == 1  # a wrong value is not retried
+
+
+def test_remote_rm_non_finite_reward_fails_the_sample(reward_server):
+    server = reward_server((200, float("nan")))
+    sample = Sample(index=5, response="2", label="2", status=Sample.Status.COMPLETED)
+    asyncio.run(_reward_one(make_args(rm_type="remote_rm", rm_url=server.url), sample))
+    assert sample.status == Sample.Status.FAILED and sample.reward is None
+    failure = sample.metadata["failure"]
+    assert failure["stage"] == "reward" and server.url in failure["error"] and "nan" in failure["error"]
+
+
+def test_remote_rm_retries_an_attempt_that_hangs(reward_server):
+    server = reward_server((None, 5.0), (200, {"reward": 0.5}))
+    start = time.monotonic()
+    assert remote_reward(server.url, rm_timeout=4.0, rm_max_retries=1) == 0.5  # first attempt: 2 s of the 4
+    assert len(server.requests) == 2 and time.monotonic() - start < 3.5
+
+
+def test_remote_rm_attempts_share_the_deadline(reward_server):
+    server = reward_server((None, 5.0))
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=f"{server.url} failed 3 times within --rm-timeout 1.5s.*Timeout"):
+        remote_reward(server.url, rm_timeout=1.5, rm_max_retries=2)
+    assert 1.4 < time.monotonic() - start < 2.5 and len(server.requests) == 3
 
 
 def test_remote_rm_needs_url():

@@ -8,6 +8,7 @@ import json
 import os
 from pathlib import Path
 
+from vime.rollout.rm_hub import pool as rm_pool
 from vime.rollout.rm_hub import remote_rm
 from vime.utils.misc import with_values
 
@@ -147,6 +148,19 @@ def add_reward_args(parser: argparse.ArgumentParser) -> None:
                         f"(default: {remote_rm.TIMEOUT_S:g}).")
     g.add_argument("--reward-key", default=None,
                    help="Field of a dict-valued reward used as the scalar reward (default: None).")
+    g.add_argument("--rm-attempt-timeout", type=float, default=None,
+                   help="Seconds one remote reward attempt may take at most; all attempts share --rm-timeout "
+                        "(default: None, the time left split evenly over the attempts left).")
+    g.add_argument("--rm-num-workers", type=int, default=None,
+                   help="Reward worker processes, where rewards that can hang run and are killed at --rm-timeout "
+                        "(--rm-type math, --custom-rm-in-workers) (default: None, min(4, CPUs of this process)).")
+    g.add_argument("--rm-worker-memory-mb", type=int, default=rm_pool.DEFAULT_MEMORY_MB,
+                   help="Address-space cap of each reward worker process in MiB (RLIMIT_AS); a call past it fails "
+                        f"that sample; 0 for none (default: {rm_pool.DEFAULT_MEMORY_MB}).")
+    g.add_argument("--custom-rm-in-workers", action="store_true",
+                   help="Run --custom-rm-path (sync or async) in the reward worker processes, killed at --rm-timeout, "
+                        "instead of a thread that cannot be stopped; it must be importable in a fresh process and "
+                        "take and return JSON-able values (default: off).")
 
 
 def add_eval_args(parser: argparse.ArgumentParser) -> None:

@@ -5,7 +5,9 @@
 names a function in `RM_REGISTRY` (see `registry.py`; one module per type beside this file).
 
 A sync custom function runs in a worker thread, so that `--rm-timeout` holds even when it blocks (the thread
-cannot be interrupted: it finishes in the background). An async one must not block the event loop.
+cannot be interrupted: it finishes in the background). An async one must not block the event loop. With
+`--custom-rm-in-workers` the function (sync or async) runs in a reward worker process instead (`pool.py`), killed
+at `--rm-timeout`: for functions that can hang or eat memory.
 A custom function that returns something else than a number or a dict raises `RewardTypeError`.
 """
 
@@ -22,6 +24,7 @@ from vime.utils.misc import load_function
 from vime.utils.types import Sample
 
 from . import boxed, dapo, exact_match, f1, gpqa, math_rm, random_rm, remote_rm  # noqa: F401  (fill the registry)
+from .pool import pooled_reward
 from .registry import RM_REGISTRY, register_rm
 
 __all__ = ["RM_REGISTRY", "RewardTypeError", "async_rm", "batched_async_rm", "register_rm"]
@@ -59,6 +62,8 @@ async def async_rm(args, sample: Sample, **kwargs: Any) -> float | dict:
     """The reward of one sample. `kwargs` are passed to a custom function only."""
     custom_path = getattr(args, "custom_rm_path", None)
     if custom_path:
+        if getattr(args, "custom_rm_in_workers", False):
+            return check_reward(await pooled_reward(args, custom_path, sample, **kwargs), custom_path)
         return check_reward(await _call(load_function(custom_path), args, sample, in_thread=True, **kwargs),
                             custom_path)
     rm_type = getattr(args, "rm_type", None)
@@ -74,7 +79,10 @@ async def batched_async_rm(args, samples: list[Sample]) -> list[float | dict]:
     """Rewards for `samples`, in order. Does not write `sample.reward`."""
     custom_path = getattr(args, "custom_rm_path", None)
     if getattr(args, "group_rm", False) and custom_path:
-        rewards = await _call(load_function(custom_path), args, samples, in_thread=True)
+        if getattr(args, "custom_rm_in_workers", False):
+            rewards = await pooled_reward(args, custom_path, samples)
+        else:
+            rewards = await _call(load_function(custom_path), args, samples, in_thread=True)
         if not isinstance(rewards, (list, tuple)):
             raise RewardTypeError(f"group reward function {custom_path!r} returned {type(rewards).__name__} "
                                   f"({rewards!r:.200}), expected a list of {len(samples)} rewards")

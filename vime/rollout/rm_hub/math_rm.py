@@ -1,19 +1,21 @@
 """`--rm-type math`: symbolic equivalence with the `math_verify` library (1.0 / 0.0).
 
-math_verify guards `parse`/`verify` with `signal.alarm` timeouts, which raise ValueError off the main
-thread. We turn those off and run the check in a worker thread, bounding the wait by `--rm-timeout`
-instead: past it `math_rm` raises TimeoutError (the worker thread cannot be interrupted and finishes in the
-background).
+sympy can hang (or eat memory) on adversarial answers, and a thread cannot be stopped, so the check runs in a
+reward worker process (`pool.py`): past `--rm-timeout` the worker is killed and replaced and `math_rm` raises
+TimeoutError. math_verify's own `signal.alarm` timeouts are off; the kill replaces them.
 """
 
 from __future__ import annotations
 
-import asyncio
-
 from math_verify import parse, verify
 
+from vime.utils.worker_pool import WorkerTimeoutError
+
 from .answer_utils import last_boxed
+from .pool import reward_pool, reward_timeout
 from .registry import register_rm
+
+VERIFY_PATH = f"{__name__}.math_verify_reward"  # what the workers run
 
 
 def math_verify_reward(response: str, label) -> float:
@@ -36,8 +38,8 @@ def math_verify_reward(response: str, label) -> float:
 
 @register_rm("math")
 async def math_rm(args, sample) -> float:
-    timeout = getattr(args, "rm_timeout", None)
+    timeout = reward_timeout(args)
     try:
-        return await asyncio.wait_for(asyncio.to_thread(math_verify_reward, sample.response, sample.label), timeout)
-    except TimeoutError:
-        raise TimeoutError(f"sample {sample.index}: math_verify took over --rm-timeout {timeout}s") from None
+        return await reward_pool(args).acall(VERIFY_PATH, sample.response, sample.label, timeout=timeout)
+    except WorkerTimeoutError as e:
+        raise TimeoutError(f"sample {sample.index}: math_verify took over --rm-timeout {timeout:g}s ({e})") from None

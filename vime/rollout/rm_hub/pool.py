@@ -1,0 +1,90 @@
+"""The reward worker processes: rewards that can hang run here, where a call past `--rm-timeout` is killed.
+
+One `WorkerPool` (see `vime.utils.worker_pool`) per process, made on first use from `--rm-num-workers` and
+`--rm-worker-memory-mb`; each worker it kills and replaces adds one to `rollout/reward_workers_replaced`. Users:
+`math_rm` (sympy can hang on adversarial answers) and `--custom-rm-path` with `--custom-rm-in-workers`, whose
+function gets `args` as a Namespace of the JSON-able flags and a `Sample.from_dict` copy of the sample (so changes
+it makes to the sample are not seen by the rollout), and must return JSON-able values.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+from vime.rollout.metrics import add_counter
+from vime.utils.cpus import allowed_cpus
+from vime.utils.types import Sample
+from vime.utils.worker_pool import CALL_WITH_SAMPLE, WorkerPool
+
+DEFAULT_MEMORY_MB = 4096  # the default of --rm-worker-memory-mb
+DEFAULT_TIMEOUT_S = 60.0  # when args has no rm_timeout (the flag's own default lives in remote_rm)
+REPLACED_COUNTER = "rollout/reward_workers_replaced"
+
+_pool: WorkerPool | None = None
+_lock = threading.Lock()
+
+
+def default_num_workers() -> int:
+    return min(4, len(allowed_cpus()))
+
+
+def reward_pool(args) -> WorkerPool:
+    """This process's reward pool, started on first use."""
+    global _pool
+    with _lock:
+        if _pool is None:
+            size = getattr(args, "rm_num_workers", None)
+            size = default_num_workers() if size is None else size
+            memory_mb = getattr(args, "rm_worker_memory_mb", DEFAULT_MEMORY_MB) or 0
+            if size < 1 or memory_mb < 0:
+                raise ValueError(f"--rm-num-workers {size} must be >= 1 and --rm-worker-memory-mb {memory_mb} >= 0")
+            _pool = WorkerPool(size, memory_mb=memory_mb or None, preload=_preload(args),
+                               on_replace=lambda: add_counter(REPLACED_COUNTER), name="vime-reward")
+        return _pool
+
+
+def _preload(args) -> tuple[str, ...]:
+    """What a worker imports as it starts, so that a replaced worker is soon ready: the pooled custom function's
+    module, else math_verify (a second or more under load)."""
+    custom_path = getattr(args, "custom_rm_path", None)
+    if custom_path and getattr(args, "custom_rm_in_workers", False):
+        return (custom_path.replace(":", ".").rpartition(".")[0],)
+    return (f"{__package__}.math_rm",)
+
+
+def close_reward_pool() -> None:
+    """Kill the reward workers (at the end of a run, or between tests); the next reward starts a new pool."""
+    global _pool
+    with _lock:
+        pool, _pool = _pool, None
+    if pool is not None:
+        pool.close()
+
+
+def reward_timeout(args) -> float:
+    return getattr(args, "rm_timeout", None) or DEFAULT_TIMEOUT_S
+
+
+def _jsonable_args(args) -> dict[str, Any]:
+    """The flags a worker can receive; others (objects a custom launcher hung on args) stay behind."""
+    out = {}
+    for key, value in vars(args).items():
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError):
+            continue
+        out[key] = value
+    return out
+
+
+async def pooled_reward(args, fn_path: str, samples: Sample | list[Sample], **kwargs: Any) -> Any:
+    """`fn(args, samples, **kwargs)` for `--custom-rm-path fn` in a reward worker, within --rm-timeout."""
+    payload = [s.to_dict() for s in samples] if isinstance(samples, list) else samples.to_dict()
+    try:
+        return await reward_pool(args).acall(CALL_WITH_SAMPLE, fn_path, _jsonable_args(args), payload, kwargs,
+                                             timeout=reward_timeout(args))
+    except TypeError as e:  # raised before the call: something in the sample or kwargs is not JSON
+        raise TypeError(f"--custom-rm-in-workers sends the sample(s) and keyword arguments of {fn_path} to a worker "
+                        f"as JSON: {e}; keep sample.metadata JSON-able or drop --custom-rm-in-workers") from None
