@@ -47,9 +47,49 @@ def test_numeric_fields_are_packed_binary_not_json():
 
 
 def test_non_numeric_values_in_a_packed_field_fall_back_to_json():
-    groups = [[{**Sample(index=0).to_dict(), "loss_mask": [True, False], "tokens": [1, 2.5]}]]
+    groups = [[{**Sample(index=0).to_dict(), "loss_mask": [True, False], "tokens": [1, 2], "response_length": 2}]]
     back, _ = decode_rollout(encode_rollout(groups))
-    assert back == groups and type(back[0][0]["loss_mask"][0]) is bool and back[0][0]["tokens"] == [1, 2.5]
+    assert back == groups and type(back[0][0]["loss_mask"][0]) is bool
+
+
+def test_a_float_token_is_carried_but_refused_on_decode():
+    groups = [[Sample(index=0).to_dict(), {**Sample(index=9).to_dict(), "tokens": [1, 2.5]}]]
+    with pytest.raises(SampleCodecError, match=r"sample 1 \(index 9\).*'tokens'.*integers") as e:
+        decode_rollout(encode_rollout(groups))
+    assert (e.value.field, e.value.sample_index) == ("tokens", 1)
+
+
+def _one(**fields) -> bytes:
+    """A rollout of a valid sample and a second one with `fields` changed (tokens 1..4, two response tokens)."""
+    ok = Sample(index=0, tokens=[1, 2, 3, 4], response_length=2, loss_mask=[1, 0], rollout_log_probs=[-0.5, -1.0])
+    return encode_rollout([[ok.to_dict()], [{**ok.to_dict(), "index": 1, **fields}]])
+
+
+@pytest.mark.parametrize("fields, field, message", [
+    ({"tokens": [1, 2, 3, 50_000]}, "tokens", r"token id 50000 is outside the vocabulary \[0, 32000\)"),
+    ({"tokens": [1, -2, 3, 4]}, "tokens", "token id -2"),
+    ({"loss_mask": [1]}, "loss_mask", "1 entries for response_length 2"),
+    ({"loss_mask": [1, 2]}, "loss_mask", "0 or 1"),
+    ({"rollout_log_probs": [-0.5, -1.0, -2.0]}, "rollout_log_probs", "3 entries for response_length 2"),
+    ({"rollout_log_probs": [float("nan"), -1.0]}, "rollout_log_probs", "entry 0 .nan. is not a finite"),
+    ({"rollout_log_probs": [-0.5, float("-inf")]}, "rollout_log_probs", "entry 1 .-inf. is not a finite"),
+    ({"response_length": 5}, "response_length", "5 is not within the 4 tokens"),
+    ({"status": "exploded"}, "status", "'exploded' is not one of"),
+    ({"reward": "high"}, "reward", "got str"),
+])
+def test_invalid_samples_are_refused_naming_the_field_and_the_sample(fields, field, message):
+    with pytest.raises(SampleCodecError, match=message) as e:
+        decode_rollout(_one(**fields), vocab_size=32000)
+    assert (e.value.field, e.value.sample_index) == (field, 1)
+    assert "rollout sample 1 (index 1)" in str(e.value)
+
+
+def test_token_ids_are_checked_against_the_vocabulary_only_when_it_is_known():
+    data = _one(tokens=[1, 2, 3, 31999])
+    assert decode_rollout(data, vocab_size=32000)[0][1][0]["tokens"][-1] == 31999  # the last id is in
+    with pytest.raises(SampleCodecError, match="token id 31999"):
+        decode_rollout(data, vocab_size=31999)
+    assert decode_rollout(_one(tokens=[1, 2, 3, 2**40]))[0][1][0]["tokens"][-1] == 2**40  # no vocabulary: any id
 
 
 def test_unknown_version_is_named():

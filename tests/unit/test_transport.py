@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from vime.data.sample_codec import SampleCodecError
 from vime.data.transport import make_transport
 from vime.data.transport.straw_store import StrawTransport
 from vime.utils.types import Sample
@@ -111,3 +112,12 @@ def test_object_store_round_trip_across_an_actor():
         assert transport.stored() == {}
     finally:
         ray.shutdown()
+
+
+def test_get_checks_token_ids_against_the_readers_vocabulary(tmp_path):
+    t = StrawTransport(tmp_path)
+    handle = t.put(3, _groups(3), {})  # token ids 1, 2, 3
+    assert t.get(handle, vocab_size=4)[0] == _groups(3)
+    with pytest.raises(SampleCodecError, match=r"token id 3 is outside the vocabulary \[0, 3\)"):
+        t.get(handle, vocab_size=3)
+    t.close()

@@ -17,16 +17,23 @@ Version 2 adds `tensors`: {field: {dtype, shapes}} for the n-dimensional integer
 routed experts of MoE routing replay, [tokens - 1, layers, top-k] per sample), each sample's array stored
 C-ordered in the narrowest of uint8 / uint16 / int32 / int64 that holds it, after the version-1 arrays; they
 decode as numpy arrays. A sample without one has shape None.
+
+Decoding also checks every sample against the `Sample` contract (`vime.utils.types.check_sample_dict`: field
+types, tokens / response_length / loss_mask / rollout_log_probs lengths, finite log-probs, and token ids below the
+vocabulary size when the reader passes one), so what a training rank reads is safe to embed.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import struct
 import zlib
 from typing import Any
 
 import numpy as np
+
+from vime.utils.types import InvalidSampleError, check_sample_dict
 
 MAGIC = b"VIMEROLL"
 FORMAT_VERSION = 2
@@ -41,16 +48,26 @@ _TENSOR_DTYPES = ("|u1", "<u2", "<i4", "<i8")
 
 
 class SampleCodecError(ValueError):
-    """Bytes that are not a rollout this version of vime can read."""
+    """Bytes that are not a rollout this version of vime can read, or a rollout holding an invalid sample (then
+    `sample_index`, its position in the rollout, and `field` say which)."""
+
+    def __init__(self, message: str, field: str | None = None, sample_index: int | None = None):
+        super().__init__(message)
+        self.field, self.sample_index = field, sample_index
 
 
 def encode_rollout(groups: list[list[dict]], extra: dict[str, Any] | None = None) -> bytes:
     """Groups of sample dicts (`Sample.to_dict()`) and a JSON-able `extra` dict -> bytes."""
+    if not isinstance(groups, list) or not all(isinstance(g, list) and all(isinstance(s, dict) for s in g)
+                                               for g in groups):
+        raise SampleCodecError("a rollout is a list of groups, each a list of sample dicts (Sample.to_dict())")
     plain_groups = [[dict(s) for s in g] for g in groups]
     samples = [s for g in plain_groups for s in g]
     arrays, blobs = {}, []
     for name, kind in PACKED_FIELDS.items():
         values = [s.get(name) for s in samples]
+        if not all(v is None or isinstance(v, (list, tuple)) for v in values):
+            continue  # not a sequence: left in the JSON, where the decoder's sample check names it
         lengths = [-1 if v is None else len(v) for v in values]
         flat = [x for v in values if v is not None for x in v]
         packed = _pack(flat, kind)
@@ -68,7 +85,7 @@ def encode_rollout(groups: list[list[dict]], extra: dict[str, Any] | None = None
         table["tensors"] = tensors
     try:
         header = json.dumps(table, separators=(",", ":")).encode()
-    except TypeError as e:
+    except (TypeError, ValueError, RecursionError) as e:  # a non-JSON type, a circular reference
         raise SampleCodecError(f"a rollout must hold JSON values outside {sorted(PACKED_FIELDS)}: {e}") from e
     body = b"".join([header, *blobs])
     version = FORMAT_VERSION if tensors else 1  # version-1 readers still read rollouts without tensors
@@ -87,7 +104,10 @@ def json_ready(sample: dict) -> dict:
 def _pack_tensors(samples: list[dict], blobs: list[bytes]) -> dict:
     tensors = {}
     for name in TENSOR_FIELDS:
-        values = [None if s.get(name) is None else np.asarray(s[name]) for s in samples]
+        try:
+            values = [None if s.get(name) is None else np.asarray(s[name]) for s in samples]
+        except (TypeError, ValueError) as e:  # ragged nested lists
+            raise SampleCodecError(f"field {name!r} must hold rectangular integer arrays: {e}") from e
         if all(v is None for v in values):
             continue
         filled = [v for v in values if v is not None and v.size]
@@ -105,8 +125,11 @@ def _pack_tensors(samples: list[dict], blobs: list[bytes]) -> dict:
     return tensors
 
 
-def decode_rollout(data: bytes | bytearray | memoryview) -> tuple[list[list[dict]], dict[str, Any]]:
-    """bytes -> (groups of sample dicts, extra). Raises SampleCodecError for anything it cannot trust."""
+def decode_rollout(data: bytes | bytearray | memoryview,
+                   vocab_size: int | None = None) -> tuple[list[list[dict]], dict[str, Any]]:
+    """bytes -> (groups of sample dicts, extra). Raises SampleCodecError for anything it cannot trust: damaged
+    bytes, and samples that break the `Sample` contract (with token ids checked against `vocab_size` when the
+    reader knows it: the trainer passes its model's)."""
     data = memoryview(data)
     if len(data) < _PREFIX.size:
         raise SampleCodecError(f"rollout payload too short ({len(data)} bytes) to hold the {_PREFIX.size}-byte header")
@@ -124,18 +147,31 @@ def decode_rollout(data: bytes | bytearray | memoryview) -> tuple[list[list[dict
     try:
         header = json.loads(bytes(body[:header_len]))
         groups, extra, arrays = header["groups"], header["extra"], header["arrays"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise SampleCodecError(f"rollout header is not valid: {e}") from e
+        tensors = header.get("tensors") or {}
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+        raise SampleCodecError(f"rollout header is not valid: {e!r}") from e
+    if not (isinstance(groups, list) and all(isinstance(g, list) and all(isinstance(s, dict) for s in g)
+                                             for g in groups)):
+        raise SampleCodecError("rollout header is not valid: groups must be lists of sample objects")
+    if not (isinstance(extra, dict) and isinstance(arrays, dict) and isinstance(tensors, dict)
+            and all(isinstance(spec, dict) for spec in [*arrays.values(), *tensors.values()])):
+        raise SampleCodecError("rollout header is not valid: extra, arrays and tensors must be objects")
+    samples = [s for g in groups for s in g]
     try:
-        samples = [s for g in groups for s in g]
         offset = _unpack_arrays(body, header_len, samples, arrays)
-        offset = _unpack_tensors(body, offset, samples, header.get("tensors") or {})
-        if offset != len(body):
-            raise SampleCodecError(f"rollout payload has {len(body) - offset} unexpected trailing bytes")
-    except (KeyError, TypeError, ValueError) as e:
+        offset = _unpack_tensors(body, offset, samples, tensors)
+    except (KeyError, TypeError, ValueError, OverflowError) as e:
         if isinstance(e, SampleCodecError):
             raise
         raise SampleCodecError(f"rollout array table is not valid: {e!r}") from e
+    if offset != len(body):
+        raise SampleCodecError(f"rollout payload has {len(body) - offset} unexpected trailing bytes")
+    for i, sample in enumerate(samples):
+        try:
+            check_sample_dict(sample, vocab_size)
+        except InvalidSampleError as e:
+            raise SampleCodecError(f"rollout sample {i} (index {sample.get('index')!r}) is invalid: {e}",
+                                   field=e.field, sample_index=i) from e
     return groups, extra
 
 
@@ -177,7 +213,7 @@ def _unpack_tensors(body: memoryview, offset: int, samples: list[dict], tensors:
                 continue
             if any(not isinstance(d, int) or d < 0 for d in shape):
                 raise SampleCodecError(f"field {name!r}: bad shape {shape!r}")
-            end = _field_end(name, body, offset, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
+            end = _field_end(name, body, offset, math.prod(shape) * dtype.itemsize)  # Python ints: no wrap
             s[name] = np.frombuffer(body[offset:end], dtype=dtype).reshape(shape).copy()
             offset = end
     return offset
@@ -187,6 +223,9 @@ def _pack(flat: list, kind: str) -> tuple[str, bytes] | None:
     """(dtype, bytes) of a flat list of numbers, or None when the values are not plain ints / floats."""
     if flat and type(flat[0]) is bool:  # a mask of bools stays JSON so that it decodes as bools
         return None
+    if not set(map(type, flat)) <= {int, float} and not all(  # the common case first, checked in C
+            isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool) for x in flat):
+        return None  # strings, nested lists, ...: JSON
     arr = np.asarray(flat)
     if not flat:
         arr = np.zeros(0, dtype=np.int32 if kind == "int" else np.float64)

@@ -6,6 +6,8 @@ Field names follow slime so that users' custom functions port over unchanged.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -62,13 +64,91 @@ class Sample:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Sample:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"Sample.from_dict: unknown fields {sorted(unknown)}")
+        """The inverse of `to_dict`. Raises InvalidSampleError (naming the field) for a dict that breaks the
+        contract checked by `check_sample_dict`."""
+        check_sample_dict(d)
         d = dict(d)
         d["status"] = cls.Status(d.get("status", cls.Status.PENDING.value))
         return cls(**d)
+
+
+class InvalidSampleError(ValueError):
+    """A sample dict that breaks the `Sample` contract; `field` is the offending field."""
+
+    def __init__(self, field_name: str, message: str):
+        super().__init__(f"field {field_name!r}: {message}")
+        self.field = field_name
+
+
+_NONE = type(None)
+# field -> the types its value may have; absent fields take the dataclass default. label and the routed experts
+# (a numpy array, or nested lists after JSON) are free-form.
+_FIELD_TYPES = {
+    "group_index": (int, _NONE), "index": (int, _NONE), "prompt": (str, list), "tokens": (list, tuple),
+    "response": (str,), "response_length": (int,), "reward": (int, float, dict, _NONE),
+    "loss_mask": (list, tuple, _NONE), "rollout_log_probs": (list, tuple, _NONE), "status": (str,),
+    "metadata": (dict,), "weight_versions": (list,), "tools": (list, _NONE),
+}
+_NOT_BOOL = ("group_index", "index", "response_length")  # bool is an int to isinstance; not a count or an id
+_SAMPLE_FIELDS = frozenset(f.name for f in dataclasses.fields(Sample))
+_STATUSES = frozenset(s.value for s in Sample.Status)
+
+
+def check_sample_dict(d: Any, vocab_size: int | None = None) -> None:
+    """Raise InvalidSampleError unless `d` is a sample dict the trainer can use: known fields of the right types,
+    `response_length` within `tokens`, one `loss_mask` entry (0/1) and one finite `rollout_log_probs` entry per
+    response token, and token ids in [0, vocab_size) when `vocab_size` is given (an id outside it would index
+    past the embedding). Called by `Sample.from_dict` and by the rollout codec's decoder."""
+    if not isinstance(d, dict):
+        raise InvalidSampleError("<sample>", f"a sample is a dict, got {type(d).__name__}")
+    unknown = sorted(str(k) for k in set(d) - _SAMPLE_FIELDS)
+    if unknown:
+        raise InvalidSampleError(unknown[0], f"unknown fields {unknown}; Sample has {sorted(_SAMPLE_FIELDS)}")
+    for name, types in _FIELD_TYPES.items():
+        value = d.get(name)
+        if name in d and (not isinstance(value, types) or (name in _NOT_BOOL and isinstance(value, bool))):
+            expected = " or ".join("None" if t is _NONE else t.__name__ for t in types)
+            raise InvalidSampleError(name, f"expected {expected}, got {type(value).__name__}")
+    if d.get("status", Sample.Status.PENDING.value) not in _STATUSES:
+        raise InvalidSampleError("status", f"{d['status']!r} is not one of {sorted(_STATUSES)}")
+    tokens, response_length = d.get("tokens", ()), d.get("response_length", 0)
+    _check_numbers("tokens", tokens, integral=True)
+    if tokens and (min(tokens) < 0 or (vocab_size is not None and max(tokens) >= vocab_size)):
+        bad = next(t for t in tokens if t < 0 or (vocab_size is not None and t >= vocab_size))
+        raise InvalidSampleError("tokens", f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+    if not 0 <= response_length <= len(tokens):
+        raise InvalidSampleError("response_length", f"{response_length} is not within the {len(tokens)} tokens")
+    for name in ("loss_mask", "rollout_log_probs"):
+        values = d.get(name)
+        if values is not None and len(values) != response_length:
+            raise InvalidSampleError(name, f"{len(values)} entries for response_length {response_length} "
+                                           f"(one per response token)")
+    mask = d.get("loss_mask") or ()
+    _check_numbers("loss_mask", mask, integral=True, bools=True)
+    if not set(mask) <= {0, 1}:
+        raise InvalidSampleError("loss_mask", f"entries are 0 or 1, got {next(m for m in mask if m not in (0, 1))}")
+    log_probs = d.get("rollout_log_probs") or ()
+    _check_numbers("rollout_log_probs", log_probs, integral=False)
+    if not _all_finite(log_probs):
+        bad = next(i for i, x in enumerate(log_probs) if not _all_finite((x,)))
+        raise InvalidSampleError("rollout_log_probs", f"entry {bad} ({log_probs[bad]!r}) is not a finite number")
+
+
+def _check_numbers(name: str, values, integral: bool, bools: bool = False) -> None:
+    if set(map(type, values)) <= ({int} if integral else {int, float}):  # the common case, checked in C
+        return
+    kind = numbers.Integral if integral else numbers.Real
+    bad = next((x for x in values if not isinstance(x, kind) or (isinstance(x, bool) and not bools)), None)
+    if bad is not None:
+        raise InvalidSampleError(name, f"entries are {'integers' if integral else 'real numbers'}, "
+                                       f"got {type(bad).__name__} {bad!r}")
+
+
+def _all_finite(values) -> bool:
+    try:
+        return all(map(math.isfinite, values))
+    except OverflowError:  # an int too large for a float
+        return False
 
 
 @dataclass

@@ -41,8 +41,10 @@ class RolloutTransport:
         """Store one rollout; returns its handle once the data is safe (durable for durable transports)."""
         raise NotImplementedError
 
-    def get(self, handle) -> tuple[list[list[dict]], dict[str, Any]]:
-        """(groups of sample dicts, extra) of a rollout put earlier, possibly by another process."""
+    def get(self, handle, vocab_size: int | None = None) -> tuple[list[list[dict]], dict[str, Any]]:
+        """(groups of sample dicts, extra) of a rollout put earlier, possibly by another process. The samples are
+        checked as they are decoded (`vime.data.sample_codec`), token ids against `vocab_size` when the reader
+        knows it (a training rank passes its model's)."""
         raise NotImplementedError
 
     def stored(self) -> dict[int, Any]:

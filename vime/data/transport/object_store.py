@@ -22,5 +22,5 @@ class ObjectStoreTransport(RolloutTransport):
     def put(self, rollout_id, groups, extra):
         return ObjectStoreHandle(rollout_id, ray.put(encode_rollout(groups, extra)))
 
-    def get(self, handle):
-        return decode_rollout(ray.get(handle.ref))
+    def get(self, handle, vocab_size=None):
+        return decode_rollout(ray.get(handle.ref), vocab_size)

@@ -1,0 +1,145 @@
+"""Fuzzing the rollout codec and `Sample.from_dict`: whatever they are given, they return a valid sample or raise
+their own error (SampleCodecError, InvalidSampleError), never a KeyError / TypeError / numpy error from inside.
+
+Damaged bytes get a recomputed CRC32 so that they reach the decoder's checks instead of stopping at the checksum.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+import zlib
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from vime.data.sample_codec import SampleCodecError, decode_rollout, encode_rollout
+from vime.utils.types import InvalidSampleError, Sample, check_sample_dict
+
+FUZZ = settings(max_examples=150, deadline=2000, database=None, suppress_health_check=[HealthCheck.too_slow])
+PREFIX = struct.Struct("<8sHHII")  # the codec's: magic, version, reserved, header length, crc32 of the body
+VOCAB = 1000
+
+# numbers and JSON values, including the ones a sample must not hold (NaN, inf, bools, huge and negative ints)
+numbers = st.one_of(st.integers(-2**70, 2**70), st.floats(allow_nan=True, allow_infinity=True), st.booleans())
+json_values = st.recursive(st.none() | numbers | st.text(max_size=5),
+                           lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=5), inner,
+                                                                                        max_size=4),
+                           max_leaves=12)
+
+
+@st.composite
+def valid_samples(draw) -> dict:
+    tokens = draw(st.lists(st.integers(0, VOCAB - 1), max_size=12))
+    n = draw(st.integers(0, len(tokens)))
+    log_probs = st.floats(-50, 0, allow_nan=False)
+    return Sample(index=draw(st.integers(0, 10**6)), tokens=tokens, response_length=n,
+                  loss_mask=draw(st.none() | st.lists(st.integers(0, 1), min_size=n, max_size=n)),
+                  rollout_log_probs=draw(st.none() | st.lists(log_probs, min_size=n, max_size=n)),
+                  reward=draw(st.none() | st.floats(-1, 1)), status=draw(st.sampled_from(Sample.Status)),
+                  metadata=draw(st.dictionaries(st.text(max_size=4), st.integers(), max_size=2))).to_dict()
+
+
+rollouts = st.lists(st.lists(valid_samples(), min_size=1, max_size=3), min_size=1, max_size=3)
+
+
+def _with_crc(body: bytes, version: int, header_len: int) -> bytes:
+    return PREFIX.pack(b"VIMEROLL", version, 0, header_len, zlib.crc32(body)) + body
+
+
+def _decode_or_codec_error(data: bytes) -> None:
+    """The property: decoding returns only valid samples, or raises SampleCodecError (anything else fails)."""
+    try:
+        groups, extra = decode_rollout(data, vocab_size=VOCAB)
+    except SampleCodecError:
+        return
+    assert isinstance(extra, dict)
+    for sample in (s for g in groups for s in g):
+        check_sample_dict(sample, vocab_size=VOCAB)
+
+
+@FUZZ
+@given(rollouts, st.lists(st.tuples(st.integers(0, 2**32), st.integers(0, 255), st.sampled_from("sid")),
+                          min_size=1, max_size=4))
+def test_mutated_bytes_with_a_valid_crc_raise_only_codec_errors(groups, edits):
+    data = encode_rollout(groups, {"rollout_id": 1})
+    _, version, _, header_len, _ = PREFIX.unpack_from(data)
+    body = bytearray(data[PREFIX.size:])
+    for pos, byte, kind in edits:  # (s)et, (i)nsert or (d)elete one byte
+        pos %= len(body) + 1
+        if kind == "s" and pos < len(body):
+            body[pos] = byte
+        elif kind == "i":
+            body.insert(pos, byte)
+        elif kind == "d" and pos < len(body):
+            del body[pos]
+    _decode_or_codec_error(_with_crc(bytes(body), version, header_len))
+
+
+def _paths(value, path=()):
+    """Every (path, value) in a JSON tree."""
+    yield path, value
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _paths(v, (*path, k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _paths(v, (*path, i))
+
+
+@FUZZ
+@given(rollouts, st.data())
+def test_rewritten_headers_with_a_valid_crc_raise_only_codec_errors(groups, data):
+    """Replace one value of the JSON header (a sample field, a length, a dtype, ...) with any JSON value: this
+    reaches the array-table and sample checks that byte flips mostly stop short of."""
+    encoded = encode_rollout(groups, {"rollout_id": 1})
+    _, version, _, header_len, _ = PREFIX.unpack_from(encoded)
+    header = json.loads(encoded[PREFIX.size:PREFIX.size + header_len])
+    arrays = encoded[PREFIX.size + header_len:]
+    path, _ = data.draw(st.sampled_from(list(_paths(header))[1:]))
+    target = header
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = data.draw(json_values)
+    new_header = json.dumps(header).encode()
+    _decode_or_codec_error(_with_crc(new_header + arrays, version, len(new_header)))
+
+
+field_values = st.fixed_dictionaries({}, optional={
+    name: json_values for name in ("group_index", "index", "prompt", "tokens", "response", "response_length",
+                                   "label", "reward", "loss_mask", "rollout_log_probs", "status", "metadata",
+                                   "weight_versions", "tools", "rollout_routed_experts")})
+sample_like = st.one_of(
+    valid_samples(),
+    field_values,
+    st.builds(lambda s, name, value: {**s, name: value}, valid_samples(),  # one field of a valid sample changed
+              st.sampled_from(["tokens", "response_length", "loss_mask", "rollout_log_probs", "status", "index"]),
+              json_values | st.lists(numbers, max_size=12)),
+    st.dictionaries(st.text(max_size=6), json_values, max_size=3),  # unknown fields
+    json_values,  # not even a dict
+)
+
+
+@FUZZ
+@given(sample_like)
+def test_sample_from_dict_returns_a_valid_sample_or_raises_invalid_sample(d):
+    try:
+        sample = Sample.from_dict(d)
+    except InvalidSampleError:
+        return
+    assert 0 <= sample.response_length <= len(sample.tokens)
+    for per_token in (sample.loss_mask, sample.rollout_log_probs):
+        assert per_token is None or len(per_token) == sample.response_length
+    assert all(math.isfinite(x) for x in sample.rollout_log_probs or [])
+    assert all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in sample.tokens)
+
+
+@FUZZ
+@given(st.lists(st.lists(sample_like, max_size=3), max_size=3) | json_values)
+def test_encoding_anything_raises_only_codec_errors_and_decoding_it_checks_it(groups):
+    try:
+        data = encode_rollout(groups, {})
+    except SampleCodecError:
+        return
+    _decode_or_codec_error(data)
