@@ -1,12 +1,14 @@
 """Bad input all the way through a real training run (train.py, 1 vLLM engine behind vllm-router, Megatron, Ray):
 a prompt file with malformed rows, a prompt over --rollout-max-prompt-len, a prompt the engine rejects (longer than
 --vllm-max-model-len) and a --custom-rm-path reward that raises on some samples, sleeps past
---rm-timeout on others and returns a string on others. The run finishes; metrics.jsonl counts the skipped rows,
-the over-long prompt and every failure by reason; the saved rollouts carry status failed with the reasons."""
+--rm-timeout on others, returns a string, NaN or inf on others. The run finishes; metrics.jsonl counts the skipped
+rows, the over-long prompt and every failure by reason; the saved rollouts carry status failed with the reasons; no
+NaN reaches a metric or a weight (the saved HF weights are finite and trained)."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -26,7 +28,8 @@ PLUGIN = textwrap.dedent('''
     import time
 
     def reward(args, sample):
-        """By sample index: 0 raises, 1 hangs past --rm-timeout, 2 returns a string, the rest are scored."""
+        """By sample index: 0 raises, 1 hangs past --rm-timeout, 2 returns a string, 3 and 5 NaN, 4 inf, the rest
+        are scored."""
         kind = sample.index % 8
         if kind == 0:
             raise ValueError(f"cannot score sample {sample.index}")
@@ -35,6 +38,10 @@ PLUGIN = textwrap.dedent('''
             return 1.0
         if kind == 2:
             return "not a number"
+        if kind in (3, 5):
+            return float("nan")
+        if kind == 4:
+            return float("inf")
         return float(len(sample.response) % 3 == 0)
 ''')
 
@@ -47,7 +54,8 @@ MALFORMED = ['{"prompt": "What is 1 + 1?", "label": "2"',  # not JSON
 def expected_failure(sample: dict, rejected_prompt: str) -> str | None:
     if rejected_prompt in sample["prompt"]:
         return "generate_engine_rejected"
-    return {0: "reward_error", 1: "reward_timeout", 2: "reward_bad_return_type"}.get(sample["index"] % 8)
+    return {0: "reward_error", 1: "reward_timeout", 2: "reward_bad_return_type", 3: "reward_non_finite",
+            4: "reward_non_finite", 5: "reward_non_finite"}.get(sample["index"] % 8)
 
 
 def _long_prompt(tokenizer, low: int, high: int) -> str:
@@ -87,7 +95,7 @@ def bad_run(tiny_qwen3, arithmetic_data, tmp_path_factory):
         "--num-rollout", "2", "--rollout-num-gpus", "1", "--rollout-max-response-len", str(MAX_RESPONSE_LEN),
         "--micro-batch-size", "8", "--lr", "1e-2", "--save-debug-rollout-data", str(out / "rollout_{rollout_id}.jsonl"),
         "--output-dir", str(out / "run"), "--vllm-enforce-eager", "--vllm-dtype", "float32",
-        "--vllm-max-model-len", str(MAX_MODEL_LEN),
+        "--vllm-max-model-len", str(MAX_MODEL_LEN), "--save-hf", str(out / "hf_{rollout_id}"),
     ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(out), str(REPO), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO, env=env)
@@ -132,8 +140,25 @@ def test_failures_are_recorded_per_sample_and_counted_by_reason(bad_run):
             seen[reason] = failure["error"]
         failed = {k.removeprefix("rollout/failed/"): v for k, v in record.items() if k.startswith("rollout/failed/")}
         assert failed == counts and record["rollout/failed_samples"] == sum(counts.values())
-    assert set(seen) == {"generate_engine_rejected", "reward_error", "reward_timeout", "reward_bad_return_type"}
+    assert set(seen) == {"generate_engine_rejected", "reward_error", "reward_timeout", "reward_bad_return_type",
+                         "reward_non_finite"}
     assert "ValueError: cannot score sample" in seen["reward_error"]
     assert f"--rm-timeout {RM_TIMEOUT}" in seen["reward_timeout"]
     assert "--custom-rm-path bad_rm_plugin.reward returned str ('not a number')" in seen["reward_bad_return_type"]
     assert "HTTP 400" in seen["generate_engine_rejected"]
+    assert "is not finite; the reward function must return a finite number" in seen["reward_non_finite"]
+
+
+def test_non_finite_rewards_reach_no_metric_and_no_weight(bad_run, tiny_qwen3):
+    """NaN rewards used to crash the rollout metrics (statistics.pstdev) or, past them, turn every advantage and
+    then every weight NaN (no loss scaler skips a bf16 or fp32 step)."""
+    from safetensors.torch import load_file
+
+    out, _, records, _, _ = bad_run
+    for record in records:
+        assert all(math.isfinite(v) for v in record.values() if isinstance(v, float)), record
+        assert record.get("train/skipped_steps", 0.0) == 0.0, record
+    trained = {k: v for f in sorted((out / "hf_1").glob("*.safetensors")) for k, v in load_file(f).items()}
+    start = {k: v for f in sorted(tiny_qwen3.glob("*.safetensors")) for k, v in load_file(f).items()}
+    assert trained and all(v.isfinite().all() for v in trained.values())
+    assert any(not v.equal(start[k]) for k, v in trained.items() if k in start)  # the weights really moved

@@ -256,3 +256,24 @@ def test_grpo_leaves_samples_without_trainable_tokens_out_of_the_baseline():
     assert torch.allclose(adv[0], torch.full((2,), (1 - 2 / 3) / std))
     assert torch.allclose(adv[1], torch.full((3,), (0 - 2 / 3) / std))
     assert torch.equal(adv[3], torch.zeros(2))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_rewards_get_advantage_zero_and_stay_out_of_every_statistic(bad):
+    # group of 4 with one non-finite reward: the others' advantages are those of the group without it
+    masks = [torch.ones(2), torch.ones(3), torch.ones(1), torch.ones(2)]
+    adv, _ = grpo_advantages(torch.tensor([1.0, 0.0, 1.0, bad]), masks, n_samples_per_prompt=4, eps=0.0)
+    std = (1 / 3) ** 0.5  # members 1, 0, 1: mean 2/3
+    assert torch.allclose(adv[0], torch.full((2,), (1 - 2 / 3) / std))
+    assert torch.allclose(adv[1], torch.full((3,), (0 - 2 / 3) / std))
+    assert torch.equal(adv[3], torch.zeros(2))
+    values = [torch.full((len(m),), 0.5) for m in masks]
+    rewards = torch.tensor([1.0, 0.0, 1.0, bad])
+    for name, kw in [("reinforce_plus_plus", {}), ("reinforce_plus_plus_baseline", {}),
+                     ("ppo", {"values": values, "normalize_advantages": True})]:
+        adv, returns = get_advantage_estimator(name)(rewards, masks, n_samples_per_prompt=4, **kw)
+        assert all(torch.isfinite(a).all() and torch.isfinite(r).all() for a, r in zip(adv, returns)), name
+        assert torch.equal(adv[3], torch.zeros(2)) and torch.equal(returns[3], torch.zeros(2)), name
+        kw = {k: v[:3] if k == "values" else v for k, v in kw.items()}
+        clean, _ = get_advantage_estimator(name)(rewards[:3], masks[:3], n_samples_per_prompt=3, **kw)
+        assert_close(adv[:3], clean)  # as if the sample were absent

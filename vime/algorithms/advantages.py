@@ -16,7 +16,8 @@ Every estimator is called the same way, so the trainer has one call site:
         kl_coef=..., gamma=..., lambd=..., normalize_std=..., normalize_advantages=..., eps=...,
     )
 
-Each estimator ignores the keyword arguments it does not use (`**_`); a custom estimator loaded with
+A sample whose reward is NaN or inf is treated as one without trainable tokens: advantage 0, no part of any
+statistic. Each estimator ignores the keyword arguments it does not use (`**_`); a custom estimator loaded with
 `--custom-advantage-function-path` must accept the same keywords. `returns` is the critic's regression
 target for ppo; the other estimators have no critic and return `advantages` again.
 """
@@ -86,12 +87,19 @@ def _check_lengths(name: str, xs: Sequence[torch.Tensor], loss_masks: Tensors) -
             raise ValueError(f"{name}[{i}] has shape {tuple(x.shape)} but its loss mask has {tuple(m.shape)}")
 
 
-def _as_rewards(rewards: torch.Tensor | Sequence[float], loss_masks: Tensors) -> torch.Tensor:
+def _as_rewards(rewards: torch.Tensor | Sequence[float], loss_masks: Tensors) -> tuple[torch.Tensor, Tensors]:
+    """[B] float32 rewards and the loss masks. A sample whose reward is NaN or inf comes back with reward 0 and no
+    trainable token: it joins no group's mean or std and no whitening (one would turn them all NaN), and its
+    advantage is 0."""
     device = loss_masks[0].device if loss_masks else None
     rewards = torch.as_tensor(rewards, dtype=torch.float32, device=device).flatten()
     if rewards.numel() != len(loss_masks):
         raise ValueError(f"{rewards.numel()} rewards but {len(loss_masks)} loss masks")
-    return rewards
+    finite = torch.isfinite(rewards)
+    if finite.all():
+        return rewards, loss_masks
+    loss_masks = [m if ok else torch.zeros_like(m) for m, ok in zip(loss_masks, finite.tolist())]
+    return torch.where(finite, rewards, torch.zeros_like(rewards)), loss_masks
 
 
 def _group_view(rewards: torch.Tensor, n_samples_per_prompt: int) -> torch.Tensor:
@@ -178,10 +186,11 @@ def grpo_advantages(
 ) -> tuple[Tensors, Tensors]:
     """A_i = (r_i - mean(group)) / (std(group) + eps) on every trainable token of sample i.
 
-    `std` is the unbiased sample std of the group; samples without trainable tokens are left out of both. `normalize_std=False` drops the division (Dr. GRPO),
-    leaving r_i - mean(group). Groups need at least two samples: with one, every advantage would be 0.
+    `std` is the unbiased sample std of the group; samples without trainable tokens (or without a finite reward)
+    are left out of both. `normalize_std=False` drops the division (Dr. GRPO), leaving r_i - mean(group). Groups
+    need at least two samples: with one, every advantage would be 0.
     """
-    rewards = _as_rewards(rewards, loss_masks)
+    rewards, loss_masks = _as_rewards(rewards, loss_masks)
     if n_samples_per_prompt < 2:
         raise ValueError("grpo/gspo compare samples within a group; set --n-samples-per-prompt >= 2")
     groups, mean, std = _group_stats(rewards, loss_masks, n_samples_per_prompt)
@@ -215,7 +224,7 @@ def reinforce_plus_plus_advantages(
 
     r_k = -kl_coef * kl_k, plus the sample's reward on its last trainable token.
     """
-    rewards = _as_rewards(rewards, loss_masks)
+    rewards, loss_masks = _as_rewards(rewards, loss_masks)
     if kl is not None:
         _check_lengths("kl", kl, loss_masks)
     returns = _discounted_sum(_token_rewards(rewards, loss_masks, kl, kl_coef), loss_masks, gamma)
@@ -233,7 +242,7 @@ def reinforce_plus_plus_baseline_advantages(
     **_: Any,
 ) -> tuple[Tensors, Tensors]:
     """A = whiten(r_i - mean(group)) with r_i - mean(group) on each trainable token of sample i."""
-    rewards = _as_rewards(rewards, loss_masks)
+    rewards, loss_masks = _as_rewards(rewards, loss_masks)
     groups, mean, _ = _group_stats(rewards, loss_masks, n_samples_per_prompt)
     centred = (groups - mean).flatten()
     advantages = whiten(_broadcast(centred, loss_masks), loss_masks, eps=eps)
@@ -261,7 +270,7 @@ def gae_advantages(
     r_t = -kl_coef * kl_t, plus the reward on the last trainable token. Returns (advantages, returns);
     `returns` is computed before the optional whitening of advantages. Both are 0 on masked tokens.
     """
-    rewards = _as_rewards(rewards, loss_masks)
+    rewards, loss_masks = _as_rewards(rewards, loss_masks)
     if values is None:
         raise ValueError("the ppo advantage estimator needs critic values (values=...)")
     _check_lengths("values", values, loss_masks)

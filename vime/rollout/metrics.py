@@ -7,7 +7,7 @@ with the next rollout only; the others are running totals reported with every ro
 
 from __future__ import annotations
 
-import statistics
+import math
 
 from vime.rollout.context import rollout_context
 from vime.utils.types import Sample
@@ -15,6 +15,21 @@ from vime.utils.types import Sample
 
 def _mean(xs):
     return sum(xs) / len(xs) if xs else 0.0
+
+
+def _std(xs):
+    """Population std in floats (statistics.pstdev works in exact fractions: slow, and it crashes on NaN)."""
+    mean = _mean(xs)
+    return math.sqrt(_mean([(x - mean) ** 2 for x in xs]))
+
+
+def _reward_values(samples: list[Sample], args) -> tuple[list[float], int]:
+    """The finite rewards of the scored samples, and how many were not finite. The default rollout fails a sample
+    with a NaN or inf reward; a custom rollout function may hand one over as scored."""
+    values = [s.get_reward_value(args) for s in samples
+              if s.status not in (Sample.Status.FAILED, Sample.Status.ABORTED) and s.reward is not None]
+    finite = [v for v in values if math.isfinite(v)]
+    return finite, len(values) - len(finite)
 
 
 def record_counters(values: dict[str, float], once: bool = True) -> None:
@@ -48,20 +63,22 @@ def failure_key(sample: Sample) -> str:
 
 def rollout_metrics(samples: list[Sample], args=None, prefix: str = "rollout") -> dict[str, float]:
     """Reward, length, truncation and failure statistics of one rollout's samples (failures by stage and reason:
-    `<prefix>/failed/<stage>_<reason>`); a training rollout (prefix "rollout") also reports the counters."""
-    scored = [s for s in samples if s.status not in (Sample.Status.FAILED, Sample.Status.ABORTED)]
-    rewards = [s.get_reward_value(args) for s in scored if s.reward is not None]
+    `<prefix>/failed/<stage>_<reason>`); a training rollout (prefix "rollout") also reports the counters. Reward
+    statistics cover the scored samples' finite rewards; `<prefix>/non_finite_rewards` counts the others."""
+    rewards, non_finite = _reward_values(samples, args)
     lengths = [s.response_length for s in samples]
     m = {
         f"{prefix}/num_samples": float(len(samples)),
         f"{prefix}/reward_mean": _mean(rewards),
-        f"{prefix}/reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
+        f"{prefix}/reward_std": _std(rewards),
         f"{prefix}/response_len_mean": _mean(lengths),
         f"{prefix}/response_len_max": float(max(lengths, default=0)),
         f"{prefix}/truncated_ratio": _mean([float(s.status == Sample.Status.TRUNCATED) for s in samples]),
         f"{prefix}/failed_samples": float(sum(s.status == Sample.Status.FAILED for s in samples)),
         f"{prefix}/response_tokens": float(sum(lengths)),
     }
+    if non_finite:
+        m[f"{prefix}/non_finite_rewards"] = float(non_finite)
     for s in samples:
         if s.status == Sample.Status.FAILED:
             key = f"{prefix}/failed/{failure_key(s)}"

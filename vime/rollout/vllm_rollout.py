@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from typing import Any
 
 import aiohttp
@@ -201,6 +202,34 @@ def _generate_failure_reason(error: BaseException) -> str:
     return "error"
 
 
+def fail_non_finite_rewards(args, samples: list[Sample]) -> None:
+    """Fail each scored sample whose reward is NaN or inf (stage reward, reason non_finite): one such reward
+    would spread through its group's mean and std to every advantage of the group. Its reward becomes None."""
+    for sample in samples:
+        if sample.status in (Sample.Status.FAILED, Sample.Status.ABORTED) or sample.reward is None:
+            continue
+        try:
+            value = sample.get_reward_value(args)
+        except (KeyError, TypeError, ValueError):  # no scalar to check (e.g. no --reward-key): reported where used
+            continue
+        if not math.isfinite(value):
+            fail_sample(sample, "reward", "non_finite",
+                        f"reward {sample.reward!r:.200} of sample {sample.index} is not finite; the reward function "
+                        "must return a finite number (or raise, to fail the sample)")
+            sample.reward = None
+
+
+def fail_non_finite_log_probs(sample: Sample) -> None:
+    """Fail a generated sample whose engine log-probs hold NaN or inf: importance weights and the train/rollout
+    log-prob gap are computed from them. They become 0 (the sample is never trained; the trainer refuses a
+    sample with non-finite log-probs)."""
+    bad = [t for t, lp in enumerate(sample.rollout_log_probs or []) if not math.isfinite(lp)]
+    if bad and sample.status not in (Sample.Status.FAILED, Sample.Status.ABORTED):
+        fail_sample(sample, "generate", "non_finite_log_probs", f"the engine's log-prob of response token {bad[0]} "
+                    f"of sample {sample.index} is {sample.rollout_log_probs[bad[0]]}")
+        sample.rollout_log_probs = [lp if math.isfinite(lp) else 0.0 for lp in sample.rollout_log_probs]
+
+
 async def _reward_one(args, sample: Sample) -> None:
     try:
         sample.reward = await asyncio.wait_for(async_rm(args, sample), timeout=args.rm_timeout)
@@ -249,6 +278,7 @@ async def _after_generate(args, sample: Sample, result) -> Sample:
                            f"Sample: {result!r}"[:500])
     if result.status == Sample.Status.PENDING:
         result.status = Sample.Status.COMPLETED
+    fail_non_finite_log_probs(result)
     if result.status in (Sample.Status.ABORTED, Sample.Status.FAILED) or args.group_rm:
         return result
     await _reward_one(args, result)
@@ -308,8 +338,10 @@ async def generate_and_rm_group(args, group: list[Sample], sampling_params: dict
             reason = "bad_return_type" if isinstance(e, RewardTypeError) else "error"
             for s in group:
                 fail_sample(s, "reward", reason, f"group reward: {type(e).__name__}: {e}")
+    fail_non_finite_rewards(args, group)
     if args.custom_reward_post_process_path and not evaluation:
         load_function(args.custom_reward_post_process_path)(args, group)
+        fail_non_finite_rewards(args, group)  # what the post-process made of the rewards
     return group
 
 

@@ -9,6 +9,7 @@ Every per-sample field is a list indexed by the sample's position in the rollout
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -37,11 +38,12 @@ class TrainBatch:
 
     @classmethod
     def from_samples(cls, groups: list[list[dict]], args) -> TrainBatch:
-        """Groups of `Sample` dicts -> a batch. A failed or aborted sample, or one without a reward, keeps its
-        place (indices stay those of the rollout) with an all-zero loss mask and reward 0."""
+        """Groups of `Sample` dicts -> a batch. A failed or aborted sample, or one without a finite reward (the
+        default rollout fails NaN and inf rewards; a custom rollout may not), keeps its place (indices stay those
+        of the rollout) with an all-zero loss mask and reward 0."""
         samples = [Sample.from_dict(d) for g in groups for d in g]
         usable = [s.status not in (Sample.Status.FAILED, Sample.Status.ABORTED) and s.reward is not None
-                  for s in samples]
+                  and math.isfinite(s.get_reward_value(args)) for s in samples]
         masks = []
         for s, ok in zip(samples, usable):
             mask = s.loss_mask if s.loss_mask is not None else [1] * s.response_length

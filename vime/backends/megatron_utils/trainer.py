@@ -6,7 +6,8 @@
 Every rank reads the whole rollout from the data transport (its Ray actor, `vime.ray.actor_group`, does; the
 rollout is small next to the model), turns it into a `TrainBatch` and derives the same step / data-parallel /
 micro-batch split from it, so no scatter is needed. Per rollout: (optional) reference and old log-probs ->
-advantages -> --num-steps-per-rollout optimizer steps.
+advantages -> --num-steps-per-rollout optimizer steps. A step whose loss or gradients are NaN or inf on any rank is
+skipped (train/skipped_steps, train/skipped/<reason>); a step that leaves a parameter non-finite stops the run.
 """
 
 from __future__ import annotations
@@ -158,8 +159,7 @@ class MegatronTrainer:
             loss_fn = make_loss_fn(args, batch, _denominators(batch, step), scale=len(mbs) * self.dp_size,
                                    step_index=step_index)
             with phase("steps"):
-                mb_metrics, grad_norm, lr, skipped = train_step(args, self.model, self.optimizer, self.scheduler,
-                                                                batch, mbs, loss_fn, routing=routing)
+                mb_metrics, grad_norm, lr, skipped = self._train_step(batch, mbs, loss_fn, metrics, routing=routing)
             self.step += 1
             step_metrics = {**self._reduce(mb_metrics), **self._moe_metrics(len(mbs))}
             if "logprob_diff_count" in step_metrics:  # first step only: the rollout policy's parameters
@@ -174,6 +174,22 @@ class MegatronTrainer:
         metrics["train/num_usable_samples"] = float(batch.num_usable)
         metrics["train/steps"] = float(len(plan))
         return metrics if is_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0 else {}
+
+    def _train_step(self, batch: TrainBatch, mbs: list, loss_fn, metrics: dict, routing=None, prefix: str = "train"):
+        """`train_step` that skips the optimizer step when a loss or gradient on any rank is NaN or inf (counted in
+        `<prefix>/skipped/<reason>` and logged), and stops the run if a step taken left a parameter non-finite,
+        before such weights can reach the engines or a checkpoint. Returns train_step's (metrics, grad_norm, lr,
+        skipped)."""
+        guard = FiniteStepGuard(self.optimizer, self.model)
+        out = train_step(self.args, self.model, guard, self.scheduler, batch, mbs, guard.watch(loss_fn),
+                         routing=routing)
+        if out[3]:  # skipped; with fp16 Megatron's loss scaler decides (it skips on non-finite gradients)
+            reason = guard.reason or "non_finite_grad_norm"
+            metrics[f"{prefix}/skipped/{reason}"] = metrics.get(f"{prefix}/skipped/{reason}", 0.0) + 1.0
+            logger.warning("%s step %d skipped: %s", prefix, self.step, reason.replace("_", " "))
+        else:
+            check_finite_parameters(self.model, self.step)
+        return out
 
     def _routing_replay(self, batch: TrainBatch, first_pass: bool) -> RoutingReplay | None:
         """The rollout's MoE routing replay: the engine's routing (--use-rollout-routing-replay), the trainer's own
@@ -250,8 +266,8 @@ class MegatronTrainer:
         metrics: dict[str, float] = {}
         for step, local, mbs in plan:
             loss_fn = make_value_loss_fn(args, batch, _denominators(batch, step), scale=len(mbs) * self.dp_size)
-            mb_metrics, grad_norm, _, _ = train_step(args, self.model, self.optimizer, self.scheduler, batch, mbs,
-                                                     loss_fn)
+            mb_metrics, grad_norm, _, skipped = self._train_step(batch, mbs, loss_fn, metrics, prefix="critic")
+            metrics["critic/skipped_steps"] = metrics.get("critic/skipped_steps", 0.0) + float(skipped)
             for k, v in {**self._reduce(mb_metrics), **self._moe_metrics(len(mbs))}.items():
                 metrics[f"critic/{k}"] = metrics.get(f"critic/{k}", 0.0) + v / len(plan)
             metrics["critic/grad_norm"] = float(grad_norm or 0.0)
@@ -303,6 +319,75 @@ class MegatronTrainer:
         batch = TrainBatch(tokens=[tokens], response_lengths=[response_length])
         out = forward_log_probs(args, self.model, batch, [[0]])
         return out[0][0].tolist() if out else []
+
+
+class FiniteStepGuard:
+    """The optimizer as `train_step` sees it for one step: `step()` is skipped, as Megatron skips an fp16 overflow
+    (returns (False, None, None)), when a loss (`watch`) or a gradient on any rank is NaN or inf. bf16 and fp32
+    have no loss scaler to catch them, and one such step writes NaN into every weight. With a loss scaler (fp16)
+    Megatron's own check runs instead: it must see the overflow to lower the scale."""
+
+    def __init__(self, optimizer, model):
+        self.optimizer, self.model = optimizer, model
+        self.non_finite_loss = False
+        self.reason: str | None = None  # why the step was skipped
+
+    def __getattr__(self, name):  # zero_grad, param_groups, ...: the optimizer's own
+        return getattr(self.optimizer, name)
+
+    def watch(self, loss_fn):
+        def watched(indices, inputs, output):
+            loss, metrics = loss_fn(indices, inputs, output)
+            self.non_finite_loss |= not bool(torch.isfinite(loss.detach()).all())
+            return loss, metrics
+
+        return watched
+
+    def step(self):
+        if not _has_loss_scaler(self.optimizer):
+            self.reason = non_finite_step_reason(self.model, self.non_finite_loss)
+            if self.reason is not None:
+                return False, None, None
+        return self.optimizer.step()
+
+
+def _has_loss_scaler(optimizer) -> bool:
+    optimizers = getattr(optimizer, "chained_optimizers", [optimizer])
+    return any(getattr(o, "grad_scaler", None) is not None for o in optimizers)
+
+
+def _any_rank(flags: list[bool], device) -> list[bool]:
+    """Each flag OR-ed over every rank (all ranks must agree to skip or stop, or the next collective hangs)."""
+    t = torch.tensor([float(f) for f in flags], device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [bool(x) for x in t.tolist()]
+
+
+def _device(model) -> torch.device:
+    return next(p for m in model for p in m.parameters()).device
+
+
+def non_finite_step_reason(model, non_finite_loss: bool) -> str | None:
+    """Why this step's gradients must not be applied ("non_finite_loss", "non_finite_grad_norm"), or None; the
+    same answer on every rank. Reads the gradients Megatron's DDP accumulated (`main_grad`). Collective."""
+    grads = [p.main_grad for m in model for p in m.parameters() if getattr(p, "main_grad", None) is not None]
+    finite = torch.stack([torch.isfinite(g).all() for g in grads]).all().item() if grads else True
+    loss_bad, grad_bad = _any_rank([non_finite_loss, not finite], _device(model))
+    return "non_finite_loss" if loss_bad else "non_finite_grad_norm" if grad_bad else None
+
+
+def check_finite_parameters(model, step: int) -> None:
+    """Raise if a parameter holds NaN or inf after optimizer step `step`: stop before such weights are sent to the
+    engines or saved. Collective (every rank raises together)."""
+    named = [(name, p) for m in model for name, p in m.named_parameters()]
+    finite = torch.stack([torch.isfinite(p).all() for _, p in named]).tolist()  # one device sync, not one a tensor
+    bad = next((name for (name, _), ok in zip(named, finite) if not ok), None)
+    if _any_rank([bad is not None], _device(model))[0]:
+        where = f"parameter {bad}" if bad else "a parameter on another rank"
+        raise RuntimeError(f"optimizer step {step} left {where} non-finite (NaN or inf) although its loss and "
+                           "gradients were finite; the run stops before these weights reach the engines or a "
+                           "checkpoint. Lower --lr or raise --adam-eps, or resume from the last checkpoint")
 
 
 def _denominators(batch: TrainBatch, step) -> dict:
