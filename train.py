@@ -30,6 +30,7 @@ def train(args) -> None:
             run.offload_train()  # colocated: the engines get the devices back
             metrics["perf/step_time"] = time.perf_counter() - step_start
             run.metrics.log(rollout_id, metrics)
+            run.publish_checkpoint()  # after the metrics line: a resume never skips a row
         run.maybe_eval(num_rollout, force=True)
 
 

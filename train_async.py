@@ -48,6 +48,7 @@ def train(args) -> None:
                     run.maybe_eval(rollout_id + 1, force=True)
             metrics["perf/step_time"] = time.perf_counter() - step_start
             run.metrics.log(rollout_id, metrics)
+            run.publish_checkpoint()  # after the metrics line: a resume never skips a row
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -45,6 +45,10 @@ def add_run_args(parser: argparse.ArgumentParser) -> None:
                    help="Directory for metrics.jsonl, TensorBoard events and plots (default: outputs/run).")
     g.add_argument("--ray-address", default=None,
                    help="Address of an existing Ray cluster; a local one is started when unset (default: None).")
+    g.add_argument("--overwrite-output", action="store_true",
+                   help="Start over an earlier run's state in --save, --output-dir and --rollout-data-dir (its "
+                        "trained-sample ids and stored rollouts are discarded); without it such a run refuses to "
+                        "start unless --load resumes it (default: off).")
     g.add_argument("--control-token-file", default=None,
                    help="File (mode 600) holding the run's control token, which every engine route but /health "
                         "requires; a fresh random token is made when unset (default: None).")

@@ -19,13 +19,13 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # so that examples.coding_a
 COMMON=(--label-key label --tool-key tools --apply-chat-template --rollout-shuffle --seed 1234 --micro-batch-size 32)
 
 echo "== multi-turn SFT warm-up"
-$PY train.py "${COMMON[@]}" --hf-checkpoint "$OUT/model" --prompt-data "$OUT/data/train.jsonl" \
+$PY train.py --overwrite-output "${COMMON[@]}" --hf-checkpoint "$OUT/model" --prompt-data "$OUT/data/train.jsonl" \
   --debug-train-only --rollout-function-path vime.agents.multi_turn.sft_generate_rollout --loss-type sft_loss \
   --rollout-batch-size 32 --n-samples-per-prompt 1 --num-rollout "${SFT_STEPS:-150}" --lr 2e-3 \
   --output-dir "$OUT/sft" --save-hf "$OUT/sft_hf"
 
 echo "== GRPO with multi-turn tool-calling rollouts"
-$PY train.py "${COMMON[@]}" --hf-checkpoint "$OUT/sft_hf" --prompt-data "$OUT/data/train.jsonl" \
+$PY train.py --overwrite-output "${COMMON[@]}" --hf-checkpoint "$OUT/sft_hf" --prompt-data "$OUT/data/train.jsonl" \
   --custom-generate-function-path examples.coding_agent.agent.generate --custom-rm-path examples.coding_agent.agent.reward \
   --rollout-batch-size 8 --n-samples-per-prompt 4 --num-rollout "${GRPO_STEPS:-8}" --rollout-max-response-len 224 \
   --advantage-estimator grpo --lr 2e-5 --rollout-num-gpus 1 --vllm-enforce-eager --vllm-dtype float32 \

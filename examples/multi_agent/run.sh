@@ -22,7 +22,7 @@ NUM_ROLLOUT=${NUM_ROLLOUT:-12}
 
 if [ ! -f "$OUT/sft_hf/config.json" ]; then
   echo "== SFT warm-up"
-  $PY train.py --hf-checkpoint "$OUT/model" --prompt-data "$OUT/data/sft.jsonl" --label-key label \
+  $PY train.py --overwrite-output --hf-checkpoint "$OUT/model" --prompt-data "$OUT/data/sft.jsonl" --label-key label \
     --apply-chat-template --rollout-shuffle --seed 1234 --micro-batch-size 32 --debug-train-only \
     --rollout-function-path vime.rollout.sft_rollout.generate_rollout --loss-type sft_loss \
     --rollout-batch-size 32 --n-samples-per-prompt 1 --num-rollout "$SFT_ROLLOUTS" --lr 2e-3 \
@@ -31,7 +31,7 @@ fi
 
 echo "== GRPO, two agents"
 # No --apply-chat-template: the agent receives the raw question and the endpoint applies the chat template.
-$PY train.py --hf-checkpoint "$OUT/sft_hf" --prompt-data "$OUT/data/train.jsonl" --label-key label \
+$PY train.py --overwrite-output --hf-checkpoint "$OUT/sft_hf" --prompt-data "$OUT/data/train.jsonl" --label-key label \
   --rollout-shuffle --seed 1234 --micro-batch-size 32 \
   --custom-generate-function-path examples.multi_agent.agent.generate \
   --custom-rm-path vime.agents.harness.agent_reward \

@@ -99,6 +99,12 @@ def test_sync_disaggregated_survives_sigkill_and_resumes(tiny_qwen3, arithmetic_
         time.sleep(1)
     assert not _stack_pids(), "engines or router outlived a SIGKILLed driver"
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+    # a published checkpoint's rollouts all have their metrics rows (written before the checkpoint is published)
+    assert {0, 1} <= {r["rollout_id"] for r in _metrics(first) if "train/steps" in r}
+    refused = subprocess.run(_cmd("train.py", tiny_qwen3, data, first, 4, "--save", str(ckpt)), capture_output=True,
+                             text=True, timeout=300, cwd=REPO)  # a fresh run over the killed run's state
+    assert refused.returncode != 0 and "earlier run's state" in refused.stderr, refused.stderr[-3000:]
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
 
     _run(_cmd("train.py", tiny_qwen3, data, second, 4, "--save", str(ckpt), "--save-interval", "1",
               "--load", str(ckpt)))

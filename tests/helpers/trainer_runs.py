@@ -6,7 +6,8 @@
 
 Each launched process runs `python trainer_runs.py SPEC.json RANK`: it builds the trainer from `spec["argv"]`
 (`vime.arguments.parse_args`), trains the rollouts `spec["train"]` on `spec["data"][str(rollout_id)]`,
-optionally saves (`spec["save"]`: the rollout id passed to `trainer.save`), and writes OUT/rank<r>.json
+optionally saves and publishes (`spec["save"]`: the rollout id to save) or dies inside a save
+(`spec["killed_in_save"]`, exit code 17), and writes OUT/rank<r>.json
 ({"metrics": {rollout_id: metrics}, "step", "loaded_state"}) and, with `spec["weights"]`,
 OUT/weights_rank<r>.pt (the `hf_weights()` of its pipeline stage). A fresh process per phase makes a
 checkpoint restart a real kill-and-restart, and gives multi-rank runs their own process groups.
@@ -44,8 +45,10 @@ def local_trainer(hf_dir, *extra: str):
         destroy_parallel()
 
 
-def launch(spec: dict, out_dir: Path, world_size: int = 1, timeout_s: float = 180.0) -> list[dict]:
-    """Start the ranks, wait for all, raise with the log of the first that fails; returns each rank's report."""
+def launch(spec: dict, out_dir: Path, world_size: int = 1, timeout_s: float = 180.0,
+           expect_exit: int | None = None) -> list[dict] | None:
+    """Start the ranks, wait for all, raise with the log of the first that fails; returns each rank's report.
+    `expect_exit`: every rank must exit with this code instead (a run killed on purpose); returns None."""
     from vime.utils.misc import find_free_port
 
     out_dir = Path(out_dir)
@@ -64,11 +67,12 @@ def launch(spec: dict, out_dir: Path, world_size: int = 1, timeout_s: float = 18
     deadline, failed = time.monotonic() + timeout_s, None
     try:  # a rank that fails leaves the others waiting in a collective: stop them all at the first failure
         while failed is None and any(p.poll() is None for p in procs):
-            failed = next((rank for rank, p in enumerate(procs) if p.poll()), None)
+            failed = next((rank for rank, p in enumerate(procs) if p.poll() and p.poll() != expect_exit), None)
             if time.monotonic() > deadline:
                 raise RuntimeError(f"trainer workers did not finish within {timeout_s} s")
             time.sleep(0.2)
-        failed = next((rank for rank, p in enumerate(procs) if p.poll()), None) if failed is None else failed
+        if failed is None:
+            failed = next((rank for rank, p in enumerate(procs) if p.poll() != (expect_exit or 0)), None)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -77,6 +81,8 @@ def launch(spec: dict, out_dir: Path, world_size: int = 1, timeout_s: float = 18
     if failed is not None:
         raise RuntimeError(f"trainer worker rank {failed} exited with {procs[failed].returncode}:\n"
                            f"{logs[failed].read_text()[-6000:]}")
+    if expect_exit is not None:
+        return None
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
 
 
@@ -98,6 +104,23 @@ def main(spec_path: str, rank: int) -> None:
         metrics = {r: trainer.train(r, spec["data"][str(r)]) for r in spec["train"]}
         if spec.get("save") is not None:
             trainer.save(spec["save"], {})
+            if rank == 0:  # what the run's driver does once every part is saved (checkpoint_files.publish)
+                from vime.backends.megatron_utils.checkpoint_files import publish
+
+                publish(args.save, spec["save"])
+        if spec.get("killed_in_save") is not None:  # the process dies inside the model's save: exit code 17
+            from unittest import mock
+
+            from vime.backends.megatron_utils import checkpoint
+
+            real_save = checkpoint.dist_checkpointing.save
+
+            def save_then_die(*a, **kw):
+                real_save(*a, **kw)  # the model's files are written, the part is not finished
+                os._exit(17)
+
+            with mock.patch.object(checkpoint.dist_checkpointing, "save", save_then_die):
+                trainer.save(spec["killed_in_save"], {})
         if spec.get("weights"):
             weights = {name: t.detach().clone() for name, t in trainer.hf_weights()}
             torch.save(weights, out / f"weights_rank{rank}.pt")

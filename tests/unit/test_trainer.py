@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -173,7 +174,8 @@ RESUME_ARGV = ["--num-steps-per-rollout", "2", "--use-kl-loss", "--kl-loss-coef"
 @pytest.mark.parametrize("world_size, extra", [(1, ()), (2, ("--use-distributed-optimizer",))],
                          ids=["adam", "distributed-optimizer-dp2"])
 def test_checkpoint_restart_continues_the_run_exactly(tiny_qwen3, tmp_path, world_size, extra):
-    """Run A trains rollouts 0..3; run B trains 0..1, saves, exits; a new process loads and trains 2..3.
+    """Run A trains rollouts 0..3; run B trains 0..1, saves, exits (and, once, a run killed inside the save of
+    rollout 2 after it); a new process loads and trains 2..3.
     Warmup and decay (scheduler), Adam moments, two steps per rollout, the KL reference and dropout (RNG)
     all have to survive the restart for the numbers to agree."""
     argv = ["--hf-checkpoint", str(tiny_qwen3), *BASE_ARGV, *RESUME_ARGV, *extra]
@@ -185,6 +187,10 @@ def test_checkpoint_restart_continues_the_run_exactly(tiny_qwen3, tmp_path, worl
         pool.submit(launch, {**spec, "argv": [*argv, "--save", save], "train": [0, 1], "save": 1}, tmp_path / "b1",
                     world_size).result()
         run_a = run_a.result()
+    if world_size == 1:  # a run killed inside its next save (rollout 2's) leaves rollout 1's checkpoint in charge
+        launch({**spec, "argv": [*argv, "--load", save, "--save", save], "train": [2], "killed_in_save": 2},
+               tmp_path / "b1_killed", world_size, expect_exit=17)
+        assert (Path(save) / "iter_0000002.partial").is_dir() and not (Path(save) / "iter_0000002").exists()
     run_b = launch({**spec, "argv": [*argv, "--load", save], "train": [2, 3]}, tmp_path / "b2", world_size)
 
     for a, b in zip(run_a, run_b):

@@ -56,7 +56,7 @@ class TrainActor:
     def _read(self, handle) -> list[list[dict]]:
         """The rollout behind a data-transport handle, as groups of sample dicts."""
         if self.last_rollout is None or self.last_rollout[0] != handle.rollout_id:
-            self.last_rollout = (handle.rollout_id, self.rollouts.get(handle)[0])
+            self.last_rollout = (handle.rollout_id, self.rollouts.get(handle, self.trainer.args.vocab_size)[0])
         return self.last_rollout[1]
 
     def train(self, rollout_id: int, handle) -> dict:
@@ -88,6 +88,12 @@ class TrainActor:
 
     def save_hf(self, out_dir: str) -> str:
         return self.trainer.save_hf(out_dir)
+
+    def publish_checkpoint(self, rollout_id: int, parts: list[str]) -> str:
+        """Make iteration `rollout_id`, saved by every role in `parts`, the one a resume starts from."""
+        from vime.backends.megatron_utils.checkpoint_files import publish
+
+        return str(publish(self.args.save, rollout_id, retain=self.args.save_retain, parts=parts))
 
     def get_loaded_state(self) -> dict | None:
         return self.trainer.get_loaded_state()
@@ -156,6 +162,10 @@ class RayTrainGroup:
 
     def save_hf(self, out_dir: str) -> list[str]:
         return ray.get([a.save_hf.remote(out_dir) for a in self.actors])
+
+    def publish_checkpoint(self, rollout_id: int, parts: list[str]) -> str:
+        """One rank publishes (files only; on the trainers' node, which sees --save)."""
+        return ray.get(self.actors[0].publish_checkpoint.remote(rollout_id, parts))
 
     def get_loaded_state(self) -> list[dict | None]:
         return ray.get([a.get_loaded_state.remote() for a in self.actors])

@@ -12,6 +12,7 @@ from vime.data.transport import RolloutRef, make_transport, rollout_summary
 from vime.data.transport.replay import append_trained_samples, replay_ids, truncate_trained_samples
 from vime.ray.actor_group import RayTrainGroup
 from vime.ray.placement import Placement, init_ray
+from vime.ray.previous_run import check_start
 from vime.ray.rollout_manager import RolloutManager
 from vime.ray.weight_sync import WeightSync
 from vime.utils.logging_utils import MetricsLogger
@@ -37,16 +38,10 @@ def run_entry_point(train_fn, argv: list[str] | None = None) -> None:
 
 
 def critic_args(args):
-    """The critic trains with its own learning rate and checkpoints under <save>/critic."""
-    import copy
-    import os
-
-    c = copy.copy(args)
-    c.lr = args.critic_lr if args.critic_lr is not None else args.lr
-    c.save = os.path.join(args.save, "critic") if args.save else None
-    c.load = os.path.join(args.load, "critic") if args.load else None
-    c.use_kl_loss, c.kl_coef = False, 0.0
-    return c
+    """The critic trains with its own learning rate; its checkpoints are the critic part of the actor's
+    (`checkpoint_files.part_dir`)."""
+    return with_values(args, lr=args.critic_lr if args.critic_lr is not None else args.lr, use_kl_loss=False,
+                       kl_coef=0.0)
 
 
 def resolve_num_rollout(args, num_prompts: int) -> int:
@@ -76,10 +71,13 @@ class TrainingSession:
         self.data_state_after: dict[int, dict | None] = {}  # rollout id -> data-source state right after it
         self.trainer_restarts = 0
         self.total_steps = 0
+        self.unpublished: int | None = None  # a saved checkpoint waiting for its rollout's metrics line
         self.weight_sync = WeightSync(args) if self.use_engines and self.train_enabled else None
 
     def __enter__(self) -> TrainingSession:
         args = self.args
+        if self.train_enabled:  # before anything starts: refuse to take over an earlier run's state
+            check_start(args, len(self.transport.stored()))
         init_ray(args)
         self.placement = Placement(args, with_engines=self.use_engines, with_trainers=self.train_enabled,
                                    overlap=self.overlap)
@@ -154,9 +152,9 @@ class TrainingSession:
         stored = self.transport.stored()
         if not stored:
             return
-        if not self.args.load:  # a fresh run: earlier runs' rollouts are not ours to train
-            logger.info("fresh run: dropping %d rollouts stored in %s by an earlier run", len(stored),
-                        self.args.rollout_data_dir)
+        if not self.args.load:  # --overwrite-output: earlier runs' rollouts are not ours to train
+            logger.warning("--overwrite-output: dropping %d rollouts stored in %s by an earlier run", len(stored),
+                           self.args.rollout_data_dir)
             self.transport.trim(list(stored))
             return
         ids = replay_ids(stored, start)
@@ -278,6 +276,8 @@ class TrainingSession:
                     first, trained_through)
 
     def maybe_save(self, rollout_id: int, num_rollout: int) -> None:
+        """Save every role's part of a checkpoint, unpublished: `publish_checkpoint` makes it the one a resume
+        starts from, after the rollout's metrics are written (no trained rollout then lacks its row)."""
         args = self.args
         last = rollout_id + 1 == num_rollout
         periodic = bool(args.save_interval and (rollout_id + 1) % args.save_interval == 0)
@@ -291,11 +291,20 @@ class TrainingSession:
             self.trainers.save(rollout_id, state)
             if self.critic is not None:
                 self.critic.save(rollout_id, {})
-            # rollouts up to here are inside the checkpoint: no resume will replay them
-            self.transport.trim([i for i in self.transport.stored() if i <= rollout_id])
-            self.data_state_after = {i: s for i, s in self.data_state_after.items() if i > rollout_id}
+            self.unpublished = rollout_id
         if args.save_hf and (last or periodic):
             self.trainers.save_hf(args.save_hf.format(rollout_id=rollout_id))
+
+    def publish_checkpoint(self) -> None:
+        """Publish the checkpoint `maybe_save` wrote (one marker for actor, critic and vime's state), then let the
+        stored rollouts it holds go."""
+        rollout_id, self.unpublished = self.unpublished, None
+        if rollout_id is None:
+            return
+        self.trainers.publish_checkpoint(rollout_id, ["actor"] + (["critic"] if self.critic is not None else []))
+        # rollouts up to here are inside the checkpoint: no resume will replay them
+        self.transport.trim([i for i in self.transport.stored() if i <= rollout_id])
+        self.data_state_after = {i: s for i, s in self.data_state_after.items() if i > rollout_id}
 
     def maybe_eval(self, rollout_id: int, force: bool = False) -> None:
         args = self.args

@@ -53,6 +53,7 @@ class MetricsLogger:
         record = {"rollout_id": rollout_id, **{k: float(v) for k, v in metrics.items()}}
         self.jsonl.write(json.dumps(record) + "\n")
         self.jsonl.flush()
+        os.fsync(self.jsonl.fileno())  # on disk before the rollout's checkpoint is published
         if self.tb is not None:
             for k, v in metrics.items():
                 self.tb.add_scalar(k, float(v), rollout_id)

@@ -104,6 +104,9 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--save", default=None, help="Directory for torch_dist checkpoints (default: None = no saving).")
     g.add_argument("--save-interval", type=int, default=None,
                    help="Save every this many rollouts (default: None = only at the end).")
+    g.add_argument("--save-retain", type=int, default=None,
+                   help="Keep only the newest this many checkpoints in --save, never the one a resume starts "
+                        "from (default: None = keep all).")
     g.add_argument("--no-load-optim", action="store_true", default=False,
                    help="Do not load optimizer state from --load (default: off).")
     g.add_argument("--no-load-rng", action="store_true", default=False,

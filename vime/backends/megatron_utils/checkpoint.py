@@ -3,7 +3,11 @@
     SAVE/iter_0000003/                  dist_checkpointing (model under "model", optimizer under "optimizer")
     SAVE/iter_0000003/vime_state.json   rollout id, step, scheduler, data-source state
     SAVE/iter_0000003/rng/rank_<r>.pt   each rank's RNG states
+    SAVE/iter_0000003/critic/           the critic's part, the same files (PPO)
     SAVE/latest_checkpointed_iteration.txt
+
+Saved into iter_N.partial and published by one rename and a marker move (`checkpoint_files`): a crash mid-save
+leaves the previous checkpoint in charge.
 
 The tools in tools/ write the same layout ("release" for a converted HF checkpoint), so `--load` accepts both.
 
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import pickle
 import random
@@ -31,9 +36,12 @@ from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.optimizer import distrib_optimizer
 from torch.distributed.checkpoint import filesystem as dcp_filesystem
 
+from vime.backends.megatron_utils.checkpoint_files import (STATE_FILE, fresh_partial, part_dir, partial_dir,
+                                                           resolve_checkpoint)
 from vime.backends.megatron_utils.model import use_fused_adam
 
-TRACKER_FILE = "latest_checkpointed_iteration.txt"
+logger = logging.getLogger(__name__)
+
 FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
 NO_WEIGHTS_ONLY = "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"  # set together with the former, torch.load raises
 
@@ -101,18 +109,6 @@ def read_rng_state(path: Path) -> dict:
     return torch.load(path, weights_only=True)
 
 
-def checkpoint_dir(root: str, rollout_id: int) -> Path:
-    return Path(root) / f"iter_{rollout_id:07d}"
-
-
-def latest_checkpoint(root: str) -> Path | None:
-    tracker = Path(root) / TRACKER_FILE
-    if not tracker.is_file():
-        return None
-    tag = tracker.read_text().strip()
-    return Path(root) / (tag if tag == "release" else f"iter_{int(tag):07d}")
-
-
 def _init_adam_state(optimizer) -> None:
     """Zero Adam state for a fresh DistributedOptimizer to load into: without apex/TE it wraps torch's Adam,
     whose per-parameter state (with `step`) appears only at the first step, and its sharded state dict reads it."""
@@ -167,34 +163,42 @@ def _set_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(trainer, root: str, rollout_id: int, extra_state: dict | None = None) -> Path:
-    """Collective over all training ranks."""
-    path = checkpoint_dir(root, rollout_id)
+    """Collective over the trainer's ranks: its part (`part_dir`: the actor's, or the critic's) of iteration
+    `rollout_id`'s unpublished directory under `root`. The actor saves first and makes the directory fresh; the
+    run publishes it once every part is saved (`checkpoint_files.publish`)."""
     rank = dist.get_rank()
+    if rank == 0 and trainer.role != "critic":
+        fresh_partial(root, rollout_id)
+    dist.barrier()
+    path = part_dir(partial_dir(root, rollout_id), trainer.role)
     if rank == 0:
-        path.mkdir(parents=True, exist_ok=True)
+        path.mkdir(exist_ok=True)
     dist.barrier()
     dist_checkpointing.save(_sharded_state(trainer, is_loading=False), str(path))
     (path / "rng").mkdir(exist_ok=True)
     torch.save(_rng_state(), path / "rng" / f"rank_{rank}.pt")
-    if rank == 0:
+    dist.barrier()
+    if rank == 0:  # last: a part with its state file is a finished part
         state = {"rollout_id": rollout_id, "step": trainer.step, "scheduler": trainer.scheduler.state_dict(),
                  **(extra_state or {})}
-        (path / "vime_state.json").write_text(json.dumps(state))
-    dist.barrier()
-    if rank == 0:  # the tracker moves last: a crash mid-save leaves the previous checkpoint in charge
-        (Path(root) / TRACKER_FILE).write_text(str(rollout_id))
+        (path / STATE_FILE).write_text(json.dumps(state))
     dist.barrier()
     return path
 
 
 def load_checkpoint(trainer, root: str) -> dict | None:
-    """Load the latest checkpoint under `root` into the trainer; returns its vime_state (None: nothing saved)."""
-    path = latest_checkpoint(root)
-    if path is None:
+    """Load the trainer's part of the checkpoint a resume starts from under `root` (`resolve_checkpoint`);
+    returns its vime_state (None: nothing saved)."""
+    iteration = resolve_checkpoint(root)
+    if iteration is None:
+        return None
+    path = part_dir(iteration, trainer.role)
+    if not path.is_dir():  # a critic's first run from an actor-only checkpoint (a converted one, "release")
+        logger.info("no %s part in %s: the %s starts fresh", trainer.role, iteration, trainer.role)
         return None
     args = trainer.args
     state_template = _sharded_state(trainer, is_loading=True)
-    release = path.name == "release"
+    release = iteration.name == "release"
     if release or args.no_load_optim or args.finetune:
         state_template.pop("optimizer", None)
     with no_code_from_files():
@@ -210,7 +214,7 @@ def load_checkpoint(trainer, root: str) -> dict | None:
         trainer.optimizer.reload_model_params()
     if release or args.finetune:
         return {"rollout_id": -1, "step": 0}
-    meta = json.loads((path / "vime_state.json").read_text())
+    meta = json.loads((path / STATE_FILE).read_text())
     if not args.no_load_optim:
         trainer.scheduler.load_state_dict(meta["scheduler"])
     rng_file = path / "rng" / f"rank_{dist.get_rank()}.pt"
