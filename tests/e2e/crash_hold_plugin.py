@@ -52,3 +52,9 @@ def wait_until_held(proc: subprocess.Popen, hold: Path, log_tail=lambda: "") -> 
         assert proc.poll() is None, log_tail()
         assert time.monotonic() < deadline, f"the run did not reach its held rollout within 5 minutes ({hold})"
         time.sleep(0.1)
+
+
+def never_returns(args, rollout_id, data_source, evaluation=False):
+    """A rollout function that hangs (the --rollout-timeout test): the run must stop by itself, naming it."""
+    while True:
+        time.sleep(1)

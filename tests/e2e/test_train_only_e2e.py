@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -55,3 +56,23 @@ def test_ppo_with_a_critic_trains_from_the_transport(tiny_qwen3, tmp_path):
     assert [t["sample_ids"] for t in trained] == [[s["index"] for g in groups for s in g] for groups in rollouts]
     # without --save nothing will replay them: the run let the stored rollouts go
     assert list((out / "rollout_data" / "index").glob("rollout_*.json")) == []
+
+
+def test_a_rollout_function_that_never_returns_stops_the_run(tiny_qwen3, arithmetic_data, tmp_path):
+    """--rollout-timeout: the run fails with a message naming the rollout function, and leaves no process."""
+    from tests.e2e.crash_hold_plugin import held_run_env
+    from tests.e2e.processes import stack_pids
+
+    cmd = [sys.executable, str(REPO / "train.py"), "--hf-checkpoint", str(tiny_qwen3), "--debug-train-only",
+           "--rollout-function-path", "crash_hold_plugin.never_returns", "--rollout-timeout", "5",
+           "--prompt-data", str(arithmetic_data[0]), "--label-key", "label", "--rm-type", "math",
+           "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--num-rollout", "2",
+           "--micro-batch-size", "4", "--output-dir", str(tmp_path / "run")]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env=held_run_env())
+    took = time.monotonic() - start
+    assert proc.returncode != 0
+    assert "--rollout-timeout 5s" in proc.stderr and "crash_hold_plugin.never_returns" in proc.stderr, \
+        proc.stderr[-3000:]
+    assert took < 120, f"the run took {took:.0f}s to give up on a 5 s rollout timeout"
+    assert not stack_pids()

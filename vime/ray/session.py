@@ -72,6 +72,7 @@ class TrainingSession:
         self.trainer_restarts = 0
         self.total_steps = 0
         self.unpublished: int | None = None  # a saved checkpoint waiting for its rollout's metrics line
+        self.manager_stuck = False  # a rollout outlived --rollout-timeout: the manager cannot take calls
         self.weight_sync = WeightSync(args) if self.use_engines and self.train_enabled else None
 
     def __enter__(self) -> TrainingSession:
@@ -182,13 +183,25 @@ class TrainingSession:
         return self.manager.generate.remote(rollout_id)
 
     def collect(self, pending) -> tuple[RolloutRef, dict[str, float]]:
-        """Wait for a rollout from `generate`: (its RolloutRef, its metrics). The samples stay in the transport
-        until the training ranks read them."""
-        rollout = ray.get(pending)
+        """Wait for a rollout from `generate`, at most --rollout-timeout: (its RolloutRef, its metrics). The
+        samples stay in the transport until the training ranks read them."""
+        rollout = self._wait_for_rollout(pending, "rollout")
         self.data_state_after[rollout.rollout_id] = rollout.extra.get("data_source")
         metrics = dict(rollout.extra.get("metrics") or {})
         metrics["buffer/replayed"] = float(rollout.rollout_id in self.replayed)
         return rollout, metrics
+
+    def _wait_for_rollout(self, pending, what: str):
+        """ray.get a rollout or eval call, at most --rollout-timeout; after that the manager is stuck in it (its
+        actor runs one call at a time), so it is killed at exit instead of asked to shut down."""
+        try:
+            return ray.get(pending, timeout=self.args.rollout_timeout)
+        except ray.exceptions.GetTimeoutError:
+            self.manager_stuck = True
+            function = (self.args.eval_function_path if what == "eval" else None) or self.args.rollout_function_path
+            raise TimeoutError(f"the {what} did not finish within --rollout-timeout {self.args.rollout_timeout:g}s: "
+                               f"the rollout function {function} (or a call it waits on) never returned. Fix the "
+                               "function, or raise --rollout-timeout for longer rollouts") from None
 
     def offload_rollout(self) -> None:
         """Colocated runs: free the engines' device memory for training (--offload-rollout)."""
@@ -309,11 +322,13 @@ class TrainingSession:
     def maybe_eval(self, rollout_id: int, force: bool = False) -> None:
         args = self.args
         if self.use_engines and args.eval_interval and (force or rollout_id % args.eval_interval == 0):
-            self.metrics.log(rollout_id, ray.get(self.manager.eval.remote(rollout_id)))
+            self.metrics.log(rollout_id, self._wait_for_rollout(self.manager.eval.remote(rollout_id), "eval"))
 
     def __exit__(self, *exc) -> None:
         try:
-            if self.manager is not None:
+            if self.manager is not None and self.manager_stuck:
+                ray.kill(self.manager)  # its engines and router go with it (they are its actors and children)
+            elif self.manager is not None:
                 ray.get(self.manager.shutdown.remote(), timeout=120)
         finally:
             for group in (self.trainers, self.critic):

@@ -47,6 +47,9 @@ def add_rollout_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--rollout-function-path", default=DEFAULT_ROLLOUT_FUNCTION,
                    help=f"generate_rollout(args, rollout_id, data_source, evaluation=False) (default: "
                         f"{DEFAULT_ROLLOUT_FUNCTION}).")
+    g.add_argument("--rollout-timeout", type=float, default=3600.0,
+                   help="Seconds a whole rollout (or eval) may take before the run stops with an error naming the "
+                        "rollout function; a function that never returns must not hang the run (default: 3600).")
     g.add_argument("--custom-generate-function-path", default=None,
                    help="async generate(args, sample, sampling_params) -> Sample, replacing the single-turn "
                         "default: multi-turn, tools, agents (default: None).")
@@ -119,6 +122,13 @@ def add_fault_tolerance_args(parser: argparse.ArgumentParser) -> None:
                    help="Seconds an engine may take to answer /health before it counts as hung (default: 10).")
     g.add_argument("--rollout-health-check-first-wait", type=float, default=0.0,
                    help="Seconds after engine start before the first health check (default: 0).")
+    g.add_argument("--max-failed-samples-ratio", type=float, default=0.5,
+                   help="A rollout with a larger fraction of failed samples (engines or router down) is not trained "
+                        "on: no optimizer or scheduler step, its metrics row has train/skipped_rollout 1 "
+                        "(default: 0.5).")
+    g.add_argument("--max-consecutive-failed-rollouts", type=int, default=3,
+                   help="Stop the run with an error after this many rollouts in a row were skipped for "
+                        "--max-failed-samples-ratio (default: 3).")
 
 
 def add_buffer_args(parser: argparse.ArgumentParser) -> None:
@@ -266,6 +276,10 @@ def validate_rollout_args(args: argparse.Namespace) -> argparse.Namespace:
     for flag in ("rollout_health_check_interval", "rollout_health_check_timeout"):
         if getattr(args, flag) <= 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
+    if not 0.0 <= args.max_failed_samples_ratio <= 1.0:
+        raise ValueError(f"--max-failed-samples-ratio must be in [0, 1], got {args.max_failed_samples_ratio}")
+    if args.max_consecutive_failed_rollouts < 1:
+        raise ValueError(f"--max-consecutive-failed-rollouts must be >= 1, got {args.max_consecutive_failed_rollouts}")
     derived["rollout_data_dir"] = os.path.abspath(args.rollout_data_dir or
                                                   os.path.join(os.path.abspath(args.output_dir), "rollout_data"))
 
