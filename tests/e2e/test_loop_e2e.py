@@ -104,6 +104,12 @@ def test_sync_disaggregated_survives_sigkill_and_resumes(tiny_qwen3, arithmetic_
     refused = subprocess.run(_cmd("train.py", tiny_qwen3, data, first, 4, "--save", str(ckpt)), capture_output=True,
                              text=True, timeout=300, cwd=REPO)  # a fresh run over the killed run's state
     assert refused.returncode != 0 and "earlier run's state" in refused.stderr, refused.stderr[-3000:]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    refused = subprocess.run(_cmd("train.py", tiny_qwen3, data, tmp_path / "other", 4, "--load", str(empty)),
+                             capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert refused.returncode != 0 and f"--load {empty}: no checkpoint" in refused.stderr, refused.stderr[-3000:]
+    assert not (tmp_path / "other" / "run" / "metrics.jsonl").exists()  # it failed before anything started
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
 
     _run(_cmd("train.py", tiny_qwen3, data, second, 4, "--save", str(ckpt), "--save-interval", "1",
