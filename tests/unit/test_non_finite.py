@@ -6,16 +6,16 @@ and stops on a non-finite parameter."""
 from __future__ import annotations
 
 import math
-import sys
 import textwrap
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from tests.helpers.plugins import rollout_plugin, run as _run
 from vime.rollout.context import reset_rollout_context
 from vime.rollout.metrics import rollout_metrics
-from vime.rollout.vllm_rollout import GenerateState, generate_and_rm_group
+from vime.rollout.vllm_rollout import generate_and_rm_group
 from vime.utils.types import Sample
 
 PLUGIN = textwrap.dedent('''
@@ -44,23 +44,10 @@ PLUGIN = textwrap.dedent('''
 ''')
 
 
-def _run(coro):
-    from vime.utils.async_utils import run
-
-    return run(coro)
-
-
 @pytest.fixture()
 def plugin(tmp_path, monkeypatch):
-    (tmp_path / "non_finite_plugin.py").write_text(PLUGIN)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    sys.modules.pop("non_finite_plugin", None)
-    GenerateState.reset()
-    reset_rollout_context()
-    yield
-    GenerateState.reset()
-    reset_rollout_context()
-    sys.modules.pop("non_finite_plugin", None)
+    with rollout_plugin(tmp_path, monkeypatch, "non_finite_plugin", PLUGIN):
+        yield
 
 
 def _args(tiny_qwen3, **kw):

@@ -5,7 +5,6 @@ functions that block past --rm-timeout or return the wrong type, failure metrics
 from __future__ import annotations
 
 import asyncio
-import sys
 import textwrap
 import time
 from types import SimpleNamespace
@@ -13,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 from aiohttp import web
 
+from tests.helpers.plugins import rollout_plugin, run as _run
 from vime.rollout import vllm_rollout
 from vime.rollout.context import reset_rollout_context, rollout_context
 from vime.rollout.metrics import add_counter, record_counters, rollout_metrics
@@ -43,23 +43,10 @@ PLUGIN = textwrap.dedent('''
 ''')
 
 
-def _run(coro):
-    from vime.utils.async_utils import run
-
-    return run(coro)
-
-
 @pytest.fixture()
 def plugin(tmp_path, monkeypatch):
-    (tmp_path / "failure_plugin.py").write_text(PLUGIN)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    sys.modules.pop("failure_plugin", None)
-    GenerateState.reset()
-    reset_rollout_context()
-    yield
-    GenerateState.reset()
-    reset_rollout_context()
-    sys.modules.pop("failure_plugin", None)
+    with rollout_plugin(tmp_path, monkeypatch, "failure_plugin", PLUGIN):
+        yield
 
 
 def _args(tiny_qwen3, **kw):
