@@ -12,6 +12,9 @@ RolloutManager actor with --use-fault-tolerance.
    rollout; the rollout completes with every group, the engine is back (new URL, healthy, in the router's
    /workers) within the health-check window plus its start-up time, serving version 1 with the same weights as
    the other engine, and the next rollout's metrics count the restart.
+4. A SIGKILLed router: killed in the middle of a rollout, whose samples then fail; the rollout reports its failed
+   ratio and is judged untrainable (`skip_reason`), so the session's train step skips it; the health monitor starts
+   a new router (answers /health, both engines in its /workers) and the next rollout completes without failures.
 """
 
 from __future__ import annotations
@@ -291,3 +294,55 @@ def test_sigkilled_engine_is_replaced_with_the_current_weights(stack, tiny_qwen3
     assert metrics["rollout/engine_restarts"] == 1.0
     assert (Path(weights) / "model-pp0.safetensors").exists()  # a user's directory is never deleted
     shutil.rmtree(weights)
+
+
+def _router_processes() -> list:
+    """The stack's router: vime's router process and every process under it (the server renames itself)."""
+    import psutil
+
+    found = [p for p in psutil.process_iter(["cmdline"])
+             if "vime.backends.vllm_utils.router" in " ".join(p.info["cmdline"] or [])]
+    assert found, "no router process found"
+    return list({p.pid: p for q in found for p in [q, *q.children(recursive=True)]}.values())
+
+
+def test_sigkilled_router_fails_the_rollout_which_is_not_trained_and_is_restarted(stack):
+    import ray
+
+    from vime.ray.session import TrainingSession
+
+    args, manager, _ = stack
+    urls = ray.get(manager.get_engine_urls.remote())
+    old_router = ray.get(manager.get_router_url.remote())
+    router = _router_processes()
+    rollout = manager.generate.remote(3)
+    deadline = time.monotonic() + 120
+    while not any(_in_engine(u) for u in urls):  # as soon as it reaches the engines: most samples are still to come
+        assert time.monotonic() < deadline, "the rollout never reached the engines"
+        time.sleep(0.01)
+    for proc in router:  # the whole router dies at once, as in a crash or an OOM kill
+        proc.send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+
+    ref = ray.get(rollout, timeout=600)
+    metrics = ref.extra["metrics"]
+    print(f"rollout with a SIGKILLed router: done {time.monotonic() - killed:.1f}s after the kill, "
+          f"failed ratio {metrics['rollout/failed_ratio']:.2f}")
+    assert metrics["rollout/failed_ratio"] > args.max_failed_samples_ratio
+    assert metrics["rollout/failed_ratio"] == metrics["rollout/failed_samples"] / metrics["rollout/num_samples"]
+    assert "--max-failed-samples-ratio 0.5" in ref.extra["skip_reason"], ref.extra.get("skip_reason")
+    # the training loop's path: no training step on it (a trained one would need trainers, which this run lacks)
+    assert TrainingSession(args).train(ref) == {"train/skipped_rollout": 1.0}
+
+    while ray.get(manager.router_restarts.remote()) < 1:
+        assert time.monotonic() - killed < 60, "the router was not restarted within a minute of its death"
+        time.sleep(0.5)
+    print(f"router back {time.monotonic() - killed:.1f}s after the SIGKILL")
+    new_router = ray.get(manager.get_router_url.remote())
+    assert new_router != old_router and new_router.startswith("http://127.0.0.1:")
+    assert _status(new_router + "/health") == 200
+    assert _router_workers(new_router) == sorted(ray.get(manager.get_engine_urls.remote())) == sorted(urls)
+
+    groups, metrics = _rollout(manager, args, 4)
+    _check_groups(groups, 64)
+    assert metrics["rollout/failed_samples"] == 0 and metrics["rollout/router_restarts"] == 1.0

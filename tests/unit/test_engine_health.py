@@ -1,11 +1,14 @@
-"""The engine health monitor's loop, with fake probes: who gets restarted, when, and that failures never kill it."""
+"""The engine health monitor's loop, with fake probes: who gets restarted (engines, the router), when, and that
+failures never kill it; which rollouts are trained on (`FailedRollouts`)."""
 
 from __future__ import annotations
 
 import threading
 import time
 
-from vime.ray.health import EngineHealthMonitor
+import pytest
+
+from vime.ray.health import EngineHealthMonitor, FailedRollouts
 
 
 def test_only_failed_engines_are_restarted_and_a_failed_restart_is_retried():
@@ -63,3 +66,97 @@ def test_check_soon_probes_before_the_interval():
     monitor.check_soon(0)
     assert probed.wait(2), "a suspect engine was not probed at once"
     monitor.stop()
+
+
+def test_a_dead_router_is_restarted_before_the_engines_are_probed():
+    order, router_health = [], ["its process exited"]
+
+    def restart_router(reason):
+        order.append(("restart router", reason))
+        router_health[0] = None
+
+    def probe(rank):
+        order.append(("probe engine", rank))
+
+    monitor = EngineHealthMonitor(1, probe, lambda r, why: None, interval_s=1,
+                                  probe_router=lambda: router_health[0], restart_router=restart_router)
+    monitor.check_once()
+    assert order == [("restart router", "its process exited"), ("probe engine", 0)]
+    order.clear()
+    monitor.check_once()  # healthy again: probed, not restarted
+    assert order == [("probe engine", 0)]
+
+
+def test_a_failed_router_restart_is_retried_and_a_raising_router_probe_counts_as_unhealthy():
+    reasons = []
+
+    def probe_router():
+        raise ConnectionRefusedError("router port closed")
+
+    def restart_router(reason):
+        reasons.append(reason)
+        if len(reasons) == 1:
+            raise RuntimeError("vllm-router did not start")
+
+    monitor = EngineHealthMonitor(1, lambda rank: None, lambda r, why: None, interval_s=1,
+                                  probe_router=probe_router, restart_router=restart_router)
+    assert monitor.check_router() is False  # the restart failed: logged, not raised
+    assert monitor.check_router() is True
+    assert reasons == ["router health probe raised ConnectionRefusedError: router port closed"] * 2
+
+
+def test_router_probe_needs_its_restart():
+    with pytest.raises(ValueError, match="probe_router and restart_router"):
+        EngineHealthMonitor(1, lambda rank: None, lambda r, why: None, interval_s=1, probe_router=lambda: None)
+
+
+def test_rollouts_with_too_many_failed_samples_are_skipped():
+    guard = FailedRollouts(max_ratio=0.5, max_consecutive=3)
+    assert guard.judge(0, failed=128, total=256) is None  # at the ratio: trained on
+    reason = guard.judge(1, failed=129, total=256)
+    assert "rollout 1: 129 of 256 samples failed" in reason and "--max-failed-samples-ratio 0.5" in reason
+    assert guard.judge(2, failed=0, total=0) is not None  # nothing came back: nothing to train on
+
+
+def test_consecutive_failed_rollouts_stop_the_run_and_a_good_one_resets_the_count():
+    guard = FailedRollouts(max_ratio=0.5, max_consecutive=3)
+    assert guard.judge(0, 256, 256) and guard.judge(1, 256, 256)
+    assert guard.judge(2, 0, 256) is None  # the outage ended: the count starts again
+    assert guard.judge(3, 200, 256) and guard.judge(4, 200, 256)
+    with pytest.raises(RuntimeError, match="3 rollouts in a row failed \\(--max-consecutive-failed-rollouts 3\\)"):
+        guard.judge(5, 200, 256)
+
+
+def test_failed_rollout_flags_are_checked(tiny_qwen3, arithmetic_data, capsys):
+    from vime.arguments import parse_args
+
+    base = ["--hf-checkpoint", str(tiny_qwen3), "--prompt-data", str(arithmetic_data[0]), "--rm-type", "math"]
+    args = parse_args(base)
+    assert (args.max_failed_samples_ratio, args.max_consecutive_failed_rollouts) == (0.5, 3)
+    for flag, value, message in (("--max-failed-samples-ratio", "1.5", "must be in [0, 1], got 1.5"),
+                                 ("--max-consecutive-failed-rollouts", "0", "must be >= 1, got 0")):
+        with pytest.raises(SystemExit):
+            parse_args(base + [flag, value])
+        assert f"{flag} {message}" in capsys.readouterr().err
+
+
+def test_the_session_does_not_train_on_a_skipped_rollout_and_lets_it_go():
+    from types import SimpleNamespace
+
+    from vime.data.transport import RolloutRef
+    from vime.ray.session import TrainingSession
+
+    class Trainers:
+        def train(self, rollout_id, handle):
+            raise AssertionError(f"rollout {rollout_id} was trained on")
+
+    trimmed = []
+    session = TrainingSession.__new__(TrainingSession)  # no Ray, no actors: only what train() reads
+    session.args, session.trainers, session.critic = SimpleNamespace(save=None), Trainers(), None
+    session.transport = SimpleNamespace(trim=trimmed.extend)
+    session.data_state_after = {7: {"epoch": 0}}
+    skipped = RolloutRef("handle", {"rollout_id": 7, "skip_reason": "rollout 7: 256 of 256 samples failed"})
+    assert session.train(skipped) == {"train/skipped_rollout": 1.0}
+    assert trimmed == [7] and session.data_state_after == {}
+    with pytest.raises(AssertionError, match="rollout 8 was trained on"):  # no skip_reason: trained
+        session.train(RolloutRef("handle", {"rollout_id": 8}))

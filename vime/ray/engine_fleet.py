@@ -3,7 +3,8 @@ sleep and wake-up, and the weights they serve.
 
 Lives in the rollout manager's process (`RolloutManager.fleet`), where the rollouts run, and keeps that
 process's rollout context (`vime.rollout.context`) up to date: the router's URL and the engines in service.
-With --use-fault-tolerance an `EngineHealthMonitor` thread restarts dead or hung engines (`_restart_engine`);
+With --use-fault-tolerance an `EngineHealthMonitor` thread restarts dead or hung engines (`_restart_engine`) and
+a dead router (`_restart_router`: a new one on a new loopback port, the engines in service registered);
 control calls skip an engine found dead, which the monitor restarts with the current weights
 (`recovery_weights`, an HF directory the weight sync leaves with every update).
 
@@ -97,10 +98,13 @@ class EngineFleet:
         self._start_router()
         logger.info("engines %s behind router %s", self.engine_urls, self.router_url)
         if args.use_fault_tolerance and self.engines:
+            own_router = self.router is not None  # an external router is not ours to restart
             self.monitor = EngineHealthMonitor(len(self.engines), self._probe_engine_between_updates,
                                                self._restart_engine,
                                                args.rollout_health_check_interval,
-                                               args.rollout_health_check_first_wait)
+                                               args.rollout_health_check_first_wait,
+                                               probe_router=self._probe_router if own_router else None,
+                                               restart_router=self._restart_router if own_router else None)
             self.monitor.start()
         return list(self.engine_urls)
 
@@ -120,10 +124,13 @@ class EngineFleet:
             for url in self.engine_urls:
                 post_worker(self.router_url, "add_worker", url)
             return  # not ours to stop
+        self._start_own_router(args.vllm_router_port or find_free_port())
+
+    def _start_own_router(self, port: int) -> None:
+        """vime's router on loopback `port`, every engine in service registered, holding the serving key."""
         # loopback: whoever reaches the router can add engines to it; rollouts run in this process
-        host = "127.0.0.1"
-        port = args.vllm_router_port or find_free_port()
-        router_args = router_args_from(args, host, port, self.engine_urls, api_key=serving_key(self.token))
+        router_args = router_args_from(self.args, "127.0.0.1", port, self.engine_urls,
+                                       api_key=serving_key(self.token))
         self.router = Router(router_args, str(self.log_dir))
         self.router_url = self.router.start()
 
@@ -259,6 +266,33 @@ class EngineFleet:
         with self._engines_lock:
             return self._probe_engine(rank)
 
+    def _probe_router(self) -> str | None:
+        """None when vime's router is healthy, else why not."""
+        timeout = self.args.rollout_health_check_timeout
+        if self.router.proc is None or self.router.proc.poll() is not None:
+            return "its process exited"
+        if not http_ok(self.router_url + "/health", timeout=timeout):
+            return f"/health did not answer within --rollout-health-check-timeout {timeout}s"
+        return None
+
+    def _restart_router(self, reason: str) -> None:
+        """Kill the router and start a new one on a new loopback port with every engine in service; rollouts pick
+        up its URL from the rollout context. Requests still retrying at the old URL fail (their samples count
+        against --max-failed-samples-ratio)."""
+        start = time.perf_counter()
+        old_url = self.router_url
+        with self._engines_lock:  # the engine set and the URL it is registered at change together
+            self.router.stop()
+            self._start_own_router(find_free_port())
+        add_counter("rollout/router_restarts")
+        logger.warning("router restarted in %.1fs (%s): %s -> %s with engines %s", time.perf_counter() - start,
+                       reason, old_url, self.router_url, self.engine_urls)
+
+    def check_soon(self) -> None:
+        """Probe the router and the engines now (a rollout lost many samples); no-op without fault tolerance."""
+        if self.monitor is not None:
+            self.monitor.check_soon()
+
     def _restart_engine(self, rank: int, reason: str) -> None:
         """Take engine `rank` out, kill it, start a new one in its bundle, load the current weights, register it."""
         args = self.args
@@ -294,6 +328,9 @@ class EngineFleet:
 
     def engine_restarts(self) -> int:
         return int(self.context.counters.get("rollout/engine_restarts", 0))
+
+    def router_restarts(self) -> int:
+        return int(self.context.counters.get("rollout/router_restarts", 0))
 
     def probe_log_probs(self, tokens: list[int]) -> list[list[float]]:
         """Every engine's prompt log-probs of `tokens` (for --check-weight-update-equal)."""

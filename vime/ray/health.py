@@ -5,6 +5,11 @@ engine (its server process alive, `/health` answering within --rollout-health-ch
 fails is handed to `restart(rank, reason)`, which the rollout manager implements: take it out of the router, kill
 it, start a new one in the same placement bundle, give it the current weights and weight version, register it
 again. Restarts run one at a time, in this thread; the rollout goes on with the other engines meanwhile.
+Given `probe_router` and `restart_router`, it probes the router first, and a dead router is started again (with
+every engine in service registered) before the engines are probed.
+
+`FailedRollouts` judges each rollout by its failed samples (--max-failed-samples-ratio): one above the ratio is
+not trained on, and --max-consecutive-failed-rollouts of them in a row stop the run.
 """
 
 from __future__ import annotations
@@ -19,11 +24,18 @@ logger = logging.getLogger(__name__)
 
 class EngineHealthMonitor:
     def __init__(self, num_engines: int, probe: Callable[[int], str | None], restart: Callable[[int, str], None],
-                 interval_s: float, first_wait_s: float = 0.0):
-        """`probe(rank)` returns None when engine `rank` is healthy, else why not; `restart(rank, reason)`."""
+                 interval_s: float, first_wait_s: float = 0.0,
+                 probe_router: Callable[[], str | None] | None = None,
+                 restart_router: Callable[[str], None] | None = None):
+        """`probe(rank)` returns None when engine `rank` is healthy, else why not; `restart(rank, reason)`.
+        `probe_router()` and `restart_router(reason)` likewise for the router (both or neither)."""
+        if (probe_router is None) != (restart_router is None):
+            raise ValueError("EngineHealthMonitor: pass both probe_router and restart_router, or neither")
         self.num_engines = num_engines
         self.probe = probe
         self.restart = restart
+        self.probe_router = probe_router
+        self.restart_router = restart_router
         self.interval_s = interval_s
         self.first_wait_s = first_wait_s
         self._stop = threading.Event()
@@ -40,12 +52,34 @@ class EngineHealthMonitor:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
 
-    def check_soon(self, rank: int) -> None:
-        """Probe the engines now instead of at the next interval (a control call to engine `rank` failed)."""
+    def check_soon(self, rank: int | None = None) -> None:
+        """Probe now instead of at the next interval (a control call to engine `rank` failed, or a rollout lost
+        many samples)."""
         self._wake.set()
 
+    def check_router(self) -> bool:
+        """Probe the router once and restart it if it failed; returns whether it was restarted."""
+        if self.probe_router is None or self._stop.is_set():
+            return False
+        try:
+            reason = self.probe_router()
+        except Exception as e:  # a probe that fails is a failed router, not a dead monitor
+            reason = f"router health probe raised {type(e).__name__}: {e}"
+        if reason is None or self._stop.is_set():
+            return False
+        logger.error("the router is unhealthy (%s): restarting it", reason)
+        try:
+            self.restart_router(reason)
+            return True
+        except Exception:
+            if not self._stop.is_set():
+                logger.exception("restarting the router failed; trying again at the next check")
+            return False
+
     def check_once(self) -> list[int]:
-        """Probe every engine once and restart the failed ones; returns the ranks restarted."""
+        """Probe the router, then every engine, once; restart the failed ones; returns the engine ranks restarted.
+        The router goes first: a restarted engine is registered with it."""
+        self.check_router()
         restarted = []
         for rank in range(self.num_engines):
             if self._stop.is_set():
@@ -74,3 +108,30 @@ class EngineHealthMonitor:
             self.check_once()
             self._wake.wait(max(0.0, self.interval_s - (time.monotonic() - started)))
             self._wake.clear()
+
+
+class FailedRollouts:
+    """Which rollouts are trained on: one whose failed-sample ratio is above `max_ratio` is skipped (its gradient
+    would come from the few samples that survived an outage, or from none); `max_consecutive` skipped in a row
+    raise, as an outage that restarts did not fix. Judge every generated rollout once, in order."""
+
+    def __init__(self, max_ratio: float, max_consecutive: int):
+        self.max_ratio = max_ratio
+        self.max_consecutive = max_consecutive
+        self.in_a_row = 0
+
+    def judge(self, rollout_id: int, failed: int, total: int) -> str | None:
+        """None when rollout `rollout_id` is trained on, else why not; raises after too many skipped in a row."""
+        ratio = failed / total if total else 1.0  # no samples at all: nothing to train on either
+        if ratio <= self.max_ratio:
+            self.in_a_row = 0
+            return None
+        self.in_a_row += 1
+        reason = (f"rollout {rollout_id}: {failed} of {total} samples failed ({ratio:.0%}), above "
+                  f"--max-failed-samples-ratio {self.max_ratio}")
+        if self.in_a_row >= self.max_consecutive:
+            raise RuntimeError(f"{reason}; {self.in_a_row} rollouts in a row failed (--max-consecutive-failed-"
+                               f"rollouts {self.max_consecutive}): the engines or the router are not recovering. "
+                               f"See the router and engine logs under <output-dir>/logs; raise the flag to wait "
+                               f"longer")
+        return reason

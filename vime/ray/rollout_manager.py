@@ -22,6 +22,7 @@ from vime.data.prompt_dataset import load_prompt_file, load_prompt_samples
 from vime.backends.weight_transport.check import probe_tokens
 from vime.data.transport import RolloutRef, make_transport, rollout_summary
 from vime.ray.engine_fleet import EngineFleet
+from vime.ray.health import FailedRollouts
 from vime.rollout.context import reset_rollout_context
 from vime.rollout.debug_data import load_rollout, save_rollout
 from vime.rollout.metrics import record_counters, rollout_metrics
@@ -66,6 +67,7 @@ class RolloutManager:
         self.rollout_fn = load_function(args.rollout_function_path)
         self.eval_fn = load_function(args.eval_function_path or args.rollout_function_path)
         self.transport = make_transport(args)  # how generate() hands rollouts to the trainer side
+        self.failures = FailedRollouts(args.max_failed_samples_ratio, args.max_consecutive_failed_rollouts)
 
     # ---- the engine fleet (its remote interface) ------------------------------------------------------------
     def start(self) -> list[str]:
@@ -99,6 +101,9 @@ class RolloutManager:
     def engine_restarts(self) -> int:
         return self.fleet.engine_restarts()
 
+    def router_restarts(self) -> int:
+        return self.fleet.router_restarts()
+
     def probe_tokens(self) -> list[int]:
         return probe_tokens(len(self.tokenizer))
 
@@ -110,8 +115,9 @@ class RolloutManager:
         """One rollout, handed to the data transport; returns its `RolloutRef`.
 
         The training ranks read the samples with `transport.get(ref.handle)`. `ref.extra` (stored with them)
-        holds the rollout id, its metrics, the sample ids and weight versions, and the data-source state right
-        after it (what a resumed run needs to continue after it).
+        holds the rollout id, its metrics, the sample ids and weight versions, the data-source state right
+        after it (what a resumed run needs to continue after it) and, when too many of its samples failed, why it
+        must not be trained on (`skip_reason`, see `FailedRollouts`).
         """
         args = self.args
         start = time.perf_counter()
@@ -128,10 +134,25 @@ class RolloutManager:
         metrics["rollout/time"] = elapsed
         metrics["rollout/tokens_per_s"] = metrics["rollout/response_tokens"] / max(elapsed, 1e-9)
         metrics.update(output.metrics or {})
+        skip_reason = self._judge(rollout_id, metrics)
         dicts = [[s.to_dict() for s in g] for g in groups]
         extra = {"rollout_id": rollout_id, "metrics": metrics, "data_source": self.data_source_state(),
                  **rollout_summary(dicts)}
+        if skip_reason is not None:
+            extra["skip_reason"] = skip_reason
         return RolloutRef(self.transport.put(rollout_id, dicts, extra), extra)
+
+    def _judge(self, rollout_id: int, metrics: dict[str, float]) -> str | None:
+        """Why rollout `rollout_id` must not be trained on (too many failed samples), or None; adds its failed
+        ratio to `metrics`. A failed rollout has the router and engines probed now rather than at the next
+        interval (--use-fault-tolerance): a dead one is restarted sooner."""
+        failed, total = int(metrics["rollout/failed_samples"]), int(metrics["rollout/num_samples"])
+        metrics["rollout/failed_ratio"] = failed / total if total else 1.0
+        reason = self.failures.judge(rollout_id, failed, total)
+        if reason is not None:
+            logger.error("%s: it will not be trained on", reason)
+            self.fleet.check_soon()
+        return reason
 
     def eval(self, rollout_id: int) -> dict[str, float]:
         if not self.eval_sources:

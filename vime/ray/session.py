@@ -229,6 +229,9 @@ class TrainingSession:
         """Train on one rollout. With straw and --save, training actors that die are restarted from the last
         checkpoint and the rollouts since it are replayed from storage; the engines keep running."""
         rollout_id = rollout.rollout_id
+        skipped = self._skip_rollout(rollout)
+        if skipped is not None:
+            return skipped
         if self.trainers is None:  # --debug-rollout-only: nothing will ever replay it
             self.transport.trim([rollout_id])
             return {}
@@ -247,6 +250,19 @@ class TrainingSession:
             self.transport.trim([rollout_id])
             self.data_state_after.pop(rollout_id, None)
         return metrics
+
+    def _skip_rollout(self, rollout: RolloutRef) -> dict[str, float] | None:
+        """A rollout the rollout manager judged untrainable (`skip_reason`: too many failed samples, see
+        `vime.ray.health.FailedRollouts`) is not trained on (no optimizer or scheduler step) and is let go from
+        storage, as nothing will replay it; returns its metrics row's entries, or None to train on it."""
+        reason = rollout.extra.get("skip_reason")
+        if reason is None:
+            return None
+        logger.error("not training on %s", reason)
+        self.transport.trim([rollout.rollout_id])
+        if not self.args.save:  # else a checkpoint at this rollout still needs the data-source state after it
+            self.data_state_after.pop(rollout.rollout_id, None)
+        return {"train/skipped_rollout": 1.0}
 
     def _train_step(self, rollout: RolloutRef) -> dict[str, float]:
         if self.critic is None:
