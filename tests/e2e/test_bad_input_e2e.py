@@ -95,6 +95,7 @@ def bad_run(tiny_qwen3, arithmetic_data, tmp_path_factory):
         "--num-rollout", "2", "--rollout-num-gpus", "1", "--rollout-max-response-len", str(MAX_RESPONSE_LEN),
         "--micro-batch-size", "8", "--lr", "1e-2", "--save-debug-rollout-data", str(out / "rollout_{rollout_id}.jsonl"),
         "--output-dir", str(out / "run"), "--vllm-enforce-eager", "--vllm-dtype", "float32",
+        "--max-failed-samples-ratio", "1.0",  # this run fails most samples on purpose
         "--vllm-max-model-len", str(MAX_MODEL_LEN), "--save-hf", str(out / "hf_{rollout_id}"),
     ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(out), str(REPO), os.environ.get("PYTHONPATH", "")])}
