@@ -22,14 +22,14 @@ from safetensors import safe_open
 
 pytest.importorskip("megatron.core")
 
-from vime.backends.weight_transport.base import WeightTransport  # noqa: E402
+from vime.backends.weight_transport.base import WeightTransport, tensor_bytes  # noqa: E402
 from vime.backends.weight_transport.broadcast import (broadcast_weights, engine_set_key, join_group,  # noqa: E402
                                                       plan_buckets)
 from vime.backends.weight_transport.check import (FLOAT32_TOLERANCE, WeightUpdateMismatchError,  # noqa: E402
                                                   check_weights_equal, compare_log_probs, engine_prompt_log_probs,
                                                   probe_tokens, tolerance_for)
 from vime.backends.weight_transport.delta import changed_tensors, load_unit  # noqa: E402
-from vime.backends.weight_transport.disk import DiskWeightTransport  # noqa: E402
+from vime.backends.weight_transport.disk import DiskWeightTransport, write_stage_file  # noqa: E402
 from vime.ray.weight_sync import WeightSync  # noqa: E402
 from vime.utils.misc import find_free_port  # noqa: E402
 
@@ -93,6 +93,20 @@ def test_delta_sends_whole_vllm_layers():
     names, _ = changed_tensors(weights, digests)
     assert names == [f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"]
     assert changed_tensors(weights, changed_tensors(weights, {})[1])[0] == []
+
+
+def test_sending_leaves_the_trainers_storages_resizable(tmp_path):
+    """Writing (disk) and digesting (delta) a trainer's tensors reads their bytes without numpy, which would pin a
+    CPU storage at its size: --offload-train shrinks every storage to zero after the first update."""
+    weights = [("w", torch.randn(5, 7)), ("b", torch.randn(3).bfloat16()), ("mask", torch.tensor([True, False]))]
+    reference = b"".join(t.view(torch.uint8).numpy().tobytes() for t in (w.clone() for _, w in weights))
+    assert b"".join(bytes(p) for _, t in weights for p in tensor_bytes(t, chunk=6)) == reference  # chunk edges
+    write_stage_file(tmp_path, 0, weights)
+    changed_tensors(weights, {})
+    for name, t in weights:
+        assert t.untyped_storage().resizable(), name
+        t.untyped_storage().resize_(0)  # what TrainStateOffloader does
+    assert list(tensor_bytes(torch.zeros(0))) == []
 
 
 def test_engine_set_key_changes_with_the_engines_only():

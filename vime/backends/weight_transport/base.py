@@ -11,11 +11,28 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
 Weights = list[tuple[str, torch.Tensor]]  # (HF name, tensor) of one pipeline stage, gathered over tensor parallel
+
+BYTE_CHUNK = 16 * 2**20
+
+
+def tensor_bytes(tensor: torch.Tensor, chunk: int = BYTE_CHUNK) -> Iterator[memoryview]:
+    """A tensor's bytes (C order) as memoryviews of at most `chunk` bytes, copied through a buffer of this
+    function's own; each view is valid until the next one. Never `tensor.numpy()`: numpy pins a CPU tensor's storage
+    at its size for good, and --offload-train must later shrink the trainer's storages to zero."""
+    flat = tensor.detach().contiguous().view(-1).view(torch.uint8)
+    if flat.numel() == 0:
+        return
+    scratch = torch.empty(min(chunk, flat.numel()), dtype=torch.uint8)
+    view = memoryview(scratch.numpy())
+    for start in range(0, flat.numel(), chunk):
+        n = min(chunk, flat.numel() - start)
+        scratch[:n].copy_(flat[start:start + n])
+        yield view[:n]
 
 
 class WeightTransport:

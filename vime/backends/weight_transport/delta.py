@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from vime.backends.weight_transport.base import Weights
+from vime.backends.weight_transport.base import Weights, tensor_bytes
 from vime.backends.weight_transport.broadcast import engine_set_key
 from vime.backends.weight_transport.disk import DiskWeightTransport, write_stage_file
 
@@ -44,8 +44,10 @@ def load_unit(name: str) -> str:
 
 
 def digest(tensor: torch.Tensor) -> bytes:
-    data = tensor.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy()
-    return hashlib.sha1(data, usedforsecurity=False).digest() + str((tensor.dtype, tuple(tensor.shape))).encode()
+    sha = hashlib.sha1(usedforsecurity=False)
+    for piece in tensor_bytes(tensor):
+        sha.update(piece)
+    return sha.digest() + str((tensor.dtype, tuple(tensor.shape))).encode()
 
 
 def changed_tensors(weights: list[tuple[str, torch.Tensor]], previous: dict[str, bytes]) -> tuple[list[str], dict]:

@@ -18,7 +18,7 @@ from typing import BinaryIO
 import torch
 
 from vime.backends.vllm_utils.weight_loading import weight_root
-from vime.backends.weight_transport.base import Weights, WeightTransport
+from vime.backends.weight_transport.base import Weights, WeightTransport, tensor_bytes
 from vime.backends.weight_transport.staging import stage_dir, write_new_file
 
 STAGE_FILE = re.compile(r"model-pp(\d+)\.safetensors")  # the only names in an update directory
@@ -83,4 +83,5 @@ def write_safetensors(f: BinaryIO, weights: Weights) -> None:
     raw += b" " * (-len(raw) % 8)  # the spec's padding: the data starts 8-byte aligned
     f.write(struct.pack("<Q", len(raw)) + raw)
     for _, t in weights:
-        f.write(t.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy().data)
+        for piece in tensor_bytes(t):
+            f.write(piece)
