@@ -49,6 +49,10 @@ def add_run_args(parser: argparse.ArgumentParser) -> None:
                    help="Start over an earlier run's state in --save, --output-dir and --rollout-data-dir (its "
                         "trained-sample ids and stored rollouts are discarded); without it such a run refuses to "
                         "start unless --load resumes it (default: off).")
+    g.add_argument("--train-timeout", type=float, default=7200.0,
+                   help="Seconds the trainers may take for one call (building the models, a rollout's steps, a "
+                        "checkpoint save, a weight update) before the run stops with an error naming the call: a "
+                        "stuck rank or collective must not hang the run (default: 7200).")
     g.add_argument("--control-token-file", default=None,
                    help="File (mode 600) holding the run's control token, which every engine route but /health "
                         "requires; a fresh random token is made when unset (default: None).")
@@ -199,6 +203,10 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
             raise ValueError(f"--{flag.replace('_', '-')} only makes sense with --colocate (engines and trainer "
                              "share devices)")
 
+    for flag in ("train_timeout", "rollout_timeout", "engine_startup_timeout"):
+        if not getattr(args, flag) > 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be a positive number of seconds, got "
+                             f"{getattr(args, flag)}")
     validate_transport_placement(args)
     args = validate_rollout_args(args)
     for flag, path in function_path_flags(args):

@@ -258,3 +258,9 @@ def test_transport_and_placement_that_cannot_work_on_gpus_are_refused(base, caps
 
     monkeypatch.setattr(vime.utils.device, "use_gpu", lambda: True)
     assert message in _error(capsys, base + extra)
+
+
+def test_timeouts_must_be_positive(base, capsys):
+    for flag in ("--train-timeout", "--rollout-timeout", "--engine-startup-timeout"):
+        assert f"{flag} must be a positive number of seconds, got 0.0" in _error(capsys, [*base, flag, "0"])
+    assert parse_args(base).train_timeout == 7200.0

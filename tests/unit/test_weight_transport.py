@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import threading
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -176,15 +176,14 @@ def fake_ray(monkeypatch):
     def get(refs, timeout=None):
         return [r.result(timeout=120) for r in refs] if isinstance(refs, list) else refs.result(timeout=120)
 
-    def wait_one(refs, num_returns=1):
-        done, _ = wait(refs, timeout=120, return_when=FIRST_COMPLETED)
-        if not done:
-            raise TimeoutError("nothing finished in 120 s")
+    def wait_some(refs, num_returns=1, timeout=None):
+        when = ALL_COMPLETED if num_returns == len(refs) else FIRST_COMPLETED
+        done, _ = wait(refs, timeout=min(120, timeout or 120), return_when=when)
         ready = [r for r in refs if r in done][:num_returns]
         return ready, [r for r in refs if r not in ready]
 
     monkeypatch.setattr(ray, "get", get)
-    monkeypatch.setattr(ray, "wait", wait_one)
+    monkeypatch.setattr(ray, "wait", wait_some)
     with ThreadPoolExecutor(8) as pool:
         yield pool
 

@@ -12,6 +12,7 @@ import logging
 import ray
 
 from vime.data.transport import make_transport
+from vime.utils.deadline import control, gather
 from vime.utils.cpus import CpuShare, allowed_cpus, use_cpus
 from vime.utils.device import serving_host, use_gpu
 from vime.utils.logging_utils import configure_logging
@@ -115,6 +116,7 @@ class TrainActor:
 class RayTrainGroup:
     def __init__(self, args, placement=None, role: str = "actor"):
         self.args = args
+        self.role = role
         self.world_size = args.actor_num_nodes * args.actor_num_gpus_per_node
         actor_cls = ray.remote(TrainActor)
         self.actors = []
@@ -129,13 +131,14 @@ class RayTrainGroup:
 
     def begin_init(self, total_steps: int) -> list[ray.ObjectRef]:
         """Start building every rank's model; the refs resolve when they are built."""
-        master_addr, master_port = ray.get(self.actors[0].address.remote())
+        master_addr, master_port = control(self.actors[0].address.remote(), f"{self.role} rank 0's address")
         return [a.init.remote(master_addr, master_port, total_steps) for a in self.actors]
 
     def train(self, rollout_id: int, handle) -> dict[str, float]:
         """All ranks train together on the rollout behind `handle`; the metrics come from the last pipeline
         stage."""
-        return _first_nonempty(ray.get([a.train.remote(rollout_id, handle) for a in self.actors]))
+        return _first_nonempty(self._all([a.train.remote(rollout_id, handle) for a in self.actors],
+                                         f"training on rollout {rollout_id}"))
 
     # PPO. Values and returns pass between the groups as object refs: the driver never fetches them.
     def compute_values(self, handle) -> list[ray.ObjectRef]:
@@ -145,33 +148,40 @@ class RayTrainGroup:
     def train_with_values(self, rollout_id: int, handle, values: list[ray.ObjectRef]) -> tuple[dict, ray.ObjectRef]:
         """The actor's step with the critic's values; returns (metrics, a ref to the GAE returns)."""
         refs = [a.train_with_values.options(num_returns=2).remote(rollout_id, handle, *values) for a in self.actors]
-        return _first_nonempty(ray.get([m for m, _ in refs])), refs[0][1]
+        return _first_nonempty(self._all([m for m, _ in refs], f"training on rollout {rollout_id}")), refs[0][1]
 
     def train_critic(self, rollout_id: int, handle, values: list[ray.ObjectRef], returns: ray.ObjectRef) -> dict:
-        return _first_nonempty(ray.get([a.train_critic.remote(rollout_id, handle, returns, *values)
-                                        for a in self.actors]))
+        return _first_nonempty(self._all([a.train_critic.remote(rollout_id, handle, returns, *values)
+                                          for a in self.actors], f"training on rollout {rollout_id}"))
 
     def offload(self) -> list[int]:
-        return ray.get([a.offload.remote() for a in self.actors])
+        return self._all([a.offload.remote() for a in self.actors], "offload (--offload-train)")
 
     def onload(self) -> list[int]:
-        return ray.get([a.onload.remote() for a in self.actors])
+        return self._all([a.onload.remote() for a in self.actors], "onload (--offload-train)")
 
     def save(self, rollout_id: int, extra_state: dict | None = None) -> list[str]:
-        return ray.get([a.save.remote(rollout_id, extra_state) for a in self.actors])
+        return self._all([a.save.remote(rollout_id, extra_state) for a in self.actors],
+                         f"checkpoint save of rollout {rollout_id}")
 
     def save_hf(self, out_dir: str) -> list[str]:
-        return ray.get([a.save_hf.remote(out_dir) for a in self.actors])
+        return self._all([a.save_hf.remote(out_dir) for a in self.actors], f"HF save into {out_dir}")
 
     def publish_checkpoint(self, rollout_id: int, parts: list[str]) -> str:
         """One rank publishes (files only; on the trainers' node, which sees --save)."""
-        return ray.get(self.actors[0].publish_checkpoint.remote(rollout_id, parts))
+        return self._all(self.actors[0].publish_checkpoint.remote(rollout_id, parts),
+                         f"publishing the checkpoint of rollout {rollout_id}")
 
     def get_loaded_state(self) -> list[dict | None]:
-        return ray.get([a.get_loaded_state.remote() for a in self.actors])
+        return control([a.get_loaded_state.remote() for a in self.actors], f"the {self.role}s' loaded state")
 
     def probe_log_probs(self, tokens: list[int], response_length: int, temperature: float | None = None) -> list:
-        return ray.get([a.probe_log_probs.remote(tokens, response_length, temperature) for a in self.actors])
+        return self._all([a.probe_log_probs.remote(tokens, response_length, temperature) for a in self.actors],
+                         "the weight check's probe forward")
+
+    def _all(self, refs, what: str):
+        """Every rank's answer to one call, at most --train-timeout; a rank that fails fails it at once."""
+        return gather(refs, f"the {self.role} ranks' {what}", self.args.train_timeout, "--train-timeout")
 
     def shutdown(self) -> None:
         for a in self.actors:

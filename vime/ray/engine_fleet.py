@@ -33,6 +33,7 @@ from vime.ray.placement import num_engines
 from vime.rollout.context import RolloutContext
 from vime.rollout.metrics import add_counter
 from vime.utils.auth import control_token, read_token_file, serving_key, use_control_token
+from vime.utils.deadline import control, gather
 from vime.utils.misc import find_free_port
 
 logger = logging.getLogger(__name__)
@@ -93,7 +94,8 @@ class EngineFleet:
             self.engine_urls = [f"http://{a}" for a in args.rollout_external_engine_addrs]
         else:
             self.launch()
-            self.engine_urls = ray.get(self._launched)
+            self.engine_urls = gather(self._launched, "starting the engines", args.engine_startup_timeout + 60,
+                                      "--engine-startup-timeout")
         self.rank_urls = list(self.engine_urls)
         self._start_router()
         logger.info("engines %s behind router %s", self.engine_urls, self.router_url)
@@ -155,7 +157,7 @@ class EngineFleet:
             self.engines = []
 
     def engine_pids(self) -> list[int]:
-        return ray.get([e.pid.remote() for e in self.engines])
+        return control([e.pid.remote() for e in self.engines], "the engines' process ids")
 
     # ---- engine control (every engine, never through the router) ---------------------------------------------
     def post_engines(self, route: str, body: dict | None = None, params: dict | None = None) -> None:

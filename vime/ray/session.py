@@ -15,6 +15,7 @@ from vime.ray.placement import Placement, init_ray
 from vime.ray.previous_run import check_start
 from vime.ray.rollout_manager import RolloutManager
 from vime.ray.weight_sync import WeightSync
+from vime.utils.deadline import control, gather
 from vime.utils.logging_utils import MetricsLogger
 from vime.utils.misc import with_values
 from vime.utils.plot import save_reward_curve
@@ -99,7 +100,8 @@ class TrainingSession:
     def _init_trainers(self) -> dict | None:
         """Build the models (loading --load if it has a checkpoint); returns the loaded checkpoint's state."""
         groups = [g for g in (self.trainers, self.critic) if g is not None]
-        ray.get([ref for group in groups for ref in group.begin_init(total_steps=self.total_steps)])
+        gather([ref for group in groups for ref in group.begin_init(total_steps=self.total_steps)],
+               "building the trainers' models", self.args.train_timeout, "--train-timeout")
         return self.trainers.get_loaded_state()[0]
 
     def start(self) -> tuple[int, int]:
@@ -107,25 +109,30 @@ class TrainingSession:
         The trainers build their models while the engines boot, unless they share devices (--colocate), where
         the engines size their memory first."""
         args = self.args
-        num_rollout = resolve_num_rollout(args, ray.get(self.manager.num_prompts.remote()))
+        num_rollout = resolve_num_rollout(args, control(self.manager.num_prompts.remote(), "the prompt count"))
         engines = self.manager.start.remote() if self.use_engines else None
         if engines is not None and self.placement.colocate:
-            ray.get(engines)
+            self._wait_for_engines(engines)
         resumed = None
         if self.trainers is not None:
             self.total_steps = num_rollout * args.num_steps_per_rollout
             resumed = self._init_trainers()
         if engines is not None:
-            ray.get(engines)
+            self._wait_for_engines(engines)
         start = 0
         if self.trainers is not None:
             if resumed:  # continue after the saved rollout, with the same data order
                 start = resumed["rollout_id"] + 1
-                ray.get(self.manager.load_data_source_state.remote(resumed.get("data_source")))
+                control(self.manager.load_data_source_state.remote(resumed.get("data_source")),
+                        "restoring the data source's position")
             self._plan_replay(start)
             self.update_weights(version=start)  # engines serve exactly the trainer's weights from now on
             self.offload_train()
         return start, num_rollout
+
+    def _wait_for_engines(self, engines) -> None:
+        gather(engines, "starting the engines and the router", self.args.engine_startup_timeout + 300,
+               "--engine-startup-timeout")
 
     def update_weights(self, version: int, after: list | None = None) -> dict[str, float]:
         """Push the trainer's weights into the engines as `version`. `after`: rollouts still generating; the
@@ -164,7 +171,8 @@ class TrainingSession:
             return
         self.replay = {i: self._stored_rollout(stored[i]) for i in ids}
         last = self.replay[ids[-1]].extra
-        ray.get(self.manager.load_data_source_state.remote(last.get("data_source")))  # continue after them
+        control(self.manager.load_data_source_state.remote(last.get("data_source")),  # continue after them
+                "restoring the data source's position")
         logger.info("replaying rollouts %d..%d from %s before generating again", ids[0], ids[-1],
                     self.args.rollout_data_dir)
 
@@ -206,11 +214,11 @@ class TrainingSession:
     def offload_rollout(self) -> None:
         """Colocated runs: free the engines' device memory for training (--offload-rollout)."""
         if self.args.offload_rollout and self.use_engines:
-            ray.get(self.manager.sleep.remote())
+            control(self.manager.sleep.remote(), "the engines' sleep (--offload-rollout)")
 
     def onload_rollout(self) -> None:
         if self.args.offload_rollout and self.use_engines:
-            ray.get(self.manager.wake_up.remote())
+            control(self.manager.wake_up.remote(), "the engines' wake-up (--offload-rollout)")
 
     def offload_train(self) -> None:
         """Colocated runs: the trainer's state goes to host memory while the engines generate (--offload-train)."""
@@ -316,7 +324,8 @@ class TrainingSession:
             if rollout_id in self.data_state_after:  # async runs have generated further by now
                 state = {"data_source": self.data_state_after[rollout_id]}
             else:
-                state = {"data_source": ray.get(self.manager.data_source_state.remote())}
+                state = {"data_source": control(self.manager.data_source_state.remote(),
+                                                "the data source's position")}
             self.trainers.save(rollout_id, state)
             if self.critic is not None:
                 self.critic.save(rollout_id, {})

@@ -24,6 +24,7 @@ import ray
 
 from vime.backends.weight_transport import make_weight_transport
 from vime.backends.weight_transport.staging import stage_dir
+from vime.utils.deadline import DeadlineExceeded, control, gather
 
 RECOVERY = "disk"  # the transport that writes recovery copies
 
@@ -55,20 +56,23 @@ class WeightSync:
         wait for between the trainer half and the engine half, so that writing the weights overlaps them."""
         staged = self.stage(train_group, rollout_manager, version)
         if after:
-            ray.wait(list(after), num_returns=len(after))
+            _, unfinished = ray.wait(list(after), num_returns=len(after), timeout=self.args.rollout_timeout)
+            if unfinished:
+                raise DeadlineExceeded(f"the rollout weight update {version} waits for did not finish within "
+                                       f"--rollout-timeout {self.args.rollout_timeout:g}s")
         return self.apply(train_group, rollout_manager, staged)
 
     def stage(self, train_group, rollout_manager, version: int) -> StagedUpdate:
         """The trainer half, which needs no pause."""
         start = time.perf_counter()
-        self.transport.connect(ray.get(rollout_manager.get_engine_urls.remote()),
-                               lambda: ray.get(train_group.actors[0].address.remote()))
+        self.transport.connect(control(rollout_manager.get_engine_urls.remote(), "the engine URLs"),
+                               lambda: control(train_group.actors[0].address.remote(), "training rank 0's address"))
         handle = self.transport.prepare(version)
         recovery = None
         if self.recovery_writer is not None:
             recovery = handle if self.keeps_handle else self._write_recovery_copy(train_group, version)
         if not self.transport.concurrent:
-            wait_all([a.send_weights.remote(self.kind, handle) for a in train_group.actors])
+            self._wait([a.send_weights.remote(self.kind, handle) for a in train_group.actors], version, "write")
         return StagedUpdate(handle, version, recovery, time.perf_counter() - start)
 
     def apply(self, train_group, rollout_manager, staged: StagedUpdate) -> dict[str, float]:
@@ -79,8 +83,9 @@ class WeightSync:
         applying = rollout_manager.apply_weights.remote(self.transport, staged.handle, staged.version,
                                                         staged.recovery)
         if self.transport.concurrent:  # one collective: trainers send while engines receive
-            wait_all([a.send_weights.remote(self.kind, staged.handle) for a in train_group.actors] + [applying])
-        timings = ray.get(applying)
+            self._wait([a.send_weights.remote(self.kind, staged.handle) for a in train_group.actors] + [applying],
+                       staged.version, "send")
+        timings = self._wait(applying, staged.version, "load")
         done = time.perf_counter()
         if not self.keeps_handle:
             self.transport.cleanup(staged.handle)
@@ -94,14 +99,9 @@ class WeightSync:
         """The current weights as an HF safetensors directory (the `disk` transport's writer), for engine restarts:
         a new private directory under the weight root, like every update's."""
         path = stage_dir(self.recovery_writer.root, f"vime_recovery_{version}_")
-        wait_all([a.send_weights.remote(RECOVERY, path) for a in train_group.actors])
+        self._wait([a.send_weights.remote(RECOVERY, path) for a in train_group.actors], version, "recovery copy")
         return path
 
-
-def wait_all(refs: list) -> None:
-    """ray.get every ref, raising the first failure as soon as it happens: the other members of a collective
-    would otherwise sit in it until its timeout."""
-    pending = list(refs)
-    while pending:
-        ready, pending = ray.wait(pending, num_returns=1)
-        ray.get(ready)
+    def _wait(self, refs, version: int, what: str):
+        return gather(refs, f"the {what} of weight update {version} ({self.kind})", self.args.train_timeout,
+                      "--train-timeout")

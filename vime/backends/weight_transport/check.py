@@ -77,10 +77,10 @@ def check_weights_equal(args, train_group, rollout_manager) -> dict[str, float]:
 
     Needs `RolloutManager.probe_tokens()` (the probe for its tokenizer: the driver does not load one) and
     `RolloutManager.probe_log_probs(tokens)` (-> `engine_prompt_log_probs(self.engine_urls, tokens)`)."""
-    import ray
+    from vime.utils.deadline import control
 
-    tokens = ray.get(rollout_manager.probe_tokens.remote())
-    urls = ray.get(rollout_manager.get_engine_urls.remote())
+    tokens = control(rollout_manager.probe_tokens.remote(), "the weight check's probe tokens")
+    urls = control(rollout_manager.get_engine_urls.remote(), "the engine URLs")
     engines = rollout_manager.probe_log_probs.remote(tokens)
     trainer = next(r for r in train_group.probe_log_probs(tokens, len(tokens) - 1, temperature=1.0) if r)
-    return compare_log_probs(trainer, ray.get(engines), urls, tolerance_for(args))
+    return compare_log_probs(trainer, control(engines, "the engines' probe log-probs"), urls, tolerance_for(args))
