@@ -13,7 +13,8 @@ from tests.helpers.trainer_runs import BASE_ARGV
 
 
 @contextlib.contextmanager
-def critic(hf_dir, *extra):
+def critic(hf_dir, *extra, role: str = "critic"):
+    """A PPO run's critic (or, with `role="actor"`, its actor) in this process."""
     from vime.backends.megatron_utils.parallel import destroy_parallel
     from vime.backends.megatron_utils.trainer import MegatronTrainer
     from vime.arguments import parse_args
@@ -21,7 +22,7 @@ def critic(hf_dir, *extra):
     args = parse_args(["--hf-checkpoint", str(hf_dir), *BASE_ARGV, "--advantage-estimator", "ppo", *extra])
     assert args.use_critic
     try:
-        yield MegatronTrainer(args, role="critic")
+        yield MegatronTrainer(args, role=role)
     finally:
         destroy_parallel()
 
@@ -67,3 +68,38 @@ def test_value_clip_limits_the_update(tiny_qwen3):
         # against the old (zero) values, the values now sit outside +-0.01: the clipped term decides
         second = c.train_critic(1, groups, zeros, returns)
     assert second["critic/value_clipfrac"] > 0.5
+
+
+def test_a_kill_between_the_actor_and_critic_saves_resumes_both_from_the_published_checkpoint(tiny_qwen3, tmp_path):
+    """A run saves the actor's part of a checkpoint, then the critic's, then publishes both under one marker
+    (`session.maybe_save`, `publish_checkpoint`). Rollout 0's checkpoint is published; of rollout 1's only the
+    actor's part was written when the run died. A resume loads rollout 0's actor and critic: never a pair from two
+    different rollouts."""
+    from vime.backends.megatron_utils.checkpoint_files import publish, resolve_checkpoint
+
+    groups = make_rollout(seed=7)
+    returns = [[float(s["reward"])] * s["response_length"] for s in flat(groups)]
+    save = str(tmp_path / "ckpt")
+    with critic(tiny_qwen3, "--save", save, role="actor") as actor:
+        actor.save(0, {})
+    with critic(tiny_qwen3, "--lr", "2e-3", "--save", save) as c:
+        c.train_critic(0, groups, c.compute_values(groups), returns)
+        saved = c.compute_values(groups)
+        c.save(0, {})
+        publish(save, 0, parts=["actor", "critic"])
+        c.train_critic(1, groups, saved, returns)  # trained on, never saved: the run dies first
+    with critic(tiny_qwen3, "--save", save, role="actor") as actor:
+        actor.save(1, {})
+    assert (tmp_path / "ckpt" / "iter_0000001.partial").is_dir() and resolve_checkpoint(save).name == "iter_0000000"
+
+    with critic(tiny_qwen3, "--lr", "2e-3", "--load", save) as c:
+        assert c.get_loaded_state()["rollout_id"] == 0
+        resumed = c.compute_values(groups)
+    assert any(v != 0.0 for vs in saved.values() for v in vs)  # a trained head, not a fresh (zero) one
+    assert resumed.keys() == saved.keys()
+    assert max(abs(a - b) for i in saved for a, b in zip(saved[i], resumed[i])) < 1e-6
+    with critic(tiny_qwen3, "--load", save, role="actor") as actor:  # saved before any step: Adam as fresh
+        assert actor.get_loaded_state()["rollout_id"] == 0
+        states = [s for opt in actor.optimizer.chained_optimizers for s in opt.optimizer.state.values()]
+        assert states and all(float(s["step"]) == 0.0 and not s["exp_avg"].any() and not s["exp_avg_sq"].any()
+                              for s in states)

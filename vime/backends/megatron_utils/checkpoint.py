@@ -110,23 +110,47 @@ def read_rng_state(path: Path) -> dict:
 
 
 def _init_adam_state(optimizer) -> None:
-    """Zero Adam state for a fresh DistributedOptimizer to load into: without apex/TE it wraps torch's Adam,
-    whose per-parameter state (with `step`) appears only at the first step, and its sharded state dict reads it."""
-    for opt in optimizer.chained_optimizers:
+    """The per-parameter state an optimizer's first step would create (zeros, step 0), for each parameter that has
+    none. torch's Adam (what Megatron wraps without apex/TE) creates it only at the first step, but a sharded state
+    dict lists it: a fresh DistributedOptimizer needs it to load into, and a save before any step taken (every step
+    so far skipped) needs it, or the checkpoint lacks what a resume's load asks for."""
+    for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
         inner = opt.optimizer
+        if not isinstance(inner, torch.optim.Adam):  # TE's / apex's FusedAdam: Megatron's own initialiser
+            if getattr(opt, "init_state_fn", None) is not None:
+                opt.init_state_fn(inner, opt.config)
+            continue
         for group in inner.param_groups:
+            on_device = group.get("fused") or group.get("capturable")  # torch keeps `step` with the parameter
             for p in group["params"]:
                 if not inner.state[p]:
-                    inner.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
-                                      "exp_avg_sq": torch.zeros_like(p)}
+                    inner.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device if on_device
+                                                          else "cpu"),
+                                      "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+
+
+def _per_optimizer(optimizer, loaded: dict) -> list[dict]:
+    """A loaded optimizer state dict, one entry per optimizer of Megatron's ChainedOptimizer."""
+    return [loaded] if len(optimizer.chained_optimizers) == 1 else [v for _, v in sorted(loaded.items())]
+
+
+def _step_zero_where_missing(optimizer, loaded: dict) -> None:
+    """megatron-core 0.16.1 saves the step its parameters share only when it is non-zero (`if step:`), so a
+    checkpoint saved before any optimizer step was taken has none, and torch's Adam fails to load it: step 0 is
+    what it was."""
+    for state in _per_optimizer(optimizer, loaded):
+        per_param = state.get("state", {})
+        if "common_step" not in per_param:
+            for param_state in per_param.values():
+                if isinstance(param_state, dict) and param_state and "step" not in param_state:
+                    param_state["step"] = 0.0  # torch's Adam makes it a tensor where its kernel wants it
 
 
 def _restore_adam_steps(optimizer, loaded: dict) -> None:
     """After a DistributedOptimizer load without apex/TE, give each parameter its own `step` with the
     checkpoint's value: megatron-core 0.16.1 shares one step tensor among all parameters (torch's Adam then adds
     1 per parameter per step) and the dp_reshardable parameter state copies the template's step over it."""
-    states = [loaded] if len(optimizer.chained_optimizers) == 1 else [v for _, v in sorted(loaded.items())]
-    for opt, state in zip(optimizer.chained_optimizers, states):
+    for opt, state in zip(optimizer.chained_optimizers, _per_optimizer(optimizer, loaded)):
         steps = {g["step"] for g in state["optimizer"]["param_groups"] if g.get("step") is not None}
         if len(steps) != 1:
             continue
@@ -140,7 +164,7 @@ def _sharded_state(trainer, is_loading: bool) -> dict:
     model_sd = trainer.model[0].module.sharded_state_dict()
     state = {"model": model_sd}
     if trainer.optimizer is not None:
-        if is_loading and trainer.args.use_distributed_optimizer and not distrib_optimizer.HAVE_APEX_OR_TE:
+        if not is_loading or (trainer.args.use_distributed_optimizer and not distrib_optimizer.HAVE_APEX_OR_TE):
             _init_adam_state(trainer.optimizer)
         kwargs = {"metadata": {"distrib_optim_sharding_type": "dp_reshardable"}} \
             if trainer.args.use_distributed_optimizer else {}
@@ -205,6 +229,8 @@ def load_checkpoint(trainer, root: str) -> dict | None:
         loaded = dist_checkpointing.load(state_template, str(path))
     trainer.model[0].module.load_state_dict(loaded["model"])
     if "optimizer" in loaded:
+        if not args.use_distributed_optimizer:
+            _step_zero_where_missing(trainer.optimizer, loaded["optimizer"])
         with torch.no_grad():  # the distributed optimizer copies into views of leaf parameters
             trainer.optimizer.load_state_dict(loaded["optimizer"])
         if args.use_distributed_optimizer and not distrib_optimizer.HAVE_APEX_OR_TE:
