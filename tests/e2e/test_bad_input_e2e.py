@@ -1,18 +1,21 @@
 """Bad input all the way through a real training run (train.py, 1 vLLM engine behind vllm-router, Megatron, Ray):
 a prompt file with malformed rows, a prompt over --rollout-max-prompt-len, a prompt the engine rejects (longer than
 --vllm-max-model-len) and a --custom-rm-path reward that raises on some samples, sleeps past
---rm-timeout on others, returns a string, NaN or inf on others. The run finishes; metrics.jsonl counts the skipped
+--rm-timeout on others, returns a string, NaN or inf on others, and hands others to vime's remote_rm against a
+reward server that answers NaN and Infinity. The run finishes; metrics.jsonl counts the skipped
 rows, the over-long prompt and every failure by reason; the saved rollouts carry status failed with the reasons; no
 NaN reaches a metric or a weight (the saved HF weights are finite and trained)."""
 
 from __future__ import annotations
 
+import http.server
 import json
 import math
 import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -25,11 +28,16 @@ REPO = Path(__file__).resolve().parents[2]
 RM_TIMEOUT, MAX_MODEL_LEN, MAX_RESPONSE_LEN, MAX_PROMPT_LEN = 1.0, 256, 16, 300
 
 PLUGIN = textwrap.dedent('''
+    import asyncio
+    import os
     import time
 
+    from vime.rollout.rm_hub.remote_rm import remote_rm
+    from vime.utils.misc import with_values
+
     def reward(args, sample):
-        """By sample index: 0 raises, 1 hangs past --rm-timeout, 2 returns a string, 3 and 5 NaN, 4 inf, the rest
-        are scored."""
+        """By sample index: 0 raises, 1 hangs past --rm-timeout, 2 returns a string, 3 NaN, 4 inf, 5 is scored by
+        remote_rm against the test's reward server (NaN, Infinity), the rest are scored."""
         kind = sample.index % 8
         if kind == 0:
             raise ValueError(f"cannot score sample {sample.index}")
@@ -38,8 +46,10 @@ PLUGIN = textwrap.dedent('''
             return 1.0
         if kind == 2:
             return "not a number"
-        if kind in (3, 5):
+        if kind == 3:
             return float("nan")
+        if kind == 5:
+            return asyncio.run(remote_rm(with_values(args, rm_url=os.environ["BAD_RM_SERVER_URL"]), sample))
         if kind == 4:
             return float("inf")
         return float(len(sample.response) % 3 == 0)
@@ -71,6 +81,25 @@ def _long_prompt(tokenizer, low: int, high: int) -> str:
     raise AssertionError("no prompt length in the window")
 
 
+class _NonFiniteRewardServer(http.server.BaseHTTPRequestHandler):
+    """A reward server gone wrong: its answers alternate between the JSON texts NaN and Infinity."""
+
+    answered: list[str] = []
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        body = ("NaN", "Infinity")[len(self.answered) % 2]
+        self.answered.append(body)
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body.encode())
+
+    def log_message(self, *a):
+        pass
+
+
 @pytest.fixture(scope="module")
 def bad_run(tiny_qwen3, arithmetic_data, tmp_path_factory):
     from transformers import AutoTokenizer
@@ -98,9 +127,17 @@ def bad_run(tiny_qwen3, arithmetic_data, tmp_path_factory):
         "--max-failed-samples-ratio", "1.0",  # this run fails most samples on purpose
         "--vllm-max-model-len", str(MAX_MODEL_LEN), "--save-hf", str(out / "hf_{rollout_id}"),
     ]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(out), str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO, env=env)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _NonFiniteRewardServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/reward"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(out), str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "BAD_RM_SERVER_URL": url}
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO, env=env)
+    finally:
+        server.shutdown()
     assert proc.returncode == 0, proc.stderr[-6000:]
+    assert {"NaN", "Infinity"} <= set(_NonFiniteRewardServer.answered)
     records = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
     return out, rejected, records, proc.stderr, stack_pids()
 
@@ -138,16 +175,20 @@ def test_failures_are_recorded_per_sample_and_counted_by_reason(bad_run):
             assert s["status"] == "failed" and f"{failure['stage']}_{failure['reason']}" == reason, (reason, s)
             assert not any(s["loss_mask"] or []), "a failed sample is never trained"
             counts[reason] = counts.get(reason, 0) + 1
-            seen[reason] = failure["error"]
+            seen.setdefault(reason, []).append(failure["error"])
         failed = {k.removeprefix("rollout/failed/"): v for k, v in record.items() if k.startswith("rollout/failed/")}
         assert failed == counts and record["rollout/failed_samples"] == sum(counts.values())
     assert set(seen) == {"generate_engine_rejected", "reward_error", "reward_timeout", "reward_bad_return_type",
                          "reward_non_finite"}
-    assert "ValueError: cannot score sample" in seen["reward_error"]
-    assert f"--rm-timeout {RM_TIMEOUT}" in seen["reward_timeout"]
-    assert "--custom-rm-path bad_rm_plugin.reward returned str ('not a number')" in seen["reward_bad_return_type"]
-    assert "HTTP 400" in seen["generate_engine_rejected"]
-    assert "is not finite; the reward function must return a finite number" in seen["reward_non_finite"]
+    assert all("ValueError: cannot score sample" in e for e in seen["reward_error"])
+    assert all(f"--rm-timeout {RM_TIMEOUT}" in e for e in seen["reward_timeout"])
+    assert all("--custom-rm-path bad_rm_plugin.reward returned str ('not a number')" in e
+               for e in seen["reward_bad_return_type"])
+    assert all("HTTP 400" in e for e in seen["generate_engine_rejected"])
+    non_finite = seen["reward_non_finite"]
+    assert any("is not finite; the reward function must return a finite number" in e for e in non_finite)
+    served = [e for e in non_finite if "reward server http://127.0.0.1:" in e]  # remote_rm's NaN and Infinity
+    assert any("non-finite reward nan" in e for e in served) and any("non-finite reward inf" in e for e in served)
 
 
 def test_non_finite_rewards_reach_no_metric_and_no_weight(bad_run, tiny_qwen3):

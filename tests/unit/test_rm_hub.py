@@ -411,7 +411,8 @@ def test_remote_rm_non_finite_reward_fails_the_sample(reward_server):
     asyncio.run(_reward_one(make_args(rm_type="remote_rm", rm_url=server.url), sample))
     assert sample.status == Sample.Status.FAILED and sample.reward is None
     failure = sample.metadata["failure"]
-    assert failure["stage"] == "reward" and server.url in failure["error"] and "nan" in failure["error"]
+    assert failure["stage"] == "reward" and failure["reason"] == "non_finite"
+    assert server.url in failure["error"] and "nan" in failure["error"]
 
 
 def test_remote_rm_retries_an_attempt_that_hangs(reward_server):

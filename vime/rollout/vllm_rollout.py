@@ -26,6 +26,7 @@ from vime.backends.vllm_utils.generate_request import (
 )
 from vime.rollout.context import rollout_context
 from vime.rollout.rm_hub import RewardTypeError, async_rm, batched_async_rm
+from vime.rollout.rm_hub.remote_rm import NonFiniteRewardError
 from vime.utils.misc import load_function
 from vime.utils.types import RolloutFnEvalOutput, RolloutFnTrainOutput, Sample
 
@@ -237,6 +238,8 @@ async def _reward_one(args, sample: Sample) -> None:
         fail_sample(sample, "reward", "timeout", f"reward function exceeded --rm-timeout {args.rm_timeout}s")
     except RewardTypeError as e:
         fail_sample(sample, "reward", "bad_return_type", e)
+    except NonFiniteRewardError as e:  # a reward server's NaN / Infinity
+        fail_sample(sample, "reward", "non_finite", e)
     except Exception as e:  # a user's reward function may raise anything; record it per sample
         fail_sample(sample, "reward", "error", f"{type(e).__name__}: {e}")
 
