@@ -5,8 +5,9 @@
     reports = launch(spec, out_dir, world_size)                        # blocks until every rank is done
 
 Each launched process runs `python trainer_runs.py SPEC.json RANK`: it builds the trainer from `spec["argv"]`
-(`vime.arguments.parse_args`), trains the rollouts `spec["train"]` on `spec["data"][str(rollout_id)]`,
-optionally saves and publishes (`spec["save"]`: the rollout id to save) or dies inside a save
+(`vime.arguments.parse_args`; `spec["args"]`, optional, sets values on the parsed args), trains the rollouts
+`spec["train"]` on `spec["data"][str(rollout_id)]`, optionally saves and publishes (`spec["save"]`: the rollout
+id to save) or dies inside a save
 (`spec["killed_in_save"]`, exit code 17), and writes OUT/rank<r>.json
 ({"metrics": {rollout_id: metrics}, "step", "loaded_state"}) and, with `spec["weights"]`,
 OUT/weights_rank<r>.pt (the `hf_weights()` of its pipeline stage). A fresh process per phase makes a
@@ -98,6 +99,10 @@ def main(spec_path: str, rank: int) -> None:
     out = Path(spec["out"])
     # the ranks are this helper's processes, not Ray's: say how many, as a run's placement flags would
     args = parse_args([*spec["argv"], "--actor-num-gpus-per-node", str(spec["world_size"])])
+    if spec.get("args"):  # values set on the parsed args, as a flag not (yet) on the command line would
+        from vime.utils.misc import with_values
+
+        args = with_values(args, **spec["args"])
     trainer = MegatronTrainer(args, rank, spec["world_size"], "127.0.0.1", spec["port"],
                               total_steps=spec.get("total_steps", 1000))
     try:

@@ -14,6 +14,9 @@ import argparse
 import json
 
 from vime.backends.megatron_utils.hf_architecture import hf_architecture
+from vime.backends.megatron_utils.megatron_flags import (add_generated_megatron_args, check_megatron_lm_architecture,
+                                                         warn_once)
+from vime.utils.device import use_gpu
 from vime.utils.misc import with_values
 
 # Architecture flags (argparse dest names) that `hf_architecture` reads from an HF config.
@@ -169,6 +172,7 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                                             "DeepSeek-V3's topk_method noaux_tc)"),
     ):
         g.add_argument(flag, action="store_true", default=None, help=f"{what} (default: None = from the HF config).")
+    add_generated_megatron_args(parser)
     return parser
 
 
@@ -190,6 +194,7 @@ def fill_architecture_from_hf(args: argparse.Namespace, hf_config) -> argparse.N
     Raises ValueError naming the flag, the given and the config value when a given flag contradicts the config
     (e.g. `--num-layers 4` for a 2-layer checkpoint).
     """
+    check_megatron_lm_architecture(args)
     filled = {}
     for dest, value in hf_architecture(hf_config).items():
         given = getattr(args, dest, None)
@@ -230,6 +235,15 @@ def validate_megatron_args(args: argparse.Namespace, world_size: int | None = No
                          f"{(gbs // (args.micro_batch_size * dp) + 1) * args.micro_batch_size * dp}")
     if args.bf16 and args.fp16:
         raise ValueError("--bf16 and --fp16 are exclusive; pass one of them")
+    if getattr(args, "sequence_parallel", None) and tp == 1:
+        raise ValueError("--sequence-parallel splits activations over tensor-parallel ranks: it needs "
+                         "--tensor-model-parallel-size > 1; drop it or raise the tensor-parallel size")
+    if (getattr(args, "context_parallel_size", None) or 1) > 1:
+        raise ValueError(f"--context-parallel-size {args.context_parallel_size}: context parallelism is not "
+                         "supported by vime's trainer yet; use 1 (sequences are split over micro-batches instead)")
+    if (args.bf16 or args.fp16) and not use_gpu():
+        warn_once(f"{'--bf16' if args.bf16 else '--fp16'} on CPU: the trainer computes in float32 (16-bit float "
+                  "math is several times slower on CPU)")
     if args.min_lr > args.lr:
         raise ValueError(f"--min-lr {args.min_lr} is above --lr {args.lr}; lower --min-lr")
 
@@ -275,8 +289,6 @@ def _check_moe(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError(f"{per_stage} ranks per pipeline stage are not a multiple of expert-parallel x "
                          f"expert-tensor-parallel size ({ep} x {etp}); add training ranks or lower the sizes")
     if getattr(args, "moe_grouped_gemm", False):
-        from vime.utils.device import use_gpu
-
         if not use_gpu():
             raise ValueError("--moe-grouped-gemm needs a GPU with TransformerEngine; drop it on CPU (one GEMM per "
                              "expert computes the same)")

@@ -68,10 +68,10 @@ def micro_batches(indices: list[int], lengths: list[int], micro_batch_size: int 
     return batches
 
 
-def pad_tokens(token_lists: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad to [batch, longest]; returns (tokens, position_ids). Causal attention makes right padding
-    harmless to every real position."""
-    longest = max(len(t) for t in token_lists)
+def pad_tokens(token_lists: list[list[int]], pad_id: int = 0, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad to [batch, longest] (longest rounded up to a multiple of `multiple`); returns (tokens,
+    position_ids). Causal attention makes right padding harmless to every real position."""
+    longest = _round_up(max(len(t) for t in token_lists), multiple)
     tokens = torch.full((len(token_lists), longest), pad_id, dtype=torch.long)
     for row, t in enumerate(token_lists):
         tokens[row, : len(t)] = torch.tensor(t, dtype=torch.long)
@@ -98,9 +98,17 @@ class MicroBatchInputs:
     response_lengths: list[int]
 
 
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
 def micro_batch_inputs(token_lists: list[list[int]], response_lengths: list[int], packed: bool = True,
-                       pad_id: int = 0) -> MicroBatchInputs:
-    """Model inputs for one micro-batch: packed without padding (`thd`), or right-padded (`bshd`)."""
+                       pad_id: int = 0, multiple: int = 1) -> MicroBatchInputs:
+    """Model inputs for one micro-batch: packed without padding (`thd`), or right-padded (`bshd`).
+
+    `multiple`: the sequence dimension is padded to a multiple of it (sequence parallel splits it over the TP
+    ranks): packed, with one extra sequence of `pad_id` tokens at the end of the row (in `cu_seqlens`, so it
+    attends only to itself); padded, with more right padding. `logit_rows` never point into the padding."""
     lengths = [len(t) for t in token_lists]
     flat = torch.tensor([tok for t in token_lists for tok in t], dtype=torch.long)
     starts = torch.tensor([0] + lengths[:-1], dtype=torch.long).cumsum(0)
@@ -110,11 +118,14 @@ def micro_batch_inputs(token_lists: list[list[int]], response_lengths: list[int]
         torch.zeros(0, dtype=torch.long)
     targets = flat[in_row]
     if packed:
-        positions = torch.cat([torch.arange(n) for n in lengths])
-        cu = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        return MicroBatchInputs(flat.unsqueeze(0), positions.unsqueeze(0), cu, max(lengths), in_row - 1, targets,
+        pad = _round_up(len(flat), multiple) - len(flat)
+        segments = lengths + [pad] if pad else lengths
+        row = torch.cat([flat, torch.full((pad,), pad_id, dtype=torch.long)])
+        positions = torch.cat([torch.arange(n) for n in segments])
+        cu = torch.tensor([0, *segments], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        return MicroBatchInputs(row.unsqueeze(0), positions.unsqueeze(0), cu, max(segments), in_row - 1, targets,
                                 list(response_lengths))
-    tokens, positions = pad_tokens(token_lists, pad_id)
+    tokens, positions = pad_tokens(token_lists, pad_id, multiple)
     batch = len(token_lists)
     rows = torch.cat([torch.arange(n - r - 1, n - 1) * batch + b
                       for b, (n, r) in enumerate(zip(lengths, response_lengths))])  # [seq, batch] flattened

@@ -2,9 +2,9 @@
 
 Megatron-core assumes CUDA in many places. `apply_cpu_compat()` patches only the CUDA entry points that
 vime's training path was found to reach on CPU (model build, forward/backward, pipeline schedules, DDP with
-overlapped reduce, the (distributed) optimizer, grad clipping, dist_checkpointing save/load), so the same
-Megatron code runs on a CPU-only machine. Not covered: activation recompute (`torch.cuda.get_rng_state`),
-CUDA graphs, MoE overlap schedules, NVTX profiling, sequence/context parallel.
+overlapped reduce, the (distributed) optimizer, grad clipping, dist_checkpointing save/load, activation
+recompute, sequence parallel), so the same Megatron code runs on a CPU-only machine. Not covered: CUDA graphs,
+MoE overlap schedules, NVTX profiling, context parallel.
 
 Its cost: the mode is entered for good in each training thread, because Megatron places tensors on
 `torch.cuda.current_device()` inside the hot path too (the rotary embedding's frequencies in every forward, the
@@ -57,10 +57,16 @@ class _CudaToCpuMode(TorchFunctionMode):
     megatron `Tensor.type()` answers with the CUDA name of the same dtype.
     """
 
+    # Only sequence parallel's backward allocates on CUDA (its gathers, reduce-scatters and grad buffers): running
+    # every backward under the mode costs a Python call per torch call in it, so it is switched on for such runs.
+    redirect_backward = False
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.autograd.backward and self.redirect_backward:
+            return _backward_in_mode(self, *args, **kwargs)
         if func is torch.device and len(args) == 1 and _is_cuda_device(args[0]):  # `with torch.device(index):`
             return torch.device("cpu")  # (YaRN's rotary embedding builds its frequencies so)
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
@@ -71,6 +77,24 @@ class _CudaToCpuMode(TorchFunctionMode):
                 name = "torch.cuda." + name[len("torch."):]
             return name
         return func(*args, **kwargs)
+
+
+def _backward_in_mode(mode: TorchFunctionMode, tensors, grad_tensors=None, retain_graph=None, create_graph=False,
+                      inputs=None) -> None:
+    """`torch.autograd.backward` with `mode` on while autograd runs. A mode is off while it handles a call, and
+    torch.autograd.backward is one, so without this the Python backward of autograd Functions would run
+    unredirected; Megatron's allocate on `torch.cuda.current_device()` too (sequence parallel's gathers and
+    reduce-scatters, its linear layers' grad buffers). The body is torch's own, after its torch-function check
+    (which would hand the call back to the mode)."""
+    from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple
+    from torch.autograd.graph import _engine_run_backward
+
+    tensors = (tensors,) if torch.is_tensor(tensors) else tuple(tensors)
+    inputs = () if inputs is None else (inputs,) if torch.is_tensor(inputs) else tuple(inputs)
+    grads = _make_grads(tensors, _tensor_or_tensors_to_tuple(grad_tensors, len(tensors)), is_grads_batched=False)
+    with mode:
+        _engine_run_backward(tensors, grads, create_graph if retain_graph is None else retain_graph, create_graph,
+                             inputs, allow_unreachable=True, accumulate_grad=True)
 
 
 class CPURNGStatesTracker:
@@ -187,6 +211,25 @@ def _split_sizes_on_host(tensor, as_numpy: bool = False, record_stream: bool = F
     return tensor
 
 
+_NO_CUDA_RNG_STATE = torch.empty(0, dtype=torch.uint8)
+
+
+def _get_no_cuda_rng_state(device="cuda", clone=False, graph_safe=False) -> torch.Tensor:
+    """megatron-core's `_get_cuda_rng_state` on CPU: there is no CUDA generator to save. Activation recompute
+    (`CheckpointFunction`, `CheckpointWithoutOutput`) saves the CPU state and the tracker's named states beside
+    it, which is what the CPU's dropout draws from (`CPURNGStatesTracker`), so replays stay exact."""
+    return _NO_CUDA_RNG_STATE
+
+
+def _set_no_cuda_rng_state(new_state, device=-1, graph_safe=False) -> None:
+    """megatron-core's `_set_cuda_rng_state` on CPU: nothing to restore (see `_get_no_cuda_rng_state`)."""
+
+
+def redirect_backward_for_sequence_parallel() -> None:
+    """A sequence-parallel model is built in this process: run backward under the CUDA-to-CPU mode too."""
+    _CudaToCpuMode.redirect_backward = True
+
+
 def apply_cpu_compat() -> None:
     """Patch torch.cuda and megatron-core for CPU training. No-op when CUDA is available.
 
@@ -217,6 +260,9 @@ def apply_cpu_compat() -> None:
         token_dispatcher.maybe_move_tensor_to_cpu = _split_sizes_on_host  # expert parallel's all-to-all
         mappings._AllToAll.forward = staticmethod(_all_to_all_forward)
         mcore_random.CudaRNGStatesTracker = CPURNGStatesTracker
+        # Activation recompute saves and restores the CUDA generator around each recomputed forward.
+        mcore_random._get_cuda_rng_state = _get_no_cuda_rng_state
+        mcore_random._set_cuda_rng_state = _set_no_cuda_rng_state
         mcore_random.initialize_rng_tracker(force_reset=True)
         _PATCHED = True
     if getattr(_THREAD, "mode", None) is None:

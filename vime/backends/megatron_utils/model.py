@@ -19,6 +19,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from vime.backends.megatron_utils.batching import MicroBatchInputs, micro_batch_inputs
 from vime.backends.megatron_utils.log_probs import response_log_probs
+from vime.backends.megatron_utils.megatron_flags import given_fields
 from vime.backends.megatron_utils.model_provider import build_model_chunks, params_dtype
 from vime.backends.megatron_utils.train_batch import TrainBatch
 
@@ -31,16 +32,17 @@ def setup_model_and_optimizer(args, total_steps: int, prepare_chunks: Callable |
     if prepare_chunks is not None:
         prepare_chunks(chunks)
     config = chunks[0].config
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-        use_distributed_optimizer=args.use_distributed_optimizer, bucket_size=None)
+    ddp_config = DistributedDataParallelConfig(**{
+        "grad_reduce_in_fp32": True, "overlap_grad_reduce": False, "bucket_size": None,
+        **given_fields(args, "ddp"), "use_distributed_optimizer": args.use_distributed_optimizer})
     model = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=c) for c in chunks]
     dtype = params_dtype(args)
-    opt_config = OptimizerConfig(
-        optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
-        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad,
-        use_distributed_optimizer=args.use_distributed_optimizer, params_dtype=dtype,
-        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16)
+    opt_config = OptimizerConfig(**{
+        "optimizer": "adam", **given_fields(args, "optimizer"), "lr": args.lr, "min_lr": args.min_lr,
+        "weight_decay": args.weight_decay, "adam_beta1": args.adam_beta1, "adam_beta2": args.adam_beta2,
+        "adam_eps": args.adam_eps, "clip_grad": args.clip_grad,
+        "use_distributed_optimizer": args.use_distributed_optimizer, "params_dtype": dtype,
+        "bf16": dtype == torch.bfloat16, "fp16": dtype == torch.float16})
     optimizer = get_megatron_optimizer(opt_config, model)
     use_fused_adam(optimizer)
     scheduler = OptimizerParamScheduler(
@@ -115,8 +117,10 @@ def run_schedule(model, micro_batches: list[list[int]], batch: TrainBatch, loss_
     `routing_replay.RoutingReplay` that replays or records the MoE routing of each micro-batch. Returns the
     list of metrics dicts (last stage) or [] (other stages). Micro-batches differ in length
     (variable_seq_lengths)."""
+    # sequence parallel splits the sequence dimension over the TP ranks: it must divide evenly
+    multiple = parallel_state.get_tensor_model_parallel_world_size() if model[0].config.sequence_parallel else 1
     inputs = [micro_batch_inputs([batch.tokens[i] for i in mb], [batch.response_lengths[i] for i in mb],
-                                 packed=packed) for mb in micro_batches]
+                                 packed=packed, multiple=multiple) for mb in micro_batches]
     longest = max(int(x.tokens.numel()) if packed else x.tokens.shape[1] for x in inputs)
 
     def data_iter():

@@ -5,13 +5,15 @@ Who calls it: the Megatron trainer, after `parallel.init_parallel()` and
 `arguments.fill_architecture_from_hf()`; the convert tools; the tests.
 
 On CPU the model uses the local (pure PyTorch) layer spec with RMSNorm and torch's scaled-dot-product
-attention (`attention.SDPAttention`), float32 parameters, CPU initialisation and no other fused kernels. On a GPU with TransformerEngine installed it uses the TE spec (the norms
-are then fused into `linear_qkv` / `linear_fc1`, see `hf_conversion`), and bf16/fp16 when asked.
+attention (`attention.SDPAttention`), float32 parameters, CPU initialisation and no other fused kernels. On a GPU
+with TransformerEngine installed it uses the TE spec (the norms are then fused into `linear_qkv` / `linear_fc1`,
+see `hf_conversion`), and bf16/fp16 when asked.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -23,8 +25,13 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_with_transformer_engine_spec,
 )
 from megatron.core.transformer import MLATransformerConfig, TransformerConfig
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
 from vime.backends.megatron_utils.attention import SDPAttention
+from vime.backends.megatron_utils.cpu_compat import redirect_backward_for_sequence_parallel
+from vime.backends.megatron_utils.megatron_flags import given_fields, warn_once
 from vime.utils.device import training_dtype
 
 
@@ -52,7 +59,7 @@ def build_transformer_config(args: argparse.Namespace) -> TransformerConfig:
     on_gpu = torch.cuda.is_available()
     dtype = params_dtype(args)
     config_class = MLATransformerConfig if getattr(args, "multi_latent_attention", None) else TransformerConfig
-    return config_class(
+    vime_values = dict(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size,
@@ -61,7 +68,6 @@ def build_transformer_config(args: argparse.Namespace) -> TransformerConfig:
         kv_channels=args.kv_channels,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        sequence_parallel=False,  # fails with the local norm; not needed at vime's sizes
         # SwiGLU MLP, RMSNorm, no linear biases except the optional qkv bias (Qwen2).
         gated_linear_unit=True,
         activation_func=F.silu,
@@ -89,6 +95,22 @@ def build_transformer_config(args: argparse.Namespace) -> TransformerConfig:
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
     )
+    config = config_class(**{**vime_values, **_given_transformer_fields(args, config_class)})
+    if config.sequence_parallel and not on_gpu:
+        redirect_backward_for_sequence_parallel()
+    return config
+
+
+def _given_transformer_fields(args: argparse.Namespace, config_class: type) -> dict:
+    """The generated Megatron flags a launch script set for this config (`megatron_flags.given_fields`), which win
+    over vime's values: activation recompute (--recompute-granularity/-method/-num-layers/-modules),
+    --sequence-parallel, --init-method-std, ... Multi-latent-attention fields on another model are ignored with a
+    warning."""
+    fields = {f.name for f in dataclasses.fields(config_class)}
+    given = given_fields(args, "transformer")
+    for name in sorted(set(given) - fields):
+        warn_once(f"--{name.replace('_', '-')} applies to multi-latent attention models only: ignored")
+    return {name: value for name, value in given.items() if name in fields}
 
 
 def _moe_config(args: argparse.Namespace) -> dict:
@@ -142,34 +164,81 @@ def _mla_config(args: argparse.Namespace) -> dict:
 def _without_transformer_engine() -> None:
     """megatron-core 0.16.1 without TransformerEngine: the MoE utilities name `te_general_gemm` only when TE
     imports, and multi-latent attention believes TE is there (its TE classes are mock stand-ins, which its
-    isinstance checks cannot take)."""
+    isinstance checks cannot take). Its `CheckpointWithoutOutput` (selective recompute of the norms, the MoE
+    activation) reads `fp8=False` as FP8 on (`fp8 is not None`) and then calls TE's FP8 state manager."""
+    import megatron.core.tensor_parallel.random as mcore_random
     import megatron.core.transformer.moe.moe_utils as moe_utils
     import megatron.core.transformer.multi_latent_attention as mla
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
     mla.HAVE_TE = False
+    if not mcore_random.HAVE_TE and not hasattr(mcore_random.CheckpointWithoutOutput, "_vime_no_fp8"):
+        init = mcore_random.CheckpointWithoutOutput.__init__
+
+        def init_without_fp8(self, fp8=False):
+            init(self, fp8)
+            self.fp8 = False  # FP8 needs TransformerEngine, which is not there
+
+        mcore_random.CheckpointWithoutOutput.__init__ = init_without_fp8
+        mcore_random.CheckpointWithoutOutput._vime_no_fp8 = True
 
 
-def _layer_specs(config: TransformerConfig):
-    """The decoder's layer spec: one for all layers (dense), or a block spec with per-layer MoE / dense MLPs."""
+class LocalNorm:
+    """The local spec's norm: torch's RMSNorm (or LayerNorm), as megatron's `WrappedTorchNorm` builds it, but with
+    sequence parallel too. Under sequence parallel each TP rank normalises its own slice of the sequence, so the
+    norm weights' gradients are partial sums: their parameters are marked `sequence_parallel`, which
+    `finalize_model_grads` all-reduces over the TP group (as Megatron's Apex and TE norms mark theirs).
+    `WrappedTorchNorm` refuses sequence parallel outright instead."""
+
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_unused):
+        norm_class = {"RMSNorm": torch.nn.RMSNorm, "LayerNorm": torch.nn.LayerNorm}[config.normalization]
+        norm = norm_class(normalized_shape=hidden_size, eps=eps)
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def _use_local_norm(spec) -> None:
+    """Swap `WrappedTorchNorm` for `LocalNorm` everywhere in a local layer spec's (nested) submodules."""
+    submodules = getattr(spec, "submodules", None)
+    if not dataclasses.is_dataclass(submodules):
+        return
+    for field in dataclasses.fields(submodules):
+        value = getattr(submodules, field.name)
+        if value is WrappedTorchNorm:
+            setattr(submodules, field.name, LocalNorm)
+        elif isinstance(value, ModuleSpec) and value.module is WrappedTorchNorm:
+            value.module = LocalNorm
+        elif isinstance(value, ModuleSpec):
+            _use_local_norm(value)
+
+
+def _layer_specs(config: TransformerConfig, vp_stage: int | None = None):
+    """The decoder's spec: a layer spec for all layers (TE, dense), or a block spec with per-layer MoE / dense
+    MLPs and, for the local spec, its final norm."""
     te = use_transformer_engine()
     if not te:
         _without_transformer_engine()
+    mla = bool(config.multi_latent_attention)
+    if te and not config.num_moe_experts:
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm, multi_latent_attention=mla)
     if config.num_moe_experts:
         block = get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization="RMSNorm")
-        if not te:
-            for layer in block.layer_specs:
-                layer.submodules.self_attention.submodules.core_attention = SDPAttention
-        return block
-    mla = bool(config.multi_latent_attention)
-    if te:
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm, multi_latent_attention=mla)
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm,
-                                    multi_latent_attention=mla)
-    # torch's fused scaled-dot-product attention, which also takes packed (thd) micro-batches
-    spec.submodules.self_attention.submodules.core_attention = SDPAttention
-    return spec
+        if te:
+            return block
+    else:
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm,
+                                        multi_latent_attention=mla)
+        # this stage's layers, as TransformerBlock would expand a layer spec
+        block = TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config, vp_stage),
+                                           layer_norm=WrappedTorchNorm)
+    block.layer_norm = LocalNorm  # the final norm
+    for layer in block.layer_specs:
+        # torch's fused scaled-dot-product attention, which also takes packed (thd) micro-batches
+        layer.submodules.self_attention.submodules.core_attention = SDPAttention
+        _use_local_norm(layer)
+    return block
 
 
 def build_gpt_model(args: argparse.Namespace, pre_process: bool = True, post_process: bool = True,
@@ -179,7 +248,7 @@ def build_gpt_model(args: argparse.Namespace, pre_process: bool = True, post_pro
     config = build_transformer_config(args)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=_layer_specs(config),
+        transformer_layer_spec=_layer_specs(config, vp_stage),
         vocab_size=args.vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,

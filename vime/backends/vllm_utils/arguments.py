@@ -15,14 +15,11 @@ from __future__ import annotations
 
 import argparse
 import functools
-import hashlib
 import importlib.util
-import json
-import os
-import tempfile
 from pathlib import Path
 
 from vime.utils.device import training_dtype
+from vime.utils.option_cache import cache_path, cached_table
 
 # Options vime sets itself when it starts an engine; a user-given value would be silently overridden.
 VIME_MANAGED_VLLM_OPTIONS = {"--model", "--host", "--port", "--served-model-name"}
@@ -65,12 +62,10 @@ def vllm_option_table() -> list[dict]:
     """vLLM's engine options as plain data, one dict per option ("option", "dest", "nargs", "boolean", "choices",
     "value", "metavar", "help"): from the cache when it holds the installed vLLM's, else from vLLM's parser (then
     cached). "value" says how vLLM reads a value (`_value_kind`)."""
-    cache = _option_table_cache()
-    if cache is not None and cache.is_file():
-        try:
-            return json.loads(cache.read_text())
-        except (OSError, ValueError):
-            pass  # unreadable: rebuilt below
+    return cached_table(_option_table_cache(), _build_option_table)
+
+
+def _build_option_table() -> list[dict]:
     table = []
     for action in _vllm_engine_parser()._actions:
         long_options = [o for o in action.option_strings if o.startswith("--") and not o.startswith("--no-")]
@@ -82,8 +77,6 @@ def vllm_option_table() -> list[dict]:
                       # the forwarded values are the raw tokens, so choices compare as strings
                       "choices": [str(c) for c in action.choices] if action.choices and nargs != 0 else None,
                       "value": _value_kind(action.type), "metavar": _plain(action.metavar), "help": action.help or ""})
-    if cache is not None:
-        _write_atomically(cache, json.dumps(table))
     return table
 
 
@@ -117,32 +110,13 @@ def _plain(metavar):
 
 
 def _option_table_cache() -> Path | None:
-    """The cache file for the installed vLLM: named by its engine-arguments source (path, size, mtime), found
-    without importing vLLM. None when vLLM is not installed."""
+    """The cache file for the installed vLLM: named by its engine-arguments source, found without importing vLLM.
+    None when vLLM is not installed."""
     spec = importlib.util.find_spec("vllm")
     if spec is None or not spec.submodule_search_locations:
         return None
     source = Path(next(iter(spec.submodule_search_locations))) / "engine" / "arg_utils.py"
-    try:
-        stat = source.stat()
-    except OSError:
-        return None
-    key = hashlib.sha256(f"{_OPTION_TABLE_FORMAT}|{source}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()
-    root = os.environ.get("VIME_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache",
-                                                    "vime")
-    return Path(root) / f"vllm-engine-options-{key[:16]}.json"
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    """Write `text` to `path` through a temporary file and a rename (concurrent starts read a whole file or none);
-    a cache that cannot be written is only a slower next start."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
-            f.write(text)
-        os.replace(f.name, path)
-    except OSError:
-        pass
+    return cache_path("vllm-engine-options", [source], _OPTION_TABLE_FORMAT)
 
 
 def add_vllm_engine_args(parser: argparse.ArgumentParser) -> None:
