@@ -62,6 +62,28 @@ def add_run_args(parser: argparse.ArgumentParser) -> None:
                         "(default: None).")
 
 
+# the --wandb-* flags' defaults: any other value without --use-wandb is refused
+WANDB_DEFAULTS = {"wandb_project": "vime", "wandb_group": None, "wandb_run_name": None, "wandb_mode": "online",
+                  "wandb_dir": None}
+
+
+def add_wandb_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("wandb", "Weights & Biases logging, beside metrics.jsonl and TensorBoard.")
+    g.add_argument("--use-wandb", action="store_true",
+                   help="Log each rollout's metrics and the reward curve to wandb (pip install wandb==0.31.0) "
+                        "(default: off).")
+    g.add_argument("--wandb-project", default=WANDB_DEFAULTS["wandb_project"],
+                   help="wandb project of the run (default: vime).")
+    g.add_argument("--wandb-group", default=None, help="wandb group the run belongs to (default: None).")
+    g.add_argument("--wandb-run-name", default=None,
+                   help="wandb run name; wandb makes one up when unset (default: None).")
+    g.add_argument("--wandb-mode", default=WANDB_DEFAULTS["wandb_mode"], choices=["online", "offline", "disabled"],
+                   help="online uploads as the run goes; offline writes the run under --wandb-dir only, for "
+                        "`wandb sync` later, with no account or network needed (default: online).")
+    g.add_argument("--wandb-dir", default=None,
+                   help="Directory for wandb's local files (default: <output-dir>/wandb).")
+
+
 def add_placement_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("placement")
     g.add_argument("--actor-num-nodes", type=int, default=1, help="Nodes for training actors (default: 1).")
@@ -84,6 +106,7 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     add_run_args(parser)
+    add_wandb_args(parser)
     add_placement_args(parser)
     add_all_rollout_args(parser)
     add_megatron_args(parser)
@@ -100,29 +123,38 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
 
 
 def config_to_argv(path: str, parser: argparse.ArgumentParser) -> list[str]:
-    """Turn a YAML mapping {flag: value} into command-line tokens (placed before the real ones)."""
+    """Turn a YAML mapping {flag: value} into command-line tokens (placed before the real ones). A value equal to
+    the flag's default needs no tokens (also for defaults no command line can spell, e.g. an empty list); false
+    gives a flag's --no- form where it has one; a list gives a repeated flag its values one at a time."""
     try:
         data = yaml.safe_load(Path(path).read_text()) or {}
     except (OSError, yaml.YAMLError) as e:
         raise ValueError(f"--config {path}: cannot read YAML: {e}") from e
     if not isinstance(data, dict):
         raise ValueError(f"--config {path}: expected a mapping of flag names to values, got {type(data).__name__}")
-    known = {opt for action in parser._actions for opt in action.option_strings}
+    actions = {opt: action for action in parser._actions for opt in action.option_strings}
     argv: list[str] = []
     for key, value in data.items():
         flag = "--" + str(key).lstrip("-").replace("_", "-")
-        if flag not in known:
+        if flag not in actions:
             raise ValueError(f"--config {path}: unknown flag {key!r} (as {flag})")
-        if value is None or value is False:
+        action = actions[flag]
+        if value is None or value == parser.get_default(action.dest):
             continue
-        if value is True:
+        if value is False:
+            if "--no-" + flag[2:] in actions:
+                argv.append("--no-" + flag[2:])
+        elif value is True:
             argv.append(flag)
+        elif isinstance(value, (list, tuple)) and isinstance(action, argparse._AppendAction):
+            for item in value:
+                argv += [flag, *map(str, item if isinstance(item, (list, tuple)) else [item])]
         elif isinstance(value, (list, tuple)):
             argv += [flag, *map(str, value)]
         elif isinstance(value, dict):
-            argv += [flag, json.dumps(value)]
+            argv.append(f"{flag}={json.dumps(value)}")
         else:
-            argv += [flag, str(value)]
+            argv.append(f"{flag}={value}")  # one token: a value that starts with "-" is not read as a flag
     return argv
 
 
@@ -135,13 +167,32 @@ def parse_args(argv: list[str] | None = None, extra_args_provider=None, validate
             argv = config_to_argv(config, parser) + argv
         except ValueError as e:
             parser.error(str(e))
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        parser.error(unknown_flags_message(unknown, parser))
     if validate:
         try:
             args = validate_args(args)
         except ValueError as e:
             parser.error(str(e))
     return args
+
+
+def unknown_flags_message(unknown: list[str], parser: argparse.ArgumentParser) -> str:
+    """Each unknown flag with the closest known names (a Megatron-LM, slime or vLLM spelling is often one
+    dash-word away from vime's)."""
+    import difflib
+
+    known = [o for action in parser._actions for o in action.option_strings if o.startswith("--")]
+    lines = []
+    for token in unknown:
+        if not token.startswith("-"):
+            lines.append(f"{token!r} (a value with no flag before it)")
+            continue
+        flag = token.split("=", 1)[0]
+        close = difflib.get_close_matches(flag, known, n=3, cutoff=0.75)
+        lines.append(f"{flag}" + (f" (did you mean {', '.join(close)}?)" if close else ""))
+    return "unrecognized arguments: " + "; ".join(lines) + " (train.py --help lists every flag)"
 
 
 def _find_config(argv: list[str]) -> str | None:
@@ -155,10 +206,15 @@ def _find_config(argv: list[str]) -> str | None:
 
 def function_path_flags(args: argparse.Namespace) -> list[tuple[str, str]]:
     """(flag, path) of every function path given: each of vime's flags named `*_path` or `*_paths` (the
-    extension seam, resolved by `load_function`); vLLM's and the router's flags name files, not functions."""
+    extension seam, resolved by `load_function`); vLLM's and the router's flags name files, not functions, and
+    megatron-core's fields (`--use-mamba-mem-eff-path`) are not paths at all."""
+    from vime.backends.megatron_utils.megatron_flags import generated_dests
+
+    megatron = generated_dests()
     given = []
     for flag, value in sorted(vars(args).items()):
-        if flag.startswith(("vllm_", "router_")) or not flag.endswith(("_path", "_paths")) or not value:
+        if flag.startswith(("vllm_", "router_")) or not flag.endswith(("_path", "_paths")) or not value \
+                or flag in megatron:
             continue
         given += [(flag, path) for path in (value if isinstance(value, (list, tuple)) else [value])]
     return given
@@ -183,6 +239,19 @@ def validate_transport_placement(args: argparse.Namespace) -> None:
                          "on one GPU into one NCCL group, which NCCL refuses; use cuda_ipc (or disk) with --colocate")
 
 
+def validate_wandb_args(args: argparse.Namespace) -> argparse.Namespace:
+    """--wandb-* flags need --use-wandb; fills --wandb-dir (<output-dir>/wandb when unset)."""
+    from vime.utils.misc import with_values
+
+    if not args.use_wandb:
+        given = [f"--{flag.replace('_', '-')}" for flag, default in WANDB_DEFAULTS.items()
+                 if getattr(args, flag) != default]
+        if given:
+            raise ValueError(f"{' '.join(given)} only take effect with --use-wandb: add it, or drop them")
+        return args
+    return with_values(args, wandb_dir=os.path.abspath(args.wandb_dir or os.path.join(args.output_dir, "wandb")))
+
+
 def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     """Reject bad combinations with a message that says how to fix them: the run's and the placement's flags
     here, each package's own next to where it declares them, then every function path. Returns a copy of `args`
@@ -198,6 +267,7 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
         from vime.utils.auth import read_token_file
 
         read_token_file(args.control_token_file)  # unreadable, short or readable by others: say so now
+    args = validate_wandb_args(args)
     for flag in ("offload_rollout", "offload_train"):
         if getattr(args, flag) and not args.colocate:
             raise ValueError(f"--{flag.replace('_', '-')} only makes sense with --colocate (engines and trainer "

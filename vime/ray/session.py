@@ -7,6 +7,7 @@ import time
 
 import ray
 
+from vime.arguments import build_parser
 from vime.backends.weight_transport.check import check_weights_equal
 from vime.data.transport import RolloutRef, make_transport, rollout_summary
 from vime.data.transport.replay import append_trained_samples, replay_ids, truncate_trained_samples
@@ -19,6 +20,7 @@ from vime.utils.deadline import control, gather
 from vime.utils.logging_utils import MetricsLogger
 from vime.utils.misc import with_values
 from vime.utils.plot import save_reward_curve
+from vime.utils.run_config import write_resolved_config
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +82,7 @@ class TrainingSession:
         args = self.args
         if self.train_enabled:  # before anything starts: refuse to take over an earlier run's state
             check_start(args, len(self.transport.stored()))
+        write_resolved_config(args, f"{args.output_dir}/config.yaml", build_parser())
         init_ray(args)
         self.placement = Placement(args, with_engines=self.use_engines, with_trainers=self.train_enabled,
                                    overlap=self.overlap)

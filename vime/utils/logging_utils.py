@@ -26,8 +26,23 @@ def progress(iterable, desc: str, **kwargs):
                 os.environ.get("VIME_PROGRESS") != "1", **kwargs)
 
 
+def start_wandb(args):
+    """A wandb run for --use-wandb: the --wandb-* flags, and the resolved flags (secrets left out) as its config."""
+    try:
+        import wandb
+    except ImportError as e:
+        raise ImportError(f"--use-wandb needs wandb ({e}): pip install wandb==0.31.0") from e
+    from vime.utils.run_config import plain_values
+
+    wandb_dir = Path(args.wandb_dir or Path(args.output_dir) / "wandb")
+    wandb_dir.mkdir(parents=True, exist_ok=True)
+    return wandb.init(project=args.wandb_project, group=args.wandb_group, name=args.wandb_run_name,
+                      mode=args.wandb_mode, dir=str(wandb_dir), config=plain_values(args))
+
+
 class MetricsLogger:
-    """One JSON object per log call in `<output_dir>/metrics.jsonl`, plus TensorBoard scalars."""
+    """One JSON object per log call in `<output_dir>/metrics.jsonl`, plus TensorBoard scalars and, with --use-wandb,
+    the same metrics in wandb at step=rollout_id (and the reward curve when it closes)."""
 
     def __init__(self, args):
         self.dir = Path(args.output_dir)
@@ -40,11 +55,7 @@ class MetricsLogger:
             self.tb = SummaryWriter(log_dir=str(self.dir / "tensorboard"))
         except ImportError:  # tensorboard is optional at run time
             logging.getLogger(__name__).warning("tensorboard not installed; metrics go to metrics.jsonl only")
-        self.wandb = None
-        if getattr(args, "use_wandb", False):
-            import wandb
-
-            self.wandb = wandb.init(project=getattr(args, "wandb_project", "vime"), config=vars(args))
+        self.wandb = start_wandb(args) if getattr(args, "use_wandb", False) else None
         self.log_text = logging.getLogger("vime.metrics")
 
     def log(self, rollout_id: int, metrics: dict[str, float]) -> None:
@@ -59,7 +70,7 @@ class MetricsLogger:
                 self.tb.add_scalar(k, float(v), rollout_id)
             self.tb.flush()
         if self.wandb is not None:
-            self.wandb.log(metrics, step=rollout_id)
+            self.wandb.log({k: float(v) for k, v in metrics.items()}, step=rollout_id)
         shown = {k: round(float(v), 4) for k, v in metrics.items() if "reward" in k or k.endswith("time")}
         self.log_text.info("rollout %d: %s", rollout_id, shown)
 
@@ -68,4 +79,11 @@ class MetricsLogger:
         if self.tb is not None:
             self.tb.close()
         if self.wandb is not None:
+            import wandb
+
+            from vime.utils.plot import save_reward_curve
+
+            curve = save_reward_curve(self.dir)
+            if curve is not None:
+                self.wandb.log({"reward_curve": wandb.Image(str(curve))})
             self.wandb.finish()
