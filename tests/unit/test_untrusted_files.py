@@ -159,7 +159,7 @@ def test_staging_reuses_nothing_and_follows_no_link(tmp_path, root):
         planted.mkdir(parents=True)
         (planted / "model-pp1.safetensors").write_bytes(b"planted")
     args = SimpleNamespace(update_weight_dir=str(root), update_weight_transport="disk", use_fault_tolerance=True,
-                           rollout_external_engine_addrs=["http://elsewhere:1"])
+                           rollout_external_engine_addrs=["http://elsewhere:1"], train_timeout=60.0)
     sync = WeightSync(args)
     made = [sync.transport.prepare(1), CudaIpcWeightTransport(args).prepare(1),
             sync._write_recovery_copy(SimpleNamespace(actors=[]), 1)]

@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import struct
 import sys
+import time
 from pathlib import Path
 
 import pytest
+from google.protobuf.message import DecodeError
 
 from vime.arguments import parse_args
 from vime.utils.logging_utils import MetricsLogger
@@ -44,17 +46,27 @@ def read_wandb_records(path: Path):
             yield record
 
 
-def offline_history(wandb_dir: Path) -> tuple[list[dict], object]:
-    (run_file,) = wandb_dir.glob("wandb/offline-run-*/run-*.wandb")
-    history, run = [], None
-    for record in read_wandb_records(run_file):
-        kind = record.WhichOneof("record_type")
-        if kind == "history":
-            history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                            for item in record.history.item})
-        elif kind == "run":
-            run = record.run
-    return history, run
+def offline_history(wandb_dir: Path, timeout: float = 60.0) -> tuple[list[dict], object]:
+    """The history rows and run record of the offline run under `wandb_dir`, once its exit record is written:
+    wandb's core process writes the file on its own time, and on a loaded machine after `finish()` returned."""
+    deadline = time.monotonic() + timeout
+    while True:
+        history, run, exited = [], None, False
+        try:
+            for run_file in wandb_dir.glob("wandb/offline-run-*/run-*.wandb"):
+                for record in read_wandb_records(run_file):
+                    kind = record.WhichOneof("record_type")
+                    if kind == "history":
+                        history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                                        for item in record.history.item})
+                    elif kind == "run":
+                        run = record.run
+                    exited |= kind == "exit"
+        except DecodeError:  # a record still being written
+            pass
+        if exited or time.monotonic() > deadline:
+            return history, run
+        time.sleep(0.5)
 
 
 def test_offline_run_holds_the_metrics_and_reward_curve(tmp_path, monkeypatch):
