@@ -36,3 +36,18 @@ def test_resolved_config_round_trips(tiny_qwen3, arithmetic_data, tmp_path):
     again = parse_args(["--config", str(path)])
     assert again.config == str(path)  # the one difference: where the flags came from
     assert {**vars(again), "config": None} == vars(args)
+
+
+def test_flags_that_only_negate_round_trip(tmp_path, tiny_qwen3, arithmetic_data):
+    """Megatron-LM's --no-masked-softmax-fusion and --disable-bias-linear store False into a field no positive flag
+    sets: config.yaml writes the negating flag itself."""
+    from vime.arguments import build_parser, parse_args
+    from vime.utils.run_config import write_resolved_config
+
+    argv = ["--hf-checkpoint", str(tiny_qwen3), "--prompt-data", str(arithmetic_data[0]), "--rm-type", "math",
+            "--no-masked-softmax-fusion", "--disable-bias-linear"]
+    args = parse_args(argv)
+    path = write_resolved_config(args, tmp_path / "config.yaml", build_parser())
+    again = parse_args(["--config", str(path)])
+    assert (again.masked_softmax_fusion, again.add_bias_linear) == (False, False)
+    assert again.apply_rope_fusion is None  # not given: not written

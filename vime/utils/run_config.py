@@ -37,12 +37,22 @@ def resolved_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     """{flag name without "--": value} for every flag of `parser` in `args`, as `config_to_argv` reads them back.
     Entries no flag sets (derived ones such as use_critic, which validation fills again) are left out."""
     names = {}  # dest -> the flag's name (a few differ from their dest, e.g. --router-wasm-middleware-route)
+    negations = {}  # dest -> a flag that only sets it false (--no-masked-softmax-fusion, --disable-bias-linear)
     for action in parser._actions:
         longs = [o for o in action.option_strings if o.startswith("--") and not o.startswith("--no-")]
-        if longs:
+        if isinstance(action, argparse._StoreFalseAction) and action.option_strings:
+            negations.setdefault(action.dest, action.option_strings[0][2:])
+        elif longs:
             names.setdefault(action.dest, longs[0][2:])
-    return {names[dest]: value for dest, value in plain_values(args).items()
-            if dest in names and dest not in NOT_FLAGS}
+    resolved = {}
+    for dest, value in plain_values(args).items():
+        if dest in NOT_FLAGS:
+            continue
+        if dest in names:
+            resolved[names[dest]] = value
+        elif dest in negations and value is False:
+            resolved[negations[dest]] = True  # the negating flag given
+    return resolved
 
 
 def _plain(value):
