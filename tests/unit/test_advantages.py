@@ -220,6 +220,7 @@ def test_registry_lists_all_estimators_and_rejects_duplicates():
     assert list(ADVANTAGE_ESTIMATORS) == [
         "grpo",
         "gspo",
+        "cispo",
         "reinforce_plus_plus",
         "reinforce_plus_plus_baseline",
         "ppo",

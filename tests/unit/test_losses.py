@@ -195,7 +195,7 @@ def test_gspo_dual_clip_applies_to_the_sequence_ratio():
 
 
 def test_policy_loss_registry():
-    assert list(POLICY_LOSSES) == ["ppo", "gspo"]
+    assert list(POLICY_LOSSES) == ["ppo", "gspo", "cispo"]
     assert get_policy_loss("gspo") is gspo_policy_loss
     with pytest.raises(ValueError, match="unknown policy loss 'nope'"):
         get_policy_loss("nope")

@@ -192,7 +192,7 @@ def grpo_advantages(
     """
     rewards, loss_masks = _as_rewards(rewards, loss_masks)
     if n_samples_per_prompt < 2:
-        raise ValueError("grpo/gspo compare samples within a group; set --n-samples-per-prompt >= 2")
+        raise ValueError("grpo/gspo/cispo compare samples within a group; set --n-samples-per-prompt >= 2")
     groups, mean, std = _group_stats(rewards, loss_masks, n_samples_per_prompt)
     centred = groups - mean
     if normalize_std:
@@ -206,6 +206,14 @@ def gspo_advantages(
     rewards: torch.Tensor | Sequence[float], loss_masks: Tensors, **kwargs: Any
 ) -> tuple[Tensors, Tensors]:
     """Same sequence-level advantages as grpo; GSPO differs in its loss (a sequence-level ratio)."""
+    return grpo_advantages(rewards, loss_masks, **kwargs)
+
+
+@register_advantage_estimator("cispo")
+def cispo_advantages(
+    rewards: torch.Tensor | Sequence[float], loss_masks: Tensors, **kwargs: Any
+) -> tuple[Tensors, Tensors]:
+    """Same group-normalised advantages as grpo; CISPO differs in its loss (a clipped, detached IS weight)."""
     return grpo_advantages(rewards, loss_masks, **kwargs)
 
 

@@ -1,4 +1,4 @@
-"""Command-line flags for the RL algorithm (advantages, policy / value / KL / entropy losses, TIS)."""
+"""Command-line flags for the RL algorithm (advantages, policy / value / KL / entropy losses, TIS, MIS)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 import logging
 
 from vime.algorithms.advantages import ADVANTAGE_ESTIMATORS
-from vime.algorithms.losses import KL_TYPES, LOSS_AGG_MODES, POLICY_LOSSES
+from vime.algorithms.losses import KL_TYPES, LOSS_AGG_MODES, MIS_LEVELS, POLICY_LOSSES
 from vime.utils.misc import with_values
 
 logger = logging.getLogger(__name__)
@@ -14,6 +14,8 @@ logger = logging.getLogger(__name__)
 LOSS_TYPES = ("policy_loss", "sft_loss", "value_loss")
 # Estimators that put --kl-coef into the per-token reward; the others ignore it.
 KL_REWARD_ESTIMATORS = ("reinforce_plus_plus", "ppo")
+# Estimators that imply their own policy loss (the same name).
+LOSS_SELECTING_ESTIMATORS = ("gspo", "cispo")
 
 
 def add_algorithm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -34,7 +36,7 @@ def add_algorithm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     g.add_argument(
         "--disable-grpo-std-normalization",
         action="store_true",
-        help="grpo/gspo: use r - mean(group) without dividing by the group std (Dr. GRPO). Default: off.",
+        help="grpo/gspo/cispo: use r - mean(group) without dividing by the group std (Dr. GRPO). Default: off.",
     )
     g.add_argument(
         "--advantage-eps",
@@ -67,8 +69,9 @@ def add_algorithm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         "--policy-loss",
         choices=list(POLICY_LOSSES),
         default="ppo",
-        help="Token-level (ppo) or sequence-level (gspo) ratio in the clipped surrogate; forced to gspo by "
-        "--advantage-estimator gspo. Default: ppo.",
+        help="Token-level (ppo) or sequence-level (gspo) ratio in the clipped surrogate, or cispo's clipped, "
+        "detached IS weight on -A * log-prob; forced to gspo / cispo by --advantage-estimator gspo / cispo. "
+        "Default: ppo.",
     )
     g.add_argument(
         "--custom-loss-function-path",
@@ -90,6 +93,13 @@ def add_algorithm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         default=None,
         help="Dual-clip bound (> 1): for negative advantages the loss is capped at -A * eps_clip_c. "
         "Default: None (off).",
+    )
+    g.add_argument(
+        "--cispo-eps-low",
+        type=float,
+        default=None,
+        help="cispo: lower clip of the IS weight, weight >= 1 - cispo_eps_low (the upper one is "
+        "--eps-clip-high). Default: None (no lower bound, as in MiniMax-M1).",
     )
     g.add_argument(
         "--value-clip",
@@ -138,12 +148,32 @@ def add_algorithm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     g.add_argument(
         "--tis-clip-low", type=float, default=0.0, help="Lower truncation of the TIS weight. Default: 0.0."
     )
+    g.add_argument(
+        "--use-mis",
+        action="store_true",
+        help="Masked importance sampling: weight the policy loss by w = exp(old_logp - rollout_logp) where w lies "
+        "in [--mis-threshold-low, --mis-threshold-high] and mask the token (or sequence) out where it does not. "
+        "Excludes --use-tis. Default: off.",
+    )
+    g.add_argument(
+        "--mis-level",
+        choices=MIS_LEVELS,
+        default="token",
+        help="MIS decision per token, or per sequence on the product of its tokens' ratios (the sequence "
+        "likelihood ratio). Default: token.",
+    )
+    g.add_argument(
+        "--mis-threshold-low", type=float, default=0.5, help="Smallest MIS weight kept. Default: 0.5."
+    )
+    g.add_argument(
+        "--mis-threshold-high", type=float, default=2.0, help="Largest MIS weight kept. Default: 2.0."
+    )
     return parser
 
 
 def validate_algorithm_args(args: argparse.Namespace) -> argparse.Namespace:
-    """Check flag combinations; returns a copy of `args` with the derived values: eps_clip_high, policy_loss,
-    use_critic."""
+    """Check flag combinations; returns a copy of `args` with the derived values: eps_clip_high, policy_loss
+    (gspo / cispo when the estimator of that name is chosen), use_critic."""
     derived = {}
     if args.eps_clip <= 0:
         raise ValueError(f"--eps-clip must be > 0, got {args.eps_clip}")
@@ -161,6 +191,16 @@ def validate_algorithm_args(args: argparse.Namespace) -> argparse.Namespace:
             f"--tis-clip-low ({args.tis_clip_low}) must be <= --tis-clip ({args.tis_clip}); "
             f"lower --tis-clip-low or raise --tis-clip"
         )
+    if args.cispo_eps_low is not None and args.cispo_eps_low <= 0:
+        raise ValueError(f"--cispo-eps-low must be > 0, got {args.cispo_eps_low}; omit it for no lower bound")
+    if args.use_mis and args.use_tis:
+        raise ValueError("--use-mis and --use-tis are mutually exclusive (both reweight the policy loss by "
+                         "exp(old_logp - rollout_logp)); pass one of them")
+    if not 0 <= args.mis_threshold_low < args.mis_threshold_high:
+        raise ValueError(
+            f"MIS thresholds must satisfy 0 <= --mis-threshold-low ({args.mis_threshold_low}) < "
+            f"--mis-threshold-high ({args.mis_threshold_high})"
+        )
     if args.use_kl_loss and args.kl_loss_coef == 0.0:
         logger.warning("--use-kl-loss is set but --kl-loss-coef is 0.0: the KL loss is logged but has no effect")
     if args.kl_coef != 0.0 and args.advantage_estimator not in KL_REWARD_ESTIMATORS:
@@ -173,8 +213,11 @@ def validate_algorithm_args(args: argparse.Namespace) -> argparse.Namespace:
         )
     if args.normalize_advantages and args.advantage_estimator != "ppo":
         logger.warning("--normalize-advantages only affects --advantage-estimator ppo; it is ignored here")
-    if args.advantage_estimator == "gspo" and args.policy_loss != "gspo":
-        logger.info("--advantage-estimator gspo: using --policy-loss gspo (sequence-level ratio)")
-        derived["policy_loss"] = "gspo"
+    if args.advantage_estimator in LOSS_SELECTING_ESTIMATORS and args.policy_loss != args.advantage_estimator:
+        logger.info("--advantage-estimator %s: using --policy-loss %s", args.advantage_estimator,
+                    args.advantage_estimator)
+        derived["policy_loss"] = args.advantage_estimator
+    if args.cispo_eps_low is not None and derived.get("policy_loss", args.policy_loss) != "cispo":
+        logger.warning("--cispo-eps-low is ignored: the policy loss is not cispo")
     derived["use_critic"] = args.advantage_estimator == "ppo" or getattr(args, "use_critic", False)
     return with_values(args, **derived)

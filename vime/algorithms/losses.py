@@ -1,4 +1,5 @@
-"""Loss math: log-probs, KL estimators, policy / value / SFT losses, truncated importance sampling, aggregation.
+"""Loss math: log-probs, KL estimators, policy / value / SFT losses, truncated and masked importance sampling,
+aggregation.
 
 Element-wise functions (`compute_approx_kl`, `compute_tis_weights`, `value_loss`, ...) take tensors of any
 shape. Functions that need sequence boundaries (policy losses, `aggregate_loss`, `sft_loss`) take lists of
@@ -8,7 +9,7 @@ All losses are to be minimised.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -18,6 +19,7 @@ PolicyLoss = Callable[..., tuple[Tensors, Tensors]]
 POLICY_LOSSES: dict[str, PolicyLoss] = {}
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
 LOSS_AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
+MIS_LEVELS = ("token", "sequence")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -84,6 +86,43 @@ def compute_tis_weights(
     return weights.clamp(min=tis_clip_low, max=tis_clip).detach()
 
 
+def compute_mis_weights(
+    old_log_probs: Tensors,
+    rollout_log_probs: Tensors,
+    loss_masks: Tensors,
+    level: str = "token",
+    low: float = 0.5,
+    high: float = 2.0,
+) -> tuple[Tensors, Tensors]:
+    """Masked importance sampling: weights exp(old - rollout) kept where they lie in [low, high], 0 elsewhere.
+
+    Like TIS it corrects for the rollout engine sampling from a slightly different distribution than the
+    trainer; instead of truncating an outlier's weight it rejects the outlier, whose gradient would be biased
+    by a truncated weight. Inliers keep their untruncated weight w.
+      token:    w_t = exp(old_t - rollout_t), decided per token.
+      sequence: w = exp(sum over the sequence's trainable tokens of (old_t - rollout_t)), the likelihood
+                ratio of the whole response (a product, not the length-normalised geometric mean gspo uses,
+                so a long response with a small per-token drift can be rejected); every token of the sequence
+                gets w and the same decision. The summed log-ratio is clamped to [-20, 20] before exp, which
+                changes no decision for thresholds within [e^-20, e^20].
+    Tokens with mask 0 (tool output, whose engine log-probs are placeholders) enter no sum and are kept.
+    Returns (weights, keep), both B x [T_i], detached; keep is 1.0 for inliers, 0.0 for rejected tokens, and
+    weights is 0 wherever keep is 0.
+    """
+    if level not in MIS_LEVELS:
+        raise ValueError(f"unknown MIS level {level!r}; choose one of {MIS_LEVELS}")
+    mask = torch.cat(loss_masks).bool()
+    log_ratio = torch.cat(old_log_probs).float() - torch.cat(rollout_log_probs).float()
+    log_ratio = torch.where(mask, log_ratio, torch.zeros_like(log_ratio)).detach()
+    if level == "sequence":
+        seq_ids = _seq_ids(old_log_probs)
+        log_ratio = _seq_sum(log_ratio, seq_ids, len(old_log_probs)).clamp(-20.0, 20.0)[seq_ids]
+    weights = torch.exp(log_ratio)
+    keep = ((weights >= low) & (weights <= high)) | ~mask
+    weights = torch.where(keep, weights, torch.zeros_like(weights))
+    return _split(weights, old_log_probs), _split(keep.float(), old_log_probs)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Policy losses
 # ----------------------------------------------------------------------------------------------------------
@@ -94,6 +133,7 @@ def register_policy_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
 
     Contract: fn(log_probs, old_log_probs, advantages, loss_masks, *, eps_clip, eps_clip_high=None,
     eps_clip_c=None) -> (per_token_loss, clipped), all B x [T_i]; `clipped` is 1.0 where clipping was active.
+    (cispo alone also gets `cispo_eps_low`.)
     """
 
     def decorator(fn: PolicyLoss) -> PolicyLoss:
@@ -161,6 +201,7 @@ def ppo_policy_loss(
     eps_clip: float,
     eps_clip_high: float | None = None,
     eps_clip_c: float | None = None,
+    **_: Any,
 ) -> tuple[Tensors, Tensors]:
     """Token-level clipped surrogate with ratio_t = exp(log_probs_t - old_log_probs_t)."""
     ratio = torch.exp(torch.cat(log_probs).float() - torch.cat(old_log_probs).float())
@@ -178,6 +219,7 @@ def gspo_policy_loss(
     eps_clip: float,
     eps_clip_high: float | None = None,
     eps_clip_c: float | None = None,
+    **_: Any,
 ) -> tuple[Tensors, Tensors]:
     """GSPO (Zheng et al. 2025): one ratio per sequence, s_i = exp(mean over trainable t of (logp - old_logp)).
 
@@ -192,6 +234,35 @@ def gspo_policy_loss(
     ratio = torch.exp(_seq_sum(log_ratio, seq_ids, len(log_probs)) / n_tokens)[seq_ids]
     loss, clipped = _clipped_surrogate(ratio, torch.cat(advantages).float(), eps_clip, eps_clip_high, eps_clip_c)
     return _split(loss, log_probs), _split(clipped, log_probs)
+
+
+@register_policy_loss("cispo")
+def cispo_policy_loss(
+    log_probs: Tensors,
+    old_log_probs: Tensors,
+    advantages: Tensors,
+    loss_masks: Tensors,
+    *,
+    eps_clip: float,
+    eps_clip_high: float | None = None,
+    cispo_eps_low: float | None = None,
+    **_: Any,
+) -> tuple[Tensors, Tensors]:
+    """CISPO (MiniMax-M1, arXiv 2506.13585): loss_t = -sg(clip(r_t, 1 - cispo_eps_low, 1 + eps_clip_high)) * A_t
+    * log_probs_t, with r_t = exp(log_probs_t - old_log_probs_t) and sg = stop-gradient.
+
+    The clip bounds the importance weight, not the update: every token keeps the gradient -clip(r_t) * A_t
+    w.r.t. its log-prob, where PPO's clipped tokens get none. `cispo_eps_low=None` (the paper's setting) leaves
+    the weight unbounded below. `eps_clip` only stands in for a missing `eps_clip_high`; dual clip does not
+    apply. `clipped` marks the tokens whose weight was clipped.
+    """
+    eps_clip_high = eps_clip if eps_clip_high is None else eps_clip_high
+    log_probs_flat = torch.cat(log_probs).float()
+    ratio = torch.exp(log_probs_flat - torch.cat(old_log_probs).float()).detach()
+    low = None if cispo_eps_low is None else 1.0 - cispo_eps_low
+    weight = ratio.clamp(min=low, max=1.0 + eps_clip_high)
+    loss = -weight * torch.cat(advantages).float() * log_probs_flat
+    return _split(loss, log_probs), _split((weight != ratio).float(), log_probs)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from vime.algorithms import aggregate_loss, compute_approx_kl, compute_tis_weights, get_policy_loss
+from vime.algorithms.losses import compute_mis_weights
 from vime.backends.megatron_utils.train_batch import TrainBatch
 from vime.backends.megatron_utils.log_probs import response_log_probs
 from vime.utils.misc import load_function
@@ -19,6 +20,8 @@ from vime.utils.misc import load_function
 def make_loss_fn(args, batch: TrainBatch, denominators: dict, scale: float, step_index: int):
     """Return loss_fn(indices, inputs, logits) -> (scaled loss, metrics) for `model.run_schedule`."""
     policy_loss = get_policy_loss(getattr(args, "policy_loss", "ppo"))
+    # only cispo's own keyword: a loss registered by a user keeps the contract it was written against
+    cispo_kwargs = {"cispo_eps_low": args.cispo_eps_low} if getattr(args, "policy_loss", "ppo") == "cispo" else {}
     custom = load_function(args.custom_loss_function_path) if args.custom_loss_function_path else None
 
     def agg(values, masks):
@@ -44,13 +47,23 @@ def make_loss_fn(args, batch: TrainBatch, denominators: dict, scale: float, step
                    for i, lp in zip(indices, log_probs)]
             adv = [batch.advantages[i] for i in indices]
             pg, clipped = policy_loss(log_probs, old, adv, masks, eps_clip=args.eps_clip,
-                                      eps_clip_high=args.eps_clip_high, eps_clip_c=args.eps_clip_c)
+                                      eps_clip_high=args.eps_clip_high, eps_clip_c=args.eps_clip_c,
+                                      **cispo_kwargs)
+            pg_masks = masks
             if args.use_tis:
                 weights = [compute_tis_weights(o, batch.rollout_log_probs[i], args.tis_clip, args.tis_clip_low)
                            for o, i in zip(old, indices)]
                 pg = [p * w for p, w in zip(pg, weights)]
                 metrics["tis_weight_mean"] = agg(weights, masks).detach()
-            loss = agg(pg, masks)
+            elif args.use_mis:  # rejected tokens leave the policy loss; the denominators stay the step's
+                rollout = [batch.rollout_log_probs[i].to(o.device) for o, i in zip(old, indices)]
+                weights, keep = compute_mis_weights(old, rollout, masks, args.mis_level, args.mis_threshold_low,
+                                                    args.mis_threshold_high)
+                pg = [p * w for p, w in zip(pg, weights)]
+                pg_masks = [m * k for m, k in zip(masks, keep)]
+                metrics["mis_weight_mean"] = agg(weights, masks).detach()
+                metrics["mis_masked_fraction"] = agg([1.0 - k for k in keep], masks).detach()
+            loss = agg(pg, pg_masks)
             metrics["pg_loss"] = loss.detach()
             metrics["pg_clipfrac"] = agg(clipped, masks).detach()
             metrics["ppo_kl"] = agg([(o - lp).detach() for o, lp in zip(old, log_probs)], masks)
