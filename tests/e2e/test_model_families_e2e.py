@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from tests.e2e.processes import stack_pids
+from tests.helpers.advantage_reference import check_grpo_stats
 from vime.rollout.debug_data import load_rollout
 
 pytestmark = pytest.mark.e2e
@@ -30,7 +31,9 @@ FAMILIES = {"llama3": dict(arch="llama3"), "qwen2_5-tied": dict(arch="qwen2_5", 
             "qwen3_moe": dict(arch="qwen3_moe"), "qwen3_moe-ep2": dict(arch="qwen3_moe"),
             "deepseek_v3": dict(arch="deepseek_v3"), "deepseek_v3-ep2": dict(arch="deepseek_v3")}
 _EP2 = ["--actor-num-gpus-per-node", "2", "--expert-model-parallel-size", "2", "--micro-batch-size", "4"]  # gloo a2a
-EXTRA = {"qwen3_moe-ep2": _EP2, "deepseek_v3-ep2": _EP2}
+EXTRA = {"qwen3_moe-ep2": _EP2, "deepseek_v3-ep2": _EP2,
+         # CISPO with token-level masked importance sampling through the loop (grpo's advantages, its own loss)
+         "llama3": ["--advantage-estimator", "cispo", "--use-mis", "--mis-level", "token"]}
 
 
 def _long_prompts(path: Path, n: int = 4, digits: int = 600) -> Path:
@@ -75,6 +78,9 @@ def test_family_generates_trains_and_syncs(family, tmp_path):
         assert r["train_rollout_logprob_abs_diff_max"] <= 1e-5, r
         assert r["weight_check/max_abs_logprob_diff"] <= 1e-5, r
         assert r["train/grad_norm"] > 0
+        check_grpo_stats(r, load_rollout(str(out / "rollout_{rollout_id}.jsonl"), r["rollout_id"]))
+        if "--use-mis" in EXTRA.get(family, []):  # on policy: every token's weight ~1, none masked
+            assert r["train/mis_masked_fraction"] == 0.0 and r["train/mis_weight_mean"] == pytest.approx(1, abs=1e-4)
         if "moe" in family:  # the router's load-balancing loss (Qwen3-MoE's router_aux_loss_coef), per MoE layer
             assert r["train/moe_aux_loss"] > 0 and r["train/moe_aux_loss/layer_1"] == r["train/moe_aux_loss"]
         if "moe" in family or "deepseek" in family:  # tokens of the busiest expert over the mean, per MoE layer

@@ -278,3 +278,16 @@ def test_non_finite_rewards_get_advantage_zero_and_stay_out_of_every_statistic(b
         kw = {k: v[:3] if k == "values" else v for k, v in kw.items()}
         clean, _ = get_advantage_estimator(name)(rewards[:3], masks[:3], n_samples_per_prompt=3, **kw)
         assert_close(adv[:3], clean)  # as if the sample were absent
+
+
+def test_masked_mean_std_by_hand():
+    """Values 1, 2, 4 on the trainable tokens: mean 7/3, population std sqrt(42/27); masked tokens ignored."""
+    from vime.algorithms import masked_mean_std
+
+    xs = [torch.tensor([1.0, 2.0, 30.0]), torch.tensor([4.0, -50.0])]
+    masks = [torch.tensor([1, 1, 0]), torch.tensor([1, 0])]
+    mean, std = masked_mean_std(xs, masks)
+    assert mean == pytest.approx(7 / 3, abs=1e-6) and std == pytest.approx((42 / 27) ** 0.5, abs=1e-6)
+    assert masked_mean_std(xs, [torch.zeros(3), torch.zeros(2)]) == (0.0, 0.0)
+    whitened = whiten(xs, masks)
+    assert masked_mean_std(whitened, masks) == pytest.approx((0.0, 1.0), abs=1e-5)

@@ -79,6 +79,17 @@ def whiten(xs: Tensors, loss_masks: Tensors, eps: float = 1e-6, shift_mean: bool
     return list(out.split([len(x) for x in xs]))
 
 
+def masked_mean_std(xs: Tensors, loss_masks: Tensors) -> tuple[float, float]:
+    """Mean and population std of B x [T_i] values over the batch's masked tokens ((0, 0) with none): the
+    statistics `whiten` normalises, reported as train/advantage_mean and train/advantage_std."""
+    mask = torch.cat([m for m in loss_masks]).bool() if loss_masks else torch.zeros(0, dtype=torch.bool)
+    if not mask.any():
+        return 0.0, 0.0
+    selected = torch.cat([x.float() for x in xs])[mask]
+    mean = selected.mean()
+    return float(mean), float(((selected - mean) ** 2).mean().sqrt())
+
+
 def _check_lengths(name: str, xs: Sequence[torch.Tensor], loss_masks: Tensors) -> None:
     if len(xs) != len(loss_masks):
         raise ValueError(f"{name}: {len(xs)} sequences but {len(loss_masks)} loss masks")

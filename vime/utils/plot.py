@@ -1,9 +1,13 @@
-"""The reward curve a person looks at after a run: rollout reward and eval reward per rollout, as a PNG."""
+"""The reward curve a person looks at after a run: rollout reward and eval reward per rollout, as a PNG. The
+plotted points also ride in the PNG as a text chunk (`SERIES_KEY`, JSON {series: [[rollout, value], ...]}), so a
+program (or a test) can read back exactly what the picture shows."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+SERIES_KEY = "vime reward series"
 
 
 def save_reward_curve(output_dir: str | Path, name: str = "reward_curve.png") -> Path | None:
@@ -36,6 +40,7 @@ def save_reward_curve(output_dir: str | Path, name: str = "reward_curve.png") ->
     ax.legend()
     fig.tight_layout()
     out = output_dir / name
-    fig.savefig(out, dpi=100)
+    points = {key: sorted(series[key]) for key in sorted(series)}
+    fig.savefig(out, dpi=100, metadata={SERIES_KEY: json.dumps(points)})
     plt.close(fig)
     return out

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from vime.algorithms import compute_approx_kl, get_advantage_estimator
+from vime.algorithms import compute_approx_kl, get_advantage_estimator, masked_mean_std
 from vime.backends.megatron_utils.checkpoint import load_checkpoint, save_checkpoint
 from vime.backends.megatron_utils.batching import balanced_partition, micro_batches, step_slices
 from vime.backends.megatron_utils.loss import make_loss_fn
@@ -151,10 +151,15 @@ class MegatronTrainer:
             with phase("first_pass"):
                 old = forward_log_probs(args, self.model, batch, all_local_mbs, routing=routing)
             batch.old_log_probs = _dense(old, len(batch.tokens))
+        metrics: dict[str, float] = {}
         if args.loss_type != "sft_loss":
             self._compute_advantages(batch)
+            # the estimator's own output, over the whole batch's trainable tokens (every rank holds all of it)
+            metrics["train/advantage_mean"], metrics["train/advantage_std"] = masked_mean_std(batch.advantages,
+                                                                                              batch.loss_masks)
+            if batch.values is not None:
+                metrics["train/return_mean"] = masked_mean_std(batch.returns, batch.loss_masks)[0]
 
-        metrics: dict[str, float] = {}
         for step_index, (step, local, mbs) in enumerate(plan):
             loss_fn = make_loss_fn(args, batch, _denominators(batch, step), scale=len(mbs) * self.dp_size,
                                    step_index=step_index)
