@@ -101,7 +101,8 @@ def test_aborted_samples_continue_from_their_tokens(run):
         assert kept > 0 and s.loss_mask == [0] * kept + [1] * (s.response_length - kept), s.loss_mask
         assert len(s.rollout_log_probs) == s.response_length and all(lp <= 0 for lp in s.rollout_log_probs)
         assert len(s.weight_versions) == 2, s.weight_versions  # begun under one policy, finished under the next
-    print(f"partial rollout: {len(resumed)} samples resumed, pre-abort tokens {[s.loss_mask.count(0) for s in resumed]}")
+    kept = [s.loss_mask.count(0) for s in resumed]
+    print(f"partial rollout: {len(resumed)} samples resumed, pre-abort tokens {kept}")
 
 
 def test_eval_runs_on_its_own_data_and_the_reward_curve_shows_it(run, arithmetic_data):
