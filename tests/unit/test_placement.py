@@ -110,8 +110,10 @@ def test_engines_on_one_node_split_its_cpus(cluster):
     mine = CpuShare(1, 1, 2).cpus(every)
     assert bound["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and bound["OMP_PROC_BIND"] == "true"
     assert bound["OMP_NUM_THREADS"] == str(len(mine)) and bound["OMP_PLACES"] == "{%s}" % ",".join(map(str, mine))
+    assert bound["VIME_ENGINE_CORE_FORK"] == "1"  # its engine core forked from the API server, not spawned
     two = engine_env(SimpleNamespace(rollout_num_gpus_per_engine=2, cpu_kv_cache_space=1))
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in two and two["VLLM_CPU_OMP_THREADS_BIND"] == omp_bind_value(every, 2)
+    assert "VIME_ENGINE_CORE_FORK" not in two  # worker processes keep the spawn vLLM's CPU platform wants
 
 
 def _train_args(**kw):

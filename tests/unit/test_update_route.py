@@ -118,3 +118,17 @@ def test_idle_spin_cap_applies_to_readers_only():
     cap_idle_spin(Spin, 0.5)  # a second load of the plugin changes nothing
     assert Spin(True).busy_loop_s == 0.05 and Spin(True, busy_loop_s=0.01).busy_loop_s == 0.01
     assert Spin(False).busy_loop_s == 0
+
+
+def test_engine_core_fork_patch(monkeypatch):
+    """VIME_ENGINE_CORE_FORK=1: vLLM's engine-core launcher gets a fork context (its CPU platform forces spawn,
+    whose fresh import of vLLM was most of an engine's start); loading the plugin twice changes nothing."""
+    from vllm.v1.engine import utils as engine_utils
+
+    from vime.backends.vllm_utils.engine_plugin import fork_engine_core
+
+    monkeypatch.setattr(engine_utils, "get_mp_context", engine_utils.get_mp_context)  # restored after the test
+    fork_engine_core()
+    patched = engine_utils.get_mp_context
+    fork_engine_core()
+    assert engine_utils.get_mp_context is patched and patched().get_start_method() == "fork"

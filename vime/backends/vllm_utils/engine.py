@@ -16,7 +16,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from vime.backends.vllm_utils.engine_plugin import IDLE_SPIN_ENV
+from vime.backends.vllm_utils.engine_plugin import CORE_FORK_ENV, IDLE_SPIN_ENV
 from vime.backends.vllm_utils.routing_capture import CAPTURE_ENV
 from vime.utils.auth import CONTROL_TOKEN_ENV, control_headers, control_token, use_control_token
 from vime.utils.cpus import CpuShare, allowed_cpus, raise_priority
@@ -122,7 +122,8 @@ def single_worker_env(cpus: list[int], env: dict[str, str]) -> dict[str, str]:
     if env.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
         return {}
     return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(len(cpus)),
-            "OMP_PLACES": "{" + ",".join(map(str, cpus)) + "}", "OMP_PROC_BIND": "true"}
+            "OMP_PLACES": "{" + ",".join(map(str, cpus)) + "}", "OMP_PROC_BIND": "true",
+            CORE_FORK_ENV: "1"}  # engine_plugin.fork_engine_core
 
 
 def omp_bind_value(cpus: list[int], workers: int) -> str:

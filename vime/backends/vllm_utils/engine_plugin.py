@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 
 IDLE_SPIN_ENV = "VIME_ENGINE_IDLE_SPIN_S"
+CORE_FORK_ENV = "VIME_ENGINE_CORE_FORK"
 
 
 def configure() -> None:
@@ -33,6 +34,8 @@ def configure() -> None:
     patch_rank_count()
     if routing_capture.enabled():
         routing_capture.install()
+    if os.environ.get(CORE_FORK_ENV) == "1":
+        fork_engine_core()
     seconds = os.environ.get(IDLE_SPIN_ENV)
     if seconds is None:
         return
@@ -56,3 +59,25 @@ def cap_idle_spin(spin_condition_class, seconds: float) -> None:
 
     __init__.vime_idle_spin_s = seconds
     spin_condition_class.__init__ = __init__
+
+
+def fork_engine_core() -> None:
+    """Start the engine core process by fork from the API server, as vLLM does on a GPU, instead of the spawn
+    vLLM's CPU platform forces for every process it starts: the spawned core imports vLLM over again (about 8 s
+    of a core, most of an engine's start here). Only for the engines vime starts with one worker, run inside
+    the core (`engine.single_worker_env`): the spawn is kept for worker processes, whose OpenMP binding wants a
+    fresh process; the API server runs no OpenMP region before the fork, so the core starts its team afresh."""
+    import multiprocessing
+
+    try:
+        from vllm.v1.engine import utils as engine_utils
+    except ImportError:  # another vLLM layout: keep its start method
+        return
+    if getattr(engine_utils.get_mp_context, "vime_fork", False):
+        return
+
+    def get_mp_context():
+        return multiprocessing.get_context("fork")
+
+    get_mp_context.vime_fork = True
+    engine_utils.get_mp_context = get_mp_context
