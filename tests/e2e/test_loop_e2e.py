@@ -2,8 +2,8 @@
 sync disaggregated with a SIGKILL and resume (GSPO), sync colocated (REINFORCE++-baseline), async (REINFORCE++);
 each run's reported advantage statistics equal the estimator's, computed by hand from its saved rollouts. After
 every weight update the engines' log-probs of a probe sequence must equal the trainer's
-(--check-weight-update-equal), and on-policy runs must report a train/rollout log-prob gap below 1e-5. No dtype flag is given: the float32 checkpoint must run in
-float32 on both sides by default."""
+(--check-weight-update-equal), and on-policy runs must report a train/rollout log-prob gap below 1e-5. No dtype
+flag is given: the float32 checkpoint must run in float32 on both sides by default."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import pytest
 from tests.e2e.crash_hold_plugin import FUNCTION_PATH, held_run_env, wait_until_held
 from tests.e2e.processes import stack_pids as _stack_pids
 from tests.helpers.advantage_reference import check_grpo_stats, check_whitened
+from vime.synthetic.tempered_model import temper_checkpoint
 from vime.rollout.debug_data import load_rollout
 
 pytestmark = pytest.mark.e2e
@@ -70,6 +71,25 @@ def _expected_prompts(model: Path, data: Path, num_rollout: int) -> list[list[st
     prompts = load_prompt_samples(data, AutoTokenizer.from_pretrained(model), args)
     source = RolloutDataSource(prompts, 4, seed=1234, shuffle=True)
     return [[g[0].prompt for g in source.get_samples(4)] for _ in range(num_rollout)]
+
+
+def reverse_kl(teacher: Path, samples) -> float:
+    """Token mean of (sampling log-prob - teacher log-prob) over the samples' trainable tokens (the k1 estimate of
+    KL(student || teacher)), the teacher's from a HF forward."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float32, attn_implementation="eager").eval()
+    total, count = 0.0, 0
+    for s in samples:
+        tokens = torch.tensor([s.tokens])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(tokens).logits[0].float(), dim=-1)
+        t = logp[s.prompt_length - 1: -1].gather(-1, tokens[0, s.prompt_length:, None]).squeeze(-1)
+        mask = torch.tensor(s.loss_mask, dtype=torch.bool)
+        total += (torch.tensor(s.rollout_log_probs) - t)[mask].sum().item()
+        count += int(mask.sum())
+    return total / count
 
 
 def _saved_prompts(out: Path, rollout_id: int) -> list[str]:
@@ -129,13 +149,19 @@ def test_sync_disaggregated_survives_sigkill_and_resumes(tiny_qwen3, arithmetic_
 
 
 def test_sync_colocated(tiny_qwen3, arithmetic_data, tmp_path):
+    """Also on-policy distillation (reward mode) toward the student at temperature 1/2, its weights offloaded
+    with the rest: the reported reverse KL equals the saved rollouts' engine log-probs minus a HF forward of the
+    teacher on the same tokens."""
+    teacher = temper_checkpoint(tiny_qwen3, tmp_path / "teacher", temperature=0.5)
     _run(_cmd("train.py", tiny_qwen3, arithmetic_data[0], tmp_path, 3, "--colocate", "--offload-rollout",
               "--offload-train", "--actor-num-gpus-per-node", "2",
-              "--advantage-estimator", "reinforce_plus_plus_baseline"))
+              "--advantage-estimator", "reinforce_plus_plus_baseline", "--opd-teacher-checkpoint", str(teacher)))
     records = _metrics(tmp_path)
     _check_run(records, [0, 1, 2], on_policy=True)
     for r in (r for r in records if "train/steps" in r):
-        check_whitened(r)
+        check_whitened(r)  # the estimator's own advantages, before the teacher's per-token rewards
+        samples = [s for g in load_rollout(str(tmp_path / "rollout_{rollout_id}.jsonl"), r["rollout_id"]) for s in g]
+        assert r["train/opd_reverse_kl"] == pytest.approx(reverse_kl(teacher, samples), abs=1e-4), r
 
 
 def test_async(tiny_qwen3, arithmetic_data, tmp_path):

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+from pathlib import Path
 
 from vime.algorithms.advantages import ADVANTAGE_ESTIMATORS
+from vime.algorithms.distillation import OPD_MODES
 from vime.algorithms.losses import KL_TYPES, LOSS_AGG_MODES, MIS_LEVELS, POLICY_LOSSES
 from vime.utils.misc import with_values
 
@@ -168,6 +170,27 @@ def add_algorithm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     g.add_argument(
         "--mis-threshold-high", type=float, default=2.0, help="Largest MIS weight kept. Default: 2.0."
     )
+
+    g = parser.add_argument_group("on-policy distillation")
+    g.add_argument(
+        "--opd-teacher-checkpoint",
+        default=None,
+        help="HF checkpoint of a teacher with the student's architecture: the trainer scores the student's sampled "
+        "tokens with it (swapping its weights in, as for the KL reference) and pulls the student toward it by the "
+        "per-token reverse KL. Combines with any --advantage-estimator. Default: None (off).",
+    )
+    g.add_argument(
+        "--opd-mode",
+        choices=OPD_MODES,
+        default="reward",
+        help="reward: add -opd_coef * (logp_student - logp_teacher) to each token's advantage; loss: add "
+        "opd_coef * KL(student || teacher) (--opd-kl-type) to the loss. Default: reward.",
+    )
+    g.add_argument("--opd-coef", type=float, default=1.0, help="Weight of the distillation term. Default: 1.0.")
+    g.add_argument(
+        "--opd-kl-type", choices=KL_TYPES, default="k3",
+        help="KL estimator of --opd-mode loss (k3: unbiased, low variance, non-negative). Default: k3.",
+    )
     return parser
 
 
@@ -219,5 +242,12 @@ def validate_algorithm_args(args: argparse.Namespace) -> argparse.Namespace:
         derived["policy_loss"] = args.advantage_estimator
     if args.cispo_eps_low is not None and derived.get("policy_loss", args.policy_loss) != "cispo":
         logger.warning("--cispo-eps-low is ignored: the policy loss is not cispo")
+    if args.opd_teacher_checkpoint is not None:
+        if not (Path(args.opd_teacher_checkpoint) / "config.json").is_file():
+            raise ValueError(f"--opd-teacher-checkpoint {args.opd_teacher_checkpoint}: no HF checkpoint there "
+                             "(config.json missing)")
+        if args.opd_coef <= 0:
+            raise ValueError(f"--opd-coef must be > 0, got {args.opd_coef}; omit --opd-teacher-checkpoint for no "
+                             "distillation")
     derived["use_critic"] = args.advantage_estimator == "ppo" or getattr(args, "use_critic", False)
     return with_values(args, **derived)

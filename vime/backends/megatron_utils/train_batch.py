@@ -28,6 +28,7 @@ class TrainBatch:
     num_usable: int = 0
     # computed on the trainer side (stages of one rollout)
     ref_log_probs: list[torch.Tensor | None] | None = None  # the reference policy's (KL)
+    teacher_log_probs: list[torch.Tensor | None] | None = None  # the distillation teacher's (--opd-*)
     old_log_probs: list[torch.Tensor | None] | None = None  # the policy's before this rollout's first step
     values: list[torch.Tensor] | None = None  # PPO: the critic's values at rollout time (actor side)
     advantages: list[torch.Tensor] | None = None

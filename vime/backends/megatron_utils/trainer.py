@@ -23,6 +23,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from vime.algorithms import compute_approx_kl, get_advantage_estimator, masked_mean_std
+from vime.algorithms.distillation import opd_token_rewards
 from vime.backends.megatron_utils.checkpoint import load_checkpoint, save_checkpoint
 from vime.backends.megatron_utils.batching import balanced_partition, micro_batches, step_slices
 from vime.backends.megatron_utils.loss import make_loss_fn
@@ -81,6 +82,7 @@ class MegatronTrainer:
         self.last_returns = None
         # The reference policy for KL is the starting point: the HF checkpoint (or a converted `release`).
         self.ref_state = self._snapshot() if self._needs_ref() else None
+        self.teacher_state = self._teacher_snapshot() if self._needs_teacher() else None
         if args.load:
             self.loaded_state = load_checkpoint(self, args.load)
         self.dp_rank = parallel_state.get_data_parallel_rank()
@@ -95,6 +97,32 @@ class MegatronTrainer:
     # ---- reference weights (KL) -----------------------------------------------------------------------------
     def _needs_ref(self) -> bool:
         return self.role == "actor" and bool(self.args.use_kl_loss or self.args.kl_coef)
+
+    def _needs_teacher(self) -> bool:
+        return self.role == "actor" and getattr(self.args, "opd_teacher_checkpoint", None) is not None
+
+    def _teacher_snapshot(self) -> list[dict[str, torch.Tensor]]:
+        """The distillation teacher's weights in this rank's layout: loaded into the model, copied, swapped out."""
+        from vime.backends.megatron_utils.hf_checkpoint import load_hf_checkpoint_into_model
+
+        own = self._snapshot()
+        try:
+            load_hf_checkpoint_into_model(self.model, self.args.opd_teacher_checkpoint)
+        except (KeyError, ValueError, RuntimeError) as e:
+            raise ValueError(f"--opd-teacher-checkpoint {self.args.opd_teacher_checkpoint}: the teacher runs in the "
+                             f"trainer and must have the student's architecture ({e})") from e
+        teacher = self._snapshot()
+        self._load(own)
+        return teacher
+
+    def _swapped_log_probs(self, state, batch: TrainBatch, mbs: list, routing, phase, name: str) -> list:
+        """Log-probs of `batch` under the weights `state` (reference, teacher), the policy's put back after."""
+        current = self._snapshot()
+        self._load(state)
+        with phase(name):
+            out = forward_log_probs(self.args, self.model, batch, mbs, routing=routing)
+        self._load(current)
+        return _dense(out, len(batch.tokens))
 
     def _snapshot(self) -> list[dict[str, torch.Tensor]]:
         return [{k: v.detach().clone() for k, v in m.module.state_dict().items() if v is not None}
@@ -137,16 +165,16 @@ class MegatronTrainer:
         plan = self._split(batch)
         all_local_mbs = [mb for _, _, mbs in plan for mb in mbs]
         needs_old = args.loss_type != "sft_loss" and (
-            len(plan) > 1 or (args.kl_coef and args.advantage_estimator in _PER_TOKEN_ESTIMATORS))
+            len(plan) > 1 or (args.kl_coef and args.advantage_estimator in _PER_TOKEN_ESTIMATORS)
+            or (self.teacher_state is not None and any(lp is None for lp in batch.rollout_log_probs)))
         routing = self._routing_replay(batch, first_pass=needs_old)
         phase = routing.phase if routing is not None else (lambda name: contextlib.nullcontext())
         if self._needs_ref() and args.loss_type != "sft_loss":
-            current = self._snapshot()
-            self._load(self.ref_state)
-            with phase("reference"):
-                ref = forward_log_probs(args, self.model, batch, all_local_mbs, routing=routing)
-            self._load(current)
-            batch.ref_log_probs = _dense(ref, len(batch.tokens))
+            batch.ref_log_probs = self._swapped_log_probs(self.ref_state, batch, all_local_mbs, routing, phase,
+                                                          "reference")
+        if self.teacher_state is not None and args.loss_type != "sft_loss":
+            batch.teacher_log_probs = self._swapped_log_probs(self.teacher_state, batch, all_local_mbs, routing,
+                                                              phase, "teacher")
         if needs_old:  # --use-routing-replay records this first pass's routing for the optimizer steps
             with phase("first_pass"):
                 old = forward_log_probs(args, self.model, batch, all_local_mbs, routing=routing)
@@ -159,6 +187,8 @@ class MegatronTrainer:
                                                                                               batch.loss_masks)
             if batch.values is not None:
                 metrics["train/return_mean"] = masked_mean_std(batch.returns, batch.loss_masks)[0]
+            if self.teacher_state is not None and args.opd_mode == "reward":
+                self._add_opd_rewards(batch)
 
         for step_index, (step, local, mbs) in enumerate(plan):
             loss_fn = make_loss_fn(args, batch, _denominators(batch, step), scale=len(mbs) * self.dp_size,
@@ -234,6 +264,17 @@ class MegatronTrainer:
         assert len(batch.advantages) == n
         self.last_returns = [r.tolist() for r in returns] if batch.values is not None else None
 
+    def _add_opd_rewards(self, batch: TrainBatch) -> None:
+        """--opd-mode reward: each of this rank's samples gets the teacher's per-token reward on top of its
+        advantages (the teacher scored only this rank's samples; the others are not trained here)."""
+        for i, teacher in enumerate(batch.teacher_log_probs):
+            if teacher is None:
+                continue
+            student = batch.rollout_log_probs[i]
+            student = student if student is not None else batch.old_log_probs[i]  # the sampling policy's
+            reward = opd_token_rewards([student], [teacher], [batch.loss_masks[i]], self.args.opd_coef)[0]
+            batch.advantages[i] = batch.advantages[i] + reward
+
     def _reduce(self, mb_metrics: list[dict]) -> dict[str, float]:
         """Sum the micro-batch shares, then over data-parallel ranks (last stage only)."""
         if not is_last_stage() or not mb_metrics:
@@ -283,7 +324,7 @@ class MegatronTrainer:
         """Move parameters, grad buffers, optimizer state and the KL reference to host memory; returns bytes."""
         from vime.backends.megatron_utils.offload import train_state_tensors
 
-        ref = [t for sd in self.ref_state or [] for t in sd.values()]
+        ref = [t for state in (self.ref_state, self.teacher_state) for sd in state or [] for t in sd.values()]
         return self.offloader.offload(train_state_tensors(self.model, self.optimizer, ref))
 
     def onload(self) -> int:
