@@ -120,8 +120,10 @@ def test_sigkilled_trainer_resumes_and_replays_stored_rollouts(tiny_qwen3, arith
 
     records = _check_trained_samples_equal_an_uninterrupted_run(tiny_qwen3, data, tmp_path)
     assert [r["replayed"] for r in records] == [False, False, True, False]  # rollout 2 came from storage
-    resumed = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    resumed = {r["rollout_id"]: r for r in resumed if "train/steps" in r and r["rollout_id"] >= 2}
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    # one row per rollout: the killed run's row of rollout 2 (after its checkpoint) gave way to the redone one
+    assert [r["rollout_id"] for r in rows if "train/steps" in r] == list(range(NUM_ROLLOUT))
+    resumed = {r["rollout_id"]: r for r in rows if "train/steps" in r and r["rollout_id"] >= 2}
     assert resumed[2]["buffer/replayed"] == 1.0 and resumed[3]["buffer/replayed"] == 0.0
     assert not stack_pids()
 

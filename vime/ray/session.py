@@ -131,6 +131,8 @@ class TrainingSession:
             self._plan_replay(start)
             self.update_weights(version=start)  # engines serve exactly the trainer's weights from now on
             self.offload_train()
+        if resumed or args.overwrite_output:  # rows of rollouts this run does again would be there twice
+            self.metrics.drop_rows_from(start)
         return start, num_rollout
 
     def _wait_for_engines(self, engines) -> None:

@@ -58,6 +58,23 @@ class MetricsLogger:
         self.wandb = start_wandb(args) if getattr(args, "use_wandb", False) else None
         self.log_text = logging.getLogger("vime.metrics")
 
+    def drop_rows_from(self, rollout_id: int) -> int:
+        """Remove the rows of rollouts >= `rollout_id` (a resumed run redoes them; --overwrite-output starts over),
+        keeping the earlier ones; returns how many went (logged)."""
+        path = self.dir / "metrics.jsonl"
+        lines = path.read_text(encoding="utf-8").splitlines()
+        kept = [line for line in lines if line.strip() and json.loads(line).get("rollout_id", -1) < rollout_id]
+        if len(kept) == len(lines):
+            return 0
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        self.jsonl.close()
+        os.replace(tmp, path)  # whole or not at all
+        self.jsonl = open(path, "a", encoding="utf-8")
+        logging.getLogger(__name__).info("%s: %d rows of rollouts >= %d from an earlier run removed", path,
+                                         len(lines) - len(kept), rollout_id)
+        return len(lines) - len(kept)
+
     def log(self, rollout_id: int, metrics: dict[str, float]) -> None:
         if not metrics:
             return

@@ -1,0 +1,29 @@
+"""metrics.jsonl across runs: a resumed run (or one told --overwrite-output) drops the rows of the rollouts it
+does again, keeps the earlier ones, and appends after them."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+from vime.utils.logging_utils import MetricsLogger
+
+
+def _rows(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_rows_from_the_resumed_rollout_on_are_replaced(tmp_path):
+    args = SimpleNamespace(output_dir=str(tmp_path), use_wandb=False)
+    first = MetricsLogger(args)
+    for r in range(4):
+        first.log(r, {"rollout/reward_mean": r / 10})
+    first.jsonl.close()
+    second = MetricsLogger(args)
+    assert second.drop_rows_from(2) == 2 and second.drop_rows_from(2) == 0
+    second.log(2, {"rollout/reward_mean": 0.9})
+    second.jsonl.close()
+    assert [(r["rollout_id"], r["rollout/reward_mean"]) for r in _rows(tmp_path / "metrics.jsonl")] == [
+        (0, 0.0), (1, 0.1), (2, 0.9)]
+    third = MetricsLogger(args)
+    assert third.drop_rows_from(0) == 3 and _rows(tmp_path / "metrics.jsonl") == []  # --overwrite-output
