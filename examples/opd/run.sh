@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # On-policy distillation on the quickstart task, on this machine's CPU (~3 minutes after the quickstart's SFT).
 #   1. the quickstart's SFT model (made here if outputs/quickstart has none) is the student;
-#   2. the teacher is the same model at temperature 2 (a warmer, flatter next-token distribution; no training
-#      needed: vime.synthetic.tempered_model);
+#   2. the teacher is the same model at temperature TEACHER_TEMPERATURE (no training needed:
+#      vime.synthetic.tempered_model): 0.5 by default, a sharper, more decisive teacher;
 #   3. GRPO on the task's reward plus the teacher's per-token reward -(log p_student - log p_teacher) on the
 #      student's own samples (--opd-mode reward; --opd-mode loss adds the KL to the loss instead), real vLLM
 #      engines and Megatron-core. train/opd_reverse_kl (the k1 estimate of KL(student || teacher)) falls.
+# Measured here (10 rollouts): T=0.5: reverse KL 0.170 -> 0.058, task reward 0.25 -> 0.71; T=2 (a warmer, flatter
+# teacher): reverse KL 0.698 -> 0.283 while the task reward falls 0.25 -> 0.0, the student following a teacher
+# that answers worse: distillation pulls toward the teacher whatever it is worth (--opd-coef weighs the two).
 # Results: $OUT/opd/metrics.jsonl; the reverse KL at the first and last rollout is printed at the end.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -27,8 +30,8 @@ if [ ! -f "$QS/sft_hf/config.json" ]; then
     --output-dir "$QS/sft" --save-hf "$QS/sft_hf"
 fi
 
-echo "== the teacher: the student at temperature ${TEACHER_TEMPERATURE:-2}"
-$PY -m vime.synthetic.tempered_model --src "$QS/sft_hf" --out "$OUT/teacher" --temperature "${TEACHER_TEMPERATURE:-2}"
+echo "== the teacher: the student at temperature ${TEACHER_TEMPERATURE:-0.5}"
+$PY -m vime.synthetic.tempered_model --src "$QS/sft_hf" --out "$OUT/teacher" --temperature "${TEACHER_TEMPERATURE:-0.5}"
 
 echo "== GRPO + on-policy distillation"
 $PY train.py --overwrite-output "${COMMON[@]}" --hf-checkpoint "$QS/sft_hf" --prompt-data "$QS/data/train.jsonl" \
@@ -39,6 +42,7 @@ $PY train.py --overwrite-output "${COMMON[@]}" --hf-checkpoint "$QS/sft_hf" --pr
 
 $PY - "$OUT/opd/metrics.jsonl" <<'PYEOF'
 import json, sys
-kl = [(r["rollout_id"], r["train/opd_reverse_kl"]) for r in map(json.loads, open(sys.argv[1])) if "train/opd_reverse_kl" in r]
+rows = [json.loads(line) for line in open(sys.argv[1])]
+kl = [(r["rollout_id"], r["train/opd_reverse_kl"]) for r in rows if "train/opd_reverse_kl" in r]
 print(f"reverse KL to the teacher: rollout {kl[0][0]} {kl[0][1]:.4f} -> rollout {kl[-1][0]} {kl[-1][1]:.4f}")
 PYEOF

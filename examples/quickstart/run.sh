@@ -5,10 +5,11 @@
 #   3. GRPO with real vLLM engines behind vllm-router, Megatron-core training and Ray, evaluating held-out
 #      prompts every 5 rollouts. The eval reward climbs from about 0.3 to about 0.85.
 # Results: outputs/quickstart/grpo/{metrics.jsonl,reward_curve.png,tensorboard/}.
+# Shorter: SKIP_INSTALL=1 SFT_STEPS=40 NUM_ROLLOUT=8 EVAL_INTERVAL=4 OUT=/tmp/qs bash examples/quickstart/run.sh
 set -euo pipefail
 # --overwrite-output: each run of this script starts over the outputs of the one before
 cd "$(dirname "$0")/../.."
-bash scripts/install.sh
+[ "${SKIP_INSTALL:-0}" = 1 ] || bash scripts/install.sh
 OUT=${OUT:-outputs/quickstart}
 PY=.venv/bin/python
 export VIME_PROGRESS=${VIME_PROGRESS:-1}
@@ -23,13 +24,14 @@ COMMON=(--label-key label --apply-chat-template --rollout-shuffle --seed 1234 --
 echo "== SFT warm-up"
 $PY train.py --overwrite-output "${COMMON[@]}" --hf-checkpoint "$OUT/model" --prompt-data "$OUT/data/train.jsonl" \
   --debug-train-only --rollout-function-path vime.rollout.sft_rollout.generate_rollout --loss-type sft_loss \
-  --rollout-batch-size 32 --n-samples-per-prompt 1 --num-rollout 40 --lr 2e-3 \
+  --rollout-batch-size 32 --n-samples-per-prompt 1 --num-rollout "${SFT_STEPS:-40}" --lr 2e-3 \
   --output-dir "$OUT/sft" --save-hf "$OUT/sft_hf"
 
 echo "== GRPO"
 $PY train.py --overwrite-output "${COMMON[@]}" --hf-checkpoint "$OUT/sft_hf" --prompt-data "$OUT/data/train.jsonl" \
-  --rm-type math --eval-prompt-data repeat "$OUT/data/eval.jsonl" --eval-interval 5 --n-samples-per-eval-prompt 2 \
-  --rollout-batch-size 16 --n-samples-per-prompt 8 --num-rollout 20 --rollout-max-response-len 24 \
+  --rm-type math --eval-prompt-data repeat "$OUT/data/eval.jsonl" --eval-interval "${EVAL_INTERVAL:-5}" \
+  --n-samples-per-eval-prompt 2 --rollout-batch-size 16 --n-samples-per-prompt 8 --num-rollout "${NUM_ROLLOUT:-20}" \
+  --rollout-max-response-len 24 \
   --advantage-estimator grpo --lr 5e-4 --rollout-num-gpus 2 --vllm-dtype float32 --vllm-max-model-len 256 \
   --output-dir "$OUT/grpo" "$@"
 
