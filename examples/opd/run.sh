@@ -37,7 +37,7 @@ echo "== GRPO + on-policy distillation"
 $PY train.py --overwrite-output "${COMMON[@]}" --hf-checkpoint "$QS/sft_hf" --prompt-data "$QS/data/train.jsonl" \
   --rm-type math --opd-teacher-checkpoint "$OUT/teacher" --opd-mode "${OPD_MODE:-reward}" \
   --rollout-batch-size 16 --n-samples-per-prompt 8 --num-rollout "${NUM_ROLLOUT:-10}" --rollout-max-response-len 24 \
-  --advantage-estimator grpo --lr 5e-4 --rollout-num-gpus 2 --vllm-max-model-len 256 \
+  --advantage-estimator grpo --lr 5e-4 --rollout-num-gpus 2 --vllm-max-model-len 256 --vllm-enforce-eager \
   --output-dir "$OUT/opd" "$@"
 
 $PY - "$OUT/opd/metrics.jsonl" <<'PYEOF'

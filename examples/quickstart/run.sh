@@ -27,12 +27,14 @@ $PY train.py --overwrite-output "${COMMON[@]}" --hf-checkpoint "$OUT/model" --pr
   --rollout-batch-size 32 --n-samples-per-prompt 1 --num-rollout "${SFT_STEPS:-40}" --lr 2e-3 \
   --output-dir "$OUT/sft" --save-hf "$OUT/sft_hf"
 
+# --vllm-enforce-eager: compiling this tiny model cost 35 s of each engine's start and made no rollout faster
 echo "== GRPO"
 $PY train.py --overwrite-output "${COMMON[@]}" --hf-checkpoint "$OUT/sft_hf" --prompt-data "$OUT/data/train.jsonl" \
   --rm-type math --eval-prompt-data repeat "$OUT/data/eval.jsonl" --eval-interval "${EVAL_INTERVAL:-5}" \
   --n-samples-per-eval-prompt 2 --rollout-batch-size 16 --n-samples-per-prompt 8 --num-rollout "${NUM_ROLLOUT:-20}" \
   --rollout-max-response-len 24 \
   --advantage-estimator grpo --lr 5e-4 --rollout-num-gpus 2 --vllm-dtype float32 --vllm-max-model-len 256 \
+  --vllm-enforce-eager \
   --output-dir "$OUT/grpo" "$@"
 
 echo "reward curve: $OUT/grpo/reward_curve.png; metrics: $OUT/grpo/metrics.jsonl"

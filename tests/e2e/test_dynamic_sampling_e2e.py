@@ -119,3 +119,24 @@ def test_eval_runs_on_its_own_data_and_the_reward_curve_shows_it(run, arithmetic
     rollout_points = [[r["rollout_id"], r["rollout/reward_mean"]] for r in records if "rollout/reward_mean" in r]
     assert series["rollout/reward_mean"] == rollout_points
     assert series["eval/arith/reward_mean"] == [[i, evals[i]["eval/arith/reward_mean"]] for i in sorted(evals)]
+
+
+def test_saved_rollouts_replay_to_the_same_training(run, tiny_qwen3):
+    """--debug-train-only --load-debug-rollout-data on the run's saved rollouts (no engine): the same samples, in
+    the same order, from the same weights give the same training, rollout after rollout."""
+    out, records, _, _ = run
+    replay = out / "replay"
+    cmd = [sys.executable, str(REPO / "train.py"), "--hf-checkpoint", str(tiny_qwen3), "--debug-train-only",
+           "--load-debug-rollout-data", str(out / "rollout_{rollout_id}.jsonl"), "--rm-type", "random",
+           "--rollout-batch-size", str(BATCH), "--n-samples-per-prompt", str(GROUP), "--num-rollout", str(NUM_ROLLOUT),
+           "--micro-batch-size", "8", "--lr", "1e-3", "--output-dir", str(replay)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    replayed = _by_rollout([json.loads(line) for line in (replay / "metrics.jsonl").read_text().splitlines()],
+                           "train/steps")
+    original = _by_rollout(records, "train/steps")
+    assert sorted(replayed) == sorted(original) == list(range(NUM_ROLLOUT))
+    for i in original:
+        for key in ("train/pg_loss", "train/grad_norm", "train/entropy", "train/advantage_mean",
+                    "train_rollout_logprob_abs_diff"):
+            assert replayed[i][key] == pytest.approx(original[i][key], abs=1e-5), (i, key)

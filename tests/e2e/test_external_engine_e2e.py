@@ -2,11 +2,13 @@
 the run's control token in its environment as the README says, serves a real run of 2 rollouts: vime registers it
 with its router, updates its weights after each rollout and checks them (--check-weight-update-equal), leaves it
 running, and it then serves exactly the run's final weights; its control routes refuse a caller without the
-token."""
+token. The run is PPO: actor and critic ranks, the critic's values into GAE on the actor, its returns back to the
+critic's update."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import secrets
 import subprocess
@@ -66,6 +68,7 @@ def test_external_engine_is_registered_updated_and_verified(tiny_qwen3, arithmet
                "--prompt-data", str(arithmetic_data[0]), "--label-key", "label", "--apply-chat-template",
                "--rm-type", "random", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--num-rollout", "2",
                "--rollout-max-response-len", "16", "--micro-batch-size", "8", "--lr", "1e-2",
+               "--advantage-estimator", "ppo",
                "--rollout-external-engine-addrs", f"127.0.0.1:{port}", "--control-token-file", str(token_file),
                "--check-weight-update-equal", "--save-debug-rollout-data", str(out / "rollout_{rollout_id}.jsonl"),
                "--save-hf", str(out / "final_hf"), "--output-dir", str(out / "run")]
@@ -78,6 +81,10 @@ def test_external_engine_is_registered_updated_and_verified(tiny_qwen3, arithmet
         for r in train:
             assert r["weight_check/max_abs_logprob_diff"] < 1e-5, r
             assert r["train_rollout_logprob_abs_diff"] < 1e-5, r  # the engine sampled from the trained policy
+            assert r["critic/grad_norm"] > 0 and math.isfinite(r["critic/value_loss"]), r
+            # GAE: returns = advantages + the critic's values, token means alike
+            assert r["train/return_mean"] - r["train/advantage_mean"] == pytest.approx(r["critic/values_mean"],
+                                                                                       abs=1e-4), r
         versions = {v for g in load_rollout(str(out / "rollout_{rollout_id}.jsonl"), 1) for s in g
                     for v in s.weight_versions}
         assert versions == {"1"}  # rollout 1 ran on the weights vime pushed after rollout 0

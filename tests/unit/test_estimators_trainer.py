@@ -66,3 +66,43 @@ def test_sequence_level_mis_masks_the_mismatched_sequences(tiny_qwen3):
     assert m["train/mis_masked_fraction"] == pytest.approx(expected, abs=1e-6)
     assert math.isfinite(m["train/loss"]) and m["train/grad_norm"] > 0
     assert [n for n in before if torch.equal(before[n], after[n])] == []
+
+
+@pytest.mark.parametrize("offset, weight", [(0.3, math.exp(0.3)), (1.0, 2.0)])  # e^1 > --tis-clip 2: truncated
+def test_tis_weights_the_policy_loss(tiny_qwen3, offset, weight):
+    """Engine log-probs `offset` below the trainer's on every token: every TIS weight is exp(offset) (or the clip),
+    so on policy (ratio 1) the token-mean policy loss is -weight * mean advantage."""
+    groups = make_rollout(seed=9)
+    with trainer(tiny_qwen3, "--use-tis") as t:
+        data = copy.deepcopy(groups)
+        for s, lp in zip(flat(data), probe(t, flat(groups))):
+            s["rollout_log_probs"] = (lp - offset).tolist()
+        m = t.train(0, data)
+    assert m["train/tis_weight_mean"] == pytest.approx(weight, abs=1e-5)
+    assert m["train/pg_loss"] == pytest.approx(-weight * m["train/advantage_mean"], abs=1e-5)
+    assert m["train_rollout_logprob_abs_diff"] == pytest.approx(offset, abs=1e-5)
+
+
+def _grpo_by_hand(samples: list[dict], group_size: int = 4) -> list[float]:
+    out = []
+    for k in range(0, len(samples), group_size):
+        rewards = [s["reward"] for s in samples[k:k + group_size]]
+        mean = sum(rewards) / len(rewards)
+        std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / (len(rewards) - 1))
+        out += [(r - mean) / (std + 1e-6) for r in rewards]
+    return out
+
+
+@pytest.mark.parametrize("mode", ["seq_mean_token_sum", "seq_mean_token_mean"])
+def test_loss_aggregation_modes_through_the_trainer(tiny_qwen3, mode):
+    """On policy the per-token policy loss is -A_i on each of sample i's T_i tokens: seq_mean_token_sum gives
+    -mean_i(A_i * T_i), seq_mean_token_mean -mean_i(A_i), which GRPO's group-centred advantages make 0."""
+    groups = make_rollout(seed=10)
+    samples = flat(groups)
+    advantages = _grpo_by_hand(samples)
+    lengths = [s["response_length"] for s in samples]
+    per_sequence = [a * n for a, n in zip(advantages, lengths)] if mode == "seq_mean_token_sum" else advantages
+    with trainer(tiny_qwen3, "--loss-agg-mode", mode) as t:
+        m = t.train(0, groups)
+    assert m["train/pg_loss"] == pytest.approx(-sum(per_sequence) / len(samples), abs=1e-5)
+    assert math.isfinite(m["train/loss"]) and m["train/grad_norm"] > 0
