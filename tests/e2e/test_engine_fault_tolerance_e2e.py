@@ -27,13 +27,13 @@ import signal
 import socket
 import threading
 import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 
 from tests.e2e.processes import stack_pids
+from tests.helpers.http_calls import http_status
 from vime.utils.auth import control_headers, serving_headers, use_control_token
 
 pytestmark = pytest.mark.e2e
@@ -45,17 +45,6 @@ HEALTH_INTERVAL, HEALTH_TIMEOUT = 2.0, 5.0
 def _get_json(url: str, timeout: float = 10.0):
     with urllib.request.urlopen(url, timeout=timeout) as r:
         return json.loads(r.read())
-
-
-def _status(url: str, method: str = "GET", headers: dict | None = None, body: dict | None = None) -> int:
-    data = json.dumps(body or {}).encode() if method == "POST" else None
-    req = urllib.request.Request(url, data=data, method=method,
-                                 headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
 
 
 def _in_engine(url: str) -> float:
@@ -199,20 +188,20 @@ def test_control_routes_answer_only_to_the_run_token(stack, tiny_qwen3):
     wrong = {"Authorization": "Bearer " + "0" * 64}
     for url in urls:
         for method, route in CONTROL_ROUTES:
-            seen = [_status(url + route, method, h) for h in (None, wrong, serving_headers())]
+            seen = [http_status(url + route, method, h) for h in (None, wrong, serving_headers())]
             assert seen == [401, 401, 401], (url, route, seen)
-        assert _status(url + "/health") == 200
-        assert _status(url + "/is_paused", headers=control_headers()) == 200
+        assert http_status(url + "/health") == 200
+        assert http_status(url + "/is_paused", headers=control_headers()) == 200
         generate = {"token_ids": [100, 101, 102], "sampling_params": {"max_tokens": 2}, "model": "policy"}
-        assert _status(url + "/inference/v1/generate", "POST", None, generate) == 401
-        assert _status(url + "/inference/v1/generate", "POST", serving_headers(), generate) == 200
+        assert http_status(url + "/inference/v1/generate", "POST", None, generate) == 401
+        assert http_status(url + "/inference/v1/generate", "POST", serving_headers(), generate) == 200
         # a weight load from outside the run's weight root (--update-weight-dir) is refused, token or not
         load = {"method": "vime_load_weights", "kwargs": {"path": str(tiny_qwen3)}}
-        assert _status(url + "/collective_rpc", "POST", control_headers(), load) >= 400
+        assert http_status(url + "/collective_rpc", "POST", control_headers(), load) >= 400
     # through the router, which sends its own (serving) key with every control call it forwards: refused
     for route in ("/pause", "/sleep", "/collective_rpc", "/vime/update_weights"):
         for headers in (None, control_headers()):
-            assert _status(router_url + route, "POST", headers, {"method": "vime_load_weights"}) != 200, route
+            assert http_status(router_url + route, "POST", headers, {"method": "vime_load_weights"}) != 200, route
     for url in urls:  # nothing above changed an engine
         state = json.loads(urllib.request.urlopen(urllib.request.Request(url + "/is_paused",
                                                                          headers=control_headers())).read())
@@ -340,7 +329,7 @@ def test_sigkilled_router_fails_the_rollout_which_is_not_trained_and_is_restarte
     print(f"router back {time.monotonic() - killed:.1f}s after the SIGKILL")
     new_router = ray.get(manager.get_router_url.remote())
     assert new_router != old_router and new_router.startswith("http://127.0.0.1:")
-    assert _status(new_router + "/health") == 200
+    assert http_status(new_router + "/health") == 200
     assert _router_workers(new_router) == sorted(ray.get(manager.get_engine_urls.remote())) == sorted(urls)
 
     groups, metrics = _rollout(manager, args, 4)

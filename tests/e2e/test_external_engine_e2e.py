@@ -13,7 +13,6 @@ import os
 import secrets
 import subprocess
 import sys
-import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -21,6 +20,8 @@ import pytest
 import torch
 
 from tests.e2e.processes import stack_pids
+from tests.helpers.hf_reference import load_hf, response_log_probs
+from tests.helpers.http_calls import http_status
 from vime.rollout.debug_data import load_rollout
 from vime.utils.misc import find_free_port
 from vime.utils.process import wait_until
@@ -29,21 +30,7 @@ pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _status(url: str, method: str = "GET", headers: dict | None = None) -> int:
-    request = urllib.request.Request(url, method=method, data=b"{}" if method == "POST" else None,
-                                     headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(request, timeout=10) as response:
-            return response.status
-    except urllib.error.HTTPError as e:
-        return e.code
-    except OSError:
-        return 0
-
-
 def test_external_engine_is_registered_updated_and_verified(tiny_qwen3, arithmetic_data, tmp_path):
-    from transformers import AutoModelForCausalLM
-
     assert not stack_pids()
     token_file = tmp_path / "token"
     token_file.write_text(secrets.token_hex(32))
@@ -59,9 +46,9 @@ def test_external_engine_is_registered_updated_and_verified(tiny_qwen3, arithmet
         env=env, stdout=open(tmp_path / "server.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_until(lambda: _status(f"{url}/health") == 200 or server.poll() is not None, timeout_s=300)
+        wait_until(lambda: http_status(f"{url}/health") == 200 or server.poll() is not None, timeout_s=300)
         assert server.poll() is None, (tmp_path / "server.log").read_text()[-4000:]
-        assert _status(f"{url}/pause", "POST") in (401, 403)  # the token's middleware is in front of it
+        assert http_status(f"{url}/pause", "POST") in (401, 403)  # the token's middleware is in front of it
 
         out = tmp_path / "out"
         cmd = [sys.executable, str(REPO / "train.py"), "--hf-checkpoint", str(tiny_qwen3),
@@ -90,7 +77,7 @@ def test_external_engine_is_registered_updated_and_verified(tiny_qwen3, arithmet
         assert versions == {"1"}  # rollout 1 ran on the weights vime pushed after rollout 0
 
         # left running, and serving the run's final weights (not the checkpoint it started from)
-        assert server.poll() is None and _status(f"{url}/health") == 200
+        assert server.poll() is None and http_status(f"{url}/health") == 200
         prompt = [1, 2, 3, 4, 5, 6, 7, 8]
         body = json.dumps({"token_ids": prompt, "model": "policy", "sampling_params": {
             "max_tokens": 8, "temperature": 1.0, "seed": 3, "logprobs": 0}}).encode()
@@ -101,16 +88,10 @@ def test_external_engine_is_registered_updated_and_verified(tiny_qwen3, arithmet
         with urllib.request.urlopen(request, timeout=60) as response:
             choice = json.loads(response.read())["choices"][0]
         engine = torch.tensor([c["logprob"] for c in choice["logprobs"]["content"]])
-        tokens = torch.tensor([prompt + choice["token_ids"]])
-
-        def hf_log_probs(path: Path) -> torch.Tensor:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
-            with torch.no_grad():
-                logp = torch.log_softmax(model.eval()(tokens).logits[0].float(), dim=-1)
-            return logp[len(prompt) - 1: -1].gather(-1, tokens[0, len(prompt):, None]).squeeze(-1)
-
-        assert (hf_log_probs(out / "final_hf") - engine).abs().max() < 1e-4
-        assert (hf_log_probs(tiny_qwen3) - engine).abs().max() > 1e-3
+        tokens = prompt + choice["token_ids"]
+        final, start = (response_log_probs(load_hf(p), tokens, len(prompt)) for p in (out / "final_hf", tiny_qwen3))
+        assert (final - engine).abs().max() < 1e-4
+        assert (start - engine).abs().max() > 1e-3
     finally:
         os.killpg(server.pid, 9)
         server.wait(timeout=60)

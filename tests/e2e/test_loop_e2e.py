@@ -21,6 +21,7 @@ import pytest
 from tests.e2e.crash_hold_plugin import FUNCTION_PATH, held_run_env, wait_until_held
 from tests.e2e.processes import stack_pids as _stack_pids
 from tests.helpers.advantage_reference import check_grpo_stats, check_whitened
+from tests.helpers.hf_reference import load_hf, response_log_probs
 from vime.synthetic.tempered_model import temper_checkpoint
 from vime.rollout.debug_data import load_rollout
 
@@ -77,15 +78,11 @@ def reverse_kl(teacher: Path, samples) -> float:
     """Token mean of (sampling log-prob - teacher log-prob) over the samples' trainable tokens (the k1 estimate of
     KL(student || teacher)), the teacher's from a HF forward."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float32, attn_implementation="eager").eval()
+    model = load_hf(teacher)
     total, count = 0.0, 0
     for s in samples:
-        tokens = torch.tensor([s.tokens])
-        with torch.no_grad():
-            logp = torch.log_softmax(model(tokens).logits[0].float(), dim=-1)
-        t = logp[s.prompt_length - 1: -1].gather(-1, tokens[0, s.prompt_length:, None]).squeeze(-1)
+        t = response_log_probs(model, s.tokens, s.prompt_length)
         mask = torch.tensor(s.loss_mask, dtype=torch.bool)
         total += (torch.tensor(s.rollout_log_probs) - t)[mask].sum().item()
         count += int(mask.sum())

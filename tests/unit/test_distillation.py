@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+from tests.helpers.hf_reference import load_hf, response_log_probs
 from tests.helpers.rollouts import flat, make_rollout
 from vime.algorithms.distillation import opd_token_rewards
 from vime.synthetic.tempered_model import temper_checkpoint
@@ -47,17 +48,8 @@ def sharper_teacher(tiny_qwen3, tmp_path_factory):
 
 
 def _hf_log_probs(path, samples: list[dict]) -> list[torch.Tensor]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
-    out = []
-    for s in samples:
-        tokens = torch.tensor([s["tokens"]])
-        with torch.no_grad():
-            logp = torch.log_softmax(model(tokens).logits[0].float(), dim=-1)
-        prompt = len(s["tokens"]) - s["response_length"]
-        out.append(logp[prompt - 1: -1].gather(-1, tokens[0, prompt:, None]).squeeze(-1))
-    return out
+    model = load_hf(path)
+    return [response_log_probs(model, s["tokens"], len(s["tokens"]) - s["response_length"]) for s in samples]
 
 
 def test_tempered_checkpoint_divides_the_logits(tiny_qwen3, sharper_teacher):
@@ -88,8 +80,10 @@ def test_opd_through_the_trainer(tiny_qwen3, sharper_teacher, mode):
     # k3 of the current policy against the teacher: exp(t - s) - (t - s) - 1, token mean
     k3 = sum((torch.exp(t - s) - (t - s) - 1).sum().item() for s, t in zip(student_lp, teacher_lp)) / tokens
     coef = 0.5
+    # loss mode also keeps a KL reference: both swapped in for one rollout, the policy's weights put back after
+    kl = ["--use-kl-loss", "--kl-loss-coef", "0.1"] if mode == "loss" else []
     with local_trainer(tiny_qwen3, "--opd-teacher-checkpoint", str(sharper_teacher), "--opd-mode", mode,
-                       "--opd-coef", str(coef), "--global-batch-size", "16") as t:
+                       "--opd-coef", str(coef), "--global-batch-size", "16", *kl) as t:
         runs = [t.train(r, groups) for r in range(4)]
     first = runs[0]
     assert reverse_kl > 0.05  # the sharper teacher is measurably far
@@ -98,6 +92,7 @@ def test_opd_through_the_trainer(tiny_qwen3, sharper_teacher, mode):
         assert first["train/pg_loss"] == pytest.approx(-first["train/advantage_mean"] + coef * reverse_kl, abs=1e-5)
         assert "train/opd_kl_loss" not in first
     else:
+        assert first["train/kl_loss"] == pytest.approx(0.0, abs=1e-6)  # the reference is the starting policy
         assert first["train/opd_kl_loss"] == pytest.approx(k3, abs=1e-5)
         assert first["train/loss"] == pytest.approx(first["train/pg_loss"] + coef * k3, abs=1e-5)
         # same samples each time: the student's own log-probs move toward the teacher's

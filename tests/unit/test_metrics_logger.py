@@ -25,5 +25,10 @@ def test_rows_from_the_resumed_rollout_on_are_replaced(tmp_path):
     second.jsonl.close()
     assert [(r["rollout_id"], r["rollout/reward_mean"]) for r in _rows(tmp_path / "metrics.jsonl")] == [
         (0, 0.0), (1, 0.1), (2, 0.9)]
+    with open(tmp_path / "metrics.jsonl", "a") as f:  # a run killed mid-write leaves half a row
+        f.write('{"rollout_id": 3, "rollout/rew')
+    resumed = MetricsLogger(args)
+    assert resumed.drop_rows_from(3) == 1 and len(_rows(tmp_path / "metrics.jsonl")) == 3
+    resumed.jsonl.close()
     third = MetricsLogger(args)
     assert third.drop_rows_from(0) == 3 and _rows(tmp_path / "metrics.jsonl") == []  # --overwrite-output

@@ -59,19 +59,29 @@ def get_advantage_estimator(name: str) -> AdvantageEstimator:
 # ----------------------------------------------------------------------------------------------------------
 
 
+def _masked_moments(xs: Tensors, loss_masks: Tensors):
+    """(flat values, flat mask, mean, population variance) over the batch's masked tokens; None without any."""
+    if not loss_masks:
+        return None
+    flat = torch.cat([x.float() for x in xs])
+    mask = torch.cat([m for m in loss_masks]).bool()
+    if not mask.any():
+        return None
+    selected = flat[mask]
+    mean = selected.mean()
+    return flat, mask, mean, ((selected - mean) ** 2).mean()
+
+
 def whiten(xs: Tensors, loss_masks: Tensors, eps: float = 1e-6, shift_mean: bool = True) -> Tensors:
     """Normalise B x [T_i] values to zero mean, unit variance over the batch's masked tokens.
 
     Statistics use only tokens with mask 1 (population variance); masked tokens come back as 0. With
     `shift_mean=False` the mean is added back (scale only).
     """
-    flat = torch.cat([x.float() for x in xs])
-    mask = torch.cat([m for m in loss_masks]).bool()
-    if not mask.any():
+    moments = _masked_moments(xs, loss_masks)
+    if moments is None:
         return [torch.zeros_like(x, dtype=torch.float32) for x in xs]
-    selected = flat[mask]
-    mean = selected.mean()
-    var = ((selected - mean) ** 2).mean()
+    flat, mask, mean, var = moments
     out = (flat - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean
@@ -82,12 +92,10 @@ def whiten(xs: Tensors, loss_masks: Tensors, eps: float = 1e-6, shift_mean: bool
 def masked_mean_std(xs: Tensors, loss_masks: Tensors) -> tuple[float, float]:
     """Mean and population std of B x [T_i] values over the batch's masked tokens ((0, 0) with none): the
     statistics `whiten` normalises, reported as train/advantage_mean and train/advantage_std."""
-    mask = torch.cat([m for m in loss_masks]).bool() if loss_masks else torch.zeros(0, dtype=torch.bool)
-    if not mask.any():
+    moments = _masked_moments(xs, loss_masks)
+    if moments is None:
         return 0.0, 0.0
-    selected = torch.cat([x.float() for x in xs])[mask]
-    mean = selected.mean()
-    return float(mean), float(((selected - mean) ** 2).mean().sqrt())
+    return float(moments[2]), float(moments[3].sqrt())
 
 
 def _check_lengths(name: str, xs: Sequence[torch.Tensor], loss_masks: Tensors) -> None:

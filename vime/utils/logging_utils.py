@@ -40,6 +40,14 @@ def start_wandb(args):
                       mode=args.wandb_mode, dir=str(wandb_dir), config=plain_values(args))
 
 
+def _row_rollout(line: str) -> int | None:
+    """A metrics row's rollout id; None for a blank line or one a killed run left half written."""
+    try:
+        return json.loads(line)["rollout_id"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return None
+
+
 class MetricsLogger:
     """One JSON object per log call in `<output_dir>/metrics.jsonl`, plus TensorBoard scalars and, with --use-wandb,
     the same metrics in wandb at step=rollout_id (and the reward curve when it closes)."""
@@ -63,7 +71,7 @@ class MetricsLogger:
         keeping the earlier ones; returns how many went (logged)."""
         path = self.dir / "metrics.jsonl"
         lines = path.read_text(encoding="utf-8").splitlines()
-        kept = [line for line in lines if line.strip() and json.loads(line).get("rollout_id", -1) < rollout_id]
+        kept = [line for line in lines if (row := _row_rollout(line)) is not None and row < rollout_id]
         if len(kept) == len(lines):
             return 0
         tmp = path.with_suffix(".jsonl.tmp")
@@ -71,8 +79,8 @@ class MetricsLogger:
         self.jsonl.close()
         os.replace(tmp, path)  # whole or not at all
         self.jsonl = open(path, "a", encoding="utf-8")
-        logging.getLogger(__name__).info("%s: %d rows of rollouts >= %d from an earlier run removed", path,
-                                         len(lines) - len(kept), rollout_id)
+        logging.getLogger(__name__).info("%s: %d rows of rollouts >= %d (or half written) from an earlier run "
+                                         "removed", path, len(lines) - len(kept), rollout_id)
         return len(lines) - len(kept)
 
     def log(self, rollout_id: int, metrics: dict[str, float]) -> None:

@@ -29,9 +29,10 @@ def save_reward_curve(output_dir: str | Path, name: str = "reward_curve.png") ->
                 series.setdefault(key, []).append((record["rollout_id"], value))
     if not series:
         return None
+    points = {key: sorted(series[key]) for key in sorted(series)}
     fig, ax = plt.subplots(figsize=(7, 4))
-    for key, points in sorted(series.items()):
-        xs, ys = zip(*sorted(points))
+    for key, xy in points.items():
+        xs, ys = zip(*xy)
         ax.plot(xs, ys, marker="o" if key.startswith("eval/") else None, label=key)
     ax.set_xlabel("rollout")
     ax.set_ylabel("reward")
@@ -40,7 +41,6 @@ def save_reward_curve(output_dir: str | Path, name: str = "reward_curve.png") ->
     ax.legend()
     fig.tight_layout()
     out = output_dir / name
-    points = {key: sorted(series[key]) for key in sorted(series)}
     fig.savefig(out, dpi=100, metadata={SERIES_KEY: json.dumps(points)})
     plt.close(fig)
     return out

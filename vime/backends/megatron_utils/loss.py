@@ -76,9 +76,8 @@ def make_loss_fn(args, batch: TrainBatch, denominators: dict, scale: float, step
                 metrics["kl_loss"] = kl.detach()
             if batch.teacher_log_probs is not None:  # on-policy distillation (vime.algorithms.distillation)
                 teacher = [batch.teacher_log_probs[i].to(lp.device) for i, lp in zip(indices, log_probs)]
-                sampled = [batch.rollout_log_probs[i] if batch.rollout_log_probs[i] is not None else lp.detach()
-                           for i, lp in zip(indices, log_probs)]
-                metrics["opd_reverse_kl"] = agg([s.to(t.device) - t for s, t in zip(sampled, teacher)], masks)
+                sampled = [batch.sampling_log_probs(i).to(lp.device) for i, lp in zip(indices, log_probs)]
+                metrics["opd_reverse_kl"] = agg([s - t for s, t in zip(sampled, teacher)], masks)
                 if args.opd_mode == "loss":
                     opd = agg([compute_approx_kl(lp, t, args.opd_kl_type) for lp, t in zip(log_probs, teacher)], masks)
                     loss = loss + args.opd_coef * opd

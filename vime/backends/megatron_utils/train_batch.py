@@ -61,6 +61,11 @@ class TrainBatch:
             if getattr(args, "use_rollout_routing_replay", False) else None,
         )
 
+    def sampling_log_probs(self, i: int) -> torch.Tensor:
+        """Sample i's log-probs under the policy that sampled it: the engine's, or (none returned) the trainer's
+        before this rollout's first step (`old_log_probs`; the trainer computes them when some are missing)."""
+        return self.rollout_log_probs[i] if self.rollout_log_probs[i] is not None else self.old_log_probs[i]
+
     def __len__(self) -> int:
         return len(self.tokens)
 

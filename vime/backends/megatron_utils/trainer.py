@@ -115,14 +115,20 @@ class MegatronTrainer:
         self._load(own)
         return teacher
 
-    def _swapped_log_probs(self, state, batch: TrainBatch, mbs: list, routing, phase, name: str) -> list:
-        """Log-probs of `batch` under the weights `state` (reference, teacher), the policy's put back after."""
+    def _swapped_log_probs(self, states: dict, batch: TrainBatch, mbs: list, routing, phase) -> dict:
+        """{name: log-probs of `batch`} under each of `states` ({name: weights}: reference, teacher), the policy's
+        own weights put back after."""
+        if not states:
+            return {}
         current = self._snapshot()
-        self._load(state)
-        with phase(name):
-            out = forward_log_probs(self.args, self.model, batch, mbs, routing=routing)
+        out = {}
+        for name, state in states.items():
+            self._load(state)
+            with phase(name):
+                out[name] = _dense(forward_log_probs(self.args, self.model, batch, mbs, routing=routing),
+                                   len(batch.tokens))
         self._load(current)
-        return _dense(out, len(batch.tokens))
+        return out
 
     def _snapshot(self) -> list[dict[str, torch.Tensor]]:
         return [{k: v.detach().clone() for k, v in m.module.state_dict().items() if v is not None}
@@ -169,12 +175,10 @@ class MegatronTrainer:
             or (self.teacher_state is not None and any(lp is None for lp in batch.rollout_log_probs)))
         routing = self._routing_replay(batch, first_pass=needs_old)
         phase = routing.phase if routing is not None else (lambda name: contextlib.nullcontext())
-        if self._needs_ref() and args.loss_type != "sft_loss":
-            batch.ref_log_probs = self._swapped_log_probs(self.ref_state, batch, all_local_mbs, routing, phase,
-                                                          "reference")
-        if self.teacher_state is not None and args.loss_type != "sft_loss":
-            batch.teacher_log_probs = self._swapped_log_probs(self.teacher_state, batch, all_local_mbs, routing,
-                                                              phase, "teacher")
+        states = {"reference": self.ref_state, "teacher": self.teacher_state} if args.loss_type != "sft_loss" else {}
+        swapped = self._swapped_log_probs({k: v for k, v in states.items() if v is not None}, batch, all_local_mbs,
+                                          routing, phase)
+        batch.ref_log_probs, batch.teacher_log_probs = swapped.get("reference"), swapped.get("teacher")
         if needs_old:  # --use-routing-replay records this first pass's routing for the optimizer steps
             with phase("first_pass"):
                 old = forward_log_probs(args, self.model, batch, all_local_mbs, routing=routing)
@@ -267,12 +271,11 @@ class MegatronTrainer:
     def _add_opd_rewards(self, batch: TrainBatch) -> None:
         """--opd-mode reward: each of this rank's samples gets the teacher's per-token reward on top of its
         advantages (the teacher scored only this rank's samples; the others are not trained here)."""
-        for i, teacher in enumerate(batch.teacher_log_probs):
-            if teacher is None:
-                continue
-            student = batch.rollout_log_probs[i]
-            student = student if student is not None else batch.old_log_probs[i]  # the sampling policy's
-            reward = opd_token_rewards([student], [teacher], [batch.loss_masks[i]], self.args.opd_coef)[0]
+        local = [i for i, teacher in enumerate(batch.teacher_log_probs) if teacher is not None]
+        rewards = opd_token_rewards([batch.sampling_log_probs(i) for i in local],
+                                    [batch.teacher_log_probs[i] for i in local],
+                                    [batch.loss_masks[i] for i in local], self.args.opd_coef)
+        for i, reward in zip(local, rewards):
             batch.advantages[i] = batch.advantages[i] + reward
 
     def _reduce(self, mb_metrics: list[dict]) -> dict[str, float]:
