@@ -11,6 +11,7 @@ import math
 import struct
 import zlib
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -143,3 +144,13 @@ def test_encoding_anything_raises_only_codec_errors_and_decoding_it_checks_it(gr
     except SampleCodecError:
         return
     _decode_or_codec_error(data)
+
+
+def test_a_null_log_prob_or_mask_entry_is_named():
+    """Found by the fuzz test above: a None entry slipped past the type check (it was next(..., None)'s default)
+    and surfaced as a TypeError from math.isfinite instead of the field's codec error."""
+    d = Sample(index=0, tokens=[5, 6, 7], response_length=2, rollout_log_probs=[-0.5, -1.0], loss_mask=[1, 1],
+               status=Sample.Status.COMPLETED).to_dict()
+    for field, value in (("rollout_log_probs", [-0.5, None]), ("loss_mask", [None, 1])):
+        with pytest.raises(InvalidSampleError, match=field):
+            check_sample_dict({**d, field: value})

@@ -138,8 +138,9 @@ def _check_numbers(name: str, values, integral: bool, bools: bool = False) -> No
     if set(map(type, values)) <= ({int} if integral else {int, float}):  # the common case, checked in C
         return
     kind = numbers.Integral if integral else numbers.Real
-    bad = next((x for x in values if not isinstance(x, kind) or (isinstance(x, bool) and not bools)), None)
-    if bad is not None:
+    bad = [x for x in values if not isinstance(x, kind) or (isinstance(x, bool) and not bools)][:1]
+    if bad:  # a list, not next(..., None): a None entry is itself what is wrong
+        bad = bad[0]
         raise InvalidSampleError(name, f"entries are {'integers' if integral else 'real numbers'}, "
                                        f"got {type(bad).__name__} {bad!r}")
 
