@@ -49,7 +49,11 @@ def stack(tiny_qwen3, tmp_path_factory):
     log_dir = str(tmp_path_factory.mktemp("openai_e2e"))
     args = parse_args(["--hf-checkpoint", str(tiny_qwen3), "--rollout-num-gpus", "2", "--router-policy",
                        "consistent_hash", "--vllm-enforce-eager", "--vllm-dtype", "float32",
-                       "--vllm-max-model-len", "256"], validate=False)
+                       "--vllm-max-model-len", "512",
+                       # forced tool calls (structured outputs) in compact JSON: an untrained model otherwise
+                       # spends its tokens on the whitespace JSON allows
+                       "--vllm-structured-outputs-config",
+                       '{"backend": "xgrammar", "disable_any_whitespace": true}'], validate=False)
     engines = [VLLMEngine(args, rank, log_dir) for rank in range(2)]
     router = server = None
     try:
@@ -78,6 +82,24 @@ def stack(tiny_qwen3, tmp_path_factory):
         for e in engines:
             e.stop()
         assert not stack_pids(), "engine or router processes outlived the test"
+
+
+def _regenerate(engine: str, prompt: list[int], max_tokens: int, **extra) -> list[dict]:
+    """The engine's answers to `prompt` asked directly, with the endpoint's seeded sampling."""
+    return _post(engine + "/inference/v1/generate", {
+        "model": "policy", "token_ids": prompt,
+        "sampling_params": {"max_tokens": max_tokens, "temperature": 1.0, "top_p": 1.0, "seed": SEED, "logprobs": 0,
+                            "skip_special_tokens": False, **extra}})["choices"]
+
+
+def _assert_engine_made(engine: str, trajectory, turn: int, choice: dict) -> None:
+    """Turn `turn` of `trajectory` holds exactly the engine's tokens and log-probs for that turn's prompt."""
+    start = trajectory.turns[turn]["prompt_tokens"]
+    n = trajectory.turns[turn]["completion_tokens"]
+    assert trajectory.tokens[start:start + n] == choice["token_ids"]
+    assert trajectory.loss_mask[start:start + n] == [1] * n and not any(trajectory.loss_mask[:trajectory.prompt_length])
+    assert trajectory.log_probs[start:start + n] == pytest.approx(
+        [c["logprob"] for c in choice["logprobs"]["content"]], abs=1e-5)
 
 
 def _chat(client, messages, max_tokens=12):
@@ -154,11 +176,145 @@ def test_errors_are_openai_shaped(stack):
     server, _ = stack
     conv = server.open_episode()
     client = openai.OpenAI(base_url=server.base_url, api_key=conv, max_retries=0, timeout=120)
-    with pytest.raises(openai.BadRequestError, match="stream"):
-        client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}], stream=True)
-    with pytest.raises(openai.BadRequestError):  # longer than --vllm-max-model-len 256: the engine says no
+    with pytest.raises(openai.BadRequestError, match="n must be"):
+        client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}], n=100)
+    with pytest.raises(openai.BadRequestError, match="not among the request's tools"):
+        client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}], tools=WEATHER,
+                                       tool_choice={"type": "function", "function": {"name": "nope"}})
+    with pytest.raises(openai.BadRequestError):  # longer than --vllm-max-model-len 512: the engine says no
         client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "one two " * 300}])
     assert server.session(conv) is None  # failed calls record nothing
     guessed = openai.OpenAI(base_url=server.base_url, api_key="conv-err", max_retries=0, timeout=120)
     with pytest.raises(openai.AuthenticationError):
         guessed.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}])
+
+
+WEATHER_PARAMETERS = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+                      "required": ["city"], "additionalProperties": False}
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                             "parameters": WEATHER_PARAMETERS}}]
+
+
+def _serving_engine(engine_urls, before):
+    served = [_served(u) - b for u, b in zip(engine_urls, before)]
+    assert sorted(served)[0] == 0, f"a session's calls were spread over the engines: {served}"
+    return engine_urls[served.index(max(served))]
+
+
+def test_tools_streaming_n_and_logprobs_with_the_openai_client(stack):
+    """Chat completions as harnesses send them: a required tool call comes back as structured tool_calls and
+    its result goes back as a tool message, one trajectory; stream=True gives the seeded answer's exact tokens;
+    n=4 gives four trained trajectories; logprobs/top_logprobs are the recorded ones. Every recorded turn is
+    the engine's own tokens and log-probs."""
+    server, engine_urls = stack
+    token = server.open_episode()
+    client = openai.OpenAI(base_url=server.base_url, api_key=f"{token}/tools", max_retries=0, timeout=120)
+    before = [_served(u) for u in engine_urls]
+
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    reply = client.chat.completions.create(model="policy", messages=messages, tools=WEATHER, tool_choice="required",
+                                           max_tokens=64, temperature=1.0, seed=SEED)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls
+    assert call.id.startswith("call_") and call.type == "function" and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
+    messages += [choice.message.model_dump(), {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
+    answer = client.chat.completions.create(model="policy", messages=messages, tools=WEATHER, max_tokens=12,
+                                            temperature=1.0, seed=SEED)
+    session = server.session(f"{token}/tools")
+    (trajectory,) = session.trajectories  # the tool result extended the recorded sequence
+    assert [t["completion_tokens"] for t in trajectory.turns] == [reply.usage.completion_tokens,
+                                                                   answer.usage.completion_tokens]
+    tool_turn = server.tokenizer.decode(trajectory.tokens[:trajectory.turns[1]["prompt_tokens"]])
+    assert "# Tools" in tool_turn and "<|im_start|>tool\nsunny, 21 C<|im_end|>" in tool_turn
+    engine = _serving_engine(engine_urls, before)
+    from vime.agents.tool_parsing import forced_call_schema
+
+    forced = {"structured_outputs": {"json": forced_call_schema(WEATHER), "disable_any_whitespace": True}}
+    _assert_engine_made(engine, trajectory, 0, _regenerate(engine, trajectory.tokens[:trajectory.turns[0][
+        "prompt_tokens"]], 64, **forced)[0])
+    _assert_engine_made(engine, trajectory, 1, _regenerate(engine, trajectory.tokens[:trajectory.turns[1][
+        "prompt_tokens"]], 12)[0])
+
+    # The same seeded request streamed: the same tokens (a second trajectory: the messages repeat, not extend).
+    question = [{"role": "user", "content": "Say something."}]
+    plain = client.chat.completions.create(model="policy", messages=question, max_tokens=12, seed=SEED,
+                                           logprobs=True, top_logprobs=2)
+    chunks = list(client.chat.completions.create(model="policy", messages=question, max_tokens=12, seed=SEED,
+                                                 stream=True, stream_options={"include_usage": True}))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == plain.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == plain.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+    first, second = session.trajectories[1:]
+    assert first.tokens == second.tokens and first.log_probs == pytest.approx(second.log_probs, abs=1e-6)
+    content = plain.choices[0].logprobs.content
+    sampled = first.tokens[first.prompt_length:]
+    assert len(content) == len(sampled)
+    assert [c.logprob for c in content] == pytest.approx(first.log_probs[first.prompt_length:], abs=1e-6)
+    for entry in content:
+        assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert entry.logprob <= entry.top_logprobs[0].logprob + 1e-6
+
+    # n=4: four answers, four trained trajectories, each the engine's.
+    four = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "Count."}],
+                                          max_tokens=8, seed=SEED, n=4)
+    assert [c.index for c in four.choices] == [0, 1, 2, 3]
+    branches = session.trajectories[3:]
+    assert len(branches) == 4 and four.usage.completion_tokens == sum(t.turns[0]["completion_tokens"]
+                                                                      for t in branches)
+    again = _regenerate(engine, branches[0].tokens[:branches[0].prompt_length], 8, n=4)
+    for trajectory, engine_choice in zip(branches, again):
+        _assert_engine_made(engine, trajectory, 0, engine_choice)
+    samples = server.close_episode(token)[f"{token}/tools"]
+    assert len(samples.trajectories) == 7
+
+
+def test_anthropic_messages_and_responses_api_round_trips(stack):
+    """The `anthropic` client against /v1/messages (a forced tool_use, its tool_result back, a streamed answer)
+    and the `openai` client's Responses API (a function call, its output back by previous_response_id): each
+    round trip is one trained trajectory whose turns are the engine's tokens."""
+    import anthropic
+
+    server, engine_urls = stack
+    token = server.open_episode()
+    root = server.base_url[: -len("/v1")]
+    claude = anthropic.Anthropic(base_url=root, api_key=f"{token}/claude", max_retries=0, timeout=120)
+    tools = [{"name": "get_weather", "description": "The weather in a city", "input_schema": WEATHER_PARAMETERS}]
+    question = {"role": "user", "content": "What is the weather in Rome?"}
+    message = claude.messages.create(model="policy", max_tokens=64, messages=[question], tools=tools,
+                                     tool_choice={"type": "tool", "name": "get_weather"})
+    assert message.stop_reason == "tool_use"
+    (use,) = [b for b in message.content if b.type == "tool_use"]
+    assert use.name == "get_weather" and use.input["city"] in ("Paris", "Rome")
+    result = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "rain"}]}
+    with claude.messages.stream(model="policy", max_tokens=12, tools=tools,
+                                messages=[question, {"role": "assistant", "content": message.content},
+                                          result]) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert final.stop_reason in ("end_turn", "max_tokens")
+    assert "".join(b.text for b in final.content if b.type == "text") == text
+    (trajectory,) = server.session(f"{token}/claude").trajectories
+    assert len(trajectory.turns) == 2 and final.usage.output_tokens == trajectory.turns[1]["completion_tokens"]
+    assert "<|im_start|>tool\nrain<|im_end|>" in server.tokenizer.decode(trajectory.tokens)
+
+    responder = openai.OpenAI(base_url=server.base_url, api_key=f"{token}/responses", max_retries=0, timeout=120)
+    function_tools = [{"type": "function", "name": "get_weather", "description": "The weather in a city",
+                       "parameters": WEATHER_PARAMETERS, "strict": True}]
+    first = responder.responses.create(model="policy", instructions="Use the tool.", input="Weather in Paris?",
+                                       tools=function_tools, tool_choice="required", max_output_tokens=64)
+    (call,) = [item for item in first.output if item.type == "function_call"]
+    assert call.name == "get_weather" and json.loads(call.arguments)["city"] in ("Paris", "Rome")
+    second = responder.responses.create(model="policy", instructions="Use the tool.", previous_response_id=first.id,
+                                        input=[{"type": "function_call_output", "call_id": call.call_id,
+                                                "output": "sunny"}],
+                                        tools=function_tools, max_output_tokens=12)
+    assert second.status in ("completed", "incomplete")
+    (trajectory,) = server.session(f"{token}/responses").trajectories
+    assert len(trajectory.turns) == 2
+    assert trajectory.turns[1]["completion_tokens"] == second.usage.output_tokens
+    decoded = server.tokenizer.decode(trajectory.tokens)
+    assert decoded.startswith("<|im_start|>system\nUse the tool.") and "<|im_start|>tool\nsunny" in decoded
+    server.close_episode(token)

@@ -23,8 +23,8 @@ def _turn(session, template, tokenizer, messages, sampled_text, eos=True):
     sampled = tokenizer.encode(sampled_text, add_special_tokens=False) + ([tokenizer.eos_token_id] if eos else [])
     log_probs = [-0.1 * (i + 1) for i in range(len(sampled))]
     text = reply_text(tokenizer, sampled, None)
-    session.record(trajectory, prompt, normalized, sampled, log_probs, ["3"], "stop" if eos else "length", text,
-                   template)
+    session.record(trajectory, prompt, normalized, sampled, log_probs, ["3"], "stop" if eos else "length",
+                   {"role": "assistant", "content": text}, template)
     return prompt, sampled, log_probs, text
 
 
@@ -126,3 +126,86 @@ def test_sampling_params_and_session_id():
     assert session_id_of({"Authorization": "Bearer b"}, {"user": "c"}) == "b"
     assert session_id_of({}, {"user": "c"}) == "c"
     assert session_id_of({}, {}) is None
+
+
+def test_sampling_params_n_and_top_logprobs():
+    defaults = {"max_tokens": 32}
+    assert engine_sampling_params({"n": 4}, defaults, {})["n"] == 4
+    assert "n" not in engine_sampling_params({"n": 1}, defaults, {})
+    assert engine_sampling_params({"logprobs": True, "top_logprobs": 3}, defaults, {})["logprobs"] == 3
+    for bad, match in (({"n": 0}, "n must be"), ({"n": 65}, "n must be"), ({"n": "2"}, "n must be"),
+                       ({"top_logprobs": 2}, "needs logprobs"), ({"logprobs": True, "top_logprobs": 21}, "0 to 20")):
+        with pytest.raises(ValueError, match=match):
+            engine_sampling_params(bad, defaults, {})
+    assert session_id_of({"x-api-key": "k"}, {"user": "c"}) == "k"  # the Anthropic client's header
+
+
+def _tool_reply(tokenizer, text):
+    from vime.agents.api.completion import ChoiceOut, ToolCallOut, canonical_arguments
+    from vime.agents.tool_parsing import split_tool_calls
+
+    content, calls = split_tool_calls(text)
+    return ChoiceOut(0, content, [ToolCallOut(f"call_{i}", c.name, canonical_arguments(c.arguments))
+                                  for i, c in enumerate(calls)], "tool_calls" if calls else "stop")
+
+
+def test_tool_calls_returned_and_resent_extend_the_trajectory(tokenizer):
+    """A tool-call reply goes back to the harness structured; the harness re-sends it (arguments re-serialized
+    in another key order, extra fields, content None) with the tool result: the call still extends the one
+    recorded token sequence, whose sampled tokens are the tool-call text as the model wrote it."""
+    template = ChatTemplate(tokenizer)
+    session = ChatSession("ep/tools")
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    m1 = [{"role": "user", "content": "add 2 3"}]
+    trajectory, prompt, normalized = session.prepare(m1, tools, template)
+    assert "# Tools" in tokenizer.decode(prompt)  # the tools reached the model through its template
+    text = 'ok <tool_call>{"name": "add", "arguments": {"b": 3, "a": 2}}</tool_call>'
+    sampled = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+    reply = _tool_reply(tokenizer, text)
+    assert reply.text == "ok" and reply.tool_calls[0].arguments == '{"a": 2, "b": 3}'
+    session.record(trajectory, prompt, normalized, sampled, [-0.1] * len(sampled), ["1"], "stop",
+                   reply.chat_message(), template)
+    resent = {"role": "assistant", "content": "ok", "refusal": None, "audio": None,
+              "tool_calls": [{"id": "call_0", "type": "function",
+                              "function": {"name": "add", "arguments": '{"b":3,"a":2}'}}]}
+    m2 = m1 + [resent, {"role": "tool", "tool_call_id": "call_0", "content": "5"}]
+    same, prompt2, _ = session.prepare(m2, tools, template)
+    assert same is trajectory and prompt2[:len(prompt) + len(sampled)] == prompt + sampled
+    assert tokenizer.decode(prompt2[len(prompt) + len(sampled):]) == \
+        "\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_forty_turn_history_renders_in_time_linear_in_the_turns(tokenizer):
+    """A harness that re-sends its whole history each call: only the new messages are rendered, so the 40th
+    call's preparation costs no more than 3x the 5th's (a re-rendering of the history would cost ~8x)."""
+    import time
+
+    template = ChatTemplate(tokenizer)
+    session = ChatSession("ep/long")
+    words = " ".join(["the answer is five and the next one is six"] * 20)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": words}]
+    seconds = {}
+    for turn in range(1, 41):
+        timings = []
+        for _ in range(3):  # prepare records nothing: the best of three is the cost without noise
+            start = time.perf_counter()
+            trajectory, prompt, normalized = session.prepare(messages, None, template)
+            timings.append(time.perf_counter() - start)
+        seconds[turn] = min(timings)
+        reply = f"turn {turn}: {words}"
+        sampled = tokenizer.encode(reply, add_special_tokens=False) + [tokenizer.eos_token_id]
+        session.record(trajectory, prompt, normalized, sampled, [-0.1] * len(sampled), ["1"], "stop",
+                       {"role": "assistant", "content": reply}, template)
+        messages = messages + [{"role": "assistant", "content": reply}, {"role": "user", "content": words}]
+    assert len(session.trajectories) == 1 and len(session.trajectories[0].turns) == 40
+    assert seconds[40] <= 3 * seconds[5], seconds
+    full_render = min(_timed(lambda: template.prompt_ids(messages)) for _ in range(3))
+    assert full_render > 3 * seconds[40], (full_render, seconds[40])  # the test can tell the two apart
+
+
+def _timed(fn) -> float:
+    import time
+
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start

@@ -43,8 +43,8 @@ def add_agent_args(parser: argparse.ArgumentParser) -> None:
                    help="module.attr of extra vime.agents.tools.Tool objects to register (default: None).")
     g.add_argument("--agent-tool-call-format", choices=("auto", "qwen", "json"),
                    default=DEFAULTS["agent_tool_call_format"],
-                   help="How tool calls are written: <tool_call>{...}</tool_call>, a JSON object, or auto "
-                        "(default: auto).")
+                   help="How tool calls are written: <tool_call>{...}</tool_call>, a JSON object, or auto; "
+                        "also how the agent endpoint parses a reply into structured tool_calls (default: auto).")
     g.add_argument("--agent-tool-timeout", type=float, default=DEFAULTS["agent_tool_timeout"],
                    help="Seconds one tool call may take; past it the model is told it timed out (default: 10).")
     g.add_argument("--agent-max-tool-output-chars", type=int, default=DEFAULTS["agent_max_tool_output_chars"],

@@ -9,11 +9,16 @@ harness rewrote history) a new trajectory starts from a fresh rendering of the w
 
 from __future__ import annotations
 
+import copy
 import json
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from vime.agents.api.completion import canonical_arguments
 from vime.utils.types import Sample
+
+logger = logging.getLogger(__name__)
 
 _FINISH_STATUS = {"stop": Sample.Status.COMPLETED, "length": Sample.Status.TRUNCATED, "abort": Sample.Status.ABORTED}
 _SENTINEL = "VIMESENTINEL7319"  # a reply text no template contains: marks where assistant content ends
@@ -38,10 +43,30 @@ def normalize_message(message: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"role": message["role"], "content": _content_text(message.get("content"))}
     if out["role"] == "assistant":
         out["content"] = out["content"].strip()
-    for key in ("name", "tool_calls", "tool_call_id"):
+    for key in ("name", "tool_call_id"):
         if message.get(key):
             out[key] = message[key]
+    if message.get("tool_calls"):
+        out["tool_calls"] = [_canonical_tool_call(call) for call in message["tool_calls"]]
     return out
+
+
+def _canonical_tool_call(call: Any) -> dict[str, Any]:
+    """The fields of a tool call a template renders, arguments as canonical JSON: a harness that re-sends our
+    call with its arguments re-serialized (or as an object) still extends the recorded conversation."""
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        raise ValueError(f"a tool call must be an object with a 'function' object, got {call!r}")
+    arguments = call["function"].get("arguments")
+    if isinstance(arguments, str):
+        try:
+            parsed = json.loads(arguments)
+        except ValueError:
+            parsed = None
+        arguments = canonical_arguments(parsed) if isinstance(parsed, dict) else arguments
+    elif isinstance(arguments, dict):
+        arguments = canonical_arguments(arguments)
+    return {"id": call.get("id"), "type": "function",
+            "function": {"name": call["function"].get("name"), "arguments": arguments}}
 
 
 def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -54,13 +79,9 @@ def new_messages_after(previous: list[dict[str, Any]], current: list[dict[str, A
     """The messages `current` adds after `previous`, or None when it does not extend it (normalized input)."""
     if not previous or len(current) <= len(previous):
         return None
-    if _canonical(current[: len(previous)]) != _canonical(previous):
+    if current[: len(previous)] != previous:  # normalized dicts: equal when every rendered field is
         return None
     return current[len(previous):]
-
-
-def _canonical(messages: list[dict[str, Any]]) -> str:
-    return json.dumps(messages, sort_keys=True, ensure_ascii=False)
 
 
 class ChatTemplate:
@@ -76,23 +97,28 @@ class ChatTemplate:
         self.assistant_closing = base_text[base_text.rindex(_SENTINEL) + len(_SENTINEL):]
 
     def render(self, messages: list[dict[str, Any]], tools: list | None = None,
-               add_generation_prompt: bool = True) -> str:
+               add_generation_prompt: bool = True, tool_choice: Any = None) -> str:
+        """The template's text; `tool_choice` reaches templates that render it (a variable they may ignore)."""
+        extra = {"tool_choice": tool_choice} if tool_choice is not None else {}
         return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt, **self.kwargs)
+                                                  add_generation_prompt=add_generation_prompt, **extra,
+                                                  **self.kwargs)
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def prompt_ids(self, messages: list[dict[str, Any]], tools: list | None = None) -> list[int]:
+    def prompt_ids(self, messages: list[dict[str, Any]], tools: list | None = None,
+                   tool_choice: Any = None) -> list[int]:
         """A whole conversation, ending with the generation prompt."""
-        return self.encode(self.render(messages, tools))
+        return self.encode(self.render(messages, tools, tool_choice=tool_choice))
 
-    def delta_ids(self, new_messages: list[dict[str, Any]], tools: list | None, closed_text: str) -> list[int]:
+    def delta_ids(self, new_messages: list[dict[str, Any]], tools: list | None, closed_text: str,
+                  tool_choice: Any = None) -> list[int]:
         """Tokens that follow a recorded assistant turn: the rest of the template's closing of that turn (the
         part the model did not generate itself, given as `closed_text`), the new messages and the generation
         prompt."""
-        base_text = self.render(self._base, tools, add_generation_prompt=False)
-        full = self.render(self._base + new_messages, tools)
+        base_text = self.render(self._base, tools, add_generation_prompt=False, tool_choice=tool_choice)
+        full = self.render(self._base + new_messages, tools, tool_choice=tool_choice)
         if not full.startswith(base_text):
             raise ValueError("the chat template renders earlier messages differently once new ones follow; "
                              "token-exact multi-turn needs a prefix-stable template")
@@ -146,6 +172,16 @@ class Trajectory:
         return self.turns[-1]["finish_reason"] if self.turns else None
 
 
+def branch(trajectory: Trajectory) -> Trajectory:
+    """A copy of `trajectory` that one of a call's other answers (n > 1) extends: each answer is its own sample."""
+    return copy.deepcopy(trajectory)
+
+
+def _role(session_id: str) -> str:
+    """What a log line may say about a session: its role, never its episode token (a credential)."""
+    return repr(session_id.split("/", 1)[1]) if "/" in session_id else "(main)"
+
+
 @dataclass
 class ChatSession:
     """All chat calls made with one session id, as one or more trajectories."""
@@ -153,30 +189,39 @@ class ChatSession:
     session_id: str
     trajectories: list[Trajectory] = field(default_factory=list)
 
-    def prepare(self, messages: list[dict[str, Any]], tools: list | None,
-                template: ChatTemplate) -> tuple[Trajectory, list[int], list[dict[str, Any]]]:
+    def prepare(self, messages: list[dict[str, Any]], tools: list | None, template: ChatTemplate,
+                tool_choice: Any = None) -> tuple[Trajectory, list[int], list[dict[str, Any]]]:
         """(trajectory to extend, prompt token ids for the engine, normalized messages). Records nothing:
-        `record` does once the engine answered, so a failed call leaves the session unchanged."""
+        `record` does once the engine answered, so a failed call leaves the session unchanged.
+
+        The call extends the latest trajectory whose recorded conversation its messages continue (with n > 1 a
+        harness continues one of the answers): only the new messages are rendered, so a long re-sent history
+        costs one comparison, not a re-rendering. Otherwise a new trajectory starts from the whole conversation."""
         normalized = normalize_messages(messages)
-        last = self.trajectories[-1] if self.trajectories else None
-        new = new_messages_after(last.messages, normalized) if last is not None else None
-        if last is not None and new is not None:
-            delta = template.delta_ids(new, tools, last.closed_text)
-            return last, last.tokens + delta, normalized
+        for trajectory in reversed(self.trajectories):
+            new = new_messages_after(trajectory.messages, normalized)
+            if new is not None:
+                delta = template.delta_ids(new, tools, trajectory.closed_text, tool_choice)
+                return trajectory, trajectory.tokens + delta, normalized
+        if self.trajectories:
+            logger.info("agent session %s: the messages do not continue any recorded turn (history edited or "
+                        "re-sent without the last answer); a new trained trajectory starts", _role(self.session_id))
         fresh = Trajectory(prompt_messages=normalized)
-        return fresh, template.prompt_ids(normalized, tools), normalized
+        return fresh, template.prompt_ids(normalized, tools, tool_choice), normalized
 
     def record(self, trajectory: Trajectory, prompt_ids: list[int], messages: list[dict[str, Any]],
                sampled: list[int], log_probs: list[float], weight_versions: list[str], finish_reason: str | None,
-               reply_text: str, template: ChatTemplate) -> None:
+               assistant_message: dict[str, Any], template: ChatTemplate) -> None:
+        """Add one answer to `trajectory` (a trajectory `prepare` returned, or a `branch` of one)."""
         if not trajectory.tokens:  # a new trajectory: the whole prompt is its prompt
             trajectory.prompt_length = len(prompt_ids)
+        if not any(t is trajectory for t in self.trajectories):
             self.trajectories.append(trajectory)
         if prompt_ids[: len(trajectory.tokens)] != trajectory.tokens:
             raise AssertionError("prompt does not extend the recorded tokens")  # a bug, never user input
         trajectory.add_context(prompt_ids[len(trajectory.tokens):])
         trajectory.add_sampled(sampled, log_probs, weight_versions)
-        trajectory.messages = messages + [normalize_message({"role": "assistant", "content": reply_text})]
+        trajectory.messages = messages + [normalize_message(assistant_message)]
         trajectory.closed_text = template.closed_text(sampled, finish_reason)
         trajectory.turns.append({"prompt_tokens": len(prompt_ids), "completion_tokens": len(sampled),
                                  "finish_reason": finish_reason})

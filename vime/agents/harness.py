@@ -27,6 +27,7 @@ import logging
 import threading
 from typing import Any, Awaitable, Callable
 
+from vime.agents.arguments import agent_setting
 from vime.agents.chat_session import ChatSession, trajectory_to_sample
 from vime.agents.openai_arguments import agent_flag
 from vime.agents.openai_server import OpenAIServer
@@ -63,7 +64,8 @@ def get_server(args) -> OpenAIServer:
                                    max_request_bytes=int(agent_flag(args, "agent_endpoint_max_request_mb") * 2**20),
                                    request_timeout_s=args.rollout_request_timeout,
                                    retries=args.rollout_request_retries,
-                                   retry_window_s=retry_window_s(args)).start()
+                                   retry_window_s=retry_window_s(args),
+                                   tool_call_format=agent_setting(args, "agent_tool_call_format")).start()
         return _server
 
 

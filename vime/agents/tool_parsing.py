@@ -80,3 +80,35 @@ def parse_tool_calls(text: str, fmt: str = "auto") -> list[ToolCall | ToolCallEr
         if calls or fmt == "qwen":
             return calls
     return parse_json_tool_call(text)
+
+
+def split_tool_calls(text: str, fmt: str = "auto") -> tuple[str, list[ToolCall]]:
+    """(the turn's content without its tool-call markup, its well-formed calls), for an API that returns calls
+    as structured objects. A turn with a malformed call is returned whole as content with no calls: the harness
+    sees what the model wrote, and the training record is the same tokens either way."""
+    calls = parse_tool_calls(text, fmt)
+    if not calls or any(isinstance(c, ToolCallError) for c in calls):
+        return text, []
+    if QWEN_CALL.search(text) and fmt in ("auto", "qwen"):
+        return QWEN_CALL.sub("", text).strip(), calls
+    if JSON_FENCE.search(text):  # the JSON format: the fenced block is the call, prose around it the content
+        return JSON_FENCE.sub("", text, count=1).strip(), calls
+    return "", calls  # the whole turn is the call
+
+
+def forced_call_schema(tools: list[dict[str, Any]], name: str | None = None) -> dict[str, Any]:
+    """The JSON schema of one call in the JSON format, `{"name": ..., "arguments": {...}}`, to one of the chat
+    `tools` (or to `name` only): what the engine's structured output holds a reply to when a request requires a
+    tool call (tool_choice "required" or a named function)."""
+    options = []
+    for tool in tools:
+        function = tool.get("function") or {}
+        if name is not None and function.get("name") != name:
+            continue
+        parameters = function.get("parameters") or {"type": "object"}
+        options.append({"type": "object", "properties": {"name": {"const": function.get("name")},
+                                                         "arguments": parameters},
+                        "required": ["name", "arguments"], "additionalProperties": False})
+    if not options:
+        raise ValueError(f"tool_choice names the function {name!r}, which is not among the request's tools")
+    return options[0] if len(options) == 1 else {"anyOf": options}

@@ -23,12 +23,35 @@ LLAMA3_ROPE_SCALING = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor"
 DEEPSEEK_V3_ROPE_SCALING = {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
                             "original_max_position_embeddings": 4096, "type": "yarn"}
 
-# Chat template in the ChatML style used by Qwen; enough for prompts, multi-turn and tool turns.
+# Chat template in the ChatML style used by Qwen; enough for prompts, multi-turn and tool turns. With `tools` it
+# lists them in a system turn and renders an assistant's tool calls as Qwen does (`<tool_call>{...}</tool_call>`,
+# what vime.agents.tool_parsing parses back); without tools or tool calls it renders exactly plain ChatML.
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\n\n' }}{%- endif %}"
+    "{{- '# Tools\n<tools>\n' }}"
+    "{%- for tool in tools %}{{- tool | tojson }}{{- '\n' }}{%- endfor %}"
+    "{{- '</tools>\nCall a tool with <tool_call>{\"name\": NAME, \"arguments\": {...}}</tool_call>' }}"
+    "{%- if tool_choice == 'required' %}{{- '\nCall a tool.' }}"
+    "{%- elif tool_choice is mapping %}{{- '\nCall ' + tool_choice['function']['name'] + '.' }}{%- endif %}"
+    "{{- '<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if not (tools and loop.first and message['role'] == 'system') %}"
+    "{{- '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') }}"
+    "{%- if message['role'] == 'assistant' and message['tool_calls'] is defined and message['tool_calls'] %}"
+    "{%- for call in message['tool_calls'] %}"
+    "{%- if message['content'] or not loop.first %}{{- '\n' }}{%- endif %}"
+    "{%- set arguments = call['function']['arguments'] %}"
+    "{{- '<tool_call>{\"name\": \"' + call['function']['name'] + '\", \"arguments\": ' }}"
+    "{{- arguments if arguments is string else arguments | tojson }}{{- '}</tool_call>' }}"
+    "{%- endfor %}"
+    "{%- endif %}"
+    "{{- '<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]
 
