@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from vime.ray.session import TrainingSession, run_entry_point
+from vime.ray.session import TrainingSession, exit_after_run, run_entry_point
 from vime.utils.logging_utils import progress
 
 
@@ -57,3 +57,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    exit_after_run()

@@ -27,7 +27,6 @@ from vime.backends.vllm_utils import client
 from vime.backends.vllm_utils.arguments import engine_dtype_warning, router_args_from
 from vime.backends.vllm_utils.engine import VLLMEngine, http_ok
 from vime.backends.vllm_utils.router import Router, post_worker
-from vime.backends.weight_transport.disk import DiskWeightTransport
 from vime.ray.health import EngineHealthMonitor
 from vime.ray.placement import num_engines
 from vime.rollout.context import RolloutContext
@@ -222,7 +221,7 @@ class EngineFleet:
             if connected is not None and recovery_dir is not None:
                 # an update bound to the engine set it was made for (broadcast): an engine restarted since then
                 # loads the same weights from the recovery copy
-                recovery_call = DiskWeightTransport(self.args).load_call(recovery_dir)
+                recovery_call = recovery_load_call(self.args, recovery_dir)
                 calls = {u: recovery_call for u in targets if u not in connected}
             calls.update(transport.load_calls([u for u in targets if u not in calls], handle))
             answers, errors = client.update_weights_each(targets, calls, version)
@@ -313,7 +312,7 @@ class EngineFleet:
             url = ray.get(new.start.remote(), timeout=args.engine_startup_timeout + 60)
             with self._engines_lock:  # no weight update in between: the engine joins with the current weights
                 if self.served_version is not None:  # weights were pushed since the start: load the latest
-                    call = DiskWeightTransport(args).load_call(self.recovery_weights) if self.recovery_weights else None
+                    call = recovery_load_call(args, self.recovery_weights) if self.recovery_weights else None
                     client.update_weights_all([url], {url: call}, self.served_version)
                 self.engines[rank] = new
                 self.rank_urls[rank] = url
@@ -339,3 +338,11 @@ class EngineFleet:
         from vime.backends.weight_transport.check import engine_prompt_log_probs
 
         return engine_prompt_log_probs(self.engine_urls, tokens)
+
+
+def recovery_load_call(args, weights_dir: str):
+    """The call that makes a restarted engine load the recovery weights (the disk transport's; imported here, not
+    at the top, so that starting the fleet does not wait for torch)."""
+    from vime.backends.weight_transport.disk import DiskWeightTransport
+
+    return DiskWeightTransport(args).load_call(weights_dir)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
+import sys
+import threading
 import time
 
 import ray
@@ -38,6 +41,18 @@ def run_entry_point(train_fn, argv: list[str] | None = None) -> None:
     finally:
         ray.shutdown()
     logging.getLogger("vime").info("done: metrics in %s/metrics.jsonl", args.output_dir)
+
+
+def exit_after_run() -> None:
+    """End a finished run's process at once. Everything it wrote is closed by now (metrics, checkpoints, the
+    transport; Ray is shut down); what remains is the interpreter tearing down torch, vLLM and Ray's native
+    modules, about 2 s a run, and their destructors have crashed at exit before (see tests/conftest.py)."""
+    if "wandb" in sys.modules:  # its service process stops in an exit hook that os._exit would skip
+        sys.modules["wandb"].teardown()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def critic_args(args):
@@ -355,6 +370,11 @@ class TrainingSession:
             self.metrics.log(rollout_id, self._wait_for_rollout(self.manager.eval.remote(rollout_id), "eval"))
 
     def __exit__(self, *exc) -> None:
+        curve = None
+        if self.metrics is not None:  # every row is written: the curve is drawn while the actors stop
+            self.metrics.close()
+            curve = threading.Thread(target=save_reward_curve, args=(self.args.output_dir,), name="reward-curve")
+            curve.start()
         try:
             if self.manager is not None and self.manager_stuck:
                 ray.kill(self.manager)  # its engines and router go with it (they are its actors and children)
@@ -364,7 +384,6 @@ class TrainingSession:
             for group in (self.trainers, self.critic):
                 if group is not None:
                     group.shutdown()
-            if self.metrics is not None:
-                self.metrics.close()
-                save_reward_curve(self.args.output_dir)
+            if curve is not None:
+                curve.join()
             self.transport.close()

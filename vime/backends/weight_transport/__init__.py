@@ -13,20 +13,30 @@ tensors whose content changed since the last sync), `cuda_ipc` (colocated GPUs: 
 
 from __future__ import annotations
 
-from vime.backends.weight_transport.base import WeightTransport
-from vime.backends.weight_transport.broadcast import BroadcastWeightTransport
-from vime.backends.weight_transport.cuda_ipc import CudaIpcWeightTransport
-from vime.backends.weight_transport.delta import DeltaWeightTransport
-from vime.backends.weight_transport.disk import DiskWeightTransport
+import importlib
+from typing import TYPE_CHECKING
 
-TRANSPORTS: dict[str, type[WeightTransport]] = {
-    "disk": DiskWeightTransport, "broadcast": BroadcastWeightTransport, "delta": DeltaWeightTransport,
-    "cuda_ipc": CudaIpcWeightTransport}
+if TYPE_CHECKING:
+    from vime.backends.weight_transport.base import WeightTransport
+
+# kind -> "module:class" (imported when a run makes one) or a class (registered by a plugin or test): the package
+# itself stays free of torch, so a process that only reads `check` or `staging` (the rollout manager, on the
+# engines' start-up path) does not import it.
+TRANSPORTS: dict[str, str | type] = {
+    "disk": "disk:DiskWeightTransport", "broadcast": "broadcast:BroadcastWeightTransport",
+    "delta": "delta:DeltaWeightTransport", "cuda_ipc": "cuda_ipc:CudaIpcWeightTransport"}
+
+
+def transport_class(kind: str) -> type[WeightTransport]:
+    try:
+        entry = TRANSPORTS[kind]
+    except KeyError:
+        raise ValueError(f"--update-weight-transport {kind!r}: choose one of {sorted(TRANSPORTS)}") from None
+    if not isinstance(entry, str):
+        return entry
+    module, name = entry.split(":")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
 
 
 def make_weight_transport(kind: str, args) -> WeightTransport:
-    try:
-        cls = TRANSPORTS[kind]
-    except KeyError:
-        raise ValueError(f"--update-weight-transport {kind!r}: choose one of {sorted(TRANSPORTS)}") from None
-    return cls(args)
+    return transport_class(kind)(args)
