@@ -25,9 +25,13 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import multiprocessing
 import os
 import pickle
 import random
+import threading
+import time
+from multiprocessing.managers import SyncManager
 from pathlib import Path
 
 import torch
@@ -186,6 +190,29 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def _exit_with_parent(parent: int) -> None:
+    """In a multiprocessing Manager's server process: leave once `parent` is gone (checked every second)."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
+def _results_queue_dies_with_this_process() -> None:
+    """Megatron's torch_dist saves collect their write results through a queue served by a multiprocessing
+    Manager process that it starts once per process; that process outlives a rank killed mid-run (SIGKILL,
+    a crash), one orphan per killed rank. Start the Manager here, once, with a watch that ends it with us."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is not None:
+        return
+    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+    manager.start(initializer=_exit_with_parent, initargs=(os.getpid(),))
+    filesystem_async._results_queue = manager.Queue()
+
+
 def save_checkpoint(trainer, root: str, rollout_id: int, extra_state: dict | None = None) -> Path:
     """Collective over the trainer's ranks: its part (`part_dir`: the actor's, or the critic's) of iteration
     `rollout_id`'s unpublished directory under `root`. The actor saves first and makes the directory fresh; the
@@ -198,6 +225,7 @@ def save_checkpoint(trainer, root: str, rollout_id: int, extra_state: dict | Non
     if rank == 0:
         path.mkdir(exist_ok=True)
     dist.barrier()
+    _results_queue_dies_with_this_process()
     dist_checkpointing.save(_sharded_state(trainer, is_loading=False), str(path))
     (path / "rng").mkdir(exist_ok=True)
     torch.save(_rng_state(), path / "rng" / f"rank_{rank}.pt")
