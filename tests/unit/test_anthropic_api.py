@@ -3,9 +3,7 @@ stream events, checked against the anthropic package's types and its real client
 
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
 from types import SimpleNamespace
 
 import anthropic
@@ -14,6 +12,7 @@ from aiohttp import web
 from anthropic.types import Message, RawMessageStreamEvent
 from pydantic import TypeAdapter
 
+from tests.helpers.canned_api import send_events, serve
 from vime.agents.api import anthropic_api as A
 from vime.agents.api.completion import ChoiceOut, Completion, ToolCallOut, canonical_arguments
 
@@ -223,15 +222,6 @@ def test_error_body(status, kind):
 
 
 # ---- the real anthropic client -------------------------------------------------------------------------------
-async def _sse(request: web.Request, events) -> web.StreamResponse:
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-    await response.prepare(request)
-    for name, data in events:
-        await response.write(f"event: {name}\ndata: {json.dumps(data)}\n\n".encode())
-    await response.write_eof()
-    return response
-
-
 @pytest.fixture(scope="module")
 def server():
     """A tiny endpoint answering POST /v1/messages with the Completion its `model` names (else a 404 error)."""
@@ -244,29 +234,13 @@ def server():
         if completion is None:
             return web.json_response(A.error_body(404, f"no model {body['model']}"), status=404)
         if body.get("stream"):
-            return await _sse(request, A.stream_events(completion))
+            return await send_events(request, A.stream_events(completion))
         return web.json_response(A.message_object(completion))
 
-    async def start():
-        app = web.Application()
-        app.router.add_post("/v1/messages", messages)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        return runner, site._server.sockets[0].getsockname()[1]
-
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    runner, port = asyncio.run_coroutine_threadsafe(start(), loop).result(10)
-    client = anthropic.Anthropic(base_url=f"http://127.0.0.1:{port}", api_key="k", max_retries=0, timeout=10)
-    yield SimpleNamespace(client=client, received=received)
-    client.close()
-    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(5)
-    loop.close()
+    with serve("/v1/messages", messages) as root:
+        client = anthropic.Anthropic(base_url=f"{root}", api_key="k", max_retries=0, timeout=10)
+        yield SimpleNamespace(client=client, received=received)
+        client.close()
 
 
 def _ask(name):

@@ -3,9 +3,7 @@ stream events, checked against the openai package's types and its real client (o
 
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
 from types import SimpleNamespace
 
 import openai
@@ -14,6 +12,7 @@ from aiohttp import web
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
+from tests.helpers.canned_api import send_events, serve
 from vime.agents.api import responses_api as R
 from vime.agents.api.completion import ChoiceOut, Completion, ToolCallOut, canonical_arguments
 
@@ -256,15 +255,6 @@ def test_truncated_stream_ends_incomplete():
 
 
 # ---- the real openai client ----------------------------------------------------------------------------------
-async def _sse(request: web.Request, events) -> web.StreamResponse:
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-    await response.prepare(request)
-    for name, data in events:
-        await response.write(f"event: {name}\ndata: {json.dumps(data)}\n\n".encode())
-    await response.write_eof()
-    return response
-
-
 @pytest.fixture(scope="module")
 def server():
     """A tiny endpoint answering POST /v1/responses with the Completion its `model` names."""
@@ -275,29 +265,13 @@ def server():
         received.append(body)
         completion = COMPLETIONS[body["model"]]
         if body.get("stream"):
-            return await _sse(request, R.stream_events(completion, body))
+            return await send_events(request, R.stream_events(completion, body))
         return web.json_response(R.response_object(completion, body))
 
-    async def start():
-        app = web.Application()
-        app.router.add_post("/v1/responses", responses)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        return runner, site._server.sockets[0].getsockname()[1]
-
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    runner, port = asyncio.run_coroutine_threadsafe(start(), loop).result(10)
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k", max_retries=0, timeout=10)
-    yield SimpleNamespace(client=client, received=received)
-    client.close()
-    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(5)
-    loop.close()
+    with serve("/v1/responses", responses) as root:
+        client = openai.OpenAI(base_url=f"{root}/v1", api_key="k", max_retries=0, timeout=10)
+        yield SimpleNamespace(client=client, received=received)
+        client.close()
 
 
 @pytest.mark.parametrize("name", list(COMPLETIONS))
