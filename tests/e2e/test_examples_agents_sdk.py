@@ -30,10 +30,13 @@ def test_agents_sdk_example(tiny_qwen3, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3)
     data = write_data(tmp_path / "data", n_train=16, n_eval=2, n_sft=2)
     out = tmp_path / "run"
-    # later flags win: the SDK's first request is ~330 tokens; 64 fit a forced call even spelled letter by letter
+    # later flags win: the SDK's first request is ~330 tokens; 64 fit a forced call even spelled letter by letter.
+    # xgrammar reads disable_any_whitespace from the engine's config only (not per request): without it a
+    # random-init model can pad the forced JSON call with whitespace until the length limit (seen in CI)
     records = _run("train.py", tiny_qwen3, data["train"], out, "examples.agents_sdk.agent", 1,
                    "--custom-generate-function-path", "examples.agents_sdk.agent.generate_tool_required",
-                   "--rollout-max-response-len", "64", "--vllm-max-model-len", "640")
+                   "--rollout-max-response-len", "64", "--vllm-max-model-len", "640",
+                   "--vllm-structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}')
     groups = load_rollout(str(out / "rollouts" / "{rollout_id}.jsonl"), 0)
     assert [len(g) for g in groups] == [GROUP_SIZE] * GROUPS
     for s in (s for g in groups for s in g):

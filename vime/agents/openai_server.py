@@ -459,7 +459,9 @@ class OpenAIServer:
         if forced.get("seed") is not None:  # one run seed per episode: vary it per role and call
             params["seed"] = call_seed(forced["seed"], session_id, sum(len(t.turns) for t in session.trajectories))
         required = tools is not None and (tool_choice == "required" or isinstance(tool_choice, dict))
-        if required:  # the reply must be a call: the engine's structured output holds it to one
+        # the reply must be a call: the engine's structured output holds it to one. vLLM's xgrammar and guidance
+        # backends take disable_any_whitespace from the engine's config, not from here (README: agent endpoint)
+        if required:
             name = (tool_choice.get("function") or {}).get("name") if isinstance(tool_choice, dict) else None
             params["structured_outputs"] = {"json": forced_call_schema(tools, name), "disable_any_whitespace": True}
         choices = await self._generate(session_id, prompt_ids, params)
