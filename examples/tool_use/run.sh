@@ -4,7 +4,7 @@
 #   2. multi-turn SFT warm-up on demonstrations (model turns trained, tool turns masked);
 #   3. GRPO with multi-turn rollouts on a real vLLM engine: model turn -> calculator -> model turn, reward 1
 #      for the right boxed number. Rollouts (tokens, loss masks, log-probs, turns) are saved as JSONL.
-# Smaller runs: SFT_STEPS=10 GRPO_STEPS=2 OUT=/tmp/x bash examples/tool_use/run.sh
+# Smaller runs: SFT_STEPS=10 SFT_BATCH=8 GRPO_STEPS=2 OUT=/tmp/x bash examples/tool_use/run.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 [ "${SKIP_INSTALL:-0}" = 1 ] || bash scripts/install.sh
@@ -21,7 +21,7 @@ COMMON=(--label-key label --tool-key tools --apply-chat-template --rollout-shuff
 echo "== multi-turn SFT warm-up"
 $PY train.py --overwrite-output "${COMMON[@]}" --hf-checkpoint "$OUT/model" --prompt-data "$OUT/data/train.jsonl" \
   --debug-train-only --rollout-function-path vime.agents.multi_turn.sft_generate_rollout --loss-type sft_loss \
-  --rollout-batch-size 32 --n-samples-per-prompt 1 --num-rollout "${SFT_STEPS:-200}" --lr 2e-3 \
+  --rollout-batch-size "${SFT_BATCH:-32}" --micro-batch-size "${SFT_BATCH:-32}" --n-samples-per-prompt 1 --num-rollout "${SFT_STEPS:-200}" --lr 2e-3 \
   --output-dir "$OUT/sft" --save-hf "$OUT/sft_hf"
 
 echo "== GRPO with multi-turn tool-calling rollouts"

@@ -1,4 +1,4 @@
-"""The agent examples end to end, reduced (few SFT steps, 1 GRPO rollout, 1 engine): their run.sh as a user
+"""The agent examples end to end, reduced (few small SFT steps, 1 GRPO rollout, 1 engine): their run.sh as a user
 runs it, then the saved rollouts' trajectory structure: masks, log-probs aligned with tokens, tool turns
 masked, rewards present."""
 
@@ -22,7 +22,8 @@ GRPO_STEPS = 1
 
 def _run_example(name: str, out: Path, sft_steps: int) -> list[Sample]:
     assert not stack_pids(), "engine or router processes are already running"
-    env = {**os.environ, "SKIP_INSTALL": "1", "OUT": str(out), "SFT_STEPS": str(sft_steps),
+    # SFT batches of 8: the warm-up only has to teach the format, and it is a quarter of the example's compute
+    env = {**os.environ, "SKIP_INSTALL": "1", "OUT": str(out), "SFT_STEPS": str(sft_steps), "SFT_BATCH": "8",
            "GRPO_STEPS": str(GRPO_STEPS), "VIME_PROGRESS": "0"}
     # 4 prompts x 4 samples: the micro-batch must divide the 16-sample global batch
     extra = ["--rollout-batch-size", "4", "--micro-batch-size", "8"]
