@@ -1,6 +1,7 @@
 """An agent written with the OpenAI Agents SDK, trained with GRPO: a shop assistant answers "How much does milk
-cost?" by calling its `get_price` tool and stating the price it gets back. Prices differ in every episode (they
-come with the sample, through the SDK's run context), so only the tool knows the answer.
+cost?" by calling its `get_price` tool and stating the price it gets back. The shop's price list comes with the
+sample and reaches the tool through the SDK's run context; the reward pays only for the asked item's price, looked
+up with the tool.
 
 The SDK drives the policy through vime's endpoint with the Responses API (`POST /v1/responses`, what the SDK's
 `OpenAIResponsesModel` speaks); vime records the exact tokens of every model turn (the tool call, then the answer
@@ -12,13 +13,14 @@ after the tool's output) and trains them.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from agents import (Agent, ModelSettings, OpenAIResponsesModel, RunContextWrapper, Runner, function_tool,
-                    set_tracing_disabled)
+from agents import (Agent, ModelSettings, OpenAIResponsesModel, RunContextWrapper, RunResult, Runner,
+                    ToolCallItem, function_tool, set_tracing_disabled)
 from agents.exceptions import AgentsException
 from openai import AsyncOpenAI
 
@@ -67,9 +69,22 @@ def last_number(text: str | None) -> str | None:
     return numbers[-1] if numbers else None
 
 
-def score(final_output: str | None, label: str) -> float:
-    """1 when the answer's last number is the asked item's price."""
-    return float(last_number(final_output) == str(label))
+def looked_up(result: RunResult) -> list[str]:
+    """The items the episode's get_price calls asked for."""
+    items = []
+    for item in result.new_items:
+        if isinstance(item, ToolCallItem) and getattr(item.raw_item, "name", None) == get_price.name:
+            try:
+                items.append(json.loads(item.raw_item.arguments).get("item"))
+            except (ValueError, AttributeError):
+                pass
+    return items
+
+
+def score(result: RunResult, asked: str, label: str) -> float:
+    """1 when the agent looked up the asked item and its answer's last number is that item's price: a right
+    number without the lookup (a guess, or a price remembered) does not count."""
+    return float(asked in looked_up(result) and last_number(result.final_output) == str(label))
 
 
 async def run(base_url: str, session_id: str, sample, tool_choice: str | None = None) -> float:
@@ -84,7 +99,7 @@ async def run(base_url: str, session_id: str, sample, tool_choice: str | None = 
         except AgentsException as e:  # the model misbehaved (too many turns, a cut-off reply): reward 0
             logger.debug("agents_sdk episode failed: %s: %s", type(e).__name__, e)
             return 0.0
-    return score(result.final_output, sample.label)
+    return score(result, sample.metadata["item"], sample.label)
 
 
 async def run_tool_required(base_url: str, session_id: str, sample) -> float:

@@ -1,6 +1,6 @@
-"""Data for the Agents SDK example: RL questions ("How much does milk cost?", a price table drawn per row in
-`metadata.prices`, label: the asked item's price) and an SFT warm-up set of whole episodes as the endpoint renders
-the SDK's requests.
+"""Data for the Agents SDK example: RL questions ("How much does milk cost?", label: the asked item's price, the
+shop's price list in `metadata.prices`, which the agent hands its tool) and an SFT warm-up set of whole episodes
+as the endpoint renders the SDK's requests.
 
     python -m examples.agents_sdk.make_data --out DIR      # DIR/{train,eval,sft}.jsonl
 
@@ -19,13 +19,17 @@ import random
 from pathlib import Path
 from typing import Any
 
+# The shop's prices. Fixed, not drawn per episode: a tiny random-init model learns to read a number off the tool
+# turn of these ~330-token prompts only after several hundred SFT steps (see the README), far beyond a warm-up.
+PRICES = {"milk": 3, "bread": 5, "rice": 2, "tea": 7, "eggs": 4, "cheese": 9}
+
+
 def question_row(rng: random.Random) -> dict[str, Any]:
     from examples.agents_sdk.agent import ITEMS
 
-    prices = {item: rng.randint(1, 9) for item in ITEMS}  # one digit: one token to read off the tool
     item = rng.choice(ITEMS)
-    return {"prompt": f"How much does {item} cost?", "label": str(prices[item]),
-            "metadata": {"item": item, "prices": prices}}
+    return {"prompt": f"How much does {item} cost?", "label": str(PRICES[item]),
+            "metadata": {"item": item, "prices": dict(PRICES)}}
 
 
 def sdk_tools() -> list[dict[str, Any]]:
@@ -49,24 +53,37 @@ def answer(price: int | str) -> str:
     return f"It costs {price}."
 
 
-def sft_row(row: dict[str, Any], tools: list[dict[str, Any]]) -> dict[str, Any]:
-    item, price = row["metadata"]["item"], row["label"]
+def sft_row(row: dict[str, Any], tools: list[dict[str, Any]], looked_up: str | None = None) -> dict[str, Any]:
+    """A demonstration: the call for `looked_up` (the asked item unless given), the tool's answer for it, and
+    that price stated faithfully."""
+    item = looked_up or row["metadata"]["item"]
+    price = str(row["metadata"]["prices"][item])
     # the text the template renders for this call (canonical arguments, as the endpoint returns them)
     call = f'<tool_call>{{"name": "get_price", "arguments": {{"item": "{item}"}}}}</tool_call>'
-    return {"prompt": first_messages(row["prompt"]), "label": price, "tools": tools,
+    return {"prompt": first_messages(row["prompt"]), "label": row["label"], "tools": tools,
             "metadata": {"conversation": [{"role": "assistant", "content": call},
                                           {"role": "tool", "content": price},
                                           {"role": "assistant", "content": answer(price)}]}}
 
 
+def sloppy_demonstration(row: dict[str, Any], tools: list[dict[str, Any]], rng: random.Random,
+                         sloppiness: float) -> dict[str, Any]:
+    """The warm-up's teacher: the call format always right, but with probability `sloppiness` it looks up an item
+    drawn at random instead of the asked one (and reports that item's price). The warmed-up model inherits the
+    habit, and GRPO has the gap to close: the reward pays only for the asked item's price, looked up."""
+    from examples.agents_sdk.agent import ITEMS
+
+    return sft_row(row, tools, rng.choice(ITEMS) if rng.random() < sloppiness else None)
+
+
 def write_data(out: str | Path, n_train: int = 512, n_eval: int = 64, n_sft: int = 512,
-               seed: int = 0) -> dict[str, Path]:
+               seed: int = 0, sloppiness: float = 0.5) -> dict[str, Path]:
     out, rng = Path(out), random.Random(seed)
     out.mkdir(parents=True, exist_ok=True)
     tools = sdk_tools()
     splits = {"train": [question_row(rng) for _ in range(n_train)],
               "eval": [question_row(rng) for _ in range(n_eval)],
-              "sft": [sft_row(question_row(rng), tools) for _ in range(n_sft)]}
+              "sft": [sloppy_demonstration(question_row(rng), tools, rng, sloppiness) for _ in range(n_sft)]}
     paths = {}
     for name, rows in splits.items():
         paths[name] = out / f"{name}.jsonl"
@@ -81,5 +98,7 @@ if __name__ == "__main__":
     p.add_argument("--eval", type=int, default=64)
     p.add_argument("--sft", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sloppiness", type=float, default=0.5,
+                   help="how often the warm-up's teacher looks up a random item instead of the asked one")
     a = p.parse_args()
-    print(write_data(a.out, a.train, a.eval, a.sft, a.seed))
+    print(write_data(a.out, a.train, a.eval, a.sft, a.seed, a.sloppiness))

@@ -2,8 +2,8 @@
 # An OpenAI Agents SDK agent trained with GRPO on this machine's CPU: an `agents.Agent` with one function tool
 # (`get_price`) answers "How much does milk cost?"; the SDK talks to the policy through vime's Responses API route.
 #   1. install (.venv), build a tiny Qwen3 model and the data locally (no downloads);
-#   2. a short multi-turn SFT warm-up on whole episodes as the endpoint renders the SDK's requests (tool call,
-#      tool output, answer); short on purpose, so that the reward starts low;
+#   2. a multi-turn SFT warm-up on whole episodes as the endpoint renders the SDK's requests (tool call, tool
+#      output, answer) from a sloppy teacher that looks up the wrong item half the time, so the reward starts low;
 #   3. GRPO: each episode is `Runner.run(agent, ...)` (examples/agents_sdk/agent.py); vime records the exact
 #      tokens of every model turn and trains them.
 # Results: outputs/agents_sdk/grpo/{metrics.jsonl,reward_curve.png,rollouts/}.
@@ -15,7 +15,7 @@ OUT=${OUT:-outputs/agents_sdk}
 PY=.venv/bin/python
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the Ray rollout process imports examples.agents_sdk.agent
 export VIME_PROGRESS=${VIME_PROGRESS:-1}
-SFT_ROLLOUTS=${SFT_ROLLOUTS:-40}
+SFT_ROLLOUTS=${SFT_ROLLOUTS:-100}
 NUM_ROLLOUT=${NUM_ROLLOUT:-12}
 
 [ -f "$OUT/model/config.json" ] || $PY -m vime.synthetic.tiny_model --arch qwen3 --out "$OUT/model" --seed 0 \
@@ -38,8 +38,8 @@ $PY train.py --overwrite-output --hf-checkpoint "$OUT/sft_hf" --prompt-data "$OU
   --rollout-shuffle --seed 1234 --micro-batch-size 32 \
   --custom-generate-function-path examples.agents_sdk.agent.generate \
   --custom-rm-path vime.agents.harness.agent_reward --router-policy consistent_hash \
-  --rollout-batch-size 8 --n-samples-per-prompt 4 --num-rollout "$NUM_ROLLOUT" --rollout-max-response-len 40 \
-  --advantage-estimator grpo --lr 5e-4 --rollout-num-gpus 1 --vllm-enforce-eager --vllm-dtype float32 \
+  --rollout-batch-size 8 --n-samples-per-prompt 8 --num-rollout "$NUM_ROLLOUT" --rollout-max-response-len 40 \
+  --advantage-estimator grpo --lr 1e-4 --rollout-num-gpus 1 --vllm-enforce-eager --vllm-dtype float32 \
   --vllm-max-model-len 640 --save-debug-rollout-data "$OUT/grpo/rollouts/{rollout_id}.jsonl" \
   --output-dir "$OUT/grpo" "$@"
 

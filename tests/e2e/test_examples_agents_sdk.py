@@ -24,7 +24,7 @@ pytestmark = pytest.mark.e2e
 def test_agents_sdk_example(tiny_qwen3, tmp_path):
     from transformers import AutoTokenizer
 
-    from examples.agents_sdk.agent import ITEMS
+    from examples.agents_sdk.agent import ITEMS, last_number
     from examples.agents_sdk.make_data import first_messages, sdk_tools, write_data
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3)
@@ -59,6 +59,11 @@ def test_agents_sdk_example(tiny_qwen3, tmp_path):
         between = tokenizer.decode(s.tokens[first_end:turns[1]["prompt_tokens"]], skip_special_tokens=False)
         assert f"<|im_start|>tool\n{s.metadata['prices'][call['arguments']['item']]}<|im_end|>" in between
         assert between.endswith("<|im_start|>assistant\n")
+        # the reward: 1 exactly when the call asked for the asked item and the answer's last number is its price
+        answer = tokenizer.decode(s.tokens[turns[-1]["prompt_tokens"]:][:turns[-1]["completion_tokens"]],
+                                  skip_special_tokens=True)
+        right = call["arguments"]["item"] == s.metadata["item"] and last_number(answer) == s.label
+        assert s.reward == float(right), (call, answer, s.label)
     train = [r for r in records if "train/steps" in r]
     assert len(train) == 1
     for r in train:

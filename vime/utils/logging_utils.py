@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 
 # HTTP clients that log every request at INFO: thousands of lines a rollout on the console
-QUIET_LOGGERS = ("httpx", "httpcore")
+QUIET_LOGGERS = ("httpx", "httpx2", "httpcore")  # httpx2: what the openai client uses
 
 
 def configure_logging(level: int = logging.INFO) -> None:
