@@ -158,7 +158,11 @@ def config_to_argv(path: str, parser: argparse.ArgumentParser) -> list[str]:
     return argv
 
 
-def parse_args(argv: list[str] | None = None, extra_args_provider=None, validate: bool = True) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None, extra_args_provider=None, validate: bool = True,
+               check_model: bool = True) -> argparse.Namespace:
+    """The run's flags, validated (`validate`), the model's architecture and parallel layout included
+    (`check_model`: transformers reads the checkpoint's config, ~3 s of imports; a run's driver does it in
+    `TrainingSession` instead, while Ray starts)."""
     parser = build_parser(extra_args_provider)
     argv = list(sys.argv[1:] if argv is None else argv)
     config = _find_config(argv)
@@ -172,7 +176,7 @@ def parse_args(argv: list[str] | None = None, extra_args_provider=None, validate
         parser.error(unknown_flags_message(unknown, parser))
     if validate:
         try:
-            args = validate_args(args)
+            args = validate_args(args, check_model=check_model)
         except ValueError as e:
             parser.error(str(e))
     return args
@@ -252,10 +256,11 @@ def validate_wandb_args(args: argparse.Namespace) -> argparse.Namespace:
     return with_values(args, wandb_dir=os.path.abspath(args.wandb_dir or os.path.join(args.output_dir, "wandb")))
 
 
-def validate_args(args: argparse.Namespace) -> argparse.Namespace:
+def validate_args(args: argparse.Namespace, check_model: bool = True) -> argparse.Namespace:
     """Reject bad combinations with a message that says how to fix them: the run's and the placement's flags
-    here, each package's own next to where it declares them, then every function path. Returns a copy of `args`
-    with every derived default filled in (the only place the run's flags are written)."""
+    here, each package's own next to where it declares them, then every function path, then (`check_model`)
+    the model's. Returns a copy of `args` with every derived default filled in (the only place the run's flags
+    are written)."""
     from vime.utils.misc import load_function, with_values
 
     if not args.hf_checkpoint:
@@ -288,17 +293,30 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     args = validate_algorithm_args(args)
     args = validate_train_args(args)
     validate_routing_replay_args(args)
-    if not args.debug_rollout_only:  # the model and its parallel layout, checked before any process starts
-        from transformers import AutoConfig
-
-        from vime.backends.megatron_utils.arguments import fill_architecture_from_hf, validate_megatron_args
-
-        try:
-            hf_config = AutoConfig.from_pretrained(args.hf_checkpoint)
-        except Exception as e:  # transformers' own checks raise KeyError, ValueError, OSError, ...
-            raise ValueError(f"--hf-checkpoint {args.hf_checkpoint}: transformers cannot read its config.json "
-                             f"({type(e).__name__}: {e})") from e
-        world_size = args.actor_num_nodes * args.actor_num_gpus_per_node
-        validate_megatron_args(fill_architecture_from_hf(args, hf_config),
-                               world_size=world_size)  # each rank fills its own architecture again
+    if check_model:
+        check_model_args(args)
     return args
+
+
+class ArgumentsError(ValueError):
+    """Flags found unrunnable after parsing (the model check a run's driver does while Ray starts); reported as
+    a parse error."""
+
+
+def check_model_args(args: argparse.Namespace) -> None:
+    """The model and its parallel layout against the checkpoint's config (before any engine or trainer starts).
+    Raises ValueError naming what is wrong."""
+    if args.debug_rollout_only:  # no trainer: the engines read the checkpoint themselves
+        return
+    from transformers import AutoConfig
+
+    from vime.backends.megatron_utils.arguments import fill_architecture_from_hf, validate_megatron_args
+
+    try:
+        hf_config = AutoConfig.from_pretrained(args.hf_checkpoint)
+    except Exception as e:  # transformers' own checks raise KeyError, ValueError, OSError, ...
+        raise ValueError(f"--hf-checkpoint {args.hf_checkpoint}: transformers cannot read its config.json "
+                         f"({type(e).__name__}: {e})") from e
+    world_size = args.actor_num_nodes * args.actor_num_gpus_per_node
+    validate_megatron_args(fill_architecture_from_hf(args, hf_config),
+                           world_size=world_size)  # each rank fills its own architecture again

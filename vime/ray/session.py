@@ -7,10 +7,11 @@ import os
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import ray
 
-from vime.arguments import build_parser
+from vime.arguments import ArgumentsError, build_parser, check_model_args
 from vime.backends.weight_transport.check import check_weights_equal
 from vime.data.transport import RolloutRef, make_transport, rollout_summary
 from vime.data.transport.replay import append_trained_samples, replay_ids, truncate_trained_samples
@@ -35,9 +36,11 @@ def run_entry_point(train_fn, argv: list[str] | None = None) -> None:
     from vime.utils.logging_utils import configure_logging
 
     configure_logging()
-    args = parse_args(argv)
+    args = parse_args(argv, check_model=False)  # the session checks the model while Ray starts
     try:
         train_fn(args)
+    except ArgumentsError as e:  # as any other bad flag: usage, the message, exit code 2
+        build_parser().error(str(e))
     finally:
         ray.shutdown()
     logging.getLogger("vime").info("done: metrics in %s/metrics.jsonl", args.output_dir)
@@ -98,7 +101,7 @@ class TrainingSession:
         if self.train_enabled:  # before anything starts: refuse to take over an earlier run's state
             check_start(args, len(self.transport.stored()))
         write_resolved_config(args, f"{args.output_dir}/config.yaml", build_parser())
-        init_ray(args)
+        self._start_ray_checking_the_model()
         self.placement = Placement(args, with_engines=self.use_engines, with_trainers=self.train_enabled,
                                    overlap=self.overlap)
         self.manager = RolloutManager.remote(args, self.placement)
@@ -107,6 +110,18 @@ class TrainingSession:
             self._create_trainers()
         self.metrics = MetricsLogger(args)
         return self
+
+    def _start_ray_checking_the_model(self) -> None:
+        """Ray starts while the model's architecture and layout are checked against its config (transformers'
+        imports, ~3 s here, on the path of every run's start otherwise); nothing of the run starts before the
+        check passes."""
+        with ThreadPoolExecutor(1, thread_name_prefix="model-check") as pool:
+            checked = pool.submit(check_model_args, self.args)
+            init_ray(self.args)
+            try:
+                checked.result()
+            except ValueError as e:
+                raise ArgumentsError(str(e)) from e
 
     def _create_trainers(self, args=None) -> None:
         """Training actors (and PPO's critic) for `args` (default: the run's)."""
