@@ -30,6 +30,7 @@ from vime.backends.megatron_utils.hf_conversion import (
     tp_merge,
 )
 from vime.backends.megatron_utils.hf_architecture import multi_token_prediction_layers
+from vime.backends.megatron_utils.lora import is_lora_parameter, merged_weight
 
 logger = logging.getLogger(__name__)
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
@@ -43,10 +44,19 @@ def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
 
 
 def _named_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """The model's parameters, and the buffers that are part of the checkpoint: the MoE router's expert bias
-    (DeepSeek-V3's e_score_correction_bias, updated after each step without a gradient)."""
-    yield from model.named_parameters()
+    """The model's parameters (LoRA adapters left out: they are not the HF checkpoint's), and the buffers that
+    are part of the checkpoint: the MoE router's expert bias (DeepSeek-V3's e_score_correction_bias, updated
+    after each step without a gradient)."""
+    yield from ((n, p) for n, p in model.named_parameters() if not is_lora_parameter(n))
     yield from ((n, b) for n, b in model.named_buffers() if n.endswith(".router.expert_bias"))
+
+
+def _policy_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """`_named_weights` with each LoRA adapter merged into its base weight: the weights the policy computes with."""
+    adapted = {name: m for name, m in model.named_modules() if hasattr(m, "lora")}
+    for name, tensor in _named_weights(model):
+        owner, _, leaf = name.rpartition(".")
+        yield name, merged_weight(adapted[owner]) if leaf == "weight" and owner in adapted else tensor
 
 
 def _layer_offset(model: torch.nn.Module) -> int:
@@ -101,7 +111,7 @@ def iter_hf_weights(model_chunks: list[torch.nn.Module], hf_config) -> Iterator[
     for chunk in model_chunks:
         model = _unwrap(chunk)
         offset = _layer_offset(model)
-        for name, param in _named_weights(model):
+        for name, param in _policy_weights(model):
             # an expert's parameter: every EP rank holds its own experts under the same local names
             per_ep = _gather_ep(param.detach()) if ".local_experts." in name else [param.detach()]
             for ep_rank, tensor in enumerate(per_ep):

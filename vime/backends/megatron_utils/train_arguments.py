@@ -46,6 +46,47 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
                    help="Learning rate of the PPO critic (default: --lr).")
     g.add_argument("--save-hf", default=None,
                    help="Path template with {rollout_id}: also export HF safetensors when saving (default: None).")
+    g = parser.add_argument_group("LoRA")
+    g.add_argument("--lora-rank", type=int, default=0,
+                   help="Train LoRA adapters of this rank on a frozen base (0 = full fine-tuning). The engines get "
+                        "the merged weights (default: 0).")
+    g.add_argument("--lora-alpha", type=float, default=None,
+                   help="LoRA scaling numerator: delta W = alpha / rank * B A (default: --lora-rank).")
+    g.add_argument("--lora-dropout", type=float, default=0.0,
+                   help="Dropout on the adapters' input while training (default: 0.0).")
+    g.add_argument("--lora-target-modules", nargs="+", default=["all-linear"], metavar="NAME",
+                   help=f"HF projections that get adapters: {', '.join(LORA_TARGETS)}, or all-linear "
+                        "(default: all-linear).")
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def lora_targets(names) -> tuple[str, ...]:
+    """--lora-target-modules as HF projection names in a fixed order; "all-linear" is every one."""
+    names = list(names)
+    if "all-linear" in names:
+        return LORA_TARGETS
+    unknown = [n for n in names if n not in LORA_TARGETS]
+    if unknown or not names:
+        raise ValueError(f"--lora-target-modules {' '.join(names) or '(none)'}: "
+                         f"{'unknown ' + ', '.join(unknown) if unknown else 'name at least one'}; choose from "
+                         f"{', '.join(LORA_TARGETS)} or all-linear")
+    return tuple(t for t in LORA_TARGETS if t in names)
+
+
+def validate_lora_args(args: argparse.Namespace) -> None:
+    if args.lora_rank < 0:
+        raise ValueError(f"--lora-rank must be >= 0 (0 = full fine-tuning), got {args.lora_rank}")
+    if not args.lora_rank:
+        return
+    lora_targets(args.lora_target_modules)
+    if args.lora_alpha is not None and args.lora_alpha <= 0:
+        raise ValueError(f"--lora-alpha must be > 0, got {args.lora_alpha}")
+    if not 0.0 <= args.lora_dropout < 1.0:
+        raise ValueError(f"--lora-dropout must be in [0, 1), got {args.lora_dropout}")
+    if getattr(args, "sequence_parallel", False):
+        raise ValueError("--lora-rank with --sequence-parallel is not supported yet; drop one of them")
 
 
 def validate_train_args(args: argparse.Namespace) -> argparse.Namespace:
@@ -74,4 +115,5 @@ def validate_train_args(args: argparse.Namespace) -> argparse.Namespace:
         raise ValueError(f"--train-num-threads must be >= 1, got {args.train_num_threads}")
     if args.use_dynamic_batch_size and not args.max_tokens_per_gpu:
         raise ValueError("--use-dynamic-batch-size needs --max-tokens-per-gpu N")
+    validate_lora_args(args)
     return with_values(args, global_batch_size=gbs, num_steps_per_rollout=samples // gbs)

@@ -32,6 +32,7 @@ from vime.backends.megatron_utils.offload import TrainStateOffloader
 from vime.backends.megatron_utils.routing_replay import RoutingReplay, sample_routing
 from vime.backends.megatron_utils.train_batch import TrainBatch
 from vime.backends.megatron_utils.critic import attach_value_head, make_value_loss_fn
+from vime.backends.megatron_utils.lora import LoraConfig, attach_lora
 from vime.backends.megatron_utils.model import (
     forward_log_probs,
     forward_values,
@@ -72,7 +73,10 @@ class MegatronTrainer:
         def prepare(chunks):
             load_hf_checkpoint_into_model(chunks, args.hf_checkpoint)
             if role == "critic":
-                attach_value_head(chunks)
+                attach_value_head(chunks)  # the critic trains in full, its new value head included
+            elif LoraConfig.from_args(args) is not None:  # a frozen base: only the adapters get grads and state
+                for chunk in chunks:
+                    attach_lora(chunk, LoraConfig.from_args(args))
 
         self.model, self.optimizer, self.scheduler = setup_model_and_optimizer(args, total_steps, prepare)
         self.expert_load = ExpertLoad(self.model, args.num_layers, args.num_experts) if args.num_experts else None

@@ -1,0 +1,125 @@
+"""LoRA on the Megatron trainer (one CPU process; two tensor-parallel ranks): only the adapters train and hold
+optimizer state, the base stays bit-identical, the merged weights are PEFT's formula (W + alpha/r * B A) name for
+name, the trainer computes with exactly those weights, and two TP ranks train like one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from tests.helpers.hf_reference import load_hf, response_log_probs  # noqa: E402
+from tests.helpers.rollouts import flat, make_rollout  # noqa: E402
+from tests.helpers.trainer_runs import BASE_ARGV, launch, local_trainer as trainer  # noqa: E402
+
+RANK, ALPHA = 4, 8.0
+LORA_ARGV = ["--lora-rank", str(RANK), "--lora-alpha", str(ALPHA), "--lr", "1e-2"]
+# Megatron linear -> the HF projections it fuses (the adapters' names under `<linear>.lora.A/B`)
+FUSED = {"self_attention.linear_qkv": ("q_proj", "k_proj", "v_proj"), "self_attention.linear_proj": ("o_proj",),
+         "mlp.linear_fc1": ("gate_proj", "up_proj"), "mlp.linear_fc2": ("down_proj",)}
+HF_MODULE = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+             "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+
+
+def _unwrapped(t):
+    chunk = t.model[0]
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+def test_only_adapters_train_and_the_merged_weights_are_pefts(tiny_qwen3):
+    from safetensors.torch import load_file
+
+    base = load_file(tiny_qwen3 / "model.safetensors")
+    groups = make_rollout(seed=3)
+    samples = flat(groups)
+    with trainer(tiny_qwen3, *LORA_ARGV) as t:
+        chunk = _unwrapped(t)
+        trainable = {n for n, p in chunk.named_parameters() if p.requires_grad}
+        layers = len(chunk.decoder.layers)
+        assert trainable == {f"decoder.layers.{i}.{linear}.lora.{ab}.{proj}" for i in range(layers)
+                             for linear, projs in FUSED.items() for proj in projs for ab in "AB"}
+        optimized = {id(p) for g in t.optimizer.param_groups for p in g["params"]}
+        assert len(optimized) == len(trainable)  # Adam's state exists for the adapters only
+        # a fresh adapter (B = 0) changes nothing: the engines' first weights are the checkpoint's
+        assert all(torch.equal(w, base[n]) for n, w in t.hf_weights())
+        frozen = {n: p.detach().clone() for n, p in chunk.named_parameters() if not p.requires_grad}
+        start = [torch.tensor(t.probe_log_probs(s["tokens"], s["response_length"])) for s in samples]
+        grad_norms = [t.train(r, groups)["train/grad_norm"] for r in range(3)]
+        assert all(torch.equal(p, frozen[n]) for n, p in chunk.named_parameters() if not p.requires_grad)
+        merged = {n: w.clone() for n, w in t.hf_weights()}
+        adapters = {n: p.detach().clone() for n, p in chunk.named_parameters() if p.requires_grad}
+        trainer_lps = [torch.tensor(t.probe_log_probs(s["tokens"], s["response_length"])) for s in samples]
+    assert all(g > 0 for g in grad_norms)
+    # GRPO moved the policy: rewarded responses up, the others down
+    for s, a, b in zip(samples, start, trainer_lps):
+        assert (b.sum() > a.sum()) == (s["reward"] > 0), s["index"]
+    moved = 0
+    for i in range(layers):
+        for linear, projs in FUSED.items():
+            for proj in projs:
+                name = f"model.layers.{i}.{HF_MODULE[proj]}.{proj}.weight"
+                a = adapters[f"decoder.layers.{i}.{linear}.lora.A.{proj}"]
+                b = adapters[f"decoder.layers.{i}.{linear}.lora.B.{proj}"]
+                assert a.shape == (RANK, base[name].shape[1]) and b.shape == (base[name].shape[0], RANK)
+                torch.testing.assert_close(merged[name], base[name] + ALPHA / RANK * b @ a, rtol=0, atol=1e-6)
+                moved += not torch.equal(merged[name], base[name])
+    assert moved == layers * 7  # every targeted projection trained
+    untargeted = [n for n in base if not any(f".{p}." in n for p in HF_MODULE)]
+    assert untargeted and all(torch.equal(merged[n], base[n]) for n in untargeted)
+    # the trainer's forward with adapters is the HF model's with the merged weights
+    hf = load_hf(tiny_qwen3)
+    hf.load_state_dict(merged, strict=False)
+    for s, lp in zip(samples, trainer_lps):
+        expected = response_log_probs(hf, s["tokens"], len(s["tokens"]) - s["response_length"])
+        torch.testing.assert_close(lp, expected, rtol=0, atol=1e-5)
+
+
+def test_lora_over_two_tensor_parallel_ranks_trains_and_resumes_like_one_process(tiny_qwen3, tmp_path):
+    """Column-parallel adapters (qkv, fc1) split B, row-parallel ones (proj, fc2) split A; both ranks start from
+    the one-process adapters, the summed gradients keep them there, and a checkpoint saves each rank's slices
+    under their split axes (a TP2 run saves after rollout 0; a new one loads it and trains rollout 1). The
+    targets are a part of each fused linear (q and v without k, up without gate), as PEFT configs often are."""
+    from safetensors.torch import load_file
+
+    targets = ["--lora-target-modules", "q_proj", "v_proj", "up_proj", "down_proj"]
+    data = {str(r): make_rollout(seed=30 + r) for r in range(2)}
+    with trainer(tiny_qwen3, *LORA_ARGV, *targets) as t:
+        expected = [t.train(r, data[str(r)]) for r in range(2)]
+        one = {n: w.clone() for n, w in t.hf_weights()}
+    base = load_file(tiny_qwen3 / "model.safetensors")
+    for name in one:
+        targeted = any(f".{p}." in name for p in ("q_proj", "v_proj", "up_proj", "down_proj"))
+        assert torch.equal(one[name], base[name]) != targeted, name
+
+    argv = ["--hf-checkpoint", str(tiny_qwen3), *BASE_ARGV, *LORA_ARGV, *targets, "--tensor-model-parallel-size",
+            "2"]
+    save = str(tmp_path / "ckpt")
+    first = launch({"argv": [*argv, "--save", save], "data": data, "train": [0], "save": 0}, tmp_path / "a",
+                   world_size=2, timeout_s=120)
+    second = launch({"argv": [*argv, "--load", save], "data": data, "train": [1], "weights": True}, tmp_path / "b",
+                    world_size=2, timeout_s=120)
+    assert second[0]["loaded_state"]["rollout_id"] == 0
+    for r, report in ((0, first[0]), (1, second[0])):
+        for key in ("train/loss", "train/pg_loss", "train/grad_norm"):
+            assert report["metrics"][str(r)][key] == pytest.approx(expected[r][key], abs=1e-5), (r, key)
+    two = torch.load(tmp_path / "b" / "weights_rank0.pt")
+    assert two.keys() == one.keys()
+    assert max((two[n] - one[n]).abs().max().item() for n in one) < 1e-5
+
+
+def test_lora_flags_are_checked():
+    from vime.arguments import parse_args
+    from vime.backends.megatron_utils.train_arguments import validate_lora_args
+
+    for flags, message in [(["--lora-rank", "-1"], "--lora-rank must be >= 0"),
+                           (["--lora-rank", "4", "--lora-target-modules", "qkv"], "unknown qkv"),
+                           (["--lora-rank", "4", "--lora-dropout", "1.0"], r"--lora-dropout must be in \[0, 1\)"),
+                           (["--lora-rank", "4", "--lora-alpha", "0"], "--lora-alpha must be > 0"),
+                           (["--lora-rank", "4", "--sequence-parallel"], "not supported yet")]:
+        with pytest.raises(ValueError, match=message):
+            validate_lora_args(parse_args(["--hf-checkpoint", "x", *flags], validate=False))
+    validate_lora_args(parse_args(["--hf-checkpoint", "x", "--lora-rank", "8", "--lora-target-modules", "q_proj",
+                                   "v_proj"], validate=False))  # a part of the fused q/k/v, as PEFT configs often do

@@ -1,0 +1,222 @@
+"""LoRA adapters on Megatron-core's linear layers: the base frozen, only the adapters train.
+
+Targets are HF projection names: q_proj, k_proj, v_proj (fused in Megatron's `linear_qkv`), o_proj
+(`linear_proj`), gate_proj, up_proj (fused `linear_fc1`), down_proj (`linear_fc2`); "all-linear" is all seven.
+Dense attention and MLP layers only: multi-latent attention, MoE experts and sequence parallel are refused at
+the flags.
+
+Each adapter is PEFT's: delta W = (alpha / r) * B @ A with A [r, in] (kaiming-uniform) and B [out, r] (zeros), so
+a fresh adapter leaves the model's outputs unchanged. On a fused Megatron linear every HF projection keeps its
+own A and B, and their outputs are laid out as the fused weight's rows are (`linear_qkv`: per KV group
+[q heads | k | v]; `linear_fc1`: [gate; up]), which is what makes the adapters PEFT's, name for name.
+
+Tensor parallel (each adapter split the way its base weight is):
+- column-parallel (qkv, fc1): A replicated, B split by output rows. h = x A^T is the same on every rank; its
+  gradient is summed over the ranks (each one's B sees only its rows) by `copy_to_tensor_model_parallel_region`.
+- row-parallel (proj, fc2): A split by input columns, B replicated. h = x_local A_local^T is a partial sum,
+  all-reduced forward (`reduce_from_tensor_model_parallel_region`) before B.
+A is drawn whole from a generator seeded per run, layer and projection, and each rank keeps its slice, so any
+layout starts from the same adapters as one process.
+
+Who calls it: `model.setup_model_and_optimizer` (attach before DDP wraps the chunks, so only adapters get
+gradient buffers and optimizer state) and `hf_checkpoint.iter_hf_weights` (merged weights for the engines).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
+                                                    reduce_from_tensor_model_parallel_region)
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+from vime.backends.megatron_utils.train_arguments import lora_targets
+
+# Megatron module (under each decoder layer) -> the HF projections fused in it, in the order of its rows
+_FUSED = {"self_attention.linear_qkv": ("q_proj", "k_proj", "v_proj"),
+          "self_attention.linear_proj": ("o_proj",),
+          "mlp.linear_fc1": ("gate_proj", "up_proj"),
+          "mlp.linear_fc2": ("down_proj",)}
+_ROW_PARALLEL = {"self_attention.linear_proj", "mlp.linear_fc2"}
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    rank: int
+    alpha: float
+    dropout: float
+    targets: tuple[str, ...]
+    seed: int = 0
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    @classmethod
+    def from_args(cls, args) -> LoraConfig | None:
+        """None without --lora-rank."""
+        if not getattr(args, "lora_rank", 0):
+            return None
+        return cls(args.lora_rank, float(args.lora_alpha if args.lora_alpha is not None else args.lora_rank),
+                   args.lora_dropout, lora_targets(args.lora_target_modules), args.seed)
+
+
+class LoraAdapters(torch.nn.Module):
+    """The adapters of one Megatron linear: `A.<proj>` and `B.<proj>` per fused HF projection, this rank's
+    slices. `rows` are the output rows of each projection on this rank, in order; `groups` (linear_qkv only)
+    interleaves them per KV group as the fused weight does."""
+
+    def __init__(self, config: LoraConfig, projections: tuple[str, ...], in_features: int, rows: tuple[int, ...],
+                 row_parallel: bool, groups: int | None, seeds: tuple[int, ...], dtype: torch.dtype,
+                 device: torch.device):
+        super().__init__()
+        self.projections, self.rows, self.row_parallel, self.groups = projections, rows, row_parallel, groups
+        self.in_features = in_features  # this rank's input width (row-parallel: a slice)
+        self.scale = config.scale
+        self.dropout = torch.nn.Dropout(config.dropout) if config.dropout else torch.nn.Identity()
+        tp_rank, tp_size = _tp()
+        self.A, self.B = torch.nn.ParameterDict(), torch.nn.ParameterDict()
+        for name, out_rows, seed in zip(projections, rows, seeds):
+            if name not in config.targets:  # a fused projection left out (q and v without k): its rows get no delta
+                continue
+            full_in = in_features * tp_size if row_parallel else in_features
+            a = torch.empty(config.rank, full_in, dtype=torch.float32)
+            torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=torch.Generator().manual_seed(seed))
+            if row_parallel:
+                a = a.chunk(tp_size, dim=1)[tp_rank]
+            self.A[name] = torch.nn.Parameter(a.to(dtype=dtype, device=device).contiguous())
+            # column-parallel: this rank's rows; row-parallel: B is replicated, all rows (the output is not split)
+            self.B[name] = torch.nn.Parameter(torch.zeros(out_rows, config.rank, dtype=dtype, device=device))
+        # the split ones (B column-parallel, A row-parallel) count on every rank in Megatron's grad norm, the
+        # replicated ones on the first only
+        split, split_dim = (self.A, 1) if row_parallel else (self.B, 0)
+        for p in self.parameters():
+            is_split = any(p is q for q in split.values())
+            set_tensor_model_parallel_attributes(p, is_split and tp_size > 1, split_dim if is_split else -1, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The adapters' contribution to the base layer's output, for its input `x`."""
+        x = self.dropout(x)
+        outs = []
+        for name, rows in zip(self.projections, self.rows):
+            if name not in self.A:
+                outs.append(x.new_zeros(*x.shape[:-1], rows))
+                continue
+            h = torch.matmul(x, self.A[name].t())
+            h = reduce_from_tensor_model_parallel_region(h) if self.row_parallel else \
+                copy_to_tensor_model_parallel_region(h)
+            outs.append(torch.matmul(h, self.B[name].t()))
+        return self._fuse(outs, dim=-1) * self.scale
+
+    def delta_weight(self) -> torch.Tensor:
+        """scale * B @ A laid out as this rank's shard of the base weight (for merged weights)."""
+        with torch.no_grad():
+            some = next(iter(self.A.values()))
+            deltas = [self.B[n] @ self.A[n] if n in self.A else some.new_zeros(rows, self.in_features)
+                      for n, rows in zip(self.projections, self.rows)]
+            return self._fuse(deltas, dim=0) * self.scale
+
+    def _fuse(self, parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+        if len(parts) == 1:
+            return parts[0]
+        if self.groups is None:  # linear_fc1: [gate; up]
+            return torch.cat(parts, dim=dim)
+        dim = dim % parts[0].dim()
+        split = [p.reshape(*p.shape[:dim], self.groups, -1, *p.shape[dim + 1:]) for p in parts]
+        fused = torch.cat(split, dim=dim + 1)
+        return fused.reshape(*parts[0].shape[:dim], -1, *parts[0].shape[dim + 1:])
+
+
+def _seed(run_seed: int, layer: int, projection: str) -> int:
+    """The same in every process (Python's own hash of a string is not)."""
+    digest = hashlib.sha256(f"{run_seed}/{layer}/{projection}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") % 2**63
+
+
+def _tp() -> tuple[int, int]:
+    if not parallel_state.model_parallel_is_initialized():
+        return 0, 1
+    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+
+
+def _add_adapters_hook(module, inputs, output):
+    out, bias = output
+    return out + module.lora(inputs[0]), bias
+
+
+def attach_lora(chunk: torch.nn.Module, config: LoraConfig) -> int:
+    """Freeze `chunk` (a GPTModel) and hang adapters on its targeted linears; returns the adapters' parameter
+    count on this rank. The base modules keep their names and weights; the adapters are `<linear>.lora.*`."""
+    for p in chunk.parameters():
+        p.requires_grad_(False)
+    tp_rank, tp_size = _tp()
+    count = 0
+    for layer in chunk.decoder.layers:
+        global_layer = layer.layer_number - 1
+        for path, projections in _FUSED.items():
+            wanted = tuple(p for p in projections if p in config.targets)
+            if not wanted:
+                continue
+            try:
+                module = layer.get_submodule(path)
+            except AttributeError:
+                raise ValueError(f"--lora-target-modules {' '.join(wanted)}: layer {global_layer} has no {path} "
+                                 "(LoRA covers dense attention and MLPs; not multi-latent attention or MoE "
+                                 "experts yet)") from None
+            weight = module.weight
+            out_local, in_local = weight.shape
+            row_parallel = path in _ROW_PARALLEL
+            rows, groups = _rows(chunk.config, path, out_local, tp_size)
+            if hasattr(module, "layer_norm_weight"):
+                raise ValueError("LoRA on TransformerEngine's norm-fused linears is not supported yet; run without "
+                                 "TransformerEngine (the local layer spec) or without --lora-rank")
+            seeds = tuple(_seed(config.seed, global_layer, p) for p in projections)
+            module.lora = LoraAdapters(config, projections, in_local, rows, row_parallel, groups, seeds,
+                                       weight.dtype, weight.device)
+            module.register_forward_hook(_add_adapters_hook)
+            module.sharded_state_dict = _sharded_state_dict_with_adapters(module)
+            count += sum(p.numel() for p in module.lora.parameters())
+    return count
+
+
+def _sharded_state_dict_with_adapters(module):
+    """Megatron's own `sharded_state_dict` of the linear (the same call), with the adapters' split axes: its
+    default would save a tensor-parallel slice of B (column-parallel) or A (row-parallel) as if replicated."""
+    row_parallel = module.lora.row_parallel
+    axes = {"weight": 1} if row_parallel else {"weight": 0, "bias": 0}
+    axes.update({f"lora.A.{n}": 1 for n in module.lora.A} if row_parallel else
+                {f"lora.B.{n}": 0 for n in module.lora.B})
+
+    def sharded_state_dict(prefix="", sharded_offsets=(), metadata=None):
+        return make_sharded_tensors_for_checkpoint(module.state_dict(prefix="", keep_vars=True), prefix, axes,
+                                                   sharded_offsets, tp_group=module.tp_group,
+                                                   dp_cp_group=metadata["dp_cp_group"])
+
+    return sharded_state_dict
+
+
+def _rows(config, path: str, out_local: int, tp_size: int) -> tuple[tuple[int, ...], int | None]:
+    """Output rows of each fused projection on this rank (row-parallel: of the whole output), and the local
+    KV-group count for linear_qkv."""
+    if path == "self_attention.linear_qkv":
+        groups = config.num_query_groups // tp_size
+        head_dim = config.kv_channels
+        q_rows = groups * (config.num_attention_heads // config.num_query_groups) * head_dim
+        return (q_rows, groups * head_dim, groups * head_dim), groups
+    if path == "mlp.linear_fc1":
+        return (out_local // 2, out_local // 2), None
+    return (out_local,), None
+
+
+def is_lora_parameter(name: str) -> bool:
+    return ".lora." in name
+
+
+def merged_weight(module: torch.nn.Module) -> torch.Tensor:
+    """The module's weight with its adapters merged in (this rank's shard)."""
+    return module.weight.detach() + module.lora.delta_weight().to(module.weight.dtype)
