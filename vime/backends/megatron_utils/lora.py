@@ -18,8 +18,9 @@ Tensor parallel (each adapter split the way its base weight is):
 A is drawn whole from a generator seeded per run, layer and projection, and each rank keeps its slice, so any
 layout starts from the same adapters as one process.
 
-Who calls it: `model.setup_model_and_optimizer` (attach before DDP wraps the chunks, so only adapters get
-gradient buffers and optimizer state) and `hf_checkpoint.iter_hf_weights` (merged weights for the engines).
+Who calls it: the trainer's model preparation (`attach_lora` after the HF weights are loaded and before DDP wraps
+the chunks, so only adapters get gradient buffers and optimizer state) and `hf_checkpoint.iter_hf_weights`
+(`merged_weight`: what the engines and --save-hf get).
 """
 
 from __future__ import annotations
