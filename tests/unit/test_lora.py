@@ -12,6 +12,8 @@ pytest.importorskip("megatron.core")
 from tests.helpers.hf_reference import load_hf, response_log_probs  # noqa: E402
 from tests.helpers.rollouts import flat, make_rollout  # noqa: E402
 from tests.helpers.trainer_runs import BASE_ARGV, launch, local_trainer as trainer  # noqa: E402
+from vime.backends.megatron_utils.model import forward_log_probs  # noqa: E402
+from vime.backends.megatron_utils.train_batch import TrainBatch  # noqa: E402
 
 RANK, ALPHA = 4, 8.0
 LORA_ARGV = ["--lora-rank", str(RANK), "--lora-alpha", str(ALPHA), "--lr", "1e-2"]
@@ -52,6 +54,10 @@ def test_only_adapters_train_and_the_merged_weights_are_pefts(tiny_qwen3):
         merged = {n: w.clone() for n, w in t.hf_weights()}
         adapters = {n: p.detach().clone() for n, p in chunk.named_parameters() if p.requires_grad}
         trainer_lps = [torch.tensor(t.probe_log_probs(s["tokens"], s["response_length"])) for s in samples]
+        # the training forward (base + adapters, unmerged) as well; it rounds differently from a merged weight
+        batch = TrainBatch(tokens=[s["tokens"] for s in samples],
+                           response_lengths=[s["response_length"] for s in samples])
+        unmerged = forward_log_probs(t.args, t.model, batch, [list(range(len(samples)))])
     assert all(g > 0 for g in grad_norms)
     # GRPO moved the policy: rewarded responses up, the others down
     for s, a, b in zip(samples, start, trainer_lps):
@@ -72,9 +78,10 @@ def test_only_adapters_train_and_the_merged_weights_are_pefts(tiny_qwen3):
     # the trainer's forward with adapters is the HF model's with the merged weights
     hf = load_hf(tiny_qwen3)
     hf.load_state_dict(merged, strict=False)
-    for s, lp in zip(samples, trainer_lps):
+    for i, (s, lp) in enumerate(zip(samples, trainer_lps)):
         expected = response_log_probs(hf, s["tokens"], len(s["tokens"]) - s["response_length"])
         torch.testing.assert_close(lp, expected, rtol=0, atol=1e-5)
+        torch.testing.assert_close(unmerged[i][0], expected, rtol=0, atol=1e-4)
 
 
 def test_lora_over_two_tensor_parallel_ranks_trains_and_resumes_like_one_process(tiny_qwen3, tmp_path):

@@ -25,6 +25,7 @@ the chunks, so only adapters get gradient buffers and optimizer state) and `hf_c
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 from dataclasses import dataclass
@@ -78,6 +79,7 @@ class LoraAdapters(torch.nn.Module):
         super().__init__()
         self.projections, self.rows, self.row_parallel, self.groups = projections, rows, row_parallel, groups
         self.in_features = in_features  # this rank's input width (row-parallel: a slice)
+        self.enabled = True
         self.scale = config.scale
         self.dropout = torch.nn.Dropout(config.dropout) if config.dropout else torch.nn.Identity()
         tp_rank, tp_size = _tp()
@@ -146,8 +148,30 @@ def _tp() -> tuple[int, int]:
 
 
 def _add_adapters_hook(module, inputs, output):
+    if not module.lora.enabled:  # merged into the weight for the moment (`adapters_merged`)
+        return output
     out, bias = output
     return out + module.lora(inputs[0]), bias
+
+
+@contextlib.contextmanager
+def adapters_merged(chunks):
+    """Within the block the adapted linears compute with their merged weights, adapters off: the weights the
+    engines get, computed as they compute them (--check-weight-update-equal's probe; the adapters' own path
+    rounds differently, ~1e-5 in log-probs). The base weights are restored bit for bit after."""
+    modules = [m for chunk in chunks for m in chunk.modules() if isinstance(getattr(m, "lora", None), LoraAdapters)]
+    saved = [m.weight.detach().clone() for m in modules]
+    try:
+        with torch.no_grad():
+            for m in modules:
+                m.weight.copy_(merged_weight(m))
+                m.lora.enabled = False
+        yield
+    finally:
+        with torch.no_grad():
+            for m, weight in zip(modules, saved):
+                m.weight.copy_(weight)
+                m.lora.enabled = True
 
 
 def attach_lora(chunk: torch.nn.Module, config: LoraConfig) -> int:

@@ -32,7 +32,7 @@ from vime.backends.megatron_utils.offload import TrainStateOffloader
 from vime.backends.megatron_utils.routing_replay import RoutingReplay, sample_routing
 from vime.backends.megatron_utils.train_batch import TrainBatch
 from vime.backends.megatron_utils.critic import attach_value_head, make_value_loss_fn
-from vime.backends.megatron_utils.lora import LoraConfig, attach_lora
+from vime.backends.megatron_utils.lora import LoraConfig, adapters_merged, attach_lora
 from vime.backends.megatron_utils.model import (
     forward_log_probs,
     forward_values,
@@ -370,7 +370,8 @@ class MegatronTrainer:
         if temperature is not None:
             args = with_values(args, rollout_temperature=temperature)
         batch = TrainBatch(tokens=[tokens], response_lengths=[response_length])
-        out = forward_log_probs(args, self.model, batch, [[0]])
+        with adapters_merged(self.model):  # LoRA: the weights the engines were sent (a no-op without adapters)
+            out = forward_log_probs(args, self.model, batch, [[0]])
         return out[0][0].tolist() if out else []
 
 
