@@ -151,6 +151,11 @@ def test_compare_log_probs_and_tolerance(tiny_qwen3):
         == pytest.approx(5e-6)
     with pytest.raises(WeightUpdateMismatchError, match="u2"):
         compare_log_probs([-1.0, -2.0], [[-1.0, -2.0], [-1.0, float("nan")]], ["u1", "u2"], 1e-5)
+    # float32 rounding grows with the log-prob's size: 1.4e-5 passes at -15, not at -1
+    assert compare_log_probs([-15.0], [[-15.0 + 1.4e-5]], ["u"], 1e-5)["weight_check/max_abs_logprob_diff"] \
+        == pytest.approx(1.4e-5, abs=1e-7)
+    with pytest.raises(WeightUpdateMismatchError, match="u"):
+        compare_log_probs([-1.0], [[-1.0 + 1.4e-5]], ["u"], 1e-5)
     assert tolerance_for(parse_args(["--hf-checkpoint", str(tiny_qwen3), *ARGV])) == FLOAT32_TOLERANCE
     # without --vllm-dtype the engines follow the trainer (float32 on CPU); a 16-bit engine needs the loose check
     default = [a for a in ARGV if a not in ("--vllm-dtype", "float32")]
