@@ -3,7 +3,8 @@ the run's control token in its environment as the README says, serves a real run
 with its router, updates its weights after each rollout and checks them (--check-weight-update-equal), leaves it
 running, and it then serves exactly the run's final weights; its control routes refuse a caller without the
 token. The run is PPO: actor and critic ranks, the critic's values into GAE on the actor, its returns back to the
-critic's update."""
+critic's update. The actor trains LoRA adapters (rank 4, all linears; the critic trains in full): the engine gets the
+merged weights, the weight check holds after each update and --save-hf writes the merged model it serves."""
 
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def test_external_engine_is_registered_updated_and_verified(tiny_qwen3, arithmet
                "--prompt-data", str(arithmetic_data[0]), "--label-key", "label", "--apply-chat-template",
                "--rm-type", "random", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--num-rollout", "2",
                "--rollout-max-response-len", "16", "--micro-batch-size", "8", "--lr", "1e-2",
-               "--advantage-estimator", "ppo",
+               "--advantage-estimator", "ppo", "--lora-rank", "4", "--lora-alpha", "32",
                "--rollout-external-engine-addrs", f"127.0.0.1:{port}", "--control-token-file", str(token_file),
                "--check-weight-update-equal", "--save-debug-rollout-data", str(out / "rollout_{rollout_id}.jsonl"),
                "--save-hf", str(out / "final_hf"), "--output-dir", str(out / "run")]
@@ -92,6 +93,13 @@ def test_external_engine_is_registered_updated_and_verified(tiny_qwen3, arithmet
         final, start = (response_log_probs(load_hf(p), tokens, len(prompt)) for p in (out / "final_hf", tiny_qwen3))
         assert (final - engine).abs().max() < 1e-4
         assert (start - engine).abs().max() > 1e-3
+        # LoRA: the projections moved, the embeddings and norms are the checkpoint's, bit for bit
+        from safetensors.torch import load_file
+
+        saved, base = (load_file(p / "model.safetensors") for p in (out / "final_hf", tiny_qwen3))
+        assert not torch.equal(saved["model.layers.0.self_attn.q_proj.weight"],
+                               base["model.layers.0.self_attn.q_proj.weight"])
+        assert all(torch.equal(saved[n], base[n]) for n in base if "proj" not in n)
     finally:
         os.killpg(server.pid, 9)
         server.wait(timeout=60)
