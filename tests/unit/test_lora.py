@@ -31,7 +31,7 @@ def _unwrapped(t):
     return chunk
 
 
-def test_only_adapters_train_and_the_merged_weights_are_pefts(tiny_qwen3):
+def test_only_adapters_train_and_the_merged_weights_are_pefts(tiny_qwen3, tmp_path):
     from safetensors.torch import load_file
 
     base = load_file(tiny_qwen3 / "model.safetensors")
@@ -58,6 +58,7 @@ def test_only_adapters_train_and_the_merged_weights_are_pefts(tiny_qwen3):
         batch = TrainBatch(tokens=[s["tokens"] for s in samples],
                            response_lengths=[s["response_length"] for s in samples])
         unmerged = forward_log_probs(t.args, t.model, batch, [list(range(len(samples)))])
+        t.save_hf(str(tmp_path / "hf"))
     assert all(g > 0 for g in grad_norms)
     # GRPO moved the policy: rewarded responses up, the others down
     for s, a, b in zip(samples, start, trainer_lps):
@@ -82,6 +83,15 @@ def test_only_adapters_train_and_the_merged_weights_are_pefts(tiny_qwen3):
         expected = response_log_probs(hf, s["tokens"], len(s["tokens"]) - s["response_length"])
         torch.testing.assert_close(lp, expected, rtol=0, atol=1e-5)
         torch.testing.assert_close(unmerged[i][0], expected, rtol=0, atol=1e-4)
+    # --save-hf: the merged model, and the adapters alone in PEFT's format, which peft loads onto the HF base
+    from peft import PeftModel
+
+    assert load_hf(tmp_path / "hf").state_dict().keys() == hf.state_dict().keys()
+    peft = PeftModel.from_pretrained(load_hf(tiny_qwen3), tmp_path / "hf" / "adapter").eval()
+    assert peft.peft_config["default"].r == RANK and peft.peft_config["default"].lora_alpha == ALPHA
+    for s, lp in zip(samples, trainer_lps):
+        expected = response_log_probs(peft, s["tokens"], len(s["tokens"]) - s["response_length"])
+        torch.testing.assert_close(lp, expected, rtol=0, atol=1e-5)
 
 
 def test_lora_over_two_tensor_parallel_ranks_trains_and_resumes_like_one_process(tiny_qwen3, tmp_path):
@@ -96,6 +106,7 @@ def test_lora_over_two_tensor_parallel_ranks_trains_and_resumes_like_one_process
     with trainer(tiny_qwen3, *LORA_ARGV, *targets) as t:
         expected = [t.train(r, data[str(r)]) for r in range(2)]
         one = {n: w.clone() for n, w in t.hf_weights()}
+        t.save_hf(str(tmp_path / "one_hf"))
     base = load_file(tiny_qwen3 / "model.safetensors")
     for name in one:
         targeted = any(f".{p}." in name for p in ("q_proj", "v_proj", "up_proj", "down_proj"))
@@ -106,8 +117,8 @@ def test_lora_over_two_tensor_parallel_ranks_trains_and_resumes_like_one_process
     save = str(tmp_path / "ckpt")
     first = launch({"argv": [*argv, "--save", save], "data": data, "train": [0], "save": 0}, tmp_path / "a",
                    world_size=2, timeout_s=120)
-    second = launch({"argv": [*argv, "--load", save], "data": data, "train": [1], "weights": True}, tmp_path / "b",
-                    world_size=2, timeout_s=120)
+    second = launch({"argv": [*argv, "--load", save], "data": data, "train": [1], "weights": True,
+                     "save_hf": str(tmp_path / "two_hf")}, tmp_path / "b", world_size=2, timeout_s=120)
     assert second[0]["loaded_state"]["rollout_id"] == 0
     for r, report in ((0, first[0]), (1, second[0])):
         for key in ("train/loss", "train/pg_loss", "train/grad_norm"):
@@ -115,6 +126,12 @@ def test_lora_over_two_tensor_parallel_ranks_trains_and_resumes_like_one_process
     two = torch.load(tmp_path / "b" / "weights_rank0.pt")
     assert two.keys() == one.keys()
     assert max((two[n] - one[n]).abs().max().item() for n in one) < 1e-5
+    # the PEFT export gathers each adapter's tensor-parallel slices back into PEFT's whole matrices
+    one_adapter, two_adapter = (load_file(tmp_path / d / "adapter" / "adapter_model.safetensors")
+                                for d in ("one_hf", "two_hf"))
+    assert one_adapter.keys() == two_adapter.keys() and len(one_adapter) == 2 * 4 * 2  # A, B x 4 projections x 2
+    for n in one_adapter:  # A's entries are ~0.5: Adam's float32 rounding shows in the 5th digit
+        torch.testing.assert_close(two_adapter[n], one_adapter[n], rtol=1e-4, atol=1e-5)
 
 
 def test_lora_flags_are_checked():

@@ -231,6 +231,52 @@ def save_hf_checkpoint(model_chunks: list[torch.nn.Module], hf_dir_src: str | Pa
             dist.barrier()
 
 
+def save_peft_adapter(model_chunks: list[torch.nn.Module], config, base_model: str, out_dir: str | Path) -> None:
+    """The LoRA adapters as PEFT saves them (`adapter_config.json`, `adapter_model.safetensors` with names
+    `base_model.model.model.layers.<i>.<self_attn|mlp>.<proj>.lora_A/B.weight`), each gathered over tensor parallel;
+    `PeftModel.from_pretrained(base, out_dir)` loads it. Collective: every training rank calls it. With several
+    pipeline stages each stage writes its part and the first rank joins them into the one file PEFT reads."""
+    from vime.backends.megatron_utils.lora import adapted_linears, peft_config
+
+    tensors = {}
+    for chunk in model_chunks:
+        for layer, hf_module, linear in adapted_linears(_unwrap(chunk)):
+            for proj in linear.lora.A:
+                a, b = linear.lora.A[proj].detach(), linear.lora.B[proj].detach()
+                if linear.lora.row_parallel:  # each rank holds its columns of A, and all of B
+                    a = torch.cat(gather_tp_shards(a), dim=1)
+                else:  # each rank holds its rows of B, and all of A
+                    b = torch.cat(gather_tp_shards(b), dim=0)
+                prefix = f"base_model.model.model.layers.{layer}.{hf_module}.{proj}"
+                tensors[f"{prefix}.lora_A.weight"] = a.cpu().contiguous()
+                tensors[f"{prefix}.lora_B.weight"] = b.cpu().contiguous()
+    initialised = parallel_state.model_parallel_is_initialized()
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank() if initialised else 0
+    pp_size = parallel_state.get_pipeline_model_parallel_world_size() if initialised else 1
+    writer = not initialised or (parallel_state.get_tensor_model_parallel_rank() == 0
+                                 and parallel_state.get_data_parallel_rank() == 0)
+    out_dir = Path(out_dir)
+    if writer:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, out_dir / (f"adapter_part-{pp_rank:05d}.safetensors" if pp_size > 1 else
+                                      "adapter_model.safetensors"), metadata={"format": "pt"})
+    if dist.is_initialized():
+        dist.barrier()
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        if pp_size > 1:
+            parts = sorted(out_dir.glob("adapter_part-*.safetensors"))
+            joined = {}
+            for part in parts:
+                with safe_open(part, framework="pt") as f:
+                    joined.update({k: f.get_tensor(k) for k in f.keys()})
+            save_file(joined, out_dir / "adapter_model.safetensors", metadata={"format": "pt"})
+            for part in parts:
+                part.unlink()
+        (out_dir / "adapter_config.json").write_text(json.dumps(peft_config(config, base_model), indent=2))
+    if dist.is_initialized():
+        dist.barrier()
+
+
 def _write_index(out_dir: Path, num_files: int) -> None:
     """HF's shard index: which file holds each tensor, and the total size in bytes."""
     weight_map, total = {}, 0

@@ -238,6 +238,23 @@ def _rows(config, path: str, out_local: int, tp_size: int) -> tuple[tuple[int, .
     return (out_local,), None
 
 
+def adapted_linears(model: torch.nn.Module):
+    """(global layer index, HF module: "self_attn" or "mlp", Megatron linear) of each linear with adapters."""
+    for layer in model.decoder.layers:
+        for path in _FUSED:
+            module = getattr(layer.get_submodule(path.split(".")[0]), path.split(".")[1], None)
+            if isinstance(getattr(module, "lora", None), LoraAdapters):
+                yield layer.layer_number - 1, "self_attn" if path.startswith("self_attention") else "mlp", module
+
+
+def peft_config(config: LoraConfig, base_model: str) -> dict:
+    """adapter_config.json as PEFT writes it for these adapters."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model, "r": config.rank,
+            "lora_alpha": config.alpha, "lora_dropout": config.dropout, "target_modules": list(config.targets),
+            "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
+            "use_rslora": False, "use_dora": False, "modules_to_save": None, "layers_to_transform": None}
+
+
 def is_lora_parameter(name: str) -> bool:
     return ".lora." in name
 

@@ -348,9 +348,14 @@ class MegatronTrainer:
         return str(save_checkpoint(self, self.args.save, rollout_id, extra_state))
 
     def save_hf(self, out_dir: str) -> str:
-        from vime.backends.megatron_utils.hf_checkpoint import save_hf_checkpoint
+        """The policy as an HF checkpoint (LoRA: the merged weights, and the adapters alone in PEFT's format
+        under `out_dir/adapter`). Collective."""
+        from vime.backends.megatron_utils.hf_checkpoint import save_hf_checkpoint, save_peft_adapter
 
         save_hf_checkpoint(self.model, self.args.hf_checkpoint, out_dir)
+        lora = LoraConfig.from_args(self.args) if self.role == "actor" else None
+        if lora is not None:
+            save_peft_adapter(self.model, lora, str(self.args.hf_checkpoint), f"{out_dir}/adapter")
         return out_dir
 
     def get_loaded_state(self) -> dict | None:
