@@ -92,6 +92,18 @@ def test_only_adapters_train_and_the_merged_weights_are_pefts(tiny_qwen3, tmp_pa
     for s, lp in zip(samples, trainer_lps):
         expected = response_log_probs(peft, s["tokens"], len(s["tokens"]) - s["response_length"])
         torch.testing.assert_close(lp, expected, rtol=0, atol=1e-5)
+    # --lora-load starts a new run from that adapter: its rank, alpha and targets, and the trained policy
+    with trainer(tiny_qwen3, "--lora-load", str(tmp_path / "hf" / "adapter")) as t:
+        assert (t.args.lora_rank, t.args.lora_alpha) == (RANK, ALPHA)
+        loaded = [torch.tensor(t.probe_log_probs(s["tokens"], s["response_length"])) for s in samples]
+    for lp, want in zip(loaded, trainer_lps):
+        torch.testing.assert_close(lp, want, rtol=0, atol=1e-6)
+    from vime.arguments import parse_args
+    from vime.backends.megatron_utils.train_arguments import validate_lora_args
+
+    with pytest.raises(ValueError, match="--lora-rank 8 contradicts the --lora-load adapter's 4"):
+        validate_lora_args(parse_args(["--hf-checkpoint", str(tiny_qwen3), "--lora-load",
+                                       str(tmp_path / "hf" / "adapter"), "--lora-rank", "8"], validate=False))
 
 
 def test_lora_over_two_tensor_parallel_ranks_trains_and_resumes_like_one_process(tiny_qwen3, tmp_path):
@@ -145,5 +157,7 @@ def test_lora_flags_are_checked():
                            (["--lora-rank", "4", "--sequence-parallel"], "not supported yet")]:
         with pytest.raises(ValueError, match=message):
             validate_lora_args(parse_args(["--hf-checkpoint", "x", *flags], validate=False))
+    with pytest.raises(ValueError, match="not a PEFT adapter"):
+        validate_lora_args(parse_args(["--hf-checkpoint", "x", "--lora-load", "/nonexistent"], validate=False))
     validate_lora_args(parse_args(["--hf-checkpoint", "x", "--lora-rank", "8", "--lora-target-modules", "q_proj",
                                    "v_proj"], validate=False))  # a part of the fused q/k/v, as PEFT configs often do

@@ -247,6 +247,31 @@ def adapted_linears(model: torch.nn.Module):
                 yield layer.layer_number - 1, "self_attn" if path.startswith("self_attention") else "mlp", module
 
 
+def load_peft_adapter(chunk: torch.nn.Module, path: str) -> None:
+    """Set the chunk's adapters from a PEFT adapter directory (this rank's slices of each matrix); --lora-load."""
+    from safetensors import safe_open
+
+    tp_rank, tp_size = _tp()
+    with safe_open(f"{path}/adapter_model.safetensors", framework="pt") as f:
+        names = set(f.keys())
+        for layer, hf_module, linear in adapted_linears(chunk):
+            for proj in linear.lora.A:
+                prefix = f"base_model.model.model.layers.{layer}.{hf_module}.{proj}"
+                for kind, param in (("A", linear.lora.A[proj]), ("B", linear.lora.B[proj])):
+                    name = f"{prefix}.lora_{kind}.weight"
+                    if name not in names:
+                        raise ValueError(f"--lora-load {path}: the adapter has no {name}")
+                    full = f.get_tensor(name)
+                    split_dim = 1 if kind == "A" and linear.lora.row_parallel else \
+                        0 if kind == "B" and not linear.lora.row_parallel else None
+                    local = full if split_dim is None else full.chunk(tp_size, dim=split_dim)[tp_rank]
+                    if local.shape != param.shape:
+                        raise ValueError(f"--lora-load {path}: {name} has shape {tuple(full.shape)}, this model's "
+                                         f"adapter needs {tuple(param.shape)} (on this rank)")
+                    with torch.no_grad():
+                        param.copy_(local)
+
+
 def peft_config(config: LoraConfig, base_model: str) -> dict:
     """adapter_config.json as PEFT writes it for these adapters."""
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model, "r": config.rank,

@@ -54,6 +54,10 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
                    help="LoRA scaling numerator: delta W = alpha / rank * B A (default: --lora-rank).")
     g.add_argument("--lora-dropout", type=float, default=0.0,
                    help="Dropout on the adapters' input while training (default: 0.0).")
+    g.add_argument("--lora-load", default=None, metavar="DIR",
+                   help="Start the adapters from a PEFT LoRA adapter (adapter_config.json and "
+                        "adapter_model.safetensors; its rank, alpha and targets become the run's) instead of fresh "
+                        "ones (default: None).")
     g.add_argument("--lora-target-modules", nargs="+", default=["all-linear"], metavar="NAME",
                    help=f"HF projections that get adapters: {', '.join(LORA_TARGETS)}, or all-linear "
                         "(default: all-linear).")
@@ -75,11 +79,14 @@ def lora_targets(names) -> tuple[str, ...]:
     return tuple(t for t in LORA_TARGETS if t in names)
 
 
-def validate_lora_args(args: argparse.Namespace) -> None:
+def validate_lora_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Check the LoRA flags; with --lora-load, returns `args` with the adapter's rank, alpha and targets."""
+    if args.lora_load:
+        args = with_values(args, **_peft_adapter_flags(args.lora_load, args))
     if args.lora_rank < 0:
         raise ValueError(f"--lora-rank must be >= 0 (0 = full fine-tuning), got {args.lora_rank}")
     if not args.lora_rank:
-        return
+        return args
     lora_targets(args.lora_target_modules)
     if args.lora_alpha is not None and args.lora_alpha <= 0:
         raise ValueError(f"--lora-alpha must be > 0, got {args.lora_alpha}")
@@ -87,6 +94,32 @@ def validate_lora_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--lora-dropout must be in [0, 1), got {args.lora_dropout}")
     if getattr(args, "sequence_parallel", False):
         raise ValueError("--lora-rank with --sequence-parallel is not supported yet; drop one of them")
+    return args
+
+
+def _peft_adapter_flags(path: str, args: argparse.Namespace) -> dict:
+    """--lora-rank/--lora-alpha/--lora-target-modules read from a PEFT adapter's adapter_config.json; a flag given
+    with another value is refused."""
+    import json
+    from pathlib import Path
+
+    config_file = Path(path) / "adapter_config.json"
+    if not config_file.is_file() or not (Path(path) / "adapter_model.safetensors").is_file():
+        raise ValueError(f"--lora-load {path}: not a PEFT adapter (needs adapter_config.json and "
+                         "adapter_model.safetensors)")
+    config = json.loads(config_file.read_text())
+    targets = config.get("target_modules") or []
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    if config.get("peft_type") != "LORA" or config.get("use_dora") or config.get("use_rslora"):
+        raise ValueError(f"--lora-load {path}: a plain LoRA adapter is needed (peft_type LORA, no DoRA, no rsLoRA)")
+    found = {"lora_rank": int(config["r"]), "lora_alpha": float(config.get("lora_alpha", config["r"])),
+             "lora_target_modules": ["all-linear"] if targets == ["all-linear"] else targets}
+    for flag, value in found.items():
+        given = getattr(args, flag)
+        if flag != "lora_target_modules" and given not in (None, 0, value):
+            raise ValueError(f"--{flag.replace('_', '-')} {given} contradicts the --lora-load adapter's {value}; "
+                             "drop the flag")
+    return found
 
 
 def validate_train_args(args: argparse.Namespace) -> argparse.Namespace:
@@ -115,5 +148,5 @@ def validate_train_args(args: argparse.Namespace) -> argparse.Namespace:
         raise ValueError(f"--train-num-threads must be >= 1, got {args.train_num_threads}")
     if args.use_dynamic_batch_size and not args.max_tokens_per_gpu:
         raise ValueError("--use-dynamic-batch-size needs --max-tokens-per-gpu N")
-    validate_lora_args(args)
+    args = validate_lora_args(args)
     return with_values(args, global_batch_size=gbs, num_steps_per_rollout=samples // gbs)

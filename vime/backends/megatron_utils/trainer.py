@@ -32,7 +32,7 @@ from vime.backends.megatron_utils.offload import TrainStateOffloader
 from vime.backends.megatron_utils.routing_replay import RoutingReplay, sample_routing
 from vime.backends.megatron_utils.train_batch import TrainBatch
 from vime.backends.megatron_utils.critic import attach_value_head, make_value_loss_fn
-from vime.backends.megatron_utils.lora import LoraConfig, adapters_merged, attach_lora
+from vime.backends.megatron_utils.lora import LoraConfig, adapters_merged, attach_lora, load_peft_adapter
 from vime.backends.megatron_utils.model import (
     forward_log_probs,
     forward_values,
@@ -77,6 +77,8 @@ class MegatronTrainer:
             elif LoraConfig.from_args(args) is not None:  # a frozen base: only the adapters get grads and state
                 for chunk in chunks:
                     attach_lora(chunk, LoraConfig.from_args(args))
+                    if args.lora_load:
+                        load_peft_adapter(chunk, args.lora_load)
 
         self.model, self.optimizer, self.scheduler = setup_model_and_optimizer(args, total_steps, prepare)
         self.expert_load = ExpertLoad(self.model, args.num_layers, args.num_experts) if args.num_experts else None
