@@ -231,7 +231,7 @@ def test_tools_streaming_n_and_logprobs_with_the_openai_client(stack):
     engine = _serving_engine(engine_urls, before)
     from vime.agents.tool_parsing import forced_call_schema
 
-    forced = {"structured_outputs": {"json": forced_call_schema(WEATHER), "disable_any_whitespace": True}}
+    forced = {"structured_outputs": {"json": forced_call_schema(WEATHER)}}
     _assert_engine_made(engine, trajectory, 0, _regenerate(engine, trajectory.tokens[:trajectory.turns[0][
         "prompt_tokens"]], 64, **forced)[0])
     _assert_engine_made(engine, trajectory, 1, _regenerate(engine, trajectory.tokens[:trajectory.turns[1][

@@ -459,11 +459,12 @@ class OpenAIServer:
         if forced.get("seed") is not None:  # one run seed per episode: vary it per role and call
             params["seed"] = call_seed(forced["seed"], session_id, sum(len(t.turns) for t in session.trajectories))
         required = tools is not None and (tool_choice == "required" or isinstance(tool_choice, dict))
-        # the reply must be a call: the engine's structured output holds it to one. vLLM's xgrammar and guidance
-        # backends take disable_any_whitespace from the engine's config, not from here (README: agent endpoint)
+        # the reply must be a call: the engine's structured output holds it to one. Whether JSON whitespace is
+        # allowed in it is the engine's setting (vLLM 0.32 reads disable_any_whitespace from
+        # --structured-outputs-config only; README: agent endpoint)
         if required:
             name = (tool_choice.get("function") or {}).get("name") if isinstance(tool_choice, dict) else None
-            params["structured_outputs"] = {"json": forced_call_schema(tools, name), "disable_any_whitespace": True}
+            params["structured_outputs"] = {"json": forced_call_schema(tools, name)}
         choices = await self._generate(session_id, prompt_ids, params)
         if any(c.get("finish_reason") == "abort" for c in choices):
             # 422: the openai client does not retry it; the episode ends, nothing recorded
