@@ -12,6 +12,7 @@ pytest.importorskip("megatron.core")
 from tests.helpers.hf_reference import load_hf, response_log_probs  # noqa: E402
 from tests.helpers.rollouts import flat, make_rollout  # noqa: E402
 from tests.helpers.trainer_runs import BASE_ARGV, launch, local_trainer as trainer  # noqa: E402
+from vime.backends.megatron_utils.hf_checkpoint import _unwrap  # noqa: E402
 from vime.backends.megatron_utils.model import forward_log_probs  # noqa: E402
 from vime.backends.megatron_utils.train_batch import TrainBatch  # noqa: E402
 
@@ -24,13 +25,6 @@ HF_MODULE = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn"
              "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 
 
-def _unwrapped(t):
-    chunk = t.model[0]
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
-
-
 def test_only_adapters_train_and_the_merged_weights_are_pefts(tiny_qwen3, tmp_path):
     from safetensors.torch import load_file
 
@@ -38,7 +32,7 @@ def test_only_adapters_train_and_the_merged_weights_are_pefts(tiny_qwen3, tmp_pa
     groups = make_rollout(seed=3)
     samples = flat(groups)
     with trainer(tiny_qwen3, *LORA_ARGV) as t:
-        chunk = _unwrapped(t)
+        chunk = _unwrap(t.model[0])
         trainable = {n for n, p in chunk.named_parameters() if p.requires_grad}
         layers = len(chunk.decoder.layers)
         assert trainable == {f"decoder.layers.{i}.{linear}.lora.{ab}.{proj}" for i in range(layers)

@@ -200,6 +200,14 @@ def copy_hf_metadata(hf_dir_src: str | Path, out_dir: str | Path) -> None:
             shutil.copy2(path, out_dir / path.name)
 
 
+def _stage_writer() -> tuple[int, int, bool]:
+    """(pipeline rank, pipeline size, whether this rank writes its stage's file: TP rank 0 and DP rank 0)."""
+    if not parallel_state.model_parallel_is_initialized():
+        return 0, 1, True
+    return (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_world_size(),
+            parallel_state.get_tensor_model_parallel_rank() == 0 and parallel_state.get_data_parallel_rank() == 0)
+
+
 def save_hf_checkpoint(model_chunks: list[torch.nn.Module], hf_dir_src: str | Path, out_dir: str | Path) -> None:
     """Write this model as an HF checkpoint: safetensors plus config/tokenizer files copied from `hf_dir_src`.
 
@@ -212,11 +220,7 @@ def save_hf_checkpoint(model_chunks: list[torch.nn.Module], hf_dir_src: str | Pa
     out_dir = Path(out_dir)
     tensors = {n: t.detach().cpu().contiguous() for n, t in iter_hf_weights(model_chunks,
                                                                             AutoConfig.from_pretrained(hf_dir_src))}
-    initialised = parallel_state.model_parallel_is_initialized()
-    pp_rank = parallel_state.get_pipeline_model_parallel_rank() if initialised else 0
-    pp_size = parallel_state.get_pipeline_model_parallel_world_size() if initialised else 1
-    writer = not initialised or (parallel_state.get_tensor_model_parallel_rank() == 0
-                                 and parallel_state.get_data_parallel_rank() == 0)
+    pp_rank, pp_size, writer = _stage_writer()
     if writer:
         out_dir.mkdir(parents=True, exist_ok=True)
         name = "model.safetensors" if pp_size == 1 else f"model-{pp_rank + 1:05d}-of-{pp_size:05d}.safetensors"
@@ -250,11 +254,7 @@ def save_peft_adapter(model_chunks: list[torch.nn.Module], config, base_model: s
                 prefix = f"base_model.model.model.layers.{layer}.{hf_module}.{proj}"
                 tensors[f"{prefix}.lora_A.weight"] = a.cpu().contiguous()
                 tensors[f"{prefix}.lora_B.weight"] = b.cpu().contiguous()
-    initialised = parallel_state.model_parallel_is_initialized()
-    pp_rank = parallel_state.get_pipeline_model_parallel_rank() if initialised else 0
-    pp_size = parallel_state.get_pipeline_model_parallel_world_size() if initialised else 1
-    writer = not initialised or (parallel_state.get_tensor_model_parallel_rank() == 0
-                                 and parallel_state.get_data_parallel_rank() == 0)
+    pp_rank, pp_size, writer = _stage_writer()
     out_dir = Path(out_dir)
     if writer:
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -2,8 +2,8 @@
 
 Targets are HF projection names: q_proj, k_proj, v_proj (fused in Megatron's `linear_qkv`), o_proj
 (`linear_proj`), gate_proj, up_proj (fused `linear_fc1`), down_proj (`linear_fc2`); "all-linear" is all seven.
-Dense attention and MLP layers only: multi-latent attention, MoE experts and sequence parallel are refused at
-the flags.
+Dense attention and MLP layers only: sequence parallel is refused at the flags, multi-latent attention, MoE
+experts and TransformerEngine's norm-fused linears when the adapters are attached.
 
 Each adapter is PEFT's: delta W = (alpha / r) * B @ A with A [r, in] (kaiming-uniform) and B [out, r] (zeros), so
 a fresh adapter leaves the model's outputs unchanged. On a fused Megatron linear every HF projection keeps its
@@ -174,13 +174,12 @@ def adapters_merged(chunks):
                 m.lora.enabled = True
 
 
-def attach_lora(chunk: torch.nn.Module, config: LoraConfig) -> int:
-    """Freeze `chunk` (a GPTModel) and hang adapters on its targeted linears; returns the adapters' parameter
-    count on this rank. The base modules keep their names and weights; the adapters are `<linear>.lora.*`."""
+def attach_lora(chunk: torch.nn.Module, config: LoraConfig) -> None:
+    """Freeze `chunk` (a GPTModel) and hang adapters on its targeted linears. The base modules keep their names
+    and weights; the adapters are `<linear>.lora.*`."""
     for p in chunk.parameters():
         p.requires_grad_(False)
-    tp_rank, tp_size = _tp()
-    count = 0
+    _, tp_size = _tp()
     for layer in chunk.decoder.layers:
         global_layer = layer.layer_number - 1
         for path, projections in _FUSED.items():
@@ -193,20 +192,18 @@ def attach_lora(chunk: torch.nn.Module, config: LoraConfig) -> int:
                 raise ValueError(f"--lora-target-modules {' '.join(wanted)}: layer {global_layer} has no {path} "
                                  "(LoRA covers dense attention and MLPs; not multi-latent attention or MoE "
                                  "experts yet)") from None
+            if hasattr(module, "layer_norm_weight"):
+                raise ValueError("LoRA on TransformerEngine's norm-fused linears is not supported yet; run without "
+                                 "TransformerEngine (the local layer spec) or without --lora-rank")
             weight = module.weight
             out_local, in_local = weight.shape
             row_parallel = path in _ROW_PARALLEL
             rows, groups = _rows(chunk.config, path, out_local, tp_size)
-            if hasattr(module, "layer_norm_weight"):
-                raise ValueError("LoRA on TransformerEngine's norm-fused linears is not supported yet; run without "
-                                 "TransformerEngine (the local layer spec) or without --lora-rank")
             seeds = tuple(_seed(config.seed, global_layer, p) for p in projections)
             module.lora = LoraAdapters(config, projections, in_local, rows, row_parallel, groups, seeds,
                                        weight.dtype, weight.device)
             module.register_forward_hook(_add_adapters_hook)
             module.sharded_state_dict = _sharded_state_dict_with_adapters(module)
-            count += sum(p.numel() for p in module.lora.parameters())
-    return count
 
 
 def _sharded_state_dict_with_adapters(module):
@@ -242,7 +239,10 @@ def adapted_linears(model: torch.nn.Module):
     """(global layer index, HF module: "self_attn" or "mlp", Megatron linear) of each linear with adapters."""
     for layer in model.decoder.layers:
         for path in _FUSED:
-            module = getattr(layer.get_submodule(path.split(".")[0]), path.split(".")[1], None)
+            try:
+                module = layer.get_submodule(path)
+            except AttributeError:  # an MLA or MoE layer: no such linear, no adapters
+                continue
             if isinstance(getattr(module, "lora", None), LoraAdapters):
                 yield layer.layer_number - 1, "self_attn" if path.startswith("self_attention") else "mlp", module
 

@@ -70,17 +70,20 @@ class MegatronTrainer:
         self.args = args
         self.role = role
 
+        lora = LoraConfig.from_args(args) if role == "actor" else None  # the critic trains in full
+
         def prepare(chunks):
             load_hf_checkpoint_into_model(chunks, args.hf_checkpoint)
             if role == "critic":
-                attach_value_head(chunks)  # the critic trains in full, its new value head included
-            elif LoraConfig.from_args(args) is not None:  # a frozen base: only the adapters get grads and state
+                attach_value_head(chunks)
+            elif lora is not None:  # a frozen base: only the adapters get grads and state
                 for chunk in chunks:
-                    attach_lora(chunk, LoraConfig.from_args(args))
+                    attach_lora(chunk, lora)
                     if args.lora_load:
                         load_peft_adapter(chunk, args.lora_load)
 
         self.model, self.optimizer, self.scheduler = setup_model_and_optimizer(args, total_steps, prepare)
+        self.lora = lora
         self.expert_load = ExpertLoad(self.model, args.num_layers, args.num_experts) if args.num_experts else None
         self.step = 0
         self.offloader = TrainStateOffloader()  # --offload-train
@@ -355,9 +358,8 @@ class MegatronTrainer:
         from vime.backends.megatron_utils.hf_checkpoint import save_hf_checkpoint, save_peft_adapter
 
         save_hf_checkpoint(self.model, self.args.hf_checkpoint, out_dir)
-        lora = LoraConfig.from_args(self.args) if self.role == "actor" else None
-        if lora is not None:
-            save_peft_adapter(self.model, lora, str(self.args.hf_checkpoint), f"{out_dir}/adapter")
+        if self.lora is not None:
+            save_peft_adapter(self.model, self.lora, str(self.args.hf_checkpoint), f"{out_dir}/adapter")
         return out_dir
 
     def get_loaded_state(self) -> dict | None:
