@@ -37,7 +37,8 @@ SIZES = {
 def update_once(transport, trainer, url: str, version: int) -> dict[str, float]:
     """One update as `WeightSync.update` runs it, without Ray (`transport` plays the driver's and the trainer's
     instance, both kept for the run): seconds of the whole update, of the trainer's send, and of the engine's load
-    and of its control steps (pause, cache reset, version, resume) as the engine timed them."""
+    and of its control steps (pause, cache reset, version, resume) as the engine timed them; the bytes of the
+    update directory (NaN for a transport that writes none)."""
     from vime.backends.vllm_utils import client
     from vime.utils.misc import find_free_port
 
@@ -58,9 +59,10 @@ def update_once(transport, trainer, url: str, version: int) -> dict[str, float]:
         trainer.send_weights(transport, handle)
         send = time.perf_counter() - start
         timings = load()
+    sent = sum(f.stat().st_size for f in Path(handle).iterdir()) if isinstance(handle, str) else float("nan")
     transport.cleanup(handle)
     return {"update": time.perf_counter() - start, "send": send, "load": timings["load_s"],
-            "control": timings["pause_s"] + timings["finish_s"]}
+            "control": timings["pause_s"] + timings["finish_s"], "bytes": sent}
 
 
 def plain_copy(trainer) -> tuple[float, int]:

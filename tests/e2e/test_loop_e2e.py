@@ -1,7 +1,7 @@
 """The full loop on the real stack (tiny model, 2 vLLM engines behind vllm-router, Megatron-core, Ray):
-sync disaggregated with a SIGKILL and resume (GSPO), sync colocated (REINFORCE++-baseline), async (REINFORCE++);
-each run's reported advantage statistics equal the estimator's, computed by hand from its saved rollouts. After
-every weight update the engines' log-probs of a probe sequence must equal the trainer's
+sync disaggregated with a SIGKILL and resume (GSPO), sync colocated (REINFORCE++-baseline), async (REINFORCE++,
+LoRA); each run's reported advantage statistics equal the estimator's, computed by hand from its saved rollouts.
+After every weight update the engines' log-probs of a probe sequence must equal the trainer's
 (--check-weight-update-equal), and on-policy runs must report a train/rollout log-prob gap below 1e-5. No dtype
 flag is given: the float32 checkpoint must run in float32 on both sides by default."""
 
@@ -162,8 +162,11 @@ def test_sync_colocated(tiny_qwen3, arithmetic_data, tmp_path):
 
 
 def test_async(tiny_qwen3, arithmetic_data, tmp_path):
+    """Training LoRA adapters (rank 8): each update sends the engines the adapter alone, which they serve as
+    "policy" on the unchanged base, and the weight check after every update (rollout 0's overlapped with
+    generation) finds the trainer's merged log-probs in every engine."""
     _run(_cmd("train_async.py", tiny_qwen3, arithmetic_data[0], tmp_path, 3,
-              "--advantage-estimator", "reinforce_plus_plus"))
+              "--advantage-estimator", "reinforce_plus_plus", "--lora-rank", "8", "--lora-alpha", "16"))
     records = [r for r in _metrics(tmp_path) if "train/steps" in r]
     _check_run(records, [0, 1, 2], on_policy=False)
     for r in records:

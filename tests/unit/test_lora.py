@@ -136,8 +136,11 @@ def test_lora_over_two_tensor_parallel_ranks_trains_and_resumes_like_one_process
     one_adapter, two_adapter = (load_file(tmp_path / d / "adapter" / "adapter_model.safetensors")
                                 for d in ("one_hf", "two_hf"))
     assert one_adapter.keys() == two_adapter.keys() and len(one_adapter) == 2 * 4 * 2  # A, B x 4 projections x 2
-    for n in one_adapter:  # A's entries are ~0.5: Adam's float32 rounding shows in the 5th digit
-        torch.testing.assert_close(two_adapter[n], one_adapter[n], rtol=1e-4, atol=1e-5)
+    # A's entries are ~0.5: Adam's float32 rounding shows in the 5th digit; and Adam moves an entry by about lr
+    # (1e-2) whatever the size of its gradient, so one whose gradient is near 0 can differ by 1% of a step (8.8e-5
+    # seen once in 512); the merged weights above agree to 1e-5
+    for n in one_adapter:
+        torch.testing.assert_close(two_adapter[n], one_adapter[n], rtol=1e-4, atol=2e-4)
 
 
 def test_lora_flags_are_checked():
@@ -148,10 +151,85 @@ def test_lora_flags_are_checked():
                            (["--lora-rank", "4", "--lora-target-modules", "qkv"], "unknown qkv"),
                            (["--lora-rank", "4", "--lora-dropout", "1.0"], r"--lora-dropout must be in \[0, 1\)"),
                            (["--lora-rank", "4", "--lora-alpha", "0"], "--lora-alpha must be > 0"),
-                           (["--lora-rank", "4", "--sequence-parallel"], "not supported yet")]:
+                           (["--lora-rank", "4", "--sequence-parallel"], "not supported yet"),
+                           (["--lora-sync", "adapter"], "needs --lora-rank"),
+                           (["--lora-rank", "4", "--update-weight-transport", "broadcast"], "--lora-sync merged"),
+                           (["--lora-rank", "1024"], "rank <= 512"),
+                           (["--lora-rank", "4", "--lora-sync", "adapter", "--rollout-external-engine-addrs",
+                             "http://h:1"], "external engines get --lora-sync merged")]:
         with pytest.raises(ValueError, match=message):
             validate_lora_args(parse_args(["--hf-checkpoint", "x", *flags], validate=False))
     with pytest.raises(ValueError, match="not a PEFT adapter"):
         validate_lora_args(parse_args(["--hf-checkpoint", "x", "--lora-load", "/nonexistent"], validate=False))
     validate_lora_args(parse_args(["--hf-checkpoint", "x", "--lora-rank", "8", "--lora-target-modules", "q_proj",
                                    "v_proj"], validate=False))  # a part of the fused q/k/v, as PEFT configs often do
+
+    resolved = {(tuple(flags), validate_lora_args(parse_args(["--hf-checkpoint", "x", *flags], validate=False))
+                 .lora_sync) for flags in (["--lora-rank", "4"], ["--lora-rank", "4", "--lora-sync", "merged"],
+                                           ["--lora-rank", "4", "--rollout-external-engine-addrs", "http://h:1"],
+                                           ["--lora-rank", "4", "--lora-sync", "merged", "--update-weight-transport",
+                                            "broadcast"])}
+    assert {sync for _, sync in resolved} == {"adapter", "merged"}
+    assert dict(resolved)[("--lora-rank", "4")] == "adapter"  # the default where vime starts the engines
+
+
+def test_adapter_sync_engine_side(tmp_path, monkeypatch):
+    """What --lora-sync adapter asks of the engines: the derived LoRA flags (the user's win), the update call, a
+    restarted engine's recovery call, and the load inside the server: the workers load the new version in place
+    under the same id once, and later requests carry a plain request for that id (no reload at every step)."""
+    import asyncio
+    import json
+    from types import SimpleNamespace
+
+    from vime.backends.vllm_utils.engine import lora_engine_options
+    from vime.backends.vllm_utils.lora_serving import LOAD_ADAPTER, load_adapter
+    from vime.backends.vllm_utils.weight_loading import WEIGHT_ROOT_ENV
+    from vime.ray.engine_fleet import recovery_load_call
+    from vime.ray.weight_sync import sync_kind
+
+    args = SimpleNamespace(lora_rank=12, lora_sync="adapter", update_weight_transport="disk")
+    assert lora_engine_options(args, []) == ["--enable-lora", "--max-lora-rank", "16", "--max-loras", "1",
+                                             "--max-cpu-loras", "1"]
+    assert lora_engine_options(args, ["--max-lora-rank", "64"]) == ["--enable-lora", "--max-loras", "1",
+                                                                    "--max-cpu-loras", "1"]
+    assert lora_engine_options(SimpleNamespace(lora_rank=12, lora_sync="merged"), []) == []
+    assert sync_kind(args) == "lora_adapter"
+    assert sync_kind(SimpleNamespace(lora_rank=12, lora_sync="merged", update_weight_transport="delta")) == "delta"
+
+    root = tmp_path / "root"
+    monkeypatch.setenv(WEIGHT_ROOT_ENV, str(root))
+    versions = []
+    for v in (1, 2):
+        d = root / f"vime_lora_{v}_x"
+        d.mkdir(parents=True)
+        (d / "adapter_config.json").write_text(json.dumps({"r": 12}))
+        (d / "adapter_model.safetensors").write_bytes(b"")
+        versions.append(str(d))
+    assert recovery_load_call(args, versions[0]) == (LOAD_ADAPTER, {"name": "policy", "path": versions[0]})
+
+    class Counter:
+        n = 0
+
+        def inc(self, k):
+            self.n += k
+            return self.n
+
+    class Engine:
+        added = []
+
+        async def add_lora(self, request):
+            self.added.append(request)
+
+    models, engine = SimpleNamespace(lora_requests={}, lora_id_counter=Counter()), Engine()
+    for path in versions:
+        asyncio.run(load_adapter(models, engine, {"name": "policy", "path": path}))
+    assert [(r.lora_int_id, r.lora_path, r.load_inplace) for r in engine.added] == [(1, versions[0], True),
+                                                                                    (1, versions[1], True)]
+    served = models.lora_requests["policy"]
+    assert (served.lora_int_id, served.lora_path, served.load_inplace) == (1, versions[1], False)
+    (root / "vime_lora_2_x" / "adapter_model.bin").write_bytes(b"pickle")  # never loaded: vLLM would unpickle it
+    with pytest.raises(ValueError, match="adapter_model.bin"):
+        asyncio.run(load_adapter(models, engine, {"name": "policy", "path": versions[1]}))
+    with pytest.raises(PermissionError, match="outside the weight root"):
+        asyncio.run(load_adapter(models, engine, {"name": "policy", "path": str(tmp_path)}))
+    assert len(engine.added) == 2

@@ -63,11 +63,12 @@ from vime.agents.api import anthropic_api, chat_api, responses_api
 from vime.agents.api.completion import ChoiceOut, Completion, ToolCallOut, canonical_arguments
 from vime.agents.chat_session import ChatSession, ChatTemplate, branch
 from vime.agents.tool_parsing import forced_call_schema, split_tool_calls
+from vime.backends.vllm_utils.client import SERVED_MODEL
 from vime.backends.vllm_utils.generate_request import (EngineRejectedError, EngineUnavailableError, RequestCounters,
                                                        request_choices)
 
 logger = logging.getLogger(__name__)
-MODEL_NAME = "policy"
+MODEL_NAME = SERVED_MODEL
 SESSION_HEADER = "X-Session-ID"
 MAX_SESSION_ID_CHARS = 256  # a token (32 hex digits), "/" and a role name
 # json.loads holds the GIL (every thread of the rollout process waits) ~1.5 ms per MiB; a text-only policy's

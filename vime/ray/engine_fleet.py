@@ -236,7 +236,8 @@ class EngineFleet:
         return slowest
 
     def set_recovery_weights(self, path: str) -> None:
-        """Remember `path` (HF safetensors of the engines' current weights) for restarts; drops the previous one."""
+        """Remember `path` (the engines' current weights: HF safetensors, or a LoRA run's adapter) for restarts;
+        drops the previous one."""
         with self._engines_lock:
             if path != self.recovery_weights:
                 self._drop_recovery_weights()
@@ -245,7 +246,7 @@ class EngineFleet:
     def _drop_recovery_weights(self) -> None:
         """Delete the recovery directory if vime wrote it (a weight-update directory), never a user's."""
         path = self.recovery_weights
-        if path and Path(path).name.startswith(("vime_weights_", "vime_recovery_")):
+        if path and Path(path).name.startswith(("vime_weights_", "vime_recovery_", "vime_lora_")):
             shutil.rmtree(path, ignore_errors=True)
         self.recovery_weights = None
 
@@ -341,8 +342,13 @@ class EngineFleet:
 
 
 def recovery_load_call(args, weights_dir: str):
-    """The call that makes a restarted engine load the recovery weights (the disk transport's; imported here, not
-    at the top, so that starting the fleet does not wait for torch)."""
+    """The call that makes a restarted engine load the recovery weights: a LoRA adapter (`lora_adapter`
+    transport) on the base it starts with, else HF safetensors (the disk transport's; imported here, not at the
+    top, so that starting the fleet does not wait for torch)."""
+    from vime.backends.vllm_utils.lora_serving import ADAPTER_FILES, adapter_load_call
+
+    if (Path(weights_dir) / ADAPTER_FILES[0]).is_file():
+        return adapter_load_call(client.SERVED_MODEL, weights_dir)
     from vime.backends.weight_transport.disk import DiskWeightTransport
 
     return DiskWeightTransport(args).load_call(weights_dir)

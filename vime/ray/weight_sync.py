@@ -11,7 +11,8 @@ since its send must meet the engines in the same group.
 
 With --use-fault-tolerance every update also leaves a recovery copy, an HF safetensors directory of the new weights
 that the rollout manager reloads into an engine it restarts: the update directory itself when the transport writes
-one (`disk`), else one more `disk` write. The manager deletes the previous copy when it gets a new one.
+one (`disk`; a LoRA run's adapter), else one more `disk` write. The manager deletes the previous copy when it
+gets a new one.
 """
 
 from __future__ import annotations
@@ -39,17 +40,24 @@ class StagedUpdate:
     stage_time: float
 
 
+def sync_kind(args) -> str:
+    """The transport of the run's weight updates: --update-weight-transport, or a LoRA run's adapter sync."""
+    if getattr(args, "lora_rank", 0) and getattr(args, "lora_sync", None) == "adapter":
+        return "lora_adapter"
+    return args.update_weight_transport
+
+
 class WeightSync:
     def __init__(self, args):
         self.args = args
-        self.kind = args.update_weight_transport
+        self.kind = sync_kind(args)
         self.transport = make_weight_transport(self.kind, args)
         self.recovery_writer = make_weight_transport(RECOVERY, args) if args.use_fault_tolerance else None
 
     @property
     def keeps_handle(self) -> bool:
         """The update directory doubles as the recovery copy (the manager owns and later deletes it)."""
-        return self.recovery_writer is not None and self.transport.update_is_hf_dir
+        return self.recovery_writer is not None and self.transport.update_is_recovery_copy
 
     def update(self, train_group, rollout_manager, version: int, after: list | None = None) -> dict[str, float]:
         """Push the current policy into every engine. `after`: ObjectRefs (e.g. a rollout still generating) to

@@ -18,6 +18,7 @@ from typing import Any
 
 import aiohttp
 
+from vime.backends.vllm_utils.client import SERVED_MODEL
 from vime.backends.vllm_utils.generate_request import (
     EngineRejectedError,
     EngineUnavailableError,
@@ -145,7 +146,7 @@ async def post_generate(args, token_ids: list[int], sampling_params: dict[str, A
 async def post_generate_choices(args, token_ids: list[int], sampling_params: dict[str, Any]) -> list[dict[str, Any]]:
     """Like `post_generate`, for every choice: `sampling_params["n"]` sequences from one prompt, one request."""
     state = GenerateState(args)
-    payload = {"token_ids": token_ids, "sampling_params": sampling_params, "model": "policy"}
+    payload = {"token_ids": token_ids, "sampling_params": sampling_params, "model": SERVED_MODEL}
     return await request_choices(state.http(), router_url(), payload,
                                  timeout=aiohttp.ClientTimeout(total=args.rollout_request_timeout),
                                  retries=args.rollout_request_retries, retry_window_s=retry_window_s(args),

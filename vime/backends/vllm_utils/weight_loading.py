@@ -58,7 +58,8 @@ def weight_root(args) -> str:
 
 
 def update_files(path: str, name: re.Pattern, root: str | None = None) -> list[Path]:
-    """The files of the weight update directory `path`, sorted by the stage number `name` captures.
+    """The files of the weight update directory `path`, sorted by the stage number `name` captures (by name when
+    it captures none).
 
     Raises PermissionError unless `path` resolves to a directory inside `root` (default: $VIME_WEIGHT_ROOT, else
     `default_weight_root()`), and ValueError for any entry that is not a regular file named as `name` says (a
@@ -75,7 +76,7 @@ def update_files(path: str, name: re.Pattern, root: str | None = None) -> list[P
     for entry in sorted(real.iterdir()):
         match = name.fullmatch(entry.name)
         if match and stat.S_ISREG(entry.lstat().st_mode):
-            files.append((int(match.group(1)), entry))
+            files.append((int(match.group(1)) if name.groups else 0, entry))
         else:
             unexpected.append(entry.name)
     if unexpected:

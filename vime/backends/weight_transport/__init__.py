@@ -8,7 +8,8 @@ itself is driven by `vime.ray.weight_sync`.
 
 Implementations: `disk` (HF safetensors into a directory, /dev/shm when available; engines reload it),
 `broadcast` (in memory over a gloo/nccl group with the engines' worker extension), `delta` (disk, only the
-tensors whose content changed since the last sync), `cuda_ipc` (colocated GPUs: engines map the trainer's tensors).
+tensors whose content changed since the last sync), `cuda_ipc` (colocated GPUs: engines map the trainer's tensors),
+`lora_adapter` (a LoRA run's adapters alone, served through vLLM's LoRA support; chosen by --lora-sync).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ if TYPE_CHECKING:
 # engines' start-up path) does not import it.
 TRANSPORTS: dict[str, str | type] = {
     "disk": "disk:DiskWeightTransport", "broadcast": "broadcast:BroadcastWeightTransport",
-    "delta": "delta:DeltaWeightTransport", "cuda_ipc": "cuda_ipc:CudaIpcWeightTransport"}
+    "delta": "delta:DeltaWeightTransport", "cuda_ipc": "cuda_ipc:CudaIpcWeightTransport",
+    "lora_adapter": "lora_adapter:LoraAdapterTransport"}
 
 
 def transport_class(kind: str) -> type[WeightTransport]:

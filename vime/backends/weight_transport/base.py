@@ -37,7 +37,7 @@ def tensor_bytes(tensor: torch.Tensor, chunk: int = BYTE_CHUNK) -> Iterator[memo
 
 class WeightTransport:
     concurrent = False  # True: send and the engines' load join one collective, so both must run at once
-    update_is_hf_dir = False  # True: a prepared handle is an HF safetensors directory (a recovery copy as is)
+    update_is_recovery_copy = False  # True: a prepared handle is what a restarted engine loads (`recovery_load_call`)
 
     def __init__(self, args):
         self.args = args

@@ -35,7 +35,8 @@ def engine_prompt_log_probs(engine_urls: list[str], tokens: list[int], timeout: 
     """Per engine: log p(tokens[i] | tokens[:i]) for i >= 1, from `/v1/completions` prompt log-probs.
 
     Run where the engines are reachable (the rollout manager); each engine is asked directly, not the router."""
-    body = {"prompt": list(tokens), "max_tokens": 1, "prompt_logprobs": 0, "temperature": 1.0}
+    body = {"model": client.SERVED_MODEL, "prompt": list(tokens), "max_tokens": 1, "prompt_logprobs": 0,
+            "temperature": 1.0}  # the served model: a LoRA run's current adapter
     out = []
     for url in engine_urls:
         r = client.http().post(f"{url}/v1/completions", json=body, timeout=timeout)

@@ -58,7 +58,7 @@ def changed_tensors(weights: list[tuple[str, torch.Tensor]], previous: dict[str,
 
 
 class DeltaWeightTransport(DiskWeightTransport):
-    update_is_hf_dir = False  # a handle holds only what changed
+    update_is_recovery_copy = False  # a handle holds only what changed
 
     def __init__(self, args):
         super().__init__(args)

@@ -31,7 +31,7 @@ SAFETENSORS_DTYPES = {
 
 
 class DiskWeightTransport(WeightTransport):
-    update_is_hf_dir = True
+    update_is_recovery_copy = True
 
     def __init__(self, args):
         from vime.backends.vllm_utils.engine import has_vime_worker_extension

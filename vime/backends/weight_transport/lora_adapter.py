@@ -1,0 +1,45 @@
+"""LoRA weight sync: only the adapters travel, as a PEFT adapter the engines serve through vLLM's LoRA support.
+
+The base never changes during a LoRA run, so the engines keep it and each update is one PEFT adapter
+(adapter_config.json and adapter_model.safetensors, each tensor gathered over tensor parallel, the pipeline
+stages joined: `hf_checkpoint.save_peft_adapter`) in a fresh private directory under the weight root. Every
+engine loads it in place of the previous version under the served model's name (`lora_serving`, inside vime's
+update route), so rollouts keep asking for "policy". The engines are started with LoRA enabled for it
+(`engine.lora_engine_options`). Selected by --lora-sync adapter (the default of a LoRA run whose engines vime
+starts), never by --update-weight-transport.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+from vime.backends.vllm_utils.client import SERVED_MODEL
+from vime.backends.vllm_utils.lora_serving import adapter_load_call
+from vime.backends.vllm_utils.weight_loading import weight_root
+from vime.backends.weight_transport.base import Weights, WeightTransport
+from vime.backends.weight_transport.staging import stage_dir
+
+KIND = "lora_adapter"
+PREFIX = "vime_lora_"  # of every update directory (the fleet deletes a recovery copy only by such a name)
+
+
+class LoraAdapterTransport(WeightTransport):
+    update_is_recovery_copy = True  # a restarted engine loads the base from its checkpoint, then this adapter
+    sends_adapter = True  # the trainers write the adapters (`Trainer.send_weights`), not the merged weights
+
+    def __init__(self, args):
+        super().__init__(args)
+        self.root = weight_root(args)
+
+    def prepare(self, version: int) -> str:
+        return stage_dir(self.root, f"{PREFIX}{version}_")
+
+    def send(self, weights: Weights, stage: int | None, handle: str) -> None:
+        raise TypeError("the LoRA adapter sync sends adapters, written by the trainer itself, not merged weights")
+
+    def load_calls(self, engine_urls: list[str], handle: str) -> dict:
+        return {url: adapter_load_call(SERVED_MODEL, handle) for url in engine_urls}
+
+    def cleanup(self, handle: str) -> None:
+        # the workers hold the adapter in memory now (one adapter, as many CPU slots as adapters: never evicted)
+        shutil.rmtree(handle, ignore_errors=True)
