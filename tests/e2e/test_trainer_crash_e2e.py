@@ -1,7 +1,9 @@
 """Trainer crash recovery with the straw data buffer, on the real stack (tiny model, 1 vLLM engine behind
 vllm-router, Megatron-core, Ray).
 
-A run checkpoints every 2 rollouts. Its rollout 3 waits (tests/e2e/crash_hold_plugin.py) until the test has struck,
+A run checkpoints every 2 rollouts (the kill and resume of the whole loop: the test of (a) also checks GSPO's
+advantages, every weight update and the on-policy gap over both runs, and that a run over a killed run's state is
+refused). Its rollout 3 waits (tests/e2e/crash_hold_plugin.py) until the test has struck,
 so the run has then written the checkpoint of rollout 1 and stored and trained rollout 2. (a) The whole run's process
 tree is SIGKILLed, and the restart with --load trains rollout 2 from storage (not generated again) and generates
 rollout 3; (b) only the training actor's process tree is SIGKILLed, and the same run restarts its trainer from the
@@ -26,6 +28,8 @@ import psutil
 
 from tests.e2e.crash_hold_plugin import FUNCTION_PATH, held_run_env, wait_until_held
 from tests.e2e.processes import stack_pids
+from tests.helpers.advantage_reference import check_grpo_stats
+from vime.rollout.debug_data import load_rollout
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
@@ -103,15 +107,30 @@ def _wait_for_no_stack() -> None:
 
 
 def test_sigkilled_trainer_resumes_and_replays_stored_rollouts(tiny_qwen3, arithmetic_data, tmp_path):
+    """Also, over both runs (GSPO): every weight update's check passes, training is on-policy (the replayed
+    rollout 2 was generated with the checkpoint's weights), the reported advantage statistics are GSPO's from the
+    saved rollouts; and between them a fresh run over the killed run's state, or one whose --load holds no
+    checkpoint, is refused before it starts anything."""
     assert not stack_pids()
     data = arithmetic_data[0]
-    _kill_before_rollout_3(_cmd(tiny_qwen3, data, tmp_path), tmp_path)
+    checked = ("--advantage-estimator", "gspo", "--check-weight-update-equal")
+    _kill_before_rollout_3(_cmd(tiny_qwen3, data, tmp_path, *checked), tmp_path)
     trained_before = [json.loads(line)["rollout_id"]
                       for line in (tmp_path / "run" / "trained_samples.jsonl").read_text().splitlines()
                       if line.endswith("}")]
     assert trained_before == [0, 1, 2]  # rollout 2 was trained, but after the checkpoint
+    refused = subprocess.run(_cmd(tiny_qwen3, data, tmp_path), capture_output=True, text=True, timeout=300,
+                             cwd=REPO, env=held_run_env(None))  # a fresh run (no --load) over the killed run's state
+    assert refused.returncode != 0 and "earlier run's state" in refused.stderr, refused.stderr[-3000:]
+    empty, other = tmp_path / "empty", tmp_path / "other"
+    empty.mkdir()
+    refused = subprocess.run(_cmd(tiny_qwen3, data, other, "--load", str(empty)), capture_output=True, text=True,
+                             timeout=300, cwd=REPO, env=held_run_env(None))
+    assert refused.returncode != 0 and f"--load {empty}: no checkpoint" in refused.stderr, refused.stderr[-3000:]
+    assert not (other / "run" / "metrics.jsonl").exists()  # it failed before anything started
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
 
-    proc = _start(_cmd(tiny_qwen3, data, tmp_path, "--load", str(tmp_path / "ckpt")), tmp_path)  # no hold
+    proc = _start(_cmd(tiny_qwen3, data, tmp_path, "--load", str(tmp_path / "ckpt"), *checked), tmp_path)  # no hold
     try:
         assert proc.wait(timeout=600) == 0, _log_tail(tmp_path)
     finally:
@@ -125,6 +144,11 @@ def test_sigkilled_trainer_resumes_and_replays_stored_rollouts(tiny_qwen3, arith
     assert [r["rollout_id"] for r in rows if "train/steps" in r] == list(range(NUM_ROLLOUT))
     resumed = {r["rollout_id"]: r for r in rows if "train/steps" in r and r["rollout_id"] >= 2}
     assert resumed[2]["buffer/replayed"] == 1.0 and resumed[3]["buffer/replayed"] == 0.0
+    for r in (r for r in rows if "train/steps" in r):
+        assert r["weight_check/max_abs_logprob_diff"] < 1e-5, r
+        assert r["train_rollout_logprob_abs_diff"] < 1e-5, r
+        check_grpo_stats(r, load_rollout(str(tmp_path / "rollout_{rollout_id}.jsonl"), r["rollout_id"]))
+    assert any(r["train/grad_norm"] > 0 for r in rows if "train/steps" in r)  # the weights really moved
     assert not stack_pids()
 
 
