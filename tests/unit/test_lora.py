@@ -13,6 +13,7 @@ from tests.helpers.hf_reference import load_hf, response_log_probs  # noqa: E402
 from tests.helpers.rollouts import flat, make_rollout  # noqa: E402
 from tests.helpers.trainer_runs import BASE_ARGV, launch, local_trainer as trainer  # noqa: E402
 from vime.backends.megatron_utils.hf_checkpoint import _unwrap  # noqa: E402
+from vime.backends.megatron_utils.lora import adapted_linears  # noqa: E402
 from vime.backends.megatron_utils.model import forward_log_probs  # noqa: E402
 from vime.backends.megatron_utils.train_batch import TrainBatch  # noqa: E402
 
@@ -141,6 +142,34 @@ def test_lora_over_two_tensor_parallel_ranks_trains_and_resumes_like_one_process
     # seen once in 512); the merged weights above agree to 1e-5
     for n in one_adapter:
         torch.testing.assert_close(two_adapter[n], one_adapter[n], rtol=1e-4, atol=2e-4)
+
+
+def test_lora_kl_reference_is_the_starting_adapters(tiny_qwen3):
+    """With a frozen base the KL reference is the starting adapters alone (no copy of the model): zero KL at
+    the first step, growing after, and the swaps in and out leave the policy and the base as they were."""
+    from safetensors.torch import load_file
+
+    base = load_file(tiny_qwen3 / "model.safetensors")
+    groups = make_rollout(seed=6)
+    with trainer(tiny_qwen3, *LORA_ARGV, "--use-kl-loss", "--kl-loss-coef", "0.1", "--kl-loss-type",
+                 "low_var_kl") as t:
+        ref_keys = {k for sd in t.ref_state for k in sd}
+        metrics = [t.train(r, groups) for r in range(3)]
+        adapters = {n: p.detach().clone() for n, p in _unwrap(t.model[0]).named_parameters() if p.requires_grad}
+        assert all(torch.equal(w, base[n]) for n, w in t.hf_weights() if n not in _adapted(t))
+    assert ref_keys and all(".lora." in k for k in ref_keys)
+    assert len(ref_keys) == len(adapters)
+    assert metrics[0]["train/kl_loss"] == pytest.approx(0.0, abs=1e-7)
+    assert metrics[1]["train/kl_loss"] > 1e-5
+    assert metrics[2]["train/kl_loss"] > metrics[1]["train/kl_loss"]  # the reference stays the starting policy
+    for m in metrics:
+        assert m["train/loss"] == pytest.approx(m["train/pg_loss"] + 0.1 * m["train/kl_loss"], abs=1e-6)
+
+
+def _adapted(t) -> set[str]:
+    """HF names of the weights the adapters change (merged)."""
+    return {f"model.layers.{layer}.{module}.{proj}.weight"
+            for layer, module, linear in adapted_linears(_unwrap(t.model[0])) for proj in linear.lora.A}
 
 
 def test_lora_flags_are_checked():

@@ -48,9 +48,8 @@ def get_server(args) -> OpenAIServer:
     global _server
     with _server_lock:
         if _server is None:
-            from transformers import AutoTokenizer
-
             from vime.rollout.vllm_rollout import retry_window_s, router_url
+            from vime.utils.hf_tokenizer import load_tokenizer
 
             if getattr(args, "router_policy", None) != "consistent_hash":
                 logger.warning("--router-policy is %r: a session's calls may land on different engines; "
@@ -58,7 +57,7 @@ def get_server(args) -> OpenAIServer:
                                getattr(args, "router_policy", None))
             defaults = {"max_tokens": args.rollout_max_response_len, "temperature": args.rollout_temperature,
                         "top_p": args.rollout_top_p, "top_k": args.rollout_top_k}
-            _server = OpenAIServer(router_url(), AutoTokenizer.from_pretrained(args.hf_checkpoint),
+            _server = OpenAIServer(router_url(), load_tokenizer(args.hf_checkpoint),
                                    template_kwargs=args.apply_chat_template_kwargs, default_sampling=defaults,
                                    host=serving_host(args), port=agent_flag(args, "agent_endpoint_port"),
                                    max_request_bytes=int(agent_flag(args, "agent_endpoint_max_request_mb") * 2**20),

@@ -206,9 +206,9 @@ def sft_generate_rollout(args, rollout_id: int, data_source, evaluation: bool = 
     if evaluation:
         raise ValueError("sft_generate_rollout has no evaluation mode")
     if args.hf_checkpoint not in _tokenizers:
-        from transformers import AutoTokenizer
+        from vime.utils.hf_tokenizer import load_tokenizer
 
-        _tokenizers[args.hf_checkpoint] = AutoTokenizer.from_pretrained(args.hf_checkpoint)
+        _tokenizers[args.hf_checkpoint] = load_tokenizer(args.hf_checkpoint)
     tokenizer = _tokenizers[args.hf_checkpoint]
     groups = data_source.get_samples(args.rollout_batch_size)
     for group in groups:

@@ -44,9 +44,9 @@ class RolloutManager:
         self.fleet = EngineFleet(args, placement, self.log_dir, self.context)
         if not args.debug_train_only:
             self.fleet.launch()  # the engines boot while the tokenizer, data and functions load
-        from transformers import AutoTokenizer
+        from vime.utils.hf_tokenizer import load_tokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint)
+        self.tokenizer = load_tokenizer(args.hf_checkpoint)
         self.data_source = None
         if args.prompt_data:
             loaded = load_prompt_file(args.prompt_data, self.tokenizer, args)

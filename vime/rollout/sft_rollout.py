@@ -16,9 +16,9 @@ _tokenizers: dict = {}
 
 def _tokenizer(path: str):
     if path not in _tokenizers:
-        from transformers import AutoTokenizer
+        from vime.utils.hf_tokenizer import load_tokenizer
 
-        _tokenizers[path] = AutoTokenizer.from_pretrained(path)
+        _tokenizers[path] = load_tokenizer(path)
     return _tokenizers[path]
 
 

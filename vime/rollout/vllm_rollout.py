@@ -65,10 +65,10 @@ class GenerateState:
         return state
 
     def _init(self, args) -> None:
-        from transformers import AutoTokenizer
+        from vime.utils.hf_tokenizer import load_tokenizer
 
         self.args = args
-        self.tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint)
+        self.tokenizer = load_tokenizer(args.hf_checkpoint)
         self.semaphore = asyncio.Semaphore(args.rollout_concurrency)
         self._group_lock = asyncio.Lock()
         self.session: aiohttp.ClientSession | None = None

@@ -32,7 +32,8 @@ from vime.backends.megatron_utils.offload import TrainStateOffloader
 from vime.backends.megatron_utils.routing_replay import RoutingReplay, sample_routing
 from vime.backends.megatron_utils.train_batch import TrainBatch
 from vime.backends.megatron_utils.critic import attach_value_head, make_value_loss_fn
-from vime.backends.megatron_utils.lora import LoraConfig, adapters_merged, attach_lora, load_peft_adapter
+from vime.backends.megatron_utils.lora import (LoraConfig, adapters_merged, attach_lora, is_lora_parameter,
+                                              load_peft_adapter)
 from vime.backends.megatron_utils.model import (
     forward_log_probs,
     forward_values,
@@ -89,8 +90,9 @@ class MegatronTrainer:
         self.offloader = TrainStateOffloader()  # --offload-train
         self.loaded_state = None
         self.last_returns = None
-        # The reference policy for KL is the starting point: the HF checkpoint (or a converted `release`).
-        self.ref_state = self._snapshot() if self._needs_ref() else None
+        # The reference policy for KL is the starting point: the HF checkpoint (or a converted `release`). With
+        # LoRA the base is frozen, so the reference is the starting adapters alone (not a copy of the model).
+        self.ref_state = self._snapshot(adapters_only=lora is not None) if self._needs_ref() else None
         self.teacher_state = self._teacher_snapshot() if self._needs_teacher() else None
         if args.load:
             self.loaded_state = load_checkpoint(self, args.load)
@@ -129,7 +131,9 @@ class MegatronTrainer:
         own weights put back after."""
         if not states:
             return {}
-        current = self._snapshot()
+        # a LoRA reference swaps only the adapters; a teacher is a whole model
+        current = self._snapshot(adapters_only=self.lora is not None and all(s is self.ref_state
+                                                                              for s in states.values()))
         out = {}
         for name, state in states.items():
             self._load(state)
@@ -139,9 +143,10 @@ class MegatronTrainer:
         self._load(current)
         return out
 
-    def _snapshot(self) -> list[dict[str, torch.Tensor]]:
-        return [{k: v.detach().clone() for k, v in m.module.state_dict().items() if v is not None}
-                for m in self.model]
+    def _snapshot(self, adapters_only: bool = False) -> list[dict[str, torch.Tensor]]:
+        """A copy of each chunk's state (`adapters_only`: its LoRA adapters); `_load` puts back what it holds."""
+        return [{k: v.detach().clone() for k, v in m.module.state_dict().items()
+                 if v is not None and (not adapters_only or is_lora_parameter(k))} for m in self.model]
 
     def _load(self, state: list[dict[str, torch.Tensor]]) -> None:
         with torch.no_grad():
