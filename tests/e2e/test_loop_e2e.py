@@ -73,11 +73,13 @@ def reverse_kl(teacher: Path, samples) -> float:
 def test_sync_colocated(tiny_qwen3, arithmetic_data, tmp_path):
     """Also on-policy distillation (reward mode) toward the student at temperature 1/2, its weights offloaded
     with the rest: the reported reverse KL equals the saved rollouts' engine log-probs minus a HF forward of the
-    teacher on the same tokens."""
+    teacher on the same tokens. The student trains LoRA adapters over two data-parallel ranks, the engines
+    sleeping between rollouts keep serving the adapter they were sent."""
     teacher = temper_checkpoint(tiny_qwen3, tmp_path / "teacher", temperature=0.5)
     _run(_cmd("train.py", tiny_qwen3, arithmetic_data[0], tmp_path, 3, "--colocate", "--offload-rollout",
               "--offload-train", "--actor-num-gpus-per-node", "2",
-              "--advantage-estimator", "reinforce_plus_plus_baseline", "--opd-teacher-checkpoint", str(teacher)))
+              "--advantage-estimator", "reinforce_plus_plus_baseline", "--opd-teacher-checkpoint", str(teacher),
+              "--lora-rank", "8", "--lora-alpha", "16"))
     records = _metrics(tmp_path)
     _check_run(records, [0, 1, 2], on_policy=True)
     for r in (r for r in records if "train/steps" in r):

@@ -29,10 +29,13 @@ def probe(t, samples: list[dict]) -> list[torch.Tensor]:
     return [torch.tensor(t.probe_log_probs(s["tokens"], s["response_length"])) for s in samples]
 
 
-def test_sft_loss_decreases_and_parameters_change(tiny_qwen3):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_sft_loss_decreases_and_parameters_change(tiny_qwen3, lora):
+    """LoRA: the adapted projections move (merged), the embeddings and norms stay the checkpoint's."""
     groups = make_rollout(seed=1)
     samples = flat(groups)
-    with trainer(tiny_qwen3, "--loss-type", "sft_loss") as t:
+    extra = ("--lora-rank", "8", "--lr", "1e-2") if lora else ()
+    with trainer(tiny_qwen3, "--loss-type", "sft_loss", *extra) as t:
         before = weights(t)
         nll = -torch.cat(probe(t, samples))
         losses = [t.train(r, groups)["train/loss"] for r in range(4)]
@@ -43,7 +46,10 @@ def test_sft_loss_decreases_and_parameters_change(tiny_qwen3):
     assert losses[-1] < losses[0] - 0.1, losses
     assert before.keys() == after.keys()
     unchanged = [n for n in before if torch.equal(before[n], after[n])]
-    assert not unchanged, f"parameters not trained: {unchanged}"
+    if lora:
+        assert unchanged and all(n.endswith("_proj.weight") != (n in unchanged) for n in before), unchanged
+    else:
+        assert not unchanged, f"parameters not trained: {unchanged}"
 
 
 def test_grpo_raises_rewarded_and_lowers_unrewarded_responses(tiny_qwen3):
