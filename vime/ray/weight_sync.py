@@ -41,8 +41,9 @@ class StagedUpdate:
 
 
 def sync_kind(args) -> str:
-    """The transport of the run's weight updates: --update-weight-transport, or a LoRA run's adapter sync."""
-    if getattr(args, "lora_rank", 0) and getattr(args, "lora_sync", None) == "adapter":
+    """The transport of the run's weight updates: --update-weight-transport, or a LoRA run's adapter sync (the flags'
+    validation resolves --lora-sync for LoRA runs only)."""
+    if getattr(args, "lora_sync", None) == "adapter":
         return "lora_adapter"
     return args.update_weight_transport
 

@@ -200,7 +200,7 @@ def copy_hf_metadata(hf_dir_src: str | Path, out_dir: str | Path) -> None:
             shutil.copy2(path, out_dir / path.name)
 
 
-def _stage_writer() -> tuple[int, int, bool]:
+def stage_writer() -> tuple[int, int, bool]:
     """(pipeline rank, pipeline size, whether this rank writes its stage's file: TP rank 0 and DP rank 0)."""
     if not parallel_state.model_parallel_is_initialized():
         return 0, 1, True
@@ -220,7 +220,7 @@ def save_hf_checkpoint(model_chunks: list[torch.nn.Module], hf_dir_src: str | Pa
     out_dir = Path(out_dir)
     tensors = {n: t.detach().cpu().contiguous() for n, t in iter_hf_weights(model_chunks,
                                                                             AutoConfig.from_pretrained(hf_dir_src))}
-    pp_rank, pp_size, writer = _stage_writer()
+    pp_rank, pp_size, writer = stage_writer()
     if writer:
         out_dir.mkdir(parents=True, exist_ok=True)
         name = "model.safetensors" if pp_size == 1 else f"model-{pp_rank + 1:05d}-of-{pp_size:05d}.safetensors"
@@ -239,8 +239,12 @@ def save_peft_adapter(model_chunks: list[torch.nn.Module], config, base_model: s
     """The LoRA adapters as PEFT saves them (`adapter_config.json`, `adapter_model.safetensors` with names
     `base_model.model.model.layers.<i>.<self_attn|mlp>.<proj>.lora_A/B.weight`), each gathered over tensor parallel;
     `PeftModel.from_pretrained(base, out_dir)` loads it. Collective: every training rank calls it. With several
-    pipeline stages each stage writes its part and the first rank joins them into the one file PEFT reads."""
+    pipeline stages each stage writes its part and the first rank joins them into the one file PEFT reads. Each
+    file is written as a weight update's are (`staging.write_new_file`: new, complete before it has its name), since
+    the adapter sync stages its updates with this too."""
     from vime.backends.megatron_utils.lora import adapted_linears, peft_config
+    from vime.backends.weight_transport.disk import write_safetensors
+    from vime.backends.weight_transport.staging import write_new_file
 
     tensors = {}
     for chunk in model_chunks:
@@ -254,25 +258,26 @@ def save_peft_adapter(model_chunks: list[torch.nn.Module], config, base_model: s
                 prefix = f"base_model.model.model.layers.{layer}.{hf_module}.{proj}"
                 tensors[f"{prefix}.lora_A.weight"] = a.cpu().contiguous()
                 tensors[f"{prefix}.lora_B.weight"] = b.cpu().contiguous()
-    pp_rank, pp_size, writer = _stage_writer()
+    pp_rank, pp_size, writer = stage_writer()
     out_dir = Path(out_dir)
     if writer:
         out_dir.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, out_dir / (f"adapter_part-{pp_rank:05d}.safetensors" if pp_size > 1 else
-                                      "adapter_model.safetensors"), metadata={"format": "pt"})
+        name = f"adapter_part-{pp_rank:05d}.safetensors" if pp_size > 1 else "adapter_model.safetensors"
+        write_new_file(out_dir, name, lambda f: write_safetensors(f, list(tensors.items())))
     if dist.is_initialized():
         dist.barrier()
     if not dist.is_initialized() or dist.get_rank() == 0:
         if pp_size > 1:
             parts = sorted(out_dir.glob("adapter_part-*.safetensors"))
-            joined = {}
+            joined = []
             for part in parts:
                 with safe_open(part, framework="pt") as f:
-                    joined.update({k: f.get_tensor(k) for k in f.keys()})
-            save_file(joined, out_dir / "adapter_model.safetensors", metadata={"format": "pt"})
+                    joined += [(k, f.get_tensor(k)) for k in f.keys()]
+            write_new_file(out_dir, "adapter_model.safetensors", lambda f: write_safetensors(f, joined))
             for part in parts:
                 part.unlink()
-        (out_dir / "adapter_config.json").write_text(json.dumps(peft_config(config, base_model), indent=2))
+        adapter_config = json.dumps(peft_config(config, base_model), indent=2).encode()
+        write_new_file(out_dir, "adapter_config.json", lambda f: f.write(adapter_config))
     if dist.is_initialized():
         dist.barrier()
 

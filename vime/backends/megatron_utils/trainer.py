@@ -128,10 +128,10 @@ class MegatronTrainer:
 
     def _swapped_log_probs(self, states: dict, batch: TrainBatch, mbs: list, routing, phase) -> dict:
         """{name: log-probs of `batch`} under each of `states` ({name: weights}: reference, teacher), the policy's
-        own weights put back after."""
+        own weights put back after each. A state may hold only part of the model (a LoRA reference: the adapters;
+        a teacher is whole): it is laid over the policy's own weights, never over another state's."""
         if not states:
             return {}
-        # a LoRA reference swaps only the adapters; a teacher is a whole model
         current = self._snapshot(adapters_only=self.lora is not None and all(s is self.ref_state
                                                                               for s in states.values()))
         out = {}
@@ -140,7 +140,7 @@ class MegatronTrainer:
             with phase(name):
                 out[name] = _dense(forward_log_probs(self.args, self.model, batch, mbs, routing=routing),
                                    len(batch.tokens))
-        self._load(current)
+            self._load(current)
         return out
 
     def _snapshot(self, adapters_only: bool = False) -> list[dict[str, torch.Tensor]]:
@@ -374,16 +374,16 @@ class MegatronTrainer:
         """Hand `transport` this rank's weights (all ranks gather over tensor parallel, together) and, on the one
         rank per pipeline stage that writes them (data- and tensor-parallel rank 0), the stage. A transport that
         sends LoRA adapters gets them as a PEFT adapter written into its handle (a directory)."""
-        if getattr(transport, "sends_adapter", False):
-            from vime.backends.megatron_utils.hf_checkpoint import save_peft_adapter
+        from vime.backends.megatron_utils.hf_checkpoint import save_peft_adapter, stage_writer
 
+        if getattr(transport, "sends_adapter", False):
             if self.lora is None:
                 raise ValueError(f"{type(transport).__name__} sends LoRA adapters, and this model has none")
             save_peft_adapter(self.model, self.lora, str(self.args.hf_checkpoint), handle)
             return
         weights = list(self.hf_weights())
-        writes = parallel_state.get_data_parallel_rank() == 0 and parallel_state.get_tensor_model_parallel_rank() == 0
-        transport.send(weights, parallel_state.get_pipeline_model_parallel_rank() if writes else None, handle)
+        stage, _, writes = stage_writer()
+        transport.send(weights, stage if writes else None, handle)
 
     def probe_log_probs(self, tokens: list[int], response_length: int, temperature: float | None = None) -> list[float]:
         """Log-probs of the last `response_length` tokens of one sequence under the current weights, at

@@ -70,7 +70,7 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM's --
 def lora_engine_options(args, user: list[str]) -> list[str]:
     """--lora-sync adapter: LoRA on, its largest rank the smallest vLLM accepts that holds --lora-rank, one
     adapter slot per adapter the run trains (the user's own --vllm-* values win)."""
-    if getattr(args, "lora_sync", None) != "adapter" or not args.lora_rank:
+    if getattr(args, "lora_sync", None) != "adapter":  # resolved by the flags' validation, for LoRA runs only
         return []
     options = {"--enable-lora": None, "--max-lora-rank": str(min(r for r in VLLM_LORA_RANKS if r >= args.lora_rank)),
                "--max-loras": "1", "--max-cpu-loras": "1"}

@@ -19,7 +19,6 @@ from vime.backends.vllm_utils.weight_loading import weight_root
 from vime.backends.weight_transport.base import Weights, WeightTransport
 from vime.backends.weight_transport.staging import stage_dir
 
-KIND = "lora_adapter"
 PREFIX = "vime_lora_"  # of every update directory (the fleet deletes a recovery copy only by such a name)
 
 
