@@ -1,10 +1,9 @@
 """The full loop on the real stack (tiny model, 2 vLLM engines behind vllm-router, Megatron-core, Ray): sync
 colocated (REINFORCE++-baseline), async (REINFORCE++, LoRA); each run's reported advantage statistics equal the
 estimator's, computed by hand from its saved rollouts (sync disaggregated with a SIGKILL and resume, GSPO:
-test_trainer_crash_e2e.py).
-After every weight update the engines' log-probs of a probe sequence must equal the trainer's
-(--check-weight-update-equal), and on-policy runs must report a train/rollout log-prob gap below 1e-5. No dtype
-flag is given: the float32 checkpoint must run in float32 on both sides by default."""
+test_trainer_crash_e2e.py). After every weight update the engines' log-probs of a probe sequence must equal the
+trainer's (--check-weight-update-equal), and on-policy runs must report a train/rollout log-prob gap below 1e-5.
+No dtype flag is given: the float32 checkpoint must run in float32 on both sides by default."""
 
 from __future__ import annotations
 

@@ -8,8 +8,8 @@ Each launched process runs `python trainer_runs.py SPEC.json RANK`: it builds th
 (`vime.arguments.parse_args`; `spec["args"]`, optional, sets values on the parsed args), trains the rollouts
 `spec["train"]` on `spec["data"][str(rollout_id)]`, optionally saves and publishes (`spec["save"]`: the rollout
 id to save) or dies inside a save
-(`spec["killed_in_save"]`, exit code 17), optionally exports (`spec["save_hf"]`: a directory), and writes OUT/rank<r>.json
-({"metrics": {rollout_id: metrics}, "step", "loaded_state"}) and, with `spec["weights"]`,
+(`spec["killed_in_save"]`, exit code 17), optionally exports (`spec["save_hf"]`: a directory), and writes
+OUT/rank<r>.json ({"metrics": {rollout_id: metrics}, "step", "loaded_state"}) and, with `spec["weights"]`,
 OUT/weights_rank<r>.pt (the `hf_weights()` of its pipeline stage). A fresh process per phase makes a
 checkpoint restart a real kill-and-restart, and gives multi-rank runs their own process groups.
 """

@@ -1,6 +1,9 @@
-"""vime's mend of vLLM's CPU rotary kernel (`vime.backends.vllm_utils.cpu_rope`): multi-latent attention's 3-D
-rotary queries [tokens, heads, 64] (a strided slice of the full query) with its one shared rotary key
-[tokens, 1, 64] come out as vLLM's own reference implementation (`forward_native`) computes them, in place."""
+"""vime's mends of vLLM's CPU path for multi-latent attention (DeepSeek):
+- its rotary kernel (`vime.backends.vllm_utils.cpu_rope`): 3-D rotary queries [tokens, heads, 64] (a strided slice
+  of the full query) with the one shared rotary key [tokens, 1, 64] come out as vLLM's own reference implementation
+  (`forward_native`) computes them, in place;
+- its attention kernel: a float32 engine gets vLLM's reference MLA backend, since the AMX one (chosen on CPUs with
+  AMX) takes bf16/fp16/int8 weights only and killed a float32 DeepSeek engine at start-up."""
 
 from __future__ import annotations
 
@@ -33,3 +36,24 @@ def test_patched_cpu_rotary_equals_the_reference_on_3d_inputs():
     assert torch.allclose(q[..., 32:], ref_q, atol=1e-6) and torch.equal(q[..., :32], query[..., :32])  # in place
     assert torch.allclose(k, ref_k, atol=1e-6)
     assert not torch.allclose(ref_q, query[..., 32:])  # the rotation moved them (positions > 0)
+
+
+def test_a_float32_mla_engine_uses_the_reference_kernel(tiny_qwen3, tmp_path):
+    import json
+    import shutil
+
+    from vime.arguments import parse_args
+    from vime.backends.vllm_utils.engine import engine_command
+
+    mla = tmp_path / "mla"
+    shutil.copytree(tiny_qwen3, mla)
+    (mla / "config.json").write_text(json.dumps({**json.loads((tiny_qwen3 / "config.json").read_text()),
+                                                 "kv_lora_rank": 32}))
+    backend = {}
+    for name, model, extra in (("mla", mla, []), ("mla_bf16", mla, ["--vllm-dtype", "bfloat16"]),
+                               ("dense", tiny_qwen3, []), ("user", mla, ["--vllm-attention-backend", "AMX_MLA"])):
+        argv = ["--hf-checkpoint", str(model), "--debug-train-only", "--load-debug-rollout-data", "unused_{rollout_id}",
+                "--rm-type", "math", "--vllm-enforce-eager", "--vllm-dtype", "float32", *extra]
+        cmd = engine_command(parse_args(argv, check_model=False), "h", 1, 0)
+        backend[name] = cmd[cmd.index("--attention-backend") + 1] if "--attention-backend" in cmd else None
+    assert backend == {"mla": "CPU_MLA", "mla_bf16": None, "dense": None, "user": "AMX_MLA"}

@@ -193,13 +193,13 @@ def test_lora_flags_are_checked():
     validate_lora_args(parse_args(["--hf-checkpoint", "x", "--lora-rank", "8", "--lora-target-modules", "q_proj",
                                    "v_proj"], validate=False))  # a part of the fused q/k/v, as PEFT configs often do
 
-    resolved = {(tuple(flags), validate_lora_args(parse_args(["--hf-checkpoint", "x", *flags], validate=False))
-                 .lora_sync) for flags in (["--lora-rank", "4"], ["--lora-rank", "4", "--lora-sync", "merged"],
-                                           ["--lora-rank", "4", "--rollout-external-engine-addrs", "http://h:1"],
-                                           ["--lora-rank", "4", "--lora-sync", "merged", "--update-weight-transport",
-                                            "broadcast"])}
-    assert {sync for _, sync in resolved} == {"adapter", "merged"}
-    assert dict(resolved)[("--lora-rank", "4")] == "adapter"  # the default where vime starts the engines
+    for flags, sync in [([], "adapter"),  # the default where vime starts the engines
+                        (["--lora-sync", "merged"], "merged"),
+                        (["--rollout-external-engine-addrs", "http://h:1"], "merged"),
+                        (["--lora-sync", "merged", "--update-weight-transport", "broadcast"], "merged")]:
+        argv = ["--hf-checkpoint", "x", "--lora-rank", "4", *flags]
+        assert validate_lora_args(parse_args(argv, validate=False)).lora_sync == sync, flags
+    assert parse_args(["--hf-checkpoint", "x"], validate=False).lora_sync is None  # full fine-tuning
 
 
 def test_adapter_sync_engine_side(tmp_path, monkeypatch):

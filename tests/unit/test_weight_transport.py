@@ -144,27 +144,6 @@ def test_engine_command_adds_the_worker_extension(tiny_qwen3):
         assert DiskWeightTransport(args).load_call("/d") == ("reload_weights", {"weights_path": "/d"})
 
 
-def test_a_float32_mla_engine_uses_the_reference_kernel_on_cpu(tiny_qwen3, tmp_path):
-    """vLLM's AMX MLA kernel (chosen on CPUs with AMX) takes bf16/fp16/int8 weights only: a float32 DeepSeek
-    engine died at start-up on such a machine."""
-    import json
-    import shutil
-
-    from vime.arguments import parse_args
-    from vime.backends.vllm_utils.engine import engine_command
-
-    mla = tmp_path / "mla"
-    shutil.copytree(tiny_qwen3, mla)
-    (mla / "config.json").write_text(json.dumps({**json.loads((tiny_qwen3 / "config.json").read_text()),
-                                                 "kv_lora_rank": 32}))
-    backend = {}
-    for name, model, extra in (("mla", mla, []), ("mla_bf16", mla, ["--vllm-dtype", "bfloat16"]),
-                               ("dense", tiny_qwen3, []), ("user", mla, ["--vllm-attention-backend", "AMX_MLA"])):
-        cmd = engine_command(parse_args(["--hf-checkpoint", str(model), *ARGV, *extra], check_model=False), "h", 1, 0)
-        backend[name] = cmd[cmd.index("--attention-backend") + 1] if "--attention-backend" in cmd else None
-    assert backend == {"mla": "CPU_MLA", "mla_bf16": None, "dense": None, "user": "AMX_MLA"}
-
-
 def test_compare_log_probs_and_tolerance(tiny_qwen3):
     from vime.arguments import parse_args
 
