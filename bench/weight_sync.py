@@ -59,7 +59,8 @@ def update_once(transport, trainer, url: str, version: int) -> dict[str, float]:
         trainer.send_weights(transport, handle)
         send = time.perf_counter() - start
         timings = load()
-    sent = sum(f.stat().st_size for f in Path(handle).iterdir()) if isinstance(handle, str) else float("nan")
+    sent = sum(f.stat().st_size for f in Path(handle).rglob("*") if f.is_file()) if isinstance(handle, str) \
+        else float("nan")
     transport.cleanup(handle)
     return {"update": time.perf_counter() - start, "send": send, "load": timings["load_s"],
             "control": timings["pause_s"] + timings["finish_s"], "bytes": sent}

@@ -30,6 +30,8 @@ from vime.backends.megatron_utils.routing_replay import add_routing_replay_args,
 from vime.backends.megatron_utils.train_arguments import add_train_args, validate_train_args
 from vime.backends.vllm_utils.arguments import add_router_args, add_vllm_engine_args, validate_vllm_args
 from vime.rollout.arguments import add_all_rollout_args, validate_rollout_args
+from vime.rollout.rm_hub import RM_REGISTRY
+from vime.utils.lora_adapters import adapter_specs
 
 
 def add_run_args(parser: argparse.ArgumentParser) -> None:
@@ -210,8 +212,9 @@ def _find_config(argv: list[str]) -> str | None:
 
 def function_path_flags(args: argparse.Namespace) -> list[tuple[str, str]]:
     """(flag, path) of every function path given: each of vime's flags named `*_path` or `*_paths` (the
-    extension seam, resolved by `load_function`); vLLM's and the router's flags name files, not functions, and
-    megatron-core's fields (`--use-mamba-mem-eff-path`) are not paths at all."""
+    extension seam, resolved by `load_function`), and the reward functions --lora-adapters names (an RM that is no
+    --rm-type name); vLLM's and the router's flags name files, not functions, and megatron-core's fields
+    (`--use-mamba-mem-eff-path`) are not paths at all."""
     from vime.backends.megatron_utils.megatron_flags import generated_dests
 
     megatron = generated_dests()
@@ -221,6 +224,7 @@ def function_path_flags(args: argparse.Namespace) -> list[tuple[str, str]]:
                 or flag in megatron:
             continue
         given += [(flag, path) for path in (value if isinstance(value, (list, tuple)) else [value])]
+    given += [("lora_adapters", s.rm) for s in adapter_specs(args) if s.rm and s.rm not in RM_REGISTRY]
     return given
 
 

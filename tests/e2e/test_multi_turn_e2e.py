@@ -41,8 +41,8 @@ PLUGIN = textwrap.dedent(f'''
 
     _sampled = contextvars.ContextVar("sampled")
 
-    async def _recording_post_generate(args, token_ids, params):
-        choice = await vllm_rollout.post_generate(args, token_ids, params)
+    async def _recording_post_generate(args, token_ids, params, **kwargs):
+        choice = await vllm_rollout.post_generate(args, token_ids, params, **kwargs)
         _sampled.get().append(list(choice.get("token_ids") or []))
         return choice
 

@@ -4,6 +4,8 @@ name, the trainer computes with exactly those weights, and two TP ranks train li
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -19,7 +21,7 @@ from vime.backends.megatron_utils.train_batch import TrainBatch  # noqa: E402
 
 RANK, ALPHA = 4, 8.0
 LORA_ARGV = ["--lora-rank", str(RANK), "--lora-alpha", str(ALPHA), "--lr", "1e-2"]
-# Megatron linear -> the HF projections it fuses (the adapters' names under `<linear>.lora.A/B`)
+# Megatron linear -> the HF projections it fuses (the adapters' names under `<linear>.lora.policy.A/B`)
 FUSED = {"self_attention.linear_qkv": ("q_proj", "k_proj", "v_proj"), "self_attention.linear_proj": ("o_proj",),
          "mlp.linear_fc1": ("gate_proj", "up_proj"), "mlp.linear_fc2": ("down_proj",)}
 HF_MODULE = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
@@ -36,7 +38,7 @@ def test_only_adapters_train_and_the_merged_weights_are_pefts(tiny_qwen3, tmp_pa
         chunk = _unwrap(t.model[0])
         trainable = {n for n, p in chunk.named_parameters() if p.requires_grad}
         layers = len(chunk.decoder.layers)
-        assert trainable == {f"decoder.layers.{i}.{linear}.lora.{ab}.{proj}" for i in range(layers)
+        assert trainable == {f"decoder.layers.{i}.{linear}.lora.policy.{ab}.{proj}" for i in range(layers)
                              for linear, projs in FUSED.items() for proj in projs for ab in "AB"}
         optimized = {id(p) for g in t.optimizer.param_groups for p in g["params"]}
         assert len(optimized) == len(trainable)  # Adam's state exists for the adapters only
@@ -63,8 +65,8 @@ def test_only_adapters_train_and_the_merged_weights_are_pefts(tiny_qwen3, tmp_pa
         for linear, projs in FUSED.items():
             for proj in projs:
                 name = f"model.layers.{i}.{HF_MODULE[proj]}.{proj}.weight"
-                a = adapters[f"decoder.layers.{i}.{linear}.lora.A.{proj}"]
-                b = adapters[f"decoder.layers.{i}.{linear}.lora.B.{proj}"]
+                a = adapters[f"decoder.layers.{i}.{linear}.lora.policy.A.{proj}"]
+                b = adapters[f"decoder.layers.{i}.{linear}.lora.policy.B.{proj}"]
                 assert a.shape == (RANK, base[name].shape[1]) and b.shape == (base[name].shape[0], RANK)
                 torch.testing.assert_close(merged[name], base[name] + ALPHA / RANK * b @ a, rtol=0, atol=1e-6)
                 moved += not torch.equal(merged[name], base[name])
@@ -169,12 +171,39 @@ def test_lora_kl_reference_is_the_starting_adapters(tiny_qwen3):
 def _adapted(t) -> set[str]:
     """HF names of the weights the adapters change (merged)."""
     return {f"model.layers.{layer}.{module}.{proj}.weight"
-            for layer, module, linear in adapted_linears(_unwrap(t.model[0])) for proj in linear.lora.A}
+            for layer, module, linear in adapted_linears(_unwrap(t.model[0])) for proj in linear.lora["policy"].A}
 
 
-def test_lora_flags_are_checked():
+def test_lora_flags_are_checked(tmp_path):
     from vime.arguments import parse_args
     from vime.backends.megatron_utils.train_arguments import validate_lora_args
+
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"prompt": "hi"}\n')
+    two = ["--lora-adapters", f"a={data}", f"b={data}:f1"]
+    for flags, message in [(two, "--lora-adapters needs --lora-rank"),
+                           (["--lora-rank", "4", "--lora-sync", "merged", *two], "needs --lora-sync adapter"),
+                           (["--lora-rank", "4", "--prompt-data", str(data), *two], "drop --prompt-data"),
+                           (["--lora-rank", "4", "--rollout-batch-size", "3", *two], "multiple of the 2 --lora-ad"),
+                           (["--lora-rank", "4", "--lora-adapters", f"a={data}", "b=/nonexistent.jsonl"],
+                            "--lora-adapters b: prompt file /nonexistent.jsonl not found"),
+                           (["--lora-rank", "4", "--lora-adapters", "a"], r"'a': expected NAME=PROMPT_DATA\[:RM\]"),
+                           (["--lora-rank", "4", "--lora-adapters", f"a/b={data}"], "adapter name 'a/b' must be"),
+                           (["--lora-rank", "4", "--lora-adapters", f"a={data}", f"a={data}:f1"],
+                            r"adapter name\(s\) a given more than once")]:
+        with pytest.raises(ValueError, match=message):
+            validate_lora_args(parse_args(["--hf-checkpoint", "x", "--rollout-batch-size", "4", *flags],
+                                          validate=False))
+    (tmp_path / "x:y").mkdir()
+    colon = tmp_path / "x:y" / "p.jsonl"  # a ':' inside the data path is the path's
+    colon.write_text('{"prompt": "hi"}\n')
+    args = validate_lora_args(parse_args(["--hf-checkpoint", "x", "--rollout-batch-size", "4", "--lora-rank", "4",
+                                          *two, "--lora-adapters", f"c.1={colon}", f"d={colon}:pkg.mod.fn"],
+                                         validate=False))
+    from vime.utils.lora_adapters import adapter_specs
+
+    assert [tuple(s) for s in adapter_specs(args)] == [("a", str(data), None), ("b", str(data), "f1"),
+                                                       ("c.1", str(colon), None), ("d", str(colon), "pkg.mod.fn")]
 
     for flags, message in [(["--lora-rank", "-1"], "--lora-rank must be >= 0"),
                            (["--lora-rank", "4", "--lora-target-modules", "qkv"], "unknown qkv"),
@@ -213,12 +242,16 @@ def test_adapter_sync_engine_side(tmp_path, monkeypatch):
     from vime.backends.vllm_utils.engine import lora_engine_options
     from vime.backends.vllm_utils.lora_serving import LOAD_ADAPTER, load_adapter
     from vime.backends.vllm_utils.weight_loading import WEIGHT_ROOT_ENV
+    from vime.backends.weight_transport.lora_adapter import LoraAdapterTransport
     from vime.ray.engine_fleet import recovery_load_call
     from vime.ray.weight_sync import sync_kind
 
     args = SimpleNamespace(lora_rank=12, lora_sync="adapter", update_weight_transport="disk")
     assert lora_engine_options(args, []) == ["--enable-lora", "--max-lora-rank", "16", "--max-loras", "1",
                                              "--max-cpu-loras", "1"]
+    two = SimpleNamespace(lora_rank=8, lora_sync="adapter", lora_adapters=["a=x.jsonl", "b=y.jsonl:f1"])
+    assert lora_engine_options(two, []) == ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "2",
+                                            "--max-cpu-loras", "2"]  # both resident: one batch may mix them
     assert lora_engine_options(args, ["--max-lora-rank", "64"]) == ["--enable-lora", "--max-loras", "1",
                                                                     "--max-cpu-loras", "1"]
     assert lora_engine_options(SimpleNamespace(lora_rank=12, lora_sync="merged"), []) == []
@@ -229,12 +262,16 @@ def test_adapter_sync_engine_side(tmp_path, monkeypatch):
     monkeypatch.setenv(WEIGHT_ROOT_ENV, str(root))
     versions = []
     for v in (1, 2):
-        d = root / f"vime_lora_{v}_x"
+        d = root / f"vime_lora_{v}_x" / "policy"  # an update directory holds one directory per adapter
         d.mkdir(parents=True)
         (d / "adapter_config.json").write_text(json.dumps({"r": 12}))
         (d / "adapter_model.safetensors").write_bytes(b"")
         versions.append(str(d))
-    assert recovery_load_call(args, versions[0]) == (LOAD_ADAPTER, {"name": "policy", "path": versions[0]})
+    assert recovery_load_call(args, str(root / "vime_lora_1_x")) == (LOAD_ADAPTER, {"policy": versions[0]})
+    assert LoraAdapterTransport(args).load_calls(["http://e:1"], str(root / "vime_lora_2_x")) == {
+        "http://e:1": (LOAD_ADAPTER, {"policy": versions[1]})}
+    with pytest.raises(FileNotFoundError, match="wrote no adapter"):
+        LoraAdapterTransport(args).load_calls(["http://e:1"], str(root))
 
     class Counter:
         n = 0
@@ -251,14 +288,23 @@ def test_adapter_sync_engine_side(tmp_path, monkeypatch):
 
     models, engine = SimpleNamespace(lora_requests={}, lora_id_counter=Counter()), Engine()
     for path in versions:
-        asyncio.run(load_adapter(models, engine, {"name": "policy", "path": path}))
+        asyncio.run(load_adapter(models, engine, {"policy": path}))
     assert [(r.lora_int_id, r.lora_path, r.load_inplace) for r in engine.added] == [(1, versions[0], True),
                                                                                     (1, versions[1], True)]
     served = models.lora_requests["policy"]
     assert (served.lora_int_id, served.lora_path, served.load_inplace) == (1, versions[1], False)
-    (root / "vime_lora_2_x" / "adapter_model.bin").write_bytes(b"pickle")  # never loaded: vLLM would unpickle it
-    with pytest.raises(ValueError, match="adapter_model.bin"):
-        asyncio.run(load_adapter(models, engine, {"name": "policy", "path": versions[1]}))
+    # a second adapter gets its own id; the first keeps its own
+    other = root / "vime_lora_3_x" / "code"
+    other.mkdir(parents=True)
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        (other / name).write_bytes((Path(versions[1]) / name).read_bytes())
+    assert asyncio.run(load_adapter(models, engine, {"policy": versions[1], "code": str(other)})) == {
+        "adapters": {"policy": 1, "code": 2}}
+    assert {n: r.lora_int_id for n, r in models.lora_requests.items()} == {"policy": 1, "code": 2}
+    added = len(engine.added)
+    (root / "vime_lora_2_x" / "policy" / "adapter_model.bin").write_bytes(b"pickle")  # never loaded: vLLM unpickles
+    with pytest.raises(ValueError, match="adapter_model.bin"):  # checked before any adapter is loaded
+        asyncio.run(load_adapter(models, engine, {"code": str(other), "policy": versions[1]}))
     with pytest.raises(PermissionError, match="outside the weight root"):
-        asyncio.run(load_adapter(models, engine, {"name": "policy", "path": str(tmp_path)}))
-    assert len(engine.added) == 2
+        asyncio.run(load_adapter(models, engine, {"policy": str(tmp_path)}))
+    assert len(engine.added) == added

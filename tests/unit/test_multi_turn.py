@@ -37,10 +37,11 @@ def _char_ids(tokenizer, text):
 
 class ScriptedEngine:
     def __init__(self, tokenizer, turns, eos=True):
-        self.tokenizer, self.turns, self.eos, self.requests = tokenizer, list(turns), eos, []
+        self.tokenizer, self.turns, self.eos, self.requests, self.models = tokenizer, list(turns), eos, [], []
 
-    async def __call__(self, args, token_ids, params):
+    async def __call__(self, args, token_ids, params, model="policy"):
         self.requests.append((list(token_ids), dict(params)))
+        self.models.append(model)
         ids = _char_ids(self.tokenizer, self.turns.pop(0)) + ([self.tokenizer.eos_token_id] if self.eos else [])
         ids = ids[:params["max_tokens"]]
         finish = "length" if len(ids) == params["max_tokens"] and not self.eos else "stop"

@@ -223,8 +223,8 @@ class _Manager:
         self.answers = answers
         return answers[0]["timings"] if answers else {}
 
-    def probe_log_probs(self, tokens):
-        return engine_prompt_log_probs(self.urls, tokens)
+    def probe_log_probs(self, tokens, model):
+        return engine_prompt_log_probs(self.urls, tokens, model=model)
 
 
 def update_weights(args, group, manager, version: int, after=None) -> dict:

@@ -120,8 +120,11 @@ def assign_rewards(samples: list[Sample], result: Any) -> None:
 async def run_episode(args, agent_fn: AgentFn, sample: Sample, sampling_params: dict[str, Any]) -> Sample:
     """Run the agent on `sample` and return its first role's Sample; the other roles' Samples ride along in
     metadata["agent_role_samples"] (as dicts) until `generate_rollout` regroups them."""
+    from vime.rollout.vllm_rollout import served_model
+
     server = get_server(args)
-    episode = server.open_episode(forced_sampling(args, sampling_params))  # unguessable: the agent's credential
+    # the token is unguessable: the agent's credential; the episode's calls go to the sample's adapter
+    episode = server.open_episode(forced_sampling(args, sampling_params), served_model(sample))
     try:
         result = await asyncio.wait_for(agent_fn(server.base_url, episode, sample),
                                         timeout=agent_flag(args, "agent_timeout"))

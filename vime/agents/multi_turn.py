@@ -22,7 +22,7 @@ from typing import Any, Awaitable, Callable
 from vime.agents.arguments import agent_setting
 from vime.agents.tool_parsing import parse_tool_calls
 from vime.agents.tools import TOOLS, Tool, ToolContext, register_tool, run_tool_call, select_tools
-from vime.rollout.vllm_rollout import GenerateState, append_choice, post_generate
+from vime.rollout.vllm_rollout import GenerateState, append_choice, post_generate, served_model
 from vime.utils.misc import load_function
 from vime.utils.types import Sample
 
@@ -159,7 +159,8 @@ async def generate(args, sample: Sample, sampling_params: dict[str, Any], *, env
             return sample
         start = sample.response_length
         turn_cap = min(remaining, max_turn_tokens) if max_turn_tokens else remaining
-        choice = await post_generate(args, sample.tokens, {**sampling_params, "max_tokens": turn_cap})
+        choice = await post_generate(args, sample.tokens, {**sampling_params, "max_tokens": turn_cap},
+                                     model=served_model(sample))
         append_choice(sample, choice, tokenizer, trainable=True)
         if sample.status == Sample.Status.TRUNCATED and turn_cap < remaining:  # the turn's cap, not the budget
             sample.status = Sample.Status.COMPLETED

@@ -235,10 +235,12 @@ class EpisodeClosed(Exception):
 
 @dataclass
 class _Episode:
-    """One open episode: the sampling params forced on its calls, its sessions (in order of first recorded
-    call) and one lock per session. All of it goes when the episode closes."""
+    """One open episode: the sampling params forced on its calls, the served model they ask the engines for,
+    its sessions (in order of first recorded call) and one lock per session. All of it goes when the episode
+    closes."""
 
     forced: dict[str, Any]
+    model: str = MODEL_NAME  # a multi-LoRA run's episode: its sample's adapter, whatever model the agent names
     sessions: dict[str, ChatSession] = field(default_factory=dict)
     locks: dict[str, asyncio.Lock] = field(default_factory=dict)
     # Responses API: response id -> its conversation in chat form (request messages + answer), for the
@@ -315,12 +317,13 @@ class OpenAIServer:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- episodes (thread-safe: the harness calls these from the rollout's loop) -------------------------------
-    def open_episode(self, forced_sampling: dict[str, Any] | None = None) -> str:
+    def open_episode(self, forced_sampling: dict[str, Any] | None = None, model: str = MODEL_NAME) -> str:
         """A new episode's token (128 random bits): its agents use it, or "TOKEN/ROLE", as their API key.
-        `forced_sampling` is imposed on each of its calls (e.g. the RL run's temperature)."""
+        `forced_sampling` is imposed on each of its calls (e.g. the RL run's temperature); every call asks the
+        engines for the served `model` (the sample's adapter in a multi-LoRA run)."""
         token = secrets.token_hex(16)
         with self._guard:
-            self.episodes[token_key(token)] = _Episode(dict(forced_sampling or {}))
+            self.episodes[token_key(token)] = _Episode(dict(forced_sampling or {}), model)
         return token
 
     def close_episode(self, token: str) -> dict[str, ChatSession]:
@@ -466,7 +469,7 @@ class OpenAIServer:
         if required:
             name = (tool_choice.get("function") or {}).get("name") if isinstance(tool_choice, dict) else None
             params["structured_outputs"] = {"json": forced_call_schema(tools, name)}
-        choices = await self._generate(session_id, prompt_ids, params)
+        choices = await self._generate(session_id, prompt_ids, params, episode.model)
         if any(c.get("finish_reason") == "abort" for c in choices):
             # 422: the openai client does not retry it; the episode ends, nothing recorded
             raise EngineError(422, "generation was aborted (the rollout batch is full or the engines were "
@@ -519,11 +522,11 @@ class OpenAIServer:
     async def _off_loop(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))
 
-    async def _generate(self, session_id: str, prompt_ids: list[int],
-                        params: dict[str, Any]) -> list[dict[str, Any]]:
+    async def _generate(self, session_id: str, prompt_ids: list[int], params: dict[str, Any],
+                        model: str = MODEL_NAME) -> list[dict[str, Any]]:
         """Token-in/token-out through the router, keyed by session, retried like the rollout's requests; one
         choice per answer asked for (n)."""
-        payload = {"token_ids": prompt_ids, "sampling_params": params, "model": MODEL_NAME}
+        payload = {"token_ids": prompt_ids, "sampling_params": params, "model": model}
         try:
             return await request_choices(self._http, self.router_url, payload, timeout=self.timeout,
                                           retries=self.retries, retry_window_s=self.retry_window_s,

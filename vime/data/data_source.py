@@ -38,29 +38,43 @@ class RolloutDataSource:
         return order
 
     def get_samples(self, num_groups: int) -> list[list[Sample]]:
-        """`num_groups` groups of `n_samples_per_prompt` fresh copies of the next prompts."""
-        if self.buffer_filter is not None:
-            groups = list(self.buffer_filter(self.buffer, num_groups))
-        else:
-            groups = self.buffer[:num_groups]
-            del self.buffer[:num_groups]
+        """`num_groups` groups: those given back first, then `n_samples_per_prompt` fresh copies of the next
+        prompts."""
+        groups = self.take_buffered(num_groups)
         while len(groups) < num_groups:
-            if self.offset >= len(self._order):
-                self.epoch += 1
-                self.offset = 0
-                self._order = self._epoch_order(self.epoch)
-            prompt = self.prompts[self._order[self.offset]]
-            self.offset += 1
-            group = []
-            for _ in range(self.n_samples_per_prompt):
-                sample = copy.deepcopy(prompt)
-                sample.group_index = self.next_group_index
-                sample.index = self.next_sample_index
-                self.next_sample_index += 1
-                group.append(sample)
-            self.next_group_index += 1
-            groups.append(group)
+            groups.append(self.new_group(self.next_prompt()))
         return groups
+
+    def take_buffered(self, num_groups: int) -> list[list[Sample]]:
+        """Up to `num_groups` groups out of the buffer (--buffer-filter-path picks them; default oldest first)."""
+        if self.buffer_filter is not None:
+            return list(self.buffer_filter(self.buffer, num_groups))
+        groups = self.buffer[:num_groups]
+        del self.buffer[:num_groups]
+        return groups
+
+    def next_prompt(self) -> Sample:
+        """The next prompt in epoch order (the stored one, not a copy); past the last, the next epoch's order."""
+        if self.offset >= len(self._order):
+            self.epoch += 1
+            self.offset = 0
+            self._order = self._epoch_order(self.epoch)
+        prompt = self.prompts[self._order[self.offset]]
+        self.offset += 1
+        return prompt
+
+    def new_group(self, prompt: Sample) -> list[Sample]:
+        """`n_samples_per_prompt` copies of `prompt`: the next group index, the next consecutive sample indices
+        (they seed sampling and identify samples for the whole run)."""
+        group = []
+        for _ in range(self.n_samples_per_prompt):
+            sample = copy.deepcopy(prompt)
+            sample.group_index = self.next_group_index
+            sample.index = self.next_sample_index
+            self.next_sample_index += 1
+            group.append(sample)
+        self.next_group_index += 1
+        return group
 
     def add_samples(self, groups: list[list[Sample]]) -> None:
         """Give groups back; they are served before fresh prompts, oldest first."""

@@ -109,8 +109,9 @@ class TrainActor:
             self.weight_transports[kind] = make_weight_transport(kind, self.args)
         return self.trainer.send_weights(self.weight_transports[kind], handle)
 
-    def probe_log_probs(self, tokens: list[int], response_length: int, temperature: float | None = None):
-        return self.trainer.probe_log_probs(tokens, response_length, temperature)
+    def probe_log_probs(self, tokens: list[int], response_length: int, temperature: float | None = None,
+                        adapter: str | None = None):
+        return self.trainer.probe_log_probs(tokens, response_length, temperature, adapter)
 
 
 class RayTrainGroup:
@@ -175,9 +176,10 @@ class RayTrainGroup:
     def get_loaded_state(self) -> list[dict | None]:
         return control([a.get_loaded_state.remote() for a in self.actors], f"the {self.role}s' loaded state")
 
-    def probe_log_probs(self, tokens: list[int], response_length: int, temperature: float | None = None) -> list:
-        return self._all([a.probe_log_probs.remote(tokens, response_length, temperature) for a in self.actors],
-                         "the weight check's probe forward")
+    def probe_log_probs(self, tokens: list[int], response_length: int, temperature: float | None = None,
+                        adapter: str | None = None) -> list:
+        return self._all([a.probe_log_probs.remote(tokens, response_length, temperature, adapter)
+                          for a in self.actors], "the weight check's probe forward")
 
     def _all(self, refs, what: str):
         """Every rank's answer to one call, at most --train-timeout; a rank that fails fails it at once."""

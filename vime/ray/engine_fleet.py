@@ -334,21 +334,22 @@ class EngineFleet:
     def router_restarts(self) -> int:
         return int(self.context.counters.get("rollout/router_restarts", 0))
 
-    def probe_log_probs(self, tokens: list[int]) -> list[list[float]]:
-        """Every engine's prompt log-probs of `tokens` (for --check-weight-update-equal)."""
+    def probe_log_probs(self, tokens: list[int], model: str = client.SERVED_MODEL) -> list[list[float]]:
+        """Every engine's prompt log-probs of `tokens` under served model `model` (--check-weight-update-equal)."""
         from vime.backends.weight_transport.check import engine_prompt_log_probs
 
-        return engine_prompt_log_probs(self.engine_urls, tokens)
+        return engine_prompt_log_probs(self.engine_urls, tokens, model=model)
 
 
 def recovery_load_call(args, weights_dir: str):
     """The call that makes a restarted engine load the recovery weights: a LoRA adapter (`lora_adapter`
     transport) on the base it starts with, else HF safetensors (the disk transport's; imported here, not at the
     top, so that starting the fleet does not wait for torch)."""
-    from vime.backends.vllm_utils.lora_serving import ADAPTER_FILES, adapter_load_call
+    from vime.backends.vllm_utils.lora_serving import adapter_dirs, adapter_load_call
 
-    if (Path(weights_dir) / ADAPTER_FILES[0]).is_file():
-        return adapter_load_call(client.SERVED_MODEL, weights_dir)
+    adapters = adapter_dirs(weights_dir)
+    if adapters:
+        return adapter_load_call(adapters)
     from vime.backends.weight_transport.disk import DiskWeightTransport
 
     return DiskWeightTransport(args).load_call(weights_dir)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import ray
 
+from vime.data.adapter_mix import AdapterMixSource
 from vime.data.data_source import RolloutDataSource
 from vime.data.prompt_dataset import load_prompt_file, load_prompt_samples
 from vime.backends.weight_transport.check import probe_tokens
@@ -27,10 +28,47 @@ from vime.rollout.context import reset_rollout_context
 from vime.rollout.debug_data import load_rollout, save_rollout
 from vime.rollout.metrics import record_counters, rollout_metrics
 from vime.utils.logging_utils import configure_logging
+from vime.utils.lora_adapters import ADAPTER_KEY, adapter_names, adapter_specs
 from vime.utils.misc import load_function
 from vime.utils.types import RolloutFnTrainOutput, as_rollout_output
 
 logger = logging.getLogger(__name__)
+
+
+def make_data_source(args, tokenizer) -> RolloutDataSource | None:
+    """The training prompts: --prompt-data, or each adapter's file (--lora-adapters, `AdapterMixSource`); None
+    without either (replayed rollouts). Malformed rows skipped and over-long prompts dropped, all files together,
+    are reported with the next rollout (data/skipped_rows, data/too_long_prompts)."""
+    specs = adapter_specs(args)
+    files = {s.name: s.prompt_data for s in specs} or ({None: args.prompt_data} if args.prompt_data else {})
+    if not files:
+        return None
+    loaded = {name: load_prompt_file(path, tokenizer, args) for name, path in files.items()}
+    record_counters({"data/skipped_rows": float(sum(len(f.skipped) for f in loaded.values())),
+                     "data/too_long_prompts": float(sum(f.too_long for f in loaded.values()))})
+    buffer_filter = None
+    if args.buffer_filter_path:
+        fn = load_function(args.buffer_filter_path)
+        buffer_filter = lambda buffer, n: fn(args, buffer, n)  # noqa: E731
+    if specs:
+        return AdapterMixSource({name: f.samples for name, f in loaded.items()}, args.n_samples_per_prompt,
+                                args.rollout_seed, args.rollout_shuffle, buffer_filter)
+    return RolloutDataSource(loaded[None].samples, args.n_samples_per_prompt, args.rollout_seed,
+                             args.rollout_shuffle, buffer_filter)
+
+
+def make_eval_sources(args, tokenizer) -> dict[str, RolloutDataSource]:
+    """{name: source} of --eval-prompt-data NAME PATH ...; in a multi-LoRA run each set is named after the adapter
+    it evaluates (validation refuses other names), and its samples are tagged with it."""
+    adapters = set(adapter_names(args))
+    sources = {}
+    for name, path in zip((args.eval_prompt_data or [])[::2], (args.eval_prompt_data or [])[1::2]):
+        prompts = load_prompt_samples(path, tokenizer, args)
+        if name in adapters:
+            for prompt in prompts:
+                prompt.metadata[ADAPTER_KEY] = name
+        sources[name] = RolloutDataSource(prompts, args.n_samples_per_eval_prompt, args.rollout_seed, shuffle=False)
+    return sources
 
 
 @ray.remote(num_cpus=0)
@@ -47,23 +85,8 @@ class RolloutManager:
         from vime.utils.hf_tokenizer import load_tokenizer
 
         self.tokenizer = load_tokenizer(args.hf_checkpoint)
-        self.data_source = None
-        if args.prompt_data:
-            loaded = load_prompt_file(args.prompt_data, self.tokenizer, args)
-            record_counters({"data/skipped_rows": float(len(loaded.skipped)),
-                             "data/too_long_prompts": float(loaded.too_long)})
-            prompts = loaded.samples
-            buffer_filter = None
-            if args.buffer_filter_path:
-                fn = load_function(args.buffer_filter_path)
-                buffer_filter = lambda buffer, n: fn(args, buffer, n)  # noqa: E731
-            self.data_source = RolloutDataSource(prompts, args.n_samples_per_prompt, args.rollout_seed,
-                                                 args.rollout_shuffle, buffer_filter)
-        self.eval_sources = {}
-        for name, path in zip((args.eval_prompt_data or [])[::2], (args.eval_prompt_data or [])[1::2]):
-            prompts = load_prompt_samples(path, self.tokenizer, args)
-            self.eval_sources[name] = RolloutDataSource(prompts, args.n_samples_per_eval_prompt, args.rollout_seed,
-                                                        shuffle=False)
+        self.data_source = make_data_source(args, self.tokenizer)
+        self.eval_sources = make_eval_sources(args, self.tokenizer)
         self.rollout_fn = load_function(args.rollout_function_path)
         self.eval_fn = load_function(args.eval_function_path or args.rollout_function_path)
         self.transport = make_transport(args)  # how generate() hands rollouts to the trainer side
@@ -107,8 +130,8 @@ class RolloutManager:
     def probe_tokens(self) -> list[int]:
         return probe_tokens(len(self.tokenizer))
 
-    def probe_log_probs(self, tokens: list[int]) -> list[list[float]]:
-        return self.fleet.probe_log_probs(tokens)
+    def probe_log_probs(self, tokens: list[int], model: str | None = None) -> list[list[float]]:
+        return self.fleet.probe_log_probs(tokens, *([model] if model else []))
 
     # ---- rollouts --------------------------------------------------------------------------------------------
     def generate(self, rollout_id: int) -> RolloutRef:

@@ -6,14 +6,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 from pathlib import Path
 
+from vime.rollout.rm_hub import RM_REGISTRY, remote_rm
 from vime.rollout.rm_hub import pool as rm_pool
-from vime.rollout.rm_hub import remote_rm
+from vime.utils.lora_adapters import AdapterSpec, adapter_specs
 from vime.utils.misc import with_values
 
 DEFAULT_ROLLOUT_FUNCTION = "vime.rollout.vllm_rollout.generate_rollout"
 DEFAULT_GENERATE_FUNCTION = "vime.rollout.vllm_rollout.generate"
+_FUNCTION_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")  # pkg.module.fn
 
 
 def add_data_args(parser: argparse.ArgumentParser) -> None:
@@ -211,6 +214,20 @@ def add_all_rollout_args(parser: argparse.ArgumentParser) -> None:
         add(parser)
 
 
+def validate_adapter_rms(args: argparse.Namespace, adapters: list[AdapterSpec]) -> None:
+    """Each adapter's own RM (--lora-adapters NAME=PROMPT_DATA:RM) is an --rm-type name or a function path (loaded
+    with the other function paths, `vime.arguments.function_path_flags`); --group-rm takes none of them."""
+    with_rm = [s for s in adapters if s.rm]
+    for spec in with_rm:
+        if spec.rm not in RM_REGISTRY and not _FUNCTION_PATH.match(spec.rm):
+            raise ValueError(f"--lora-adapters {spec.name}: RM {spec.rm!r} is neither an --rm-type name "
+                             f"({', '.join(sorted(RM_REGISTRY))}) nor a function path pkg.module.fn")
+    if with_rm and args.group_rm:
+        raise ValueError(f"--group-rm scores whole groups with --custom-rm-path; --lora-adapters "
+                         f"{', '.join(s.name for s in with_rm)} name RMs of their own, which score one sample: drop "
+                         "--group-rm or those RMs")
+
+
 def validate_rollout_args(args: argparse.Namespace) -> argparse.Namespace:
     """The rollout side's flags (data, sampling, engines, fault tolerance, the data buffer, rewards, eval, debug):
     bad values and combinations rejected with how to fix them; returns a copy of `args` with the derived
@@ -230,21 +247,32 @@ def validate_rollout_args(args: argparse.Namespace) -> argparse.Namespace:
         if template is not None and "{rollout_id}" not in template:
             raise ValueError(f"--{flag.replace('_', '-')} {template!r} must contain '{{rollout_id}}'")
 
+    adapters = adapter_specs(args)
     if not replaying:
-        if not args.prompt_data:
-            raise ValueError("--prompt-data FILE is required (JSONL or Parquet) unless replaying saved rollouts")
-        if not Path(args.prompt_data).is_file():
+        if not args.prompt_data and not adapters:
+            raise ValueError("--prompt-data FILE is required (JSONL or Parquet; with --lora-adapters, each adapter's "
+                             "NAME=FILE) unless replaying saved rollouts")
+        if args.prompt_data and not Path(args.prompt_data).is_file():
             raise ValueError(f"--prompt-data {args.prompt_data}: file not found")
-        if args.rm_type is None and args.custom_rm_path is None and not args.debug_train_only:
-            raise ValueError("choose a reward: --rm-type (math, boxed, f1, ...) or --custom-rm-path module.fn")
-        if args.rm_type == "remote_rm" and not args.rm_url:
+        unscored = [s.name for s in adapters if s.rm is None]
+        if args.rm_type is None and args.custom_rm_path is None and not args.debug_train_only \
+                and (unscored or not adapters):
+            raise ValueError("choose a reward: --rm-type (math, boxed, f1, ...) or --custom-rm-path module.fn"
+                             + (f" (for --lora-adapters {', '.join(unscored)}, which name no RM of their own)"
+                                if adapters else ""))
+        if not args.rm_url and "remote_rm" in [args.rm_type] + [s.rm for s in adapters]:
             raise ValueError("--rm-type remote_rm needs --rm-url http://host:port/path")
+    validate_adapter_rms(args, adapters)
     if args.eval_prompt_data is not None:
         if len(args.eval_prompt_data) % 2:
             raise ValueError("--eval-prompt-data takes pairs NAME PATH [NAME PATH ...]")
         for name, path in zip(args.eval_prompt_data[::2], args.eval_prompt_data[1::2]):
             if not Path(path).is_file():
                 raise ValueError(f"--eval-prompt-data {name}: file {path} not found")
+            if adapters and name not in [s.name for s in adapters]:
+                raise ValueError(f"--eval-prompt-data {name}: a multi-LoRA run evaluates each eval set with the "
+                                 "adapter it is named after; name it after the adapter it evaluates (one of "
+                                 f"{', '.join(s.name for s in adapters)})")
 
     for flag in ("rollout_batch_size", "n_samples_per_prompt", "rollout_max_response_len", "rollout_concurrency",
                  "rollout_num_gpus", "rollout_num_gpus_per_engine", "n_samples_per_eval_prompt"):

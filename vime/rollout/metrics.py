@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 from vime.rollout.context import rollout_context
+from vime.utils.lora_adapters import ADAPTER_KEY, adapter_names
 from vime.utils.types import Sample
 
 
@@ -63,8 +64,10 @@ def failure_key(sample: Sample) -> str:
 
 def rollout_metrics(samples: list[Sample], args=None, prefix: str = "rollout") -> dict[str, float]:
     """Reward, length, truncation and failure statistics of one rollout's samples (failures by stage and reason:
-    `<prefix>/failed/<stage>_<reason>`); a training rollout (prefix "rollout") also reports the counters. Reward
-    statistics cover the scored samples' finite rewards; `<prefix>/non_finite_rewards` counts the others."""
+    `<prefix>/failed/<stage>_<reason>`); a training rollout (prefix "rollout") also reports the counters and, in a
+    multi-LoRA run, the same statistics of each adapter's samples (`rollout/adapter/<name>/reward_mean`, ...; an
+    eval set is one adapter's already). Reward statistics cover the scored samples' finite rewards;
+    `<prefix>/non_finite_rewards` counts the others."""
     rewards, non_finite = _reward_values(samples, args)
     lengths = [s.response_length for s in samples]
     m = {
@@ -85,4 +88,7 @@ def rollout_metrics(samples: list[Sample], args=None, prefix: str = "rollout") -
             m[key] = m.get(key, 0.0) + 1.0
     if prefix == "rollout" and args is not None:
         m.update(take_counters())
+        for name in adapter_names(args):
+            mine = [s for s in samples if s.metadata.get(ADAPTER_KEY) == name]
+            m.update(rollout_metrics(mine, args, prefix=f"{prefix}/adapter/{name}"))
     return m

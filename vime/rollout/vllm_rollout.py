@@ -28,6 +28,7 @@ from vime.backends.vllm_utils.generate_request import (
 from vime.rollout.context import rollout_context
 from vime.rollout.rm_hub import RewardTypeError, async_rm, batched_async_rm
 from vime.rollout.rm_hub.remote_rm import NonFiniteRewardError
+from vime.utils.lora_adapters import ADAPTER_KEY
 from vime.utils.misc import load_function
 from vime.utils.types import RolloutFnEvalOutput, RolloutFnTrainOutput, Sample
 
@@ -137,16 +138,25 @@ def retry_window_s(args) -> float:
     return args.rollout_health_check_interval + args.rollout_health_check_timeout + 10.0
 
 
-async def post_generate(args, token_ids: list[int], sampling_params: dict[str, Any]) -> dict[str, Any]:
+def served_model(sample: Sample) -> str:
+    """The model a sample's requests ask the engines for: its adapter's name in a multi-LoRA run
+    (`metadata[ADAPTER_KEY]`), else the policy."""
+    return sample.metadata.get(ADAPTER_KEY) or SERVED_MODEL
+
+
+async def post_generate(args, token_ids: list[int], sampling_params: dict[str, Any], *,
+                        model: str = SERVED_MODEL) -> dict[str, Any]:
     """One token-in/token-out request through the router, with retries (`request_choices`: at least
-    --rollout-request-retries times, and for `retry_window_s` with fault tolerance). Returns the first choice."""
-    return (await post_generate_choices(args, token_ids, sampling_params))[0]
+    --rollout-request-retries times, and for `retry_window_s` with fault tolerance). Returns the first choice.
+    `model`: the served model asked for, `served_model(sample)` for a sample's request."""
+    return (await post_generate_choices(args, token_ids, sampling_params, model=model))[0]
 
 
-async def post_generate_choices(args, token_ids: list[int], sampling_params: dict[str, Any]) -> list[dict[str, Any]]:
+async def post_generate_choices(args, token_ids: list[int], sampling_params: dict[str, Any], *,
+                                model: str = SERVED_MODEL) -> list[dict[str, Any]]:
     """Like `post_generate`, for every choice: `sampling_params["n"]` sequences from one prompt, one request."""
     state = GenerateState(args)
-    payload = {"token_ids": token_ids, "sampling_params": sampling_params, "model": SERVED_MODEL}
+    payload = {"token_ids": token_ids, "sampling_params": sampling_params, "model": model}
     return await request_choices(state.http(), router_url(), payload,
                                  timeout=aiohttp.ClientTimeout(total=args.rollout_request_timeout),
                                  retries=args.rollout_request_retries, retry_window_s=retry_window_s(args),
@@ -183,7 +193,7 @@ async def generate(args, sample: Sample, sampling_params: dict[str, Any]) -> Sam
     if params["max_tokens"] <= 0:
         sample.status = Sample.Status.TRUNCATED
         return sample
-    choice = await post_generate(args, sample.tokens, params)
+    choice = await post_generate(args, sample.tokens, params, model=served_model(sample))
     append_choice(sample, choice, state.tokenizer)
     return sample
 
@@ -291,11 +301,12 @@ async def _after_generate(args, sample: Sample, result) -> Sample:
 
 def _one_request(args, group: list[Sample]) -> bool:
     """Whether a group goes to the engine as one request for all its samples (`n`): vime's own generate, fresh
-    samples of one prompt with consecutive indices (each then gets the seed its own request would have had),
-    and a concurrency limit that holds the group."""
+    samples of one prompt with consecutive indices (each then gets the seed its own request would have had) for
+    one served model, and a concurrency limit that holds the group."""
     return (len(group) > 1 and GenerateState(args).generate_fn is generate and len(group) <= args.rollout_concurrency
             and all(s.status == Sample.Status.PENDING and not s.response_length and s.tokens == group[0].tokens
-                    and s.index == group[0].index + k for k, s in enumerate(group)))
+                    and s.index == group[0].index + k and served_model(s) == served_model(group[0])
+                    for k, s in enumerate(group)))
 
 
 async def generate_group_and_rm(args, group: list[Sample], sampling_params: dict[str, Any],
@@ -314,7 +325,7 @@ async def generate_group_and_rm(args, group: list[Sample], sampling_params: dict
             params["seed"] = sample_seed(args, group[0])  # the engine gives sequence k seed + k
         params["n"] = len(group)
         try:
-            choices = await post_generate_choices(args, group[0].tokens, params)
+            choices = await post_generate_choices(args, group[0].tokens, params, model=served_model(group[0]))
             for sample, choice in zip(group, choices):
                 append_choice(sample, choice, state.tokenizer)
         except Exception as e:

@@ -235,9 +235,11 @@ def save_hf_checkpoint(model_chunks: list[torch.nn.Module], hf_dir_src: str | Pa
             dist.barrier()
 
 
-def save_peft_adapter(model_chunks: list[torch.nn.Module], config, base_model: str, out_dir: str | Path) -> None:
-    """The LoRA adapters as PEFT saves them (`adapter_config.json`, `adapter_model.safetensors` with names
-    `base_model.model.model.layers.<i>.<self_attn|mlp>.<proj>.lora_A/B.weight`), each gathered over tensor parallel;
+def save_peft_adapter(model_chunks: list[torch.nn.Module], config, base_model: str, out_dir: str | Path,
+                      name: str | None = None) -> None:
+    """The LoRA adapter `name` (default: the only one) as PEFT saves it (`adapter_config.json`,
+    `adapter_model.safetensors` with names `base_model.model.model.layers.<i>.<self_attn|mlp>.<proj>.lora_A/B.weight`),
+    each gathered over tensor parallel;
     `PeftModel.from_pretrained(base, out_dir)` loads it. Collective: every training rank calls it. With several
     pipeline stages each stage writes its part and the first rank joins them into the one file PEFT reads. Each
     file is written as a weight update's are (`staging.write_new_file`: new, complete before it has its name), since
@@ -249,9 +251,10 @@ def save_peft_adapter(model_chunks: list[torch.nn.Module], config, base_model: s
     tensors = {}
     for chunk in model_chunks:
         for layer, hf_module, linear in adapted_linears(_unwrap(chunk)):
-            for proj in linear.lora.A:
-                a, b = linear.lora.A[proj].detach(), linear.lora.B[proj].detach()
-                if linear.lora.row_parallel:  # each rank holds its columns of A, and all of B
+            adapters = linear.lora[name if name is not None else next(iter(linear.lora))]
+            for proj in adapters.A:
+                a, b = adapters.A[proj].detach(), adapters.B[proj].detach()
+                if adapters.row_parallel:  # each rank holds its columns of A, and all of B
                     a = torch.cat(gather_tp_shards(a), dim=1)
                 else:  # each rank holds its rows of B, and all of A
                     b = torch.cat(gather_tp_shards(b), dim=0)

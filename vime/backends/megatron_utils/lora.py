@@ -18,6 +18,12 @@ Tensor parallel (each adapter split the way its base weight is):
 A is drawn whole from a generator seeded per run, layer and projection, and each rank keeps its slice, so any
 layout starts from the same adapters as one process.
 
+Multi-LoRA (--lora-adapters): every targeted linear holds one set of adapters per name (`LoraSet`), all trained
+in the same steps on the one frozen base. A micro-batch may mix samples of several adapters: each token goes
+through its own sample's adapter only (`routed`, given each token's adapter index by the schedule), so a sample's
+log-probs are those of its adapter alone, and only its adapter gets its gradient. Without the flag the one
+adapter is named "policy" (the served model's name).
+
 Who calls it: the trainer's model preparation (`attach_lora` after the HF weights are loaded and before DDP wraps
 the chunks, so only adapters get gradient buffers and optimizer state) and `hf_checkpoint.iter_hf_weights`
 (`merged_weight`: what the engines and --save-hf get).
@@ -38,6 +44,8 @@ from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_paralle
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from vime.backends.megatron_utils.train_arguments import lora_targets
+from vime.backends.vllm_utils.client import SERVED_MODEL
+from vime.utils.lora_adapters import adapter_names
 
 # Megatron module (under each decoder layer) -> the HF projections fused in it, in the order of its rows
 _FUSED = {"self_attention.linear_qkv": ("q_proj", "k_proj", "v_proj"),
@@ -45,6 +53,7 @@ _FUSED = {"self_attention.linear_qkv": ("q_proj", "k_proj", "v_proj"),
           "mlp.linear_fc1": ("gate_proj", "up_proj"),
           "mlp.linear_fc2": ("down_proj",)}
 _ROW_PARALLEL = {"self_attention.linear_proj", "mlp.linear_fc2"}
+DEFAULT_ADAPTER = SERVED_MODEL  # the one adapter of a run without --lora-adapters, served as the policy itself
 
 
 @dataclass(frozen=True)
@@ -54,6 +63,11 @@ class LoraConfig:
     dropout: float
     targets: tuple[str, ...]
     seed: int = 0
+    adapters: tuple[str, ...] = ()  # their names, in --lora-adapters order; () is the one DEFAULT_ADAPTER
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self.adapters or (DEFAULT_ADAPTER,)
 
     @property
     def scale(self) -> float:
@@ -65,7 +79,7 @@ class LoraConfig:
         if not getattr(args, "lora_rank", 0):
             return None
         return cls(args.lora_rank, float(args.lora_alpha if args.lora_alpha is not None else args.lora_rank),
-                   args.lora_dropout, lora_targets(args.lora_target_modules), args.seed)
+                   args.lora_dropout, lora_targets(args.lora_target_modules), args.seed, tuple(adapter_names(args)))
 
 
 class LoraAdapters(torch.nn.Module):
@@ -135,9 +149,9 @@ class LoraAdapters(torch.nn.Module):
         return fused.reshape(*parts[0].shape[:dim], -1, *parts[0].shape[dim + 1:])
 
 
-def _seed(run_seed: int, layer: int, projection: str) -> int:
+def _seed(run_seed: int, layer: int, projection: str, adapter: str) -> int:
     """The same in every process (Python's own hash of a string is not)."""
-    digest = hashlib.sha256(f"{run_seed}/{layer}/{projection}".encode()).digest()
+    digest = hashlib.sha256(f"{run_seed}/{layer}/{projection}/{adapter}".encode()).digest()
     return int.from_bytes(digest[:8], "little") % 2**63
 
 
@@ -147,6 +161,31 @@ def _tp() -> tuple[int, int]:
     return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
 
 
+class LoraSet(torch.nn.ModuleDict):
+    """The named adapters of one Megatron linear (`<linear>.lora.<name>.A.<proj>`): one per --lora-adapters entry,
+    or the single adapter `DEFAULT_ADAPTER`. With several, each token goes through its own sample's adapter only:
+    `route` holds, for the forward running now, each token's adapter index in the layout of the linear's input
+    without its last dimension (set by `routed`)."""
+
+    def __init__(self, adapters: dict[str, LoraAdapters]):
+        super().__init__(adapters)
+        self.enabled = True  # False while merged into the weight (`adapters_merged`)
+        self.route: torch.Tensor | None = None
+
+    @property
+    def row_parallel(self) -> bool:
+        return next(iter(self.values())).row_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        adapters = list(self.values())
+        if len(adapters) == 1:
+            return adapters[0](x)
+        if self.route is None:
+            raise RuntimeError("a forward through several LoRA adapters needs each token's adapter (lora.routed)")
+        # every adapter runs on every rank (their tensor-parallel collectives must match); masks keep its tokens
+        return sum(adapter(x) * (self.route == k).unsqueeze(-1).to(x.dtype) for k, adapter in enumerate(adapters))
+
+
 def _add_adapters_hook(module, inputs, output):
     if not module.lora.enabled:  # merged into the weight for the moment (`adapters_merged`)
         return output
@@ -154,17 +193,37 @@ def _add_adapters_hook(module, inputs, output):
     return out + module.lora(inputs[0]), bias
 
 
+def _adapted_modules(chunks) -> list[torch.nn.Module]:
+    """The linears with adapters (`<linear>.lora` a LoraSet) of `chunks`."""
+    return [m for chunk in chunks for m in chunk.modules() if isinstance(getattr(m, "lora", None), LoraSet)]
+
+
 @contextlib.contextmanager
-def adapters_merged(chunks):
-    """Within the block the adapted linears compute with their merged weights, adapters off: the weights the
-    engines get, computed as they compute them (--check-weight-update-equal's probe; the adapters' own path
-    rounds differently, ~1e-5 in log-probs). The base weights are restored bit for bit after."""
-    modules = [m for chunk in chunks for m in chunk.modules() if isinstance(getattr(m, "lora", None), LoraAdapters)]
+def routed(chunk: torch.nn.Module, route: torch.Tensor | None):
+    """Within the block (one micro-batch's forward through `chunk`), each token takes the adapter `route` gives it:
+    [s, b] adapter indices, the layout of Megatron's hidden states (packed: [T, 1]). None: the one adapter."""
+    modules = _adapted_modules([chunk]) if route is not None else []
+    for m in modules:
+        m.lora.route = route
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.lora.route = None
+
+
+@contextlib.contextmanager
+def adapters_merged(chunks, name: str | None = None):
+    """Within the block the adapted linears compute with adapter `name` (default: the only one) merged into their
+    weights, adapters off: the weights --lora-sync merged sends the engines, computed as they compute them
+    (--check-weight-update-equal's probe; the adapters' own path rounds differently: 1e-5 to 5e-5 in log-probs
+    once the adapters have grown). The base weights are restored bit for bit after."""
+    modules = _adapted_modules(chunks)
     saved = [m.weight.detach().clone() for m in modules]
     try:
         with torch.no_grad():
             for m in modules:
-                m.weight.copy_(merged_weight(m))
+                m.weight.copy_(merged_weight(m, name))
                 m.lora.enabled = False
         yield
     finally:
@@ -175,8 +234,8 @@ def adapters_merged(chunks):
 
 
 def attach_lora(chunk: torch.nn.Module, config: LoraConfig) -> None:
-    """Freeze `chunk` (a GPTModel) and hang adapters on its targeted linears. The base modules keep their names
-    and weights; the adapters are `<linear>.lora.*`."""
+    """Freeze `chunk` (a GPTModel) and hang the adapters `config.names` on its targeted linears. The base modules
+    keep their names and weights; the adapters are `<linear>.lora.<name>.*`."""
     for p in chunk.parameters():
         p.requires_grad_(False)
     _, tp_size = _tp()
@@ -199,9 +258,10 @@ def attach_lora(chunk: torch.nn.Module, config: LoraConfig) -> None:
             out_local, in_local = weight.shape
             row_parallel = path in _ROW_PARALLEL
             rows, groups = _rows(chunk.config, path, out_local, tp_size)
-            seeds = tuple(_seed(config.seed, global_layer, p) for p in projections)
-            module.lora = LoraAdapters(config, projections, in_local, rows, row_parallel, groups, seeds,
-                                       weight.dtype, weight.device)
+            module.lora = LoraSet({
+                name: LoraAdapters(config, projections, in_local, rows, row_parallel, groups,
+                                   tuple(_seed(config.seed, global_layer, p, name) for p in projections),
+                                   weight.dtype, weight.device) for name in config.names})
             module.register_forward_hook(_add_adapters_hook)
             module.sharded_state_dict = _sharded_state_dict_with_adapters(module)
 
@@ -211,8 +271,9 @@ def _sharded_state_dict_with_adapters(module):
     default would save a tensor-parallel slice of B (column-parallel) or A (row-parallel) as if replicated."""
     row_parallel = module.lora.row_parallel
     axes = {"weight": 1} if row_parallel else {"weight": 0, "bias": 0}
-    axes.update({f"lora.A.{n}": 1 for n in module.lora.A} if row_parallel else
-                {f"lora.B.{n}": 0 for n in module.lora.B})
+    for name, adapters in module.lora.items():
+        axes.update({f"lora.{name}.A.{n}": 1 for n in adapters.A} if row_parallel else
+                    {f"lora.{name}.B.{n}": 0 for n in adapters.B})
 
     def sharded_state_dict(prefix="", sharded_offsets=(), metadata=None):
         return make_sharded_tensors_for_checkpoint(module.state_dict(prefix="", keep_vars=True), prefix, axes,
@@ -243,30 +304,32 @@ def adapted_linears(model: torch.nn.Module):
                 module = layer.get_submodule(path)
             except AttributeError:  # an MLA or MoE layer: no such linear, no adapters
                 continue
-            if isinstance(getattr(module, "lora", None), LoraAdapters):
+            if isinstance(getattr(module, "lora", None), LoraSet):
                 yield layer.layer_number - 1, "self_attn" if path.startswith("self_attention") else "mlp", module
 
 
-def load_peft_adapter(chunk: torch.nn.Module, path: str) -> None:
-    """Set the chunk's adapters from a PEFT adapter directory (this rank's slices of each matrix); --lora-load."""
+def load_peft_adapter(chunk: torch.nn.Module, path: str, name: str = DEFAULT_ADAPTER) -> None:
+    """Set the chunk's adapter `name` from a PEFT adapter directory (this rank's slices of each matrix);
+    --lora-load."""
     from safetensors import safe_open
 
     tp_rank, tp_size = _tp()
     with safe_open(f"{path}/adapter_model.safetensors", framework="pt") as f:
-        names = set(f.keys())
+        stored = set(f.keys())
         for layer, hf_module, linear in adapted_linears(chunk):
-            for proj in linear.lora.A:
+            adapters = linear.lora[name]
+            for proj in adapters.A:
                 prefix = f"base_model.model.model.layers.{layer}.{hf_module}.{proj}"
-                for kind, param in (("A", linear.lora.A[proj]), ("B", linear.lora.B[proj])):
-                    name = f"{prefix}.lora_{kind}.weight"
-                    if name not in names:
-                        raise ValueError(f"--lora-load {path}: the adapter has no {name}")
-                    full = f.get_tensor(name)
-                    split_dim = 1 if kind == "A" and linear.lora.row_parallel else \
-                        0 if kind == "B" and not linear.lora.row_parallel else None
+                for kind, param in (("A", adapters.A[proj]), ("B", adapters.B[proj])):
+                    tensor = f"{prefix}.lora_{kind}.weight"
+                    if tensor not in stored:
+                        raise ValueError(f"--lora-load {path}: the adapter has no {tensor}")
+                    full = f.get_tensor(tensor)
+                    split_dim = 1 if kind == "A" and adapters.row_parallel else \
+                        0 if kind == "B" and not adapters.row_parallel else None
                     local = full if split_dim is None else full.chunk(tp_size, dim=split_dim)[tp_rank]
                     if local.shape != param.shape:
-                        raise ValueError(f"--lora-load {path}: {name} has shape {tuple(full.shape)}, this model's "
+                        raise ValueError(f"--lora-load {path}: {tensor} has shape {tuple(full.shape)}, this model's "
                                          f"adapter needs {tuple(param.shape)} (on this rank)")
                     with torch.no_grad():
                         param.copy_(local)
@@ -284,6 +347,11 @@ def is_lora_parameter(name: str) -> bool:
     return ".lora." in name
 
 
-def merged_weight(module: torch.nn.Module) -> torch.Tensor:
-    """The module's weight with its adapters merged in (this rank's shard)."""
-    return module.weight.detach() + module.lora.delta_weight().to(module.weight.dtype)
+def merged_weight(module: torch.nn.Module, name: str | None = None) -> torch.Tensor:
+    """The module's weight with adapter `name` merged in (this rank's shard). `name` None: the only adapter; a
+    multi-LoRA model's base weight when it has several (no one adapter is the policy: each is saved beside it)."""
+    if name is None:
+        if len(module.lora) > 1:
+            return module.weight.detach()
+        name = next(iter(module.lora))
+    return module.weight.detach() + module.lora[name].delta_weight().to(module.weight.dtype)

@@ -19,6 +19,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from vime.backends.megatron_utils.batching import MicroBatchInputs, micro_batch_inputs
 from vime.backends.megatron_utils.log_probs import response_log_probs
+from vime.backends.megatron_utils.lora import routed
 from vime.backends.megatron_utils.megatron_flags import given_fields
 from vime.backends.megatron_utils.model_provider import build_model_chunks, params_dtype
 from vime.backends.megatron_utils.train_batch import TrainBatch
@@ -107,6 +108,18 @@ def packed_seq_params(inputs: MicroBatchInputs) -> PackedSeqParams | None:
                            max_seqlen_kv=inputs.max_seqlen)
 
 
+def adapter_route(inputs: MicroBatchInputs, adapters: list[int]) -> torch.Tensor:
+    """Each token's adapter index (multi-LoRA) in the layout of the model's hidden states: [T, 1] packed (the
+    padding sequence, if any, takes adapter 0: it is never read), [longest, b] padded."""
+    if inputs.cu_seqlens is not None:
+        lengths = (inputs.cu_seqlens[1:] - inputs.cu_seqlens[:-1]).long()
+        ids = torch.tensor(adapters + [0] * (len(lengths) - len(adapters)), dtype=torch.long)
+        route = torch.repeat_interleave(ids, lengths).unsqueeze(1)
+    else:
+        route = torch.tensor(adapters, dtype=torch.long).unsqueeze(0).expand(inputs.tokens.shape[1], -1)
+    return route.to(inputs.tokens.device if not torch.cuda.is_available() else torch.cuda.current_device())
+
+
 def run_schedule(model, micro_batches: list[list[int]], batch: TrainBatch, loss_fn: Callable,
                  forward_only: bool, packed: bool = True, routing=None):
     """Run Megatron's schedule over micro-batches of sample indices.
@@ -121,19 +134,21 @@ def run_schedule(model, micro_batches: list[list[int]], batch: TrainBatch, loss_
     multiple = parallel_state.get_tensor_model_parallel_world_size() if model[0].config.sequence_parallel else 1
     inputs = [micro_batch_inputs([batch.tokens[i] for i in mb], [batch.response_lengths[i] for i in mb],
                                  packed=packed, multiple=multiple) for mb in micro_batches]
+    routes = [adapter_route(x, [batch.adapters[i] for i in mb]) if batch.adapters is not None else None
+              for mb, x in zip(micro_batches, inputs)]
     longest = max(int(x.tokens.numel()) if packed else x.tokens.shape[1] for x in inputs)
 
     def data_iter():
-        yield from zip(micro_batches, inputs)
+        yield from zip(micro_batches, inputs, routes)
 
     def forward_step(iterator, chunk):
-        indices, mb = next(iterator)
+        indices, mb, route = next(iterator)
         tokens, positions = mb.tokens, mb.positions
         if torch.cuda.is_available():
             tokens, positions = tokens.cuda(), positions.cuda()
         replay = routing.micro_batch(indices, [len(batch.tokens[i]) for i in indices], packed) if routing is not None \
             else contextlib.nullcontext()
-        with only_rows(chunk, mb.logit_rows), replay:
+        with only_rows(chunk, mb.logit_rows), replay, routed(chunk, route):
             output = chunk(tokens, positions, attention_mask=None, packed_seq_params=packed_seq_params(mb))
 
         def loss_func(output):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from vime.utils.lora_adapters import adapter_specs
 from vime.utils.misc import with_values
 
 
@@ -63,6 +64,12 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
                         "vLLM's LoRA support (engines started with it enabled); merged = the full merged weights "
                         "through --update-weight-transport, for engines without LoRA support (default: adapter, "
                         "merged for --rollout-external-engine-addrs).")
+    g.add_argument("--lora-adapters", action="extend", nargs="+", default=None, metavar="NAME=PROMPT_DATA[:RM]",
+                   help="Multi-LoRA: train several named adapters on the one base in the same steps, each on its own "
+                        "prompts, scored by its own RM (an --rm-type name or a function path; default: the run's "
+                        "reward), served by the same engines under its name; repeatable. Replaces --prompt-data; "
+                        "each rollout takes an equal share of prompts from every adapter's data (default: None = one "
+                        "adapter, served as the policy).")
     g.add_argument("--lora-target-modules", nargs="+", default=["all-linear"], metavar="NAME",
                    help=f"HF projections that get adapters: {', '.join(LORA_TARGETS)}, or all-linear "
                         "(default: all-linear).")
@@ -90,9 +97,11 @@ def validate_lora_args(args: argparse.Namespace) -> argparse.Namespace:
         args = with_values(args, **_peft_adapter_flags(args.lora_load, args))
     if args.lora_rank < 0:
         raise ValueError(f"--lora-rank must be >= 0 (0 = full fine-tuning), got {args.lora_rank}")
+    specs = adapter_specs(args)
     if not args.lora_rank:
-        if args.lora_sync is not None:
-            raise ValueError(f"--lora-sync {args.lora_sync} needs --lora-rank N (LoRA training)")
+        for flag, given in (("--lora-sync", args.lora_sync), ("--lora-adapters", specs)):
+            if given:
+                raise ValueError(f"{flag} needs --lora-rank N (LoRA training)")
         return args
     lora_targets(args.lora_target_modules)
     if args.lora_alpha is not None and args.lora_alpha <= 0:
@@ -101,7 +110,29 @@ def validate_lora_args(args: argparse.Namespace) -> argparse.Namespace:
         raise ValueError(f"--lora-dropout must be in [0, 1), got {args.lora_dropout}")
     if getattr(args, "sequence_parallel", False):
         raise ValueError("--lora-rank with --sequence-parallel is not supported yet; drop one of them")
-    return with_values(args, lora_sync=lora_sync_mode(args))
+    sync = lora_sync_mode(args)
+    if specs:
+        _check_adapters(args, specs, sync)
+    return with_values(args, lora_sync=sync)
+
+
+def _check_adapters(args: argparse.Namespace, specs, sync: str) -> None:
+    """--lora-adapters with the flags it needs and excludes."""
+    from pathlib import Path
+
+    if sync != "adapter":
+        raise ValueError("--lora-adapters needs --lora-sync adapter (engines that serve each adapter by name); merged "
+                         "weights hold one adapter")
+    if args.lora_load:
+        raise ValueError("--lora-adapters starts every adapter fresh; drop --lora-load")
+    if getattr(args, "prompt_data", None):
+        raise ValueError("--lora-adapters names each adapter's prompts (NAME=PROMPT_DATA); drop --prompt-data")
+    if args.rollout_batch_size % len(specs):
+        raise ValueError(f"--rollout-batch-size {args.rollout_batch_size} must be a multiple of the "
+                         f"{len(specs)} --lora-adapters: each rollout takes an equal share of prompts per adapter")
+    for spec in specs:
+        if not Path(spec.prompt_data).is_file():
+            raise ValueError(f"--lora-adapters {spec.name}: prompt file {spec.prompt_data} not found")
 
 
 MAX_SERVED_LORA_RANK = 512  # vLLM's largest --max-lora-rank

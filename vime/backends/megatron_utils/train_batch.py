@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from vime.utils.lora_adapters import ADAPTER_KEY, adapter_names
 from vime.utils.types import Sample
 
 
@@ -36,6 +37,8 @@ class TrainBatch:
     old_values: list[torch.Tensor] | None = None  # PPO: the critic's own values at rollout time (critic side)
     # --use-rollout-routing-replay: the engine's routing per sample ([tokens - 1, layers, top-k] arrays, or None)
     rollout_routed_experts: list | None = None
+    # --lora-adapters: each sample's adapter, as its index in that flag's order (None: one adapter or none)
+    adapters: list[int] | None = None
 
     @classmethod
     def from_samples(cls, groups: list[list[dict]], args) -> TrainBatch:
@@ -59,6 +62,7 @@ class TrainBatch:
             num_usable=sum(usable),
             rollout_routed_experts=[s.rollout_routed_experts for s in samples]
             if getattr(args, "use_rollout_routing_replay", False) else None,
+            adapters=sample_adapters(samples, adapter_names(args)),
         )
 
     def sampling_log_probs(self, i: int) -> torch.Tensor:
@@ -77,3 +81,20 @@ class TrainBatch:
             if isinstance(value, list) and value:
                 out[f.name] = [value[i] for i in indices]
         return out
+
+
+def sample_adapters(samples: list[Sample], names: list[str]) -> list[int] | None:
+    """Each sample's adapter as its index in `names` (--lora-adapters); None without that flag. A sample that names
+    no adapter of the run (a custom rollout that did not keep `metadata[ADAPTER_KEY]`) is an error."""
+    if not names:
+        return None
+    index = {name: k for k, name in enumerate(names)}
+    out = []
+    for s in samples:
+        name = s.metadata.get(ADAPTER_KEY)
+        if name not in index:
+            raise ValueError(f"sample {s.index}: metadata[{ADAPTER_KEY!r}] is {name!r}, not one of the run's "
+                             f"--lora-adapters ({', '.join(names)}); a custom rollout must keep each sample's "
+                             "metadata from the data source")
+        out.append(index[name])
+    return out

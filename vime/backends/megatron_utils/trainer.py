@@ -273,14 +273,28 @@ class MegatronTrainer:
             kl = [compute_approx_kl(o, r, args.kl_loss_type) if o is not None and r is not None
                   else torch.zeros(batch.response_lengths[i])
                   for i, (o, r) in enumerate(zip(batch.old_log_probs, batch.ref_log_probs))]
-        advantages, returns = estimator(
-            rewards=batch.rewards, loss_masks=batch.loss_masks, n_samples_per_prompt=group_size, kl=kl,
-            values=batch.values, kl_coef=args.kl_coef, gamma=args.gamma, lambd=args.lambd,
-            normalize_std=not args.disable_grpo_std_normalization, normalize_advantages=args.normalize_advantages,
-            eps=args.advantage_eps)
-        batch.advantages, batch.returns = list(advantages), list(returns)
-        assert len(batch.advantages) == n
-        self.last_returns = [r.tolist() for r in returns] if batch.values is not None else None
+
+        def estimate(rows: list[int]):
+            def pick(values):
+                return None if values is None else [values[i] for i in rows]
+
+            return estimator(
+                rewards=batch.rewards[rows], loss_masks=pick(batch.loss_masks), n_samples_per_prompt=group_size,
+                kl=pick(kl), values=pick(batch.values), kl_coef=args.kl_coef, gamma=args.gamma, lambd=args.lambd,
+                normalize_std=not args.disable_grpo_std_normalization,
+                normalize_advantages=args.normalize_advantages, eps=args.advantage_eps)
+
+        # multi-LoRA: each adapter's advantages from its own samples only (a batch-wide baseline or whitening
+        # would mix two tasks' reward scales); its groups stay whole, as the data source hands out whole groups
+        parts = [list(range(n))] if batch.adapters is None else \
+            [[i for i, a in enumerate(batch.adapters) if a == k] for k in sorted(set(batch.adapters))]
+        batch.advantages, batch.returns = [None] * n, [None] * n
+        for rows in parts:
+            advantages, returns = estimate(rows)
+            for i, a, r in zip(rows, advantages, returns):
+                batch.advantages[i], batch.returns[i] = a, r
+        assert all(a is not None for a in batch.advantages)
+        self.last_returns = [r.tolist() for r in batch.returns] if batch.values is not None else None
 
     def _add_opd_rewards(self, batch: TrainBatch) -> None:
         """--opd-mode reward: each of this rank's samples gets the teacher's per-token reward on top of its
@@ -358,13 +372,15 @@ class MegatronTrainer:
         return str(save_checkpoint(self, self.args.save, rollout_id, extra_state))
 
     def save_hf(self, out_dir: str) -> str:
-        """The policy as an HF checkpoint (LoRA: the merged weights, and the adapters alone in PEFT's format
-        under `out_dir/adapter`). Collective."""
+        """The policy as an HF checkpoint (LoRA: the merged weights, and the adapter alone in PEFT's format under
+        `out_dir/adapter`; multi-LoRA: the base, and each adapter under `out_dir/adapter/<name>`). Collective."""
         from vime.backends.megatron_utils.hf_checkpoint import save_hf_checkpoint, save_peft_adapter
 
         save_hf_checkpoint(self.model, self.args.hf_checkpoint, out_dir)
         if self.lora is not None:
-            save_peft_adapter(self.model, self.lora, str(self.args.hf_checkpoint), f"{out_dir}/adapter")
+            for name in self.lora.names:
+                path = f"{out_dir}/adapter" if not self.lora.adapters else f"{out_dir}/adapter/{name}"
+                save_peft_adapter(self.model, self.lora, str(self.args.hf_checkpoint), path, name)
         return out_dir
 
     def get_loaded_state(self) -> dict | None:
@@ -373,26 +389,35 @@ class MegatronTrainer:
     def send_weights(self, transport, handle) -> None:
         """Hand `transport` this rank's weights (all ranks gather over tensor parallel, together) and, on the one
         rank per pipeline stage that writes them (data- and tensor-parallel rank 0), the stage. A transport that
-        sends LoRA adapters gets them as a PEFT adapter written into its handle (a directory)."""
+        sends LoRA adapters gets each as a PEFT adapter written into `<handle>/<adapter name>`."""
         from vime.backends.megatron_utils.hf_checkpoint import save_peft_adapter, stage_writer
 
         if getattr(transport, "sends_adapter", False):
             if self.lora is None:
                 raise ValueError(f"{type(transport).__name__} sends LoRA adapters, and this model has none")
-            save_peft_adapter(self.model, self.lora, str(self.args.hf_checkpoint), handle)
+            for name in self.lora.names:
+                save_peft_adapter(self.model, self.lora, str(self.args.hf_checkpoint), f"{handle}/{name}", name)
             return
         weights = list(self.hf_weights())
         stage, _, writes = stage_writer()
         transport.send(weights, stage if writes else None, handle)
 
-    def probe_log_probs(self, tokens: list[int], response_length: int, temperature: float | None = None) -> list[float]:
+    def probe_log_probs(self, tokens: list[int], response_length: int, temperature: float | None = None,
+                        adapter: str | None = None) -> list[float]:
         """Log-probs of the last `response_length` tokens of one sequence under the current weights, at
-        `temperature` (default: --rollout-temperature). [] on all but the last pipeline stage."""
+        `temperature` (default: --rollout-temperature), through LoRA adapter `adapter` (default: the only one).
+        [] on all but the last pipeline stage."""
         args = self.args
         if temperature is not None:
             args = with_values(args, rollout_temperature=temperature)
-        batch = TrainBatch(tokens=[tokens], response_lengths=[response_length])
-        with adapters_merged(self.model):  # LoRA: the weights the engines were sent (a no-op without adapters)
+        names = self.lora.adapters if self.lora is not None else ()
+        if adapter is not None and adapter not in names:
+            raise ValueError(f"no LoRA adapter {adapter!r} in this model (adapters: {', '.join(names) or 'none'})")
+        batch = TrainBatch(tokens=[tokens], response_lengths=[response_length],
+                           adapters=[names.index(adapter)] if names else None)
+        # LoRA computed as the engines compute it: the adapter beside the base (adapter sync), or merged into it
+        merged = self.lora is not None and args.lora_sync == "merged"
+        with adapters_merged(self.model, adapter) if merged else contextlib.nullcontext():
             out = forward_log_probs(args, self.model, batch, [[0]])
         return out[0][0].tolist() if out else []
 

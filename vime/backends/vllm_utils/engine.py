@@ -17,6 +17,7 @@ import urllib.request
 from pathlib import Path
 
 from vime.backends.vllm_utils.client import SERVED_MODEL
+from vime.utils.lora_adapters import adapter_names
 from vime.backends.vllm_utils.engine_plugin import CORE_FORK_ENV, IDLE_SPIN_ENV
 from vime.backends.vllm_utils.routing_capture import CAPTURE_ENV
 from vime.utils.auth import CONTROL_TOKEN_ENV, control_headers, control_token, use_control_token
@@ -72,8 +73,9 @@ def lora_engine_options(args, user: list[str]) -> list[str]:
     adapter slot per adapter the run trains (the user's own --vllm-* values win)."""
     if getattr(args, "lora_sync", None) != "adapter":  # resolved by the flags' validation, for LoRA runs only
         return []
+    slots = max(1, len(adapter_names(args)))  # every adapter resident: a batch may mix all of them
     options = {"--enable-lora": None, "--max-lora-rank": str(min(r for r in VLLM_LORA_RANKS if r >= args.lora_rank)),
-               "--max-loras": "1", "--max-cpu-loras": "1"}
+               "--max-loras": str(slots), "--max-cpu-loras": str(slots)}
     out = []
     for flag, value in options.items():
         if flag not in user:

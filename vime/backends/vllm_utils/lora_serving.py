@@ -1,50 +1,63 @@
-"""The engine half of LoRA adapter sync: each new adapter version loaded into a running engine under one name.
+"""The engine half of LoRA adapter sync: each new version of the run's adapters loaded into a running engine.
 
-    POST /vime/update_weights {"method": "vime.load_lora_adapter", "kwargs": {"name": "policy", "path": DIR}, ...}
+    POST /vime/update_weights {"method": "vime.load_lora_adapter", "kwargs": {NAME: DIR, ...}, ...}
 
 Runs inside the engine's HTTP server, from vime's update route (`endpoint.run_update`), while the scheduler is
-paused: the adapter in DIR (PEFT's adapter_config.json and adapter_model.safetensors, written by the trainers) is
-loaded by every worker in place of the previous version, under the same LoRA id, and requests naming `name` are
-served with it from then on. The base weights never change.
+paused: each adapter NAME in its DIR (PEFT's adapter_config.json and adapter_model.safetensors, written by the
+trainers) is loaded by every worker in place of its previous version, under the same LoRA id, and requests naming
+NAME are served with it from then on. The base weights never change. An update writes one directory holding a
+subdirectory per adapter (`adapter_dirs` reads it back).
 
 Why not vLLM's own `/v1/load_lora_adapter`: its in-place reload keeps `load_inplace=True` on the request it hands
 to every later generation, and vLLM's workers then read the adapter from disk again at every forward step. Here
 the workers load it once (`add_lora` with load_inplace), and later requests carry a plain request for the same
-id, which the workers find already loaded. The name may be the base model's served name ("policy"): vLLM looks
-a request's model up among the adapters first, so rollouts, the agents' endpoint and the weight check ask for
-"policy" whether or not the run trains LoRA.
+id, which the workers find already loaded. A name may be the base model's served name ("policy": the one adapter
+of a run without --lora-adapters): vLLM looks a request's model up among the adapters first, so rollouts, the
+agents' endpoint and the weight check ask for "policy" whether or not the run trains LoRA.
 """
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 LOAD_ADAPTER = "vime.load_lora_adapter"  # the update route's own load, not a worker method
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # a directory holds these and nothing else
 _ADAPTER_FILE = re.compile("|".join(re.escape(name) for name in ADAPTER_FILES))
 
 
-def adapter_load_call(name: str, path: str) -> tuple[str, dict[str, str]]:
-    """The update call that serves the adapter in `path` as model `name`."""
-    return LOAD_ADAPTER, {"name": name, "path": path}
+def adapter_load_call(adapters: dict[str, str]) -> tuple[str, dict[str, str]]:
+    """The update call that serves each adapter directory of `adapters` ({name: directory}) as model `name`."""
+    return LOAD_ADAPTER, dict(adapters)
 
 
-async def load_adapter(models, engine, kwargs: dict[str, str]) -> dict:
-    """Load the adapter `kwargs["path"]` into every worker of `engine` (vLLM's AsyncLLM) and serve it as
-    `kwargs["name"]` through `models` (the server's OpenAIServingModels). The directory must lie under the
-    engine's weight root and hold the two PEFT files only (never a pickled adapter_model.bin)."""
+def adapter_dirs(root: str | Path) -> dict[str, str]:
+    """{adapter name: its directory} of an update directory (one subdirectory per adapter); {} if it holds none."""
+    return {d.name: str(d) for d in sorted(Path(root).iterdir()) if (d / ADAPTER_FILES[0]).is_file()} \
+        if Path(root).is_dir() else {}
+
+
+async def load_adapter(models, engine, adapters: dict[str, str]) -> dict:
+    """Load each adapter directory of `adapters` ({name: directory}) into every worker of `engine` (vLLM's
+    AsyncLLM) and serve it as `name` through `models` (the server's OpenAIServingModels). A directory must lie
+    under the engine's weight root and hold the two PEFT files only (never a pickled adapter_model.bin); all are
+    checked before any is loaded."""
     from vllm.lora.request import LoRARequest
 
     from vime.backends.vllm_utils.weight_loading import update_files
 
-    name, path = kwargs.get("name"), kwargs.get("path")
-    if not name or not path:
-        raise ValueError(f"{LOAD_ADAPTER} needs 'name' and 'path', got {sorted(kwargs)}")
-    found = {f.name for f in update_files(path, _ADAPTER_FILE)}
-    if found != set(ADAPTER_FILES):
-        raise FileNotFoundError(f"LoRA adapter {path}: needs {', '.join(ADAPTER_FILES)}; found {sorted(found)}")
-    current = models.lora_requests.get(name)
-    lora_id = current.lora_int_id if current is not None else models.lora_id_counter.inc(1)
-    await engine.add_lora(LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=path, load_inplace=True))
-    models.lora_requests[name] = LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=path)
-    return {"adapter": name, "lora_id": lora_id}
+    if not adapters:
+        raise ValueError(f"{LOAD_ADAPTER} needs {{adapter name: directory}}, got nothing")
+    for name, path in adapters.items():
+        found = {f.name for f in update_files(path, _ADAPTER_FILE)}
+        if found != set(ADAPTER_FILES):
+            raise FileNotFoundError(f"LoRA adapter {name} in {path}: needs {', '.join(ADAPTER_FILES)}; found "
+                                    f"{sorted(found)}")
+    loaded = {}
+    for name, path in adapters.items():
+        current = models.lora_requests.get(name)
+        lora_id = current.lora_int_id if current is not None else models.lora_id_counter.inc(1)
+        await engine.add_lora(LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=path, load_inplace=True))
+        models.lora_requests[name] = LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=path)
+        loaded[name] = lora_id
+    return {"adapters": loaded}

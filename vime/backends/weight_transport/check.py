@@ -19,6 +19,7 @@ FLOAT32_TOLERANCE = 1e-5
 # plus this fraction of each log-prob's size: float32 rounding grows with it (probe tokens are unlikely ones, with
 # log-probs near -15, where the two stacks were seen 1.14e-5 apart on the same weights after 16 rollouts)
 RELATIVE_TOLERANCE = 1e-6
+METRIC = "weight_check/max_abs_logprob_diff"
 HALF_TOLERANCE = 5e-2  # bf16 / fp16: kernels differ by more than a small training step moves a log-prob
 
 
@@ -31,12 +32,13 @@ def probe_tokens(vocab_size: int, length: int = PROBE_LENGTH) -> list[int]:
     return [(17 + 7919 * i) % vocab_size for i in range(length)]
 
 
-def engine_prompt_log_probs(engine_urls: list[str], tokens: list[int], timeout: float = 120.0) -> list[list[float]]:
-    """Per engine: log p(tokens[i] | tokens[:i]) for i >= 1, from `/v1/completions` prompt log-probs.
+def engine_prompt_log_probs(engine_urls: list[str], tokens: list[int], timeout: float = 120.0,
+                            model: str = client.SERVED_MODEL) -> list[list[float]]:
+    """Per engine: log p(tokens[i] | tokens[:i]) for i >= 1, from `/v1/completions` prompt log-probs of `model`
+    (the served policy: a LoRA run's current adapter; or one of --lora-adapters by name).
 
     Run where the engines are reachable (the rollout manager); each engine is asked directly, not the router."""
-    body = {"model": client.SERVED_MODEL, "prompt": list(tokens), "max_tokens": 1, "prompt_logprobs": 0,
-            "temperature": 1.0}  # the served model: a LoRA run's current adapter
+    body = {"model": model, "prompt": list(tokens), "max_tokens": 1, "prompt_logprobs": 0, "temperature": 1.0}
     out = []
     for url in engine_urls:
         r = client.http().post(f"{url}/v1/completions", json=body, timeout=timeout)
@@ -49,7 +51,7 @@ def engine_prompt_log_probs(engine_urls: list[str], tokens: list[int], timeout: 
 
 
 def compare_log_probs(trainer: list[float], engines: list[list[float]], engine_urls: list[str],
-                      tolerance: float) -> dict[str, float]:
+                      tolerance: float, adapter: str | None = None) -> dict[str, float]:
     """Metrics of the largest difference; raise naming the engines where a log-prob differs by more than
     `tolerance` + RELATIVE_TOLERANCE x its size (NaN counts as beyond)."""
     worst, bad = 0.0, []
@@ -62,11 +64,12 @@ def compare_log_probs(trainer: list[float], engines: list[list[float]], engine_u
             bad.append(f"{url} (max |diff| {max(diffs):.3g})")
     if bad:
         raise WeightUpdateMismatchError(
-            f"after the weight update the engines' probe log-probs differ from the trainer's by more than "
+            f"after the weight update the engines' probe log-probs{f' of adapter {adapter}' if adapter else ''} "
+            "differ from the trainer's by more than "
             f"{tolerance:g} + {RELATIVE_TOLERANCE:g} x |log-prob|: {', '.join(bad)}. The engines do not serve the "
             "trainer's weights "
             f"(--update-weight-transport, or a dtype mismatch: the check is exact in float32 only).")
-    return {"weight_check/max_abs_logprob_diff": worst}
+    return {METRIC: worst}
 
 
 def tolerance_for(args) -> float:
@@ -79,14 +82,21 @@ def tolerance_for(args) -> float:
 
 
 def check_weights_equal(args, train_group, rollout_manager) -> dict[str, float]:
-    """Driver side, after `update_weights`: raise `WeightUpdateMismatchError` unless every engine matches.
+    """Driver side, after `update_weights`: raise `WeightUpdateMismatchError` unless every engine matches, for
+    each adapter of a multi-LoRA run (requested by its name, computed by the trainer through it).
 
     Needs `RolloutManager.probe_tokens()` (the probe for its tokenizer: the driver does not load one) and
-    `RolloutManager.probe_log_probs(tokens)` (-> `engine_prompt_log_probs(self.engine_urls, tokens)`)."""
+    `RolloutManager.probe_log_probs(tokens, model)` (-> `engine_prompt_log_probs(self.engine_urls, tokens)`)."""
     from vime.utils.deadline import control
+    from vime.utils.lora_adapters import adapter_names
 
     tokens = control(rollout_manager.probe_tokens.remote(), "the weight check's probe tokens")
     urls = control(rollout_manager.get_engine_urls.remote(), "the engine URLs")
-    engines = rollout_manager.probe_log_probs.remote(tokens)
-    trainer = next(r for r in train_group.probe_log_probs(tokens, len(tokens) - 1, temperature=1.0) if r)
-    return compare_log_probs(trainer, control(engines, "the engines' probe log-probs"), urls, tolerance_for(args))
+    worst = 0.0
+    for adapter in adapter_names(args) or [None]:
+        engines = rollout_manager.probe_log_probs.remote(tokens, adapter or client.SERVED_MODEL)
+        trainer = next(r for r in train_group.probe_log_probs(tokens, len(tokens) - 1, temperature=1.0,
+                                                              adapter=adapter) if r)
+        engine_lps = control(engines, "the engines' probe log-probs")
+        worst = max(worst, compare_log_probs(trainer, engine_lps, urls, tolerance_for(args), adapter)[METRIC])
+    return {METRIC: worst}

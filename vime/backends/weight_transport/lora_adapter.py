@@ -1,10 +1,11 @@
 """LoRA weight sync: only the adapters travel, as a PEFT adapter the engines serve through vLLM's LoRA support.
 
-The base never changes during a LoRA run, so the engines keep it and each update is one PEFT adapter
-(adapter_config.json and adapter_model.safetensors, each tensor gathered over tensor parallel, the pipeline
-stages joined: `hf_checkpoint.save_peft_adapter`) in a fresh private directory under the weight root. Every
-engine loads it in place of the previous version under the served model's name (`lora_serving`, inside vime's
-update route), so rollouts keep asking for "policy". The engines are started with LoRA enabled for it
+The base never changes during a LoRA run, so the engines keep it and each update is a fresh private directory
+under the weight root holding one PEFT adapter per adapter of the run (`<dir>/<name>/`: adapter_config.json and
+adapter_model.safetensors, each tensor gathered over tensor parallel, the pipeline stages joined:
+`hf_checkpoint.save_peft_adapter`). Every engine loads them in place of their previous versions under their names
+(`lora_serving`, inside vime's update route): "policy" for a run's one adapter, so rollouts keep asking for it,
+or each --lora-adapters name. The engines are started with LoRA enabled for it
 (`engine.lora_engine_options`). Selected by --lora-sync adapter (the default of a LoRA run whose engines vime
 starts), never by --update-weight-transport.
 """
@@ -13,8 +14,7 @@ from __future__ import annotations
 
 import shutil
 
-from vime.backends.vllm_utils.client import SERVED_MODEL
-from vime.backends.vllm_utils.lora_serving import adapter_load_call
+from vime.backends.vllm_utils.lora_serving import adapter_dirs, adapter_load_call
 from vime.backends.vllm_utils.weight_loading import weight_root
 from vime.backends.weight_transport.base import Weights, WeightTransport
 from vime.backends.weight_transport.staging import stage_dir
@@ -37,7 +37,10 @@ class LoraAdapterTransport(WeightTransport):
         raise TypeError("the LoRA adapter sync sends adapters, written by the trainer itself, not merged weights")
 
     def load_calls(self, engine_urls: list[str], handle: str) -> dict:
-        return {url: adapter_load_call(SERVED_MODEL, handle) for url in engine_urls}
+        adapters = adapter_dirs(handle)
+        if not adapters:
+            raise FileNotFoundError(f"LoRA update {handle}: the trainers wrote no adapter there")
+        return {url: adapter_load_call(adapters) for url in engine_urls}
 
     def cleanup(self, handle: str) -> None:
         # the workers hold the adapter in memory now (one adapter, as many CPU slots as adapters: never evicted)

@@ -9,6 +9,9 @@ cannot be interrupted: it finishes in the background). An async one must not blo
 `--custom-rm-in-workers` the function (sync or async) runs in a reward worker process instead (`pool.py`), killed
 at `--rm-timeout`: for functions that can hang or eat memory.
 A custom function that returns something else than a number or a dict raises `RewardTypeError`.
+
+In a multi-LoRA run (--lora-adapters NAME=PROMPT_DATA:RM) a sample of an adapter with its own RM is scored by it
+instead: an --rm-type name, or a function path with --custom-rm-path's contract (--custom-rm-in-workers too).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import numbers
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from vime.utils.lora_adapters import ADAPTER_KEY, parse_adapter_spec
 from vime.utils.misc import load_function
 from vime.utils.types import Sample
 
@@ -51,27 +55,45 @@ async def _call(fn, *args: Any, in_thread: bool = False, **kwargs: Any) -> Any:
     return await result if inspect.isawaitable(result) else result
 
 
-def check_reward(value: Any, path: str) -> float | dict:
+def check_reward(value: Any, path: str, flag: str = "--custom-rm-path") -> float | dict:
     if isinstance(value, dict) or (isinstance(value, numbers.Real) and not isinstance(value, bool)):
         return value
-    raise RewardTypeError(f"--custom-rm-path {path} returned {type(value).__name__} ({value!r:.200}), expected a "
-                          "float or a dict")
+    raise RewardTypeError(f"{flag} {path} returned {type(value).__name__} ({value!r:.200}), expected a float or a "
+                          "dict")
+
+
+@functools.cache
+def _adapter_rms(entries: tuple[str, ...]) -> dict[str, str]:
+    return {spec.name: spec.rm for spec in map(parse_adapter_spec, entries) if spec.rm}
+
+
+def sample_reward(args, sample: Sample) -> tuple[str | None, str | None, str]:
+    """(custom function path, --rm-type name, the flag that chose them) scoring `sample`: its adapter's own RM in a
+    multi-LoRA run (a registry name, else a function path), else --custom-rm-path, else --rm-type."""
+    adapter = sample.metadata.get(ADAPTER_KEY)
+    rm = _adapter_rms(tuple(getattr(args, "lora_adapters", None) or ())).get(adapter) if adapter else None
+    if rm is not None:
+        flag = f"--lora-adapters {adapter} RM"
+        return (None, rm, flag) if rm in RM_REGISTRY else (rm, None, flag)
+    custom_path = getattr(args, "custom_rm_path", None)
+    if custom_path:
+        return custom_path, None, "--custom-rm-path"
+    return None, getattr(args, "rm_type", None), "--rm-type"
 
 
 async def async_rm(args, sample: Sample, **kwargs: Any) -> float | dict:
-    """The reward of one sample. `kwargs` are passed to a custom function only."""
-    custom_path = getattr(args, "custom_rm_path", None)
+    """The reward of one sample (by `sample_reward`'s choice). `kwargs` are passed to a custom function only."""
+    custom_path, rm_type, flag = sample_reward(args, sample)
     if custom_path:
         if getattr(args, "custom_rm_in_workers", False):
-            return check_reward(await pooled_reward(args, custom_path, sample, **kwargs), custom_path)
+            return check_reward(await pooled_reward(args, custom_path, sample, **kwargs), custom_path, flag)
         return check_reward(await _call(load_function(custom_path), args, sample, in_thread=True, **kwargs),
-                            custom_path)
-    rm_type = getattr(args, "rm_type", None)
+                            custom_path, flag)
     fn = RM_REGISTRY.get(rm_type)
     if fn is None:
         raise ValueError(f"unknown --rm-type {rm_type!r}; known types: {sorted(RM_REGISTRY)}")
     if fn.needs_label and sample.label is None:
-        raise ValueError(f"sample {sample.index}: label is None, but --rm-type {rm_type!r} needs one")
+        raise ValueError(f"sample {sample.index}: label is None, but {flag} {rm_type!r} needs one")
     return await _call(fn, args, sample)
 
 
