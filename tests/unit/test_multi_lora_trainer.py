@@ -1,7 +1,8 @@
 """Multi-LoRA on the Megatron trainer (one CPU process): two named adapters on one frozen base. Each sample is
 computed through its own adapter, in packed and padded micro-batches that mix both, exactly as that adapter alone
-computes it (and, within 1e-5, as its merged weights do); a rollout of one adapter's samples trains that adapter only; the
-exports and weight updates hold one PEFT adapter per name."""
+computes it (and, within 1e-5, as its merged weights do); a rollout of one adapter's samples trains that adapter
+only; each adapter's advantages come from its own samples; the exports and weight updates hold one PEFT adapter per
+name."""
 
 from __future__ import annotations
 
