@@ -2,7 +2,7 @@
 computed through its own adapter, in packed and padded micro-batches that mix both, exactly as that adapter alone
 computes it (and, within 1e-5, as its merged weights do); a rollout of one adapter's samples trains that adapter
 only; each adapter's advantages come from its own samples; the exports and weight updates hold one PEFT adapter per
-name."""
+name; a checkpoint holds both adapters and resumes to the same next step."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ pytest.importorskip("megatron.core")
 
 from tests.helpers.rollouts import flat, make_rollout  # noqa: E402
 from vime.algorithms import masked_mean_std  # noqa: E402
+from vime.backends.megatron_utils.checkpoint_files import publish  # noqa: E402
 from tests.helpers.trainer_runs import local_trainer as trainer  # noqa: E402
 from vime.backends.megatron_utils.hf_checkpoint import _unwrap  # noqa: E402
 from vime.backends.megatron_utils.lora import adapters_merged  # noqa: E402
@@ -42,7 +43,8 @@ def test_two_adapters_route_train_and_export_apart(tiny_qwen3, tmp_path):
     # no weight decay: it would shrink an adapter's A whatever its gradient (every parameter's, each step)
     argv = ["--lora-rank", str(RANK), "--lr", "1e-2", "--weight-decay", "0",
             "--lora-adapters", f"math={prompts}", f"code={prompts}:f1"]
-    with trainer(tiny_qwen3, *argv) as t:
+    save = str(tmp_path / "ckpt")
+    with trainer(tiny_qwen3, *argv, "--save", save) as t:
         chunk = _unwrap(t.model[0])
 
         def adapter(name):
@@ -86,8 +88,9 @@ def test_two_adapters_route_train_and_export_apart(tiny_qwen3, tmp_path):
 
         # each adapter's advantages are whitened over its own samples (REINFORCE++-baseline whitens the batch)
         mixed = TrainBatch.from_samples(_tagged(make_rollout(seed=6), ["math", "code"]), t.args)
-        t.args = with_values(t.args, advantage_estimator="reinforce_plus_plus_baseline")
+        grpo_args, t.args = t.args, with_values(t.args, advantage_estimator="reinforce_plus_plus_baseline")
         t._compute_advantages(mixed)
+        t.args = grpo_args
         for k in (0, 1):
             rows = [i for i, a in enumerate(mixed.adapters) if a == k]
             mean, std = masked_mean_std([mixed.advantages[i] for i in rows], [mixed.loss_masks[i] for i in rows])
@@ -101,6 +104,18 @@ def test_two_adapters_route_train_and_export_apart(tiny_qwen3, tmp_path):
         update.mkdir()
         t.send_weights(LoraAdapterTransport(t.args), str(update))
         final = {name: adapter(name) for name in ("math", "code")}
+        t.save(1, {})
+        publish(save, 1)
+        next_step = t.train(2, _tagged(make_rollout(seed=7), ["math", "code"]))
+    # a checkpoint holds both adapters (and their Adam state): a resumed trainer takes the same next step
+    with trainer(tiny_qwen3, *argv, "--load", save) as resumed:
+        chunk = _unwrap(resumed.model[0])
+        assert resumed.get_loaded_state()["rollout_id"] == 1
+        for name in ("math", "code"):
+            assert all(torch.equal(p, final[name][n]) for n, p in chunk.named_parameters() if f".lora.{name}." in n)
+        again = resumed.train(2, _tagged(make_rollout(seed=7), ["math", "code"]))
+    assert again["train/grad_norm"] == pytest.approx(next_step["train/grad_norm"], rel=1e-5)
+    assert again["train/loss"] == pytest.approx(next_step["train/loss"], abs=1e-6)
     for root in (tmp_path / "hf" / "adapter", update):
         assert sorted(p.name for p in root.iterdir()) == ["code", "math"]
         for name in ("math", "code"):
