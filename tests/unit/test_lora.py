@@ -146,6 +146,31 @@ def test_lora_over_two_tensor_parallel_ranks_trains_and_resumes_like_one_process
         torch.testing.assert_close(two_adapter[n], one_adapter[n], rtol=1e-4, atol=2e-4)
 
 
+def test_lora_on_an_moe_model_adapts_its_dense_linears(tmp_path, caplog):
+    """Tiny Qwen3-MoE (layer 0 dense, 1 MoE) with all-linear targets: attention everywhere and layer 0's MLP get
+    adapters, the experts none (logged); a step trains them and leaves every expert and router bit-identical."""
+    from safetensors.torch import load_file
+
+    from vime.synthetic.tiny_model import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "moe", seed=3, arch="qwen3_moe")
+    base = load_file(model / "model.safetensors")
+    with caplog.at_level("WARNING"), trainer(model, *LORA_ARGV) as t:
+        chunk = _unwrap(t.model[0])
+        trainable = {n for n, p in chunk.named_parameters() if p.requires_grad}
+        t.train(0, make_rollout(seed=4))
+        merged = dict(t.hf_weights())
+    assert {n.split(".lora.")[0] for n in trainable} == {
+        "decoder.layers.0.self_attention.linear_qkv", "decoder.layers.0.self_attention.linear_proj",
+        "decoder.layers.0.mlp.linear_fc1", "decoder.layers.0.mlp.linear_fc2",
+        "decoder.layers.1.self_attention.linear_qkv", "decoder.layers.1.self_attention.linear_proj"}
+    assert "LoRA adapts no MoE experts of layer 1 (not supported yet)" in caplog.text
+    experts = [n for n in base if ".mlp.experts." in n or n.endswith(".mlp.gate.weight")]
+    assert experts and all(torch.equal(merged[n], base[n]) for n in experts)
+    q_proj = "model.layers.1.self_attn.q_proj.weight"
+    assert not torch.equal(merged[q_proj], base[q_proj])
+
+
 def test_lora_kl_reference_is_the_starting_adapters(tiny_qwen3):
     """With a frozen base the KL reference is the starting adapters alone (no copy of the model): zero KL at
     the first step, growing after, and the swaps in and out leave the policy and the base as they were."""
@@ -229,6 +254,16 @@ def test_lora_flags_are_checked(tmp_path):
         argv = ["--hf-checkpoint", "x", "--lora-rank", "4", *flags]
         assert validate_lora_args(parse_args(argv, validate=False)).lora_sync == sync, flags
     assert parse_args(["--hf-checkpoint", "x"], validate=False).lora_sync is None  # full fine-tuning
+    # vLLM's CPU engine cannot serve adapters on an MoE model: merged weights by default, adapter sync refused
+    moe = tmp_path / "moe"
+    moe.mkdir()
+    (moe / "config.json").write_text('{"num_experts": 4}')
+    assert validate_lora_args(parse_args(["--hf-checkpoint", str(moe), "--lora-rank", "4"],
+                                         validate=False)).lora_sync == "merged"
+    with pytest.raises(ValueError, match="mixture-of-experts model, and vLLM's CPU engine serves LoRA adapters on "
+                                         "dense models only"):
+        validate_lora_args(parse_args(["--hf-checkpoint", str(moe), "--lora-rank", "4", "--lora-sync", "adapter"],
+                                      validate=False))
 
 
 def test_adapter_sync_engine_side(tmp_path, monkeypatch):

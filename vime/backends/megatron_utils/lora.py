@@ -2,8 +2,9 @@
 
 Targets are HF projection names: q_proj, k_proj, v_proj (fused in Megatron's `linear_qkv`), o_proj
 (`linear_proj`), gate_proj, up_proj (fused `linear_fc1`), down_proj (`linear_fc2`); "all-linear" is all seven.
-Dense attention and MLP layers only: sequence parallel is refused at the flags, multi-latent attention, MoE
-experts and TransformerEngine's norm-fused linears when the adapters are attached.
+Dense attention and MLP linears only: a targeted projection that a layer does not have (MoE experts, multi-latent
+attention) gets no adapter there (logged once; a model part with none at all is refused); sequence parallel is
+refused at the flags, TransformerEngine's norm-fused linears when the adapters are attached.
 
 Each adapter is PEFT's: delta W = (alpha / r) * B @ A with A [r, in] (kaiming-uniform) and B [out, r] (zeros), so
 a fresh adapter leaves the model's outputs unchanged. On a fused Megatron linear every HF projection keeps its
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import math
 from dataclasses import dataclass
 
@@ -53,6 +55,7 @@ _FUSED = {"self_attention.linear_qkv": ("q_proj", "k_proj", "v_proj"),
           "mlp.linear_fc1": ("gate_proj", "up_proj"),
           "mlp.linear_fc2": ("down_proj",)}
 _ROW_PARALLEL = {"self_attention.linear_proj", "mlp.linear_fc2"}
+logger = logging.getLogger(__name__)
 DEFAULT_ADAPTER = SERVED_MODEL  # the one adapter of a run without --lora-adapters, served as the policy itself
 
 
@@ -239,6 +242,8 @@ def attach_lora(chunk: torch.nn.Module, config: LoraConfig) -> None:
     for p in chunk.parameters():
         p.requires_grad_(False)
     _, tp_size = _tp()
+    skipped: dict[str, set[int]] = {}  # layers without some targeted linear, by what they have instead
+    adapted = 0
     for layer in chunk.decoder.layers:
         global_layer = layer.layer_number - 1
         for path, projections in _FUSED.items():
@@ -247,10 +252,11 @@ def attach_lora(chunk: torch.nn.Module, config: LoraConfig) -> None:
                 continue
             try:
                 module = layer.get_submodule(path)
-            except AttributeError:
-                raise ValueError(f"--lora-target-modules {' '.join(wanted)}: layer {global_layer} has no {path} "
-                                 "(LoRA covers dense attention and MLPs; not multi-latent attention or MoE "
-                                 "experts yet)") from None
+            except AttributeError:  # an MoE layer's experts, or multi-latent attention: no adapters there yet
+                kind = "MoE experts" if path.startswith("mlp") else "multi-latent attention"
+                skipped.setdefault(kind, set()).add(global_layer)
+                continue
+            adapted += 1
             if hasattr(module, "layer_norm_weight"):
                 raise ValueError("LoRA on TransformerEngine's norm-fused linears is not supported yet; run without "
                                  "TransformerEngine (the local layer spec) or without --lora-rank")
@@ -264,6 +270,24 @@ def attach_lora(chunk: torch.nn.Module, config: LoraConfig) -> None:
                                    weight.dtype, weight.device) for name in config.names})
             module.register_forward_hook(_add_adapters_hook)
             module.sharded_state_dict = _sharded_state_dict_with_adapters(module)
+    where = "; ".join(f"{kind} of layer{'s' if len(layers) > 1 else ''} {_spans(sorted(layers))}"
+                      for kind, layers in skipped.items())
+    if not adapted:
+        raise ValueError(f"--lora-target-modules {' '.join(config.targets)}: no targeted linear in this model part "
+                         f"(LoRA adapts dense attention and MLP linears; not yet {where}): target attention "
+                         "(q_proj k_proj v_proj o_proj) or train without --lora-rank")
+    if skipped:
+        logger.warning("LoRA adapts no %s (not supported yet): those layers keep their base weights there", where)
+
+
+def _spans(layers: list[int]) -> str:
+    """"1-3, 5" for [1, 2, 3, 5]."""
+    spans, start = [], layers[0]
+    for prev, cur in zip(layers, layers[1:] + [None]):
+        if cur != prev + 1:
+            spans.append(f"{start}" if start == prev else f"{start}-{prev}")
+            start = cur
+    return ", ".join(spans)
 
 
 def _sharded_state_dict_with_adapters(module):

@@ -62,8 +62,9 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--lora-sync", choices=["adapter", "merged"], default=None,
                    help="What a weight update sends the engines: adapter = the adapters alone, served through "
                         "vLLM's LoRA support (engines started with it enabled); merged = the full merged weights "
-                        "through --update-weight-transport, for engines without LoRA support (default: adapter, "
-                        "merged for --rollout-external-engine-addrs).")
+                        "through --update-weight-transport, for engines without LoRA support (default: adapter; "
+                        "merged for --rollout-external-engine-addrs, and for MoE models on CPU, whose vLLM engine "
+                        "cannot serve adapters).")
     g.add_argument("--lora-adapters", action="extend", nargs="+", default=None, metavar="NAME=PROMPT_DATA[:RM]",
                    help="Multi-LoRA: train several named adapters on the one base in the same steps, each on its own "
                         "prompts, scored by its own RM (an --rm-type name or a function path; default: the run's "
@@ -140,14 +141,23 @@ MAX_SERVED_LORA_RANK = 512  # vLLM's largest --max-lora-rank
 
 def lora_sync_mode(args: argparse.Namespace) -> str:
     """--lora-sync, resolved: adapter unless the engines are external (they may lack LoRA support and vime's
-    update route); adapter sync refused where it cannot work."""
+    update route) or are CPU engines of an MoE model; adapter sync refused where it cannot work."""
+    from vime.backends.vllm_utils.engine import is_moe
+    from vime.utils.device import use_gpu
+
     external = bool(getattr(args, "rollout_external_engine_addrs", None))
-    mode = args.lora_sync or ("merged" if external else "adapter")
+    # vLLM's CPU engine cannot serve adapters on an MoE model: with LoRA on, its MoE layers take a Triton-only path
+    cpu_moe = not use_gpu() and is_moe(args.hf_checkpoint)
+    mode = args.lora_sync or ("merged" if external or cpu_moe else "adapter")
     if mode == "merged":
         return mode
     if external:
         raise ValueError("--lora-sync adapter needs engines vime starts (their update route loads each adapter); "
                          "external engines get --lora-sync merged")
+    if cpu_moe:
+        raise ValueError(f"--lora-sync adapter: {args.hf_checkpoint} is a mixture-of-experts model, and vLLM's CPU "
+                         "engine serves LoRA adapters on dense models only (its LoRA path for MoE layers needs "
+                         "Triton); use --lora-sync merged, the default for MoE models on CPU")
     if args.update_weight_transport != "disk":
         raise ValueError(f"--update-weight-transport {args.update_weight_transport} sends full weights; a LoRA run "
                          "sends only its adapters (--lora-sync adapter, the default): drop the transport flag, or "
