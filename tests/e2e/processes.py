@@ -24,11 +24,14 @@ def engine_compute_processes() -> list:
     import psutil
 
     found = []
+    # the kernel keeps 15 characters of a name ("VLLM::EngineCor"); psutil reads the rest from the command line,
+    # and keeps the short one when that read fails (a process busy renaming itself, or exiting)
     for proc in psutil.process_iter(["name"]):
         try:
-            if proc.info["name"] == "VLLM::Worker" or (
-                    proc.info["name"] == "VLLM::EngineCore"
-                    and not any(c.name() == "VLLM::Worker" for c in proc.children())):
+            name = proc.info["name"] or ""
+            if name.startswith("VLLM::Worker") or (
+                    name.startswith("VLLM::EngineCor")
+                    and not any(c.name().startswith("VLLM::Worker") for c in proc.children())):
                 found.append(proc)
         except psutil.Error:
             pass
