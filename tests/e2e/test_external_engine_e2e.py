@@ -25,7 +25,7 @@ from tests.helpers.hf_reference import load_hf, response_log_probs
 from tests.helpers.http_calls import http_status
 from vime.rollout.debug_data import load_rollout
 from vime.utils.misc import find_free_port
-from vime.utils.process import wait_until
+from vime.utils.process import kill_tree, wait_until
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
@@ -100,7 +100,6 @@ def test_external_engine_is_registered_updated_and_verified(tiny_qwen3, arithmet
         assert not torch.equal(saved["model.layers.0.self_attn.q_proj.weight"],
                                base["model.layers.0.self_attn.q_proj.weight"])
         assert all(torch.equal(saved[n], base[n]) for n in base if "proj" not in n)
-    finally:
-        os.killpg(server.pid, 9)
-        server.wait(timeout=60)
+    finally:  # stopped as its user would (SIGTERM): SIGKILLed, vLLM leaves its shared-memory queues in /dev/shm
+        kill_tree(server, grace_s=30)
     assert wait_until(lambda: not stack_pids(), timeout_s=30), stack_pids()
