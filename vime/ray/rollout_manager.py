@@ -17,6 +17,7 @@ from pathlib import Path
 
 import ray
 
+from vime.backends.vllm_utils.client import SERVED_MODEL
 from vime.data.adapter_mix import AdapterMixSource
 from vime.data.data_source import RolloutDataSource
 from vime.data.prompt_dataset import load_prompt_file, load_prompt_samples
@@ -130,8 +131,8 @@ class RolloutManager:
     def probe_tokens(self) -> list[int]:
         return probe_tokens(len(self.tokenizer))
 
-    def probe_log_probs(self, tokens: list[int], model: str | None = None) -> list[list[float]]:
-        return self.fleet.probe_log_probs(tokens, *([model] if model else []))
+    def probe_log_probs(self, tokens: list[int], model: str = SERVED_MODEL) -> list[list[float]]:
+        return self.fleet.probe_log_probs(tokens, model)
 
     # ---- rollouts --------------------------------------------------------------------------------------------
     def generate(self, rollout_id: int) -> RolloutRef:

@@ -236,14 +236,13 @@ def save_hf_checkpoint(model_chunks: list[torch.nn.Module], hf_dir_src: str | Pa
 
 
 def save_peft_adapter(model_chunks: list[torch.nn.Module], config, base_model: str, out_dir: str | Path,
-                      name: str | None = None) -> None:
-    """The LoRA adapter `name` (default: the only one) as PEFT saves it (`adapter_config.json`,
-    `adapter_model.safetensors` with names `base_model.model.model.layers.<i>.<self_attn|mlp>.<proj>.lora_A/B.weight`),
-    each gathered over tensor parallel;
-    `PeftModel.from_pretrained(base, out_dir)` loads it. Collective: every training rank calls it. With several
-    pipeline stages each stage writes its part and the first rank joins them into the one file PEFT reads. Each
-    file is written as a weight update's are (`staging.write_new_file`: new, complete before it has its name), since
-    the adapter sync stages its updates with this too."""
+                      name: str) -> None:
+    """The LoRA adapter `name` as PEFT saves it (`adapter_config.json`, `adapter_model.safetensors` with names
+    `base_model.model.model.layers.<i>.<self_attn|mlp>.<proj>.lora_A/B.weight`), each tensor gathered over tensor
+    parallel; `PeftModel.from_pretrained(base, out_dir)` loads it. Collective: every training rank calls it. With
+    several pipeline stages each stage writes its part and the first rank joins them into the one file PEFT reads.
+    Each file is written as a weight update's are (`staging.write_new_file`: new, complete before it has its
+    name), since the adapter sync stages its updates with this too."""
     from vime.backends.megatron_utils.lora import adapted_linears, peft_config
     from vime.backends.weight_transport.disk import write_safetensors
     from vime.backends.weight_transport.staging import write_new_file
@@ -251,7 +250,7 @@ def save_peft_adapter(model_chunks: list[torch.nn.Module], config, base_model: s
     tensors = {}
     for chunk in model_chunks:
         for layer, hf_module, linear in adapted_linears(_unwrap(chunk)):
-            adapters = linear.lora[name if name is not None else next(iter(linear.lora))]
+            adapters = linear.lora[name]
             for proj in adapters.A:
                 a, b = adapters.A[proj].detach(), adapters.B[proj].detach()
                 if adapters.row_parallel:  # each rank holds its columns of A, and all of B
@@ -265,8 +264,8 @@ def save_peft_adapter(model_chunks: list[torch.nn.Module], config, base_model: s
     out_dir = Path(out_dir)
     if writer:
         out_dir.mkdir(parents=True, exist_ok=True)
-        name = f"adapter_part-{pp_rank:05d}.safetensors" if pp_size > 1 else "adapter_model.safetensors"
-        write_new_file(out_dir, name, lambda f: write_safetensors(f, list(tensors.items())))
+        file_name = f"adapter_part-{pp_rank:05d}.safetensors" if pp_size > 1 else "adapter_model.safetensors"
+        write_new_file(out_dir, file_name, lambda f: write_safetensors(f, list(tensors.items())))
     if dist.is_initialized():
         dist.barrier()
     if not dist.is_initialized() or dist.get_rank() == 0:

@@ -374,14 +374,21 @@ class MegatronTrainer:
     def save_hf(self, out_dir: str) -> str:
         """The policy as an HF checkpoint (LoRA: the merged weights, and the adapter alone in PEFT's format under
         `out_dir/adapter`; multi-LoRA: the base, and each adapter under `out_dir/adapter/<name>`). Collective."""
-        from vime.backends.megatron_utils.hf_checkpoint import save_hf_checkpoint, save_peft_adapter
+        from vime.backends.megatron_utils.hf_checkpoint import save_hf_checkpoint
 
         save_hf_checkpoint(self.model, self.args.hf_checkpoint, out_dir)
         if self.lora is not None:
-            for name in self.lora.names:
-                path = f"{out_dir}/adapter" if not self.lora.adapters else f"{out_dir}/adapter/{name}"
-                save_peft_adapter(self.model, self.lora, str(self.args.hf_checkpoint), path, name)
+            self._write_adapters(f"{out_dir}/adapter", one_per_directory=bool(self.lora.adapters))
         return out_dir
+
+    def _write_adapters(self, root: str, one_per_directory: bool) -> None:
+        """Each LoRA adapter as a PEFT adapter: in `root/<name>` (`one_per_directory`), or the only one in `root`.
+        Collective."""
+        from vime.backends.megatron_utils.hf_checkpoint import save_peft_adapter
+
+        for name in self.lora.names:
+            path = f"{root}/{name}" if one_per_directory else root
+            save_peft_adapter(self.model, self.lora, str(self.args.hf_checkpoint), path, name)
 
     def get_loaded_state(self) -> dict | None:
         return self.loaded_state
@@ -390,13 +397,12 @@ class MegatronTrainer:
         """Hand `transport` this rank's weights (all ranks gather over tensor parallel, together) and, on the one
         rank per pipeline stage that writes them (data- and tensor-parallel rank 0), the stage. A transport that
         sends LoRA adapters gets each as a PEFT adapter written into `<handle>/<adapter name>`."""
-        from vime.backends.megatron_utils.hf_checkpoint import save_peft_adapter, stage_writer
+        from vime.backends.megatron_utils.hf_checkpoint import stage_writer
 
         if getattr(transport, "sends_adapter", False):
             if self.lora is None:
                 raise ValueError(f"{type(transport).__name__} sends LoRA adapters, and this model has none")
-            for name in self.lora.names:
-                save_peft_adapter(self.model, self.lora, str(self.args.hf_checkpoint), f"{handle}/{name}", name)
+            self._write_adapters(handle, one_per_directory=True)  # what the engines' `adapter_dirs` reads
             return
         weights = list(self.hf_weights())
         stage, _, writes = stage_writer()
