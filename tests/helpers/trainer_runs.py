@@ -10,7 +10,7 @@ Each launched process runs `python trainer_runs.py SPEC.json RANK`: it builds th
 id to save) or dies inside a save
 (`spec["killed_in_save"]`, exit code 17), optionally exports (`spec["save_hf"]`: a directory), and writes
 OUT/rank<r>.json ({"metrics": {rollout_id: metrics}, "step", "loaded_state"}) and, with `spec["weights"]`,
-OUT/weights_rank<r>.pt (the `hf_weights()` of its pipeline stage). A fresh process per phase makes a
+OUT/weights_rank<r>.pt (the `hf_weights()` of its pipeline stage, on CPU). A fresh process per phase makes a
 checkpoint restart a real kill-and-restart, and gives multi-rank runs their own process groups.
 """
 
@@ -129,7 +129,7 @@ def main(spec_path: str, rank: int) -> None:
         if spec.get("save_hf"):
             trainer.save_hf(spec["save_hf"])
         if spec.get("weights"):
-            weights = {name: t.detach().clone() for name, t in trainer.hf_weights()}
+            weights = {name: t.detach().cpu().clone() for name, t in trainer.hf_weights()}  # loadable anywhere
             torch.save(weights, out / f"weights_rank{rank}.pt")
         report = {"metrics": metrics, "step": trainer.step, "loaded_state": trainer.get_loaded_state()}
         (out / f"rank{rank}.json").write_text(json.dumps(report))

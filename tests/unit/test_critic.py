@@ -8,6 +8,7 @@ import contextlib
 import pytest
 import torch
 
+from tests.helpers.devices import output_tolerance
 from tests.helpers.rollouts import flat, make_rollout
 from tests.helpers.trainer_runs import BASE_ARGV
 
@@ -97,7 +98,8 @@ def test_a_kill_between_the_actor_and_critic_saves_resumes_both_from_the_publish
         resumed = c.compute_values(groups)
     assert any(v != 0.0 for vs in saved.values() for v in vs)  # a trained head, not a fresh (zero) one
     assert resumed.keys() == saved.keys()
-    assert max(abs(a - b) for i in saved for a, b in zip(saved[i], resumed[i])) < 1e-6
+    # per-token outputs of another trainer (kind "logprob"): its kernels need not round alike on a GPU
+    assert max(abs(a - b) for i in saved for a, b in zip(saved[i], resumed[i])) < output_tolerance("logprob", cpu=1e-6)
     with critic(tiny_qwen3, "--load", save, role="actor") as actor:  # saved before any step: Adam as fresh
         assert actor.get_loaded_state()["rollout_id"] == 0
         states = [s for opt in actor.optimizer.chained_optimizers for s in opt.optimizer.state.values()]

@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+from tests.helpers.devices import output_tolerance
 from tests.helpers.hf_reference import load_hf, response_log_probs
 from tests.helpers.rollouts import flat, make_rollout
 from vime.algorithms.distillation import opd_token_rewards
@@ -86,15 +87,16 @@ def test_opd_through_the_trainer(tiny_qwen3, sharper_teacher, mode):
                        "--opd-coef", str(coef), "--global-batch-size", "16", *kl) as t:
         runs = [t.train(r, groups) for r in range(4)]
     first = runs[0]
+    off_by = output_tolerance("logprob")  # the trainer's log-probs (student, teacher) against HF's on CPU
     assert reverse_kl > 0.05  # the sharper teacher is measurably far
-    assert first["train/opd_reverse_kl"] == pytest.approx(reverse_kl, abs=1e-5)
+    assert first["train/opd_reverse_kl"] == pytest.approx(reverse_kl, abs=off_by)
     if mode == "reward":  # on policy (ratio 1) the token-mean loss is minus the mean advantage, teacher's included
-        assert first["train/pg_loss"] == pytest.approx(-first["train/advantage_mean"] + coef * reverse_kl, abs=1e-5)
+        assert first["train/pg_loss"] == pytest.approx(-first["train/advantage_mean"] + coef * reverse_kl, abs=off_by)
         assert "train/opd_kl_loss" not in first
     else:
         assert first["train/kl_loss"] == pytest.approx(0.0, abs=1e-6)  # the reference is the starting policy
-        assert first["train/opd_kl_loss"] == pytest.approx(k3, abs=1e-5)
-        assert first["train/loss"] == pytest.approx(first["train/pg_loss"] + coef * k3, abs=1e-5)
+        assert first["train/opd_kl_loss"] == pytest.approx(k3, abs=off_by)
+        assert first["train/loss"] == pytest.approx(first["train/pg_loss"] + coef * k3, abs=off_by)
         # same samples each time: the student's own log-probs move toward the teacher's
         assert runs[-1]["train/opd_kl_loss"] < 0.9 * k3, [r["train/opd_kl_loss"] for r in runs]
     assert all(math.isfinite(r["train/loss"]) and r["train/grad_norm"] > 0 for r in runs)

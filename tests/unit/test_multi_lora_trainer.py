@@ -13,6 +13,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
+from tests.helpers.devices import output_tolerance  # noqa: E402
 from tests.helpers.rollouts import flat, make_rollout  # noqa: E402
 from vime.algorithms import masked_mean_std  # noqa: E402
 from vime.backends.megatron_utils.checkpoint_files import publish  # noqa: E402
@@ -47,8 +48,8 @@ def test_two_adapters_route_train_and_export_apart(tiny_qwen3, tmp_path):
     with trainer(tiny_qwen3, *argv, "--save", save) as t:
         chunk = _unwrap(t.model[0])
 
-        def adapter(name):
-            return {n: p.detach().clone() for n, p in chunk.named_parameters() if f".lora.{name}." in n}
+        def adapter(name):  # on CPU, to compare with the exported files
+            return {n: p.detach().cpu().clone() for n, p in chunk.named_parameters() if f".lora.{name}." in n}
 
         math0, code0 = adapter("math"), adapter("code")
         assert {p.requires_grad for n, p in chunk.named_parameters() if ".lora." in n} == {True}
@@ -77,14 +78,16 @@ def test_two_adapters_route_train_and_export_apart(tiny_qwen3, tmp_path):
                 merged = [torch.tensor(t.probe_log_probs(s["tokens"], s["response_length"], adapter=name))
                           for s in samples]
             for a, b in zip(alone[name], merged):
-                torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+                torch.testing.assert_close(a, b, rtol=0, atol=output_tolerance("logprob"))
         # the adapters differ, so a token sent through the wrong one would show
-        assert max((a - b).abs().max().item() for a, b in zip(alone["math"], alone["code"])) > 1e-3
+        apart = max((a - b).abs().max().item() for a, b in zip(alone["math"], alone["code"]))
+        assert apart > max(1e-3, output_tolerance("logprob")), apart
         for layout in ("thd", "bshd"):
             mixed = forward_log_probs(with_values(t.args, qkv_format=layout), t.model, batch,
                                       [list(range(len(samples)))])
             for i, name in enumerate(names):
-                torch.testing.assert_close(mixed[i][0], alone[name][i], rtol=0, atol=1e-5, msg=f"{layout} {i}")
+                torch.testing.assert_close(mixed[i][0], alone[name][i], rtol=0, atol=output_tolerance("logprob"),
+                                           msg=f"{layout} {i}")
 
         # each adapter's advantages are whitened over its own samples (REINFORCE++-baseline whitens the batch)
         mixed = TrainBatch.from_samples(_tagged(make_rollout(seed=6), ["math", "code"]), t.args)
@@ -114,8 +117,10 @@ def test_two_adapters_route_train_and_export_apart(tiny_qwen3, tmp_path):
         for name in ("math", "code"):
             assert all(torch.equal(p, final[name][n]) for n, p in chunk.named_parameters() if f".lora.{name}." in n)
         again = resumed.train(2, _tagged(make_rollout(seed=7), ["math", "code"]))
-    assert again["train/grad_norm"] == pytest.approx(next_step["train/grad_norm"], rel=1e-5)
-    assert again["train/loss"] == pytest.approx(next_step["train/loss"], abs=1e-6)
+    # another trainer: its kernels need not round alike on a GPU
+    assert again["train/grad_norm"] == pytest.approx(next_step["train/grad_norm"], rel=1e-5,
+                                                     abs=output_tolerance("loss", cpu=0.0))
+    assert again["train/loss"] == pytest.approx(next_step["train/loss"], abs=output_tolerance("loss"))
     for root in (tmp_path / "hf" / "adapter", update):
         assert sorted(p.name for p in root.iterdir()) == ["code", "math"]
         for name in ("math", "code"):

@@ -13,6 +13,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
+from tests.helpers.devices import output_tolerance, trained_weights_tolerance  # noqa: E402
 from tests.helpers.rollouts import make_rollout  # noqa: E402
 from tests.helpers.trainer_runs import BASE_ARGV, launch  # noqa: E402
 from vime.backends.megatron_utils.batching import micro_batch_inputs  # noqa: E402
@@ -66,11 +67,11 @@ def test_activation_recompute_gives_the_same_loss_and_gradients(tiny_qwen3, grou
     expected_metrics, expected_grads, no_replays = without_recompute
     assert no_replays == 0 and replays > 0, (no_replays, replays)
     assert metrics["train/steps"] == 1
-    assert metrics["train/loss"] == pytest.approx(expected_metrics["train/loss"], abs=1e-6)
+    assert metrics["train/loss"] == pytest.approx(expected_metrics["train/loss"], abs=output_tolerance("loss"))
     assert grads.keys() == expected_grads.keys()
     assert any(g.abs().max() > 0 for g in grads.values())
     worst = max((grads[n] - expected_grads[n]).abs().max().item() for n in grads)
-    assert worst <= 1e-6, worst
+    assert worst <= output_tolerance("grad"), worst
 
 
 @pytest.mark.parametrize("packed", [True, False], ids=["thd", "bshd"])
@@ -93,7 +94,8 @@ def test_sequence_parallel_with_tp2_trains_like_one_process(tiny_qwen3, tmp_path
     assert two[1]["metrics"] == {"0": {}, "1": {}}  # TP rank 1 does not report
     for r in ("0", "1"):  # rollout 1's loss is that of the weights after the first step
         for key in ("train/loss", "train/pg_loss", "train/entropy", "train/grad_norm"):
-            assert two[0]["metrics"][r][key] == pytest.approx(one[0]["metrics"][r][key], abs=1e-5), (r, key)
+            assert two[0]["metrics"][r][key] == pytest.approx(one[0]["metrics"][r][key],
+                                                              abs=output_tolerance("loss", cpu=1e-5)), (r, key)
     expected = torch.load(tmp_path / "tp1" / "weights_rank0.pt")
     for rank in range(2):  # hf_weights() gathers the TP shards: every rank holds the whole model
         got = torch.load(tmp_path / "tp2sp" / f"weights_rank{rank}.pt")
@@ -102,4 +104,4 @@ def test_sequence_parallel_with_tp2_trains_like_one_process(tiny_qwen3, tmp_path
         # Adam's first steps move each weight by about lr (1e-3) x sign(grad): float-level grad differences on
         # near-zero gradients show as ~1e-4 here; TP 2 without sequence parallel measures the same (7.1e-5 after
         # one step, identical to sequence parallel's), so the bound is well under lr, not at float precision.
-        assert worst <= 5e-4, (rank, worst)
+        assert worst <= trained_weights_tolerance(5e-4, lr=1e-3), (rank, worst)

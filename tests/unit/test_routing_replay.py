@@ -260,6 +260,7 @@ def _log_probs(t, groups, routing=None) -> list[torch.Tensor]:
 @pytest.mark.parametrize("arch, qkv_format", [("qwen3_moe", "thd"), ("qwen3_moe", "bshd"),
                                               ("deepseek_v3", "thd")])  # sigmoid, expert bias, expert groups
 def test_trainer_replays_a_given_routing(arch, qkv_format, tiny_moe, tmp_path):
+    from tests.helpers.devices import output_tolerance
     from tests.helpers.rollouts import flat, make_rollout
     from tests.helpers.trainer_runs import local_trainer
     from vime.synthetic.tiny_model import build_tiny_model
@@ -273,7 +274,8 @@ def test_trainer_replays_a_given_routing(arch, qkv_format, tiny_moe, tmp_path):
         assert (own[0][:, 0] == torch.arange(topk)).all()  # layer 0 is dense: never routed, left at 0..k-1
         plain = _log_probs(t, groups)
         same = _log_probs(t, groups, own)
-        assert max((a - b).abs().max().item() for a, b in zip(plain, same)) < 1e-6  # its own routing: no change
+        # its own routing: no change (the replay path may round apart on a GPU)
+        assert max((a - b).abs().max().item() for a, b in zip(plain, same)) < output_tolerance("logprob", cpu=1e-6)
         other = [(r + 1) % experts for r in own]  # every token to other experts
         moved = _log_probs(t, groups, other)
         assert min((a - b).abs().max().item() for a, b in zip(plain, moved)) > 1e-4
@@ -286,7 +288,7 @@ def test_trainer_replays_a_given_routing(arch, qkv_format, tiny_moe, tmp_path):
             s["rollout_routed_experts"] = r[:-1].numpy().astype(np.uint8)
             s["rollout_log_probs"] = lp.tolist()
         metrics = t.train(0, rollout)
-        assert metrics["train_rollout_logprob_abs_diff_max"] < 1e-5, metrics
+        assert metrics["train_rollout_logprob_abs_diff_max"] < output_tolerance("logprob"), metrics
 
 
 def test_trainer_without_replay_sees_the_engines_other_routing_as_a_gap(tiny_moe):

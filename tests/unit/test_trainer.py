@@ -16,13 +16,14 @@ import torch
 
 pytest.importorskip("megatron.core")
 
+from tests.helpers.devices import output_tolerance, trained_weights_tolerance  # noqa: E402
 from tests.helpers.rollouts import flat, make_rollout  # noqa: E402
 from tests.helpers.trainer_runs import BASE_ARGV, launch, local_trainer as trainer  # noqa: E402
 from vime.utils.types import Sample  # noqa: E402
 
 
 def weights(t) -> dict[str, torch.Tensor]:
-    return {name: tensor.detach().clone() for name, tensor in t.hf_weights()}
+    return {name: tensor.detach().cpu().clone() for name, tensor in t.hf_weights()}
 
 
 def probe(t, samples: list[dict]) -> list[torch.Tensor]:
@@ -40,8 +41,9 @@ def test_sft_loss_decreases_and_parameters_change(tiny_qwen3, lora):
         nll = -torch.cat(probe(t, samples))
         losses = [t.train(r, groups)["train/loss"] for r in range(4)]
         after = weights(t)
-    # The loss is the token mean of the response tokens' negative log-likelihood under the current weights.
-    assert losses[0] == pytest.approx(nll.mean().item(), abs=1e-5)
+    # The loss is the token mean of the response tokens' negative log-likelihood under the current weights (the
+    # training forward against the probe's: within a log-prob's tolerance)
+    assert losses[0] == pytest.approx(nll.mean().item(), abs=output_tolerance("logprob"))
     assert all(b < a for a, b in zip(losses, losses[1:])), losses
     assert losses[-1] < losses[0] - 0.1, losses
     assert before.keys() == after.keys()
@@ -81,16 +83,17 @@ def test_rollout_logprob_diff_measures_the_train_inference_gap(tiny_qwen3):
             s["loss_mask"] = mask.int().tolist()
             s["rollout_log_probs"] = (lp + torch.where(mask.bool(), 0.1 * (-1) ** k, 5.0)).tolist()
         metrics = t.train(0, perturbed)
-        assert metrics["train_rollout_logprob_abs_diff"] == pytest.approx(0.1, abs=1e-4)
-        assert metrics["train_rollout_logprob_abs_diff_max"] == pytest.approx(0.1, abs=1e-4)
+        off_by = output_tolerance("logprob", cpu=1e-4)  # the training forward against the probe's
+        assert metrics["train_rollout_logprob_abs_diff"] == pytest.approx(0.1, abs=off_by)
+        assert metrics["train_rollout_logprob_abs_diff_max"] == pytest.approx(0.1, abs=off_by)
         # Rollout 1: the trainer's own log-probs for the weights it now has (single-sequence forward, no
         # padding) against the padded micro-batches of the training step.
         exact = copy.deepcopy(groups)
         for s, lp in zip(flat(exact), probe(t, samples)):
             s["rollout_log_probs"] = lp.tolist()
         metrics = t.train(1, exact)
-        assert metrics["train_rollout_logprob_abs_diff"] < 1e-5
-        assert metrics["train_rollout_logprob_abs_diff_max"] < 1e-5
+        assert metrics["train_rollout_logprob_abs_diff"] < output_tolerance("logprob")
+        assert metrics["train_rollout_logprob_abs_diff_max"] < output_tolerance("logprob")
 
 
 def _with_failures(groups: list[list[dict]], junk: bool) -> list[list[dict]]:
@@ -116,9 +119,10 @@ def test_failed_samples_are_inert(tiny_qwen3):
             results.append((t.train(0, _with_failures(groups, junk)), weights(t)))
     (m1, w1), (m2, w2) = results
     assert m1["train/num_usable_samples"] == m2["train/num_usable_samples"] == 13
+    # junk changes the padded micro-batches' shapes, so the kernels (and their rounding) may differ
     for key in ("train/loss", "train/pg_loss", "train/entropy", "train/grad_norm"):
-        assert m1[key] == pytest.approx(m2[key], abs=1e-6), key
-    assert all(torch.allclose(w1[n], w2[n], atol=1e-6) for n in w1)
+        assert m1[key] == pytest.approx(m2[key], abs=output_tolerance("loss")), key
+    assert all(torch.allclose(w1[n], w2[n], atol=trained_weights_tolerance(1e-6, lr=1e-3)) for n in w1)
 
 
 def test_failed_samples_stay_out_of_the_group_baseline(tiny_qwen3):
@@ -169,7 +173,7 @@ def test_dynamic_batch_size_gives_the_same_step(tiny_qwen3):
             results.append([t.train(r, groups) for r in range(2)])
     for fixed, dynamic in zip(*results):
         for key in ("train/loss", "train/entropy", "train/grad_norm"):
-            assert dynamic[key] == pytest.approx(fixed[key], abs=1e-5), key
+            assert dynamic[key] == pytest.approx(fixed[key], abs=output_tolerance("loss", cpu=1e-5)), key
 
 
 # ---- kill and restart ---------------------------------------------------------------------------------------
@@ -204,11 +208,14 @@ def test_checkpoint_restart_continues_the_run_exactly(tiny_qwen3, tmp_path, worl
         assert b["step"] == a["step"] == 8
         for r in ("2", "3"):
             assert a["metrics"][r].keys() == b["metrics"][r].keys()
-            for key in ("train/loss", "train/pg_loss", "train/kl_loss", "train/grad_norm", "train/lr"):
-                assert b["metrics"][r][key] == pytest.approx(a["metrics"][r][key], abs=1e-6), (r, key)
+            assert b["metrics"][r]["train/lr"] == pytest.approx(a["metrics"][r]["train/lr"], abs=1e-6), r
+            for key in ("train/loss", "train/pg_loss", "train/kl_loss", "train/grad_norm"):
+                # two processes: GPU kernels need not round alike from run to run (atomics), CPU ones do
+                assert b["metrics"][r][key] == pytest.approx(a["metrics"][r][key], abs=output_tolerance("loss")), \
+                    (r, key)
     for rank in range(world_size):
         wa = torch.load(tmp_path / "a" / f"weights_rank{rank}.pt")
         wb = torch.load(tmp_path / "b2" / f"weights_rank{rank}.pt")
         assert wa.keys() == wb.keys()
         worst = max((wa[n] - wb[n]).abs().max().item() for n in wa)
-        assert worst < 1e-6, worst
+        assert worst < trained_weights_tolerance(1e-6, lr=1e-3), worst

@@ -39,8 +39,8 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
                         "on its own (default: 536870912 = 512 MiB).")
     g.add_argument("--check-weight-update-equal", action="store_true",
                    help="After each weight update, check that every engine's prompt log-probs of a fixed probe "
-                        "sequence equal the trainer's (within 1e-5 + 1e-6 x |log-prob| in float32) and stop with an "
-                        "error if not (default: off).")
+                        "sequence equal the trainer's (within 1e-5 + 1e-6 x |log-prob| in float32 on CPU; other "
+                        "devices and dtypes: vime/utils/tolerances.py) and stop with an error if not (default: off).")
     g.add_argument("--update-weights-interval", type=int, default=1,
                    help="train_async.py: push weights to the engines every this many rollouts (default: 1).")
     g.add_argument("--critic-lr", type=float, default=None,

