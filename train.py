@@ -25,9 +25,10 @@ def train(args) -> None:
             run.onload_train()
             metrics.update(run.train(rollout))
             run.maybe_save(rollout_id, num_rollout)
-            run.onload_rollout()
+            run.onload_rollout(("weights",))  # what the update loads into; their KV cache still sleeps
             metrics.update(run.update_weights(version=rollout_id + 1))
-            run.offload_train()  # colocated: the engines get the devices back
+            run.offload_train()  # colocated: the engines get the devices back,
+            run.onload_rollout()  # and only then allocate their KV cache again
             metrics["perf/step_time"] = time.perf_counter() - step_start
             run.metrics.log(rollout_id, metrics)
             run.publish_checkpoint()  # after the metrics line: a resume never skips a row

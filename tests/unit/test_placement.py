@@ -89,7 +89,7 @@ def test_engines_on_one_node_split_its_cpus(cluster):
     from vime.backends.vllm_utils.engine import engine_env, omp_bind_value
 
     p = Placement(_args(actor_num_nodes=1, rollout_num_gpus=4))  # 1 trainer + 4 engines on 2-CPU nodes
-    nodes = _nodes(p, [p.engine_bundle(r, 1) for r in range(4)])
+    nodes = _nodes(p, [p.bundle_of("engine", r) for r in range(4)])
     for rank in range(4):  # an equal share among the engines that really share its node
         share = p.cpu_share("engine", rank)
         assert share.total == nodes.count(nodes[rank]) and share.first == nodes[:rank].count(nodes[rank])

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import ray
 
@@ -24,9 +25,11 @@ logger = logging.getLogger(__name__)
 class TrainActor:
     """Hosts one `MegatronTrainer`; its methods are what the driver calls over Ray."""
 
-    def __init__(self, args, rank: int, world_size: int, role: str = "actor", cpu_share: CpuShare | None = None):
+    def __init__(self, args, rank: int, world_size: int, role: str = "actor", cpu_share: CpuShare | None = None,
+                 local_rank: int = 0):
         configure_logging()  # an actor process: its log lines reach the driver's console through Ray
         self.args, self.rank, self.world_size, self.role = args, rank, world_size, role
+        self.local_rank = local_rank  # its index among its group's ranks on this node (`Placement.local_rank`)
         self.trainer = None
         self.weight_transports = {}  # kind -> this rank's transport
         self.rollouts = make_transport(args)  # where this rank reads the rollouts it trains on
@@ -37,13 +40,18 @@ class TrainActor:
             self.threads = use_cpus(allowed_cpus(), threads=args.train_num_threads, pin=False)
         else:
             self.threads = use_cpus(share.cpus(allowed_cpus()))
-        logger.info("%s rank %d: %s", role, rank, self.threads)
+        gpus = os.environ.get("CUDA_VISIBLE_DEVICES")
+        logger.info("%s rank %d: %s%s", role, rank, self.threads, f", GPU {gpus}" if gpus else "")
 
     def compute_threads(self) -> tuple[int, list[int]]:
         """(torch intra-op threads, CPUs this process may run on)."""
         import torch
 
         return torch.get_num_threads(), allowed_cpus()
+
+    def devices(self) -> dict:
+        """What this rank computes on: the GPUs Ray shows it (CUDA_VISIBLE_DEVICES) and its LOCAL_RANK."""
+        return {"visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "local_rank": self.local_rank}
 
     def address(self) -> tuple[str, int]:
         return serving_host(self.args), find_free_port()
@@ -52,7 +60,7 @@ class TrainActor:
         from vime.backends.megatron_utils.trainer import MegatronTrainer
 
         self.trainer = MegatronTrainer(self.args, self.rank, self.world_size, master_addr, master_port, total_steps,
-                                       role=self.role)
+                                       role=self.role, local_rank=self.local_rank)
 
     def _read(self, handle) -> list[list[dict]]:
         """The rollout behind a data-transport handle, as groups of sample dicts."""
@@ -78,6 +86,12 @@ class TrainActor:
 
     # colocated runs: the trainer's state to host memory and back
     def offload(self) -> int:
+        """--offload-train, after a weight update: what the weight transports keep on the device for the engines
+        goes (cuda_ipc's exported tensors: loaded by now), then the trainer's state to host memory; returns the
+        bytes moved there."""
+        released = sum(t.release() for t in self.weight_transports.values() if hasattr(t, "release"))
+        if released:
+            logger.debug("%s rank %d: released %d bytes the weight transports kept", self.role, self.rank, released)
         return self.trainer.offload()
 
     def onload(self) -> int:
@@ -122,13 +136,14 @@ class RayTrainGroup:
         actor_cls = ray.remote(TrainActor)
         self.actors = []
         for rank in range(self.world_size):
-            share = None
+            share, local_rank = None, 0
             if placement is not None and placement.pg is not None:
                 options = placement.actor_options(placement.bundle_of(role, rank))
-                share = placement.cpu_share(role, rank)
+                share, local_rank = placement.cpu_share(role, rank), placement.local_rank(role, rank)
             else:
                 options = {"num_cpus": 1, **({"num_gpus": 1} if use_gpu() else {})}
-            self.actors.append(actor_cls.options(**options).remote(args, rank, self.world_size, role, share))
+            self.actors.append(actor_cls.options(**options).remote(args, rank, self.world_size, role, share,
+                                                                   local_rank))
 
     def begin_init(self, total_steps: int) -> list[ray.ObjectRef]:
         """Start building every rank's model; the refs resolve when they are built."""

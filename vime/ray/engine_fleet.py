@@ -37,6 +37,8 @@ from vime.utils.misc import find_free_port
 
 logger = logging.getLogger(__name__)
 
+SLEEP_TAGS = ("weights", "kv_cache")  # what vLLM's sleep frees and /wake_up?tags= brings back, in wake-up order
+
 
 class EngineFleet:
     def __init__(self, args, placement, log_dir: Path, context: RolloutContext):
@@ -53,6 +55,8 @@ class EngineFleet:
         self._engines_lock = threading.RLock()  # engine set changes vs. control calls and weight updates
         self._starting: dict[int, object] = {}  # rank -> engine actor being started by a restart
         self._launched: list = []  # the engines' start calls in flight (`launch`)
+        self.asleep: set[str] = set()  # which of SLEEP_TAGS the engines hold in host memory or not at all (`sleep`)
+        self._deferred: set[int] = set()  # dead engines whose restart waits for the engines to wake
         if args.control_token_file:
             use_control_token(read_token_file(args.control_token_file))
         self.token = control_token()  # this process's copy, which rollouts and control calls send
@@ -112,11 +116,13 @@ class EngineFleet:
     def _new_engine(self, rank: int):
         """An engine actor for `rank` in its placement bundle (not started)."""
         args = self.args
-        options, share = {"num_cpus": 1}, None
+        options, share, gpus = {"num_cpus": 1}, None, None
         if self.placement is not None and self.placement.pg is not None:
-            options = self.placement.actor_options(self.placement.engine_bundle(rank, args.rollout_num_gpus_per_engine))
+            options = self.placement.actor_options(self.placement.bundle_of("engine", rank))
             share = self.placement.cpu_share("engine", rank)
-        return ray.remote(VLLMEngine).options(**options).remote(args, rank, str(self.log_dir), share, self.token)
+            gpus = self.placement.engine_gpus(rank)  # all of its tensor-parallel bundles' GPUs
+        return ray.remote(VLLMEngine).options(**options).remote(args, rank, str(self.log_dir), share, self.token,
+                                                                gpus)
 
     def _start_router(self) -> None:
         args = self.args
@@ -204,11 +210,39 @@ class EngineFleet:
             logger.info("router: remove_worker %s: %s", url, e)
 
     def sleep(self) -> None:
-        """Free engine memory while the trainer uses the shared devices (--colocate --offload-rollout)."""
-        self.post_engines("/sleep", params={"level": 1})
+        """Free engine memory while the trainer uses the shared devices (--colocate --offload-rollout): vLLM's sleep
+        level 1 copies each engine's weights to host memory and discards its KV cache (GPU engines started in sleep
+        mode: `engine.memory_engine_options`; on CPU vLLM only pauses the engine)."""
+        with self._engines_lock:
+            self.post_engines("/sleep", params={"level": 1})
+            self.asleep = set(SLEEP_TAGS)
 
-    def wake_up(self) -> None:
-        self.post_engines("/wake_up")
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back `tags` of the sleeping engines' memory, or all of it (None): "weights" to load an update into,
+        then "kv_cache" to generate, once the trainer has freed the shared devices (`train.py`). Only what sleeps
+        is asked for (`/wake_up?tags=...`); when nothing does, nothing is sent. Once all is awake, engines that
+        died while asleep are restarted (`_restart_engine`)."""
+        unknown = set(tags or ()) - set(SLEEP_TAGS)
+        if unknown:
+            raise ValueError(f"wake_up: {sorted(unknown)} are none of vLLM's sleep tags {SLEEP_TAGS}")
+        with self._engines_lock:
+            waking = [t for t in SLEEP_TAGS if t in self.asleep and (tags is None or t in tags)]
+            if not waking:
+                return
+            self.post_engines("/wake_up", params={"tags": waking})
+            self.asleep -= set(waking)
+            restart_now = bool(not self.asleep and self._deferred and self.monitor is not None)
+        if restart_now:
+            self.monitor.check_soon()
+
+    def _match_sleep(self, url: str) -> None:
+        """A (restarted) engine joining the fleet sleeps as much as the others do."""
+        if not self.asleep:
+            return
+        client.post_all([url], "/sleep", params={"level": 1})
+        awake = [t for t in SLEEP_TAGS if t not in self.asleep]
+        if awake:
+            client.post_all([url], "/wake_up", params={"tags": awake})
 
     def apply_weights(self, transport, handle, version: int, recovery_dir: str | None = None) -> dict[str, float]:
         """Every engine at once: pause -> load `transport`'s update -> reset the prefix cache -> weight `version`
@@ -296,11 +330,20 @@ class EngineFleet:
             self.monitor.check_soon()
 
     def _restart_engine(self, rank: int, reason: str) -> None:
-        """Take engine `rank` out, kill it, start a new one in its bundle, load the current weights, register it."""
+        """Take engine `rank` out, kill it, start a new one in its bundle, load the current weights, register it.
+        While the engines sleep (--offload-rollout) the trainer uses the devices a new engine would take in full to
+        start: the dead one only leaves service, and the restart waits for the wake-up (`wake_up`)."""
         args = self.args
         start = time.perf_counter()
         old_url = self.rank_urls[rank]
         self._take_out_of_service(old_url)
+        with self._engines_lock:
+            if self.asleep:
+                if rank not in self._deferred:
+                    logger.warning("engine %d: restart deferred until the engines wake up", rank)
+                self._deferred.add(rank)
+                return
+            self._deferred.discard(rank)
         old = self.engines[rank]
         try:
             ray.get(old.stop.remote(), timeout=30)  # kills the server's whole process tree
@@ -315,6 +358,7 @@ class EngineFleet:
                 if self.served_version is not None:  # weights were pushed since the start: load the latest
                     call = recovery_load_call(args, self.recovery_weights) if self.recovery_weights else None
                     client.update_weights_all([url], {url: call}, self.served_version)
+                self._match_sleep(url)  # the fleet fell asleep while it started
                 self.engines[rank] = new
                 self.rank_urls[rank] = url
                 self.engine_urls.append(url)

@@ -1,8 +1,13 @@
 """Ray start-up, the placement group of training ranks and engines, and the CPUs each of them computes on.
 
-On GPU machines a bundle is one GPU; on CPU machines the same code uses CPU bundles, one per engine slot.
+On GPU clusters a bundle is one GPU; on CPU machines the same code uses CPU bundles, one per engine slot.
 Ray's CPU counts are logical here: each compute process is given its share of its node's CPUs
 (`Placement.cpu_share`) and sizes its own thread pools from it.
+
+Devices: bundles are used in the order of (node, GPU id), so a tensor-parallel engine's consecutive bundles are
+GPUs of one node. A training rank asks Ray for a share of its own bundle, so Ray shows it that bundle's GPU alone;
+an engine's actor sits on its first bundle and starts its vLLM server with all of its bundles' GPUs visible
+(`engine_gpus`: vLLM's workers then take one each).
 """
 
 from __future__ import annotations
@@ -14,7 +19,6 @@ from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from vime.utils.cpus import CpuShare
-from vime.utils.device import use_gpu
 
 
 WORKER_ENV = {"TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
@@ -73,25 +77,58 @@ class Placement:
             self.critic_offset, self.rollout_offset = actors, trainers
             n_bundles = trainers + engine_slots
             self.share = 1.0
-        bundle = {"GPU": 1, "CPU": 1} if use_gpu() else {"CPU": 1}
+        # the cluster's resources, not this process's devices: a driver on a CPU-only head node places GPU actors
+        self.gpus = ray.cluster_resources().get("GPU", 0) > 0
+        bundle = {"GPU": 1, "CPU": 1} if self.gpus else {"CPU": 1}
+        self.gpus_per_engine = args.rollout_num_gpus_per_engine
         self.pg = None
         self.cpu_shares: dict[tuple[str, int], CpuShare] = {}
+        self.bundle_nodes: list[str] = []  # bundle index -> node id
+        self.bundle_gpus: list[str | None] = []  # bundle index -> the GPU id Ray gave it (None on CPU)
+        self.slots: list[int] = []  # the bundles in (node, GPU id) order: slot i is bundle slots[i]
+        self.ranks = {"actor": actors if with_trainers else 0, "critic": actors if critic else 0,
+                      "engine": engine_slots // self.gpus_per_engine}
         if n_bundles:
             self.pg = placement_group([dict(bundle) for _ in range(n_bundles)], strategy="PACK")
             ray.get(self.pg.ready(), timeout=600)
-            ranks = {"actor": actors if with_trainers else 0, "critic": actors if critic else 0,
-                     "engine": engine_slots // args.rollout_num_gpus_per_engine}
-            self.cpu_shares = self._split_cpus(ranks, args.rollout_num_gpus_per_engine, overlap)
+            table = ray.util.placement_group_table(self.pg)["bundles_to_node_id"]
+            self.bundle_nodes = [table[b] for b in range(n_bundles)]
+            self.bundle_gpus = bundle_gpu_ids(self.pg, n_bundles) if self.gpus else [None] * n_bundles
+            self.slots = device_order(self.bundle_nodes, self.bundle_gpus)
+            try:
+                for rank in range(self.ranks["engine"]):
+                    self.engine_gpus(rank)  # an engine whose GPUs span nodes cannot start: say so now
+            except ValueError:
+                ray.util.remove_placement_group(self.pg)
+                raise
+            self.cpu_shares = self._split_cpus(self.ranks, self.gpus_per_engine, overlap)
 
-    def engine_bundle(self, rank: int, gpus_per_engine: int) -> int:
-        """The (first) bundle of engine `rank`."""
-        return self.rollout_offset + rank * gpus_per_engine
+    def engine_bundles(self, rank: int) -> list[int]:
+        """Every bundle of engine `rank` (one per tensor-parallel worker)."""
+        first = self.rollout_offset + rank * self.gpus_per_engine
+        return [self.slots[slot] for slot in range(first, first + self.gpus_per_engine)]
 
-    def bundle_of(self, role: str, rank: int, gpus_per_engine: int = 1) -> int:
+    def engine_gpus(self, rank: int) -> list[str] | None:
+        """The GPU ids (as its node numbers them) that engine `rank`'s server sees, one per worker; None on CPU."""
+        if not self.gpus:
+            return None
+        bundles = self.engine_bundles(rank)
+        if len({self.bundle_nodes[b] for b in bundles}) > 1:
+            raise ValueError(f"engine {rank}'s {len(bundles)} GPUs (--rollout-num-gpus-per-engine) are on different "
+                             "nodes; one vLLM server runs on one node: give every node a multiple of "
+                             "--rollout-num-gpus-per-engine GPUs, or use fewer GPUs per engine")
+        return [self.bundle_gpus[b] for b in bundles]
+
+    def bundle_of(self, role: str, rank: int) -> int:
         """The (first) bundle of `role` ("actor", "critic" or "engine") rank `rank`."""
         if role == "engine":
-            return self.engine_bundle(rank, gpus_per_engine)
-        return (self.critic_offset if role == "critic" else self.actor_offset) + rank
+            return self.engine_bundles(rank)[0]
+        return self.slots[(self.critic_offset if role == "critic" else self.actor_offset) + rank]
+
+    def local_rank(self, role: str, rank: int) -> int:
+        """`rank`'s index among the ranks of its role on its node (torchrun's LOCAL_RANK)."""
+        node = self.bundle_nodes[self.bundle_of(role, rank)]
+        return sum(self.bundle_nodes[self.bundle_of(role, r)] == node for r in range(rank))
 
     def cpu_share(self, role: str, rank: int) -> CpuShare:
         """The share of its node's CPUs that `role` rank `rank` computes on (all of them without a placement)."""
@@ -101,13 +138,13 @@ class Placement:
         """Per (role, rank), its CpuShare. Processes that compute at the same time on a node split it: without
         overlap each role's ranks split the whole node; with it the node is cut between the training side and the
         engines, in proportion to their units (one per training rank, one per engine worker), then within each."""
-        nodes = ray.util.placement_group_table(self.pg)["bundles_to_node_id"]
+        nodes = self.bundle_nodes
         groups: dict[tuple, list[tuple[str, int, int]]] = {}  # (node, group) -> [(role, rank, units)]
         for role, count in ranks.items():
             units = gpus_per_engine if role == "engine" else 1
             side = "engines" if role == "engine" else "training"
             for rank in range(count):
-                node = nodes[self.bundle_of(role, rank, gpus_per_engine)]
+                node = nodes[self.bundle_of(role, rank)]
                 groups.setdefault((node, side if overlap else role), []).append((role, rank, units))
         node_units: dict = {}
         for (node, _), members in groups.items():
@@ -130,9 +167,33 @@ class Placement:
     def actor_options(self, index: int) -> dict:
         """Ray options for an actor on bundle `index`, asking for its share of the bundle's resources."""
         options = {"num_cpus": self.share, "scheduling_strategy": bundle_strategy(self.pg, index)}
-        if use_gpu():
+        if self.gpus:
             options["num_gpus"] = self.share
         return options
+
+
+@ray.remote(num_cpus=0, num_gpus=0.01)
+def _gpu_ids() -> list[str]:
+    return [str(gpu) for gpu in ray.get_gpu_ids()]
+
+
+def bundle_gpu_ids(pg, n_bundles: int) -> list[str]:
+    """The GPU id of every bundle of `pg`, as its node numbers them: a sliver of each bundle's GPU is asked for,
+    and Ray hands out that bundle's GPU (a bundle keeps its GPU for the placement group's life)."""
+    ids = ray.get([_gpu_ids.options(scheduling_strategy=bundle_strategy(pg, b)).remote() for b in range(n_bundles)],
+                  timeout=120)
+    return [gpus[0] for gpus in ids]
+
+
+def device_order(nodes: list[str], gpus: list[str | None]) -> list[int]:
+    """Bundle indices sorted by node (in order of first appearance) then GPU id: consecutive slots of a node are
+    its GPUs in order, so an engine of k GPUs takes k GPUs of one node whenever nodes hold multiples of k."""
+    first_seen = {node: i for i, node in reversed(list(enumerate(nodes)))}
+
+    def key(bundle: int):
+        gpu = gpus[bundle]
+        return first_seen[nodes[bundle]], (int(gpu) if gpu is not None and gpu.isdigit() else bundle, str(gpu))
+    return sorted(range(len(nodes)), key=key)
 
 
 def bundle_strategy(pg, index: int) -> PlacementGroupSchedulingStrategy:

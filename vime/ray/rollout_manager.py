@@ -113,8 +113,9 @@ class RolloutManager:
     def sleep(self) -> None:
         self.fleet.sleep()
 
-    def wake_up(self) -> None:
-        self.fleet.wake_up()
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """`tags` of the engines' memory ("weights", "kv_cache"), or all of it (`EngineFleet.wake_up`)."""
+        self.fleet.wake_up(tags)
 
     def apply_weights(self, transport, handle, version: int, recovery_dir: str | None = None) -> dict[str, float]:
         return self.fleet.apply_weights(transport, handle, version, recovery_dir)

@@ -146,6 +146,8 @@ class TrainingSession:
         engines = self.manager.start.remote() if self.use_engines else None
         if engines is not None and self.placement.colocate:
             self._wait_for_engines(engines)
+            if self.trainers is not None:
+                self.offload_rollout()  # the trainers build their models in what the sleeping engines free
         resumed = None
         if self.trainers is not None:
             self.total_steps = num_rollout * args.num_steps_per_rollout
@@ -159,8 +161,10 @@ class TrainingSession:
                 control(self.manager.load_data_source_state.remote(resumed.get("data_source")),
                         "restoring the data source's position")
             self._plan_replay(start)
+            self.onload_rollout(("weights",))  # the same order as every step of train.py
             self.update_weights(version=start)  # engines serve exactly the trainer's weights from now on
             self.offload_train()
+            self.onload_rollout()
         if resumed or args.overwrite_output:  # rows of rollouts this run does again would be there twice
             self.metrics.drop_rows_from(start)
         return start, num_rollout
@@ -247,13 +251,23 @@ class TrainingSession:
                                "function, or raise --rollout-timeout for longer rollouts") from None
 
     def offload_rollout(self) -> None:
-        """Colocated runs: free the engines' device memory for training (--offload-rollout)."""
+        """Colocated runs: free the engines' device memory for training (--offload-rollout): their weights go to
+        host memory, their KV cache is dropped (`EngineFleet.sleep`)."""
         if self.args.offload_rollout and self.use_engines:
             control(self.manager.sleep.remote(), "the engines' sleep (--offload-rollout)")
 
-    def onload_rollout(self) -> None:
-        if self.args.offload_rollout and self.use_engines:
-            control(self.manager.wake_up.remote(), "the engines' wake-up (--offload-rollout)")
+    def onload_rollout(self, tags: tuple[str, ...] | None = None) -> None:
+        """Wake the engines (--offload-rollout): only `tags` of their memory ("weights", "kv_cache"), or all that
+        still sleeps (None). A weight update needs the weights alone, so `train.py` wakes them, updates, offloads
+        the trainer and only then wakes the KV cache, which vLLM allocates anew: the trainer's state and the KV
+        cache never hold the shared devices at once. With --check-weight-update-equal the engines generate right
+        after the update (the probe), so they wake whole."""
+        if not (self.args.offload_rollout and self.use_engines):
+            return
+        if tags is not None and self.args.check_weight_update_equal:
+            tags = None
+        control(self.manager.wake_up.remote(list(tags) if tags is not None else None),
+                "the engines' wake-up (--offload-rollout)")
 
     def offload_train(self) -> None:
         """Colocated runs: the trainer's state goes to host memory while the engines generate (--offload-train)."""

@@ -6,7 +6,9 @@ underlying storage is copied to host memory once and then shrunk to zero bytes. 
 same storage object, so after `onload` (regrow, copy back) Megatron sees exactly the tensors it had.
 
 On GPU this frees device memory for the engines. On CPU the host copy is the same kind of memory, so it
-saves nothing; the same code runs so that colocated CPU runs exercise the GPU path's logic.
+saves nothing; the same code runs so that colocated CPU runs exercise the GPU path's logic. What the weight
+transports keep on the device for the engines (cuda_ipc's exported tensors) is dropped by the training actor
+before this runs (`TrainActor.offload`).
 """
 
 from __future__ import annotations
@@ -60,27 +62,33 @@ class TrainStateOffloader:
         return bool(self._saved)
 
     def offload(self, tensors: Iterable[torch.Tensor]) -> int:
-        """Returns the bytes moved. A second offload without onload is a no-op."""
+        """Returns the bytes moved. A second offload without onload is a no-op. Only storages on the device are
+        moved (on GPU a host tensor among them stays where it is), each once however many views it has; nothing
+        is freed until every copy is made, so a failed copy (host memory) leaves the state as it was."""
         if self._saved:
             return 0
         seen: set[int] = set()
         pin = torch.cuda.is_available()
-        moved = 0
+        device_type = "cuda" if pin else "cpu"  # on CPU the same code runs, freeing nothing (module docstring)
+        saved, moved = [], 0
         for t in tensors:
             storage = t.untyped_storage()
-            key = storage.data_ptr()
-            if key in seen or storage.nbytes() == 0:
+            if storage.device.type != device_type or storage.nbytes() == 0 or storage.data_ptr() in seen:
                 continue
-            seen.add(key)
+            seen.add(storage.data_ptr())
             host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin)
             host.untyped_storage().copy_(storage, non_blocking=pin)
-            self._saved.append((storage, host))
+            saved.append((storage, host))
             moved += storage.nbytes()
         if pin:
             torch.cuda.synchronize()
-        for storage, _ in self._saved:
+        for storage, _ in saved:
             storage.resize_(0)  # views stay attached to this storage object
+        self._saved = saved
         if pin:
+            # a storage once exported to an engine (cuda_ipc) is freed through torch's IPC limbo: collect it, then
+            # hand the allocator's cached blocks back to the device, where the engines can take them
+            torch.cuda.ipc_collect()
             torch.cuda.empty_cache()
         return moved
 

