@@ -46,12 +46,23 @@ def local_trainer(hf_dir, *extra: str):
         destroy_parallel()
 
 
+def skip_without_a_gpu_per_rank(world_size: int) -> None:
+    """On a GPU machine ranks train on CUDA, a GPU each (NCCL refuses two ranks on one GPU): skip a test of more
+    ranks than GPUs there. CPU machines run any number of ranks over gloo."""
+    import pytest
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count() < world_size:
+        pytest.skip(f"{world_size} ranks need {world_size} GPUs; this machine has {torch.cuda.device_count()}")
+
+
 def launch(spec: dict, out_dir: Path, world_size: int = 1, timeout_s: float = 180.0,
            expect_exit: int | None = None) -> list[dict] | None:
     """Start the ranks, wait for all, raise with the log of the first that fails; returns each rank's report.
     `expect_exit`: every rank must exit with this code instead (a run killed on purpose); returns None."""
     from vime.utils.misc import find_free_port
 
+    skip_without_a_gpu_per_rank(world_size)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     spec_path = out_dir / "spec.json"
@@ -104,7 +115,7 @@ def main(spec_path: str, rank: int) -> None:
 
         args = with_values(args, **spec["args"])
     trainer = MegatronTrainer(args, rank, spec["world_size"], "127.0.0.1", spec["port"],
-                              total_steps=spec.get("total_steps", 1000))
+                              total_steps=spec.get("total_steps", 1000), local_rank=rank)  # one node: a GPU each
     try:
         metrics = {r: trainer.train(r, spec["data"][str(r)]) for r in spec["train"]}
         if spec.get("save") is not None:

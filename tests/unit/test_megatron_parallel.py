@@ -22,6 +22,7 @@ import torch
 pytest.importorskip("megatron.core")
 
 from tests.helpers.devices import output_tolerance, to_device_of  # noqa: E402
+from tests.helpers.trainer_runs import skip_without_a_gpu_per_rank  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 MICRO_BATCH_LENGTHS = (16, 11)  # two micro-batches, 2 sequences each, different lengths
@@ -100,6 +101,7 @@ def _spawn(tp: int, pp: int, hf_dir: Path, out_dir: Path, timeout_s: float = 120
     from vime.utils.misc import find_free_port
 
     nprocs = tp * pp
+    skip_without_a_gpu_per_rank(nprocs)
     ctx = torch.multiprocessing.start_processes(
         _worker, args=(nprocs, find_free_port(), tp, pp, str(hf_dir), str(out_dir)), nprocs=nprocs, join=False,
         start_method="spawn")
