@@ -313,7 +313,10 @@ def test_the_trainers_offload_releases_the_transports_first(tmp_path, fake_cuda)
     seen = []
     actor = TrainActor.__new__(TrainActor)  # its Ray-side set-up is not what is tested
     actor.rank, actor.role = 0, "actor"
-    actor.weight_transports = {"cuda_ipc": writer, "disk": SimpleNamespace()}  # one without anything to release
+    from vime.backends.weight_transport.disk import DiskWeightTransport
+
+    disk = DiskWeightTransport.__new__(DiskWeightTransport)  # one without anything to release
+    actor.weight_transports = {"cuda_ipc": writer, "disk": disk}
     actor.trainer = SimpleNamespace(offload=lambda: seen.append(list(writer.keepalive)) or 123)
     assert actor.offload() == 123
     assert seen == [[]]  # the exports were gone when the trainer's state moved (its empty_cache frees them)

@@ -89,7 +89,7 @@ class TrainActor:
         """--offload-train, after a weight update: what the weight transports keep on the device for the engines
         goes (cuda_ipc's exported tensors: loaded by now), then the trainer's state to host memory; returns the
         bytes moved there."""
-        released = sum(t.release() for t in self.weight_transports.values() if hasattr(t, "release"))
+        released = sum(t.release() for t in self.weight_transports.values())
         if released:
             logger.debug("%s rank %d: released %d bytes the weight transports kept", self.role, self.rank, released)
         return self.trainer.offload()

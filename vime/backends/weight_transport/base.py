@@ -63,5 +63,10 @@ class WeightTransport:
         """The engines a collective update was prepared for (others cannot join it); None: any engine."""
         return None
 
+    def release(self) -> int:
+        """A training rank, before the trainer offloads: drop what `send` keeps on the device for the engines;
+        returns its bytes (nothing kept: 0)."""
+        return 0
+
     def cleanup(self, handle: Any) -> None:
         """Driver, after every engine loaded: remove what `prepare` and `send` left."""
