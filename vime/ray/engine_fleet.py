@@ -40,8 +40,35 @@ logger = logging.getLogger(__name__)
 SLEEP_TAGS = ("weights", "kv_cache")  # what vLLM's sleep frees and /wake_up?tags= brings back, in wake-up order
 
 
+def run_control_token(args) -> str:
+    """This process's copy of the run's control token (--control-token-file's, else made here)."""
+    if args.control_token_file:
+        use_control_token(read_token_file(args.control_token_file))
+    return control_token()
+
+
+def new_engine(args, placement, rank: int, log_dir: Path, token: str):
+    """An engine actor for `rank` in its placement bundle, not started (`VLLMEngine.start`)."""
+    options, share, gpus = {"num_cpus": 1}, None, None
+    if placement is not None and placement.pg is not None:
+        options = placement.actor_options(placement.bundle_of("engine", rank))
+        share = placement.cpu_share("engine", rank)
+        gpus = placement.engine_gpus(rank)  # all of its tensor-parallel bundles' GPUs
+    return ray.remote(VLLMEngine).options(**options).remote(args, rank, str(log_dir), share, token, gpus)
+
+
+def new_engines(args, placement, log_dir: Path, token: str) -> list:
+    """vime's engine actors for a run (none with external engines). Made by the run's driver, their processes
+    boot beside the rollout manager's instead of after it (about 3 s of every run's start-up); the fleet of
+    that manager then owns them (`EngineFleet(engines=...)`)."""
+    if args.rollout_external_engine_addrs or args.debug_train_only:
+        return []
+    return [new_engine(args, placement, rank, log_dir, token) for rank in range(num_engines(args))]
+
+
 class EngineFleet:
-    def __init__(self, args, placement, log_dir: Path, context: RolloutContext):
+    def __init__(self, args, placement, log_dir: Path, context: RolloutContext, engines: list | None = None,
+                 token: str | None = None):
         self.args = args
         self.placement = placement
         self.log_dir = log_dir
@@ -57,9 +84,10 @@ class EngineFleet:
         self._launched: list = []  # the engines' start calls in flight (`launch`)
         self.asleep: set[str] = set()  # which of SLEEP_TAGS the engines hold in host memory or not at all (`sleep`)
         self._deferred: set[int] = set()  # dead engines whose restart waits for the engines to wake
-        if args.control_token_file:
-            use_control_token(read_token_file(args.control_token_file))
-        self.token = control_token()  # this process's copy, which rollouts and control calls send
+        if token is not None:  # the run's, from the driver that made `engines`
+            use_control_token(token)
+        self.token = run_control_token(args) if token is None else token  # what rollouts and control calls send
+        self._given = list(engines or [])  # engine actors made for this fleet, not started yet
 
     @property
     def engine_urls(self) -> list[str]:
@@ -87,8 +115,11 @@ class EngineFleet:
             return
         if engine_dtype_warning(args):
             logger.warning(engine_dtype_warning(args))
-        self.engines = [self._new_engine(rank) for rank in range(num_engines(args))]
+        self.engines = self._given or [self._new_engine(rank) for rank in range(num_engines(args))]
         self._launched = [e.start.remote() for e in self.engines]
+        if not args.vllm_router_ip:  # our router boots beside them (1-2 s); they join it once they serve
+            self.router = self._own_router(args.vllm_router_port or find_free_port(), [])
+            self.router.launch()
 
     def start(self) -> list[str]:
         """Start (or connect to) the engines and the router; returns the engine URLs."""
@@ -114,15 +145,7 @@ class EngineFleet:
         return list(self.engine_urls)
 
     def _new_engine(self, rank: int):
-        """An engine actor for `rank` in its placement bundle (not started)."""
-        args = self.args
-        options, share, gpus = {"num_cpus": 1}, None, None
-        if self.placement is not None and self.placement.pg is not None:
-            options = self.placement.actor_options(self.placement.bundle_of("engine", rank))
-            share = self.placement.cpu_share("engine", rank)
-            gpus = self.placement.engine_gpus(rank)  # all of its tensor-parallel bundles' GPUs
-        return ray.remote(VLLMEngine).options(**options).remote(args, rank, str(self.log_dir), share, self.token,
-                                                                gpus)
+        return new_engine(self.args, self.placement, rank, self.log_dir, self.token)
 
     def _start_router(self) -> None:
         args = self.args
@@ -131,14 +154,21 @@ class EngineFleet:
             for url in self.engine_urls:
                 post_worker(self.router_url, "add_worker", url)
             return  # not ours to stop
+        if self.router is not None:  # launched with the engines, before their URLs were known
+            self.router_url = self.router.wait_ready()
+            for url in self.engine_urls:
+                self.router.add_worker(url)
+            return
         self._start_own_router(args.vllm_router_port or find_free_port())
+
+    def _own_router(self, port: int, worker_urls: list[str]) -> Router:
+        # loopback: whoever reaches the router can add engines to it; rollouts run in this process
+        router_args = router_args_from(self.args, "127.0.0.1", port, worker_urls, api_key=serving_key(self.token))
+        return Router(router_args, str(self.log_dir))
 
     def _start_own_router(self, port: int) -> None:
         """vime's router on loopback `port`, every engine in service registered, holding the serving key."""
-        # loopback: whoever reaches the router can add engines to it; rollouts run in this process
-        router_args = router_args_from(self.args, "127.0.0.1", port, self.engine_urls,
-                                       api_key=serving_key(self.token))
-        self.router = Router(router_args, str(self.log_dir))
+        self.router = self._own_router(port, self.engine_urls)
         self.router_url = self.router.start()
 
     def shutdown(self) -> None:
@@ -148,11 +178,11 @@ class EngineFleet:
         for actor in list(self._starting.values()):  # a restart in progress: its engine must not outlive us
             ray.kill(actor)
         self._drop_recovery_weights()
+        stops = [e.stop.remote() for e in self.engines]  # all at once, the router meanwhile: each waits its exit
         if self.router is not None:
             self.router.stop()
             self.router = None
         if self.engines:
-            stops = [e.stop.remote() for e in self.engines]  # all at once: each may wait out a grace period
             for e, stop in zip(self.engines, stops):
                 try:
                     ray.get(stop, timeout=60)

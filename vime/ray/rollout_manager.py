@@ -72,15 +72,22 @@ def make_eval_sources(args, tokenizer) -> dict[str, RolloutDataSource]:
     return sources
 
 
+def log_dir(args) -> Path:
+    """Where the engines' and the router's logs go."""
+    return Path(args.output_dir) / "logs"
+
+
 @ray.remote(num_cpus=0)
 class RolloutManager:
-    def __init__(self, args, placement=None):
+    def __init__(self, args, placement=None, engines: list | None = None, token: str | None = None):
+        """`engines`: actors made for it by `engine_fleet.new_engines` with the run's control `token`; without
+        them its fleet makes its own."""
         configure_logging()  # an actor process: its log lines reach the driver's console through Ray
         self.args = args
-        self.log_dir = Path(args.output_dir) / "logs"
+        self.log_dir = log_dir(args)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.context = reset_rollout_context()  # router URL, engines in service, counters: what rollouts read
-        self.fleet = EngineFleet(args, placement, self.log_dir, self.context)
+        self.fleet = EngineFleet(args, placement, self.log_dir, self.context, engines, token)
         if not args.debug_train_only:
             self.fleet.launch()  # the engines boot while the tokenizer, data and functions load
         from vime.utils.hf_tokenizer import load_tokenizer

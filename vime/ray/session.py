@@ -18,7 +18,8 @@ from vime.data.transport.replay import append_trained_samples, replay_ids, trunc
 from vime.ray.actor_group import RayTrainGroup
 from vime.ray.placement import Placement, init_ray
 from vime.ray.previous_run import check_start
-from vime.ray.rollout_manager import RolloutManager
+from vime.ray.engine_fleet import new_engines, run_control_token
+from vime.ray.rollout_manager import RolloutManager, log_dir
 from vime.ray.weight_sync import WeightSync
 from vime.utils.deadline import control, gather
 from vime.utils.logging_utils import MetricsLogger
@@ -85,6 +86,7 @@ class TrainingSession:
         self.use_engines = not args.debug_train_only
         self.train_enabled = not args.debug_rollout_only
         self.manager = self.trainers = self.metrics = None
+        self.engines: list = []  # the engine actors made for the manager (`new_engines`)
         self.weight_version = 0
         self.transport = make_transport(args)  # stored rollouts: replay after a crash, and letting them go
         self.replay: dict[int, RolloutRef] = {}  # rollout id -> a stored rollout to train instead of generating
@@ -104,7 +106,10 @@ class TrainingSession:
         self._start_ray_checking_the_model()
         self.placement = Placement(args, with_engines=self.use_engines, with_trainers=self.train_enabled,
                                    overlap=self.overlap)
-        self.manager = RolloutManager.remote(args, self.placement)
+        token = run_control_token(args)
+        # the engines' actors first: they boot beside the manager's, which takes them over
+        self.engines = new_engines(args, self.placement, log_dir(args), token) if self.use_engines else []
+        self.manager = RolloutManager.remote(args, self.placement, self.engines, token)
         self.critic = None
         if self.train_enabled:
             self._create_trainers()
@@ -406,7 +411,9 @@ class TrainingSession:
             curve.start()
         try:
             if self.manager is not None and self.manager_stuck:
-                ray.kill(self.manager)  # its engines and router go with it (they are its actors and children)
+                ray.kill(self.manager)  # its router and the engines it restarted go with it (its child, its actors);
+                for engine in self.engines:  # the engines made here for it do not
+                    ray.kill(engine)
             elif self.manager is not None:
                 ray.get(self.manager.shutdown.remote(), timeout=120)
         finally:

@@ -3,8 +3,16 @@ servers bind to."""
 
 from __future__ import annotations
 
+import glob
+
+# What a GPU driver puts in /dev (NVIDIA's devices, ROCm's kernel driver, WSL's GPU): without any of them CUDA
+# cannot be available to torch.
+GPU_DEVICE_FILES = ("/dev/nvidia[0-9]*", "/dev/kfd", "/dev/dxg")
+
 
 def use_gpu() -> bool:
+    if not any(glob.glob(pattern) for pattern in GPU_DEVICE_FILES):
+        return False  # no GPU driver on this node: no import of torch (1-2 s) for it in processes that need none
     import torch
 
     return torch.cuda.is_available()

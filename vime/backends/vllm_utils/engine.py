@@ -288,8 +288,9 @@ class VLLMEngine:
         self.log_path = Path(log_dir) / f"engine_{engine_rank}.log"
         self.proc = None
         self.url = None
+        self._launch()  # the server boots (its vLLM import alone is ~9 s of a core) before anyone calls start
 
-    def start(self) -> str:
+    def _launch(self) -> None:
         from vime.utils.device import serving_host
 
         host = serving_host(self.args)
@@ -301,8 +302,11 @@ class VLLMEngine:
         logger.info("engine %d: workers on %s", self.engine_rank, f"GPUs {env['CUDA_VISIBLE_DEVICES']}" if self.gpus
                     else f"CPUs {env.get('VLLM_CPU_OMP_THREADS_BIND', '(GPU)')}")
         self.proc = spawn(cmd, self.log_path, env=env)
+
+    def start(self) -> str:
+        """Wait until the server launched at construction serves, with its control routes locked; its URL."""
         ready = wait_until(lambda: http_ok(self.url + "/health"), self.args.engine_startup_timeout,
-                           interval_s=1.0, alive=lambda: self.proc.poll() is None)
+                           interval_s=0.25, alive=lambda: self.proc.poll() is None)
         if not ready:
             exit_code = self.proc.poll()
             kill_tree(self.proc)

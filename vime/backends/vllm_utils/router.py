@@ -25,9 +25,17 @@ class Router:
         self.proc = None
 
     def start(self, timeout_s: float = 60.0) -> str:
+        self.launch()
+        return self.wait_ready(timeout_s)
+
+    def launch(self) -> None:
+        """Start the router's process without waiting for it to serve."""
         payload = json.dumps(dataclasses.asdict(self.router_args))
         self.proc = spawn([sys.executable, "-m", "vime.backends.vllm_utils.router", payload], self.log_path)
-        if not wait_until(lambda: http_ok(self.url + "/health"), timeout_s, 0.2, alive=lambda: self.proc.poll() is None):
+
+    def wait_ready(self, timeout_s: float = 60.0) -> str:
+        """Wait until the launched router answers /health; its URL."""
+        if not wait_until(lambda: http_ok(self.url + "/health"), timeout_s, 0.1, alive=lambda: self.proc.poll() is None):
             self.stop()
             raise RuntimeError(f"vllm-router did not start on {self.url}. Log {self.log_path}:\n{tail(self.log_path)}")
         return self.url
