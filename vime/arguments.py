@@ -26,7 +26,7 @@ from vime.agents.arguments import add_agent_args
 from vime.agents.openai_arguments import add_agent_harness_args
 from vime.algorithms.arguments import add_algorithm_args, validate_algorithm_args
 from vime.backends.megatron_utils.arguments import add_megatron_args
-from vime.backends.megatron_utils.routing_replay import add_routing_replay_args, validate_routing_replay_args
+from vime.backends.megatron_utils.routing_replay_arguments import add_routing_replay_args, validate_routing_replay_args
 from vime.backends.megatron_utils.train_arguments import add_train_args, validate_train_args
 from vime.backends.vllm_utils.arguments import add_router_args, add_vllm_engine_args, validate_vllm_args
 from vime.rollout.arguments import add_all_rollout_args, validate_rollout_args

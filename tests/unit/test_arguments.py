@@ -212,18 +212,24 @@ def test_vllm_options_come_from_a_cache_of_the_installed_vllms_parser(tmp_path, 
 
 def test_plain_vllm_options_are_checked_without_importing_vllm(base, tmp_path, monkeypatch):
     """The table judges flags, strings and plain numbers; only a value it cannot judge ("1k") asks vLLM's parser.
-    The parsed run carries nothing of vLLM's: every actor it is sent to would otherwise import vLLM's configs."""
+    The parsed run carries nothing of vLLM's: every actor it is sent to would otherwise import vLLM's configs.
+    A run's driver gets to its parsed flags (the model checked later, while Ray starts) without importing torch,
+    transformers, math_verify or vLLM: about 1 s of every run's start, on one core, before anything else starts."""
     import json
     import os
     import subprocess
     import sys
 
+    from vime.backends.megatron_utils.megatron_flags import megatron_option_table
     from vime.backends.vllm_utils.arguments import vllm_option_table
 
     monkeypatch.setenv("VIME_CACHE_DIR", str(tmp_path))
-    vllm_option_table()  # the cache an earlier start left
+    vllm_option_table(), megatron_option_table()  # the caches an earlier start left
     # one process parses a run with plain options, then one with a value only vLLM's parser reads ("1k")
     code = ("import sys, json, pickle; from vime.arguments import parse_args\n"
+            "from vime.ray.session import run_entry_point\n"
+            "parse_args(json.loads(sys.argv[1])[0], check_model=False)\n"
+            "print('heavy:', [m for m in ('torch', 'transformers', 'math_verify', 'vllm') if m in sys.modules])\n"
             "for argv in json.loads(sys.argv[1]):\n"
             "    args = parse_args(argv)\n"
             "    print('vllm' in pickle.dumps(args).decode('latin-1').replace('vllm_', ''), "
@@ -238,6 +244,7 @@ def test_plain_vllm_options_are_checked_without_importing_vllm(base, tmp_path, m
     # every --vllm-* option is there (the cache), vLLM is not imported for plain values, the run carries nothing
     # of vLLM's; "1k" is read by vLLM's parser
     assert lines == [["False", "False", "True"], ["False", "True", "True"]]
+    assert "heavy: []" in run.stdout.splitlines(), run.stdout
 
 
 def test_a_value_only_vllm_can_judge_is_refused_by_vllms_parser(base, capsys):

@@ -158,6 +158,7 @@ def test_a_fresh_group_is_one_request_with_each_samples_own_seed(tiny_qwen3, plu
     assert engine.calls == 1 and engine.payloads[0]["sampling_params"]["n"] == 4
     assert [sample_seed(args, group[0]) + k for k in range(4)] == [sample_seed(args, s) for s in group]
     assert engine.payloads[0]["sampling_params"]["seed"] == sample_seed(args, group[0])
+    assert engine.payloads[0]["sampling_params"]["detokenize"] is False  # vime decodes the tokens itself
     assert [s.response_tokens for s in out] == [[1], [2], [3], [4]]  # choice k went to sample k
     assert all(s.status == Sample.Status.TRUNCATED and s.reward is not None for s in out)
     assert GenerateState(args).max_in_flight == 4  # in flight counts sequences, not requests
@@ -227,3 +228,11 @@ def test_filter_returning_the_wrong_type_is_a_clear_error(tiny_qwen3, plugin):
     with pytest.raises(TypeError, match="--dynamic-sampling-filter-path failure_plugin.bool_filter returned bool "
                                         r"\(True\), expected a DynamicFilterOutput"):
         _run(generate_rollout_async(args, 0, source))
+
+
+def test_the_engine_detokenizes_only_for_stop_strings():
+    from vime.backends.vllm_utils.generate_request import tokens_only
+
+    assert tokens_only({"sampling_params": {"max_tokens": 4}})["sampling_params"]["detokenize"] is False
+    assert "detokenize" not in tokens_only({"sampling_params": {"stop": ["\n"]}})["sampling_params"]
+    assert tokens_only({"sampling_params": {"detokenize": True}})["sampling_params"]["detokenize"] is True

@@ -73,7 +73,9 @@ def test_coarsest_dtype():
     (True, dict(vllm_dtype="half"), "float16"),  # engines in fp16, trainer in fp32: the coarser one
 ])
 def test_weight_check_tolerance_follows_the_module(monkeypatch, gpu, flags, dtype):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    import vime.utils.device
+
+    monkeypatch.setattr(vime.utils.device, "use_gpu", lambda: gpu)
     args = SimpleNamespace(**{"bf16": False, "fp16": False, "vllm_dtype": None, **flags})
     device = "cuda" if gpu else "cpu"
     assert check.check_dtype_and_device(args) == (dtype, device)

@@ -1,56 +1,27 @@
-"""RL math as pure functions on tensors: advantage estimators, losses, KL, TIS, and their flags."""
+"""RL math as pure functions on tensors: advantage estimators, losses, KL, TIS, and their flags.
 
-from vime.algorithms.advantages import (
-    ADVANTAGE_ESTIMATORS,
-    gae_advantages,
-    get_advantage_estimator,
-    grpo_advantages,
-    gspo_advantages,
-    masked_mean_std,
-    register_advantage_estimator,
-    reinforce_plus_plus_advantages,
-    reinforce_plus_plus_baseline_advantages,
-    whiten,
-)
-from vime.algorithms.arguments import add_algorithm_args, validate_algorithm_args
-from vime.algorithms.losses import (
-    POLICY_LOSSES,
-    aggregate_loss,
-    compute_approx_kl,
-    compute_log_probs_from_logits,
-    compute_tis_weights,
-    entropy_from_logits,
-    get_policy_loss,
-    gspo_policy_loss,
-    ppo_policy_loss,
-    register_policy_loss,
-    sft_loss,
-    value_loss,
-)
+The names below are imported from their modules on first use, so that the flags (`vime.algorithms.arguments`,
+`vime.algorithms.names`) come without torch."""
 
-__all__ = [
-    "ADVANTAGE_ESTIMATORS",
-    "POLICY_LOSSES",
-    "add_algorithm_args",
-    "aggregate_loss",
-    "compute_approx_kl",
-    "compute_log_probs_from_logits",
-    "compute_tis_weights",
-    "entropy_from_logits",
-    "gae_advantages",
-    "get_advantage_estimator",
-    "get_policy_loss",
-    "grpo_advantages",
-    "gspo_advantages",
-    "gspo_policy_loss",
-    "masked_mean_std",
-    "ppo_policy_loss",
-    "register_advantage_estimator",
-    "register_policy_loss",
-    "reinforce_plus_plus_advantages",
-    "reinforce_plus_plus_baseline_advantages",
-    "sft_loss",
-    "validate_algorithm_args",
-    "value_loss",
-    "whiten",
-]
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "advantages": ("ADVANTAGE_ESTIMATORS", "gae_advantages", "get_advantage_estimator", "grpo_advantages",
+                   "gspo_advantages", "masked_mean_std", "register_advantage_estimator",
+                   "reinforce_plus_plus_advantages", "reinforce_plus_plus_baseline_advantages", "whiten"),
+    "arguments": ("add_algorithm_args", "validate_algorithm_args"),
+    "losses": ("POLICY_LOSSES", "aggregate_loss", "compute_approx_kl", "compute_log_probs_from_logits",
+               "compute_tis_weights", "entropy_from_logits", "get_policy_loss", "gspo_policy_loss",
+               "ppo_policy_loss", "register_policy_loss", "sft_loss", "value_loss"),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str):
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_MODULE_OF[name]}"), name)

@@ -6,9 +6,8 @@ import argparse
 import logging
 from pathlib import Path
 
-from vime.algorithms.advantages import ADVANTAGE_ESTIMATORS
-from vime.algorithms.distillation import OPD_MODES
-from vime.algorithms.losses import KL_TYPES, LOSS_AGG_MODES, MIS_LEVELS, POLICY_LOSSES
+from vime.algorithms.names import (ADVANTAGE_ESTIMATOR_NAMES, KL_TYPES, LOSS_AGG_MODES, MIS_LEVELS, OPD_MODES,
+                                   POLICY_LOSS_NAMES)
 from vime.utils.misc import with_values
 
 logger = logging.getLogger(__name__)
@@ -25,7 +24,7 @@ def add_algorithm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
 
     g.add_argument(
         "--advantage-estimator",
-        choices=list(ADVANTAGE_ESTIMATORS),
+        choices=ADVANTAGE_ESTIMATOR_NAMES,
         default="grpo",
         help="How per-token advantages are computed from rewards; ppo trains a critic (GAE). Default: grpo.",
     )
@@ -69,7 +68,7 @@ def add_algorithm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     )
     g.add_argument(
         "--policy-loss",
-        choices=list(POLICY_LOSSES),
+        choices=POLICY_LOSS_NAMES,
         default="ppo",
         help="Token-level (ppo) or sequence-level (gspo) ratio in the clipped surrogate, or cispo's clipped, "
         "detached IS weight on -A * log-prob; forced to gspo / cispo by --advantage-estimator gspo / cispo. "

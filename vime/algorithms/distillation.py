@@ -17,8 +17,6 @@ from collections.abc import Sequence
 
 import torch
 
-OPD_MODES = ("reward", "loss")
-
 
 def opd_token_rewards(student_log_probs: Sequence[torch.Tensor], teacher_log_probs: Sequence[torch.Tensor],
                       loss_masks: Sequence[torch.Tensor], coef: float) -> list[torch.Tensor]:

@@ -13,13 +13,12 @@ from typing import Any, Callable
 
 import torch
 
+from vime.algorithms.names import KL_TYPES, LOSS_AGG_MODES, MIS_LEVELS
+
 Tensors = list[torch.Tensor]
 PolicyLoss = Callable[..., tuple[Tensors, Tensors]]
 
 POLICY_LOSSES: dict[str, PolicyLoss] = {}
-KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
-LOSS_AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
-MIS_LEVELS = ("token", "sequence")
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -11,56 +11,17 @@ The router probabilities are still computed (gathered at the replayed experts), 
 Megatron-core's `RouterReplay` does the replacing (`moe_enable_routing_replay`); this module hands each router
 its [tokens, top-k] indices for one micro-batch, in the order the model flattens it: packed (thd) sequences one
 after another, right-padded (bshd) [seq, batch] seq-major. Routing is per sample [tokens, layers, top-k] with
-layers counted over the whole model (dense layers' rows unused), as vLLM returns it.
+layers counted over the whole model (dense layers' rows unused), as vLLM returns it. The flags:
+`routing_replay_arguments.py`.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-from vime.backends.megatron_utils.hf_architecture import hf_moe
-
-
-def add_routing_replay_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("MoE routing replay")
-    g.add_argument("--use-rollout-routing-replay", action="store_true", default=False,
-                   help="MoE models: the engines return the experts they routed each token to, and every trainer "
-                        "forward of the rollout replays them, so the trainer computes the policy the engine sampled "
-                        "from (default: off).")
-    g.add_argument("--use-routing-replay", action="store_true", default=False,
-                   help="MoE models: record the trainer's routing in the rollout's first forward (old log-probs) and "
-                        "replay it in the rollout's optimizer steps (default: off; --use-rollout-routing-replay, "
-                        "which replays the engine's routing everywhere, takes precedence).")
-
-
-def validate_routing_replay_args(args: argparse.Namespace, hf_config=None) -> None:
-    """Parse-time checks. `hf_config`: the checkpoint's (read from --hf-checkpoint when None and a flag is set)."""
-    flags = [f for f in ("use_rollout_routing_replay", "use_routing_replay") if getattr(args, f, False)]
-    if not flags:
-        return
-    if hf_config is None:
-        from transformers import AutoConfig
-
-        try:
-            hf_config = AutoConfig.from_pretrained(args.hf_checkpoint)
-        except Exception as e:  # transformers' own checks raise KeyError, ValueError, OSError, ...
-            raise ValueError(f"--hf-checkpoint {args.hf_checkpoint}: transformers cannot read its config.json "
-                             f"({type(e).__name__}: {e})") from e
-    names = " and ".join("--" + f.replace("_", "-") for f in flags)
-    if not hf_moe(hf_config)["num_experts"]:
-        raise ValueError(f"{names}: {args.hf_checkpoint} is a dense model (no routed experts in its config.json); "
-                         "routing replay is for MoE models, drop the flag")
-    if getattr(args, "use_rollout_routing_replay", False):
-        from vime.utils.device import use_gpu
-
-        if not use_gpu() and args.rollout_num_gpus_per_engine != 1:
-            raise ValueError("--use-rollout-routing-replay on CPU: vime captures the routing in the engine's "
-                             "worker, for engines of one worker; set --rollout-num-gpus-per-engine 1")
 
 
 @dataclass

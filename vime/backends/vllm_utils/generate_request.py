@@ -54,6 +54,17 @@ def error_message(text: str) -> str:
     return str(body.get("error", body) if isinstance(body, dict) else body)[:500]
 
 
+def tokens_only(payload: dict[str, Any]) -> dict[str, Any]:
+    """`payload` asking the engine not to detokenize (vLLM's `detokenize: false`): every caller here decodes the
+    tokens itself, and the engine's incremental detokenizer runs in its server process, which shares the CPUs
+    with the generation it serves. Stop strings are matched on the engine's text, so a request with `stop`
+    (or its own `detokenize`) is left as it is."""
+    params = payload.get("sampling_params") or {}
+    if params.get("stop") or "detokenize" in params:
+        return payload
+    return {**payload, "sampling_params": {**params, "detokenize": False}}
+
+
 async def request_generate(http: aiohttp.ClientSession, router_url: str, payload: dict[str, Any],
                            **kwargs) -> dict[str, Any]:
     """POST `payload` to the router's generate route; returns the answer's first choice (`request_choices`)."""
@@ -68,6 +79,7 @@ async def request_choices(http: aiohttp.ClientSession, router_url: str, payload:
     (`sampling_params.n`, which also counts as that many requests in flight). The request carries the run's
     serving key, which the router passes on to the engine (`vime.utils.auth`)."""
     counters = counters if counters is not None else RequestCounters()
+    payload = tokens_only(payload)
     sequences = int(payload.get("sampling_params", {}).get("n") or 1)
     url = router_url.rstrip("/") + GENERATE_ROUTE
     deadline = time.monotonic() + retry_window_s

@@ -35,8 +35,10 @@ import stat
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # annotations only: the driver, which stages updates, imports no torch through here
+    import torch
 
 ONLINE_LOADER = "online_process_loader"  # vLLM's layerwise-reload wrapper around a parameter's weight loader
 IN_PLACE_MAX_BYTES = 128 * 2**20  # dense bytes made at once; beyond, vLLM's layer-by-layer reload is faster

@@ -7,8 +7,6 @@ TimeoutError. math_verify's own `signal.alarm` timeouts are off; the kill replac
 
 from __future__ import annotations
 
-from math_verify import parse, verify
-
 from vime.utils.worker_pool import WorkerTimeoutError
 
 from .answer_utils import last_boxed
@@ -23,6 +21,8 @@ def math_verify_reward(response: str, label) -> float:
 
     The answer is the last `\\boxed{}` when there is one, else the final expression math_verify finds.
     """
+    from math_verify import parse, verify  # here, in the reward workers: the run's driver parses flags without it
+
     boxed = last_boxed(response)
     pred_text = f"\\boxed{{{boxed.strip().rstrip('.')}}}" if boxed is not None else response
     gold_text = str(label)
