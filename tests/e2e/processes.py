@@ -2,18 +2,36 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 
 MARKERS = ("vllm.entrypoints.openai.api_server", "vime.backends.vllm_utils.router", "VLLM::EngineCore", "vllm::router")
+# scripts/test.sh runs two lanes of tests side by side, each with its name here: a lane looks at the processes
+# started under its own name only (every process of a run inherits it: the driver, Ray, engines, routers)
+LANE_ENV = "VIME_TEST_LANE"
+
+
+def in_this_lane(pid: int) -> bool:
+    """Whether process `pid` was started by this lane's tests (always, when lanes are not used). A process whose
+    environment cannot be read counts as this lane's."""
+    lane = os.environ.get(LANE_ENV)
+    if lane is None:
+        return True
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            environ = f.read().split(b"\0")
+    except OSError:
+        return True
+    return f"{LANE_ENV}={lane}".encode() in environ
 
 
 def stack_pids() -> set[int]:
-    """PIDs of engine servers, vLLM engine cores and routers on this machine."""
+    """PIDs of this lane's engine servers, vLLM engine cores and routers on this machine."""
     out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
     pids = set()
     for line in out.splitlines():
         pid, _, cmd = line.strip().partition(" ")
-        if any(m in cmd for m in MARKERS):
+        if any(m in cmd for m in MARKERS) and in_this_lane(int(pid)):
             pids.add(int(pid))
     return pids
 
@@ -29,6 +47,8 @@ def engine_compute_processes() -> list:
     for proc in psutil.process_iter(["name"]):
         try:
             name = proc.info["name"] or ""
+            if not in_this_lane(proc.pid):
+                continue
             if name.startswith("VLLM::Worker") or (
                     name.startswith("VLLM::EngineCor")
                     and not any(c.name().startswith("VLLM::Worker") for c in proc.children())):

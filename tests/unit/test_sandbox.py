@@ -12,7 +12,8 @@ import pytest
 
 from vime.agents.sandbox import LocalSandbox, SandboxLimits, make_sandbox
 
-pytestmark = pytest.mark.skipif(not os.path.exists("/proc"), reason="LocalSandbox needs Linux")
+# wall-clock bounds and timeouts: run where nothing else competes for the CPUs (scripts/test.sh)
+pytestmark = [pytest.mark.skipif(not os.path.exists("/proc"), reason="LocalSandbox needs Linux"), pytest.mark.timing]
 QUICK = SandboxLimits(wall_time_s=3, max_processes=16)
 
 

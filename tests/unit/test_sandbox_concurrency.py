@@ -10,7 +10,8 @@ import pytest
 
 from vime.agents.sandbox import LocalSandbox, SandboxLimits
 
-pytestmark = pytest.mark.skipif(not os.path.exists("/proc"), reason="LocalSandbox needs Linux")
+# wall-clock bounds and timeouts: run where nothing else competes for the CPUs (scripts/test.sh)
+pytestmark = [pytest.mark.skipif(not os.path.exists("/proc"), reason="LocalSandbox needs Linux"), pytest.mark.timing]
 
 CONCURRENT = r'''
 import asyncio, json, sys
