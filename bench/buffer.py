@@ -88,7 +88,7 @@ def main() -> None:
     import ray
 
     straw_dir = Path(a.dir) if a.dir else Path(tempfile.mkdtemp(prefix="vime-buffer-bench-"))
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
     try:
         results = {

@@ -12,17 +12,26 @@ LANE_ENV = "VIME_TEST_LANE"
 
 
 def in_this_lane(pid: int) -> bool:
-    """Whether process `pid` was started by this lane's tests (always, when lanes are not used). A process whose
-    environment cannot be read counts as this lane's."""
+    """Whether process `pid` was started by this lane's tests (always, when lanes are not used): the lane named
+    in its environment, or else in its nearest ancestor's that names one (a process that renames itself, as
+    vLLM's engine core and the router do, overwrites part of what /proc shows of its environment). A process
+    of no lane counts as this lane's."""
     lane = os.environ.get(LANE_ENV)
     if lane is None:
         return True
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            environ = f.read().split(b"\0")
-    except OSError:
-        return True
-    return f"{LANE_ENV}={lane}".encode() in environ
+    prefix = f"{LANE_ENV}=".encode()
+    while pid > 1:
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                named = [v for v in f.read().split(b"\0") if v.startswith(prefix)]
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                parent = int(f.read().rsplit(b")", 1)[1].split()[1])  # the field after the state
+        except (OSError, ValueError, IndexError):
+            return True
+        if named:
+            return named[0] == prefix + lane.encode()
+        pid = parent
+    return True
 
 
 def stack_pids() -> set[int]:

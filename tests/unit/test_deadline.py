@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
     yield
     ray.shutdown()

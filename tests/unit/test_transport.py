@@ -94,7 +94,7 @@ def test_make_transport_picks_by_flag(tmp_path):
 def test_object_store_round_trip_across_an_actor():
     ray = pytest.importorskip("ray")
     here = os.pathsep.join([str(Path(__file__).parent), str(REPO)])  # workers import this module to build the actor
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": here}})
     try:
         @ray.remote

@@ -35,12 +35,13 @@ def init_ray(args) -> None:
     # path too.
     for key, value in WORKER_ENV.items():
         os.environ.setdefault(key, value)
-    # A local cluster stays on loopback: engines and their control routes are never exposed to a network.
+    # A local cluster stays on loopback: engines and their control routes are never exposed to a network. It is
+    # the run's own (address "local"), never another Ray instance found on this machine.
     slots = args.rollout_num_gpus + args.actor_num_nodes * args.actor_num_gpus_per_node + 2
     # Ray runs its workers at nice 15 by default; ours are the processes that compute. Nor does it prestart idle
     # workers: a process each, started while the run starts and competing with it for the CPUs, that no actor of
     # the run would use (each actor starts its own).
-    ray.init(num_cpus=max(os.cpu_count() or 1, slots), include_dashboard=False, log_to_driver=True,
+    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, slots), include_dashboard=False, log_to_driver=True,
              _node_ip_address="127.0.0.1", _system_config={"worker_niceness": 0, "enable_worker_prestart": False})
 
 
