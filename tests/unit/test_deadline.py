@@ -13,9 +13,6 @@ ray = pytest.importorskip("ray")
 
 from vime.utils.deadline import DeadlineExceeded, gather  # noqa: E402
 
-# wall-clock bounds and timeouts: run where nothing else competes for the CPUs (scripts/test.sh)
-pytestmark = pytest.mark.timing
-
 REPO = Path(__file__).resolve().parents[2]
 
 

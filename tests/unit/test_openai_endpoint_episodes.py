@@ -22,9 +22,6 @@ from aiohttp import web
 from vime.agents.chat_session import ChatSession
 from vime.agents.openai_server import OpenAIServer, parse_body
 
-# wall-clock bounds and timeouts: run where nothing else competes for the CPUs (scripts/test.sh)
-pytestmark = pytest.mark.timing
-
 USER = [{"role": "user", "content": "hi"}]
 
 

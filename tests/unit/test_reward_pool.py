@@ -15,9 +15,6 @@ from vime.rollout.vllm_rollout import _reward_one
 from vime.utils.types import Sample
 from vime.utils.worker_pool import WorkerCallError, WorkerDiedError, WorkerPool, WorkerTimeoutError
 
-# wall-clock bounds and timeouts: run where nothing else competes for the CPUs (scripts/test.sh)
-pytestmark = pytest.mark.timing
-
 STAND_INS = """
 import os, sys, time
 

@@ -18,9 +18,6 @@ from vime.rollout.rm_hub.pool import close_reward_pool, reward_pool
 from vime.rollout.vllm_rollout import _reward_one
 from vime.utils.types import Sample
 
-# wall-clock bounds and timeouts: run where nothing else competes for the CPUs (scripts/test.sh)
-pytestmark = pytest.mark.timing
-
 
 def make_args(**overrides):
     args = SimpleNamespace(rm_type="math", custom_rm_path=None, group_rm=False, rm_url=None, rm_max_retries=3,

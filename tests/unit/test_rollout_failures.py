@@ -20,9 +20,6 @@ from vime.rollout.vllm_rollout import (EngineRejectedError, EngineUnavailableErr
                                        generate_and_rm_group, post_generate)
 from vime.utils.types import Sample
 
-# wall-clock bounds and timeouts: run where nothing else competes for the CPUs (scripts/test.sh)
-pytestmark = pytest.mark.timing
-
 PLUGIN = textwrap.dedent('''
     import time
 

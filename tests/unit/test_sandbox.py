@@ -12,8 +12,7 @@ import pytest
 
 from vime.agents.sandbox import LocalSandbox, SandboxLimits, make_sandbox
 
-# wall-clock bounds and timeouts: run where nothing else competes for the CPUs (scripts/test.sh)
-pytestmark = [pytest.mark.skipif(not os.path.exists("/proc"), reason="LocalSandbox needs Linux"), pytest.mark.timing]
+pytestmark = pytest.mark.skipif(not os.path.exists("/proc"), reason="LocalSandbox needs Linux")
 QUICK = SandboxLimits(wall_time_s=3, max_processes=16)
 
 

@@ -15,9 +15,6 @@ import pytest
 from vime.agents.sandbox import LocalSandbox, SandboxLimits
 from vime.agents.sandbox.cgroup import CgroupPool, CgroupUnavailable, cgroup_pool, cgroup_reason, own_cgroup_dir
 
-# wall-clock bounds and timeouts: run where nothing else competes for the CPUs (scripts/test.sh)
-pytestmark = pytest.mark.timing
-
 MOUNTINFO = ("24 1 0:22 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw\n"
              "25 1 0:23 / /proc rw - proc proc rw\n")
 

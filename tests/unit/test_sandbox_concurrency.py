@@ -10,8 +10,7 @@ import pytest
 
 from vime.agents.sandbox import LocalSandbox, SandboxLimits
 
-# wall-clock bounds and timeouts: run where nothing else competes for the CPUs (scripts/test.sh)
-pytestmark = [pytest.mark.skipif(not os.path.exists("/proc"), reason="LocalSandbox needs Linux"), pytest.mark.timing]
+pytestmark = pytest.mark.skipif(not os.path.exists("/proc"), reason="LocalSandbox needs Linux")
 
 CONCURRENT = r'''
 import asyncio, json, sys

@@ -16,8 +16,7 @@ import pytest
 from vime.agents.sandbox import HTTPSandbox, LocalSandbox, SandboxLimits, SandboxRefused, make_sandbox, sandbox_app
 from vime.agents.sandbox.service import authorized
 
-# wall-clock bounds and timeouts: run where nothing else competes for the CPUs (scripts/test.sh)
-pytestmark = [pytest.mark.skipif(not os.path.exists("/proc"), reason="LocalSandbox needs Linux"), pytest.mark.timing]
+pytestmark = pytest.mark.skipif(not os.path.exists("/proc"), reason="LocalSandbox needs Linux")
 TOKEN = "test-token-" + "x" * 32
 
 

@@ -13,9 +13,6 @@ import pytest
 
 from vime.agents.sandbox.slots import UidPool, check_unused_ids, uid_processes
 
-# wall-clock bounds and timeouts: run where nothing else competes for the CPUs (scripts/test.sh)
-pytestmark = pytest.mark.timing
-
 needs_root = pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="uid slots are for root")
 
 

@@ -11,9 +11,6 @@ from vime.agents.tool_parsing import ToolCall, ToolCallError
 from vime.agents.tools import (TOOLS, Tool, ToolContext, format_run_output, register_tool, run_tool_call, safe_eval,
                                select_tools)
 
-# wall-clock bounds and timeouts: run where nothing else competes for the CPUs (scripts/test.sh)
-pytestmark = pytest.mark.timing
-
 
 @pytest.mark.parametrize("expr, value", [("2 + 3 * 4", 14), ("(2 + 3) * 4", 20), ("-7 // 2", -4), ("2 ** 10", 1024),
                                          ("7 / 2", 3.5), ("10 % 4", 2), ("3 ^ 2", 9), ("1.5 * 2", 3.0)])
