@@ -23,7 +23,7 @@ async def answer_then_check(base_url: str, session_id: str, sample) -> float:
         messages += [{"role": "assistant", "content": first.choices[0].message.content},
                      {"role": "user", "content": FOLLOW_UP}]
         final = await client.chat.completions.create(model="policy", messages=messages)
-    return math_verify_reward(final.choices[0].message.content, sample.label)
+    return math_verify_reward(final.choices[0].message.content or "", sample.label)  # None: an empty answer
 
 
 generate = agent_generate(answer_then_check)

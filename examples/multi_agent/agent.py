@@ -29,10 +29,10 @@ async def solve_and_check(base_url: str, session_id: str, sample) -> dict[str, f
     async with solver, checker:
         proposed = await solver.chat.completions.create(
             model="policy", messages=[{"role": "user", "content": question}])
-        proposed_text = proposed.choices[0].message.content
+        proposed_text = proposed.choices[0].message.content or ""  # None: an empty answer
         final = await checker.chat.completions.create(
             model="policy", messages=[{"role": "user", "content": checker_prompt(question, proposed_text)}])
-    final_text = final.choices[0].message.content
+    final_text = final.choices[0].message.content or ""
     return {"solver": math_verify_reward(proposed_text, sample.label),
             "checker": math_verify_reward(final_text, sample.label)}
 
