@@ -59,8 +59,9 @@ def new_engine(args, placement, rank: int, log_dir: Path, token: str):
 
 def new_engines(args, placement, log_dir: Path, token: str) -> list:
     """vime's engine actors for a run (none with external engines). Made by the run's driver, their processes
-    boot beside the rollout manager's instead of after it (about 3 s of every run's start-up); the fleet of
-    that manager then owns them (`EngineFleet(engines=...)`)."""
+    boot beside the rollout manager's instead of after it (about 3 s of every run's start-up); that manager's
+    fleet runs them from then on (`EngineFleet(engines=...)`), while Ray counts the driver as their owner: they
+    die with it, not with the manager (`TrainingSession.__exit__` kills them with a stuck manager)."""
     if args.rollout_external_engine_addrs or args.debug_train_only:
         return []
     return [new_engine(args, placement, rank, log_dir, token) for rank in range(num_engines(args))]
