@@ -85,9 +85,9 @@ class EngineFleet:
         self._launched: list = []  # the engines' start calls in flight (`launch`)
         self.asleep: set[str] = set()  # which of SLEEP_TAGS the engines hold in host memory or not at all (`sleep`)
         self._deferred: set[int] = set()  # dead engines whose restart waits for the engines to wake
-        if token is not None:  # the run's, from the driver that made `engines`
-            use_control_token(token)
-        self.token = run_control_token(args) if token is None else token  # what rollouts and control calls send
+        # what rollouts and control calls send: the run's, from the driver that made `engines`, or made here
+        self.token = token if token is not None else run_control_token(args)
+        use_control_token(self.token)
         self._given = list(engines or [])  # engine actors made for this fleet, not started yet
 
     @property

@@ -108,7 +108,7 @@ class TrainingSession:
                                    overlap=self.overlap)
         token = run_control_token(args)
         # the engines' actors first: they boot beside the manager's, which takes them over
-        self.engines = new_engines(args, self.placement, log_dir(args), token) if self.use_engines else []
+        self.engines = new_engines(args, self.placement, log_dir(args), token)  # none with --debug-train-only
         self.manager = RolloutManager.remote(args, self.placement, self.engines, token)
         self.critic = None
         if self.train_enabled:
