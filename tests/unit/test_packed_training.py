@@ -11,11 +11,13 @@ pytest.importorskip("megatron.core")
 from tests.helpers.devices import output_tolerance  # noqa: E402
 from tests.helpers.rollouts import make_rollout  # noqa: E402
 from tests.helpers.trainer_runs import local_trainer  # noqa: E402
+from vime.backends.megatron_utils.attention import prompt_sharing_plan  # noqa: E402
 from vime.backends.megatron_utils.batching import micro_batch_inputs  # noqa: E402
 from vime.backends.megatron_utils.train_batch import TrainBatch  # noqa: E402
 from vime.backends.megatron_utils.loss import make_loss_fn  # noqa: E402
-from vime.backends.megatron_utils.model import forward_log_probs, run_schedule  # noqa: E402
+from vime.backends.megatron_utils.model import forward_log_probs, prompt_sharing, run_schedule  # noqa: E402
 from vime.backends.megatron_utils.trainer import _denominators  # noqa: E402
+from vime.utils.misc import with_values  # noqa: E402
 
 
 def test_micro_batch_inputs_pack_without_padding_and_point_at_response_logits():
@@ -33,12 +35,38 @@ def test_micro_batch_inputs_pack_without_padding_and_point_at_response_logits():
     assert padded.targets.tolist() == packed.targets.tolist()
 
 
-def _loss_and_grads(t, batch, mbs, packed: bool):
+def test_samples_that_share_a_prompt_hold_one_copy_of_it_and_see_it_from_their_own_positions():
+    tokens, responses = [[5, 6, 7, 8], [5, 6, 9], [11, 12, 13], [5, 6, 10, 14, 15]], [2, 1, 2, 3]
+    x = micro_batch_inputs(tokens, responses, packed=True, share_prompts=True, multiple=4)
+    # [5, 6] once, the three responses that continue it, the sample whose prompt is its own whole, one pad token
+    assert x.tokens.tolist() == [[5, 6, 7, 8, 9, 11, 12, 13, 10, 14, 15, 0]]
+    assert x.positions.tolist() == [[0, 1, 2, 3, 2, 0, 1, 2, 2, 3, 4, 0]]
+    assert x.cu_seqlens.tolist() == [0, 2, 4, 5, 8, 11, 12] and x.segment_prefix == [-1, 0, 0, -1, 0, -1]
+    assert x.max_seqlen == 5  # the longest whole sequence: RoPE's table must reach position 4
+    # a shared response's first token is predicted from the prompt's last row (1), the rest from their own
+    assert x.logit_rows.tolist() == [1, 2, 1, 5, 6, 1, 8, 9] and x.targets.tolist() == [7, 8, 9, 12, 13, 10, 14, 15]
+    # nothing to share: the plain packed layout
+    alone = micro_batch_inputs([tokens[0], tokens[2]], [2, 2], packed=True, share_prompts=True)
+    assert alone.segment_prefix is None and alone.tokens.tolist() == [[5, 6, 7, 8, 11, 12, 13]]
+
+    plan = prompt_sharing_plan(x.cu_seqlens.tolist(), x.segment_prefix)
+    # the responses' keys: their prompt's rows, then their own (padding reads row 0 and is masked out)
+    assert plan.key_rows.view(3, -1).tolist() == [[0, 1, 2, 3, 0], [0, 1, 4, 0, 0], [0, 1, 8, 9, 10]]
+    assert plan.mask[2, 0].int().tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+    assert plan.mask[1, 0].int().tolist() == [[1, 1, 1, 0, 0]] * 3  # one real query; padded ones see real keys
+    assert plan.alone_rows.view(3, -1).tolist() == [[0, 1, 0], [5, 6, 7], [11, 0, 0]]
+    # the outputs' real rows, alone segments first, go back to packed order
+    order = torch.cat([plan.alone_rows[plan.alone_real.view(-1)], plan.query_rows[plan.query_real.view(-1)]])
+    assert order[plan.restore].tolist() == list(range(12))
+
+
+def _loss_and_grads(t, batch, mbs, packed: bool, share_prompts: bool = False):
     for m in t.model:
         m.zero_grad_buffer()
     loss_fn = make_loss_fn(t.args, batch, _denominators(batch, range(len(batch.tokens))), scale=len(mbs),
                            step_index=0)
-    metrics = run_schedule(t.model, mbs, batch, loss_fn, forward_only=False, packed=packed)
+    metrics = run_schedule(t.model, mbs, batch, loss_fn, forward_only=False, packed=packed,
+                           share_prompts=share_prompts)
     loss = sum(float(m["loss"]) for m in metrics)
     grads = {n: p.main_grad.clone() for m in t.model for n, p in m.module.named_parameters()}
     return loss, grads
@@ -54,13 +82,48 @@ def test_packed_and_padded_training_give_the_same_loss_and_gradients(tiny_qwen3)
         assert len({len(batch.tokens[i]) for i in mbs[0]}) > 1  # mixed lengths within a micro-batch
         packed_loss, packed_grads = _loss_and_grads(t, batch, mbs, packed=True)
         padded_loss, padded_grads = _loss_and_grads(t, batch, mbs, packed=False)
-        assert packed_loss == pytest.approx(padded_loss, abs=output_tolerance("loss", t.model))
-        worst = max((packed_grads[k] - padded_grads[k]).abs().max().item() for k in packed_grads)
-        assert worst <= output_tolerance("grad", t.model), worst
+        # the groups' prompts shared within each micro-batch (groups cut across micro-batches too)
+        shared_loss, shared_grads = _loss_and_grads(t, batch, mbs, packed=True, share_prompts=True)
+        for loss, grads in ((padded_loss, padded_grads), (shared_loss, shared_grads)):
+            assert packed_loss == pytest.approx(loss, abs=output_tolerance("loss", t.model))
+            worst = max((packed_grads[k] - grads[k]).abs().max().item() for k in packed_grads)
+            assert worst <= output_tolerance("grad", t.model), worst
         assert max(g.abs().max().item() for g in packed_grads.values()) > 1e-4  # gradients are not all zero
 
-        # log-probs of a packed micro-batch equal each sequence's own forward (nothing leaks between sequences)
-        packed_lp = forward_log_probs(t.args, t.model, batch, [list(range(n))])
+        # log-probs of a packed micro-batch equal each sequence's own forward (nothing leaks between sequences),
+        # the prompts shared (the default here: a dense Qwen3 with vime's attention) or not
+        assert prompt_sharing(t.args, t.model) is None
+        shared_lp = forward_log_probs(t.args, t.model, batch, [list(range(n))])
+        packed_lp = forward_log_probs(with_values(t.args, share_group_prompts=False), t.model, batch,
+                                      [list(range(n))])
         for i in range(n):
             alone = forward_log_probs(t.args, t.model, batch, [[i]])[i][0]
             assert torch.allclose(packed_lp[i][0], alone, atol=output_tolerance("logprob", t.model)), i
+            assert torch.allclose(shared_lp[i][0], alone, atol=output_tolerance("logprob", t.model)), i
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5", "llama3"])
+def test_shared_prompts_keep_each_dense_familys_log_probs(arch, tmp_path):
+    """Qwen2.5 (qkv biases) and Llama 3.1 (scaled RoPE): each response's log-probs with its group's prompt
+    shared equal those of its own whole sequence."""
+    from vime.synthetic.tiny_model import build_tiny_model
+
+    groups = make_rollout(seed=3, prompt_lengths=(3, 30), response_lengths=(1, 25))
+    with local_trainer(build_tiny_model(tmp_path / arch, arch=arch, seed=1)) as t:
+        assert prompt_sharing(t.args, t.model) is None
+        batch = TrainBatch.from_samples(groups, t.args)
+        n = len(batch.tokens)
+        shared = forward_log_probs(t.args, t.model, batch, [list(range(n))])
+        plain = forward_log_probs(with_values(t.args, share_group_prompts=False), t.model, batch, [list(range(n))])
+        worst = max((shared[i][0] - plain[i][0]).abs().max().item() for i in range(n))
+        assert worst <= output_tolerance("logprob", t.model), worst
+
+
+@pytest.mark.parametrize("arch, reason", [("qwen3_moe", "an MoE model"), ("deepseek_v3", "multi-latent attention")])
+def test_prompt_sharing_says_why_a_model_keeps_a_prompt_per_sample(arch, reason, tmp_path):
+    from vime.synthetic.tiny_model import build_tiny_model
+
+    with local_trainer(build_tiny_model(tmp_path / arch, arch=arch, seed=1)) as t:
+        assert prompt_sharing(t.args, t.model) == reason
+        assert prompt_sharing(with_values(t.args, share_group_prompts=False), t.model) == "--no-share-group-prompts"
+        assert prompt_sharing(with_values(t.args, qkv_format="bshd"), t.model) == "--qkv-format bshd"

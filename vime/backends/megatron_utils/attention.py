@@ -4,7 +4,9 @@ Megatron's own `DotProductAttention` materialises the [b, heads, s, s] score mat
 a bmm, and refuses packed sequences. This drop-in subclass (same constructor, same parameters, same checkpoint
 keys) calls `torch.nn.functional.scaled_dot_product_attention`, which picks a fused kernel where one exists
 (flash attention on CPU too), and accepts Megatron's `thd` packed format (`PackedSeqParams` with cu_seqlens):
-each packed sequence attends only to itself, all of them in one batched call.
+each packed sequence attends only to itself, all of them in one batched call. With shared prompts
+(`SharedPromptSeqParams`, `batching.shared_prompt_inputs`) a packed response segment attends to its prompt
+segment and to itself.
 
 Who uses it: `model_provider.build_gpt_model` puts it into the local layer spec. The TransformerEngine spec on
 GPUs has its own fused attention with `thd` support.
@@ -12,8 +14,11 @@ GPUs has its own fused attention with `thd` support.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 
@@ -33,6 +38,8 @@ class SDPAttention(DotProductAttention):
         if self.softmax_offset is not None:
             raise ValueError(f"softmax_type {self.config.softmax_type!r} needs Megatron's DotProductAttention")
         dropout = self.attention_dropout.p if self.training else 0.0
+        if isinstance(packed_seq_params, SharedPromptSeqParams):
+            return self._shared_prompts(query, key, value, packed_seq_params.plan, dropout)
         if packed_seq_params is not None:
             return self._packed(query, key, value, packed_seq_params, dropout)
         # [s, b, n, d] -> [b, n, s, d]
@@ -40,10 +47,30 @@ class SDPAttention(DotProductAttention):
         out = self._attend(q, k, v, dropout)  # [b, n, s, d]
         return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], self.hidden_size_per_partition)
 
-    def _attend(self, q, k, v, dropout: float):
-        """[batch, heads, s, d] with key/value heads possibly fewer than query heads (grouped-query)."""
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=self.softmax_scale,
-                                              enable_gqa=k.shape[1] != q.shape[1])
+    def _attend(self, q, k, v, dropout: float, mask: torch.Tensor | None = None):
+        """[batch, heads, s, d] with key/value heads possibly fewer than query heads (grouped-query); causal, or
+        where `mask` (True: attend) says."""
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None,
+                                              scale=self.softmax_scale, enable_gqa=k.shape[1] != q.shape[1])
+
+    def _shared_prompts(self, query, key, value, plan: PromptSharingPlan, dropout: float):
+        """Packed [t, n, d] with shared prompts: the segments that continue no other (prompts, whole samples) in one
+        causal call, the responses, each after its prompt's keys and values, in one masked call."""
+        def gather(x, rows, batch):
+            return x.index_select(0, rows).view(batch, -1, *x.shape[1:]).transpose(1, 2)
+
+        outs = []
+        if plan.alone_rows.numel():
+            batch = plan.alone_real.shape[0]
+            out = self._attend(gather(query, plan.alone_rows, batch), gather(key, plan.alone_rows, batch),
+                               gather(value, plan.alone_rows, batch), dropout)
+            outs.append(out.transpose(1, 2).reshape(plan.alone_rows.numel(), -1)[plan.alone_real.view(-1)])
+        if plan.query_rows.numel():
+            batch = plan.mask.shape[0]
+            out = self._attend(gather(query, plan.query_rows, batch), gather(key, plan.key_rows, batch),
+                               gather(value, plan.key_rows, batch), dropout, plan.mask)
+            outs.append(out.transpose(1, 2).reshape(plan.query_rows.numel(), -1)[plan.query_real.view(-1)])
+        return torch.cat(outs).index_select(0, plan.restore)  # [t, heads x d], packed order
 
     def _packed(self, query, key, value, params, dropout: float):
         """Packed sequences [t, n, d]: gathered into one right-padded [sequences, heads, longest, d] batch for a
@@ -61,3 +88,64 @@ class SDPAttention(DotProductAttention):
                    for x in (query, key, value))  # [sequences, heads, longest, d]
         out = self._attend(q, k, v, dropout).transpose(1, 2).reshape(batch * longest, -1)
         return out.index_select(0, real.nonzero().view(-1))  # [t, heads x d], packed order
+
+
+@dataclass
+class PromptSharingPlan:
+    """Index tensors for `SDPAttention._shared_prompts`, built once per micro-batch (`prompt_sharing_plan`).
+
+    alone_*: the segments that continue none, right-padded to [segments, longest] (rows of the packed row; padding
+    reads row 0 and its outputs are dropped). query_rows / key_rows: each continuing segment's own rows, and its
+    prompt's rows followed by its own, right-padded; mask [segments, 1, queries, keys]: a query sees the prompt and
+    its own segment up to itself. restore: packed order from the real rows of both outputs, concatenated."""
+
+    alone_rows: torch.Tensor
+    alone_real: torch.Tensor
+    query_rows: torch.Tensor
+    query_real: torch.Tensor
+    key_rows: torch.Tensor
+    mask: torch.Tensor
+    restore: torch.Tensor
+
+    def to(self, device) -> PromptSharingPlan:
+        return PromptSharingPlan(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
+
+
+def prompt_sharing_plan(cu_seqlens: list[int], segment_prefix: list[int]) -> PromptSharingPlan:
+    """The plan for packed segments bounded by `cu_seqlens`, segment s continuing `segment_prefix[s]` (-1: none)."""
+    starts, lengths = cu_seqlens[:-1], [b - a for a, b in zip(cu_seqlens, cu_seqlens[1:])]
+
+    def padded(row_lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        longest = max((len(r) for r in row_lists), default=0)
+        rows = torch.zeros(len(row_lists), longest, dtype=torch.long)
+        real = torch.zeros(len(row_lists), longest, dtype=torch.bool)
+        for i, r in enumerate(row_lists):
+            rows[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+            real[i, :len(r)] = True
+        return rows, real
+
+    def own(s: int) -> list[int]:
+        return list(range(starts[s], starts[s] + lengths[s]))
+
+    alone = [s for s, p in enumerate(segment_prefix) if p < 0]
+    continuing = [s for s, p in enumerate(segment_prefix) if p >= 0]
+    alone_rows, alone_real = padded([own(s) for s in alone])
+    query_rows, query_real = padded([own(s) for s in continuing])
+    key_rows, key_real = padded([own(segment_prefix[s]) + own(s) for s in continuing])
+    before = torch.tensor([lengths[segment_prefix[s]] for s in continuing], dtype=torch.long)
+    # key j is visible to query i when it is real and no later than the query: j <= prompt length + i
+    visible = torch.arange(key_rows.shape[1]).view(1, 1, -1) <= before.view(-1, 1, 1) + \
+        torch.arange(query_rows.shape[1]).view(1, -1, 1)
+    mask = (visible & key_real.unsqueeze(1)).unsqueeze(1)
+    order = torch.cat([alone_rows[alone_real], query_rows[query_real]])
+    restore = torch.empty_like(order)
+    restore[order] = torch.arange(order.numel())
+    return PromptSharingPlan(alone_rows.view(-1), alone_real, query_rows.view(-1), query_real, key_rows.view(-1),
+                             mask, restore)
+
+
+@dataclass
+class SharedPromptSeqParams(PackedSeqParams):
+    """Megatron's `thd` PackedSeqParams (what RoPE and the layers read) with the shared-prompt plan attached."""
+
+    plan: PromptSharingPlan | None = None

@@ -4,7 +4,8 @@ A rollout of N samples gives N / --global-batch-size optimizer steps (--num-step
 Each step's samples are dealt to data-parallel ranks with equal counts and balanced token totals; each rank cuts
 its share into micro-batches of --micro-batch-size samples, or, with --use-dynamic-batch-size, of at most
 --max-tokens-per-gpu tokens (real tokens when packed, --qkv-format thd; padded ones with bshd). A micro-batch
-becomes model inputs packed one sequence after another, or right-padded (`micro_batch_inputs`).
+becomes model inputs packed one sequence after another, or right-padded (`micro_batch_inputs`). Packed, the
+samples of a micro-batch that share a prompt (a GRPO group) can share one copy of it (`share_prompts`).
 """
 
 from __future__ import annotations
@@ -87,15 +88,18 @@ class MicroBatchInputs:
     their lengths, positions restarting at 0 for each. Padded: tokens [b, longest], right-padded.
     `logit_rows` index the model's flattened [seq x batch] hidden states at each response token's predecessor
     (the position whose logits predict it), in sample order; `targets` are those response tokens.
+    With shared prompts (`segment_prefix` set) a packed segment is a prompt, a response that continues the
+    prompt segment `segment_prefix[s]` (its positions carry on from the prompt's), or a whole sample (-1).
     """
 
     tokens: torch.Tensor
     positions: torch.Tensor
     cu_seqlens: torch.Tensor | None  # int32 [n + 1] sequence boundaries in the packed row
-    max_seqlen: int
+    max_seqlen: int  # the longest sequence (with shared prompts: prompt + response)
     logit_rows: torch.Tensor  # [R] long, R = sum of response lengths
     targets: torch.Tensor  # [R] long
     response_lengths: list[int]
+    segment_prefix: list[int] | None = None  # per packed segment: the prompt segment it continues, or -1
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -103,12 +107,17 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 def micro_batch_inputs(token_lists: list[list[int]], response_lengths: list[int], packed: bool = True,
-                       pad_id: int = 0, multiple: int = 1) -> MicroBatchInputs:
+                       pad_id: int = 0, multiple: int = 1, share_prompts: bool = False) -> MicroBatchInputs:
     """Model inputs for one micro-batch: packed without padding (`thd`), or right-padded (`bshd`).
 
     `multiple`: the sequence dimension is padded to a multiple of it (sequence parallel splits it over the TP
     ranks): packed, with one extra sequence of `pad_id` tokens at the end of the row (in `cu_seqlens`, so it
-    attends only to itself); padded, with more right padding. `logit_rows` never point into the padding."""
+    attends only to itself); padded, with more right padding. `logit_rows` never point into the padding.
+    `share_prompts` (packed only): see `shared_prompt_inputs`."""
+    if packed and share_prompts:
+        shared = shared_prompt_inputs(token_lists, response_lengths, pad_id, multiple)
+        if shared is not None:
+            return shared
     lengths = [len(t) for t in token_lists]
     flat = torch.tensor([tok for t in token_lists for tok in t], dtype=torch.long)
     starts = torch.tensor([0] + lengths[:-1], dtype=torch.long).cumsum(0)
@@ -130,3 +139,61 @@ def micro_batch_inputs(token_lists: list[list[int]], response_lengths: list[int]
     rows = torch.cat([torch.arange(n - r - 1, n - 1) * batch + b
                       for b, (n, r) in enumerate(zip(lengths, response_lengths))])  # [seq, batch] flattened
     return MicroBatchInputs(tokens, positions, None, max(lengths), rows, targets, list(response_lengths))
+
+
+def shared_prompt_inputs(token_lists: list[list[int]], response_lengths: list[int], pad_id: int = 0,
+                         multiple: int = 1) -> MicroBatchInputs | None:
+    """Packed inputs in which the samples that share a prompt (equal tokens before the response) hold one copy of
+    it: [prompt, response 1, ..., response k] instead of k whole sequences. Each response attends to its prompt
+    and to itself (`attention.SDPAttention`), at the positions it has in its own sequence, so every response
+    token sees what it would see alone: the same logits, loss and gradients, while the prompt's tokens go through
+    the model once per micro-batch instead of once per sample (a GRPO group of 8 with a prompt a third of its
+    tokens: 29% fewer tokens). The first response token's logits come from the prompt's last row, which the
+    group shares. None when no prompt is shared (the plain packed layout is the same then)."""
+    prompts = [tuple(t[: len(t) - r]) for t, r in zip(token_lists, response_lengths)]
+    counts: dict[tuple, int] = {}
+    for prompt, r in zip(prompts, response_lengths):
+        if prompt and r > 0:
+            counts[prompt] = counts.get(prompt, 0) + 1
+    if not any(c > 1 for c in counts.values()):
+        return None
+    segments: list[list[int]] = []  # token ids of each packed segment
+    prefix: list[int] = []  # the prompt segment each continues, or -1
+    first_position: list[int] = []  # the position of each segment's first token in its own sequence
+
+    def add(tokens: list[int], continues: int = -1, position: int = 0) -> int:
+        segments.append(list(tokens))
+        prefix.append(continues)
+        first_position.append(position)
+        return len(segments) - 1
+
+    prompt_segment: dict[tuple, int] = {}
+    response_at: list[tuple[int, int]] = []  # per sample: its segment, the offset of its response in it
+    for t, r, prompt in zip(token_lists, response_lengths, prompts):
+        if counts.get(prompt, 0) > 1 and r > 0:
+            if prompt not in prompt_segment:
+                prompt_segment[prompt] = add(prompt)
+            response_at.append((add(t[len(t) - r:], prompt_segment[prompt], len(prompt)), 0))
+        else:
+            response_at.append((add(t), len(t) - r))
+    total = sum(len(s) for s in segments)
+    if _round_up(total, multiple) > total:
+        add([pad_id] * (_round_up(total, multiple) - total))
+    lengths = [len(s) for s in segments]
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
+    rows, targets = [], []
+    for (seg, offset), r in zip(response_at, response_lengths):
+        # the logits predicting response token j sit one position before it: in the prompt for j = 0 when shared
+        first = starts[seg] + offset
+        pred = list(range(first - 1, first + r - 1))
+        if prefix[seg] >= 0 and r:
+            pred[0] = starts[prefix[seg] + 1] - 1
+        rows += pred
+        targets += segments[seg][offset:offset + r]
+    row = torch.tensor([tok for s in segments for tok in s], dtype=torch.long)
+    positions = torch.cat([torch.arange(p, p + n) for p, n in zip(first_position, lengths)])
+    return MicroBatchInputs(row.unsqueeze(0), positions.unsqueeze(0), torch.tensor(starts, dtype=torch.int32),
+                            max(p + n for p, n in zip(first_position, lengths)), torch.tensor(rows, dtype=torch.long),
+                            torch.tensor(targets, dtype=torch.long), list(response_lengths), prefix)

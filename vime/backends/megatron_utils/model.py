@@ -15,8 +15,10 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from vime.backends.megatron_utils.attention import SDPAttention, SharedPromptSeqParams, prompt_sharing_plan
 from vime.backends.megatron_utils.batching import MicroBatchInputs, micro_batch_inputs
 from vime.backends.megatron_utils.log_probs import response_log_probs
 from vime.backends.megatron_utils.lora import routed
@@ -103,9 +105,67 @@ def only_rows(chunk, rows: torch.Tensor):
 def packed_seq_params(inputs: MicroBatchInputs) -> PackedSeqParams | None:
     if inputs.cu_seqlens is None:
         return None
-    cu = inputs.cu_seqlens.to(torch.cuda.current_device()) if torch.cuda.is_available() else inputs.cu_seqlens
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=inputs.max_seqlen,
-                           max_seqlen_kv=inputs.max_seqlen)
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    cu = inputs.cu_seqlens.to(device)
+    fields = dict(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=inputs.max_seqlen,
+                  max_seqlen_kv=inputs.max_seqlen)
+    if inputs.segment_prefix is None:
+        return PackedSeqParams(**fields)
+    plan = prompt_sharing_plan(inputs.cu_seqlens.tolist(), inputs.segment_prefix)
+    return SharedPromptSeqParams(**fields, plan=plan.to(device))
+
+
+def _gpt_model(chunk):
+    """The GPTModel inside a (DDP- or otherwise wrapped) model chunk."""
+    while not hasattr(chunk, "position_embedding_type") and hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+def prompt_sharing(args, model) -> str | None:
+    """Why micro-batches cannot share prompts (`batching.shared_prompt_inputs`) in this model, or None when they
+    can: --share-group-prompts, packed (thd) sequences, vime's SDPA attention (TransformerEngine's takes no
+    prompt mask), RoPE or learned positions (each token's own position reaches the model), no context parallel
+    (it splits sequences), and a dense model (an MoE's load-balancing loss counts every copy of a prompt token)."""
+    if not args.share_group_prompts:
+        return "--no-share-group-prompts"
+    if not is_packed(args):
+        return "--qkv-format bshd"
+    gpt = _gpt_model(model[0])
+    config = gpt.config
+    if not any(isinstance(m, SDPAttention) for m in gpt.modules()):
+        return "the attention is not vime's SDPAttention (TransformerEngine's or Megatron's own)"
+    if config.multi_latent_attention:  # its RoPE is applied inside the attention, from packed positions
+        return "multi-latent attention"
+    rope = getattr(gpt, "rotary_pos_emb", None)
+    if gpt.position_embedding_type == "rope" and type(rope) is not RotaryEmbedding:
+        return f"{type(rope).__name__} positions"
+    if gpt.position_embedding_type not in ("rope", "learned_absolute", "none"):
+        return f"{gpt.position_embedding_type} positions"
+    if config.context_parallel_size > 1:
+        return "context parallel"
+    if config.num_moe_experts:
+        return "an MoE model"
+    return None
+
+
+@contextlib.contextmanager
+def per_token_rope(chunk, positions: torch.Tensor):
+    """Within the block, `chunk`'s rotary embedding gives one row per packed token, at that token's position, in
+    place of one per position from 0: Megatron's packed RoPE then rotates each token by its own position (a
+    response that continues a shared prompt starts past 0). Megatron applies a table with as many rows as the
+    packed row token by token."""
+    gpt = _gpt_model(chunk)
+    if getattr(gpt, "position_embedding_type", None) != "rope" or getattr(gpt, "rotary_pos_emb", None) is None:
+        yield
+        return
+    rows = positions.reshape(-1)
+    handle = gpt.rotary_pos_emb.register_forward_hook(
+        lambda mod, args, emb: emb.index_select(0, rows.to(emb.device)))
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def adapter_route(inputs: MicroBatchInputs, adapters: list[int]) -> torch.Tensor:
@@ -121,7 +181,7 @@ def adapter_route(inputs: MicroBatchInputs, adapters: list[int]) -> torch.Tensor
 
 
 def run_schedule(model, micro_batches: list[list[int]], batch: TrainBatch, loss_fn: Callable,
-                 forward_only: bool, packed: bool = True, routing=None):
+                 forward_only: bool, packed: bool = True, routing=None, share_prompts: bool = False):
     """Run Megatron's schedule over micro-batches of sample indices.
 
     loss_fn(indices, inputs, output) -> (loss tensor, metrics dict) on the last stage, where `output` holds one
@@ -129,11 +189,15 @@ def run_schedule(model, micro_batches: list[list[int]], batch: TrainBatch, loss_
     `MicroBatchInputs`. `packed`: sequences packed without padding (thd) or right-padded (bshd). `routing`: a
     `routing_replay.RoutingReplay` that replays or records the MoE routing of each micro-batch. Returns the
     list of metrics dicts (last stage) or [] (other stages). Micro-batches differ in length
-    (variable_seq_lengths)."""
+    (variable_seq_lengths). `share_prompts`: samples of a micro-batch that share a prompt hold one copy of it
+    (where `prompt_sharing` allows it; not with per-sample adapters or routing replay, which are per token of
+    each sample's own sequence)."""
     # sequence parallel splits the sequence dimension over the TP ranks: it must divide evenly
     multiple = parallel_state.get_tensor_model_parallel_world_size() if model[0].config.sequence_parallel else 1
+    share_prompts = share_prompts and packed and batch.adapters is None and routing is None
     inputs = [micro_batch_inputs([batch.tokens[i] for i in mb], [batch.response_lengths[i] for i in mb],
-                                 packed=packed, multiple=multiple) for mb in micro_batches]
+                                 packed=packed, multiple=multiple, share_prompts=share_prompts)
+              for mb in micro_batches]
     routes = [adapter_route(x, [batch.adapters[i] for i in mb]) if batch.adapters is not None else None
               for mb, x in zip(micro_batches, inputs)]
     longest = max(int(x.tokens.numel()) if packed else x.tokens.shape[1] for x in inputs)
@@ -148,7 +212,8 @@ def run_schedule(model, micro_batches: list[list[int]], batch: TrainBatch, loss_
             tokens, positions = tokens.cuda(), positions.cuda()
         replay = routing.micro_batch(indices, [len(batch.tokens[i]) for i in indices], packed) if routing is not None \
             else contextlib.nullcontext()
-        with only_rows(chunk, mb.logit_rows), replay, routed(chunk, route):
+        rope = per_token_rope(chunk, mb.positions) if mb.segment_prefix is not None else contextlib.nullcontext()
+        with only_rows(chunk, mb.logit_rows), replay, routed(chunk, route), rope:
             output = chunk(tokens, positions, attention_mask=None, packed_seq_params=packed_seq_params(mb))
 
         def loss_func(output):
@@ -173,7 +238,8 @@ def forward_values(args, model, batch: TrainBatch, micro_batches: list[list[int]
         return torch.zeros((), device=values.device), {}
 
     with torch.no_grad():
-        run_schedule(model, micro_batches, batch, loss_fn, forward_only=True, packed=is_packed(args))
+        run_schedule(model, micro_batches, batch, loss_fn, forward_only=True, packed=is_packed(args),
+                     share_prompts=prompt_sharing(args, model) is None)
     return out
 
 
@@ -190,7 +256,8 @@ def forward_log_probs(args, model, batch: TrainBatch, micro_batches: list[list[i
         return torch.zeros((), device=logits.device), {}
 
     with torch.no_grad():
-        run_schedule(model, micro_batches, batch, loss_fn, forward_only=True, packed=is_packed(args), routing=routing)
+        run_schedule(model, micro_batches, batch, loss_fn, forward_only=True, packed=is_packed(args), routing=routing,
+                     share_prompts=prompt_sharing(args, model) is None)
     return out
 
 
@@ -206,7 +273,7 @@ def train_step(args, model, optimizer, scheduler, batch: TrainBatch, micro_batch
         m.zero_grad_buffer()
     optimizer.zero_grad()
     metrics = run_schedule(model, micro_batches, batch, loss_fn, forward_only=False, packed=is_packed(args),
-                           routing=routing)
+                           routing=routing, share_prompts=prompt_sharing(args, model) is None)
     update_successful, grad_norm, _ = optimizer.step()
     lr = optimizer.param_groups[0]["lr"]
     if update_successful:

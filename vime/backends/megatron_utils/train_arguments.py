@@ -19,6 +19,13 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
                         "(default: off).")
     g.add_argument("--max-tokens-per-gpu", type=int, default=None,
                    help="Tokens per micro-batch with --use-dynamic-batch-size (default: None).")
+    g.add_argument("--share-group-prompts", action=argparse.BooleanOptionalAction, default=True,
+                   help="Pack the samples of a micro-batch that share a prompt (a GRPO group) as one copy of the "
+                        "prompt followed by their responses, each response attending to the prompt and itself: "
+                        "the prompt goes through forward and backward once, not once per sample, for the same "
+                        "loss and gradients. Used where the model allows it (packed thd sequences, vime's SDPA "
+                        "attention, RoPE or learned positions, a dense model, no context parallel, no "
+                        "--lora-adapters or routing replay); the trainer logs which at start-up (default: on).")
     g.add_argument("--train-num-threads", type=int, default=None,
                    help="torch threads of each training rank (default: None = one per CPU of the rank's share of "
                         "its node: all of the node's CPUs split between the training ranks in train.py, split "

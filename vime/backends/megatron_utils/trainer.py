@@ -39,6 +39,7 @@ from vime.backends.megatron_utils.model import (
     forward_values,
     is_last_stage,
     is_packed,
+    prompt_sharing,
     setup_model_and_optimizer,
     train_step,
 )
@@ -84,6 +85,9 @@ class MegatronTrainer:
                         load_peft_adapter(chunk, args.lora_load)
 
         self.model, self.optimizer, self.scheduler = setup_model_and_optimizer(args, total_steps, prepare)
+        no_sharing = prompt_sharing(args, self.model)
+        logger.info("training %s: micro-batches %s", role, "share each group's prompt" if no_sharing is None
+                    else f"hold a copy of the prompt per sample (prompt sharing off: {no_sharing})")
         self.lora = lora
         self.expert_load = ExpertLoad(self.model, args.num_layers, args.num_experts) if args.num_experts else None
         self.step = 0
