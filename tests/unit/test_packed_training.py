@@ -54,10 +54,10 @@ def test_samples_that_share_a_prompt_hold_one_copy_of_it_and_see_it_from_their_o
     assert plan.key_rows.view(3, -1).tolist() == [[0, 1, 2, 3, 0], [0, 1, 4, 0, 0], [0, 1, 8, 9, 10]]
     assert plan.mask[2, 0].int().tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
     assert plan.mask[1, 0].int().tolist() == [[1, 1, 1, 0, 0]] * 3  # one real query; padded ones see real keys
-    assert plan.alone_rows.view(3, -1).tolist() == [[0, 1, 0], [5, 6, 7], [11, 0, 0]]
-    # the outputs' real rows, alone segments first, go back to packed order
-    order = torch.cat([plan.alone_rows[plan.alone_real.view(-1)], plan.query_rows[plan.query_real.view(-1)]])
-    assert order[plan.restore].tolist() == list(range(12))
+    assert plan.alone_segments == 3 and plan.alone_rows.view(3, -1).tolist() == [[0, 1, 0], [5, 6, 7], [11, 0, 0]]
+    # each packed row read back from its place in the padded outputs, alone segments first
+    assert torch.cat([plan.alone_rows, plan.query_rows])[plan.restore].tolist() == list(range(12))
+    assert plan.restore.tolist() == [0, 1, 9, 10, 12, 3, 4, 5, 15, 16, 17, 6]
 
 
 def _loss_and_grads(t, batch, mbs, packed: bool, share_prompts: bool = False):

@@ -55,22 +55,23 @@ class SDPAttention(DotProductAttention):
 
     def _shared_prompts(self, query, key, value, plan: PromptSharingPlan, dropout: float):
         """Packed [t, n, d] with shared prompts: the segments that continue no other (prompts, whole samples) in one
-        causal call, the responses, each after its prompt's keys and values, in one masked call."""
+        causal call, the responses, each after its prompt's keys and values, in one masked call; the real rows of
+        both read back in packed order with one gather (its backward: one scatter-add)."""
         def gather(x, rows, batch):
             return x.index_select(0, rows).view(batch, -1, *x.shape[1:]).transpose(1, 2)
 
         outs = []
         if plan.alone_rows.numel():
-            batch = plan.alone_real.shape[0]
+            batch = plan.alone_segments
             out = self._attend(gather(query, plan.alone_rows, batch), gather(key, plan.alone_rows, batch),
                                gather(value, plan.alone_rows, batch), dropout)
-            outs.append(out.transpose(1, 2).reshape(plan.alone_rows.numel(), -1)[plan.alone_real.view(-1)])
+            outs.append(out.transpose(1, 2).reshape(plan.alone_rows.numel(), -1))
         if plan.query_rows.numel():
             batch = plan.mask.shape[0]
             out = self._attend(gather(query, plan.query_rows, batch), gather(key, plan.key_rows, batch),
                                gather(value, plan.key_rows, batch), dropout, plan.mask)
-            outs.append(out.transpose(1, 2).reshape(plan.query_rows.numel(), -1)[plan.query_real.view(-1)])
-        return torch.cat(outs).index_select(0, plan.restore)  # [t, heads x d], packed order
+            outs.append(out.transpose(1, 2).reshape(plan.query_rows.numel(), -1))
+        return (torch.cat(outs) if len(outs) > 1 else outs[0]).index_select(0, plan.restore)  # [t, heads x d]
 
     def _packed(self, query, key, value, params, dropout: float):
         """Packed sequences [t, n, d]: gathered into one right-padded [sequences, heads, longest, d] batch for a
@@ -94,21 +95,22 @@ class SDPAttention(DotProductAttention):
 class PromptSharingPlan:
     """Index tensors for `SDPAttention._shared_prompts`, built once per micro-batch (`prompt_sharing_plan`).
 
-    alone_*: the segments that continue none, right-padded to [segments, longest] (rows of the packed row; padding
-    reads row 0 and its outputs are dropped). query_rows / key_rows: each continuing segment's own rows, and its
-    prompt's rows followed by its own, right-padded; mask [segments, 1, queries, keys]: a query sees the prompt and
-    its own segment up to itself. restore: packed order from the real rows of both outputs, concatenated."""
+    alone_rows: the rows (of the packed row) of the `alone_segments` segments that continue none, right-padded to
+    [segments x longest] (padding reads row 0; its outputs are never read back). query_rows / key_rows: each
+    continuing segment's own rows, and its prompt's rows followed by its own, right-padded; mask [segments, 1,
+    queries, keys]: a query sees the prompt and its own segment up to itself. restore: for each packed row, its
+    row in the two padded outputs one after the other."""
 
+    alone_segments: int
     alone_rows: torch.Tensor
-    alone_real: torch.Tensor
     query_rows: torch.Tensor
-    query_real: torch.Tensor
     key_rows: torch.Tensor
     mask: torch.Tensor
     restore: torch.Tensor
 
     def to(self, device) -> PromptSharingPlan:
-        return PromptSharingPlan(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
+        return PromptSharingPlan(self.alone_segments, *(getattr(self, f).to(device) for f in
+                                                         ("alone_rows", "query_rows", "key_rows", "mask", "restore")))
 
 
 def prompt_sharing_plan(cu_seqlens: list[int], segment_prefix: list[int]) -> PromptSharingPlan:
@@ -137,11 +139,11 @@ def prompt_sharing_plan(cu_seqlens: list[int], segment_prefix: list[int]) -> Pro
     visible = torch.arange(key_rows.shape[1]).view(1, 1, -1) <= before.view(-1, 1, 1) + \
         torch.arange(query_rows.shape[1]).view(1, -1, 1)
     mask = (visible & key_real.unsqueeze(1)).unsqueeze(1)
-    order = torch.cat([alone_rows[alone_real], query_rows[query_real]])
-    restore = torch.empty_like(order)
-    restore[order] = torch.arange(order.numel())
-    return PromptSharingPlan(alone_rows.view(-1), alone_real, query_rows.view(-1), query_real, key_rows.view(-1),
-                             mask, restore)
+    rows, real = torch.cat([alone_rows.view(-1), query_rows.view(-1)]), torch.cat([alone_real.view(-1),
+                                                                                  query_real.view(-1)])
+    restore = torch.empty(cu_seqlens[-1], dtype=torch.long)
+    restore[rows[real]] = real.nonzero().view(-1)
+    return PromptSharingPlan(len(alone), alone_rows.view(-1), query_rows.view(-1), key_rows.view(-1), mask, restore)
 
 
 @dataclass
