@@ -12,6 +12,7 @@ from tests.helpers.devices import output_tolerance  # noqa: E402
 from tests.helpers.rollouts import make_rollout  # noqa: E402
 from tests.helpers.trainer_runs import local_trainer  # noqa: E402
 from vime.backends.megatron_utils.attention import prompt_sharing_plan  # noqa: E402
+from vime.backends.megatron_utils import batching  # noqa: E402
 from vime.backends.megatron_utils.batching import micro_batch_inputs  # noqa: E402
 from vime.backends.megatron_utils.train_batch import TrainBatch  # noqa: E402
 from vime.backends.megatron_utils.loss import make_loss_fn  # noqa: E402
@@ -48,6 +49,13 @@ def test_samples_that_share_a_prompt_hold_one_copy_of_it_and_see_it_from_their_o
     # nothing to share: the plain packed layout
     alone = micro_batch_inputs([tokens[0], tokens[2]], [2, 2], packed=True, share_prompts=True)
     assert alone.segment_prefix is None and alone.tokens.tolist() == [[5, 6, 7, 8, 11, 12, 13]]
+
+    # a mask of more than MAX_PROMPT_MASK_BYTES: the plain layout (3 responses x 3 x 5 = 45 bytes here)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(batching, "MAX_PROMPT_MASK_BYTES", 44)
+        assert micro_batch_inputs(tokens, responses, packed=True, share_prompts=True).segment_prefix is None
+        mp.setattr(batching, "MAX_PROMPT_MASK_BYTES", 45)
+        assert micro_batch_inputs(tokens, responses, packed=True, share_prompts=True).segment_prefix is not None
 
     plan = prompt_sharing_plan(x.cu_seqlens.tolist(), x.segment_prefix)
     # the responses' keys: their prompt's rows, then their own (padding reads row 0 and is masked out)

@@ -141,6 +141,9 @@ def micro_batch_inputs(token_lists: list[list[int]], response_lengths: list[int]
     return MicroBatchInputs(tokens, positions, None, max(lengths), rows, targets, list(response_lengths))
 
 
+MAX_PROMPT_MASK_BYTES = 256 * 2**20  # the largest shared-prompt attention mask a micro-batch may build
+
+
 def shared_prompt_inputs(token_lists: list[list[int]], response_lengths: list[int], pad_id: int = 0,
                          multiple: int = 1) -> MicroBatchInputs | None:
     """Packed inputs in which the samples that share a prompt (equal tokens before the response) hold one copy of
@@ -149,13 +152,19 @@ def shared_prompt_inputs(token_lists: list[list[int]], response_lengths: list[in
     token sees what it would see alone: the same logits, loss and gradients, while the prompt's tokens go through
     the model once per micro-batch instead of once per sample (a GRPO group of 8 with a prompt a third of its
     tokens: 29% fewer tokens). The first response token's logits come from the prompt's last row, which the
-    group shares. None when no prompt is shared (the plain packed layout is the same then)."""
+    group shares. None when no prompt is shared (the plain packed layout is the same then), or when the
+    responses' attention mask (responses x longest response x longest whole sequence, one byte each) would
+    exceed `MAX_PROMPT_MASK_BYTES`: long sequences keep the plain layout rather than a mask of gigabytes."""
     prompts = [tuple(t[: len(t) - r]) for t, r in zip(token_lists, response_lengths)]
     counts: dict[tuple, int] = {}
     for prompt, r in zip(prompts, response_lengths):
         if prompt and r > 0:
             counts[prompt] = counts.get(prompt, 0) + 1
     if not any(c > 1 for c in counts.values()):
+        return None
+    shared = [(n, r) for n, r, prompt in zip(map(len, token_lists), response_lengths, prompts)
+              if r > 0 and counts.get(prompt, 0) > 1]
+    if len(shared) * max(r for _, r in shared) * max(n for n, _ in shared) > MAX_PROMPT_MASK_BYTES:
         return None
     segments: list[list[int]] = []  # token ids of each packed segment
     prefix: list[int] = []  # the prompt segment each continues, or -1
