@@ -125,8 +125,9 @@ def _gpt_model(chunk):
 def prompt_sharing(args, model) -> str | None:
     """Why micro-batches cannot share prompts (`batching.shared_prompt_inputs`) in this model, or None when they
     can: --share-group-prompts, packed (thd) sequences, vime's SDPA attention (TransformerEngine's takes no
-    prompt mask), RoPE or learned positions (each token's own position reaches the model), no context parallel
-    (it splits sequences), and a dense model (an MoE's load-balancing loss counts every copy of a prompt token)."""
+    prompt mask), Megatron's RotaryEmbedding (`per_token_rope` gives each token its own position), no context
+    parallel (it splits sequences), and a dense model (an MoE's load-balancing loss counts every copy of a
+    prompt token)."""
     if not args.share_group_prompts:
         return "--no-share-group-prompts"
     if not is_packed(args):
@@ -138,10 +139,8 @@ def prompt_sharing(args, model) -> str | None:
     if config.multi_latent_attention:  # its RoPE is applied inside the attention, from packed positions
         return "multi-latent attention"
     rope = getattr(gpt, "rotary_pos_emb", None)
-    if gpt.position_embedding_type == "rope" and type(rope) is not RotaryEmbedding:
-        return f"{type(rope).__name__} positions"
-    if gpt.position_embedding_type not in ("rope", "learned_absolute", "none"):
-        return f"{gpt.position_embedding_type} positions"
+    if gpt.position_embedding_type != "rope" or type(rope) is not RotaryEmbedding:
+        return f"{gpt.position_embedding_type} positions ({type(rope).__name__})"
     if config.context_parallel_size > 1:
         return "context parallel"
     if config.num_moe_experts:
@@ -152,9 +151,9 @@ def prompt_sharing(args, model) -> str | None:
 @contextlib.contextmanager
 def per_token_rope(chunk, positions: torch.Tensor):
     """Within the block, `chunk`'s rotary embedding gives one row per packed token, at that token's position, in
-    place of one per position from 0: Megatron's packed RoPE then rotates each token by its own position (a
-    response that continues a shared prompt starts past 0). Megatron applies a table with as many rows as the
-    packed row token by token."""
+    place of one per position from 0, so that a response continuing a shared prompt is rotated from where the
+    prompt ends. (Megatron's packed RoPE reads a table with as many rows as the packed row as one row per
+    token.)"""
     gpt = _gpt_model(chunk)
     if getattr(gpt, "position_embedding_type", None) != "rope" or getattr(gpt, "rotary_pos_emb", None) is None:
         yield

@@ -24,7 +24,7 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
                         "prompt followed by their responses, each response attending to the prompt and itself: "
                         "the prompt goes through forward and backward once, not once per sample, for the same "
                         "loss and gradients. Used where the model allows it (packed thd sequences, vime's SDPA "
-                        "attention, RoPE or learned positions, a dense model, no context parallel, no "
+                        "attention, RoPE, a dense model, no context parallel, no "
                         "--lora-adapters or routing replay); the trainer logs which at start-up (default: on).")
     g.add_argument("--train-num-threads", type=int, default=None,
                    help="torch threads of each training rank (default: None = one per CPU of the rank's share of "
