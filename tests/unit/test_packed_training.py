@@ -89,6 +89,8 @@ def test_packed_and_padded_training_give_the_same_loss_and_gradients(tiny_qwen3)
         mbs = [list(range(0, 5)), list(range(5, 11)), list(range(11, n))]
         assert len({len(batch.tokens[i]) for i in mbs[0]}) > 1  # mixed lengths within a micro-batch
         packed_loss, packed_grads = _loss_and_grads(t, batch, mbs, packed=True)
+        with pytest.raises(ValueError, match="shared prompts need packed sequences"):
+            _loss_and_grads(t, batch, mbs, packed=False, share_prompts=True)
         padded_loss, padded_grads = _loss_and_grads(t, batch, mbs, packed=False)
         # the groups' prompts shared within each micro-batch (groups cut across micro-batches too)
         shared_loss, shared_grads = _loss_and_grads(t, batch, mbs, packed=True, share_prompts=True)
@@ -135,3 +137,7 @@ def test_prompt_sharing_says_why_a_model_keeps_a_prompt_per_sample(arch, reason,
         assert prompt_sharing(t.args, t.model) == reason
         assert prompt_sharing(with_values(t.args, share_group_prompts=False), t.model) == "--no-share-group-prompts"
         assert prompt_sharing(with_values(t.args, qkv_format="bshd"), t.model) == "--qkv-format bshd"
+        assert prompt_sharing(with_values(t.args, lora_adapters=["a=a.jsonl", "b=b.jsonl"]),
+                              t.model) == "--lora-adapters"
+        assert prompt_sharing(with_values(t.args, use_rollout_routing_replay=True),
+                              t.model) == "--use-rollout-routing-replay"

@@ -12,10 +12,10 @@ from typing import Callable
 import torch
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.packed_seq_params import PackedSeqParams
-from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from vime.backends.megatron_utils.attention import SDPAttention, SharedPromptSeqParams, prompt_sharing_plan
@@ -25,6 +25,7 @@ from vime.backends.megatron_utils.lora import routed
 from vime.backends.megatron_utils.megatron_flags import given_fields
 from vime.backends.megatron_utils.model_provider import build_model_chunks, params_dtype
 from vime.backends.megatron_utils.train_batch import TrainBatch
+from vime.utils.lora_adapters import adapter_names
 
 
 def setup_model_and_optimizer(args, total_steps: int, prepare_chunks: Callable | None = None):
@@ -124,14 +125,19 @@ def _gpt_model(chunk):
 
 def prompt_sharing(args, model) -> str | None:
     """Why micro-batches cannot share prompts (`batching.shared_prompt_inputs`) in this model, or None when they
-    can: --share-group-prompts, packed (thd) sequences, vime's SDPA attention (TransformerEngine's takes no
-    prompt mask), Megatron's RotaryEmbedding (`per_token_rope` gives each token its own position), no context
-    parallel (it splits sequences), and a dense model (an MoE's load-balancing loss counts every copy of a
-    prompt token)."""
+    can: --share-group-prompts, packed (thd) sequences, one adapter for all samples (--lora-adapters routes each
+    token by its own sample), vime's SDPA attention (TransformerEngine's takes no prompt mask), Megatron's
+    RotaryEmbedding (`per_token_rope` gives each token its own position), no context parallel (it splits
+    sequences), and a dense model (an MoE's load-balancing loss counts every copy of a prompt token; routing
+    replay is per token of each sample's own sequence)."""
     if not args.share_group_prompts:
         return "--no-share-group-prompts"
     if not is_packed(args):
         return "--qkv-format bshd"
+    if adapter_names(args):
+        return "--lora-adapters"
+    if getattr(args, "use_rollout_routing_replay", False):
+        return "--use-rollout-routing-replay"
     gpt = _gpt_model(model[0])
     config = gpt.config
     if not any(isinstance(m, SDPAttention) for m in gpt.modules()):
@@ -155,9 +161,6 @@ def per_token_rope(chunk, positions: torch.Tensor):
     prompt ends. (Megatron's packed RoPE reads a table with as many rows as the packed row as one row per
     token.)"""
     gpt = _gpt_model(chunk)
-    if getattr(gpt, "position_embedding_type", None) != "rope" or getattr(gpt, "rotary_pos_emb", None) is None:
-        yield
-        return
     rows = positions.reshape(-1)
     handle = gpt.rotary_pos_emb.register_forward_hook(
         lambda mod, args, emb: emb.index_select(0, rows.to(emb.device)))
@@ -189,11 +192,12 @@ def run_schedule(model, micro_batches: list[list[int]], batch: TrainBatch, loss_
     `routing_replay.RoutingReplay` that replays or records the MoE routing of each micro-batch. Returns the
     list of metrics dicts (last stage) or [] (other stages). Micro-batches differ in length
     (variable_seq_lengths). `share_prompts`: samples of a micro-batch that share a prompt hold one copy of it
-    (where `prompt_sharing` allows it; not with per-sample adapters or routing replay, which are per token of
-    each sample's own sequence)."""
+    (`prompt_sharing` says where the model allows it)."""
+    if share_prompts and (not packed or batch.adapters is not None or routing is not None):
+        raise ValueError("shared prompts need packed sequences, one adapter for all samples and no routing replay "
+                         "(see model.prompt_sharing)")
     # sequence parallel splits the sequence dimension over the TP ranks: it must divide evenly
     multiple = parallel_state.get_tensor_model_parallel_world_size() if model[0].config.sequence_parallel else 1
-    share_prompts = share_prompts and packed and batch.adapters is None and routing is None
     inputs = [micro_batch_inputs([batch.tokens[i] for i in mb], [batch.response_lengths[i] for i in mb],
                                  packed=packed, multiple=multiple, share_prompts=share_prompts)
               for mb in micro_batches]
