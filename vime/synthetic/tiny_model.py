@@ -187,8 +187,14 @@ def build_tiny_model(
     intermediate_size: int = 256,
     max_position_embeddings: int = 2048,
     tie_word_embeddings: bool = False,
+    config: dict | None = None,
 ) -> Path:
-    """Write a randomly initialised (seeded) HF checkpoint with tokenizer to `out`; returns the path."""
+    """Write a randomly initialised (seeded) HF checkpoint with tokenizer to `out`; returns the path.
+
+    `config`: HF config keys to set over the family's tiny defaults, each one the family's config has, e.g. the
+    layer layout of an MoE: {"moe_intermediate_size": 80} (experts narrower than the dense layers), {"mlp_only_layers":
+    [], "decoder_sparse_step": 2} (Qwen3-MoE: every second layer MoE), {"first_k_dense_replace": 2,
+    "n_shared_experts": 2} (DeepSeek-V3)."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -196,12 +202,16 @@ def build_tiny_model(
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(out, vocab_size, seed)
     # The trained vocabulary can be a little smaller than asked; the embedding keeps the asked size.
-    config = build_config(
+    hf_config = build_config(
         arch, vocab_size, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size,
         max_position_embeddings, tie_word_embeddings, tokenizer.eos_token_id, tokenizer.pad_token_id,
     )
+    for key, value in (config or {}).items():
+        if not hasattr(hf_config, key):
+            raise ValueError(f"config key {key!r} is not a {type(hf_config).__name__} field")
+        setattr(hf_config, key, value)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     with torch.no_grad():  # HF init leaves some tensors (norms, biases) at constants; perturb all for tests
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
@@ -216,7 +226,7 @@ def build_tiny_model(
         saved.update(rope_theta=rope["rope_theta"], rope_scaling=dict(published))
         (out / "config.json").write_text(json.dumps(saved, indent=2, sort_keys=True))
     GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id).save_pretrained(out)
-    (out / "vime_tiny_model.json").write_text(json.dumps({"arch": arch, "seed": seed}))
+    (out / "vime_tiny_model.json").write_text(json.dumps({"arch": arch, "seed": seed, "config": config or {}}))
     return out
 
 
@@ -232,11 +242,26 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-kv-heads", type=int, default=2, help="Key/value heads, GQA (default: 2).")
     p.add_argument("--intermediate-size", type=int, default=256, help="MLP width (default: 256).")
     p.add_argument("--tie-word-embeddings", action="store_true", help="Share input and output embeddings.")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
+                   help="An HF config key over the family's defaults, its value as JSON (repeatable), e.g. "
+                        "--set moe_intermediate_size=80 --set decoder_sparse_step=2 --set 'mlp_only_layers=[]'.")
     a = p.parse_args(argv)
-    path = build_tiny_model(
-        a.out, a.arch, a.seed, a.vocab_size, a.hidden_size, a.num_layers, a.num_heads, a.num_kv_heads,
-        a.intermediate_size, tie_word_embeddings=a.tie_word_embeddings,
-    )
+    overrides = {}
+    for item in a.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            p.error(f"--set {item!r}: expected KEY=JSON")
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError as e:
+            p.error(f"--set {item!r}: the value is not JSON ({e}); quote strings as JSON does")
+    try:
+        path = build_tiny_model(
+            a.out, a.arch, a.seed, a.vocab_size, a.hidden_size, a.num_layers, a.num_heads, a.num_kv_heads,
+            a.intermediate_size, tie_word_embeddings=a.tie_word_embeddings, config=overrides,
+        )
+    except ValueError as e:
+        p.error(str(e))
     print(f"wrote {a.arch} tiny model to {path}")
 
 

@@ -29,6 +29,7 @@ someone else put beside the weights, is refused instead of read.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import stat
@@ -120,26 +121,38 @@ def load_in_place(vllm_config, model: torch.nn.Module, weights: Iterable[tuple[s
     return True
 
 
-def repack_cpu_experts(model: torch.nn.Module) -> int:
-    """After `reload_weights` on CPU: pack every MoE layer's freshly loaded expert weights into the CPU kernel's
-    layout again; returns how many layers were packed.
+@contextlib.contextmanager
+def packing_cpu_experts(model: torch.nn.Module):
+    """While vLLM's `reload_weights` runs in this context, every CPU MoE layer it reloads is padded and packed
+    into the CPU kernel's layout before vLLM copies it back into the layer's storage; yields how many MoE layers
+    can be.
 
-    vLLM 0.32's unquantized MoE method runs the CPU experts' prepack (`process_weights_after_loading` of the
-    fused experts) on the first load only; a weight update copies the new weights, in checkpoint layout, into
-    the packed storage, which the kernel then misreads (measured: reloading a tiny Qwen3-MoE's own weights moved
-    its log-probs by 0.2)."""
+    vLLM 0.32's unquantized MoE method runs the CPU experts' processing (`process_weights_after_loading` of the
+    fused experts: zero-pad the expert MLP width to the kernel's alignment, then prepack) on the first load
+    only. On a reload the fresh weights stay in checkpoint layout and unpadded, and vLLM copies them into the
+    packed storage: the kernel then misreads them (measured: reloading a tiny Qwen3-MoE's own weights moved its
+    log-probs by 0.2), and where the width needs padding (an expert width of 80: 160 rows of gate and up against
+    192 stored) the copy fails and the update with it. A layer the update does not reach keeps its packed
+    weights, untouched."""
     from vllm.platforms import current_platform
 
-    if not current_platform.is_cpu():
-        return 0
-    packed = 0
-    for layer in model.modules():
-        kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
-        experts = getattr(kernel, "fused_experts", None)
-        if experts is not None and type(experts).__module__.endswith(".cpu_moe"):
-            experts.process_weights_after_loading(layer)
-            packed += 1
-    return packed
+    methods = []
+    if current_platform.is_cpu():
+        for layer in model.modules():
+            method = getattr(layer, "quant_method", None)
+            experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
+            if experts is not None and type(experts).__module__.endswith(".cpu_moe"):
+                methods.append((method, experts))
+    for method, experts in methods:
+        def process(layer, _process=method.process_weights_after_loading, _experts=experts):
+            _process(layer)
+            _experts.process_weights_after_loading(layer)
+        method.__dict__["process_weights_after_loading"] = process  # this instance only, for this reload
+    try:
+        yield len(methods)
+    finally:
+        for method, _ in methods:
+            method.__dict__.pop("process_weights_after_loading", None)
 
 
 def _plan(vllm_config, model: torch.nn.Module) -> list[tuple[torch.nn.Module, dict]] | None:

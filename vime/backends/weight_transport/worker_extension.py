@@ -68,12 +68,12 @@ class WeightReceiver:
 
     def _vime_load(self, weights) -> bool:
         """In place where `load_in_place` applies, else vLLM's `reload_weights`; True when in place."""
-        from vime.backends.vllm_utils.weight_loading import load_in_place, repack_cpu_experts
+        from vime.backends.vllm_utils.weight_loading import load_in_place, packing_cpu_experts
 
         runner = self.model_runner
         if not load_in_place(self.vllm_config, runner.get_model(), weights):
-            self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
-            repack_cpu_experts(runner.get_model())
+            with packing_cpu_experts(runner.get_model()):
+                self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
             return False
         for reset in ("reset_encoder_cache", "reset_mm_cache"):  # what reload_weights resets after loading
             if hasattr(runner, reset):
