@@ -96,7 +96,7 @@ def fleet(monkeypatch, tmp_path):
     monkeypatch.setattr(engine_fleet.client, "post_each", post_each)  # with a health monitor
     monkeypatch.setattr(engine_fleet.client, "post_all", post_each)  # without
     monkeypatch.setattr(engine_fleet, "post_worker", lambda *a: sent.append(("router", a[1], [a[2]])))
-    f = EngineFleet(SimpleNamespace(control_token_file=None), None, tmp_path, RolloutContext())
+    f = EngineFleet(SimpleNamespace(control_token_file=None, debug_train_only=False), None, tmp_path, RolloutContext())
     f.engine_urls = ["http://e0", "http://e1"]
     f.rank_urls = list(f.engine_urls)
     f.sent = sent

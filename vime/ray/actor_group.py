@@ -113,6 +113,9 @@ class TrainActor:
     def get_loaded_state(self) -> dict | None:
         return self.trainer.get_loaded_state()
 
+    def set_plugin_values(self, values: dict) -> None:
+        self.trainer.set_plugin_values(values)
+
     # weights to the engines, and the probe that checks they arrived
     def send_weights(self, kind: str, handle) -> None:
         """This rank's half of a weight update through the `kind` transport (one instance per kind for the run:
@@ -190,6 +193,10 @@ class RayTrainGroup:
 
     def get_loaded_state(self) -> list[dict | None]:
         return control([a.get_loaded_state.remote() for a in self.actors], f"the {self.role}s' loaded state")
+
+    def set_plugin_values(self, values: dict) -> None:
+        """The run-time values every rank's custom functions see in `args` (`vime.utils.plugin_args`)."""
+        control([a.set_plugin_values.remote(values) for a in self.actors], f"the {self.role}s' plugin values")
 
     def probe_log_probs(self, tokens: list[int], response_length: int, temperature: float | None = None,
                         adapter: str | None = None) -> list:

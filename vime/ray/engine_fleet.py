@@ -27,11 +27,12 @@ from vime.backends.vllm_utils import client
 from vime.backends.vllm_utils.arguments import engine_dtype_warning, router_args_from
 from vime.backends.vllm_utils.engine import VLLMEngine, http_ok
 from vime.backends.vllm_utils.router import Router, post_worker
+from vime.backends.vllm_utils.router_gate import RouterGate
 from vime.ray.health import EngineHealthMonitor
 from vime.ray.placement import num_engines
 from vime.rollout.context import RolloutContext
 from vime.rollout.metrics import add_counter
-from vime.utils.auth import control_token, read_token_file, serving_key, use_control_token
+from vime.utils.auth import control_token, read_token_file, serving_headers, serving_key, use_control_token
 from vime.utils.deadline import control, gather
 from vime.utils.misc import find_free_port
 
@@ -88,6 +89,8 @@ class EngineFleet:
         # what rollouts and control calls send: the run's, from the driver that made `engines`, or made here
         self.token = token if token is not None else run_control_token(args)
         use_control_token(self.token)
+        # the router's front for custom functions (`plugin_router_url`), bound now: its address is fixed for the run
+        self.gate = None if args.debug_train_only else RouterGate(lambda: self.context.router_url, serving_headers)
         self._given = list(engines or [])  # engine actors made for this fleet, not started yet
 
     @property
@@ -106,6 +109,12 @@ class EngineFleet:
     @router_url.setter
     def router_url(self, url: str) -> None:
         self.context.router_url = url
+
+    def plugin_router_url(self) -> str | None:
+        """The router's address custom functions get (`vime.utils.plugin_args`): the fleet's gate in front of the
+        router in service, which adds the serving key for this user's processes and stays where it is when the
+        router restarts (`router_gate`); None without engines."""
+        return None if self.gate is None else self.gate.url
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
     def launch(self) -> None:
@@ -133,6 +142,8 @@ class EngineFleet:
                                       "--engine-startup-timeout")
         self.rank_urls = list(self.engine_urls)
         self._start_router()
+        if self.gate is not None:
+            self.gate.start()
         logger.info("engines %s behind router %s", self.engine_urls, self.router_url)
         if args.use_fault_tolerance and self.engines:
             own_router = self.router is not None  # an external router is not ours to restart
@@ -176,6 +187,9 @@ class EngineFleet:
         if self.monitor is not None:
             self.monitor.stop()
             self.monitor = None
+        if self.gate is not None:
+            self.gate.stop()
+            self.gate = None
         for actor in list(self._starting.values()):  # a restart in progress: its engine must not outlive us
             ray.kill(actor)
         self._drop_recovery_weights()

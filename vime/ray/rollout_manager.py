@@ -25,15 +25,26 @@ from vime.backends.weight_transport.check import probe_tokens
 from vime.data.transport import RolloutRef, make_transport, rollout_summary
 from vime.ray.engine_fleet import EngineFleet
 from vime.ray.health import FailedRollouts
-from vime.rollout.context import reset_rollout_context
+from vime.ray.placement import num_engines
+from vime.rollout.context import reset_rollout_context, rollout_context
 from vime.rollout.debug_data import load_rollout, save_rollout
 from vime.rollout.metrics import record_counters, rollout_metrics
 from vime.utils.logging_utils import configure_logging
 from vime.utils.lora_adapters import ADAPTER_KEY, adapter_names, adapter_specs
 from vime.utils.misc import load_function
+from vime.utils.plugin_args import plugin_view, runtime_values
 from vime.utils.types import RolloutFnTrainOutput, as_rollout_output
 
 logger = logging.getLogger(__name__)
+
+
+def resolve_num_rollout(args, num_prompts: int) -> int:
+    """The run's rollout count: --num-rollout, else --num-epoch passes over `num_prompts` prompts."""
+    if args.num_rollout is not None:
+        return args.num_rollout
+    if args.num_epoch is not None:
+        return max(1, args.num_epoch * num_prompts // args.rollout_batch_size)
+    raise ValueError("set --num-rollout or --num-epoch")
 
 
 def make_data_source(args, tokenizer) -> RolloutDataSource | None:
@@ -50,7 +61,8 @@ def make_data_source(args, tokenizer) -> RolloutDataSource | None:
     buffer_filter = None
     if args.buffer_filter_path:
         fn = load_function(args.buffer_filter_path)
-        buffer_filter = lambda buffer, n: fn(args, buffer, n)  # noqa: E731
+        # the filter gets the plugin view (the rollout context's, made once the data is loaded), as every hook
+        buffer_filter = lambda buffer, n: fn(rollout_context().plugin_args or args, buffer, n)  # noqa: E731
     if specs:
         return AdapterMixSource({name: f.samples for name, f in loaded.items()}, args.n_samples_per_prompt,
                                 args.rollout_seed, args.rollout_shuffle, buffer_filter)
@@ -99,6 +111,19 @@ class RolloutManager:
         self.eval_fn = load_function(args.eval_function_path or args.rollout_function_path)
         self.transport = make_transport(args)  # how generate() hands rollouts to the trainer side
         self.failures = FailedRollouts(args.max_failed_samples_ratio, args.max_consecutive_failed_rollouts)
+        # what every custom function receives as `args`: the flags and the run's values (vime.utils.plugin_args)
+        has_length = args.num_rollout is not None or args.num_epoch is not None
+        self.context.plugin_args = plugin_view(
+            args, self.fleet.plugin_router_url(),
+            resolve_num_rollout(args, self.num_prompts()) if has_length else None, num_engines(args))
+
+    @property
+    def plugin_args(self):
+        return self.context.plugin_args
+
+    def plugin_values(self) -> dict:
+        """The run-time values of the plugin view, for the trainers' custom functions (`plugin_view_from`)."""
+        return runtime_values(self.context.plugin_args)
 
     # ---- the engine fleet (its remote interface) ------------------------------------------------------------
     def start(self) -> list[str]:
@@ -156,7 +181,8 @@ class RolloutManager:
         if args.load_debug_rollout_data:
             output = RolloutFnTrainOutput(load_rollout(args.load_debug_rollout_data, rollout_id))
         else:
-            output = as_rollout_output(self.rollout_fn(args, rollout_id, self.data_source), evaluation=False)
+            output = as_rollout_output(self.rollout_fn(self.plugin_args, rollout_id, self.data_source),
+                                       evaluation=False)
         groups = output.samples
         elapsed = time.perf_counter() - start
         if args.save_debug_rollout_data:
@@ -189,7 +215,7 @@ class RolloutManager:
     def eval(self, rollout_id: int) -> dict[str, float]:
         if not self.eval_sources:
             return {}
-        output = as_rollout_output(self.eval_fn(self.args, rollout_id, self.eval_sources, evaluation=True),
+        output = as_rollout_output(self.eval_fn(self.plugin_args, rollout_id, self.eval_sources, evaluation=True),
                                    evaluation=True)
         metrics = dict(output.metrics or {})
         for name, samples in output.data.items():

@@ -19,7 +19,7 @@ from vime.ray.actor_group import RayTrainGroup
 from vime.ray.placement import Placement, init_ray
 from vime.ray.previous_run import check_start
 from vime.ray.engine_fleet import new_engines, run_control_token
-from vime.ray.rollout_manager import RolloutManager, log_dir
+from vime.ray.rollout_manager import RolloutManager, log_dir, resolve_num_rollout
 from vime.ray.weight_sync import WeightSync
 from vime.utils.deadline import control, gather
 from vime.utils.logging_utils import MetricsLogger
@@ -28,6 +28,7 @@ from vime.utils.plot import save_reward_curve
 from vime.utils.run_config import write_resolved_config
 
 logger = logging.getLogger(__name__)
+
 
 def run_entry_point(train_fn, argv: list[str] | None = None) -> None:
     """Parse flags, run `train_fn(args)`, and always shut Ray down (what train.py and train_async.py do)."""
@@ -64,14 +65,6 @@ def critic_args(args):
     (`checkpoint_files.part_dir`)."""
     return with_values(args, lr=args.critic_lr if args.critic_lr is not None else args.lr, use_kl_loss=False,
                        kl_coef=0.0)
-
-
-def resolve_num_rollout(args, num_prompts: int) -> int:
-    if args.num_rollout is not None:
-        return args.num_rollout
-    if args.num_epoch is not None:
-        return max(1, args.num_epoch * num_prompts // args.rollout_batch_size)
-    raise ValueError("set --num-rollout or --num-epoch")
 
 
 class TrainingSession:
@@ -136,10 +129,16 @@ class TrainingSession:
             self.critic = RayTrainGroup(critic_args(args), placement, role="critic")
 
     def _init_trainers(self) -> dict | None:
-        """Build the models (loading --load if it has a checkpoint); returns the loaded checkpoint's state."""
+        """Build the models (loading --load if it has a checkpoint) and hand them the run-time values of the
+        manager's plugin view (its router's address is fixed before the router starts); returns the loaded
+        checkpoint's state."""
         groups = [g for g in (self.trainers, self.critic) if g is not None]
+        values = self.manager.plugin_values.remote()
         gather([ref for group in groups for ref in group.begin_init(total_steps=self.total_steps)],
                "building the trainers' models", self.args.train_timeout, "--train-timeout")
+        values = control(values, "the rollout manager's plugin values")
+        for group in groups:
+            group.set_plugin_values(values)
         return self.trainers.get_loaded_state()[0]
 
     def start(self) -> tuple[int, int]:

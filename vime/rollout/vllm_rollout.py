@@ -44,6 +44,10 @@ class GenerateState:
     process's rollout context, made from `args` by the first call; a new run (`reset_rollout_context()`) or
     `GenerateState.reset()` starts a fresh one. A call with flags that would need another state (another
     checkpoint, concurrency or generate function) is refused rather than silently given the old one.
+
+    What slime's generate functions read from it: `tokenizer`, `processor` (None: text models), `semaphore` (the
+    run's --rollout-concurrency over all engines), `sampling_params` (the --rollout-* defaults, in vLLM's names:
+    `max_tokens` where slime's SGLang says `max_new_tokens`) and `aborted`.
     """
 
     _KEYS = ("hf_checkpoint", "rollout_concurrency", "custom_generate_function_path")
@@ -70,6 +74,7 @@ class GenerateState:
 
         self.args = args
         self.tokenizer = load_tokenizer(args.hf_checkpoint)
+        self.processor = None  # slime's multimodal processor: vime's models are text-only
         self.semaphore = asyncio.Semaphore(args.rollout_concurrency)
         self._group_lock = asyncio.Lock()
         self.session: aiohttp.ClientSession | None = None
@@ -79,6 +84,11 @@ class GenerateState:
         self.retries = 0  # generate requests sent again after an error or a timeout, since the rollout started
         self.generate_fn = load_function(args.custom_generate_function_path or
                                          "vime.rollout.vllm_rollout.generate")
+
+    @property
+    def sampling_params(self) -> dict[str, Any]:
+        """The --rollout-* sampling defaults (a fresh dict each time: callers change theirs)."""
+        return sampling_params_for(self.args)
 
     @contextlib.asynccontextmanager
     async def group_slots(self, count: int):

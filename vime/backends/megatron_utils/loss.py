@@ -17,8 +17,9 @@ from vime.backends.megatron_utils.log_probs import response_log_probs
 from vime.utils.misc import load_function
 
 
-def make_loss_fn(args, batch: TrainBatch, denominators: dict, scale: float, step_index: int):
-    """Return loss_fn(indices, inputs, logits) -> (scaled loss, metrics) for `model.run_schedule`."""
+def make_loss_fn(args, batch: TrainBatch, denominators: dict, scale: float, step_index: int, plugin_args=None):
+    """Return loss_fn(indices, inputs, logits) -> (scaled loss, metrics) for `model.run_schedule`. A custom loss
+    function gets `plugin_args` (the flags and the run's values, `vime.utils.plugin_args`; default `args`)."""
     policy_loss = get_policy_loss(getattr(args, "policy_loss", "ppo"))
     # only cispo's own keyword: a loss registered by a user keeps the contract it was written against
     cispo_kwargs = {"cispo_eps_low": args.cispo_eps_low} if getattr(args, "policy_loss", "ppo") == "cispo" else {}
@@ -38,7 +39,7 @@ def make_loss_fn(args, batch: TrainBatch, denominators: dict, scale: float, step
 
         if custom is not None:
             mb = batch.select(indices)
-            loss, metrics = custom(args, mb, log_probs, entropy, agg)
+            loss, metrics = custom(plugin_args or args, mb, log_probs, entropy, agg)
         elif args.loss_type == "sft_loss":
             loss = agg([-lp for lp in log_probs], masks)
             metrics["sft_loss"] = loss.detach()

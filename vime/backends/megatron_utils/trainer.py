@@ -44,6 +44,7 @@ from vime.backends.megatron_utils.model import (
     train_step,
 )
 from vime.utils.misc import load_function, with_values
+from vime.utils.plugin_args import plugin_view_from
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +71,7 @@ class MegatronTrainer:
         # the run's flags plus the architecture read from the checkpoint: this rank's own copy
         args = validate_megatron_args(fill_architecture_from_hf(args, self.hf_config), world_size=dist.get_world_size())
         self.args = args
+        self.plugin_args = plugin_view_from(args, None)  # what custom functions get (`set_plugin_values`)
         self.role = role
 
         lora = LoraConfig.from_args(args) if role == "actor" else None  # the critic trains in full
@@ -214,7 +216,7 @@ class MegatronTrainer:
 
         for step_index, (step, local, mbs) in enumerate(plan):
             loss_fn = make_loss_fn(args, batch, _denominators(batch, step), scale=len(mbs) * self.dp_size,
-                                   step_index=step_index)
+                                   step_index=step_index, plugin_args=self.plugin_args)
             with phase("steps"):
                 mb_metrics, grad_norm, lr, skipped = self._train_step(batch, mbs, loss_fn, metrics, routing=routing)
             self.step += 1
@@ -396,6 +398,10 @@ class MegatronTrainer:
 
     def get_loaded_state(self) -> dict | None:
         return self.loaded_state
+
+    def set_plugin_values(self, values: dict) -> None:
+        """The rollout manager's run-time values (router address, rollout count, ...) for custom functions."""
+        self.plugin_args = plugin_view_from(self.args, values)
 
     def send_weights(self, transport, handle) -> None:
         """Hand `transport` this rank's weights (all ranks gather over tensor parallel, together) and, on the one

@@ -1,0 +1,163 @@
+"""The router's address as custom functions see it: a loopback front that admits the run's own user only and
+adds the serving key.
+
+vime's engines answer generation only to requests that carry the run's serving key (`route_auth`); vllm-router
+passes a request's Authorization header on and adds none of its own. vime's own generate calls send the key; a
+function written for slime posts to `http://{args.sglang_router_ip}:{args.sglang_router_port}/generate` with no
+key at all. The gate stands between the two: `args.vllm_router_ip` / `args.vllm_router_port` of the plugin view
+(`vime.utils.plugin_args`) point at it, and it
+- answers only connections from a process of this user (the peer socket's owner, read from /proc/net/tcp and
+  tcp6): another user on the node gets 403 and never reaches the engines through it;
+- forwards GET (the router's `/workers`, `/list_workers`, `/health`, ...) and the generation routes' POST
+  (`SERVING_PREFIXES`) to the router in service at that moment (a restarted router moves; the gate does not),
+  with the serving key in place of any Authorization header given, streaming the answer back; the router's
+  control routes (`/add_worker`, `/remove_worker`, `/flush_cache`, ...) are refused: the fleet owns the worker set.
+
+It serves from its own thread and event loop, so that a plugin that calls it synchronously from vime's rollout loop
+does not wait on itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable
+
+import aiohttp
+from aiohttp import web
+
+from vime.backends.vllm_utils.route_auth import SERVING_PREFIXES
+
+logger = logging.getLogger(__name__)
+
+# headers that describe one hop, not the request (RFC 9110 7.6.1), and the ones the gate sets itself
+_HOP_HEADERS = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+                          "transfer-encoding", "upgrade", "host", "content-length", "authorization"})
+_PROC_TCP = ("/proc/net/tcp", "/proc/net/tcp6")
+
+
+def _hex_address(host: str, port: int) -> str:
+    """An address as /proc/net/tcp{,6} writes it: the IP's bytes as 32-bit host-order words in hex, then the port."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    raw = socket.inet_pton(family, host)
+    words = [raw[i:i + 4] for i in range(0, len(raw), 4)]
+    return "".join(int.from_bytes(w, "little").to_bytes(4, "big").hex().upper() for w in words) + f":{port:04X}"
+
+
+def peer_uid(peer: tuple, local: tuple) -> int | None:
+    """The uid owning the socket at the other end of a loopback TCP connection from `peer` to `local` (host, port
+    pairs as the connection reports them), or None when it is not found (a remote peer, or it closed)."""
+    want_local, want_remote = _hex_address(peer[0], peer[1]), _hex_address(local[0], local[1])
+    for path in _PROC_TCP:
+        try:
+            with open(path) as f:
+                next(f)  # the header line
+                for line in f:
+                    fields = line.split()
+                    if fields[1] == want_local and fields[2] == want_remote:
+                        return int(fields[7])
+        except FileNotFoundError:
+            continue
+    return None
+
+
+def forwarded(method: str, path: str) -> bool:
+    """Whether the gate passes `method path` on to the router: any GET, and POST to a generation route."""
+    return method in ("GET", "HEAD") or (method == "POST" and path.startswith(SERVING_PREFIXES))
+
+
+class RouterGate:
+    """`RouterGate(router_url, headers)`: `router_url()` is the router in service now (None while there is none),
+    `headers()` the key every forwarded request carries. `url` is known from construction (the socket is bound
+    there); `start()` serves, `stop()` closes."""
+
+    def __init__(self, router_url: Callable[[], str | None], headers: Callable[[], dict[str, str]],
+                 host: str = "127.0.0.1"):
+        self.router_url, self.headers = router_url, headers
+        self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, 0))  # held from now on: the port is ours before anyone learns it
+        self.url = f"http://{host}:{self.sock.getsockname()[1]}"
+        self.uid = os.getuid()
+        self.refused = 0  # connections of another user, refused since start
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._runner: web.AppRunner | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    def start(self) -> str:
+        ready = threading.Event()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._serve, args=(ready,), name="vime-router-gate", daemon=True)
+        self._thread.start()
+        if not ready.wait(30):
+            raise RuntimeError(f"the router gate at {self.url} did not start")
+        return self.url
+
+    def _serve(self, ready: threading.Event) -> None:
+        asyncio.set_event_loop(self._loop)
+
+        async def setup():
+            app = web.Application(client_max_size=1 << 30)
+            app.router.add_route("*", "/{tail:.*}", self._handle)
+            self._runner = web.AppRunner(app, access_log=None)
+            await self._runner.setup()
+            self.sock.listen(1024)
+            await web.SockSite(self._runner, self.sock).start()
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                                  timeout=aiohttp.ClientTimeout(total=None))
+
+        self._loop.run_until_complete(setup())
+        ready.set()
+        self._loop.run_forever()
+
+    def stop(self) -> None:
+        if self._loop is None:
+            self.sock.close()
+            return
+
+        async def close():
+            if self._session is not None:
+                await self._session.close()
+            if self._runner is not None:
+                await self._runner.cleanup()
+
+        asyncio.run_coroutine_threadsafe(close(), self._loop).result(timeout=30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=30)
+        self._loop = None
+        self.sock.close()
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        peer = request.transport.get_extra_info("peername") if request.transport else None
+        local = request.transport.get_extra_info("sockname") if request.transport else None
+        uid = peer_uid(peer, local) if peer and local else None
+        if uid != self.uid:
+            self.refused += 1
+            return web.json_response({"error": "this router front serves only the run's own user"}, status=403)
+        if not forwarded(request.method, request.path):
+            return web.json_response({"error": f"{request.method} {request.path} is not forwarded: the run's engine "
+                                               "fleet owns the router's workers (generation routes and GET only)"},
+                                     status=403)
+        target = self.router_url()
+        if target is None:
+            return web.json_response({"error": "no router in service (it is starting or restarting); retry"},
+                                     status=503)
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
+        headers.update(self.headers())
+        try:
+            async with self._session.request(request.method, target.rstrip("/") + request.path_qs, headers=headers,
+                                             data=await request.read()) as answer:
+                response = web.StreamResponse(status=answer.status, headers={
+                    k: v for k, v in answer.headers.items() if k.lower() not in _HOP_HEADERS})
+                await response.prepare(request)
+                async for chunk in answer.content.iter_any():
+                    await response.write(chunk)
+                await response.write_eof()
+                return response
+        except aiohttp.ClientError as e:
+            return web.json_response({"error": f"the router at {target} failed: {type(e).__name__}: {e}"},
+                                     status=502)
