@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -42,14 +47,20 @@ def rollout_run(tiny_qwen3, arithmetic_data, tmp_path_factory):
     assert not _stack_pids(), "engine or router processes are already running"
     out = tmp_path_factory.mktemp("rollout_e2e")
     hold, log = out / "hold", out / "run.log"  # a file: a pipe nobody reads could fill and block the run
-    cmd = _cmd(tiny_qwen3, arithmetic_data[0], out, 3) + ["--rollout-function-path", FUNCTION_PATH]
+    token_file = out / "token"
+    token_file.write_text(secrets.token_hex(32))
+    token_file.chmod(0o600)
+    cmd = _cmd(tiny_qwen3, arithmetic_data[0], out, 3) + ["--rollout-function-path", FUNCTION_PATH,
+                                                           "--control-token-file", str(token_file)]
     with open(log, "w") as log_file:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT,
                                 env=held_run_env(hold, at=2))
     try:
         wait_until_held(proc, hold, lambda: log.read_text()[-6000:])
         served = {"workers": worker_cpus(), "metrics": (out / "run" / "metrics.jsonl").read_text(),
-                  "engine_logs": {p.name: p.read_text() for p in (out / "run" / "logs").glob("engine_*.log")}}
+                  "engine_logs": {p.name: p.read_text() for p in (out / "run" / "logs").glob("engine_*.log")},
+                  "hostile": _another_user_probes(log.read_text(), token_file.read_text().strip())
+                  if os.getuid() == 0 and shutil.which("setpriv") else None}
         proc.send_signal(signal.SIGINT)
         hold.unlink()
         proc.wait(timeout=180)
@@ -60,6 +71,59 @@ def rollout_run(tiny_qwen3, arithmetic_data, tmp_path_factory):
     while _stack_pids() and time.monotonic() < deadline:
         time.sleep(1)
     return out, served, _stack_pids()
+
+
+HOSTILE = textwrap.dedent('''
+    import json, os, sys, urllib.error, urllib.request
+    secrets_, urls = json.loads(sys.stdin.read())  # on stdin: a secret in this argv would be found by the scan
+    def status(url, method="GET", data=None):
+        try:
+            return urllib.request.urlopen(urllib.request.Request(url, data=data, method=method), timeout=10).status
+        except urllib.error.HTTPError as e:
+            return e.code
+        except OSError as e:
+            return type(e).__name__
+    hits = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace")
+        except OSError:
+            continue
+        hits += [pid for secret in secrets_ if secret in cmdline]
+    engines = urls["engines"]
+    print(json.dumps({"cmdline_hits": hits,
+                      "engine_control": [status(u + r) for u in engines for r in ("/is_paused", "/server_info")]
+                                        + [status(u + "/collective_rpc", "POST", b"{}") for u in engines],
+                      "engine_generate": [status(u + "/inference/v1/generate", "POST", b"{}") for u in engines],
+                      "plugin_front": status(urls["front"] + "/workers")}))
+''')
+
+
+def _another_user_probes(run_log: str, token: str) -> dict:
+    """What uid 65534 finds while the run serves: the run's token or serving key in any process's argv, and the
+    answers of the engines' control and generation routes and of the router's front for plugins."""
+    from vime.utils.auth import serving_key
+
+    match = re.search(r"engines (\[.*?\]) behind router (\S+) \(custom functions: (\S+)\)", run_log)
+    engines = json.loads(match.group(1).replace("'", '"'))
+    proc = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-I", "-c",
+                           HOSTILE], input=json.dumps([[token, serving_key(token)],
+                                                       {"engines": engines, "front": match.group(3)}]),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+@pytest.mark.skipif(os.getuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv for a 2nd uid")
+def test_another_user_finds_no_secret_and_no_open_door(rollout_run):
+    """Another user on the node, while the run serves: no process's argv holds the token or the serving key
+    (the router's arguments once did); every engine route answers 401 without a key; the router's front for
+    plugins answers 403."""
+    _, served, _ = rollout_run
+    hostile = served["hostile"]
+    assert hostile["cmdline_hits"] == [], hostile
+    assert set(hostile["engine_control"]) == {401} and set(hostile["engine_generate"]) == {401}, hostile
+    assert hostile["plugin_front"] == 403
 
 
 def test_every_sample_is_complete(rollout_run):

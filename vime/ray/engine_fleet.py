@@ -144,7 +144,8 @@ class EngineFleet:
         self._start_router()
         if self.gate is not None:
             self.gate.start()
-        logger.info("engines %s behind router %s", self.engine_urls, self.router_url)
+        logger.info("engines %s behind router %s (custom functions: %s)", self.engine_urls, self.router_url,
+                    self.plugin_router_url())
         if args.use_fault_tolerance and self.engines:
             own_router = self.router is not None  # an external router is not ours to restart
             self.monitor = EngineHealthMonitor(len(self.engines), self._probe_engine_between_updates,

@@ -19,17 +19,25 @@ def _new_session() -> None:
     os.setsid()
 
 
-def spawn(cmd: list[str], log_path: str | Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Start `cmd` with stdout+stderr to `log_path`, in a new session, killed if this process dies."""
+def spawn(cmd: list[str], log_path: str | Path, env: dict[str, str] | None = None,
+          stdin_data: bytes | None = None) -> subprocess.Popen:
+    """Start `cmd` with stdout+stderr to `log_path`, in a new session, killed if this process dies. `stdin_data`:
+    what the command reads on its standard input (then closed), for anything secret: every user on the node can
+    read a process's argv."""
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = open(log_path, "ab")
     try:
         watched = [sys.executable, "-m", "vime.utils.watchdog", str(os.getpid()), "--", *cmd]
-        return subprocess.Popen(watched, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        proc = subprocess.Popen(watched, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL if stdin_data is None else subprocess.PIPE,
                                 env=env, preexec_fn=_new_session)
     finally:
         log.close()
+    if stdin_data is not None:
+        with proc.stdin:
+            proc.stdin.write(stdin_data)
+    return proc
 
 
 def kill_tree(proc: subprocess.Popen, grace_s: float = 10.0) -> None:

@@ -24,6 +24,7 @@ from vime.utils.auth import CONTROL_TOKEN_ENV, control_headers, control_token, u
 from vime.utils.cpus import CpuShare, allowed_cpus, raise_priority
 from vime.utils.logging_utils import configure_logging
 from vime.utils.misc import find_free_port
+from vime.utils.listeners import foreign_listener
 from vime.utils.process import kill_tree, spawn, tail, wait_until
 
 
@@ -315,6 +316,13 @@ class VLLMEngine:
                 f"vLLM engine {self.engine_rank} {state} (--engine-startup-timeout "
                 f"{self.args.engine_startup_timeout}s). Log {self.log_path}:\n{tail(self.log_path)}"
             )
+        # the port was free when chosen; whoever binds it first answers /health: no secret before it is ours
+        stranger = foreign_listener(int(self.url.rsplit(":", 1)[1]), self.proc.pid)
+        if stranger is not None:
+            self.stop()
+            raise RuntimeError(f"vLLM engine {self.engine_rank} at {self.url}: {stranger}; nothing was sent to it. "
+                               "Another user may be trying to impersonate the engine: start the run again (a new "
+                               "port is chosen) and tell the node's administrator")
         problem = control_routes_locked(self.url)
         if problem is not None:  # an engine anyone could control must not serve the run
             self.stop()

@@ -14,6 +14,7 @@ import urllib.request
 from pathlib import Path
 
 from vime.backends.vllm_utils.engine import http_ok
+from vime.utils.listeners import foreign_listener
 from vime.utils.process import kill_tree, spawn, tail, wait_until
 
 
@@ -30,14 +31,21 @@ class Router:
 
     def launch(self) -> None:
         """Start the router's process without waiting for it to serve."""
-        payload = json.dumps(dataclasses.asdict(self.router_args))
-        self.proc = spawn([sys.executable, "-m", "vime.backends.vllm_utils.router", payload], self.log_path)
+        # on standard input, not argv: the arguments hold the serving key (api_key)
+        payload = json.dumps(dataclasses.asdict(self.router_args)).encode()
+        self.proc = spawn([sys.executable, "-m", "vime.backends.vllm_utils.router"], self.log_path,
+                          stdin_data=payload)
 
     def wait_ready(self, timeout_s: float = 60.0) -> str:
         """Wait until the launched router answers /health; its URL."""
         if not wait_until(lambda: http_ok(self.url + "/health"), timeout_s, 0.1, alive=lambda: self.proc.poll() is None):
             self.stop()
             raise RuntimeError(f"vllm-router did not start on {self.url}. Log {self.log_path}:\n{tail(self.log_path)}")
+        stranger = foreign_listener(self.router_args.port, self.proc.pid)
+        if stranger is not None:  # generate requests carry the serving key: none goes to a stranger
+            self.stop()
+            raise RuntimeError(f"vllm-router at {self.url}: {stranger}; nothing was sent to it. Another user may be "
+                               "trying to impersonate the router: start the run again on another port")
         return self.url
 
     def workers(self) -> list[str]:
@@ -69,7 +77,7 @@ def _main() -> None:
     from vllm_router.launch_router import launch_router
     from vllm_router.router_args import RouterArgs
 
-    launch_router(RouterArgs(**json.loads(sys.argv[1])))
+    launch_router(RouterArgs(**json.loads(sys.stdin.read())))
 
 
 if __name__ == "__main__":

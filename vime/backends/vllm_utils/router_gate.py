@@ -30,38 +30,13 @@ import aiohttp
 from aiohttp import web
 
 from vime.backends.vllm_utils.route_auth import SERVING_PREFIXES
+from vime.utils.listeners import peer_uid
 
 logger = logging.getLogger(__name__)
 
 # headers that describe one hop, not the request (RFC 9110 7.6.1), and the ones the gate sets itself
 _HOP_HEADERS = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
                           "transfer-encoding", "upgrade", "host", "content-length", "authorization"})
-_PROC_TCP = ("/proc/net/tcp", "/proc/net/tcp6")
-
-
-def _hex_address(host: str, port: int) -> str:
-    """An address as /proc/net/tcp{,6} writes it: the IP's bytes as 32-bit host-order words in hex, then the port."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    raw = socket.inet_pton(family, host)
-    words = [raw[i:i + 4] for i in range(0, len(raw), 4)]
-    return "".join(int.from_bytes(w, "little").to_bytes(4, "big").hex().upper() for w in words) + f":{port:04X}"
-
-
-def peer_uid(peer: tuple, local: tuple) -> int | None:
-    """The uid owning the socket at the other end of a loopback TCP connection from `peer` to `local` (host, port
-    pairs as the connection reports them), or None when it is not found (a remote peer, or it closed)."""
-    want_local, want_remote = _hex_address(peer[0], peer[1]), _hex_address(local[0], local[1])
-    for path in _PROC_TCP:
-        try:
-            with open(path) as f:
-                next(f)  # the header line
-                for line in f:
-                    fields = line.split()
-                    if fields[1] == want_local and fields[2] == want_remote:
-                        return int(fields[7])
-        except FileNotFoundError:
-            continue
-    return None
 
 
 def forwarded(method: str, path: str) -> bool:

@@ -1,0 +1,123 @@
+"""Another user on the node binds the port vime chose for an engine or the router before vime's child does, and
+answers /health: vime refuses to start, naming the port, and the impostor never sees the control token or the
+serving key (it logs every request's Authorization header). The impostor runs as uid 65534 (`setpriv`), as a
+second user would; the engine stands in for vLLM with a process that never binds (this tests the code around it);
+the router is the real vllm-router, which cannot bind the held port."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from vime.utils.listeners import foreign_listener, listeners
+
+pytestmark = pytest.mark.skipif(os.getuid() != 0 or not shutil.which("setpriv"),
+                                reason="needs root and setpriv to run the impostor as another user")
+
+IMPOSTOR = textwrap.dedent('''
+    import http.server, json, sys
+    log = open(sys.argv[2], "a", buffering=1)
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def answer(self):
+            length = int(self.headers.get("Content-Length") or 0)
+            self.rfile.read(length)
+            log.write(json.dumps({"method": self.command, "path": self.path,
+                                  "authorization": self.headers.get("Authorization")}) + "\\n")
+            self.send_response(200)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+        do_GET = do_POST = answer
+        def log_message(self, *a):
+            pass
+    http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+''')
+
+
+@pytest.fixture()
+def impostor():
+    """(port, requests it received): a server of uid 65534 holding a free loopback port."""
+    import tempfile
+    from pathlib import Path
+
+    home = Path(tempfile.mkdtemp(prefix="vime-impostor-", dir="/tmp"))  # pytest's tmp_path is closed to others
+    os.chmod(home, 0o755)
+    script, log = home / "impostor.py", home / "requests.jsonl"
+    script.write_text(IMPOSTOR)
+    log.touch()
+    os.chmod(log, 0o666)
+    os.chmod(script, 0o644)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # started by a shell that exits at once: like another user's server, it is no process of ours
+    pid_file = home / "pid"
+    subprocess.run(["sh", "-c", f"setpriv --reuid=65534 --regid=65534 --clear-groups {sys.executable} -I {script} "
+                                f"{port} {log} & echo $! > {pid_file}"], check=True)
+    deadline = time.monotonic() + 30
+    while not listeners(port) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert list(listeners(port).values()) == [65534]
+
+    def received():
+        return [json.loads(line) for line in log.read_text().splitlines()]
+
+    yield port, received
+    os.kill(int(pid_file.read_text()), 9)
+    shutil.rmtree(home)
+
+
+def test_foreign_listener_names_the_holder(impostor):
+    port, _ = impostor
+    assert foreign_listener(port, os.getpid()) == f"port {port} is held by a process that vime did not start (uid 65534)"
+    with socket.socket() as mine:
+        mine.bind(("127.0.0.1", 0))
+        mine.listen(1)
+        assert foreign_listener(mine.getsockname()[1], os.getpid()) is None  # ours
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        unused = closed.getsockname()[1]
+    assert foreign_listener(unused, os.getpid()) == f"nothing listens on port {unused}"
+
+
+def test_engine_start_sends_no_token_to_an_impostor(impostor, tmp_path, monkeypatch):
+    from vime.backends.vllm_utils import engine
+    from vime.utils.auth import use_control_token
+
+    port, received = impostor
+    use_control_token("t" * 64)
+    monkeypatch.setattr(engine, "find_free_port", lambda *a: port)
+    # the real engine would fail to bind the held port; a process that never binds stands in for it
+    monkeypatch.setattr(engine, "engine_command", lambda *a: [sys.executable, "-c", "import time; time.sleep(60)"])
+    monkeypatch.setattr(engine, "engine_env", lambda *a: dict(os.environ))
+    args = SimpleNamespace(engine_startup_timeout=30, vllm_host=None, rollout_external_engine_addrs=None)
+    monkeypatch.setattr("vime.utils.device.serving_host", lambda a: "127.0.0.1")
+    e = engine.VLLMEngine(args, 0, str(tmp_path))
+    with pytest.raises(RuntimeError, match=f"port {port} is held by a process that vime did not start"):
+        e.start()
+    assert e.proc is None  # its own process was stopped
+    assert received() and all(r["authorization"] is None for r in received()), received()
+    assert {r["path"] for r in received()} == {"/health"}
+
+
+def test_router_start_sends_nothing_to_an_impostor(impostor, tmp_path):
+    from vime.arguments import build_parser
+    from vime.backends.vllm_utils.arguments import router_args_from
+    from vime.backends.vllm_utils.router import Router
+
+    port, received = impostor
+    flags = build_parser().parse_args(["--hf-checkpoint", "x"])
+    router = Router(router_args_from(flags, "127.0.0.1", port, [], api_key="serving-key"), str(tmp_path))
+    with pytest.raises(RuntimeError, match=str(port)):
+        router.start(timeout_s=30)
+    assert router.proc is None
+    assert all(r["authorization"] is None and r["method"] == "GET" for r in received()), received()
