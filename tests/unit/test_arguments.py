@@ -273,3 +273,52 @@ def test_timeouts_must_be_positive(base, capsys):
     for flag in ("--train-timeout", "--rollout-timeout", "--engine-startup-timeout"):
         assert f"{flag} must be a positive number of seconds, got 0.0" in _error(capsys, [*base, flag, "0"])
     assert parse_args(base).train_timeout == 7200.0
+
+
+def test_a_warmup_longer_than_the_run_fails_before_anything_starts(base):
+    """A slime launch script's --lr-warmup-iters 1 with a run of one optimizer step: Megatron's scheduler would
+    assert in trainer init, after Ray, the engines and the router started; train.py refuses it at parse time,
+    naming both flags, before Ray starts."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, str(repo / "train.py"), *base, "--lr-warmup-iters", "1", "--num-rollout",
+                           "1", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
+                           "--output-dir", "/tmp/vime-never-written"],
+                          capture_output=True, text=True, timeout=120, cwd=repo)
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "--lr-warmup-iters 1" in proc.stderr and "--num-rollout" in proc.stderr
+    assert "Ray" not in proc.stderr and elapsed < 10, (elapsed, proc.stderr[-3000:])
+
+
+@pytest.mark.parametrize("lr, min_lr, warmup, weight_decay, steps", [
+    (1e-3, 0.0, 0, 0.01, 1), (1e-3, 0.0, 1, 0.01, 1), (1e-3, 0.0, 1, 0.01, 2), (1e-3, 0.0, 5, 0.0, 5),
+    (1e-3, 2e-3, 0, 0.01, 10), (1e-3, -1e-4, 0, 0.01, 10), (-1e-3, -2e-3, 2, 0.01, 10), (1e-3, 0.0, 0, -0.1, 10),
+    (0.0, 0.0, 3, 0.0, 4),
+])
+def test_schedule_check_agrees_with_megatrons_scheduler(lr, min_lr, warmup, weight_decay, steps):
+    """`lr_schedule_problem` refuses exactly what Megatron's OptimizerParamScheduler, built as vime builds it,
+    asserts on."""
+    from argparse import Namespace
+
+    import torch
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from vime.backends.megatron_utils.train_arguments import lr_schedule_problem
+
+    args = Namespace(lr=lr, min_lr=min_lr, lr_warmup_iters=warmup, weight_decay=weight_decay, num_steps_per_rollout=1)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    try:
+        OptimizerParamScheduler(optimizer, init_lr=0.0 if warmup else lr, max_lr=lr, min_lr=min_lr,
+                                lr_warmup_steps=warmup, lr_decay_steps=max(steps, 1), lr_decay_style="constant",
+                                start_wd=weight_decay, end_wd=weight_decay, wd_incr_steps=max(steps, 1),
+                                wd_incr_style="constant")
+        megatron_ok = True
+    except AssertionError:
+        megatron_ok = False
+    assert (lr_schedule_problem(args, steps) is None) == megatron_ok

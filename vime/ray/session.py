@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import ray
 
 from vime.arguments import ArgumentsError, build_parser, check_model_args
+from vime.backends.megatron_utils.train_arguments import lr_schedule_problem
 from vime.backends.weight_transport.check import check_weights_equal
 from vime.data.transport import RolloutRef, make_transport, rollout_summary
 from vime.data.transport.replay import append_trained_samples, replay_ids, truncate_trained_samples
@@ -147,6 +148,9 @@ class TrainingSession:
         the engines size their memory first."""
         args = self.args
         num_rollout = resolve_num_rollout(args, control(self.manager.num_prompts.remote(), "the prompt count"))
+        problem = lr_schedule_problem(args, num_rollout * args.num_steps_per_rollout) if self.train_enabled else None
+        if problem:  # --num-epoch: the step count is known only now, still before any model is built
+            raise ArgumentsError(problem)
         engines = self.manager.start.remote() if self.use_engines else None
         if engines is not None and self.placement.colocate:
             self._wait_for_engines(engines)

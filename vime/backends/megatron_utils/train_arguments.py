@@ -200,6 +200,33 @@ def _peft_adapter_flags(path: str, args: argparse.Namespace) -> dict:
     return found
 
 
+def lr_schedule_problem(args: argparse.Namespace, total_steps: int) -> str | None:
+    """What Megatron's `OptimizerParamScheduler` would assert about the run's schedule (its checks, which fire only
+    once the trainers build their optimizers, after Ray, the engines and the router started), or None. vime builds
+    it with init_lr 0 under warmup (else --lr), max_lr --lr (or --critic-lr), min_lr --min-lr, warmup
+    --lr-warmup-iters and decay over the run's `total_steps` optimizer steps (--num-rollout x
+    --num-steps-per-rollout). tests/unit/test_arguments.py holds this against Megatron's own constructor."""
+    rates = [("--lr", args.lr)]
+    if getattr(args, "critic_lr", None) is not None and getattr(args, "use_critic", False):
+        rates.append(("--critic-lr", args.critic_lr))
+    if args.min_lr < 0:
+        return f"--min-lr {args.min_lr} is negative; use 0 or more"
+    for flag, lr in rates:
+        if lr < args.min_lr:
+            return f"{flag} {lr} is below --min-lr {args.min_lr}; lower --min-lr"
+        if args.lr_warmup_iters and lr < 0:
+            return f"{flag} {lr} is negative: warmup would start above it; use a positive rate"
+    decay_steps = max(total_steps, 1)
+    if args.lr_warmup_iters >= decay_steps:
+        return (f"--lr-warmup-iters {args.lr_warmup_iters} is not below the run's {decay_steps} optimizer step(s) "
+                f"(--num-rollout x --num-steps-per-rollout, {args.num_steps_per_rollout} a rollout): lower "
+                "--lr-warmup-iters, or train longer (--num-rollout, or fewer samples per step with "
+                "--global-batch-size)")
+    if args.weight_decay < 0:
+        return f"--weight-decay {args.weight_decay} is negative; use 0 or more"
+    return None
+
+
 def validate_train_args(args: argparse.Namespace) -> argparse.Namespace:
     """Check the training-loop flags; returns a copy of `args` with --global-batch-size and
     --num-steps-per-rollout derived from each other and the rollout's size."""
@@ -226,5 +253,9 @@ def validate_train_args(args: argparse.Namespace) -> argparse.Namespace:
         raise ValueError(f"--train-num-threads must be >= 1, got {args.train_num_threads}")
     if args.use_dynamic_batch_size and not args.max_tokens_per_gpu:
         raise ValueError("--use-dynamic-batch-size needs --max-tokens-per-gpu N")
-    args = validate_lora_args(args)
-    return with_values(args, global_batch_size=gbs, num_steps_per_rollout=samples // gbs)
+    args = with_values(validate_lora_args(args), global_batch_size=gbs, num_steps_per_rollout=samples // gbs)
+    if args.num_rollout is not None and not args.debug_rollout_only:  # else known once the prompts are counted
+        problem = lr_schedule_problem(args, args.num_rollout * args.num_steps_per_rollout)
+        if problem:
+            raise ValueError(problem)
+    return args
