@@ -121,3 +121,52 @@ def test_router_start_sends_nothing_to_an_impostor(impostor, tmp_path):
         router.start(timeout_s=30)
     assert router.proc is None
     assert all(r["authorization"] is None and r["method"] == "GET" for r in received()), received()
+
+
+def test_a_worker_another_user_adds_to_the_router_is_removed(tmp_path):
+    """Another user adds their server to vime's router (its /add_worker answers anyone on the node); at the next
+    rollout's check the fleet removes it, reports it, and the router serves vime's engines only."""
+    from vime.arguments import build_parser
+    from vime.backends.vllm_utils.arguments import router_args_from
+    from vime.backends.vllm_utils.router import Router
+    from vime.ray.engine_fleet import EngineFleet
+    from vime.rollout.context import reset_rollout_context
+
+    (tmp_path / "worker.py").write_text(IMPOSTOR)  # a server that answers 200 (the router checks /health)
+    ports = (_free_port(), _free_port())
+    servers = [subprocess.Popen([sys.executable, str(tmp_path / "worker.py"), str(port), str(tmp_path / "log")])
+               for port in ports]
+    ours, theirs = [f"http://127.0.0.1:{port}" for port in ports]
+    for port in ports:
+        deadline = time.monotonic() + 30
+        while not listeners(port) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    flags = build_parser().parse_args(["--hf-checkpoint", "x"])
+    router = Router(router_args_from(flags, "127.0.0.1", _free_port(), [], api_key="k"), str(tmp_path))
+    context = reset_rollout_context()  # the manager's: where the fleet counts
+    fleet = EngineFleet(SimpleNamespace(control_token_file=None, debug_train_only=True), None, tmp_path, context)
+    try:
+        fleet.router, fleet.router_url = router, router.start()
+        fleet.engine_urls = [ours]
+        router.add_worker(ours)
+        hostile = ("import sys, urllib.request\n"
+                   "urllib.request.urlopen(urllib.request.Request(sys.argv[1] + '/add_worker?url=' + sys.argv[2], "
+                   "method='POST'), timeout=10).read()\n")
+        subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-I", "-c",
+                        hostile, fleet.router_url, theirs], check=True, timeout=60)
+        assert sorted(router.workers()) == sorted([ours, theirs])  # the router let them in
+        assert fleet.reconcile_router() == [theirs]
+        assert router.workers() == [ours]
+        assert context.counters["rollout/router_unknown_workers_removed"] == 1
+        assert fleet.reconcile_router() == []  # nothing more to do
+    finally:
+        router.stop()
+        for s in servers:
+            s.kill()
+            s.wait()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

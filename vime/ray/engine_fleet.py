@@ -348,6 +348,26 @@ class EngineFleet:
         with self._engines_lock:
             return self._probe_engine(rank)
 
+    def reconcile_router(self) -> list[str]:
+        """Make vime's router serve exactly the engines in service: a worker someone else added (its routes that
+        change workers answer anyone on the node) is removed and reported, an engine of ours it lost is added
+        back. Returns the workers removed. An external router (--vllm-router-ip) is not ours to prune."""
+        if self.router is None or self.router_url is None:
+            return []
+        with self._engines_lock:  # the engine set does not change meanwhile (restarts register under it)
+            served, ours = set(self.router.workers()), set(self.engine_urls)
+            strangers = sorted(served - ours)
+            for url in strangers:
+                post_worker(self.router_url, "remove_worker", url)
+            for url in sorted(ours - served):
+                post_worker(self.router_url, "add_worker", url)
+        if strangers:
+            add_counter("rollout/router_unknown_workers_removed", len(strangers))
+            logger.error("the router served workers vime did not start, removed: %s (someone on this node added them "
+                         "through the router's /add_worker; samples they answered since the last check may be "
+                         "forged)", strangers)
+        return strangers
+
     def _probe_router(self) -> str | None:
         """None when vime's router is healthy, else why not."""
         timeout = self.args.rollout_health_check_timeout

@@ -178,6 +178,7 @@ class RolloutManager:
         """
         args = self.args
         start = time.perf_counter()
+        self.fleet.reconcile_router()
         if args.load_debug_rollout_data:
             output = RolloutFnTrainOutput(load_rollout(args.load_debug_rollout_data, rollout_id))
         else:
@@ -215,6 +216,7 @@ class RolloutManager:
     def eval(self, rollout_id: int) -> dict[str, float]:
         if not self.eval_sources:
             return {}
+        self.fleet.reconcile_router()
         output = as_rollout_output(self.eval_fn(self.plugin_args, rollout_id, self.eval_sources, evaluation=True),
                                    evaluation=True)
         metrics = dict(output.metrics or {})

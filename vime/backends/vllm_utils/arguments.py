@@ -223,8 +223,10 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
             if action.nargs is not None:
                 kwargs["nargs"] = action.nargs
         group.add_argument(*action.option_strings, **kwargs)
-    # Round robin spreads load evenly, which is what a rollout (many independent requests) wants.
-    parser.set_defaults(router_policy="round_robin")
+    # Round robin spreads load evenly, which is what a rollout (many independent requests) wants. vllm-router
+    # serves Prometheus metrics whatever it is told (None means 29000): a fixed port is contended by two runs on a
+    # node, so each run's router gets a free one unless this flag names one (`router_args_from`)
+    parser.set_defaults(router_policy="round_robin", router_prometheus_port=None)
 
 
 def router_args_from(args, host: str, port: int, worker_urls: list[str], api_key: str | None = None):
@@ -234,6 +236,11 @@ def router_args_from(args, host: str, port: int, worker_urls: list[str], api_key
 
     ns = argparse.Namespace(**{k: v for k, v in vars(args).items() if k.startswith("router_")})
     ns.router_host, ns.router_port, ns.router_worker_urls = host, port, list(worker_urls)
+    if ns.router_prometheus_port is None:
+        from vime.utils.misc import find_free_port
+
+        ns.router_prometheus_port = find_free_port()
+        ns.router_prometheus_host = "127.0.0.1"
     if api_key is not None:
         ns.router_api_key = api_key
     return RouterArgs.from_cli_args(ns, use_router_prefix=True)
