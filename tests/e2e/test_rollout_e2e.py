@@ -59,6 +59,7 @@ def rollout_run(tiny_qwen3, arithmetic_data, tmp_path_factory):
         wait_until_held(proc, hold, lambda: log.read_text()[-6000:])
         served = {"workers": worker_cpus(), "metrics": (out / "run" / "metrics.jsonl").read_text(),
                   "engine_logs": {p.name: p.read_text() for p in (out / "run" / "logs").glob("engine_*.log")},
+                  "routes": _engine_routes(log.read_text(), token_file.read_text().strip()),
                   "hostile": _another_user_probes(log.read_text(), token_file.read_text().strip())
                   if os.getuid() == 0 and shutil.which("setpriv") else None}
         proc.send_signal(signal.SIGINT)
@@ -112,6 +113,46 @@ def _another_user_probes(run_log: str, token: str) -> dict:
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
+
+
+def _engine_routes(run_log: str, token: str) -> dict:
+    """The real engine's routes (its OpenAPI listing, read with the control token) and what the serving key opens
+    of them: {path: status of a request with the serving key}."""
+    import urllib.error
+    import urllib.request
+
+    from vime.utils.auth import serving_key
+
+    engine = json.loads(re.search(r"engines (\[.*?\])", run_log).group(1).replace("'", '"'))[0]
+    listing = urllib.request.Request(engine + "/openapi.json", headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(listing, timeout=30) as r:
+        paths = sorted(json.loads(r.read())["paths"])
+    opened = {}
+    for path in paths:
+        if "{" in path:
+            continue
+        probe = urllib.request.Request(engine + path, headers={"Authorization": f"Bearer {serving_key(token)}"},
+                                       method="OPTIONS")  # no route runs: the middleware answers first or 405
+        try:
+            with urllib.request.urlopen(probe, timeout=30) as r:
+                opened[path] = r.status
+        except urllib.error.HTTPError as e:
+            opened[path] = e.code
+    return {"paths": paths, "with_serving_key": opened}
+
+
+def test_the_serving_key_opens_only_the_listed_routes_of_the_real_engine(rollout_run):
+    """Every route of the real vLLM server that the serving key gets past the middleware (anything but 401) is
+    in route_auth's list of generation routes; the ones vime's rollouts use exist there."""
+    from vime.backends.vllm_utils.route_auth import PUBLIC_PATHS, SERVING_PATHS
+
+    _, served, _ = rollout_run
+    routes = served["routes"]
+    assert {"/inference/v1/generate", "/v1/completions", "/v1/chat/completions", "/tokenize"} <= set(routes["paths"])
+    past = {p for p, status in routes["with_serving_key"].items() if status != 401}
+    assert past <= SERVING_PATHS | PUBLIC_PATHS, past - SERVING_PATHS
+    assert {"/collective_rpc", "/inference/v1/abort_requests", "/pause"} <= {
+        p for p, status in routes["with_serving_key"].items() if status == 401}
 
 
 @pytest.mark.skipif(os.getuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv for a 2nd uid")

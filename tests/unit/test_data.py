@@ -173,3 +173,14 @@ def test_debug_rollout_files_round_trip(tmp_path):
     path.write_text(path.read_text() + "not json\n")
     with pytest.raises(ValueError, match="r_4.jsonl:7"):
         load_rollout(template, 4)
+
+
+def test_bad_utf8_is_a_counted_bad_row_not_rewritten_text(tmp_path, tokenizer):
+    good = [json.dumps({"prompt": f"ok {i} é", "label": str(i)}, ensure_ascii=False).encode() for i in range(9)]
+    bad = b'{"prompt": "caf\xe9 latin-1", "label": "9"}'
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b"\n".join(good[:4] + [bad] + good[4:]) + b"\n")
+    loaded = load_prompt_file(path, tokenizer, _args())
+    assert [s.label for s in loaded.samples] == [str(i) for i in range(9)]
+    assert all("\ufffd" not in s.prompt for s in loaded.samples)
+    assert loaded.skipped == [f"{path}:5: not valid UTF-8 (byte 0xe9 at offset 15)"]

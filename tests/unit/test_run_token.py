@@ -26,7 +26,10 @@ def test_each_route_opens_with_its_keys():
     for path in ("/inference/v1/generate", "/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize"):
         assert accepted_keys(path, TOKEN, serve) == (TOKEN, serve), path
     for path in ("/collective_rpc", "/vime/update_weights", "/pause", "/sleep", "/metrics", "/docs", "/",
-                 "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/healthz", "/health/../pause"):
+                 "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/healthz", "/health/../pause",
+                 # a prefix once opened these to the serving key: vLLM's abort route, and any route a later vLLM adds
+                 "/inference/v1/abort_requests", "/v1/responses/abc/cancel", "/v1/some_new_admin_route",
+                 "/v2/unknown", "/tokenize/../pause"):
         assert accepted_keys(path, TOKEN, serve) == (TOKEN,), path
 
 

@@ -43,8 +43,13 @@ def read_rows(path: str | Path) -> Iterator[tuple[int, dict[str, Any] | DataForm
         for i, row in enumerate(table.to_pylist(), start=1):
             yield i, row
         return
-    with path.open(encoding="utf-8", errors="replace") as f:
-        for i, line in enumerate(f, start=1):
+    with path.open("rb") as f:  # bytes: a line of bad UTF-8 is a bad row, not silently rewritten text
+        for i, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield i, DataFormatError(f"{path}:{i}: not valid UTF-8 (byte {raw[e.start]:#04x} at offset {e.start})")
+                continue
             if not line.strip():
                 continue
             try:

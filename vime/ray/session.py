@@ -27,6 +27,7 @@ from vime.utils.logging_utils import MetricsLogger
 from vime.utils.misc import with_values
 from vime.utils.plot import save_reward_curve
 from vime.utils.run_config import write_resolved_config
+from vime.utils.run_lock import RunInUseError, RunLock, private_umask
 
 logger = logging.getLogger(__name__)
 
@@ -39,11 +40,15 @@ def run_entry_point(train_fn, argv: list[str] | None = None) -> None:
     from vime.utils.logging_utils import configure_logging
 
     configure_logging()
+    private_umask()  # before Ray and the servers start: everything the run writes is its user's alone
     args = parse_args(argv, check_model=False)  # the session checks the model while Ray starts
     try:
         train_fn(args)
     except ArgumentsError as e:  # as any other bad flag: usage, the message, exit code 2
         build_parser().error(str(e))
+    except RunInUseError as e:
+        logging.getLogger("vime").error("%s", e)
+        sys.exit(1)
     finally:
         ray.shutdown()
     logging.getLogger("vime").info("done: metrics in %s/metrics.jsonl", args.output_dir)
@@ -94,6 +99,9 @@ class TrainingSession:
 
     def __enter__(self) -> TrainingSession:
         args = self.args
+        # first: a second run on the same directories stops here, before it touches anything of the first's
+        stores = [args.output_dir, args.save, args.rollout_data_dir if args.rollout_data_transport == "straw" else None]
+        self.run_lock = RunLock(stores).__enter__()
         if self.train_enabled:  # before anything starts: refuse to take over an earlier run's state
             check_start(args, len(self.transport.stored()))
         write_resolved_config(args, f"{args.output_dir}/config.yaml", build_parser())
@@ -426,3 +434,4 @@ class TrainingSession:
             if curve is not None:
                 curve.join()
             self.transport.close()
+            self.run_lock.__exit__()

@@ -4,9 +4,11 @@ vLLM's server with VLLM_SERVER_DEV_MODE=1 exposes routes that run code in the en
 /vime/update_weights), load other weights, pause or put it to sleep; its own --api-key guards only the /v1,
 /v2 and /inference paths. vime's endpoint plugin (`endpoint.py`) puts this middleware in front of every route:
 - /health: open (the router's and vime's health probes);
-- generation routes (/v1/..., /v2/..., /inference/..., /tokenize, /detokenize): the serving key or the
-  control token (`vime.utils.auth`), except the LoRA adapter loaders under /v1, which are control routes;
-- every other route (control, profiling, /metrics, /docs): the control token only.
+- generation routes, an explicit list (`SERVING_PATHS`: completions, chat, responses, messages, generate, the
+  renderers, tokenize, the model list, pooling): the serving key or the control token (`vime.utils.auth`);
+- every other route (control, profiling, /metrics, /docs, /inference/v1/abort_requests, the LoRA adapter loaders,
+  and any route a later vLLM adds): the control token only. A route matched by prefix would have opened the next
+  vLLM's new routes (and its abort route) to the serving key.
 """
 
 from __future__ import annotations
@@ -16,15 +18,20 @@ import json
 from vime.utils.auth import bearer_matches
 
 PUBLIC_PATHS = frozenset({"/health"})
-SERVING_PREFIXES = ("/v1/", "/v2/", "/inference/", "/tokenize", "/detokenize")
-CONTROL_MARKERS = ("lora_adapter",)  # /v1/load_lora_adapter, /v1/unload_lora_adapter: they change the model
+# what generation needs (vime's rollouts, agents' OpenAI / Anthropic calls, teacher scoring) and reads nothing else
+SERVING_PATHS = frozenset({
+    "/inference/v1/generate", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
+    "/v1/messages/count_tokens", "/v1/completions/render", "/v1/chat/completions/render", "/v1/responses/render",
+    "/v1/messages/render", "/v1/models", "/tokenize", "/detokenize", "/v1/embeddings", "/pooling", "/classify",
+    "/score", "/rerank", "/v1/score", "/v1/rerank", "/v2/embed", "/v2/rerank",
+})
 
 
 def accepted_keys(path: str, control_token: str, serving_key: str) -> tuple[str, ...]:
     """The keys that open `path`; () when the route is open to anyone."""
     if path in PUBLIC_PATHS:
         return ()
-    if path.startswith(SERVING_PREFIXES) and not any(m in path for m in CONTROL_MARKERS):
+    if path in SERVING_PATHS:
         return (control_token, serving_key)
     return (control_token,)
 

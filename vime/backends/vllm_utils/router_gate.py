@@ -9,7 +9,7 @@ key at all. The gate stands between the two: `args.vllm_router_ip` / `args.vllm_
 - answers only connections from a process of this user (the peer socket's owner, read from /proc/net/tcp and
   tcp6): another user on the node gets 403 and never reaches the engines through it;
 - forwards GET (the router's `/workers`, `/list_workers`, `/health`, ...) and the generation routes' POST
-  (`SERVING_PREFIXES`) to the router in service at that moment (a restarted router moves; the gate does not),
+  (`route_auth.SERVING_PATHS`) to the router in service at that moment (a restarted router moves; the gate does not),
   with the serving key in place of any Authorization header given, streaming the answer back; the router's
   control routes (`/add_worker`, `/remove_worker`, `/flush_cache`, ...) are refused: the fleet owns the worker set.
 
@@ -29,7 +29,7 @@ from collections.abc import Callable
 import aiohttp
 from aiohttp import web
 
-from vime.backends.vllm_utils.route_auth import SERVING_PREFIXES
+from vime.backends.vllm_utils.route_auth import SERVING_PATHS
 from vime.utils.listeners import peer_uid
 
 logger = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ _HOP_HEADERS = frozenset({"connection", "keep-alive", "proxy-authenticate", "pro
 
 def forwarded(method: str, path: str) -> bool:
     """Whether the gate passes `method path` on to the router: any GET, and POST to a generation route."""
-    return method in ("GET", "HEAD") or (method == "POST" and path.startswith(SERVING_PREFIXES))
+    return method in ("GET", "HEAD") or (method == "POST" and path in SERVING_PATHS)
 
 
 class RouterGate:
