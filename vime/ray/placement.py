@@ -18,10 +18,12 @@ import ray
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from vime.ray.ray_auth import drop_run_token, use_run_token, warn_if_unauthenticated
 from vime.utils.cpus import CpuShare
 
 
 WORKER_ENV = {"TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+_token_dir: str | None = None  # the run's Ray token (`ray_auth.use_run_token`), removed by `shutdown_ray`
 
 
 def init_ray(args) -> None:
@@ -29,6 +31,7 @@ def init_ray(args) -> None:
         return
     if args.ray_address:
         ray.init(address=args.ray_address, runtime_env={"env_vars": WORKER_ENV}, log_to_driver=True)
+        warn_if_unauthenticated(args.ray_address)
         return
     # A local cluster's workers inherit this process's environment. A runtime_env would cost every actor a round
     # trip to Ray's runtime-env agent before its process starts (~1 s each, measured), on the engines' start-up
@@ -41,8 +44,18 @@ def init_ray(args) -> None:
     # Ray runs its workers at nice 15 by default; ours are the processes that compute. Nor does it prestart idle
     # workers: a process each, started while the run starts and competing with it for the CPUs, that no actor of
     # the run would use (each actor starts its own).
+    global _token_dir
+    _token_dir = use_run_token()  # the cluster asks for a token only this run has (vime.ray.ray_auth)
     ray.init(address="local", num_cpus=max(os.cpu_count() or 1, slots), include_dashboard=False, log_to_driver=True,
              _node_ip_address="127.0.0.1", _system_config={"worker_niceness": 0, "enable_worker_prestart": False})
+
+
+def shutdown_ray() -> None:
+    """Stop Ray (the run's local cluster with it) and drop the run's Ray token."""
+    global _token_dir
+    ray.shutdown()
+    drop_run_token(_token_dir)
+    _token_dir = None
 
 
 def num_engines(args) -> int:

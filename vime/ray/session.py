@@ -17,7 +17,7 @@ from vime.backends.weight_transport.check import check_weights_equal
 from vime.data.transport import RolloutRef, make_transport, rollout_summary
 from vime.data.transport.replay import append_trained_samples, replay_ids, truncate_trained_samples
 from vime.ray.actor_group import RayTrainGroup
-from vime.ray.placement import Placement, init_ray
+from vime.ray.placement import Placement, init_ray, shutdown_ray
 from vime.ray.previous_run import check_start
 from vime.ray.engine_fleet import new_engines, run_control_token
 from vime.ray.rollout_manager import RolloutManager, log_dir, resolve_num_rollout
@@ -50,7 +50,7 @@ def run_entry_point(train_fn, argv: list[str] | None = None) -> None:
         logging.getLogger("vime").error("%s", e)
         sys.exit(1)
     finally:
-        ray.shutdown()
+        shutdown_ray()
     logging.getLogger("vime").info("done: metrics in %s/metrics.jsonl", args.output_dir)
 
 

@@ -1,0 +1,62 @@
+"""The run's Ray cluster asks for a token only the run has: a 0600 file in a 0700 directory, never
+~/.ray/auth_token; another user (uid 65534) is refused by its GCS, the run's own workers get in; the token goes
+with the run."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+pytestmark = pytest.mark.skipif(os.getuid() != 0 or not shutil.which("setpriv"),
+                                reason="needs root and setpriv for a second user")
+
+PROBE = """
+import sys
+from ray._raylet import GcsClient
+try:
+    GcsClient(address=sys.argv[1]).internal_kv_keys(b"", namespace=None, timeout=5)
+    print("IN")
+except Exception as e:
+    print("REFUSED", type(e).__name__)
+"""
+
+
+def test_the_runs_cluster_admits_only_the_runs_token(monkeypatch):
+    import ray
+
+    from vime.ray.placement import init_ray, shutdown_ray
+    from vime.ray.ray_auth import MODE_ENV, TOKEN_PATH_ENV
+
+    for name in (MODE_ENV, TOKEN_PATH_ENV, "RAY_AUTH_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    home_token = os.path.expanduser("~/.ray/auth_token")
+    before = os.stat(home_token).st_mtime if os.path.exists(home_token) else None
+    if ray.is_initialized():
+        ray.shutdown()
+    init_ray(SimpleNamespace(ray_address=None, rollout_num_gpus=1, actor_num_nodes=1, actor_num_gpus_per_node=1))
+    try:
+        path = os.environ[TOKEN_PATH_ENV]
+        assert os.environ[MODE_ENV] == "token"
+        assert os.stat(path).st_mode & 0o777 == 0o600 and os.stat(os.path.dirname(path)).st_mode & 0o777 == 0o700
+        gcs = ray.get_runtime_context().gcs_address
+
+        def probe(env: dict, as_other: bool) -> str:
+            prefix = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] if as_other else []
+            out = subprocess.run([*prefix, sys.executable, "-c", PROBE, gcs], capture_output=True, text=True,
+                                 env={"PATH": os.environ["PATH"], "HOME": "/tmp", **env}, timeout=120)
+            lines = out.stdout.strip().splitlines()
+            return lines[-1] if lines else f"exit {out.returncode}: {out.stderr.strip()[-300:]}"
+
+        assert probe({}, as_other=True) == "REFUSED AuthenticationError"
+        # the run's token file cannot be read by them: their Ray client aborts before it connects
+        assert probe({MODE_ENV: "token", TOKEN_PATH_ENV: path}, as_other=True) != "IN"
+        assert ray.get(ray.remote(lambda: "IN").remote()) == "IN"  # the run's own workers are in
+    finally:
+        shutdown_ray()
+    assert not os.path.exists(path) and TOKEN_PATH_ENV not in os.environ
+    assert (os.stat(home_token).st_mtime if os.path.exists(home_token) else None) == before

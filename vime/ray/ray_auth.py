@@ -1,0 +1,71 @@
+"""Ray's own authentication for the clusters a run starts and joins.
+
+Ray 2.60 turns token authentication on for a new local cluster and writes the token to ~/.ray/auth_token with the
+process's umask (0644 on most machines): whoever reads it can submit code that runs as the user. A cluster vime
+starts gets a token of its own instead, made for the run in a 0700 directory as a 0600 file and named to Ray by
+RAY_AUTH_TOKEN_PATH (its processes inherit it); the directory goes when the run ends. Joining a cluster
+(--ray-address) that does not ask for a token is allowed with a warning naming it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import shutil
+import tempfile
+
+logger = logging.getLogger(__name__)
+
+MODE_ENV, TOKEN_PATH_ENV = "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH"
+
+
+def use_run_token() -> str | None:
+    """Before a local `ray.init`: a fresh token for this run's cluster; returns the private directory holding it
+    (for `drop_run_token`), or None where the user chose Ray's authentication themselves (RAY_AUTH_MODE or a
+    token path set)."""
+    if os.environ.get(MODE_ENV) or os.environ.get(TOKEN_PATH_ENV) or os.environ.get("RAY_AUTH_TOKEN"):
+        if os.environ.get(MODE_ENV, "").lower() == "disabled":
+            logger.warning("RAY_AUTH_MODE=disabled: this run's Ray cluster accepts anyone who can reach it")
+        return None
+    directory = tempfile.mkdtemp(prefix="vime-ray-auth-")  # 0700
+    path = os.path.join(directory, "auth_token")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    os.environ[MODE_ENV], os.environ[TOKEN_PATH_ENV] = "token", path
+    _reload_ray_auth_config()
+    return directory
+
+
+def _reload_ray_auth_config() -> None:
+    """Ray reads the mode and the token once per process, at import: make this process see the new ones (what
+    Ray's own `ray get-auth-token` path does)."""
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
+def drop_run_token(directory: str | None) -> None:
+    """After `ray.shutdown`: the run's token directory goes, and with it the environment that named it."""
+    if directory is None:
+        return
+    shutil.rmtree(directory, ignore_errors=True)
+    if os.environ.get(TOKEN_PATH_ENV, "").startswith(directory):
+        os.environ.pop(TOKEN_PATH_ENV, None)
+        os.environ.pop(MODE_ENV, None)
+        _reload_ray_auth_config()
+
+
+def warn_if_unauthenticated(address: str) -> bool:
+    """After joining the cluster at `address`: warn (True) when this connection uses no token, i.e. the cluster
+    accepts anyone who can reach it."""
+    from ray._raylet import AuthenticationMode, get_authentication_mode
+
+    if get_authentication_mode() == AuthenticationMode.TOKEN:
+        return False
+    logger.warning("the Ray cluster at --ray-address %s does not ask for a token: anyone who can reach it can run "
+                   "code as you and read the run's data. Start it with RAY_AUTH_MODE=token (and the token in a 0600 "
+                   "file named by RAY_AUTH_TOKEN_PATH) and give this run the same", address)
+    return True
