@@ -439,3 +439,43 @@ def test_public_names():
     assert set(rm_hub.__all__) == {"RM_REGISTRY", "RewardTypeError", "async_rm", "batched_async_rm", "register_rm"}
     builtin = {"math", "boxed", "deepscaler", "dapo", "exact_match", "f1", "gpqa", "remote_rm", "random"}
     assert builtin <= set(RM_REGISTRY)
+
+
+HUNG = threading.Event()  # set at the end of the test: the hung reward calls return and free their threads
+
+
+def _hung_reward(args, sample):
+    HUNG.wait(60)
+    return 1.0
+
+
+def test_hung_sync_rewards_hold_a_bounded_number_of_threads(monkeypatch):
+    """Sync reward calls that never return hold their threads past --rm-timeout (a thread cannot be stopped); once
+    all reward threads are held, the next sample fails at once, recorded as a reward error naming the way out,
+    instead of waiting behind them forever; the threads come back when the calls return."""
+    monkeypatch.setattr(rm_hub, "_SYNC_REWARD_THREADS", 2)
+    monkeypatch.setattr(rm_hub, "load_function", lambda path: _hung_reward)
+    HUNG.clear()
+    args = make_args(rm_type=None, custom_rm_path="tests.unit.test_rm_hub._hung_reward", rm_timeout=0.5)
+
+    async def score(n):
+        samples = [Sample(index=i, response="x", label="1") for i in range(n)]
+        await asyncio.gather(*(_reward_one(args, s) for s in samples))
+        return samples
+
+    try:
+        timed_out = asyncio.run(score(2))
+        assert [s.metadata["failure"]["reason"] for s in timed_out] == ["timeout", "timeout"]
+        assert rm_hub.busy_reward_threads() == 2  # still held by the hung calls
+        start = time.monotonic()
+        [refused] = asyncio.run(score(1))
+        assert time.monotonic() - start < 0.4  # at once, not after --rm-timeout
+        assert refused.metadata["failure"]["reason"] == "error"
+        assert "all 2 reward threads are held" in refused.metadata["failure"]["error"]
+        assert "--custom-rm-in-workers" in refused.metadata["failure"]["error"]
+    finally:
+        HUNG.set()
+    deadline = time.monotonic() + 10
+    while rm_hub.busy_reward_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert rm_hub.busy_reward_threads() == 0

@@ -20,6 +20,7 @@ import asyncio
 import functools
 import inspect
 import numbers
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -35,10 +36,16 @@ __all__ = ["RM_REGISTRY", "RewardTypeError", "async_rm", "batched_async_rm", "re
 
 # Sync custom rewards: enough threads that a few calls hanging past --rm-timeout do not starve the others.
 _SYNC_REWARD_THREADS = 128
+_busy_threads = 0  # sync reward calls running in a thread, hung ones past --rm-timeout included
+_busy_lock = threading.Lock()
 
 
 class RewardTypeError(TypeError):
     """A custom reward function returned something other than a number or a dict."""
+
+
+class RewardThreadsExhaustedError(RuntimeError):
+    """Every reward thread is held by a call that has not returned (hung past --rm-timeout)."""
 
 
 @functools.cache
@@ -46,10 +53,31 @@ def _executor() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=_SYNC_REWARD_THREADS, thread_name_prefix="vime-reward")
 
 
+def _release_thread(_) -> None:
+    global _busy_threads
+    with _busy_lock:
+        _busy_threads -= 1
+
+
+def busy_reward_threads() -> int:
+    return _busy_threads
+
+
 async def _call(fn, *args: Any, in_thread: bool = False, **kwargs: Any) -> Any:
+    global _busy_threads
     if in_thread and not inspect.iscoroutinefunction(fn):
-        call = functools.partial(fn, *args, **kwargs)
-        result = await asyncio.get_running_loop().run_in_executor(_executor(), call)
+        # a thread cannot be stopped: a call hung past --rm-timeout keeps its thread until it returns. Once all
+        # are held, a new call fails at once (a recorded per-sample failure) instead of queueing behind them forever
+        with _busy_lock:
+            if _busy_threads >= _SYNC_REWARD_THREADS:
+                raise RewardThreadsExhaustedError(
+                    f"all {_SYNC_REWARD_THREADS} reward threads are held by calls of {getattr(fn, '__name__', fn)} "
+                    "that have not returned (past --rm-timeout); run it with --custom-rm-in-workers, where a call "
+                    "is killed at the timeout")
+            _busy_threads += 1
+        future = _executor().submit(functools.partial(fn, *args, **kwargs))
+        future.add_done_callback(_release_thread)
+        result = await asyncio.wrap_future(future)
     else:
         result = fn(*args, **kwargs)
     return await result if inspect.isawaitable(result) else result
