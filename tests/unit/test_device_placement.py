@@ -334,14 +334,48 @@ def test_broadcast_backend_is_picked_by_each_member_for_its_own_device(tiny_qwen
     """Before: the driver wrote "nccl" or "gloo" into the handle from its own `use_gpu()`, so a driver on a
     CPU-only head node told GPU trainers and engines to broadcast CUDA tensors over gloo."""
     import vime.utils.device
-    from vime.backends.weight_transport.broadcast import BroadcastWeightTransport, group_backend
+    from vime.backends.weight_transport import broadcast
 
     monkeypatch.setattr(vime.utils.device, "use_gpu", lambda: False)  # the driver: a CPU-only head node
-    transport = BroadcastWeightTransport(_args(tiny_qwen3, "--update-weight-transport", "broadcast"))
+    transport = broadcast.BroadcastWeightTransport(_args(tiny_qwen3, "--update-weight-transport", "broadcast"))
     transport.connect(["http://engine"], lambda: ("127.0.0.1", 29500))
     handle = transport.prepare(version=1)
     method, kwargs = transport.load_calls(["http://engine"], handle)["http://engine"]
     assert method == "vime_receive_weights"
-    assert "backend" not in handle and "backend" not in kwargs
+    assert handle.get("backend") is None and kwargs.get("backend") is None
     # (as strings: in a process with vime's CPU layer for Megatron, torch.device("cuda") is redirected to the CPU)
-    assert [group_backend(d) for d in ("cuda:0", "cuda", "cpu", META)] == ["nccl", "nccl", "gloo", "gloo"]
+    assert [broadcast.group_backend(d) for d in ("cuda:0", "cuda", "cpu", META)] == ["nccl", "nccl", "gloo", "gloo"]
+
+
+class _Remote:
+    """A Ray actor method as `check_weights_equal` calls it (`.remote(...)`), answering at once."""
+
+    def __init__(self, answer):
+        self.answer = answer
+
+    def remote(self, *args, **kwargs):
+        return self.answer
+
+
+def test_weight_check_holds_gpu_trainers_to_their_tolerance_on_a_cpu_only_driver(monkeypatch):
+    """Before: the driver chose the tolerance from its own devices, so a CPU-only head node held bf16 GPU trainers
+    and engines to CPU float32's 1e-5 and failed every weight update they made correctly (a gap of 1e-3)."""
+    import vime.utils.deadline
+    import vime.utils.device
+    from vime.backends.weight_transport.check import WeightUpdateMismatchError, check_weights_equal
+
+    monkeypatch.setattr(vime.utils.device, "use_gpu", lambda: False)  # the driver
+    monkeypatch.setattr(vime.utils.deadline, "control", lambda answer, what: answer)
+    args = types.SimpleNamespace(bf16=True, fp16=False, vllm_dtype=None, lora_adapters=None)
+    trainer_lps = [-1.0, -2.0]
+
+    def group(kind):
+        return types.SimpleNamespace(compute_kind=lambda: kind,
+                                     probe_log_probs=lambda *a, **k: [trainer_lps])
+
+    manager = types.SimpleNamespace(probe_tokens=_Remote([1, 2, 3]), get_engine_urls=_Remote(["http://e"]),
+                                    probe_log_probs=_Remote([[-1.0, -2.0 + 1e-3]]))
+    worst = check_weights_equal(args, group(("bfloat16", "cuda")), manager)
+    assert worst["weight_check/max_abs_logprob_diff"] == pytest.approx(1e-3)
+    with pytest.raises(WeightUpdateMismatchError):  # the same gap from CPU float32 trainers is a real mismatch
+        check_weights_equal(args, group(("float32", "cpu")), manager)
