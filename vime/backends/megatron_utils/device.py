@@ -10,12 +10,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from vime.utils.device import local_device
+
 
 def training_device() -> torch.device:
     """This rank's device: its current GPU where CUDA is available, else the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return local_device()
 
 
 def model_device(model) -> torch.device:

@@ -175,9 +175,9 @@ class BroadcastWeightTransport(WeightTransport):
         """The writer of each pipeline stage broadcasts its tensors to the group."""
         if stage is None:
             return
-        from vime.backends.megatron_utils.device import training_device
+        from vime.utils.device import local_device
 
-        device = training_device()
+        device = local_device()  # the training writer's own
         weights = [(name, t.detach().to(device)) for name, t in weights]
         pg = join_group(self.group, handle["key"], handle["master_addr"], handle["master_port"], stage,
                         handle["world_size"], group_backend(device))
