@@ -55,11 +55,11 @@ def gpu_trainer(hf_dir, *argv, role: str = "actor", **values):
         destroy_parallel()
 
 
-def with_rollout_log_probs(groups, seed: int = 0):
-    """The groups with engine log-probs near 0 (what TIS / MIS / OPD's reverse KL read)."""
-    g = torch.Generator().manual_seed(seed)
+def with_rollout_log_probs(t, groups):
+    """The groups with the engine's log-probs (what TIS / MIS / OPD's reverse KL read) as the trainer's own
+    before the step: a rollout policy equal to the trained one, as a run's first step has it."""
     for s in flat(groups):
-        s["rollout_log_probs"] = (-0.1 * torch.rand(s["response_length"], generator=g)).tolist()
+        s["rollout_log_probs"] = t.probe_log_probs(s["tokens"], s["response_length"])
     return groups
 
 
@@ -107,10 +107,9 @@ LOSS_VARIANTS = {
 @pytest.mark.parametrize("variant", list(LOSS_VARIANTS))
 def test_each_loss_variant_trains_on_the_gpu(tiny_qwen3, variant):
     extra, values = LOSS_VARIANTS[variant]
-    groups = with_rollout_log_probs(make_rollout(seed=40))
     with gpu_trainer(tiny_qwen3, *extra, "--num-steps-per-rollout", "2", **values) as t:
         assert_on_gpu(t)
-        metrics = t.train(0, groups)
+        metrics = t.train(0, with_rollout_log_probs(t, make_rollout(seed=40)))
     assert metrics["train/steps"] == 2
     assert_trained(metrics)
     expected = {"tis": "train/tis_weight_mean", "mis": "train/mis_weight_mean", "kl_loss": "train/kl_loss",
@@ -120,13 +119,12 @@ def test_each_loss_variant_trains_on_the_gpu(tiny_qwen3, variant):
 
 @pytest.mark.parametrize("mode", ["loss", "reward"])
 def test_on_policy_distillation_trains_on_the_gpu(tiny_qwen3, mode):
-    """The student as its own teacher: the reverse KL starts at the engine-vs-trainer gap."""
-    groups = with_rollout_log_probs(make_rollout(seed=41))
+    """The student as its own teacher, the engine's log-probs the student's own: the reverse KL starts at 0."""
     with gpu_trainer(tiny_qwen3, "--opd-teacher-checkpoint", str(tiny_qwen3), "--opd-mode", mode) as t:
         assert all(v.device == t.device for sd in t.teacher_state for v in sd.values())
-        metrics = t.train(0, groups)
+        metrics = t.train(0, with_rollout_log_probs(t, make_rollout(seed=41)))
     assert_trained(metrics)
-    assert math.isfinite(metrics["train/opd_reverse_kl"])
+    assert metrics["train/opd_reverse_kl"] == pytest.approx(0.0, abs=_tolerance("logprob", torch.float32))
 
 
 @pytest.mark.parametrize("config", CONFIGS)
@@ -230,9 +228,9 @@ def test_moe_with_routing_replay_and_the_aux_loss_on_the_gpu(tmp_path):
 
 
 def test_offload_with_reference_and_teacher_then_train(tiny_qwen3):
-    groups = with_rollout_log_probs(make_rollout(seed=48))
     with gpu_trainer(tiny_qwen3, "--use-kl-loss", "--kl-loss-coef", "0.1",
                      "--opd-teacher-checkpoint", str(tiny_qwen3)) as t:
+        groups = with_rollout_log_probs(t, make_rollout(seed=48))
         first = t.train(0, groups)
         before = {n: p.detach().clone() for n, p in t.model[0].module.named_parameters()}
         assert t.offload() > 0
