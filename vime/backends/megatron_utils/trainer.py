@@ -445,7 +445,7 @@ class FiniteStepGuard:
 
     def __init__(self, optimizer, model):
         self.optimizer, self.model = optimizer, model
-        self.non_finite_loss = False
+        self.non_finite_loss: torch.Tensor | bool = False  # a flag on the loss's device, read once in `step`
         self.reason: str | None = None  # why the step was skipped
 
     def __getattr__(self, name):  # zero_grad, param_groups, ...: the optimizer's own
@@ -454,7 +454,7 @@ class FiniteStepGuard:
     def watch(self, loss_fn):
         def watched(indices, inputs, output):
             loss, metrics = loss_fn(indices, inputs, output)
-            self.non_finite_loss |= not bool(torch.isfinite(loss.detach()).all())
+            self.non_finite_loss = ~torch.isfinite(loss.detach()).all() | self.non_finite_loss  # no host sync
             return loss, metrics
 
         return watched
@@ -472,9 +472,10 @@ def _has_loss_scaler(optimizer) -> bool:
     return any(getattr(o, "grad_scaler", None) is not None for o in optimizers)
 
 
-def _any_rank(flags: list[bool], device) -> list[bool]:
-    """Each flag OR-ed over every rank (all ranks must agree to skip or stop, or the next collective hangs)."""
-    t = torch.tensor([float(f) for f in flags], device=device)
+def _any_rank(flags: list, device) -> list[bool]:
+    """Each flag (a bool, or a 0-dim tensor on `device`) OR-ed over every rank (all ranks must agree to skip or
+    stop, or the next collective hangs); read with one host sync."""
+    t = torch.stack([torch.as_tensor(f, device=device).reshape(()).float() for f in flags])
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return [bool(x) for x in t.tolist()]
@@ -488,12 +489,12 @@ def _device(model) -> torch.device:
     return next(p for m in model for p in m.parameters()).device
 
 
-def non_finite_step_reason(model, non_finite_loss: bool) -> str | None:
+def non_finite_step_reason(model, non_finite_loss) -> str | None:
     """Why this step's gradients must not be applied ("non_finite_loss", "non_finite_grad_norm"), or None; the
     same answer on every rank. Reads the gradients Megatron's DDP accumulated (`main_grad`). Collective."""
     grads = [p.main_grad for m in model for p in m.parameters() if getattr(p, "main_grad", None) is not None]
-    finite = torch.stack([torch.isfinite(g).all() for g in grads]).all().item() if grads else True
-    loss_bad, grad_bad = _any_rank([non_finite_loss, not finite], _device(model))
+    finite = torch.stack([torch.isfinite(g).all() for g in grads]).all() if grads else True
+    loss_bad, grad_bad = _any_rank([non_finite_loss, ~finite if grads else False], _device(model))
     return "non_finite_loss" if loss_bad else "non_finite_grad_norm" if grad_bad else None
 
 
