@@ -87,7 +87,7 @@ fi
 say "torch sees $gpus GPU(s)"
 
 # Cheapest and most basic first; the loop (vLLM) last. Any other file in tests/gpu runs too, after these.
-order="test_cuda_ipc.py test_megatron_gpu.py test_weight_sync_gpu.py test_offload_gpu.py test_loop_gpu.py"
+order="test_cuda_ipc.py test_megatron_gpu.py test_trainer_paths_gpu.py test_weight_sync_gpu.py test_offload_gpu.py test_loop_gpu.py"
 files=()
 for f in $order; do [ -f "tests/gpu/$f" ] && files+=("tests/gpu/$f"); done
 for f in tests/gpu/test_*.py; do
@@ -115,6 +115,7 @@ else
     name=$(basename "$f" .py)
     case $name in
       test_loop_gpu) cap=270; per_test=250 ;;
+      test_trainer_paths_gpu) cap=240; per_test=120 ;;  # about 25 trainers built in turn
       *) cap=150; per_test=120 ;;
     esac
     left=$(( budget - ($(date +%s) - start) ))

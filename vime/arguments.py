@@ -228,13 +228,14 @@ def function_path_flags(args: argparse.Namespace) -> list[tuple[str, str]]:
     return given
 
 
-def validate_transport_placement(args: argparse.Namespace) -> None:
-    """Weight transports that cannot work with the engines' placement, refused before anything starts."""
-    from vime.utils.device import use_gpu
-
+def validate_transport_placement(args: argparse.Namespace, gpus: bool | None = None) -> None:
+    """Weight transports that cannot work with the engines' placement, refused before anything starts. `gpus`:
+    whether the run's actors compute on GPUs, as the cluster's resources say once Ray is up
+    (`placement.cluster_has_gpus`); the driver may run on a CPU-only head node, so its own devices do not tell.
+    None (while parsing the flags): only what holds on any device."""
     kind = args.update_weight_transport
     if kind == "cuda_ipc":
-        if not use_gpu():
+        if gpus is False:
             raise ValueError("--update-weight-transport cuda_ipc needs GPUs; use disk or broadcast on CPU")
         if not args.colocate:
             raise ValueError("--update-weight-transport cuda_ipc maps the trainer's GPU tensors into engines on the "
@@ -242,7 +243,7 @@ def validate_transport_placement(args: argparse.Namespace) -> None:
         if args.rollout_num_gpus_per_engine > 1:
             raise ValueError("--update-weight-transport cuda_ipc serves engines of one GPU; with "
                              f"--rollout-num-gpus-per-engine {args.rollout_num_gpus_per_engine} use disk or broadcast")
-    if kind == "broadcast" and args.colocate and use_gpu():
+    if kind == "broadcast" and args.colocate and gpus:
         raise ValueError("--update-weight-transport broadcast with --colocate would put a trainer rank and an engine "
                          "on one GPU into one NCCL group, which NCCL refuses; use cuda_ipc (or disk) with --colocate")
 

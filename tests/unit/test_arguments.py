@@ -78,7 +78,6 @@ def test_yaml_config_unknown_key(base, tmp_path, capsys):
     (["--offload-train"], "--offload-train only makes sense with --colocate"),
     (["--use-fault-tolerance", "--rollout-external-engine-addrs", "h:1"], "cannot restart"),
     (["--rollout-health-check-interval", "0"], "--rollout-health-check-interval must be > 0"),
-    (["--update-weight-transport", "cuda_ipc", "--colocate"], "cuda_ipc needs GPUs; use disk or broadcast on CPU"),
     # the model's parallel layout, before any process starts
     (["--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--micro-batch-size", "8",
       "--actor-num-gpus-per-node", "2"], "--global-batch-size 8 must be a multiple of --micro-batch-size"),
@@ -258,15 +257,27 @@ def test_a_value_only_vllm_can_judge_is_refused_by_vllms_parser(base, capsys):
     (["--update-weight-transport", "cuda_ipc", "--colocate", "--rollout-num-gpus", "2",
       "--rollout-num-gpus-per-engine", "2"], "cuda_ipc serves engines of one GPU; with "
                                              "--rollout-num-gpus-per-engine 2"),
-    (["--update-weight-transport", "broadcast", "--colocate"], "into one NCCL group, which NCCL refuses"),
 ])
-def test_transport_and_placement_that_cannot_work_on_gpus_are_refused(base, capsys, monkeypatch, extra, message):
-    """As a GPU machine parses them (the check reads the device, so a CPU run of broadcast + --colocate over gloo
-    stays allowed)."""
-    import vime.utils.device
-
-    monkeypatch.setattr(vime.utils.device, "use_gpu", lambda: True)
+def test_transport_and_placement_that_cannot_work_on_any_device_are_refused_at_parsing(base, capsys, extra, message):
     assert message in _error(capsys, base + extra)
+
+
+@pytest.mark.parametrize("extra, gpus, message", [
+    (["--update-weight-transport", "broadcast", "--colocate"], True, "into one NCCL group, which NCCL refuses"),
+    (["--update-weight-transport", "cuda_ipc", "--colocate"], False, "cuda_ipc needs GPUs; use disk or broadcast"),
+])
+def test_transports_the_clusters_devices_rule_out_are_refused_once_ray_is_up(base, monkeypatch, extra, gpus, message):
+    """The cluster's devices decide (`placement.cluster_has_gpus`), not the driver's: a CPU-only head node parses
+    the flags of a GPU run. Before: the driver's own `use_gpu()` decided while parsing, so such a driver refused
+    cuda_ipc for a GPU cluster and let broadcast + --colocate through to NCCL's failure."""
+    import vime.utils.device
+    from vime.arguments import validate_transport_placement
+
+    monkeypatch.setattr(vime.utils.device, "use_gpu", lambda: not gpus)  # the driver's devices: the other kind
+    args = parse_args(base + extra)
+    with pytest.raises(ValueError, match=message):
+        validate_transport_placement(args, gpus=gpus)
+    validate_transport_placement(args, gpus=not gpus)  # the same flags on the other kind of cluster: fine
 
 
 def test_timeouts_must_be_positive(base, capsys):

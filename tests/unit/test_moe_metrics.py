@@ -68,6 +68,7 @@ def _imbalance(chosen: torch.Tensor, num_experts: int) -> float:
 
 
 def test_qwen3_moe_aux_loss_and_load_imbalance_by_hand(tmp_path, megatron_world):
+    from vime.backends.megatron_utils.device import model_device
     from vime.backends.megatron_utils.moe_metrics import ExpertLoad, take_moe_losses
 
     args, model = _model(tmp_path, "qwen3_moe", ["--moe-aux-loss-coeff", "0.01"])
@@ -76,7 +77,8 @@ def test_qwen3_moe_aux_loss_and_load_imbalance_by_hand(tmp_path, megatron_world)
     _forward(model, with_grad=False)  # a log-prob forward: no load counted
     assert load.take() == {}
     _forward(model, with_grad=True)
-    metrics = {**take_moe_losses(args, num_micro_batches=1), **load.take()}
+    losses = take_moe_losses(args, num_micro_batches=1, device=model_device(model))  # tensors, read once a step
+    metrics = {**{k: v.item() for k, v in losses.items()}, **load.take()}
 
     x = inputs[1]
     weight = model[0].decoder.layers[1].mlp.router.weight.detach().cpu()

@@ -64,23 +64,26 @@ def test_coarsest_dtype():
     assert coarsest_dtype("float32", "float16") == "float16"
 
 
-@pytest.mark.parametrize("gpu, flags, dtype", [
-    (False, dict(bf16=True), "float32"),  # the CPU trainer computes in float32 whatever the flags
-    (False, dict(vllm_dtype="bfloat16"), "bfloat16"),  # ... but an engine asked for bf16 does not
-    (True, dict(), "float32"),
-    (True, dict(bf16=True), "bfloat16"),
-    (True, dict(fp16=True), "float16"),
-    (True, dict(vllm_dtype="half"), "float16"),  # engines in fp16, trainer in fp32: the coarser one
+@pytest.mark.parametrize("trainer, flags, dtype", [
+    (("float32", "cpu"), dict(bf16=True), "float32"),  # the CPU trainer computes in float32 whatever the flags
+    (("float32", "cpu"), dict(vllm_dtype="bfloat16"), "bfloat16"),  # ... but an engine asked for bf16 does not
+    (("float32", "cuda"), dict(), "float32"),
+    (("bfloat16", "cuda"), dict(bf16=True), "bfloat16"),
+    (("float16", "cuda"), dict(fp16=True), "float16"),
+    (("float32", "cuda"), dict(vllm_dtype="half"), "float16"),  # engines in fp16, trainer in fp32: the coarser
 ])
-def test_weight_check_tolerance_follows_the_module(monkeypatch, gpu, flags, dtype):
+def test_weight_check_tolerance_follows_what_the_trainer_computes_in(monkeypatch, trainer, flags, dtype):
+    """The training ranks report their (dtype, device); the driver, here without a GPU (a CPU-only head node
+    placing GPU trainers), does not decide it from its own devices. Before: "cuda" and the dtype came from the
+    driver's `use_gpu()`, so such a driver checked GPU trainers at CPU float32's 1e-5."""
     import vime.utils.device
 
-    monkeypatch.setattr(vime.utils.device, "use_gpu", lambda: gpu)
+    monkeypatch.setattr(vime.utils.device, "use_gpu", lambda: False)
     args = SimpleNamespace(**{"bf16": False, "fp16": False, "vllm_dtype": None, **flags})
-    device = "cuda" if gpu else "cpu"
-    assert check.check_dtype_and_device(args) == (dtype, device)
-    assert check.tolerance_for(args) == tolerance("logprob", dtype, device)
-    assert check.relative_tolerance_for(args) == tolerance("logprob_relative", dtype, device)
+    device = trainer[1]
+    assert check.check_dtype_and_device(args, trainer) == (dtype, device)
+    assert check.tolerance_for(args, trainer) == tolerance("logprob", dtype, device)
+    assert check.relative_tolerance_for(args, trainer) == tolerance("logprob_relative", dtype, device)
 
 
 def test_compare_log_probs_takes_the_relative_part():

@@ -156,12 +156,14 @@ def test_compare_log_probs_and_tolerance(tiny_qwen3):
         == pytest.approx(1.4e-5, abs=1e-7)
     with pytest.raises(WeightUpdateMismatchError, match="u"):
         compare_log_probs([-1.0], [[-1.0 + 1.4e-5]], ["u"], 1e-5)
-    assert tolerance_for(parse_args(["--hf-checkpoint", str(tiny_qwen3), *ARGV])) == FLOAT32_TOLERANCE
+    cpu_float32 = ("float32", "cpu")  # what a CPU trainer reports (MegatronTrainer.compute_kind)
+    assert tolerance_for(parse_args(["--hf-checkpoint", str(tiny_qwen3), *ARGV]), cpu_float32) == FLOAT32_TOLERANCE
     # without --vllm-dtype the engines follow the trainer (float32 on CPU); a 16-bit engine needs the loose check
     default = [a for a in ARGV if a not in ("--vllm-dtype", "float32")]
-    assert tolerance_for(parse_args(["--hf-checkpoint", str(tiny_qwen3), *default])) == FLOAT32_TOLERANCE
+    assert tolerance_for(parse_args(["--hf-checkpoint", str(tiny_qwen3), *default]),
+                         cpu_float32) == FLOAT32_TOLERANCE
     half = parse_args(["--hf-checkpoint", str(tiny_qwen3), *default, "--vllm-dtype", "bfloat16"])
-    assert tolerance_for(half) > FLOAT32_TOLERANCE
+    assert tolerance_for(half, cpu_float32) > FLOAT32_TOLERANCE
 
 
 # ---- Ray stand-ins: `handle.method.remote(...)` runs on a thread and returns a future ------------------------
@@ -239,7 +241,8 @@ def _driver(trainer, urls: list[str], pool):
     actor = TrainActor(trainer.args, 0, 1)
     actor.trainer = trainer
     group = SimpleNamespace(actors=[_Handle(actor, pool)],
-                            probe_log_probs=lambda *a, **k: [actor.probe_log_probs(*a, **k)])
+                            probe_log_probs=lambda *a, **k: [actor.probe_log_probs(*a, **k)],
+                            compute_kind=actor.compute_kind)
     manager = _Manager(urls, trainer.args.hf_checkpoint)
     return group, _Handle(manager, pool), manager
 

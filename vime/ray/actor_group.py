@@ -130,6 +130,9 @@ class TrainActor:
                         adapter: str | None = None):
         return self.trainer.probe_log_probs(tokens, response_length, temperature, adapter)
 
+    def compute_kind(self) -> tuple[str, str]:
+        return self.trainer.compute_kind()
+
 
 class RayTrainGroup:
     def __init__(self, args, placement=None, role: str = "actor"):
@@ -202,6 +205,10 @@ class RayTrainGroup:
                         adapter: str | None = None) -> list:
         return self._all([a.probe_log_probs.remote(tokens, response_length, temperature, adapter)
                           for a in self.actors], "the weight check's probe forward")
+
+    def compute_kind(self) -> tuple[str, str]:
+        """(dtype, device type) the training ranks compute in, as rank 0 reports it."""
+        return tuple(self._all([self.actors[0].compute_kind.remote()], "the training ranks' dtype and device")[0])
 
     def _all(self, refs, what: str):
         """Every rank's answer to one call, at most --train-timeout; a rank that fails fails it at once."""

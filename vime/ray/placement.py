@@ -91,8 +91,7 @@ class Placement:
             self.critic_offset, self.rollout_offset = actors, trainers
             n_bundles = trainers + engine_slots
             self.share = 1.0
-        # the cluster's resources, not this process's devices: a driver on a CPU-only head node places GPU actors
-        self.gpus = ray.cluster_resources().get("GPU", 0) > 0
+        self.gpus = cluster_has_gpus()
         bundle = {"GPU": 1, "CPU": 1} if self.gpus else {"CPU": 1}
         self.gpus_per_engine = args.rollout_num_gpus_per_engine
         self.pg = None
@@ -189,6 +188,12 @@ class Placement:
 @ray.remote(num_cpus=0, num_gpus=0.01)
 def _gpu_ids() -> list[str]:
     return [str(gpu) for gpu in ray.get_gpu_ids()]
+
+
+def cluster_has_gpus() -> bool:
+    """Whether the run's actors compute on GPUs: the cluster's resources, not this process's devices (a driver on a
+    CPU-only head node places GPU actors)."""
+    return ray.cluster_resources().get("GPU", 0) > 0
 
 
 def bundle_gpu_ids(pg, n_bundles: int) -> list[str]:

@@ -11,13 +11,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import ray
 
-from vime.arguments import ArgumentsError, build_parser, check_model_args
+from vime.arguments import ArgumentsError, build_parser, check_model_args, validate_transport_placement
 from vime.backends.megatron_utils.train_arguments import lr_schedule_problem
 from vime.backends.weight_transport.check import check_weights_equal
 from vime.data.transport import RolloutRef, make_transport, rollout_summary
 from vime.data.transport.replay import append_trained_samples, replay_ids, truncate_trained_samples
 from vime.ray.actor_group import RayTrainGroup
-from vime.ray.placement import Placement, init_ray, shutdown_ray
+from vime.ray.placement import Placement, cluster_has_gpus, init_ray, shutdown_ray
 from vime.ray.previous_run import check_start
 from vime.ray.engine_fleet import new_engines, run_control_token
 from vime.ray.rollout_manager import RolloutManager, log_dir, resolve_num_rollout
@@ -106,6 +106,7 @@ class TrainingSession:
             check_start(args, len(self.transport.stored()))
         write_resolved_config(args, f"{args.output_dir}/config.yaml", build_parser())
         self._start_ray_checking_the_model()
+        validate_transport_placement(args, gpus=cluster_has_gpus())  # what only the cluster's devices decide
         self.placement = Placement(args, with_engines=self.use_engines, with_trainers=self.train_enabled,
                                    overlap=self.overlap)
         token = run_control_token(args)

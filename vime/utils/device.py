@@ -18,6 +18,15 @@ def use_gpu() -> bool:
     return torch.cuda.is_available()
 
 
+def local_device():
+    """The torch device this process computes on: its current GPU where CUDA is available, else the CPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def training_dtype(args) -> str:
     """The dtype name (torch / vLLM spelling) the trainer computes in: float32 on CPU whatever the flags
     (bfloat16 is several times slower there); bfloat16 / float16 on GPU with --bf16 / --fp16."""

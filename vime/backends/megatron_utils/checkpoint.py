@@ -159,9 +159,32 @@ def _restore_adam_steps(optimizer, loaded: dict) -> None:
         if len(steps) != 1:
             continue
         step = float(steps.pop())
-        for param_state in opt.optimizer.state.values():
-            if "step" in param_state:
-                param_state["step"] = torch.tensor(step)
+        for group in opt.optimizer.param_groups:
+            for p in group["params"]:
+                param_state = opt.optimizer.state.get(p, {})
+                if "step" in param_state:
+                    param_state["step"] = torch.tensor(step, device=adam_step_device(group, p))
+
+
+def adam_step_device(group: dict, param: torch.Tensor) -> torch.device:
+    """Where torch's Adam keeps a parameter's `step`: with the parameter for the fused and capturable kernels
+    (they refuse it elsewhere), on the CPU for the others (they read it on the host)."""
+    return param.device if group.get("fused") or group.get("capturable") else torch.device("cpu")
+
+
+def place_adam_steps(optimizer) -> None:
+    """Put every `step` of torch's Adam where its kernel reads it (`adam_step_device`), after a load: the
+    checkpoint may have been saved by another kernel or on another device (a CPU run resumed on a GPU), and the
+    DistributedOptimizer's load leaves them on the CPU."""
+    for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, torch.optim.Adam):
+            continue
+        for group in inner.param_groups:
+            for p in group["params"]:
+                step = inner.state.get(p, {}).get("step")
+                if isinstance(step, torch.Tensor):
+                    inner.state[p]["step"] = step.to(adam_step_device(group, p), torch.float32)
 
 
 def _sharded_state(trainer, is_loading: bool) -> dict:
@@ -264,6 +287,7 @@ def load_checkpoint(trainer, root: str) -> dict | None:
         if args.use_distributed_optimizer and not distrib_optimizer.HAVE_APEX_OR_TE:
             _restore_adam_steps(trainer.optimizer, loaded["optimizer"])
         use_fused_adam(trainer.optimizer)  # the loaded param groups carry the saving run's kernel choice
+        place_adam_steps(trainer.optimizer)
     else:
         trainer.optimizer.reload_model_params()
     if release or args.finetune:

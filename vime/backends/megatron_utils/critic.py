@@ -16,20 +16,22 @@ class ValueHead(torch.nn.Module):
     """Stands in for GPTModel.output_layer: hidden [s, b, h] -> values [s, b, 1]. Zero-initialised, so the
     first values are 0. Replicated on tensor-parallel ranks (its input is replicated there too)."""
 
-    def __init__(self, hidden_size: int):
+    def __init__(self, hidden_size: int, device=None, dtype=None):
         super().__init__()
         # named `weight` so checkpoints keep Megatron's `output_layer.weight` key
-        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size))
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, device=device, dtype=dtype))
 
     def forward(self, hidden_states, weight=None, runtime_gather_output=None):
         return torch.nn.functional.linear(hidden_states, self.weight), None
 
 
 def attach_value_head(chunks) -> None:
-    """Replace the LM head of the last pipeline stage's chunk with a value head (before DDP wrapping)."""
+    """Replace the LM head of the last pipeline stage's chunk with a value head (before DDP wrapping), on the
+    chunk's device and in its parameters' dtype: the chunk is already where it trains (`build_model_chunks`)."""
     for chunk in chunks:
         if getattr(chunk, "post_process", False):
-            chunk.output_layer = ValueHead(chunk.config.hidden_size)
+            like = next(chunk.parameters())
+            chunk.output_layer = ValueHead(chunk.config.hidden_size, device=like.device, dtype=like.dtype)
             chunk.share_embeddings_and_output_weights = False
 
 
@@ -38,9 +40,10 @@ def make_value_loss_fn(args, batch: TrainBatch, denominators: dict, scale: float
 
     def loss_fn(indices, inputs, output):
         values = list(output[:, 0].float().split(inputs.response_lengths))  # [R, 1]: one row per response token
-        masks = [batch.loss_masks[i] for i in indices]
-        losses, clipped = zip(*(value_loss(v, batch.old_values[i], batch.returns[i], args.value_clip)
-                                for v, i in zip(values, indices)))
+        mb = batch.select(indices, output.device)  # the batch's CPU tensors, on the model's device once
+        masks = mb["loss_masks"]
+        losses, clipped = zip(*(value_loss(v, old, ret, args.value_clip)
+                                for v, old, ret in zip(values, mb["old_values"], mb["returns"])))
 
         def agg(xs):
             return aggregate_loss(list(xs), masks, args.loss_agg_mode, total_tokens=denominators["tokens"],

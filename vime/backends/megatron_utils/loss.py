@@ -34,30 +34,28 @@ def make_loss_fn(args, batch: TrainBatch, denominators: dict, scale: float, step
         log_probs, entropy = response_log_probs(logits, inputs.targets, inputs.response_lengths,
                                                 args.rollout_temperature, with_entropy=True,
                                                 entropy_grad=bool(args.entropy_coef) or custom is not None)
-        masks = [batch.loss_masks[i].to(log_probs[0].device) for i in indices]
+        # the batch lives on the CPU: its tensors go to the model's device once per micro-batch
+        mb = batch.select(indices, log_probs[0].device)
+        masks = mb["loss_masks"]
         metrics: dict[str, torch.Tensor] = {}
 
         if custom is not None:
-            mb = batch.select(indices)
             loss, metrics = custom(plugin_args or args, mb, log_probs, entropy, agg)
         elif args.loss_type == "sft_loss":
             loss = agg([-lp for lp in log_probs], masks)
             metrics["sft_loss"] = loss.detach()
         else:
-            old = [batch.old_log_probs[i] if batch.old_log_probs else lp.detach()
-                   for i, lp in zip(indices, log_probs)]
-            adv = [batch.advantages[i] for i in indices]
-            pg, clipped = policy_loss(log_probs, old, adv, masks, eps_clip=args.eps_clip,
+            old = mb.get("old_log_probs") or [lp.detach() for lp in log_probs]
+            rollout = mb.get("rollout_log_probs")
+            pg, clipped = policy_loss(log_probs, old, mb["advantages"], masks, eps_clip=args.eps_clip,
                                       eps_clip_high=args.eps_clip_high, eps_clip_c=args.eps_clip_c,
                                       **cispo_kwargs)
             pg_masks = masks
             if args.use_tis:
-                weights = [compute_tis_weights(o, batch.rollout_log_probs[i], args.tis_clip, args.tis_clip_low)
-                           for o, i in zip(old, indices)]
+                weights = [compute_tis_weights(o, r, args.tis_clip, args.tis_clip_low) for o, r in zip(old, rollout)]
                 pg = [p * w for p, w in zip(pg, weights)]
                 metrics["tis_weight_mean"] = agg(weights, masks).detach()
             elif args.use_mis:  # rejected tokens leave the policy loss; the denominators stay the step's
-                rollout = [batch.rollout_log_probs[i].to(o.device) for o, i in zip(old, indices)]
                 weights, keep = compute_mis_weights(old, rollout, masks, args.mis_level, args.mis_threshold_low,
                                                     args.mis_threshold_high)
                 pg = [p * w for p, w in zip(pg, weights)]
@@ -71,13 +69,13 @@ def make_loss_fn(args, batch: TrainBatch, denominators: dict, scale: float, step
             if args.entropy_coef:
                 loss = loss - args.entropy_coef * agg(entropy, masks)
             if args.use_kl_loss:
-                ref = [batch.ref_log_probs[i] for i in indices]
-                kl = agg([compute_approx_kl(lp, r, args.kl_loss_type) for lp, r in zip(log_probs, ref)], masks)
+                kl = agg([compute_approx_kl(lp, r, args.kl_loss_type)
+                          for lp, r in zip(log_probs, mb["ref_log_probs"])], masks)
                 loss = loss + args.kl_loss_coef * kl
                 metrics["kl_loss"] = kl.detach()
             if batch.teacher_log_probs is not None:  # on-policy distillation (vime.algorithms.distillation)
-                teacher = [batch.teacher_log_probs[i].to(lp.device) for i, lp in zip(indices, log_probs)]
-                sampled = [batch.sampling_log_probs(i).to(lp.device) for i, lp in zip(indices, log_probs)]
+                teacher = mb["teacher_log_probs"]
+                sampled = sampling_log_probs(mb)
                 metrics["opd_reverse_kl"] = agg([s - t for s, t in zip(sampled, teacher)], masks)
                 if args.opd_mode == "loss":
                     opd = agg([compute_approx_kl(lp, t, args.opd_kl_type) for lp, t in zip(log_probs, teacher)], masks)
@@ -86,12 +84,26 @@ def make_loss_fn(args, batch: TrainBatch, denominators: dict, scale: float, step
         metrics["entropy"] = agg([e.detach() for e in entropy], masks)
         metrics["loss"] = loss.detach()
         if step_index == 0:  # parameters still equal the rollout policy's: report the train/inference gap
-            diffs = [(lp.detach() - batch.rollout_log_probs[i].to(lp.device)).abs()[m.bool()]
-                     for lp, i, m in zip(log_probs, indices, masks) if batch.rollout_log_probs[i] is not None]
-            flat = torch.cat(diffs) if diffs else torch.zeros(0)
-            metrics["logprob_diff_sum"] = flat.sum()
-            metrics["logprob_diff_count"] = torch.tensor(float(flat.numel()))
-            metrics["logprob_diff_max"] = flat.max() if flat.numel() else torch.tensor(0.0)
+            metrics.update(rollout_gap(log_probs, mb.get("rollout_log_probs"), masks))
         return loss * scale, metrics
 
     return loss_fn
+
+
+def sampling_log_probs(mb: dict) -> list[torch.Tensor]:
+    """`TrainBatch.sampling_log_probs` of a selected micro-batch: the engine's, else the trainer's old ones."""
+    rollout = mb.get("rollout_log_probs") or [None] * len(mb["loss_masks"])
+    return [r if r is not None else mb["old_log_probs"][k] for k, r in enumerate(rollout)]
+
+
+def rollout_gap(log_probs: list[torch.Tensor], rollout: list | None, masks: list[torch.Tensor]) -> dict:
+    """|trainer - engine| log-prob over the trained tokens of the samples the engine scored: sum, count and max,
+    as tensors on the log-probs' device (no host sync: masked, not indexed)."""
+    pairs = [(lp.detach(), r, m) for lp, r, m in zip(log_probs, rollout or [], masks) if r is not None]
+    zero = log_probs[0].new_zeros(())
+    if not pairs:
+        return {"logprob_diff_sum": zero, "logprob_diff_count": zero, "logprob_diff_max": zero}
+    gaps = [torch.where(m.bool(), (lp - r).abs(), 0.0) for lp, r, m in pairs]
+    return {"logprob_diff_sum": torch.stack([g.sum() for g in gaps]).sum(),
+            "logprob_diff_count": torch.stack([m.sum() for _, _, m in pairs]).sum().to(zero.dtype),
+            "logprob_diff_max": torch.stack([g.amax() if g.numel() else zero for g in gaps]).amax()}

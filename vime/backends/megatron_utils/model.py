@@ -20,6 +20,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from vime.backends.megatron_utils.attention import SDPAttention, SharedPromptSeqParams, prompt_sharing_plan
 from vime.backends.megatron_utils.batching import MicroBatchInputs, micro_batch_inputs
+from vime.backends.megatron_utils.device import training_device
 from vime.backends.megatron_utils.log_probs import response_log_probs
 from vime.backends.megatron_utils.lora import routed
 from vime.backends.megatron_utils.megatron_flags import given_fields
@@ -106,8 +107,8 @@ def only_rows(chunk, rows: torch.Tensor):
 def packed_seq_params(inputs: MicroBatchInputs) -> PackedSeqParams | None:
     if inputs.cu_seqlens is None:
         return None
-    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-    cu = inputs.cu_seqlens.to(device)
+    device = training_device()
+    cu = inputs.cu_seqlens.to(device, non_blocking=True)
     fields = dict(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=inputs.max_seqlen,
                   max_seqlen_kv=inputs.max_seqlen)
     if inputs.segment_prefix is None:
@@ -179,7 +180,7 @@ def adapter_route(inputs: MicroBatchInputs, adapters: list[int]) -> torch.Tensor
         route = torch.repeat_interleave(ids, lengths).unsqueeze(1)
     else:
         route = torch.tensor(adapters, dtype=torch.long).unsqueeze(0).expand(inputs.tokens.shape[1], -1)
-    return route.to(inputs.tokens.device if not torch.cuda.is_available() else torch.cuda.current_device())
+    return route.to(training_device(), non_blocking=True)
 
 
 def run_schedule(model, micro_batches: list[list[int]], batch: TrainBatch, loss_fn: Callable,
@@ -210,9 +211,8 @@ def run_schedule(model, micro_batches: list[list[int]], batch: TrainBatch, loss_
 
     def forward_step(iterator, chunk):
         indices, mb, route = next(iterator)
-        tokens, positions = mb.tokens, mb.positions
-        if torch.cuda.is_available():
-            tokens, positions = tokens.cuda(), positions.cuda()
+        device = training_device()
+        tokens, positions = mb.tokens.to(device, non_blocking=True), mb.positions.to(device, non_blocking=True)
         replay = routing.micro_batch(indices, [len(batch.tokens[i]) for i in indices], packed) if routing is not None \
             else contextlib.nullcontext()
         rope = per_token_rope(chunk, mb.positions) if mb.segment_prefix is not None else contextlib.nullcontext()

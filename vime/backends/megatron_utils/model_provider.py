@@ -31,6 +31,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 
 from vime.backends.megatron_utils.attention import SDPAttention
 from vime.backends.megatron_utils.cpu_compat import redirect_backward_for_sequence_parallel
+from vime.backends.megatron_utils.device import training_device
 from vime.backends.megatron_utils.megatron_flags import given_fields, warn_once
 from vime.utils.device import training_dtype
 
@@ -287,6 +288,4 @@ def build_model_chunks(args: argparse.Namespace) -> list[GPTModel]:
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
     )
-    if torch.cuda.is_available():
-        model.cuda(torch.cuda.current_device())
-    return [model]
+    return [model.to(training_device())]

@@ -32,9 +32,10 @@ def tracked_names(args) -> list[str]:
     return [n for n in names if n]
 
 
-def take_moe_losses(args, num_micro_batches: int) -> dict[str, float]:
-    """{metric: value} of the step just run ({} for a dense model or when no router loss is on). Collective over
-    the training ranks: every rank calls it after every optimizer step."""
+def take_moe_losses(args, num_micro_batches: int, device) -> dict[str, torch.Tensor]:
+    """{metric: 0-dim tensor} of the step just run ({} for a dense model or when no router loss is on), on
+    `device`, the model's (read once with the step's other metrics). Collective over the training ranks: every
+    rank calls it after every optimizer step."""
     moe_layers = getattr(args, "moe_layer_freq", None)
     names = tracked_names(args) if getattr(args, "num_experts", None) else []
     if not moe_layers or not names:
@@ -46,17 +47,17 @@ def take_moe_losses(args, num_micro_batches: int) -> dict[str, float]:
     )
 
     tracker = get_moe_layer_wise_logging_tracker()
-    for name in names:  # a stage without MoE layers still takes part in the reductions
-        tracker.setdefault(name, {"values": torch.zeros(len(moe_layers)), "reduce_group": None, "avg_group": None,
-                                  "reduce_group_has_dp": False})
+    for name in names:  # a stage without MoE layers still takes part in the reductions, which are NCCL on GPUs:
+        # its stand-in entry lives where the routers' own entries do, on the model's device
+        tracker.setdefault(name, {"values": torch.zeros(len(moe_layers), device=device), "reduce_group": None,
+                                  "avg_group": None, "reduce_group_has_dp": False})
     reduce_aux_losses_tracker_across_ranks(names)
     layers = [i for i, moe in enumerate(moe_layers) if moe]
     out = {}
     for name in names:
-        entry = tracker[name]
-        per_layer = (entry["values"].float() / max(num_micro_batches, 1)).tolist()
+        per_layer = tracker[name]["values"].float() / max(num_micro_batches, 1)
         metric = _NAMES.get(name, f"moe_{name}")
-        out[metric] = sum(per_layer[i] for i in layers) / len(layers)
+        out[metric] = per_layer[layers].mean()
         out.update({f"{metric}/layer_{i}": per_layer[i] for i in layers})
     clear_aux_losses_tracker()
     return out
@@ -68,8 +69,10 @@ class ExpertLoad:
     def __init__(self, model_chunks: list[torch.nn.Module], num_layers: int, num_experts: int):
         from megatron.core.transformer.moe.router import TopKRouter
 
+        from vime.backends.megatron_utils.device import model_device
+
         # on the routers' device, so that counting stays asynchronous on a GPU (one copy per step, in `take`)
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        device = model_device(model_chunks)
         self.counts = torch.zeros(num_layers, num_experts, dtype=torch.float64, device=device)
         self.moe_layers: set[int] = set()
         for chunk in model_chunks:

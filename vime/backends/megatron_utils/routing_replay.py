@@ -176,4 +176,6 @@ class RoutingReplay:
 
 
 def _device():
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    from vime.backends.megatron_utils.device import training_device
+
+    return training_device()

@@ -2,7 +2,7 @@
 
     batch = TrainBatch.from_samples(groups, args)     # tokens, masks, rewards, rollout log-probs
     batch.old_log_probs = ...                          # the trainer adds what each stage computes
-    custom_loss(args, batch.select(indices), ...)      # plugins get a plain dict of the micro-batch's samples
+    custom_loss(args, batch.select(indices, device), ...)  # a plain dict of the micro-batch's samples, on device
 
 Every per-sample field is a list indexed by the sample's position in the rollout (None where not computed).
 """
@@ -73,14 +73,22 @@ class TrainBatch:
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def select(self, indices: list[int]) -> dict[str, list]:
-        """The per-sample fields that are set, for `indices` only (what a custom loss function receives)."""
+    def select(self, indices: list[int], device: torch.device | str | None = None) -> dict[str, list]:
+        """The per-sample fields that are set, for `indices` only (what a loss, built in or custom, receives).
+        `device`: their tensors copied there, the device of the model's output, once per micro-batch and without
+        blocking (None: as held, on the CPU)."""
         out = {}
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, list) and value:
-                out[f.name] = [value[i] for i in indices]
+                out[f.name] = [_on_device(value[i], device) for i in indices]
         return out
+
+
+def _on_device(value, device):
+    if device is None or not isinstance(value, torch.Tensor):
+        return value
+    return value.to(device, non_blocking=True)
 
 
 def sample_adapters(samples: list[Sample], names: list[str]) -> list[int] | None:

@@ -26,6 +26,7 @@ from vime.algorithms import compute_approx_kl, get_advantage_estimator, masked_m
 from vime.algorithms.distillation import opd_token_rewards
 from vime.backends.megatron_utils.checkpoint import load_checkpoint, save_checkpoint
 from vime.backends.megatron_utils.batching import balanced_partition, micro_batches, step_slices
+from vime.backends.megatron_utils.device import collective_device, model_device
 from vime.backends.megatron_utils.loss import make_loss_fn
 from vime.backends.megatron_utils.moe_metrics import ExpertLoad, take_moe_losses
 from vime.backends.megatron_utils.offload import TrainStateOffloader
@@ -87,6 +88,7 @@ class MegatronTrainer:
                         load_peft_adapter(chunk, args.lora_load)
 
         self.model, self.optimizer, self.scheduler = setup_model_and_optimizer(args, total_steps, prepare)
+        self.device = model_device(self.model)  # where build_model_chunks put it (training_device)
         no_sharing = prompt_sharing(args, self.model)
         logger.info("training %s: micro-batches %s", role, "share each group's prompt" if no_sharing is None
                     else f"hold a copy of the prompt per sample (prompt sharing off: {no_sharing})")
@@ -105,11 +107,11 @@ class MegatronTrainer:
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
 
-    def _moe_metrics(self, num_micro_batches: int) -> dict[str, float]:
+    def _moe_metrics(self, num_micro_batches: int) -> dict:
         """The routers' losses and expert loads of the step just run ({} for dense models). Collective."""
         if self.expert_load is None:
             return {}
-        return {**take_moe_losses(self.args, num_micro_batches), **self.expert_load.take()}
+        return {**take_moe_losses(self.args, num_micro_batches, self.device), **self.expert_load.take()}
 
     # ---- reference weights (KL) -----------------------------------------------------------------------------
     def _needs_ref(self) -> bool:
@@ -222,7 +224,7 @@ class MegatronTrainer:
             self.step += 1
             step_metrics = {**self._reduce(mb_metrics), **self._moe_metrics(len(mbs))}
             if "logprob_diff_count" in step_metrics:  # first step only: the rollout policy's parameters
-                count = max(step_metrics.pop("logprob_diff_count"), 1.0)
+                count = step_metrics.pop("logprob_diff_count").clamp(min=1.0)
                 metrics["train_rollout_logprob_abs_diff"] = step_metrics.pop("logprob_diff_sum") / count
                 metrics["train_rollout_logprob_abs_diff_max"] = step_metrics.pop("logprob_diff_max")
             for k, v in step_metrics.items():
@@ -232,7 +234,7 @@ class MegatronTrainer:
             metrics["train/skipped_steps"] = metrics.get("train/skipped_steps", 0.0) + float(skipped)
         metrics["train/num_usable_samples"] = float(batch.num_usable)
         metrics["train/steps"] = float(len(plan))
-        return metrics if is_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0 else {}
+        return read_metrics(metrics) if is_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0 else {}
 
     def _train_step(self, batch: TrainBatch, mbs: list, loss_fn, metrics: dict, routing=None, prefix: str = "train"):
         """`train_step` that skips the optimizer step when a loss or gradient on any rank is NaN or inf (counted in
@@ -312,21 +314,19 @@ class MegatronTrainer:
         for i, reward in zip(local, rewards):
             batch.advantages[i] = batch.advantages[i] + reward
 
-    def _reduce(self, mb_metrics: list[dict]) -> dict[str, float]:
-        """Sum the micro-batch shares, then over data-parallel ranks (last stage only)."""
+    def _reduce(self, mb_metrics: list[dict]) -> dict[str, torch.Tensor]:
+        """Sum the micro-batch shares (the max for `_MAX_METRICS`), then over data-parallel ranks (last stage
+        only): 0-dim tensors, not read here (`read_metrics` reads a rollout's metrics at once). The all-reduce
+        takes them on the device its group serves: Megatron's data-parallel group on GPUs is NCCL only."""
         if not is_last_stage() or not mb_metrics:
             return {}
+        group = parallel_state.get_data_parallel_group()
         keys = sorted(mb_metrics[0])
-        sums = torch.tensor([float(sum(float(m[k]) for m in mb_metrics)) for k in keys if k != "logprob_diff_max"])
-        maxes = torch.tensor([max((float(m.get("logprob_diff_max", 0.0)) for m in mb_metrics), default=0.0)])
-        dp_group = parallel_state.get_data_parallel_group()
+        sums, maxes = metric_totals(mb_metrics, keys, collective_device(group, self.device))
         if self.dp_size > 1:
-            dist.all_reduce(sums, group=dp_group)
-            dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=dp_group)
-        out = dict(zip([k for k in keys if k != "logprob_diff_max"], sums.tolist()))
-        if "logprob_diff_max" in keys:
-            out["logprob_diff_max"] = maxes.item()
-        return out
+            dist.all_reduce(sums, group=group)
+            dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group)
+        return {k: maxes[j] if k in _MAX_METRICS else sums[j] for j, k in enumerate(keys)}
 
     # ---- critic ---------------------------------------------------------------------------------------------
     def compute_values(self, groups: list[list[dict]]) -> dict[int, list[float]]:
@@ -354,7 +354,7 @@ class MegatronTrainer:
             for k, v in {**self._reduce(mb_metrics), **self._moe_metrics(len(mbs))}.items():
                 metrics[f"critic/{k}"] = metrics.get(f"critic/{k}", 0.0) + v / len(plan)
             metrics["critic/grad_norm"] = float(grad_norm or 0.0)
-        return metrics if is_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0 else {}
+        return read_metrics(metrics) if is_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0 else {}
 
     # ---- colocated offload (--offload-train) ------------------------------------------------------------------
     def offload(self) -> int:
@@ -418,6 +418,11 @@ class MegatronTrainer:
         stage, _, writes = stage_writer()
         transport.send(weights, stage if writes else None, handle)
 
+    def compute_kind(self) -> tuple[str, str]:
+        """(dtype, device type) this rank computes in, e.g. ("bfloat16", "cuda"): what the weight check's
+        tolerance depends on, measured here rather than guessed by a driver that may have no GPU."""
+        return str(_param_dtype(self.model)).removeprefix("torch."), self.device.type
+
     def probe_log_probs(self, tokens: list[int], response_length: int, temperature: float | None = None,
                         adapter: str | None = None) -> list[float]:
         """Log-probs of the last `response_length` tokens of one sequence under the current weights, at
@@ -446,7 +451,7 @@ class FiniteStepGuard:
 
     def __init__(self, optimizer, model):
         self.optimizer, self.model = optimizer, model
-        self.non_finite_loss = False
+        self.non_finite_loss: torch.Tensor | bool = False  # a flag on the loss's device, read once in `step`
         self.reason: str | None = None  # why the step was skipped
 
     def __getattr__(self, name):  # zero_grad, param_groups, ...: the optimizer's own
@@ -455,7 +460,7 @@ class FiniteStepGuard:
     def watch(self, loss_fn):
         def watched(indices, inputs, output):
             loss, metrics = loss_fn(indices, inputs, output)
-            self.non_finite_loss |= not bool(torch.isfinite(loss.detach()).all())
+            self.non_finite_loss = ~torch.isfinite(loss.detach()).all() | self.non_finite_loss  # no host sync
             return loss, metrics
 
         return watched
@@ -473,24 +478,29 @@ def _has_loss_scaler(optimizer) -> bool:
     return any(getattr(o, "grad_scaler", None) is not None for o in optimizers)
 
 
-def _any_rank(flags: list[bool], device) -> list[bool]:
-    """Each flag OR-ed over every rank (all ranks must agree to skip or stop, or the next collective hangs)."""
-    t = torch.tensor([float(f) for f in flags], device=device)
+def _any_rank(flags: list, device) -> list[bool]:
+    """Each flag (a bool, or a 0-dim tensor on `device`) OR-ed over every rank (all ranks must agree to skip or
+    stop, or the next collective hangs); read with one host sync."""
+    t = torch.stack([torch.as_tensor(f, device=device).reshape(()).float() for f in flags])
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return [bool(x) for x in t.tolist()]
+
+
+def _param_dtype(model) -> torch.dtype:
+    return next(p for m in model for p in m.parameters()).dtype
 
 
 def _device(model) -> torch.device:
     return next(p for m in model for p in m.parameters()).device
 
 
-def non_finite_step_reason(model, non_finite_loss: bool) -> str | None:
+def non_finite_step_reason(model, non_finite_loss) -> str | None:
     """Why this step's gradients must not be applied ("non_finite_loss", "non_finite_grad_norm"), or None; the
     same answer on every rank. Reads the gradients Megatron's DDP accumulated (`main_grad`). Collective."""
     grads = [p.main_grad for m in model for p in m.parameters() if getattr(p, "main_grad", None) is not None]
-    finite = torch.stack([torch.isfinite(g).all() for g in grads]).all().item() if grads else True
-    loss_bad, grad_bad = _any_rank([non_finite_loss, not finite], _device(model))
+    finite = torch.stack([torch.isfinite(g).all() for g in grads]).all() if grads else True
+    loss_bad, grad_bad = _any_rank([non_finite_loss, ~finite if grads else False], _device(model))
     return "non_finite_loss" if loss_bad else "non_finite_grad_norm" if grad_bad else None
 
 
@@ -505,6 +515,28 @@ def check_finite_parameters(model, step: int) -> None:
         raise RuntimeError(f"optimizer step {step} left {where} non-finite (NaN or inf) although its loss and "
                            "gradients were finite; the run stops before these weights reach the engines or a "
                            "checkpoint. Lower --lr or raise --adam-eps, or resume from the last checkpoint")
+
+
+# step metrics reduced by their maximum (the others are shares of a global mean: summed)
+_MAX_METRICS = frozenset({"logprob_diff_max"})
+
+
+def metric_totals(mb_metrics: list[dict], keys: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """[len(keys)] sums and maxima over the micro-batches of each metric (a tensor on any device, or a number a
+    custom loss returned), on `device`: copies, no host sync."""
+    table = torch.stack([torch.stack([torch.as_tensor(m[k]).detach().float().reshape(()).to(device, non_blocking=True)
+                                      for k in keys]) for m in mb_metrics])
+    return table.sum(dim=0), table.amax(dim=0)
+
+
+def read_metrics(metrics: dict) -> dict[str, float]:
+    """A rollout's metrics as floats, the tensors among them read with one host copy per device."""
+    out = {k: float(v) for k, v in metrics.items() if not isinstance(v, torch.Tensor)}
+    tensors = {k: v for k, v in metrics.items() if isinstance(v, torch.Tensor)}
+    for device in {v.device for v in tensors.values()}:
+        names = [k for k, v in tensors.items() if v.device == device]
+        out.update(zip(names, torch.stack([tensors[k].detach().float().reshape(()) for k in names]).tolist()))
+    return {k: out[k] for k in metrics}
 
 
 def _denominators(batch: TrainBatch, step) -> dict:

@@ -185,8 +185,13 @@ def engine_dtype(args) -> str:
     """The dtype the engines compute in: --vllm-dtype when given, else the trainer's. (vLLM's own default,
     "auto", turns a float32 checkpoint into bfloat16 on CPU and float16 on GPU: the engines would then sample from
     another policy than the one trained, and on CPUs without bf16 units generate several times slower.)"""
+    return given_engine_dtype(args) or training_dtype(args)
+
+
+def given_engine_dtype(args) -> str | None:
+    """--vllm-dtype in torch's spelling, or None when not given (the engines follow the trainer)."""
     given = getattr(args, "vllm_dtype", None)
-    return _DTYPE_ALIASES.get(given, given) if given else training_dtype(args)
+    return _DTYPE_ALIASES.get(given, given) if given else None
 
 
 def engine_dtype_warning(args) -> str | None:

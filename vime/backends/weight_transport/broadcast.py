@@ -135,6 +135,13 @@ def join_group(cache: dict, key: str, master_addr: str, master_port: int, rank: 
     return pg
 
 
+def group_backend(device) -> str:
+    """The weight group's backend for a member holding its tensors on `device`: NCCL for GPU tensors, gloo for
+    CPU ones. Every member decides for itself, where it runs (training writers and engines are on the same kind
+    of device)."""
+    return "nccl" if str(device).partition(":")[0] == "cuda" else "gloo"
+
+
 # ---- the transport --------------------------------------------------------------------------------------------
 class BroadcastWeightTransport(WeightTransport):
     concurrent = True  # send and apply join the same collective: the driver starts both, then waits for both
@@ -156,22 +163,24 @@ class BroadcastWeightTransport(WeightTransport):
     def prepare(self, version: int) -> dict:
         if self.engine_urls is None:
             raise RuntimeError("BroadcastWeightTransport.connect(engine_urls, trainer_address) must run first")
-        from vime.utils.device import use_gpu
-
+        # no backend here: each member picks it for the device it holds its tensors on (`group_backend`); the
+        # driver may run on a CPU-only head node
         host, port = self.engine_set["address"]
         return {"version": version, "key": self.engine_set["key"], "master_addr": host, "master_port": port,
                 "engine_urls": self.engine_urls, "num_senders": self.num_senders,
                 "world_size": self.num_senders + len(self.engine_urls) * self.workers_per_engine,
-                "bucket_bytes": self.bucket_bytes, "backend": "nccl" if use_gpu() else "gloo"}
+                "bucket_bytes": self.bucket_bytes}
 
     def send(self, weights: Weights, stage: int | None, handle: dict) -> None:
         """The writer of each pipeline stage broadcasts its tensors to the group."""
         if stage is None:
             return
-        device = torch.device("cuda", torch.cuda.current_device()) if handle["backend"] == "nccl" else "cpu"
+        from vime.utils.device import local_device
+
+        device = local_device()  # the training writer's own
         weights = [(name, t.detach().to(device)) for name, t in weights]
         pg = join_group(self.group, handle["key"], handle["master_addr"], handle["master_port"], stage,
-                        handle["world_size"], handle["backend"])
+                        handle["world_size"], group_backend(device))
         for _ in broadcast_weights(pg, handle["num_senders"], handle["bucket_bytes"], device, own=weights):
             pass  # another stage's tensors: this writer only relays its part of the collective
 
@@ -193,8 +202,7 @@ class BroadcastWeightTransport(WeightTransport):
                                f"{engine_urls}")
         common = {"key": handle["key"], "master_addr": handle["master_addr"],
                   "master_port": str(handle["master_port"]), "world_size": str(handle["world_size"]),
-                  "num_senders": str(handle["num_senders"]), "bucket_bytes": str(handle["bucket_bytes"]),
-                  "backend": handle["backend"]}
+                  "num_senders": str(handle["num_senders"]), "bucket_bytes": str(handle["bucket_bytes"])}
         return {url: ("vime_receive_weights",
                       {**common, "rank_offset": str(handle["num_senders"] + index * self.workers_per_engine)})
                 for index, url in enumerate(engine_urls)}

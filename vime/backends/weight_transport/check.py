@@ -17,7 +17,7 @@ from vime.backends.vllm_utils import client
 from vime.utils import tolerances
 
 PROBE_LENGTH = 64
-# CPU float32 / 16-bit values, kept as names for callers and tests; the check itself asks `tolerance_for(args)`
+# CPU float32 / 16-bit values, kept as names for callers and tests; the check itself asks `tolerance_for(args, trainer)`
 FLOAT32_TOLERANCE = tolerances.tolerance("logprob", "float32", "cpu")
 # plus this fraction of each log-prob's size: float32 rounding grows with it (probe tokens are unlikely ones, with
 # log-probs near -15, where the two stacks were seen 1.14e-5 apart on the same weights after 16 rollouts)
@@ -76,24 +76,26 @@ def compare_log_probs(trainer: list[float], engines: list[list[float]], engine_u
     return {METRIC: worst}
 
 
-def check_dtype_and_device(args) -> tuple[str, str]:
+def check_dtype_and_device(args, trainer: tuple[str, str]) -> tuple[str, str]:
     """(dtype, device) the check compares in: the coarser of the engines' and the trainer's dtypes (float32 only
-    when both compute in float32, the default on CPU), on "cuda" when this machine has a GPU (as training_dtype)."""
-    from vime.backends.vllm_utils.arguments import engine_dtype
-    from vime.utils.device import training_dtype, use_gpu
+    when both compute in float32, the default on CPU), on the trainer's device. `trainer`: the (dtype, device
+    type) the training ranks report (`MegatronTrainer.compute_kind`): the driver may run on a CPU-only head node
+    that places GPU trainers, so it does not guess from its own devices."""
+    from vime.backends.vllm_utils.arguments import given_engine_dtype
 
-    return tolerances.coarsest_dtype(engine_dtype(args), training_dtype(args)), "cuda" if use_gpu() else "cpu"
+    dtype, device = trainer
+    return tolerances.coarsest_dtype(given_engine_dtype(args) or dtype, dtype), device
 
 
-def tolerance_for(args) -> float:
-    """tolerance("logprob", dtype, device) of `check_dtype_and_device(args)`: 1e-5 when engines and trainer both
+def tolerance_for(args, trainer: tuple[str, str]) -> float:
+    """tolerance("logprob", dtype, device) of `check_dtype_and_device`: 1e-5 when engines and trainer both
     compute in float32 on CPU, more on GPU (TF32) or in 16-bit."""
-    return tolerances.tolerance("logprob", *check_dtype_and_device(args))
+    return tolerances.tolerance("logprob", *check_dtype_and_device(args, trainer))
 
 
-def relative_tolerance_for(args) -> float:
-    """tolerance("logprob_relative", ...) of `check_dtype_and_device(args)` (1e-6 x |log-prob|)."""
-    return tolerances.tolerance("logprob_relative", *check_dtype_and_device(args))
+def relative_tolerance_for(args, trainer: tuple[str, str]) -> float:
+    """tolerance("logprob_relative", ...) of `check_dtype_and_device` (1e-6 x |log-prob|)."""
+    return tolerances.tolerance("logprob_relative", *check_dtype_and_device(args, trainer))
 
 
 def check_weights_equal(args, train_group, rollout_manager) -> dict[str, float]:
@@ -108,11 +110,12 @@ def check_weights_equal(args, train_group, rollout_manager) -> dict[str, float]:
     tokens = control(rollout_manager.probe_tokens.remote(), "the weight check's probe tokens")
     urls = control(rollout_manager.get_engine_urls.remote(), "the engine URLs")
     worst = 0.0
+    kind = train_group.compute_kind()
     for adapter in adapter_names(args) or [None]:
         engines = rollout_manager.probe_log_probs.remote(tokens, adapter or client.SERVED_MODEL)
         trainer = next(r for r in train_group.probe_log_probs(tokens, len(tokens) - 1, temperature=1.0,
                                                               adapter=adapter) if r)
         engine_lps = control(engines, "the engines' probe log-probs")
-        worst = max(worst, compare_log_probs(trainer, engine_lps, urls, tolerance_for(args), adapter,
-                                             relative_tolerance_for(args))[METRIC])
+        worst = max(worst, compare_log_probs(trainer, engine_lps, urls, tolerance_for(args, kind), adapter,
+                                             relative_tolerance_for(args, kind))[METRIC])
     return {METRIC: worst}

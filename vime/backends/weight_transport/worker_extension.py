@@ -18,18 +18,18 @@ import torch
 
 class WeightReceiver:
     def vime_receive_weights(self, key: str, master_addr: str, master_port: str, rank_offset: str, world_size: str,
-                             num_senders: str, bucket_bytes: str, backend: str) -> dict:
+                             num_senders: str, bucket_bytes: str) -> dict:
         """Join (or reuse) the weight group `key` and reload the weights the training writers broadcast.
 
         Blocks until every member has joined and every writer has sent; see
         `vime.backends.weight_transport.broadcast` for the protocol. Returns {"tensors", "bytes"} received and
         "in_place"."""
-        from vime.backends.weight_transport.broadcast import broadcast_weights, join_group
+        from vime.backends.weight_transport.broadcast import broadcast_weights, group_backend, join_group
 
         cache = self.__dict__.setdefault("_vime_weight_group", {})
+        device = getattr(self, "device", None) or torch.device("cpu")  # the vLLM worker's: decided here
         pg = join_group(cache, key, master_addr, int(master_port), int(rank_offset) + self.rank, int(world_size),
-                        backend)
-        device = getattr(self, "device", None) or torch.device("cpu")
+                        group_backend(device))
         received = broadcast_weights(pg, int(num_senders), int(bucket_bytes), device)
         stats = {"tensors": 0, "bytes": 0}
 
