@@ -166,3 +166,18 @@ def test_device_index_follows_what_the_rank_sees():
     assert device_index(3, 8) == 3  # torchrun: every GPU visible, LOCAL_RANK names one
     with pytest.raises(ValueError, match="LOCAL_RANK 8 names no GPU"):
         device_index(8, 8)
+
+
+def test_ranks_without_a_placement_group_get_the_clusters_gpus(gpu_cluster):
+    """A training group made without a placement group asks for a GPU per rank because the cluster has GPUs, though
+    this driver has none (it once asked the driver's own devices, and put GPU ranks on no GPU)."""
+    from vime.ray.actor_group import RayTrainGroup
+    from vime.utils.device import use_gpu
+
+    assert not use_gpu()
+    group = RayTrainGroup(_args(actor_num_gpus_per_node=2), None)
+    try:
+        seen = ray.get([a.devices.remote() for a in group.actors])
+    finally:
+        group.shutdown()
+    assert all(s["visible"] not in (None, "") for s in seen) and len({s["visible"] for s in seen}) == 2, seen

@@ -13,9 +13,10 @@ import os
 import ray
 
 from vime.data.transport import make_transport
+from vime.ray.placement import cluster_has_gpus
 from vime.utils.deadline import control, gather
 from vime.utils.cpus import CpuShare, allowed_cpus, use_cpus
-from vime.utils.device import serving_host, use_gpu
+from vime.utils.device import serving_host
 from vime.utils.logging_utils import configure_logging
 from vime.utils.misc import find_free_port
 
@@ -147,7 +148,8 @@ class RayTrainGroup:
                 options = placement.actor_options(placement.bundle_of(role, rank))
                 share, local_rank = placement.cpu_share(role, rank), placement.local_rank(role, rank)
             else:
-                options = {"num_cpus": 1, **({"num_gpus": 1} if use_gpu() else {})}
+                # the cluster's devices, not the driver's: a CPU-only head node places GPU ranks
+                options = {"num_cpus": 1, **({"num_gpus": 1} if cluster_has_gpus() else {})}
             self.actors.append(actor_cls.options(**options).remote(args, rank, self.world_size, role, share,
                                                                    local_rank))
 
