@@ -130,6 +130,16 @@ else
   done
 fi
 
+# The trainer benchmark (bench/trainer_mfu.py: tokens/s and MFU of the Qwen3-0.6B shape at 1k and 4k tokens a
+# sample and of the 218M shape, shared prompts off and on): its rows go into the summary's "bench"; it does not
+# decide pass or fail. $GPU_CHECK_BENCH_S caps it (300 s).
+if [ "$gpus" != 0 ]; then
+  say "bench/trainer_mfu.py (limit ${GPU_CHECK_BENCH_S:-300} s)"
+  timeout -k 15 "${GPU_CHECK_BENCH_S:-300}" "$py" bench/trainer_mfu.py --json "$work/bench.json" 2>&1 \
+    | tee "$work/bench.log" | tee -a "$log" | grep -v -i warn | tail -n 12
+  echo "${PIPESTATUS[0]}" > "$work/bench.rc"
+fi
+
 GPU_CHECK_WORK=$work GPU_CHECK_START=$start GPU_CHECK_PY_WHY=$why GPU_CHECK_WHEELS_INSTALLED=$installed_wheels \
   GPU_CHECK_LOG=$log "$py" - "$json" "${files[@]}" <<'PY'
 """Build the summary from the junit XML of each pytest run (and the exit codes of runs that left none)."""
@@ -228,6 +238,9 @@ if gpus and vllm_cuda is not True:
 if gpus and importlib.util.find_spec("megatron") is None:
     notes.append("megatron-core is not installed: the Megatron and weight-sync tests skipped")
 skipped_files = sorted({t["file"] for t in tests if t["outcome"] == "skipped"})
+bench_file, bench_rc = work / "bench.json", work / "bench.rc"
+bench = {"rows": json.loads(bench_file.read_text()) if bench_file.is_file() else [],
+         "exit_code": bench_rc.read_text().strip() if bench_rc.is_file() else "not run (no GPU)"}
 summary = {
     "ok": ok,
     "total_s": round(time.time() - int(os.environ["GPU_CHECK_START"]), 1),
@@ -245,6 +258,7 @@ summary = {
     "files_with_skips": skipped_files,
     "notes": notes,
     "runs": runs,
+    "bench": bench,
     "tests": tests,
     "log": os.environ["GPU_CHECK_LOG"],
 }

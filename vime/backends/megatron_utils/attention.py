@@ -14,6 +14,7 @@ GPUs has its own fused attention with `thd` support.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -74,13 +75,18 @@ class SDPAttention(DotProductAttention):
         return (torch.cat(outs) if len(outs) > 1 else outs[0]).index_select(0, plan.restore)  # [t, heads x d]
 
     def _packed(self, query, key, value, params, dropout: float):
-        """Packed sequences [t, n, d]: gathered into one right-padded [sequences, heads, longest, d] batch for a
-        single causal call, then the real rows read back in packed order. A padded key sits after every real query
-        of its row, so the causal mask keeps it out; padded queries' outputs are dropped (their gradient is 0)."""
+        """Packed sequences [t, n, d]. On a GPU in 16-bit floats, torch's variable-length flash attention over
+        cu_seqlens (no padding; `varlen_causal`). Elsewhere gathered into one right-padded [sequences, heads,
+        longest, d] batch for a single causal call, then the real rows read back in packed order. A padded key sits
+        after every real query of its row, so the causal mask keeps it out; padded queries' outputs are dropped
+        (their gradient is 0). Neither path reads a device value on the host."""
         cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
         cu = cu.to(query.device, torch.long)
+        longest = int(params.max_seqlen_q) if params.max_seqlen_q else int((cu[1:] - cu[:-1]).max())
+        if dropout == 0.0 and uses_varlen_kernel(query):
+            out = varlen_causal(query, key, value, cu, longest, self.softmax_scale)
+            return out.reshape(query.shape[0], -1)
         lengths = cu[1:] - cu[:-1]
-        longest = int(params.max_seqlen_q) if params.max_seqlen_q else int(lengths.max())
         offsets = torch.arange(longest, device=query.device)
         real = (offsets < lengths.unsqueeze(1)).view(-1)  # [sequences x longest]
         rows = torch.where(real, (cu[:-1].unsqueeze(1) + offsets).view(-1), 0)  # padding reads row 0, never used
@@ -88,7 +94,48 @@ class SDPAttention(DotProductAttention):
         q, k, v = (x.index_select(0, rows).view(batch, longest, *x.shape[1:]).transpose(1, 2)
                    for x in (query, key, value))  # [sequences, heads, longest, d]
         out = self._attend(q, k, v, dropout).transpose(1, 2).reshape(batch * longest, -1)
-        return out.index_select(0, real.nonzero().view(-1))  # [t, heads x d], packed order
+        return out.index_select(0, padded_rows(cu, query.shape[0], longest))  # [t, heads x d], packed order
+
+
+def padded_rows(cu: torch.Tensor, total: int, longest: int) -> torch.Tensor:
+    """For each of the `total` packed rows, its row in the right-padded [sequences x longest] layout, computed on
+    the device without a host read (a boolean mask's `nonzero` would wait for the device)."""
+    lengths = cu[1:] - cu[:-1]
+    sequence = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu.device), lengths, output_size=total)
+    return sequence * longest + torch.arange(total, device=cu.device) - cu[:-1].index_select(0, sequence)
+
+
+def uses_varlen_kernel(query: torch.Tensor) -> bool:
+    """torch's variable-length attention runs flash attention: CUDA, 16-bit floats."""
+    return query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and _varlen_attn() is not None
+
+
+def _varlen_attn():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # torch before 2.9
+        return None
+    return varlen_attn
+
+
+def varlen_causal(query, key, value, cu: torch.Tensor, longest: int, scale: float | None) -> torch.Tensor:
+    """Causal attention of packed [t, heads, d] sequences bounded by `cu`, through `varlen_attn` as the installed
+    torch spells it (causal: `window_size=(-1, 0)` in newer releases, `is_causal` in older; grouped-query heads by
+    `enable_gqa` where it exists, else repeated)."""
+    import inspect
+
+    attn = _varlen_attn()
+    params = inspect.signature(attn).parameters
+    kwargs = {"scale": scale}
+    kwargs.update({"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True})
+    if key.shape[1] != query.shape[1]:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:
+            repeat = query.shape[1] // key.shape[1]
+            key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
+    cu = cu.to(torch.int32)
+    return attn(query, key, value, cu, cu, longest, longest, **kwargs)
 
 
 @dataclass
@@ -109,8 +156,23 @@ class PromptSharingPlan:
     restore: torch.Tensor
 
     def to(self, device) -> PromptSharingPlan:
-        return PromptSharingPlan(self.alone_segments, *(getattr(self, f).to(device) for f in
+        """On `device`; to a GPU from pinned memory without blocking the host."""
+        device = torch.device(device)
+
+        def moved(t: torch.Tensor) -> torch.Tensor:
+            if device.type == "cuda":
+                return t.pin_memory().to(device, non_blocking=True)
+            return t.to(device)
+
+        return PromptSharingPlan(self.alone_segments, *(moved(getattr(self, f)) for f in
                                                          ("alone_rows", "query_rows", "key_rows", "mask", "restore")))
+
+
+@functools.lru_cache(maxsize=64)
+def cached_prompt_sharing_plan(cu_seqlens: tuple[int, ...], segment_prefix: tuple[int, ...]) -> PromptSharingPlan:
+    """`prompt_sharing_plan`, built once per micro-batch layout: a rollout's passes (old log-probs, reference,
+    every training step) see the same micro-batches. Its tensors are never written, so sharing them is safe."""
+    return prompt_sharing_plan(list(cu_seqlens), list(segment_prefix))
 
 
 def prompt_sharing_plan(cu_seqlens: list[int], segment_prefix: list[int]) -> PromptSharingPlan:

@@ -18,7 +18,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from vime.backends.megatron_utils.attention import SDPAttention, SharedPromptSeqParams, prompt_sharing_plan
+from vime.backends.megatron_utils.attention import SDPAttention, SharedPromptSeqParams, cached_prompt_sharing_plan
 from vime.backends.megatron_utils.batching import MicroBatchInputs, micro_batch_inputs
 from vime.backends.megatron_utils.device import training_device
 from vime.backends.megatron_utils.log_probs import response_log_probs
@@ -113,7 +113,7 @@ def packed_seq_params(inputs: MicroBatchInputs) -> PackedSeqParams | None:
                   max_seqlen_kv=inputs.max_seqlen)
     if inputs.segment_prefix is None:
         return PackedSeqParams(**fields)
-    plan = prompt_sharing_plan(inputs.cu_seqlens.tolist(), inputs.segment_prefix)
+    plan = cached_prompt_sharing_plan(tuple(inputs.cu_seqlens.tolist()), tuple(inputs.segment_prefix))
     return SharedPromptSeqParams(**fields, plan=plan.to(device))
 
 
@@ -231,37 +231,61 @@ def run_schedule(model, micro_batches: list[list[int]], batch: TrainBatch, loss_
         num_microbatches=len(micro_batches), seq_length=longest, micro_batch_size=1, forward_only=forward_only)
 
 
+class _OnHost:
+    """Per-sample tensors a forward-only pass computes on the device, copied to the host in one transfer when the
+    pass ends (a copy per sample would wait for the device once per sample)."""
+
+    def __init__(self):
+        self.parts: list[tuple[list[int], list[int], torch.Tensor]] = []  # (indices, lengths, [sum lengths])
+
+    def add(self, indices: list[int], tensors: list[torch.Tensor]) -> None:
+        self.parts.append((list(indices), [t.numel() for t in tensors], torch.cat([t.detach().float().reshape(-1)
+                                                                                      for t in tensors])))
+
+    def gather(self) -> dict[int, torch.Tensor]:
+        if not self.parts:
+            return {}
+        flat = torch.cat([p[2] for p in self.parts]).cpu()
+        out, start = {}, 0
+        for indices, lengths, _ in self.parts:
+            for i, piece in zip(indices, flat[start:start + sum(lengths)].split(lengths)):
+                out[i] = piece
+            start += sum(lengths)
+        return out
+
+
 def forward_values(args, model, batch: TrainBatch, micro_batches: list[list[int]]) -> dict[int, torch.Tensor]:
     """Critic: {sample index: values of its response tokens} on the last stage, {} elsewhere."""
-    out: dict[int, torch.Tensor] = {}
+    values_on_host = _OnHost()
 
     def loss_fn(indices, inputs, values):
-        for i, v in zip(indices, values[:, 0].float().split(inputs.response_lengths)):
-            out[i] = v.detach().cpu()
+        values_on_host.add(indices, list(values[:, 0].float().split(inputs.response_lengths)))
         return torch.zeros((), device=values.device), {}
 
     with torch.no_grad():
         run_schedule(model, micro_batches, batch, loss_fn, forward_only=True, packed=is_packed(args),
                      share_prompts=prompt_sharing(args, model) is None)
-    return out
+    return values_on_host.gather()
 
 
 def forward_log_probs(args, model, batch: TrainBatch, micro_batches: list[list[int]], with_entropy: bool = False,
                       routing=None):
     """{sample index: (log-probs of its response tokens, entropy or None)} on the last stage, {} elsewhere."""
-    out: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+    log_probs_on_host, entropy_on_host = _OnHost(), _OnHost()
 
     def loss_fn(indices, inputs, logits):
         lps, ents = response_log_probs(logits, inputs.targets, inputs.response_lengths, args.rollout_temperature,
                                        with_entropy)
-        for k, i in enumerate(indices):
-            out[i] = (lps[k].detach().cpu(), ents[k].detach().cpu() if ents is not None else None)
+        log_probs_on_host.add(indices, lps)
+        if ents is not None:
+            entropy_on_host.add(indices, ents)
         return torch.zeros((), device=logits.device), {}
 
     with torch.no_grad():
         run_schedule(model, micro_batches, batch, loss_fn, forward_only=True, packed=is_packed(args), routing=routing,
                      share_prompts=prompt_sharing(args, model) is None)
-    return out
+    log_probs, entropy = log_probs_on_host.gather(), entropy_on_host.gather()
+    return {i: (lp, entropy.get(i)) for i, lp in log_probs.items()}
 
 
 def is_packed(args) -> bool:

@@ -1,0 +1,182 @@
+"""Trainer throughput on one device: whole GRPO steps of vime's `MegatronTrainer.train` (the old-log-prob forward,
+the loss, backward and the optimizer step), in tokens/s and MFU, for the shapes issue 36 names:
+
+    python bench/trainer_mfu.py [--shapes qwen3-0.6b-1k,qwen3-0.6b-4k,218m] [--json OUT] [--steps 3]
+
+- qwen3-0.6b-1k / -4k: hidden 1024, 28 layers, 16 heads, 8 KV heads, MLP 3072, vocab 151,936; 16 prompts x 8
+  samples of 1k (256 + 768) or 4k (1024 + 3072) tokens, bf16;
+- 218m: the same but 16 layers and vocab 8192, 256 + 768 tokens (the shape measured in ../shared/GPU.md);
+- tiny: 2 layers of 128, for a smoke run on CPU (float32).
+Each shape runs with shared prompts off and on (`--share-group-prompts`), side by side in one process.
+
+MFU = FLOPs of the step's tokens / seconds / peak. FLOPs per token = 6N (forward + backward of the N weights that
+multiply, embeddings excluded, output layer included) + 6 L s h for causal attention (s: the token's sequence
+length; score and value products, forward and backward, half the square), plus 2N + 2 L s h for the no-grad
+old-log-prob forward, which GRPO runs every step. Peak: --peak-tflops (default 989, an H100 / H200 SXM dense
+bf16). The raw limit printed next to it: a bf16 matmul of the model's widest shape on the same device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+SHAPES = {
+    "qwen3-0.6b-1k": dict(hidden=1024, layers=28, heads=16, kv_heads=8, mlp=3072, vocab=151936, prompt=256,
+                          response=768),
+    "qwen3-0.6b-4k": dict(hidden=1024, layers=28, heads=16, kv_heads=8, mlp=3072, vocab=151936, prompt=1024,
+                          response=3072),
+    "218m": dict(hidden=1024, layers=16, heads=16, kv_heads=8, mlp=3072, vocab=8192, prompt=256, response=768),
+    "tiny": dict(hidden=128, layers=2, heads=4, kv_heads=2, mlp=256, vocab=512, prompt=16, response=48),
+}
+
+
+def matmul_params(s: dict) -> int:
+    """Weights that multiply per token: attention (q, k, v, o), the SwiGLU MLP, the output layer."""
+    head = s["hidden"] // s["heads"]
+    attention = s["hidden"] * head * (s["heads"] * 2 + s["kv_heads"] * 2)
+    mlp = 3 * s["hidden"] * s["mlp"]
+    return s["layers"] * (attention + mlp) + s["hidden"] * s["vocab"]
+
+
+def step_flops(s: dict, samples: int) -> float:
+    """Training FLOPs (forward + backward) plus the old-log-prob forward of one GRPO step."""
+    seq = s["prompt"] + s["response"]
+    tokens = samples * seq
+    per_token_attention = 2 * s["layers"] * seq * s["hidden"]  # causal: half of 2 s h for QK^T and AV, forward
+    train = 6 * matmul_params(s) * tokens + 3 * per_token_attention * tokens
+    old_forward = 2 * matmul_params(s) * tokens + per_token_attention * tokens
+    return float(train + old_forward)
+
+
+def build_checkpoint(s: dict, out: Path) -> Path:
+    from vime.synthetic.tiny_model import build_tiny_model
+
+    return build_tiny_model(out, arch="qwen3", seed=0, vocab_size=s["vocab"], hidden_size=s["hidden"],
+                            num_layers=s["layers"], num_heads=s["heads"], num_kv_heads=s["kv_heads"],
+                            intermediate_size=s["mlp"], max_position_embeddings=s["prompt"] + s["response"] + 64)
+
+
+def rollout(s: dict, prompts: int, group: int, seed: int = 0) -> list[list[dict]]:
+    from vime.utils.types import Sample
+
+    g = torch.Generator().manual_seed(seed)
+    groups = []
+    for p in range(prompts):
+        prompt = torch.randint(5, s["vocab"] - 1, (s["prompt"],), generator=g).tolist()
+        groups.append([Sample(group_index=p, index=p * group + k,
+                              tokens=prompt + torch.randint(5, s["vocab"] - 1, (s["response"],), generator=g).tolist(),
+                              response_length=s["response"], reward=float(k % 2), rollout_log_probs=None,
+                              status=Sample.Status.COMPLETED).to_dict() for k in range(group)])
+    return groups
+
+
+def raw_matmul_tflops(s: dict, dtype: torch.dtype, device: str) -> float:
+    """What the device does on a plain matmul of the MLP's shape (tokens x hidden x mlp)."""
+    a = torch.randn(8192, s["hidden"], dtype=dtype, device=device)
+    b = torch.randn(s["hidden"], s["mlp"], dtype=dtype, device=device)
+    for _ in range(3):
+        a @ b
+    sync(device)
+    start, n = time.perf_counter(), 20
+    for _ in range(n):
+        a @ b
+    sync(device)
+    return 2 * 8192 * s["hidden"] * s["mlp"] * n / (time.perf_counter() - start) / 1e12
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(shape: str, ckpt: Path, share: bool, steps: int, micro_batch: int, prompts: int, group: int,
+            peak: float) -> dict:
+    from vime.arguments import parse_args
+    from vime.backends.megatron_utils.parallel import destroy_parallel
+    from vime.backends.megatron_utils.trainer import MegatronTrainer
+
+    s = SHAPES[shape]
+    gpu = torch.cuda.is_available()
+    argv = ["--hf-checkpoint", str(ckpt), "--debug-train-only", "--load-debug-rollout-data",
+            "unused_{rollout_id}.jsonl", "--rm-type", "math", "--rollout-batch-size", str(prompts),
+            "--n-samples-per-prompt", str(group), "--micro-batch-size", str(micro_batch), "--lr", "1e-6",
+            "--num-steps-per-rollout", "1", "--share-group-prompts" if share else "--no-share-group-prompts",
+            *(["--bf16", "--use-distributed-optimizer"] if gpu else [])]
+    trainer = MegatronTrainer(parse_args(argv))  # one per measurement: Megatron's groups and memory start fresh
+    try:
+        data = rollout(s, prompts, group)
+        trainer.train(0, data)  # warm-up: kernels chosen, memory pools grown
+        sync("cuda" if gpu else "cpu")
+        times = []
+        for step in range(steps):
+            start = time.perf_counter()
+            trainer.train(step + 1, data)
+            sync("cuda" if gpu else "cpu")
+            times.append(time.perf_counter() - start)
+    finally:
+        del trainer
+        destroy_parallel()
+        if gpu:
+            torch.cuda.empty_cache()
+    best = min(times)
+    samples = prompts * group
+    tokens = samples * (s["prompt"] + s["response"])
+    flops = step_flops(s, samples)
+    row = {"shape": shape, "shared_prompts": share, "micro_batch": micro_batch, "step_s": round(best, 4),
+           "tokens_per_s": round(tokens / best), "tflops": round(flops / best / 1e12, 2),
+           "mfu": round(flops / best / (peak * 1e12), 4), "device": torch.cuda.get_device_name(0) if gpu else "cpu"}
+    if gpu:
+        row["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
+        torch.cuda.reset_peak_memory_stats()
+    return row
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="qwen3-0.6b-1k,qwen3-0.6b-4k,218m")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--micro-batch-size", type=int, default=8)
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--group", type=int, default=8)
+    p.add_argument("--peak-tflops", type=float, default=989.0)
+    p.add_argument("--json", default=None, help="Write the rows here as JSON too.")
+    a = p.parse_args(argv)
+    sys.path.insert(0, str(REPO / "tests" / "gpu"))
+    from conftest import allow_parsing_without_vllm  # a GPU machine may have no vLLM: its flags are then empty
+
+    allow_parsing_without_vllm()
+    rows = []
+    for shape in a.shapes.split(","):
+        if shape not in SHAPES:
+            p.error(f"--shapes: unknown {shape!r}; one of {sorted(SHAPES)}")
+        s = SHAPES[shape]
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        raw = raw_matmul_tflops(s, torch.bfloat16 if device == "cuda" else torch.float32, device)
+        with tempfile.TemporaryDirectory() as tmp:
+            ckpt = build_checkpoint(s, Path(tmp) / "model")
+            for share in (False, True):
+                row = measure(shape, ckpt, share, a.steps, a.micro_batch_size, a.prompts, a.group, a.peak_tflops)
+                row["raw_matmul_tflops"] = round(raw, 1)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        off, on = rows[-2], rows[-1]
+        print(f"{shape}: {off['tokens_per_s']} tok/s, MFU {off['mfu']:.1%} without shared prompts; shared / not: "
+              f"{off['step_s'] / on['step_s']:.2f}x the speed; matmul limit {raw:.0f} TFLOP/s "
+              f"({raw / a.peak_tflops:.0%} of peak)", flush=True)
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=2))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

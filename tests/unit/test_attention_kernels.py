@@ -1,0 +1,62 @@
+"""The GPU paths of packed attention, checked on CPU: the packed-row read-back computed without a host read equals
+the boolean mask's rows; `varlen_causal` hands torch's variable-length kernel what it needs (causal as the
+installed torch spells it, grouped-query heads, int32 cu_seqlens) and gives what per-sequence causal SDPA gives (a
+stand-in for the CUDA-only kernel here); the kernel is chosen only for CUDA 16-bit tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vime.backends.megatron_utils import attention
+from vime.backends.megatron_utils.attention import padded_rows, uses_varlen_kernel, varlen_causal
+
+
+@pytest.mark.parametrize("lengths", [[3, 1, 5], [1], [4, 4], [2, 7, 1, 1]])
+def test_padded_rows_equal_the_real_mask(lengths):
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    longest = max(lengths)
+    real = (torch.arange(longest) < torch.tensor(lengths).unsqueeze(1)).view(-1)
+    assert padded_rows(cu, sum(lengths), longest).tolist() == real.nonzero().view(-1).tolist()
+
+
+def _reference(q, k, v, cu, scale):
+    outs = []
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        qs, ks, vs = (x[a:b].transpose(0, 1) for x in (q, k, v))
+        outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
+                                                   enable_gqa=ks.shape[0] != qs.shape[0]).transpose(0, 1))
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("spelling", ["window_size", "is_causal"])
+def test_varlen_causal_plumbing(monkeypatch, spelling):
+    seen = {}
+
+    def fake_varlen(query, key, value, cu_q, cu_k, max_q, max_k, *, scale=None, **kw):
+        seen.update(kw, dtype=cu_q.dtype, max_q=max_q, heads=(query.shape[1], key.shape[1]))
+        assert kw.get("window_size", (-1, 0)) == (-1, 0) and kw.get("is_causal", True)
+        return _reference(query, key, value, cu_q, scale)
+
+    if spelling == "window_size":
+        def varlen(query, key, value, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
+                   enable_gqa=False):
+            return fake_varlen(query, key, value, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window_size,
+                               enable_gqa=enable_gqa)
+    else:  # an older torch: is_causal, no enable_gqa
+        def varlen(query, key, value, cu_q, cu_k, max_q, max_k, *, scale=None, is_causal=False):
+            return fake_varlen(query, key, value, cu_q, cu_k, max_q, max_k, scale=scale, is_causal=is_causal)
+    monkeypatch.setattr(attention, "_varlen_attn", lambda: varlen)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(9, 4, 16, generator=g), torch.randn(9, 2, 16, generator=g), torch.randn(9, 2, 16, generator=g)
+    cu = torch.tensor([0, 3, 4, 9])
+    out = varlen_causal(q, k, v, cu, 5, 0.25)
+    assert torch.allclose(out, _reference(q, k, v, cu, 0.25), atol=1e-6)
+    assert seen["dtype"] == torch.int32 and seen["max_q"] == 5
+    assert seen["heads"] == ((4, 2) if spelling == "window_size" else (4, 4))  # repeated where no enable_gqa
+
+
+def test_the_varlen_kernel_only_for_cuda_16_bit():
+    assert not uses_varlen_kernel(torch.zeros(2, 2, 2, dtype=torch.bfloat16))  # CPU
+    assert not uses_varlen_kernel(torch.zeros(2, 2, 2, device="meta"))
