@@ -33,6 +33,7 @@ from vime.backends.megatron_utils.attention import SDPAttention
 from vime.backends.megatron_utils.cpu_compat import redirect_backward_for_sequence_parallel
 from vime.backends.megatron_utils.device import training_device
 from vime.backends.megatron_utils.megatron_flags import given_fields, warn_once
+from vime.backends.megatron_utils.packed_rope import use_packed_rope
 from vime.utils.device import training_dtype
 
 
@@ -247,6 +248,7 @@ def build_gpt_model(args: argparse.Namespace, pre_process: bool = True, post_pro
     """One GPTModel chunk. `pre_process` holds the embedding (first stage), `post_process` the final norm
     and output layer (last stage). Logits come out vocab-parallel over TP: [batch, seq, vocab / TP]."""
     config = build_transformer_config(args)
+    use_packed_rope()  # packed sequences' RoPE without a host read per layer
     model = GPTModel(
         config=config,
         transformer_layer_spec=_layer_specs(config, vp_stage),
