@@ -198,16 +198,19 @@ def test_jail_runs_nothing_when_an_isolation_step_fails(tmp_path):
     import subprocess
     import sys
 
-    from vime.agents.sandbox.local import _JAIL, _read_events, _result
+    from vime.agents.sandbox.events import parse_jail_events
+    from vime.agents.sandbox.local import _JAIL, _drain, _result
 
-    marker, events = tmp_path / "ran", tmp_path / "events.jsonl"
-    events.touch()
-    config = {"events": str(events), "cwd": str(tmp_path), "env": {}, "rlimits": {},
+    marker = tmp_path / "ran"
+    status_read, status_write = os.pipe()
+    config = {"status_fd": status_write, "cwd": str(tmp_path), "env": {}, "rlimits": {},
               "argv": ["/bin/sh", "-c", f"touch {marker}"], "cgroup": str(tmp_path / "no-such-cgroup")}
     (tmp_path / "jail.json").write_text(json.dumps(config))
     proc = subprocess.run([sys.executable, "-S", str(_JAIL), str(tmp_path / "jail.json")], capture_output=True,
-                          timeout=30)
+                          timeout=30, pass_fds=(status_write,))
+    os.close(status_write)
     assert proc.returncode == 126 and not marker.exists()
     assert b"isolation failed, the program was not run: cgroup:" in proc.stderr
-    r = _result(b"", proc.stderr, False, False, proc.returncode, False, False, False, _read_events(events), 0.1)
+    jail = parse_jail_events(_drain(status_read))
+    r = _result(b"", proc.stderr, False, False, proc.returncode, False, False, False, jail, [], 0.1)
     assert r.stopped_reason == "sandbox_error" and r.exit_code is None and "cgroup" in r.violations[0]["detail"]
