@@ -212,5 +212,6 @@ def test_jail_runs_nothing_when_an_isolation_step_fails(tmp_path):
     assert proc.returncode == 126 and not marker.exists()
     assert b"isolation failed, the program was not run: cgroup:" in proc.stderr
     jail = parse_jail_events(_drain(status_read))
+    os.close(status_read)
     r = _result(b"", proc.stderr, False, False, proc.returncode, False, False, False, jail, [], 0.1)
     assert r.stopped_reason == "sandbox_error" and r.exit_code is None and "cgroup" in r.violations[0]["detail"]

@@ -72,8 +72,6 @@ def _drain(fd: int) -> bytes:
             chunks.append(chunk)
     except BlockingIOError:  # a writer is still alive (it should not be): take what is there
         pass
-    finally:
-        os.close(fd)
     return b"".join(chunks)
 
 
@@ -302,6 +300,18 @@ class LocalSandbox(Sandbox):
             raise
         finally:
             os.close(status_write)
+        try:
+            ended = await self._supervise(proc, config, iso, slot, pool, limits)
+            jail = parse_jail_events(_drain(status_read))
+        finally:
+            os.close(status_read)
+        hints = parse_program_events(_read_hints(Path(config["program_events"])))
+        return _result(*ended, jail, hints, time.monotonic() - start)
+
+    async def _supervise(self, proc, config: dict, iso: Isolation, slot: Slot | None, pool,
+                         limits: SandboxLimits) -> tuple:
+        """Wait at most the wall time, kill everything left; (out, err, out_cut, err_cut, returncode, timed_out,
+        scratch_full, oom)."""
         readers = asyncio.gather(_read_capped(proc.stdout, limits.max_output_bytes),
                                  _read_capped(proc.stderr, limits.max_output_bytes))
         cap = limits.max_scratch_mb * 2**20
@@ -328,10 +338,7 @@ class LocalSandbox(Sandbox):
         scratch_full = watcher is not None and (watcher.done() and not watcher.cancelled() and watcher.result()
                                                 or _dir_usage(Path(config["cwd"]), cap) > cap)  # one last look
         oom = pool is not None and pool.oom_killed(config["cgroup"])
-        jail = parse_jail_events(_drain(status_read))
-        hints = parse_program_events(_read_hints(Path(config["program_events"])))
-        return _result(out, err, out_cut, err_cut, proc.returncode, timed_out, scratch_full, oom, jail, hints,
-                       time.monotonic() - start)
+        return out, err, out_cut, err_cut, proc.returncode, timed_out, scratch_full, oom
 
 
 async def _watch_scratch(work: Path, cap: int, pgid: int) -> bool:
