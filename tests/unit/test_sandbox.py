@@ -126,6 +126,27 @@ def test_network_is_refused_by_default():
         server.close()
 
 
+@pytest.mark.parametrize("allow_network", [False, True])
+def test_a_unix_socket_is_refused_and_named(allow_network):
+    """Even with network: a UNIX socket could reach D-Bus, docker.sock or Ray's sockets; connected pairs work."""
+    path = Path(f"/tmp/vime-sandbox-test-{os.getpid()}.sock")  # where any uid may reach it, like Ray's
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(str(path))
+    server.listen(1)
+    os.chmod(path, 0o777)
+    limits = SandboxLimits(wall_time_s=5, allow_network=allow_network)
+    try:
+        r = _run(code=f"import socket\ns = socket.socket(socket.AF_UNIX)\ns.connect({str(path)!r})\nprint('connected')",
+                 limits=limits)
+        assert r.stopped_reason == "network" and "connected" not in r.stdout and r.exit_code == 1, r
+        r = _run(code="import asyncio, socket\na, b = socket.socketpair()\na.sendall(b'pair')\nprint(b.recv(4))\n"
+                      "asyncio.run(asyncio.sleep(0))", limits=limits)
+        assert r.ok and r.stdout == "b'pair'\n", r
+    finally:
+        server.close()
+        path.unlink()
+
+
 def test_network_can_be_allowed():
     server, port = _listener()
     try:
