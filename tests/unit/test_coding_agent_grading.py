@@ -47,7 +47,8 @@ def test_a_right_answer_scores_1(sandbox, code):
     RIGHT + "\nimport os\nos._exit(0)",  # right, but no test ever ran
     "import sys\nsys.exit(0)",
     # every descriptor read and printed, then out: there is nothing in the sandbox that could pass for a verdict
-    "import os\nfor fd in range(3, 64):\n    try:\n        print(os.read(fd, 64).decode(errors='replace'))\n    except OSError:\n"
+    "import os\nfor fd in range(3, 64):\n    try:\n        print(os.read(fd, 64).decode(errors='replace'))\n"
+    "    except OSError:\n"
     "        pass\nos._exit(0)",
     "import os\nprint(os.read(3, 64).decode())\nos._exit(0)",  # the old grader's nonce on fd 3 (scored 1.0)
     # a forged results line: it would need the expected values, which never enter the sandbox

@@ -101,7 +101,8 @@ class Isolation:
         else:
             user = "a user namespace per sandbox" if self.user_namespace else "the trainer's uid (shared)"
         net = [n for n, on in (("network namespace", self.net_namespace),
-                               ("seccomp: every socket refused but connected UNIX pairs", bool(self.seccomp_arch))) if on]
+                               ("seccomp: every socket refused but connected UNIX pairs",
+                                bool(self.seccomp_arch))) if on]
         signals = [n for n, on in (("pid namespace: the trainer is invisible", self.pid_namespace),
                                    ("a uid of its own", bool(self.uid_range)),
                                    ("landlock scope", self.landlock_abi >= 6)) if on]

@@ -33,8 +33,8 @@ import seccomp
 
 _MS_NOSUID, _MS_NODEV, _MNT_DETACH = 2, 4, 2
 _PR_SET_DUMPABLE, _PR_CAPBSET_DROP, _PR_SET_SECUREBITS = 4, 24, 28
-# SECBIT_NOROOT, SECBIT_NO_SETUID_FIXUP, SECBIT_KEEP_CAPS, SECBIT_NO_CAP_AMBIENT_RAISE, each with its lock:
-# uid 0 (root in a user namespace of its own) gains no capabilities at exec, now or ever
+# SECBIT_NOROOT, SECBIT_NO_SETUID_FIXUP, SECBIT_NO_CAP_AMBIENT_RAISE set and locked, SECBIT_KEEP_CAPS (unset)
+# locked: uid 0 (root in a user namespace of its own) gains no capabilities at exec, now or ever
 _SECUREBITS_NO_CAPS = 0b1 | 0b10 | 0b100 | 0b1000 | 0b100000 | 0b1000000 | 0b10000000
 _CAP_VERSION_3 = 0x20080522
 
