@@ -16,6 +16,8 @@ allows (`LocalSandbox().isolation` is the report; `isolation.py` finds it by try
   anything (D-Bus, docker.sock, Ray's sockets): connected pairs only; no new namespaces, no ptrace, io_uring,
   userfaultfd, bpf, keyrings or mounts;
 - no capabilities (root in its own user namespace drops them all) and, as root, no supplementary groups;
+- an empty read-only tmpfs over /tmp, /var/tmp, /run, /dev/shm, /home, /root and the trainer's home in its mount
+  namespace (`masking.py`; the run's own paths bound back): other users' sockets and secrets have no name there;
 - cgroup v2 memory.max and pids.max over the whole sandbox (`cgroup.py`);
 - a tmpfs of `max_scratch_mb` as its directory (else a size check of the directory every 0.2 s);
 - rlimits per process: CPU time, address space, file size, open files, processes;

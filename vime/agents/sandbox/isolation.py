@@ -53,6 +53,7 @@ class Isolation:
     mount_namespace: bool
     net_namespace: bool
     tmpfs: bool
+    masking: bool  # empty read-only tmpfs over shared directories (masking.py) in its mount namespace
     landlock_abi: int
     seccomp_arch: str  # "" when no filter can be installed
     cgroup_dir: str  # the pool's directory, "" when off
@@ -124,6 +125,9 @@ class Isolation:
             "groups": self.groups,
             "cgroup": (f"memory.max and pids.max per sandbox under {self.cgroup_dir}" if self.cgroup_dir
                        else f"off: {self.cgroup_reason}"),
+            "hidden": ("empty read-only tmpfs over /tmp, /var/tmp, /run, /dev/shm, /home, /root and the trainer's "
+                       "home (the run's own paths bound back)" if self.masking else
+                       "none: shared directories keep their names (Landlock and seccomp still refuse their use)"),
             "scratch": ("tmpfs of max_scratch_mb in a mount namespace" if self.tmpfs else
                         "RLIMIT_FSIZE per file + the directory's size checked every 0.2 s"),
             "kill": self.kill,
@@ -179,6 +183,7 @@ def probe_isolation(is_root: bool, namespaces: bool = True, cgroups: bool = True
         is_root=is_root, prefix=no_network, prefix_network=base, user_namespace="--user" in base,
         pid_namespace=bool(found.get("pid1") and found.get("own_proc")),
         mount_namespace=bool(found.get("mount_namespace")), net_namespace=net, tmpfs=bool(found.get("tmpfs")),
+        masking=bool(found.get("mask")),
         landlock_abi=int(found.get("landlock_abi", 0)), seccomp_arch=machine() if found.get("seccomp") else "",
         cgroup_dir=pool.dir if pool else "", cgroup_reason=reason, uid_range=uid_range if is_root else None)
 

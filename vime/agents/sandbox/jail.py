@@ -29,6 +29,7 @@ import socket
 import sys
 
 import landlock  # beside this file (sys.path[0])
+import masking
 import seccomp
 
 _MS_NOSUID, _MS_NODEV, _MNT_DETACH = 2, 4, 2
@@ -146,6 +147,10 @@ def isolate(cfg: dict) -> dict:
     if cfg.get("cgroup"):
         _step("cgroup", _join_cgroup, cfg["cgroup"])
         applied["cgroup"] = cfg["cgroup"]
+    if cfg.get("mask"):  # before the scratch: its tmpfs then lands on the bound-back run directory
+        if not in_new_mount_namespace(cfg["parent_mnt_ns"]):
+            raise IsolationError("mask: not in a mount namespace of its own; refusing to mount")
+        applied["hidden"] = _step("mask", masking.mask_directories, cfg["mask"]["dirs"], cfg["mask"]["keep"])
     if cfg.get("tmpfs"):
         _scratch(cfg)
         applied["scratch"] = f"tmpfs {cfg['tmpfs']['size_mb']} MiB"
@@ -242,14 +247,27 @@ def _seccomp_works() -> bool:
     return os.waitpid(pid, 0)[1] == 0
 
 
+def _masking_works(scratch_dir: str) -> bool:
+    """Hide a directory keeping one path beneath it, and see exactly that path left."""
+    outer = os.path.join(scratch_dir, "outer")
+    os.makedirs(os.path.join(outer, "keep"))
+    os.makedirs(os.path.join(outer, "other"))
+    try:
+        masking.mask_directories([outer], [os.path.join(outer, "keep")])
+    except OSError:
+        return False
+    return os.listdir(outer) == ["keep"]
+
+
 def probe(scratch_dir: str, parent_mnt_ns: int) -> dict:
     found = {"pid1": os.getpid() == 1, "own_proc": os.readlink("/proc/self") == str(os.getpid()),
              "mount_namespace": in_new_mount_namespace(parent_mnt_ns), "tmpfs": False,
-             "landlock_abi": landlock.abi(), "seccomp": False}
+             "landlock_abi": landlock.abi(), "seccomp": False, "mask": False}
     if found["mount_namespace"]:
         try:
             mount_tmpfs(scratch_dir, "size=1m,mode=0700")
             found["tmpfs"] = True
+            found["mask"] = _masking_works(scratch_dir)
         except OSError:
             pass
     try:

@@ -31,6 +31,9 @@ _SITE = _HERE / "site_hooks"
 SYSTEM_READ_PATHS = ("/bin", "/sbin", "/usr", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt", "/proc", "/sys",
                      "/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
 _SCRATCH_CHECK_S = 0.2
+# hidden behind an empty tmpfs where a mount namespace allows (masking.py): where other processes keep sockets,
+# shared memory and secrets
+MASKED_DIRS = ("/tmp", "/var/tmp", "/run", "/var/run", "/dev/shm", "/home", "/root")
 
 
 def _safe_relative(name: str) -> Path:
@@ -262,6 +265,8 @@ class LocalSandbox(Sandbox):
             "program_events": str(events),
             "parent_mnt_ns": os.stat("/proc/self/ns/mnt").st_ino,
             "tmpfs": {"size_mb": limits.max_scratch_mb, "nr_inodes": 16384} if iso.tmpfs else None,
+            "mask": ({"dirs": [*MASKED_DIRS, os.path.expanduser("~"), tempfile.gettempdir()],
+                      "keep": [str(root), *self._read_paths(root)]} if iso.masking else None),
             "stage": str(stage),
             "uid": slot.uid if slot else None, "gid": slot.gid if slot else None,
             "nproc_shared": slot is None and not iso.user_namespace,
