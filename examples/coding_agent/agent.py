@@ -3,8 +3,9 @@
     --custom-generate-function-path examples.coding_agent.agent.generate
     --custom-rm-path examples.coding_agent.agent.reward
 
-The model may run code with the `python` tool (in the sandbox) before answering; its final code block is
-graded in the sandbox too, by hidden tests (the sample's label) that import it (`grading.py`).
+The model may run code with the `python` tool (in the sandbox) before answering; its final code block runs in the
+sandbox on the hidden tests' expressions (the sample's label), and the values are compared with the expected ones
+outside it (`grading.py`).
 """
 
 from __future__ import annotations

@@ -126,6 +126,27 @@ def test_network_is_refused_by_default():
         server.close()
 
 
+@pytest.mark.parametrize("allow_network", [False, True])
+def test_a_unix_socket_is_refused_and_named(allow_network):
+    """Even with network: a UNIX socket could reach D-Bus, docker.sock or Ray's sockets; connected pairs work."""
+    path = Path(f"/tmp/vime-sandbox-test-{os.getpid()}.sock")  # where any uid may reach it, like Ray's
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(str(path))
+    server.listen(1)
+    os.chmod(path, 0o777)
+    limits = SandboxLimits(wall_time_s=5, allow_network=allow_network)
+    try:
+        r = _run(code=f"import socket\ns = socket.socket(socket.AF_UNIX)\ns.connect({str(path)!r})\nprint('connected')",
+                 limits=limits)
+        assert r.stopped_reason == "network" and "connected" not in r.stdout and r.exit_code == 1, r
+        r = _run(code="import asyncio, socket\na, b = socket.socketpair()\na.sendall(b'pair')\nprint(b.recv(4))\n"
+                      "asyncio.run(asyncio.sleep(0))", limits=limits)
+        assert r.ok and r.stdout == "b'pair'\n", r
+    finally:
+        server.close()
+        path.unlink()
+
+
 def test_network_can_be_allowed():
     server, port = _listener()
     try:
@@ -198,16 +219,20 @@ def test_jail_runs_nothing_when_an_isolation_step_fails(tmp_path):
     import subprocess
     import sys
 
-    from vime.agents.sandbox.local import _JAIL, _read_events, _result
+    from vime.agents.sandbox.events import parse_jail_events
+    from vime.agents.sandbox.local import _JAIL, _drain, _result
 
-    marker, events = tmp_path / "ran", tmp_path / "events.jsonl"
-    events.touch()
-    config = {"events": str(events), "cwd": str(tmp_path), "env": {}, "rlimits": {},
+    marker = tmp_path / "ran"
+    status_read, status_write = os.pipe()
+    config = {"status_fd": status_write, "cwd": str(tmp_path), "env": {}, "rlimits": {},
               "argv": ["/bin/sh", "-c", f"touch {marker}"], "cgroup": str(tmp_path / "no-such-cgroup")}
     (tmp_path / "jail.json").write_text(json.dumps(config))
     proc = subprocess.run([sys.executable, "-S", str(_JAIL), str(tmp_path / "jail.json")], capture_output=True,
-                          timeout=30)
+                          timeout=30, pass_fds=(status_write,))
+    os.close(status_write)
     assert proc.returncode == 126 and not marker.exists()
     assert b"isolation failed, the program was not run: cgroup:" in proc.stderr
-    r = _result(b"", proc.stderr, False, False, proc.returncode, False, False, False, _read_events(events), 0.1)
+    jail = parse_jail_events(_drain(status_read))
+    os.close(status_read)
+    r = _result(b"", proc.stderr, False, False, proc.returncode, False, False, False, jail, [], 0.1)
     assert r.stopped_reason == "sandbox_error" and r.exit_code is None and "cgroup" in r.violations[0]["detail"]

@@ -5,6 +5,7 @@ allowed, and then still blocks the network below Python, signals to the trainer,
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -38,6 +39,7 @@ except SandboxRefused as e:
     out["refused"] = str(e)
 sandbox = LocalSandbox(namespaces=namespaces, allow_weak_isolation=True)
 out["missing"] = sandbox.isolation["missing"]
+out["hidden"] = sandbox.isolation["hidden"]
 listener = socket.socket()
 listener.bind(("127.0.0.1", 0))
 listener.listen(4)
@@ -175,7 +177,8 @@ def test_full_sandbox_blocks_escapes(as_user):
     assert out["bash_dev_tcp"]["reason"] == "network" and not out["listener_connected"]
     assert out["kill_parent"]["stdout"] == "ESRCH" and out["kill_sibling"]["stdout"] == "ESRCH"  # invisible
     assert out["read_environ"]["stdout"] == "ENOENT"  # its own /proc has no trainer in it
-    assert out["read_private"]["stdout"] == "EACCES"
+    # its /tmp is an empty tmpfs where a mount namespace allows; Landlock refuses the read in any case
+    assert out["read_private"]["stdout"] == ("ENOENT" if out["hidden"].startswith("empty") else "EACCES")
     assert out["sibling_alive"] and out["setsid_survivors"] == []
 
 
@@ -235,3 +238,20 @@ def test_setsid_child_of_a_timed_out_run_is_killed_without_namespaces():
         except OSError:
             continue
     assert survivors == []
+
+
+def test_without_seccomp_unix_sockets_are_missing_and_refused(monkeypatch):
+    """Neither Landlock nor a network namespace stops connect() to a path-named socket: no filter, no strong run."""
+    iso = sandbox_isolation.probe_isolation(os.geteuid() == 0)
+    no_filter = dataclasses.replace(iso, seccomp_arch="", net_namespace=True, pid_namespace=True, landlock_abi=6)
+    assert no_filter.missing() == ["unix_sockets"]
+    report = no_filter.report()
+    assert not report["strong"] and report["unix_sockets"].startswith("none: any path-named socket")
+    with pytest.raises(SandboxRefused, match="no unix_sockets isolation.*seccomp filter"):
+        raise sandbox_isolation.refusal(no_filter.missing())
+    as_user = dataclasses.replace(no_filter, uid_range=None)
+    monkeypatch.setattr(os, "getgroups", lambda: [os.getgid(), 998, 999])
+    assert as_user.report()["groups"].startswith("kept: gids [998, 999]")
+    monkeypatch.setattr(os, "getgroups", lambda: [os.getgid()])
+    assert as_user.report()["groups"] == "none"
+    assert dataclasses.replace(iso, uid_range=(2**30, 4)).report()["groups"].startswith("none (setgroups")

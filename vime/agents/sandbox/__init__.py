@@ -12,11 +12,18 @@ allows (`LocalSandbox().isolation` is the report; `isolation.py` finds it by try
   the trainer's files and processes are another user's;
 - Landlock (`landlock.py`): reads beneath system paths and its own directory only, writes in its
   directory only, no signals or abstract sockets outside;
-- seccomp (`seccomp.py`): no sockets but AF_UNIX unless network is allowed, no new namespaces;
+- seccomp (`seccomp.py`): no sockets unless network is allowed, and never a UNIX socket that could connect to
+  anything (D-Bus, docker.sock, Ray's sockets): connected pairs only; no new namespaces, no ptrace, io_uring,
+  userfaultfd, bpf, keyrings or mounts;
+- no capabilities (root in its own user namespace drops them all) and, as root, no supplementary groups;
+- an empty read-only tmpfs over /tmp, /var/tmp, /run, /dev/shm, /home, /root and the trainer's home in its mount
+  namespace (`masking.py`; the run's own paths bound back): other users' sockets and secrets have no name there;
 - cgroup v2 memory.max and pids.max over the whole sandbox (`cgroup.py`);
 - a tmpfs of `max_scratch_mb` as its directory (else a size check of the directory every 0.2 s);
 - rlimits per process: CPU time, address space, file size, open files, processes;
 - an environment of its own (PATH, HOME, LANG, PYTHON*), never the trainer's (its secrets live there);
+- a verdict the program cannot forge: the jail reports the wait status it observed through a pipe the program never
+  holds; what the program writes to its own event log can only name a cause, never a success (`events.py`);
 - every descendant killed at the end: pid namespace, cgroup.kill, the slot's uid, or a process group nothing can
   leave (setsid refused), whichever is strongest here.
 Without network + pid + file-system isolation it refuses to run (`SandboxRefused`) unless

@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # Why a run stopped early. None: the program ended by itself (its exit code may still be non-zero).
+# "tampering": the program wrote something into the sandbox's event log that the sandbox never writes.
 STOP_REASONS = ("timeout", "memory", "forbidden_write", "network", "process_limit", "file_size", "output_limit",
-                "killed", "disk_quota", "sandbox_error")
+                "killed", "disk_quota", "sandbox_error", "tampering")
 
 
 @dataclass

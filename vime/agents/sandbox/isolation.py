@@ -5,9 +5,11 @@
     iso.report()    # what a run gets: namespaces, Landlock ABI, seccomp, cgroups, uids, scratch, how it is killed
 
 Strong isolation, required unless a run is started with --agent-sandbox-allow-weak-isolation:
-- network: a network namespace of its own, or a seccomp filter refusing every socket but AF_UNIX;
+- network: a network namespace of its own, or a seccomp filter refusing every socket (connected UNIX pairs only);
 - pid: a pid namespace with its own /proc (the trainer and other sandboxes are invisible, unsignalable);
-- filesystem: Landlock (reads beneath system paths and its own directory only, writes in its directory only).
+- filesystem: Landlock (reads beneath system paths and its own directory only, writes in its directory only);
+- unix_sockets: the seccomp filter, which refuses socket(AF_UNIX) (connected stream pairs only): neither Landlock
+  nor a network namespace keeps a program from connecting to a path-named socket (D-Bus, docker.sock, Ray's).
 The probe runs the jail in `--probe` mode inside the namespaces it means to use (`unshare`), strongest first,
 so what is reported is what a run actually gets.
 """
@@ -37,7 +39,7 @@ _USER = ("--user", "--map-root-user")
 _PID = ("--fork", "--pid", "--kill-child", "--mount", "--mount-proc")
 _MOUNT = ("--fork", "--kill-child", "--mount")
 _NET = ("--net",)
-REQUIRED = ("network", "pid", "filesystem")
+REQUIRED = ("network", "pid", "filesystem", "unix_sockets")
 WEAK_RUNS_COUNTER = "rollout/sandbox_weak_isolation_runs"
 
 
@@ -51,6 +53,7 @@ class Isolation:
     mount_namespace: bool
     net_namespace: bool
     tmpfs: bool
+    masking: bool  # empty read-only tmpfs over shared directories (masking.py) in its mount namespace
     landlock_abi: int
     seccomp_arch: str  # "" when no filter can be installed
     cgroup_dir: str  # the pool's directory, "" when off
@@ -70,13 +73,24 @@ class Isolation:
         return "process group only: a setsid child escapes"
 
     @property
+    def groups(self) -> str:
+        """Whose supplementary groups the program keeps (they open group-readable files and sockets)."""
+        if self.uid_range:
+            return "none (setgroups([]) before the uid of its own)"
+        kept = sorted(set(os.getgroups()) - {os.getgid()})
+        if not kept:
+            return "none"
+        return (f"kept: gids {kept} (a user namespace made without privilege cannot drop them; "
+                "start the trainer without them, e.g. setpriv --clear-groups)")
+
+    @property
     def deny_new_session(self) -> bool:
         """Refuse setsid/setpgid only where the process group is the only sure kill."""
         return not (self.pid_namespace or self.cgroup_dir or self.uid_range)
 
     def missing(self) -> list[str]:
         found = {"network": self.net_namespace or bool(self.seccomp_arch), "pid": self.pid_namespace,
-                 "filesystem": self.landlock_abi >= 1}
+                 "filesystem": self.landlock_abi >= 1, "unix_sockets": bool(self.seccomp_arch)}
         return [name for name in REQUIRED if not found[name]]
 
     def report(self) -> dict:
@@ -88,7 +102,8 @@ class Isolation:
         else:
             user = "a user namespace per sandbox" if self.user_namespace else "the trainer's uid (shared)"
         net = [n for n, on in (("network namespace", self.net_namespace),
-                               ("seccomp: sockets other than AF_UNIX refused", bool(self.seccomp_arch))) if on]
+                               ("seccomp: every socket refused but connected UNIX pairs",
+                                bool(self.seccomp_arch))) if on]
         signals = [n for n, on in (("pid namespace: the trainer is invisible", self.pid_namespace),
                                    ("a uid of its own", bool(self.uid_range)),
                                    ("landlock scope", self.landlock_abi >= 6)) if on]
@@ -102,9 +117,17 @@ class Isolation:
             "filesystem": (f"landlock abi {self.landlock_abi}: reads beneath system paths and its own directory, "
                            "writes in its directory" if self.landlock_abi else "none: file permissions only"),
             "landlock_abi": self.landlock_abi,
-            "seccomp": f"{self.seccomp_arch} filter" if self.seccomp_arch else "unavailable",
+            "unix_sockets": ("seccomp: no socket(AF_UNIX), connected stream pairs only" if self.seccomp_arch else
+                             "none: any path-named socket the uid may open is reachable"),
+            "seccomp": (f"{self.seccomp_arch} filter (also ptrace, io_uring, userfaultfd, bpf, keys, mounts)"
+                        if self.seccomp_arch else "unavailable"),
+            "capabilities": "none (dropped and verified before the program runs)",
+            "groups": self.groups,
             "cgroup": (f"memory.max and pids.max per sandbox under {self.cgroup_dir}" if self.cgroup_dir
                        else f"off: {self.cgroup_reason}"),
+            "hidden": ("empty read-only tmpfs over /tmp, /var/tmp, /run, /dev/shm, /home, /root and the trainer's "
+                       "home (the run's own paths bound back)" if self.masking else
+                       "none: shared directories keep their names (Landlock and seccomp still refuse their use)"),
             "scratch": ("tmpfs of max_scratch_mb in a mount namespace" if self.tmpfs else
                         "RLIMIT_FSIZE per file + the directory's size checked every 0.2 s"),
             "kill": self.kill,
@@ -160,6 +183,7 @@ def probe_isolation(is_root: bool, namespaces: bool = True, cgroups: bool = True
         is_root=is_root, prefix=no_network, prefix_network=base, user_namespace="--user" in base,
         pid_namespace=bool(found.get("pid1") and found.get("own_proc")),
         mount_namespace=bool(found.get("mount_namespace")), net_namespace=net, tmpfs=bool(found.get("tmpfs")),
+        masking=bool(found.get("mask")),
         landlock_abi=int(found.get("landlock_abi", 0)), seccomp_arch=machine() if found.get("seccomp") else "",
         cgroup_dir=pool.dir if pool else "", cgroup_reason=reason, uid_range=uid_range if is_root else None)
 
@@ -167,7 +191,8 @@ def probe_isolation(is_root: bool, namespaces: bool = True, cgroups: bool = True
 def refusal(missing: list[str]) -> SandboxRefused:
     fixes = {"network": "a network namespace (unshare --net) or seccomp",
              "pid": "a pid namespace with its own /proc (unshare --pid --mount-proc; as non-root with --user)",
-             "filesystem": "Landlock (Linux >= 5.13 with landlock in the lsm= boot list)"}
+             "filesystem": "Landlock (Linux >= 5.13 with landlock in the lsm= boot list)",
+             "unix_sockets": "a seccomp filter (x86_64 or aarch64, with seccomp in the kernel)"}
     return SandboxRefused(
         f"sandbox isolation too weak to run model code: no {', no '.join(missing)} isolation here. Needs "
         + "; ".join(fixes[m] for m in missing) + ". In a container, allow unprivileged user namespaces "

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from vime.agents.sandbox.cgroup import cgroup_pool
+from vime.agents.sandbox.events import JailReport, parse_jail_events, parse_program_events
 from vime.agents.sandbox.service import HTTPSandbox
 from vime.agents.sandbox.isolation import Isolation, note_weak_run, probe_isolation, refusal
 from vime.agents.sandbox.slots import DEFAULT_SLOTS, DEFAULT_UID_BASE, Slot, UidPool, kill_uid
@@ -30,6 +31,9 @@ _SITE = _HERE / "site_hooks"
 SYSTEM_READ_PATHS = ("/bin", "/sbin", "/usr", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt", "/proc", "/sys",
                      "/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
 _SCRATCH_CHECK_S = 0.2
+# hidden behind an empty tmpfs where a mount namespace allows (masking.py): where other processes keep sockets,
+# shared memory and secrets
+MASKED_DIRS = ("/tmp", "/var/tmp", "/run", "/var/run", "/dev/shm", "/home", "/root")
 
 
 def _safe_relative(name: str) -> Path:
@@ -50,18 +54,28 @@ async def _read_capped(stream: asyncio.StreamReader, cap: int) -> tuple[bytes, b
     return bytes(kept), truncated
 
 
-def _read_events(path: Path) -> list[dict[str, Any]]:
+_MAX_HINTS_BYTES = 2**20
+
+
+def _read_hints(path: Path) -> str:
+    """The program's own event log (untrusted: see events.py), at most its first MiB."""
     try:
-        lines = path.read_text().splitlines()
+        with open(path, "rb") as f:
+            return f.read(_MAX_HINTS_BYTES).decode(errors="replace")
     except OSError:
-        return []
-    events = []
-    for line in lines[:1000]:
-        try:
-            events.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a torn line from a killed process
-    return events
+        return ""
+
+
+def _drain(fd: int) -> bytes:
+    """Everything in the jail's status pipe; every writer is gone by now, so this never waits."""
+    os.set_blocking(fd, False)
+    chunks = []
+    try:
+        while chunk := os.read(fd, 65536):
+            chunks.append(chunk)
+    except BlockingIOError:  # a writer is still alive (it should not be): take what is there
+        pass
+    return b"".join(chunks)
 
 
 def _stderr_reason(stderr: str) -> str | None:
@@ -209,13 +223,13 @@ class LocalSandbox(Sandbox):
         result.weak_isolation = missing
         return result
 
-    def _env(self, work: Path, events: Path, limits: SandboxLimits, run_id: str) -> dict[str, str]:
+    def _env(self, work: Path, hints: Path, limits: SandboxLimits, run_id: str) -> dict[str, str]:
         """All the program sees of an environment: nothing of the trainer's (tokens, keys, paths)."""
         return {
             "PATH": f"{os.path.dirname(self.python)}:/usr/local/bin:/usr/bin:/bin", "HOME": str(work),
             "TMPDIR": str(work), "LANG": "C.UTF-8", "PYTHONPATH": str(_SITE), "PYTHONNOUSERSITE": "1",
             "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1", "VIME_SANDBOX_ROOT": str(work),
-            "VIME_SANDBOX_EVENTS": str(events), "VIME_SANDBOX_ALLOW_NETWORK": "1" if limits.allow_network else "0",
+            "VIME_SANDBOX_EVENTS": str(hints), "VIME_SANDBOX_ALLOW_NETWORK": "1" if limits.allow_network else "0",
             "VIME_SANDBOX_ID": run_id, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
         }
 
@@ -227,8 +241,8 @@ class LocalSandbox(Sandbox):
         return [*SYSTEM_READ_PATHS, *sorted(prefixes), str(_SITE), str(root), *self.read_paths]
 
     def _prepare(self, root: Path, iso: Isolation, slot: Slot | None, code, command, files, limits) -> dict:
-        """The run's directory (program, files, event log, scratch) and the jail's config."""
-        work, events = root / "work", root / "events.jsonl"
+        """The run's directory (program, files, the program's event log, scratch) and the jail's config."""
+        work, events = root / "work", root / "program_events.jsonl"
         stage = root / "files" if iso.tmpfs else work  # with a tmpfs the jail copies the files into it
         work.mkdir()
         stage.mkdir(exist_ok=True)
@@ -247,9 +261,12 @@ class LocalSandbox(Sandbox):
                 os.chmod(path, mode)
         write = [str(work), str(events), "/dev/null"]
         return {
-            "events": str(events), "cwd": str(work), "argv": argv, "env": self._env(work, events, limits, root.name),
+            "cwd": str(work), "argv": argv, "env": self._env(work, events, limits, root.name),
+            "program_events": str(events),
             "parent_mnt_ns": os.stat("/proc/self/ns/mnt").st_ino,
             "tmpfs": {"size_mb": limits.max_scratch_mb, "nr_inodes": 16384} if iso.tmpfs else None,
+            "mask": ({"dirs": [*MASKED_DIRS, os.path.expanduser("~"), tempfile.gettempdir()],
+                      "keep": [str(root), *self._read_paths(root)]} if iso.masking else None),
             "stage": str(stage),
             "uid": slot.uid if slot else None, "gid": slot.gid if slot else None,
             "nproc_shared": slot is None and not iso.user_namespace,
@@ -271,15 +288,35 @@ class LocalSandbox(Sandbox):
         if pool is not None:
             config["cgroup"] = pool.start_run(root.name, (limits.memory_mb + limits.max_scratch_mb) * 2**20,
                                               limits.max_processes + 1)  # + the jail
+        prefix = iso.prefix_network if limits.allow_network else iso.prefix
+        status_read, status_write = os.pipe()  # the jail's report; only the jail holds the write end
+        config["status_fd"] = status_write
         config_path = root / "jail.json"
         config_path.write_text(json.dumps(config))
         os.chmod(config_path, 0o600)
-        prefix = iso.prefix_network if limits.allow_network else iso.prefix
         start = time.monotonic()
-        proc = await asyncio.create_subprocess_exec(
-            *prefix, sys.executable, "-S", str(_JAIL), str(config_path), stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True,
-            env=config["env"])
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *prefix, sys.executable, "-S", str(_JAIL), str(config_path), stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True,
+                env=config["env"], pass_fds=(status_write,))
+        except BaseException:
+            os.close(status_read)
+            raise
+        finally:
+            os.close(status_write)
+        try:
+            ended = await self._supervise(proc, config, iso, slot, pool, limits)
+            jail = parse_jail_events(_drain(status_read))
+        finally:
+            os.close(status_read)
+        hints = parse_program_events(_read_hints(Path(config["program_events"])))
+        return _result(*ended, jail, hints, time.monotonic() - start)
+
+    async def _supervise(self, proc, config: dict, iso: Isolation, slot: Slot | None, pool,
+                         limits: SandboxLimits) -> tuple:
+        """Wait at most the wall time, kill everything left; (out, err, out_cut, err_cut, returncode, timed_out,
+        scratch_full, oom)."""
         readers = asyncio.gather(_read_capped(proc.stdout, limits.max_output_bytes),
                                  _read_capped(proc.stderr, limits.max_output_bytes))
         cap = limits.max_scratch_mb * 2**20
@@ -306,8 +343,7 @@ class LocalSandbox(Sandbox):
         scratch_full = watcher is not None and (watcher.done() and not watcher.cancelled() and watcher.result()
                                                 or _dir_usage(Path(config["cwd"]), cap) > cap)  # one last look
         oom = pool is not None and pool.oom_killed(config["cgroup"])
-        return _result(out, err, out_cut, err_cut, proc.returncode, timed_out, scratch_full, oom,
-                       _read_events(Path(config["events"])), time.monotonic() - start)
+        return out, err, out_cut, err_cut, proc.returncode, timed_out, scratch_full, oom
 
 
 async def _watch_scratch(work: Path, cap: int, pgid: int) -> bool:
@@ -320,17 +356,23 @@ async def _watch_scratch(work: Path, cap: int, pgid: int) -> bool:
 
 
 def _result(out: bytes, err: bytes, out_cut: bool, err_cut: bool, returncode: int | None, timed_out: bool,
-            scratch_full: bool, oom: bool, logged: list[dict], duration: float) -> SandboxResult:
-    """Why the run stopped, from the jail's events, the program's own words and how it ended."""
-    violations = [{"reason": e["reason"], "detail": e.get("detail", "")} for e in logged
-                  if e.get("event") == "violation"][:50]
-    violations += [{"reason": "sandbox_error", "detail": e.get("message", "")} for e in logged
-                   if e.get("event") == "isolation_error"]
+            scratch_full: bool, oom: bool, jail: JailReport, hints: list[dict[str, str]],
+            duration: float) -> SandboxResult:
+    """Why the run stopped and how it ended. The exit code is the wait status the jail observed (or, when the jail
+    itself was killed, how the jail ended); the program's own hints only ever name a cause, never a success."""
+    violations = list(hints)
+    if jail.isolation_error is not None:
+        violations.append({"reason": "sandbox_error", "detail": jail.isolation_error})
+    violations += [{"reason": "sandbox_error", "detail": f"the jail reported nonsense: {p}"} for p in jail.problems]
     stderr = err.decode(errors="replace")
+    signalled = None
     exit_code = returncode
-    signalled = next((e["signal"] for e in logged if e.get("event") == "exit"), None)
-    if signalled is not None:
-        exit_code = -signalled
+    if jail.exit_status is not None:
+        if os.WIFSIGNALED(jail.exit_status):
+            signalled = os.WTERMSIG(jail.exit_status)
+            exit_code = -signalled
+        else:
+            exit_code = os.WEXITSTATUS(jail.exit_status)
     reason = violations[0]["reason"] if violations else None
     if reason is None and scratch_full:
         reason = "disk_quota"
@@ -346,12 +388,16 @@ def _result(out: bytes, err: bytes, out_cut: bool, err_cut: bool, returncode: in
             reason = "killed"
         elif out_cut or err_cut:
             reason = "output_limit"
-    if reason == "sandbox_error":
-        exit_code = None  # the program never started
+        elif jail.exit_status is None:  # the jail ended (or was ended) without a word about the program
+            reason = "sandbox_error"
+            violations.append({"reason": "sandbox_error",
+                               "detail": f"the jail ended with {returncode} before reporting the program's exit"})
+    if jail.isolation_error is not None:
+        reason, exit_code = "sandbox_error", None  # the program never started
     elif (timed_out or scratch_full) and exit_code is not None and exit_code >= 0:
         exit_code = -signal.SIGKILL
     return SandboxResult(stdout=out.decode(errors="replace"), stderr=stderr, exit_code=exit_code,
-                         stopped_reason=reason, duration_s=duration, violations=violations)
+                         stopped_reason=reason, duration_s=duration, violations=violations[:50])
 
 
 def make_sandbox(spec: str | None = None, allow_weak_isolation: bool = False) -> Sandbox:

@@ -91,7 +91,15 @@ def _excepthook(kind, value, tb, _default=sys.excepthook):
         _record("file_size", value)
     elif isinstance(value, OSError) and value.errno in (errno.ENOSPC, errno.EDQUOT):
         _record("disk_quota", value)
+    elif isinstance(value, PermissionError) and value.errno == errno.EPERM and _raised_in_socket(tb):
+        _record("network", f"socket refused by the sandbox: {value}")  # UNIX sockets too (seccomp)
     _default(kind, value, tb)
+
+
+def _raised_in_socket(tb):
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and os.path.basename(tb.tb_frame.f_code.co_filename) == "socket.py"
 
 
 def _guard_fork():
