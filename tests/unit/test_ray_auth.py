@@ -26,14 +26,28 @@ except Exception as e:
 """
 
 
-def test_the_runs_cluster_admits_only_the_runs_token(monkeypatch):
+@pytest.fixture()
+def no_ray_auth_settings():
+    """This process without RAY_AUTH_* settings, and after the test with the ones it had, as Ray sees them (Ray
+    caches its authentication config per process: restoring the environment alone would leave them apart)."""
+    from vime.ray.ray_auth import MODE_ENV, TOKEN_PATH_ENV, _reload_ray_auth_config
+
+    names = (MODE_ENV, TOKEN_PATH_ENV, "RAY_AUTH_TOKEN")
+    saved = {name: os.environ.pop(name) for name in names if name in os.environ}
+    _reload_ray_auth_config()
+    yield
+    for name in names:
+        os.environ.pop(name, None)
+    os.environ.update(saved)
+    _reload_ray_auth_config()
+
+
+def test_the_runs_cluster_admits_only_the_runs_token(no_ray_auth_settings):
     import ray
 
     from vime.ray.placement import init_ray, shutdown_ray
     from vime.ray.ray_auth import MODE_ENV, TOKEN_PATH_ENV
 
-    for name in (MODE_ENV, TOKEN_PATH_ENV, "RAY_AUTH_TOKEN"):
-        monkeypatch.delenv(name, raising=False)
     home_token = os.path.expanduser("~/.ray/auth_token")
     before = os.stat(home_token).st_mtime if os.path.exists(home_token) else None
     if ray.is_initialized():
