@@ -48,3 +48,23 @@ def test_eval_metrics_average_over_prompts():
     assert m["maj@1"] == pytest.approx(0.5) and m["maj@4"] == pytest.approx(0.5)
     with pytest.raises(ValueError, match="at least 5 samples"):
         eval_at_k_metrics(prompts, [5])
+
+
+def test_eval_samples_grouped_by_prompt_with_failures_incorrect():
+    from types import SimpleNamespace
+
+    from vime.rollout.metrics import eval_at_k
+    from vime.utils.types import Sample
+
+    def s(group, response, reward, status=Sample.Status.COMPLETED):
+        return Sample(group_index=group, response=response, reward=reward, status=status)
+
+    samples = [s(0, " 7", 1.0), s(0, "7 ", 1.0), s(0, "3", 0.0), s(0, "x", None, Sample.Status.FAILED),
+               s(1, "a", 0.0), s(1, "b", 0.0), s(1, "b", 0.0), s(1, "c", 1.0)]
+    m = eval_at_k(samples, SimpleNamespace(reward_key=None), [1, 4], prefix="eval/arith")
+    # prompt 0: c = 2 of 4 ("7" twice, stripped: the majority, correct); prompt 1: c = 1, majority "b" wrong
+    assert m["eval/arith/pass@1"] == pytest.approx((0.5 + 0.25) / 2)
+    assert m["eval/arith/pass@4"] == 1.0
+    assert m["eval/arith/maj@4"] == pytest.approx(0.5)
+    assert m["eval/arith/mean@4"] == pytest.approx((0.5 + 0.25) / 2)
+    assert m["eval/arith/maj@1"] == pytest.approx(0.5)  # prompt 0's first sample right, prompt 1's wrong
