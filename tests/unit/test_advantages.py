@@ -11,6 +11,8 @@ from vime.algorithms.advantages import (
     register_advantage_estimator,
     reinforce_plus_plus_advantages,
     reinforce_plus_plus_baseline_advantages,
+    remax_advantages,
+    rloo_advantages,
     whiten,
 )
 
@@ -224,6 +226,8 @@ def test_registry_lists_all_estimators_and_rejects_duplicates():
         "reinforce_plus_plus",
         "reinforce_plus_plus_baseline",
         "ppo",
+        "rloo",
+        "remax",
     ]
     with pytest.raises(ValueError, match="already registered"):
         register_advantage_estimator("grpo")(lambda **kw: None)
@@ -291,3 +295,46 @@ def test_masked_mean_std_by_hand():
     assert masked_mean_std(xs, [torch.zeros(3), torch.zeros(2)]) == (0.0, 0.0)
     whitened = whiten(xs, masks)
     assert masked_mean_std(whitened, masks) == pytest.approx((0.0, 1.0), abs=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- rloo / remax
+
+
+def test_rloo_baseline_is_the_mean_of_the_other_members():
+    # Group 1 rewards [1, 0, 0, 1]: the others' means 1/3, 2/3, 2/3, 1/3 -> A = 2/3, -2/3, -2/3, 2/3
+    # Group 2 rewards [3, 1, 2, 9], the last without trainable tokens (no member): k = 3
+    #   A = 3 - (1 + 2)/2 = 1.5,  1 - (3 + 2)/2 = -1.5,  2 - (3 + 1)/2 = 0,  and 0 for the non-member
+    rewards = [1.0, 0.0, 0.0, 1.0, 3.0, 1.0, 2.0, 9.0]
+    masks = [t(1, 0), t(1), t(1, 1), t(1), t(1), t(1, 1), t(1), t(0, 0)]
+    adv, ret = rloo_advantages(rewards, masks, n_samples_per_prompt=4)
+    assert_close(adv, [[2 / 3, 0.0], [-2 / 3], [-2 / 3, -2 / 3], [2 / 3], [1.5], [-1.5, -1.5], [0.0], [0.0, 0.0]])
+    assert ret is adv
+
+
+def test_rloo_is_n_over_n_minus_1_times_the_group_centred_reward():
+    torch.manual_seed(1)
+    rewards = torch.rand(8)
+    masks = [torch.ones(1) for _ in range(8)]
+    rloo, _ = rloo_advantages(rewards, masks, n_samples_per_prompt=4)
+    centred, _ = grpo_advantages(rewards, masks, n_samples_per_prompt=4, normalize_std=False)
+    torch.testing.assert_close(torch.cat(rloo), torch.cat(centred) * 4 / 3, atol=1e-6, rtol=0)
+
+
+def test_rloo_lone_member_nan_reward_and_group_size():
+    # group [5, NaN]: the NaN sample is no member, so 5 has no other sample to compare with -> 0
+    adv, _ = rloo_advantages([5.0, float("nan")], [t(1), t(1)], n_samples_per_prompt=2)
+    assert_close(adv, [[0.0], [0.0]])
+    with pytest.raises(ValueError, match="n-samples-per-prompt >= 2"):
+        rloo_advantages([1.0], [t(1)], n_samples_per_prompt=1)
+
+
+def test_remax_subtracts_the_greedy_reward():
+    # rewards [1, 0, 0.5], greedy baselines [0.5, 0.5, NaN] -> 0.5, -0.5, and 0 for the one without a baseline
+    adv, ret = remax_advantages([1.0, 0.0, 0.5], [t(1, 1), t(0, 1), t(1)], greedy_rewards=[0.5, 0.5, float("nan")],
+                                n_samples_per_prompt=3)
+    assert_close(adv, [[0.5, 0.5], [0.0, -0.5], [0.0]])
+    assert ret is adv
+    with pytest.raises(ValueError, match="greedy baseline"):
+        remax_advantages([1.0], [t(1)])
+    with pytest.raises(ValueError, match="2 greedy rewards but 1 rewards"):
+        remax_advantages([1.0], [t(1)], greedy_rewards=[0.0, 1.0])

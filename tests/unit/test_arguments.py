@@ -333,3 +333,17 @@ def test_schedule_check_agrees_with_megatrons_scheduler(lr, min_lr, warmup, weig
     except AssertionError:
         megatron_ok = False
     assert (lr_schedule_problem(args, steps) is None) == megatron_ok
+
+
+def test_estimator_and_eval_flags_checked_against_the_rollout_flags(base, capsys, arithmetic_data):
+    """--overlong-buffer-len within --rollout-max-response-len, rloo's groups, --eval-pass-at-k's k within
+    --n-samples-per-eval-prompt: refused at parse time naming the flags."""
+    err = _error(capsys, base + ["--rollout-max-response-len", "16", "--overlong-buffer-len", "17"])
+    assert "--overlong-buffer-len 17 must lie in [1, --rollout-max-response-len 16]" in err, err
+    err = _error(capsys, base + ["--advantage-estimator", "rloo", "--n-samples-per-prompt", "1"])
+    assert "--n-samples-per-prompt 1 must be >= 2" in err, err
+    evals = ["--eval-prompt-data", "arith", str(arithmetic_data[1]), "--eval-pass-at-k", "4,1"]
+    err = _error(capsys, base + evals)
+    assert "k = 4 needs --n-samples-per-eval-prompt >= 4 (got 1)" in err, err
+    assert "--eval-pass-at-k needs eval sets" in _error(capsys, base + ["--eval-pass-at-k", "1"])
+    assert parse_args(base + evals + ["--n-samples-per-eval-prompt", "4"]).eval_pass_at_k == [1, 4]

@@ -109,3 +109,109 @@ def test_loss_aggregation_modes_through_the_trainer(tiny_qwen3, mode):
         m = t.train(0, groups)
     assert m["train/pg_loss"] == pytest.approx(-sum(per_sequence) / len(samples), abs=1e-5)
     assert math.isfinite(m["train/loss"]) and m["train/grad_norm"] > 0
+
+
+def _overlong(n: int, max_len: int = 16, buffer: int = 8) -> float:
+    return max(-1.0, min(0.0, -(n - (max_len - buffer)) / buffer))
+
+
+def test_rloo_with_overlong_shaping_truncation_mask_and_dr_grpo_aggregation(tiny_qwen3):
+    """RLOO on rewards + DAPO's overlong penalty, truncated samples masked out, Dr. GRPO's constant normaliser: on
+    policy the per-token loss is -A_i, so pg_loss = -sum_i A_i * T_i / (members * 16), all by hand."""
+    groups = make_rollout(seed=11)
+    samples = flat(groups)
+    for k in (1, 6, 11):  # three truncated samples, 16 tokens each as the engine would cut them
+        s = samples[k]
+        s["tokens"] += [7] * (16 - s["response_length"])
+        s["status"], s["response_length"] = "truncated", 16
+    lengths = [s["response_length"] for s in samples]
+    members = [s["status"] != "truncated" for s in samples]
+    shaped = [s["reward"] + _overlong(n) for s, n in zip(samples, lengths)]
+    advantages = []
+    for g in range(4):
+        idx = [i for i in range(4 * g, 4 * g + 4) if members[i]]
+        total = sum(shaped[i] for i in idx)
+        advantages += [shaped[i] - (total - shaped[i]) / (len(idx) - 1) if members[i] else 0.0
+                       for i in range(4 * g, 4 * g + 4)]
+    tokens = [a for a, n, m in zip(advantages, lengths, members) if m for _ in range(n)]
+    mean = sum(tokens) / len(tokens)
+    std = math.sqrt(sum((x - mean) ** 2 for x in tokens) / len(tokens))
+    with trainer(tiny_qwen3, "--advantage-estimator", "rloo", "--rollout-max-response-len", "16",
+                 "--overlong-buffer-len", "8", "--mask-truncated-samples", "--loss-agg-mode",
+                 "seq_mean_token_sum_norm") as t:
+        m = t.train(0, groups)
+    n_members = sum(members)
+    assert m["train/truncated_masked_fraction"] == pytest.approx(3 / 16)
+    penalties = [_overlong(n) for n, keep in zip(lengths, members) if keep]
+    assert m["train/overlong_penalty_mean"] == pytest.approx(sum(penalties) / n_members, abs=1e-6)
+    assert m["train/overlong_penalized_fraction"] == pytest.approx(sum(p < 0 for p in penalties) / n_members)
+    assert m["train/advantage_mean"] == pytest.approx(mean, abs=1e-5)
+    assert m["train/advantage_std"] == pytest.approx(std, abs=1e-5)
+    expected_pg = -sum(a * n for a, n, keep in zip(advantages, lengths, members) if keep) / (n_members * 16)
+    assert m["train/pg_loss"] == pytest.approx(expected_pg, abs=1e-5)
+    assert math.isfinite(m["train/loss"]) and m["train/grad_norm"] > 0
+
+
+def test_remax_entropy_top_fraction_and_entropy_schedule(tiny_qwen3):
+    """ReMax's baseline from each sample's metadata; only the top 20% entropy tokens of each micro-batch in the
+    loss; the linear schedule's coefficient at rollout 5 of 10."""
+    from vime.backends.megatron_utils.train_batch import TrainBatch
+
+    groups = make_rollout(seed=12)
+    samples = flat(groups)
+    greedy = [0.0, 1.0, 0.5, 0.0]
+    for s in samples:
+        s["metadata"]["remax_greedy_reward"] = greedy[s["group_index"]]
+    advantages = [s["reward"] - greedy[s["group_index"]] for s in samples]
+    tokens = [a for a, s in zip(advantages, samples) for _ in range(s["response_length"])]
+    mean = sum(tokens) / len(tokens)
+    std = math.sqrt(sum((x - mean) ** 2 for x in tokens) / len(tokens))
+    with trainer(tiny_qwen3, "--advantage-estimator", "remax", "--entropy-top-fraction", "0.2",
+                 "--entropy-coef", "0.01", "--entropy-coef-schedule", "linear",
+                 "--entropy-coef-decay-rollouts", "10") as t:
+        plan = t._split(TrainBatch.from_samples(groups, t.args))
+        m = t.train(5, groups)
+    assert m["train/advantage_mean"] == pytest.approx(mean, abs=1e-5)
+    assert m["train/advantage_std"] == pytest.approx(std, abs=1e-5)
+    assert m["train/remax_greedy_reward_mean"] == pytest.approx(sum(greedy) / 4)
+    assert m["train/entropy_coef"] == pytest.approx(0.005)
+    lengths = [s["response_length"] for s in samples]
+    kept = sum(math.ceil(0.2 * sum(lengths[i] for i in mb)) for _, _, mbs in plan for mb in mbs)
+    assert m["train/entropy_masked_fraction"] == pytest.approx(1 - kept / sum(lengths), abs=1e-6)
+    assert math.isfinite(m["train/loss"]) and m["train/grad_norm"] > 0
+
+
+def test_bnpo_averages_the_micro_batches_token_means(tiny_qwen3):
+    from vime.backends.megatron_utils.train_batch import TrainBatch
+
+    groups = make_rollout(seed=13)
+    samples = flat(groups)
+    advantages = _grpo_by_hand(samples)
+    with trainer(tiny_qwen3, "--loss-agg-mode", "bnpo") as t:
+        plan = t._split(TrainBatch.from_samples(groups, t.args))
+        m = t.train(0, groups)
+    mbs = [mb for _, _, step_mbs in plan for mb in step_mbs]
+    lengths = [s["response_length"] for s in samples]
+    per_mb = [-sum(advantages[i] * lengths[i] for i in mb) / sum(lengths[i] for i in mb) for mb in mbs]
+    assert len(mbs) > 1
+    assert m["train/pg_loss"] == pytest.approx(sum(per_mb) / len(mbs), abs=1e-5)
+
+
+@pytest.mark.parametrize("loss, extra", [("clip_cov", ("--clip-cov-lb", "0.0", "--clip-cov-ratio", "0.1")),
+                                         ("kl_cov", ("--kl-cov-ratio", "0.1"))])
+def test_covariance_losses_train(tiny_qwen3, loss, extra):
+    """On policy kl_cov's penalty |logp - old| is 0, so its loss is the unclipped -A's token mean; clip_cov cuts
+    some tokens' loss. Both mark the tokens they touched in pg_clipfrac."""
+    groups = make_rollout(seed=14)
+    samples = flat(groups)
+    advantages = _grpo_by_hand(samples)
+    lengths = [s["response_length"] for s in samples]
+    with trainer(tiny_qwen3, "--policy-loss", loss, *extra) as t:
+        before = weights(t)
+        m = t.train(0, groups)
+        after = weights(t)
+    assert math.isfinite(m["train/loss"]) and m["train/grad_norm"] > 0 and 0.0 < m["train/pg_clipfrac"] <= 0.5
+    if loss == "kl_cov":
+        assert m["train/pg_loss"] == pytest.approx(-sum(a * n for a, n in zip(advantages, lengths)) / sum(lengths),
+                                                   abs=1e-5)
+    assert [n for n in before if torch.equal(before[n], after[n])] == []

@@ -11,14 +11,17 @@ from vime.algorithms.arguments import add_algorithm_args, validate_algorithm_arg
 from vime.algorithms.losses import (
     POLICY_LOSSES,
     aggregate_loss,
+    clip_cov_policy_loss,
     compute_approx_kl,
     compute_log_probs_from_logits,
     compute_tis_weights,
     entropy_from_logits,
     get_policy_loss,
     gspo_policy_loss,
+    kl_cov_policy_loss,
     ppo_policy_loss,
     sft_loss,
+    top_entropy_mask,
     value_loss,
 )
 
@@ -195,7 +198,7 @@ def test_gspo_dual_clip_applies_to_the_sequence_ratio():
 
 
 def test_policy_loss_registry():
-    assert list(POLICY_LOSSES) == ["ppo", "gspo", "cispo"]
+    assert list(POLICY_LOSSES) == ["ppo", "gspo", "cispo", "clip_cov", "kl_cov"]
     assert get_policy_loss("gspo") is gspo_policy_loss
     with pytest.raises(ValueError, match="unknown policy loss 'nope'"):
         get_policy_loss("nope")
@@ -247,6 +250,94 @@ def test_aggregation_with_global_denominators():
     second = aggregate_loss(LOSSES[2:], MASKS[2:], "token_mean", total_tokens=5)  # (5 + 6) / 5 = 2.2
     close(first, 1.4)
     close(first + second, 3.6)
+
+
+def test_dr_grpo_bnpo_and_dapo_normalisations():
+    # Trainable sum 18 over 5 tokens in 3 sequences (LOSSES / MASKS above)
+    # seq_mean_token_sum_norm (Dr. GRPO): 18 / (3 sequences * max_response_len 4) = 1.5; global 6 sequences: 0.75
+    close(aggregate_loss(LOSSES, MASKS, "seq_mean_token_sum_norm", max_response_len=4), 1.5)
+    close(aggregate_loss(LOSSES, MASKS, "seq_mean_token_sum_norm", num_sequences=6, max_response_len=4), 0.75)
+    # the constant normaliser: doubling one response's length doubles its share (seq_mean_token_mean would not)
+    close(aggregate_loss([t(1.0, 1.0), t(1.0)], [t(1, 1), t(1)], "seq_mean_token_sum_norm", max_response_len=2), 0.75)
+    with pytest.raises(ValueError, match="max_response_len"):
+        aggregate_loss(LOSSES, MASKS, "seq_mean_token_sum_norm")
+    # dapo: the global token mean, 18 / 5 locally, 18 / 10 with the step's 10 tokens
+    close(aggregate_loss(LOSSES, MASKS, "dapo"), 3.6)
+    close(aggregate_loss(LOSSES, MASKS, "dapo", total_tokens=10), 1.8)
+    # bnpo: this micro-batch's own token mean 18 / 5 = 3.6, over 3 micro-batches: 1.2; micro-batches [1, 2, 4] and
+    # [5, 6] give (7/3 + 11/2) / 2 = 3.916667, not the global mean 3.6
+    close(aggregate_loss(LOSSES, MASKS, "bnpo"), 3.6)
+    close(aggregate_loss(LOSSES, MASKS, "bnpo", num_micro_batches=3), 1.2)
+    halves = aggregate_loss(LOSSES[:2], MASKS[:2], "bnpo", total_tokens=5, num_micro_batches=2) + \
+        aggregate_loss(LOSSES[2:], MASKS[2:], "bnpo", total_tokens=5, num_micro_batches=2)
+    close(halves, (7 / 3 + 11 / 2) / 2)
+
+
+# A = [2, 2, -2, -2], logp = [-1, -3, -1, -3]: centred A = A, centred logp = [1, -1, 1, -1],
+# covariance A * logp_c = [2, -2, -2, 2]
+COV_ADV = [t(2.0, 2.0, -2.0, -2.0)]
+COV_LOGP = [t(-1.0, -3.0, -1.0, -3.0)]
+COV_MASK = [t(1, 1, 1, 1)]
+
+
+def test_clip_cov_cuts_the_gradient_of_high_covariance_tokens():
+    # on policy (ratio 1) the loss is -A = [-2, -2, 2, 2]; tokens 0 and 3 (covariance 2 in (1, 5)) are the
+    # candidates and ratio 0.5 picks max(1, int(0.5 * 4)) = 2 of them: loss [0, -2, 2, 0]
+    logp = [COV_LOGP[0].clone().requires_grad_()]
+    loss, clipped = clip_cov_policy_loss(logp, [COV_LOGP[0]], COV_ADV, COV_MASK, eps_clip=0.2, clip_cov_ratio=0.5)
+    close(loss[0], [0.0, -2.0, 2.0, 0.0])
+    close(clipped[0], [1.0, 0.0, 0.0, 1.0])
+    loss[0].sum().backward()
+    close(logp[0].grad, [0.0, -2.0, 2.0, 0.0])  # d(-A * ratio)/dlogp = -A on the kept tokens only
+    # ratio 0.25: one of the two, drawn by the generator
+    loss, clipped = clip_cov_policy_loss(COV_LOGP, COV_LOGP, COV_ADV, COV_MASK, eps_clip=0.2, clip_cov_ratio=0.25,
+                                         generator=torch.Generator().manual_seed(0))
+    assert clipped[0].tolist() in ([1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0])
+
+
+def test_clip_cov_leaves_ppo_clipped_tokens_and_the_covariance_bounds_out():
+    # token 0's ratio e^0.5 = 1.648721 > 1.2 with A = 2: PPO clips it (loss -2 * 1.2 = -2.4) and it is no candidate,
+    # so only token 3 is cut although two may be
+    old = [t(-1.5, -3.0, -1.0, -3.0)]
+    loss, clipped = clip_cov_policy_loss(COV_LOGP, old, COV_ADV, COV_MASK, eps_clip=0.2, clip_cov_ratio=0.5)
+    close(loss[0], [-2.4, -2.0, 2.0, 0.0])
+    close(clipped[0], [1.0, 0.0, 0.0, 1.0])
+    # covariance 2 outside (2.5, 5): no candidate, the plain PPO loss
+    loss, clipped = clip_cov_policy_loss(COV_LOGP, COV_LOGP, COV_ADV, COV_MASK, eps_clip=0.2, clip_cov_ratio=0.5,
+                                         clip_cov_lb=2.5)
+    close(loss[0], [-2.0, -2.0, 2.0, 2.0])
+    close(clipped[0], [0.0, 0.0, 0.0, 0.0])
+
+
+def test_kl_cov_penalises_the_largest_covariance_tokens():
+    # logp [-0.5, -3, -1, -3]: mean -1.875, centred [1.375, -1.125, 0.875, -1.125]; covariance with A = [2, 2, -2,
+    # -2]: [2.75, -2.25, -1.75, 2.25]. log_ratio [0.1, 0, 0, -0.1] (old = logp - log_ratio).
+    logp = [t(-0.5, -3.0, -1.0, -3.0)]
+    old = [t(-0.6, -3.0, -1.0, -2.9)]
+    # ratio 0.25 -> 1 token, the largest covariance (token 0): -2 * e^0.1 + 1.0 * 0.1 = -2.110342
+    loss, penalised = kl_cov_policy_loss(logp, old, COV_ADV, COV_MASK, kl_cov_ratio=0.25, ppo_kl_coef=1.0)
+    close(loss[0], [-2.110342, -2.0, 2.0, 2 * math.exp(-0.1)])
+    close(penalised[0], [1.0, 0.0, 0.0, 0.0])
+    # ratio 0.5 -> tokens 0 and 3; token 3: 2 * e^-0.1 + 0.5 * 0.1 with ppo_kl_coef 0.5
+    loss, penalised = kl_cov_policy_loss(logp, old, COV_ADV, COV_MASK, kl_cov_ratio=0.5, ppo_kl_coef=0.5)
+    close(loss[0], [-2 * math.exp(0.1) + 0.05, -2.0, 2.0, 2 * math.exp(-0.1) + 0.05])
+    close(penalised[0], [1.0, 0.0, 0.0, 1.0])
+
+
+def test_top_entropy_mask_keeps_the_highest_entropy_trainable_tokens():
+    entropy = [t(0.5, 2.0, 1.0), t(3.0, 9.0)]
+    masks = [t(1, 1, 1), t(1, 0)]  # 9.0 is not trainable: never kept, not counted
+    # 4 trainable tokens: fraction 0.5 keeps ceil(2) = 2 (3.0 and 2.0), 0.2 keeps ceil(0.8) = 1 (3.0)
+    keep = top_entropy_mask(entropy, masks, 0.5)
+    close(keep[0], [0.0, 1.0, 0.0])
+    close(keep[1], [1.0, 0.0])
+    keep = top_entropy_mask(entropy, masks, 0.2)
+    close(keep[0], [0.0, 0.0, 0.0])
+    close(keep[1], [1.0, 0.0])
+    close(top_entropy_mask([t(1.0, 1.0, 1.0)], [t(1, 1, 1)], 0.5)[0], [1.0, 1.0, 0.0])  # ties: the earlier
+    close(top_entropy_mask(entropy, masks, 1.0)[0], [1.0, 1.0, 1.0])
+    with pytest.raises(ValueError, match=r"\(0, 1\]"):
+        top_entropy_mask(entropy, masks, 0.0)
 
 
 def test_aggregation_ignores_nan_at_masked_positions():
@@ -327,3 +418,32 @@ def test_parser_rejects_unknown_choices():
         parse("--kl-loss-type", "k4")
     with pytest.raises(SystemExit):
         parse("--advantage-estimator", "a2c")
+
+
+def test_new_estimator_loss_and_shaping_flags_are_checked_with_the_flags_named():
+    def check(*argv):
+        return validate_algorithm_args(parse(*argv))
+
+    args = check("--policy-loss", "clip_cov", "--clip-cov-ratio", "0.01", "--overlong-buffer-len", "4",
+                 "--entropy-coef-schedule", "linear", "--entropy-coef-decay-rollouts", "5", "--entropy-coef", "0.01")
+    assert args.policy_loss == "clip_cov" and args.entropy_coef_decay_rollouts == 5
+    for argv, message in [
+        (("--policy-loss", "clip_cov", "--clip-cov-ratio", "0"), r"--clip-cov-ratio must lie in \(0, 1\]"),
+        (("--policy-loss", "kl_cov", "--kl-cov-ratio", "1.5"), r"--kl-cov-ratio must lie in \(0, 1\]"),
+        (("--policy-loss", "clip_cov", "--clip-cov-lb", "5", "--clip-cov-ub", "1"), "--clip-cov-lb .* < --clip-cov-ub"),
+        (("--policy-loss", "kl_cov", "--eps-clip-c", "3"), "kl_cov has no dual clip; drop --eps-clip-c"),
+        (("--policy-loss", "kl_cov", "--advantage-estimator", "gspo"), "--policy-loss kl_cov and --advantage-estimator gspo"),
+        (("--overlong-buffer-len", "0"), r"--overlong-buffer-len 0 must lie in \[1"),
+        (("--overlong-penalty-factor", "0.5"), "--overlong-penalty-factor needs --overlong-buffer-len"),
+        (("--overlong-buffer-len", "4", "--overlong-penalty-factor", "-1"), "--overlong-penalty-factor must be >= 0"),
+        (("--entropy-top-fraction", "1.2"), r"--entropy-top-fraction must lie in \(0, 1\]"),
+        (("--entropy-coef-schedule", "cosine"), "--entropy-coef-schedule cosine needs --entropy-coef-decay-rollouts"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            check(*argv)
+
+
+def test_dr_grpo_agg_without_disabling_std_warns(caplog):
+    with caplog.at_level(logging.WARNING):
+        validate_algorithm_args(parse("--loss-agg-mode", "seq_mean_token_sum_norm"))
+    assert "not Dr. GRPO" in caplog.text

@@ -30,3 +30,14 @@ def test_nothing_to_plot(tmp_path):
     assert save_reward_curve(tmp_path) is None  # no metrics.jsonl
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"rollout_id": 0, "train/loss": 1.0}) + "\n")
     assert save_reward_curve(tmp_path) is None and not (tmp_path / "reward_curve.png").exists()
+
+
+def test_eval_pass_at_k_series_are_plotted(tmp_path):
+    rows = [{"rollout_id": 0, "eval/arith/reward_mean": 0.5, "eval/arith/pass@1": 0.5, "eval/arith/pass@4": 0.75,
+             "eval/arith/maj@4": 0.25, "eval/arith/mean@4": 0.5, "eval/arith/response_len_mean": 9.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with Image.open(save_reward_curve(tmp_path)) as image:
+        series = json.loads(image.text[SERIES_KEY])
+    assert sorted(series) == ["eval/arith/maj@4", "eval/arith/mean@4", "eval/arith/pass@1", "eval/arith/pass@4",
+                              "eval/arith/reward_mean"]
+    assert series["eval/arith/pass@4"] == [[0, 0.75]]

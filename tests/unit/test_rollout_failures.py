@@ -236,3 +236,28 @@ def test_the_engine_detokenizes_only_for_stop_strings():
     assert tokens_only({"sampling_params": {"max_tokens": 4}})["sampling_params"]["detokenize"] is False
     assert "detokenize" not in tokens_only({"sampling_params": {"stop": ["\n"]}})["sampling_params"]
     assert tokens_only({"sampling_params": {"detokenize": True}})["sampling_params"]["detokenize"] is True
+
+
+def test_remax_adds_one_greedy_request_per_group_and_carries_its_reward(tiny_qwen3, plugin):
+    """--advantage-estimator remax: beside the group's request, one temperature-0 request for the same prompt
+    (n = 1), scored by the run's reward; every sample of the group carries that reward in its metadata."""
+    from vime.rollout.rm_hub.random_rm import random_rm
+
+    async def rollout(group):
+        engine = FakeEngine([])
+        args = _args(tiny_qwen3, rm_type="random", rollout_seed=7, mask_offpolicy_in_partial_rollout=False,
+                     advantage_estimator="remax", seed=3)
+        rollout_context().router_url = f"http://127.0.0.1:{await engine.start()}"
+        try:
+            return engine, args, await generate_and_rm_group(args, group, {"max_tokens": 4, "temperature": 1.0})
+        finally:
+            await engine.runner.cleanup()
+
+    group = [Sample(group_index=3, index=12 + k, tokens=[1, 2], status=Sample.Status.PENDING) for k in range(4)]
+    engine, args, out = _run(rollout(group))
+    assert engine.calls == 2
+    greedy = [p for p in engine.payloads if p["sampling_params"]["temperature"] == 0.0]
+    assert len(greedy) == 1 and "n" not in greedy[0]["sampling_params"] and greedy[0]["token_ids"] == [1, 2]
+    expected = random_rm(args, Sample(index=12))  # the greedy sample keeps the group's first index
+    assert [s.metadata["remax_greedy_reward"] for s in out] == [expected] * 4
+    assert [s.response_tokens for s in out] == [[1], [2], [3], [4]]  # the group's own samples are untouched

@@ -10,11 +10,15 @@ import importlib
 _EXPORTS = {
     "advantages": ("ADVANTAGE_ESTIMATORS", "gae_advantages", "get_advantage_estimator", "grpo_advantages",
                    "gspo_advantages", "masked_mean_std", "register_advantage_estimator",
-                   "reinforce_plus_plus_advantages", "reinforce_plus_plus_baseline_advantages", "whiten"),
+                   "reinforce_plus_plus_advantages", "reinforce_plus_plus_baseline_advantages", "remax_advantages",
+                   "rloo_advantages", "whiten"),
     "arguments": ("add_algorithm_args", "validate_algorithm_args"),
     "losses": ("POLICY_LOSSES", "aggregate_loss", "compute_approx_kl", "compute_log_probs_from_logits",
                "compute_tis_weights", "entropy_from_logits", "get_policy_loss", "gspo_policy_loss",
-               "ppo_policy_loss", "register_policy_loss", "sft_loss", "value_loss"),
+               "ppo_policy_loss", "register_policy_loss", "sft_loss", "value_loss", "clip_cov_policy_loss",
+               "kl_cov_policy_loss", "top_entropy_mask"),
+    "shaping": ("entropy_coef_at", "overlong_penalties", "mask_truncated"),
+    "eval_metrics": ("pass_at_k", "eval_at_k_metrics"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 

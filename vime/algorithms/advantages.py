@@ -319,3 +319,52 @@ def gae_advantages(
     if normalize_advantages:
         advantages = whiten(advantages, loss_masks, eps=eps)
     return advantages, returns
+
+
+@register_advantage_estimator("rloo")
+def rloo_advantages(
+    rewards: torch.Tensor | Sequence[float],
+    loss_masks: Tensors,
+    *,
+    n_samples_per_prompt: int,
+    **_: Any,
+) -> tuple[Tensors, Tensors]:
+    """RLOO (Ahmadian et al. 2024, "Back to Basics"; TRL's and OpenRLHF's `rloo`, verl's `rloo`): each sample's
+    baseline is the mean reward of the *other* members of its group, A_i = r_i - (sum_j r_j - r_i) / (k - 1),
+    k the number of members (samples with trainable tokens and a finite reward). No std normalisation. A group
+    with fewer than two members gives its member advantage 0 (there is no other sample to compare with)."""
+    rewards, loss_masks = _as_rewards(rewards, loss_masks)
+    if n_samples_per_prompt < 2:
+        raise ValueError("rloo's baseline is the other samples of the group; set --n-samples-per-prompt >= 2")
+    groups = _group_view(rewards, n_samples_per_prompt)
+    member = torch.stack([m.float().sum() > 0 for m in loss_masks]).view_as(groups).float()
+    count = member.sum(dim=-1, keepdim=True)
+    others_mean = ((groups * member).sum(dim=-1, keepdim=True) - groups) / (count - 1).clamp(min=1)
+    advantages = torch.where(count > 1, groups - others_mean, torch.zeros_like(groups)) * member
+    advantages = _broadcast(advantages.flatten(), loss_masks)
+    return advantages, advantages
+
+
+@register_advantage_estimator("remax")
+def remax_advantages(
+    rewards: torch.Tensor | Sequence[float],
+    loss_masks: Tensors,
+    *,
+    greedy_rewards: torch.Tensor | Sequence[float] | None = None,
+    **_: Any,
+) -> tuple[Tensors, Tensors]:
+    """ReMax (Li et al. 2024, verl's `remax`): A_i = r_i - r_greedy, the baseline being the reward of a greedy
+    (temperature 0) response to the same prompt. `greedy_rewards` holds it per sample ([B]; the rollout puts the
+    group's into each sample's metadata, `names.REMAX_GREEDY_REWARD_KEY`). No normalisation. A sample whose greedy
+    reward is NaN has no baseline and gets advantage 0."""
+    rewards, loss_masks = _as_rewards(rewards, loss_masks)
+    if greedy_rewards is None:
+        raise ValueError("remax needs each sample's greedy baseline reward (greedy_rewards=...); the default rollout "
+                         "writes it with --advantage-estimator remax")
+    baseline = torch.as_tensor(greedy_rewards, dtype=torch.float32, device=rewards.device).flatten()
+    if baseline.numel() != rewards.numel():
+        raise ValueError(f"{baseline.numel()} greedy rewards but {rewards.numel()} rewards")
+    has_baseline = torch.isfinite(baseline)
+    advantages = torch.where(has_baseline, rewards - torch.nan_to_num(baseline), torch.zeros_like(rewards))
+    advantages = _broadcast(advantages, loss_masks)
+    return advantages, advantages

@@ -6,8 +6,8 @@ import argparse
 import logging
 from pathlib import Path
 
-from vime.algorithms.names import (ADVANTAGE_ESTIMATOR_NAMES, KL_TYPES, LOSS_AGG_MODES, MIS_LEVELS, OPD_MODES,
-                                   POLICY_LOSS_NAMES)
+from vime.algorithms.names import (ADVANTAGE_ESTIMATOR_NAMES, ENTROPY_COEF_SCHEDULES, KL_TYPES, LOSS_AGG_MODES,
+                                   MIS_LEVELS, OPD_MODES, POLICY_LOSS_NAMES)
 from vime.utils.misc import with_values
 
 logger = logging.getLogger(__name__)
@@ -17,6 +17,8 @@ LOSS_TYPES = ("policy_loss", "sft_loss", "value_loss")
 KL_REWARD_ESTIMATORS = ("reinforce_plus_plus", "ppo")
 # Estimators that imply their own policy loss (the same name).
 LOSS_SELECTING_ESTIMATORS = ("gspo", "cispo")
+# Estimators that read --disable-grpo-std-normalization
+STD_NORMALISING_ESTIMATORS = ("grpo", "gspo", "cispo")
 
 
 def add_algorithm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -26,7 +28,9 @@ def add_algorithm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         "--advantage-estimator",
         choices=ADVANTAGE_ESTIMATOR_NAMES,
         default="grpo",
-        help="How per-token advantages are computed from rewards; ppo trains a critic (GAE). Default: grpo.",
+        help="How per-token advantages are computed from rewards; ppo trains a critic (GAE); rloo: leave-one-out "
+        "group baseline; remax: a greedy response per prompt as the baseline (the rollout adds one temperature-0 "
+        "request per group). Default: grpo.",
     )
     g.add_argument(
         "--custom-advantage-function-path",
@@ -72,8 +76,20 @@ def add_algorithm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         default="ppo",
         help="Token-level (ppo) or sequence-level (gspo) ratio in the clipped surrogate, or cispo's clipped, "
         "detached IS weight on -A * log-prob; forced to gspo / cispo by --advantage-estimator gspo / cispo. "
-        "Default: ppo.",
+        "clip_cov / kl_cov: PPO against entropy collapse (Cui et al. 2025, verl), cutting the gradient of / "
+        "adding a KL penalty to the tokens of highest advantage-log-prob covariance. Default: ppo.",
     )
+    g.add_argument("--clip-cov-ratio", type=float, default=0.0002,
+                   help="clip_cov: fraction of the trainable tokens whose gradient is cut. Default: 0.0002.")
+    g.add_argument("--clip-cov-lb", type=float, default=1.0,
+                   help="clip_cov: only tokens of covariance above this are cut. Default: 1.0.")
+    g.add_argument("--clip-cov-ub", type=float, default=5.0,
+                   help="clip_cov: only tokens of covariance below this are cut. Default: 5.0.")
+    g.add_argument("--kl-cov-ratio", type=float, default=0.0002,
+                   help="kl_cov: fraction of the trainable tokens (largest covariance) given the KL penalty. "
+                   "Default: 0.0002.")
+    g.add_argument("--ppo-kl-coef", type=float, default=1.0,
+                   help="kl_cov: weight of |logp - old_logp| on the penalised tokens. Default: 1.0.")
     g.add_argument(
         "--custom-loss-function-path",
         default=None,
@@ -129,14 +145,37 @@ def add_algorithm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         "--entropy-coef",
         type=float,
         default=0.0,
-        help="Entropy bonus: entropy_coef * entropy is subtracted from the loss. Default: 0.0.",
+        help="Entropy bonus: entropy_coef * entropy is subtracted from the loss (the schedule's start value). "
+        "Default: 0.0.",
     )
+    g.add_argument("--entropy-coef-schedule", choices=ENTROPY_COEF_SCHEDULES, default="constant",
+                   help="How the entropy coefficient moves from --entropy-coef at rollout 0 to --entropy-coef-final "
+                   "at --entropy-coef-decay-rollouts. Default: constant.")
+    g.add_argument("--entropy-coef-final", type=float, default=0.0,
+                   help="The entropy coefficient at the end of a linear / cosine schedule. Default: 0.0.")
+    g.add_argument("--entropy-coef-decay-rollouts", type=int, default=None,
+                   help="Rollouts over which the schedule moves. Default: None (--num-rollout).")
+    g.add_argument("--entropy-top-fraction", type=float, default=None,
+                   help="Train only on this fraction of each micro-batch's trainable tokens, those of highest "
+                   "entropy (Wang et al. 2025's 0.2 forking tokens); the others leave the policy loss, the "
+                   "denominators stay the step's. Default: None (every token).")
+    g.add_argument("--overlong-buffer-len", type=int, default=None,
+                   help="DAPO's soft overlong penalty: responses longer than --rollout-max-response-len minus this "
+                   "get a reward penalty growing linearly to --overlong-penalty-factor at the maximum. "
+                   "Default: None (off).")
+    g.add_argument("--overlong-penalty-factor", type=float, default=1.0,
+                   help="The overlong penalty at the maximum response length. Default: 1.0.")
+    g.add_argument("--mask-truncated-samples", action="store_true",
+                   help="DAPO's overlong filtering: samples truncated at the length limit are masked out of the loss "
+                   "(and of group baselines). Default: off.")
     g.add_argument(
         "--loss-agg-mode",
         choices=LOSS_AGG_MODES,
         default="token_mean",
-        help="How per-token losses become one number: mean over all trainable tokens, or per-sequence "
-        "mean / sum then mean over sequences. Default: token_mean.",
+        help="How per-token losses become one number: mean over all trainable tokens (token_mean; dapo, TRL's "
+        "name for it), per-sequence mean / sum then mean over sequences, seq_mean_token_sum_norm (Dr. GRPO: token "
+        "sum / (sequences * --rollout-max-response-len)), or bnpo (TRL: token mean per micro-batch, averaged). "
+        "Default: token_mean.",
     )
 
     g.add_argument(
@@ -248,5 +287,67 @@ def validate_algorithm_args(args: argparse.Namespace) -> argparse.Namespace:
         if args.opd_coef <= 0:
             raise ValueError(f"--opd-coef must be > 0, got {args.opd_coef}; omit --opd-teacher-checkpoint for no "
                              "distillation")
+    derived.update(_validate_estimator_shaping_entropy_flags(args, derived.get("policy_loss", args.policy_loss)))
     derived["use_critic"] = args.advantage_estimator == "ppo" or getattr(args, "use_critic", False)
     return with_values(args, **derived)
+
+
+def _validate_estimator_shaping_entropy_flags(args: argparse.Namespace, policy_loss: str) -> dict:
+    """RLOO / ReMax, Dr. GRPO and the TRL normalisations, DAPO's overlong shaping and filtering, entropy-aware
+    updates (top fraction, Clip-Cov / KL-Cov, the coefficient's schedule); returns the derived values."""
+    derived = {}
+    max_len = getattr(args, "rollout_max_response_len", None)
+    if args.advantage_estimator == "rloo" and getattr(args, "n_samples_per_prompt", 2) < 2:
+        raise ValueError("--advantage-estimator rloo takes each sample's baseline from the other samples of its "
+                         f"group; --n-samples-per-prompt {args.n_samples_per_prompt} must be >= 2")
+    if args.advantage_estimator == "remax" and getattr(args, "rollout_function_path",
+                                                       "vime.rollout.vllm_rollout.generate_rollout") != \
+            "vime.rollout.vllm_rollout.generate_rollout":
+        logger.warning("--advantage-estimator remax: --rollout-function-path %s must write each sample's greedy "
+                       "baseline reward into metadata['remax_greedy_reward'] (the default rollout does)",
+                       args.rollout_function_path)
+    if args.disable_grpo_std_normalization and args.advantage_estimator not in STD_NORMALISING_ESTIMATORS:
+        logger.warning("--disable-grpo-std-normalization only affects --advantage-estimator %s; ignored by %s",
+                       " / ".join(STD_NORMALISING_ESTIMATORS), args.advantage_estimator)
+    if args.loss_agg_mode == "seq_mean_token_sum_norm" and args.advantage_estimator in STD_NORMALISING_ESTIMATORS \
+            and not args.disable_grpo_std_normalization:
+        logger.warning("--loss-agg-mode seq_mean_token_sum_norm without --disable-grpo-std-normalization is not "
+                       "Dr. GRPO: its advantages are still divided by the group std")
+    if args.overlong_buffer_len is not None:
+        if args.overlong_buffer_len < 1 or (max_len is not None and args.overlong_buffer_len > max_len):
+            raise ValueError(f"--overlong-buffer-len {args.overlong_buffer_len} must lie in [1, "
+                             f"--rollout-max-response-len {max_len}]")
+        if args.overlong_penalty_factor < 0:
+            raise ValueError(f"--overlong-penalty-factor must be >= 0, got {args.overlong_penalty_factor}")
+    elif args.overlong_penalty_factor != 1.0:
+        raise ValueError("--overlong-penalty-factor needs --overlong-buffer-len (the buffer the penalty grows over)")
+    if args.entropy_top_fraction is not None and not 0.0 < args.entropy_top_fraction <= 1.0:
+        raise ValueError(f"--entropy-top-fraction must lie in (0, 1], got {args.entropy_top_fraction}")
+    if policy_loss in ("clip_cov", "kl_cov"):
+        ratio_flag = "--clip-cov-ratio" if policy_loss == "clip_cov" else "--kl-cov-ratio"
+        ratio = args.clip_cov_ratio if policy_loss == "clip_cov" else args.kl_cov_ratio
+        if not 0.0 < ratio <= 1.0:
+            raise ValueError(f"{ratio_flag} must lie in (0, 1], got {ratio}")
+        if args.eps_clip_c is not None:
+            raise ValueError(f"--policy-loss {policy_loss} has no dual clip; drop --eps-clip-c")
+    if policy_loss == "clip_cov" and not args.clip_cov_lb < args.clip_cov_ub:
+        raise ValueError(f"--clip-cov-lb ({args.clip_cov_lb}) must be < --clip-cov-ub ({args.clip_cov_ub})")
+    if policy_loss == "kl_cov" and args.ppo_kl_coef < 0:
+        raise ValueError(f"--ppo-kl-coef must be >= 0, got {args.ppo_kl_coef}")
+    if args.policy_loss in ("clip_cov", "kl_cov") and args.advantage_estimator in LOSS_SELECTING_ESTIMATORS:
+        raise ValueError(f"--policy-loss {args.policy_loss} and --advantage-estimator {args.advantage_estimator} "
+                         f"(which brings its own {args.advantage_estimator} loss) exclude each other; use "
+                         "--advantage-estimator grpo with it")
+    if args.entropy_coef_schedule != "constant":
+        decay = args.entropy_coef_decay_rollouts or getattr(args, "num_rollout", None)
+        if not decay or decay < 1:
+            raise ValueError(f"--entropy-coef-schedule {args.entropy_coef_schedule} needs "
+                             "--entropy-coef-decay-rollouts N (or --num-rollout) >= 1")
+        derived["entropy_coef_decay_rollouts"] = decay
+        if args.entropy_coef == args.entropy_coef_final:
+            logger.warning("--entropy-coef-schedule %s from --entropy-coef %s to --entropy-coef-final %s: "
+                           "the coefficient never moves", args.entropy_coef_schedule, args.entropy_coef,
+                           args.entropy_coef_final)
+    elif args.entropy_coef_decay_rollouts is not None:
+        logger.warning("--entropy-coef-decay-rollouts is ignored with --entropy-coef-schedule constant")
+    return derived

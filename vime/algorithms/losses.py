@@ -9,6 +9,7 @@ All losses are to be minimised.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import torch
@@ -264,6 +265,91 @@ def cispo_policy_loss(
     return _split(loss, log_probs), _split((weight != ratio).float(), log_probs)
 
 
+def _covariance(advantages: torch.Tensor, log_probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-token (A_t - mean A) * (logp_t - mean logp), both means over the trainable tokens (Cui et al. 2025's
+    centred cross term, whose sum drives the entropy change); detached, NaN-free on masked tokens."""
+    a = torch.where(mask, advantages.detach(), torch.zeros_like(advantages))
+    lp = torch.where(mask, log_probs.detach(), torch.zeros_like(log_probs))
+    n = mask.sum().clamp(min=1)
+    return (a - a.sum() / n) * (lp - lp.sum() / n)
+
+
+@register_policy_loss("clip_cov")
+def clip_cov_policy_loss(
+    log_probs: Tensors,
+    old_log_probs: Tensors,
+    advantages: Tensors,
+    loss_masks: Tensors,
+    *,
+    eps_clip: float,
+    eps_clip_high: float | None = None,
+    clip_cov_ratio: float = 0.0002,
+    clip_cov_lb: float = 1.0,
+    clip_cov_ub: float = 5.0,
+    generator: torch.Generator | None = None,
+    **_: Any,
+) -> tuple[Tensors, Tensors]:
+    """Clip-Cov (Cui et al. 2025, "The Entropy Mechanism of RL for Reasoning LMs"; verl's `clip_cov`): the PPO
+    clipped surrogate, with the gradient of a few high-covariance tokens cut. Among the trainable tokens PPO did not
+    clip whose covariance `_covariance` lies in (clip_cov_lb, clip_cov_ub), max(1, int(clip_cov_ratio * trainable
+    tokens)) are picked at random (`generator`) and get loss 0 (no gradient). `clipped` marks PPO's clipped tokens
+    and the picked ones, as verl's pg_clipfrac does."""
+    mask = torch.cat(loss_masks).bool()
+    ratio = torch.exp(torch.cat(log_probs).float() - torch.cat(old_log_probs).float())
+    adv = torch.cat(advantages).float()
+    loss, clipped = _clipped_surrogate(ratio, adv, eps_clip, eps_clip_high, None)
+    cov = _covariance(adv, torch.cat(log_probs).float(), mask)
+    candidates = ((cov > clip_cov_lb) & (cov < clip_cov_ub) & mask & (clipped == 0)).nonzero().flatten()
+    n_pick = max(1, int(clip_cov_ratio * int(mask.sum())))
+    picked = candidates[torch.randperm(len(candidates), generator=generator)[:n_pick].to(candidates.device)]
+    keep = torch.ones_like(loss)
+    keep[picked] = 0.0
+    clipped = torch.where(keep == 0, torch.ones_like(clipped), clipped)
+    return _split(loss * keep, log_probs), _split(clipped, log_probs)
+
+
+@register_policy_loss("kl_cov")
+def kl_cov_policy_loss(
+    log_probs: Tensors,
+    old_log_probs: Tensors,
+    advantages: Tensors,
+    loss_masks: Tensors,
+    *,
+    kl_cov_ratio: float = 0.0002,
+    ppo_kl_coef: float = 1.0,
+    **_: Any,
+) -> tuple[Tensors, Tensors]:
+    """KL-Cov (Cui et al. 2025; verl's `kl_cov`): the unclipped surrogate -A * ratio on every token, plus
+    ppo_kl_coef * |logp - old_logp| on the max(1, int(kl_cov_ratio * trainable tokens)) trainable tokens of largest
+    covariance (`_covariance`). No ratio clip. `clipped` marks the penalised tokens."""
+    mask = torch.cat(loss_masks).bool()
+    log_ratio = torch.cat(log_probs).float() - torch.cat(old_log_probs).float()
+    adv = torch.cat(advantages).float()
+    loss = -adv * torch.exp(log_ratio)
+    cov = torch.where(mask, _covariance(adv, torch.cat(log_probs).float(), mask), torch.full_like(adv, -torch.inf))
+    n_pick = min(max(1, int(kl_cov_ratio * int(mask.sum()))), int(mask.sum()))
+    penalised = torch.zeros_like(loss)
+    penalised[torch.topk(cov, n_pick).indices] = 1.0
+    loss = loss + penalised * ppo_kl_coef * log_ratio.abs()
+    return _split(loss, log_probs), _split(penalised, log_probs)
+
+
+def top_entropy_mask(entropy: Tensors, loss_masks: Tensors, fraction: float) -> Tensors:
+    """1.0 on the ceil(fraction * n) trainable tokens of highest entropy among the n of `entropy` (B x [T_i]), 0.0
+    elsewhere: "Beyond the 80/20 Rule" (Wang et al. 2025) trains on the top 20% high-entropy "forking" tokens only.
+    Ties at the threshold go to the earlier token. Detached."""
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"the entropy top fraction must lie in (0, 1], got {fraction}")
+    mask = torch.cat(loss_masks).bool()
+    flat = torch.where(mask, torch.cat(entropy).detach().float(), torch.full_like(mask, -torch.inf, dtype=torch.float32))
+    n_keep = math.ceil(fraction * int(mask.sum()))
+    keep = torch.zeros_like(flat)
+    if n_keep:
+        order = torch.sort(flat, descending=True, stable=True).indices  # stable: ties keep the earlier token
+        keep[order[:n_keep]] = 1.0
+    return _split(keep, entropy)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Value and SFT losses
 # ----------------------------------------------------------------------------------------------------------
@@ -292,9 +378,11 @@ def sft_loss(
     loss_agg_mode: str = "token_mean",
     total_tokens: int | None = None,
     num_sequences: int | None = None,
+    **aggregation: Any,
 ) -> torch.Tensor:
     """Negative log-likelihood of the trainable tokens, aggregated like the policy loss; a scalar."""
-    return aggregate_loss([-lp.float() for lp in log_probs], loss_masks, loss_agg_mode, total_tokens, num_sequences)
+    return aggregate_loss([-lp.float() for lp in log_probs], loss_masks, loss_agg_mode, total_tokens, num_sequences,
+                          **aggregation)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -308,15 +396,24 @@ def aggregate_loss(
     mode: str = "token_mean",
     total_tokens: int | None = None,
     num_sequences: int | None = None,
+    max_response_len: int | None = None,
+    num_micro_batches: int | None = None,
 ) -> torch.Tensor:
     """Reduce B x [T_i] per-token values to a scalar over trainable tokens (mask 1).
 
     token_mean:           sum of all trainable tokens' loss / number of trainable tokens
+    dapo:                 the same: TRL's `dapo` normalises by the trainable tokens of the whole (global) batch,
+                          which is what token_mean does with the step's `total_tokens` (DAPO, Yu et al. 2025)
+    bnpo:                 TRL's `bnpo`: sum / trainable tokens of this micro-batch (a local token mean), then
+                          averaged over the step's micro-batches: pass `num_micro_batches`, all ranks' together
     seq_mean_token_mean:  per sequence, mean over its trainable tokens; then mean over sequences
     seq_mean_token_sum:   per sequence, sum over its trainable tokens; then mean over sequences
+    seq_mean_token_sum_norm: Dr. GRPO (Liu et al. 2025; verl's name, TRL's `dr_grpo`): sum over all trainable
+                          tokens / (number of sequences * `max_response_len`), a constant normaliser, so no
+                          response is weighted by its own length
 
     Sequences without trainable tokens are left out of the sequence count. For a global mean across
-    micro-batches or data-parallel ranks, pass the global denominator: `total_tokens` (token_mean) or
+    micro-batches or data-parallel ranks, pass the global denominator: `total_tokens` (token_mean, dapo) or
     `num_sequences` (seq_* modes); each rank's partial results then sum to the global mean. Masked tokens
     are excluded with `where`, so nan/inf at padded positions does not leak in.
     """
@@ -332,9 +429,11 @@ def aggregate_loss(
         raise ValueError(f"per-token loss has {loss.numel()} tokens but the loss masks have {mask.numel()}")
     loss = torch.where(mask, loss, torch.zeros_like(loss))
 
-    if mode == "token_mean":
+    if mode in ("token_mean", "dapo"):
         denominator = total_tokens if total_tokens is not None else mask.sum().clamp(min=1)
         return loss.sum() / denominator
+    if mode == "bnpo":
+        return loss.sum() / mask.sum().clamp(min=1) / (num_micro_batches or 1)
 
     seq_ids = _seq_ids(per_token_loss)
     seq_sum = _seq_sum(loss, seq_ids, len(per_token_loss))
@@ -342,4 +441,8 @@ def aggregate_loss(
     if mode == "seq_mean_token_mean":
         seq_sum = seq_sum / seq_tokens.clamp(min=1.0)
     denominator = num_sequences if num_sequences is not None else (seq_tokens > 0).sum().clamp(min=1)
+    if mode == "seq_mean_token_sum_norm":
+        if not max_response_len or max_response_len < 1:
+            raise ValueError("seq_mean_token_sum_norm divides by the maximum response length; pass max_response_len")
+        denominator = denominator * max_response_len
     return seq_sum.sum() / denominator

@@ -28,7 +28,7 @@ from vime.ray.health import FailedRollouts
 from vime.ray.placement import num_engines
 from vime.rollout.context import reset_rollout_context, rollout_context
 from vime.rollout.debug_data import load_rollout, save_rollout
-from vime.rollout.metrics import record_counters, rollout_metrics
+from vime.rollout.metrics import eval_at_k, record_counters, rollout_metrics
 from vime.utils.logging_utils import configure_logging
 from vime.utils.lora_adapters import ADAPTER_KEY, adapter_names, adapter_specs
 from vime.utils.misc import load_function
@@ -221,8 +221,12 @@ class RolloutManager:
                                    evaluation=True)
         metrics = dict(output.metrics or {})
         for name, samples in output.data.items():
-            m = rollout_metrics(samples, self.args, prefix=f"eval/{name}")
-            metrics.update(m)
+            metrics.update(rollout_metrics(samples, self.args, prefix=f"eval/{name}"))
+            if self.args.eval_pass_at_k:
+                metrics.update(eval_at_k(samples, self.args, self.args.eval_pass_at_k, prefix=f"eval/{name}"))
+            if self.args.save_debug_rollout_data:  # beside the training rollouts: eval_<name>_<rollout id>
+                template = self.args.save_debug_rollout_data.replace("{rollout_id}", f"eval_{name}_{{rollout_id}}")
+                save_rollout(template, rollout_id, [samples])
         return metrics
 
     def data_source_state(self) -> dict | None:

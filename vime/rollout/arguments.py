@@ -186,12 +186,26 @@ def add_eval_args(parser: argparse.ArgumentParser) -> None:
                    help="Rollout function for eval (default: --rollout-function-path).")
     g.add_argument("--n-samples-per-eval-prompt", type=int, default=1,
                    help="Responses per eval prompt (default: 1).")
+    g.add_argument("--eval-pass-at-k", type=_ks, default=None,
+                   help="Comma-separated k's, e.g. 1,4: each eval set also reports pass@k (unbiased estimator), "
+                        "mean@k and maj@k over its --n-samples-per-eval-prompt samples per prompt, as "
+                        "eval/<name>/pass@k etc.; a sample is correct when its reward is > 0 (default: None).")
     g.add_argument("--eval-temperature", type=float, default=None,
                    help="Sampling temperature for eval (default: --rollout-temperature).")
     g.add_argument("--eval-top-p", type=float, default=None, help="Top-p for eval (default: --rollout-top-p).")
     g.add_argument("--eval-top-k", type=int, default=None, help="Top-k for eval (default: --rollout-top-k).")
     g.add_argument("--eval-max-response-len", type=int, default=None,
                    help="Max new tokens for eval (default: --rollout-max-response-len).")
+
+
+def _ks(text: str) -> list[int]:
+    try:
+        ks = sorted({int(k) for k in text.split(",") if k.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers such as 1,4") from None
+    if not ks or ks[0] < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: every k must be >= 1")
+    return ks
 
 
 def add_debug_args(parser: argparse.ArgumentParser) -> None:
@@ -273,6 +287,14 @@ def validate_rollout_args(args: argparse.Namespace) -> argparse.Namespace:
                 raise ValueError(f"--eval-prompt-data {name}: a multi-LoRA run evaluates each eval set with the "
                                  "adapter it is named after; name it after the adapter it evaluates (one of "
                                  f"{', '.join(s.name for s in adapters)})")
+
+    if args.eval_pass_at_k is not None:
+        if args.eval_prompt_data is None:
+            raise ValueError("--eval-pass-at-k needs eval sets: --eval-prompt-data NAME PATH")
+        if args.eval_pass_at_k[-1] > args.n_samples_per_eval_prompt:
+            raise ValueError(f"--eval-pass-at-k {','.join(map(str, args.eval_pass_at_k))}: k = "
+                             f"{args.eval_pass_at_k[-1]} needs --n-samples-per-eval-prompt >= {args.eval_pass_at_k[-1]} "
+                             f"(got {args.n_samples_per_eval_prompt})")
 
     for flag in ("rollout_batch_size", "n_samples_per_prompt", "rollout_max_response_len", "rollout_concurrency",
                  "rollout_num_gpus", "rollout_num_gpus_per_engine", "n_samples_per_eval_prompt"):

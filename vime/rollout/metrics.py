@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+from vime.algorithms.eval_metrics import eval_at_k_metrics
 from vime.rollout.context import rollout_context
 from vime.utils.lora_adapters import ADAPTER_KEY, adapter_names
 from vime.utils.types import Sample
@@ -92,3 +93,25 @@ def rollout_metrics(samples: list[Sample], args=None, prefix: str = "rollout") -
             mine = [s for s in samples if s.metadata.get(ADAPTER_KEY) == name]
             m.update(rollout_metrics(mine, args, prefix=f"{prefix}/adapter/{name}"))
     return m
+
+
+def eval_answer(sample: Sample) -> str:
+    """What maj@k votes on: `metadata["eval_answer"]` when the reward function set one (an extracted final
+    answer), else the response text without surrounding whitespace."""
+    return str(sample.metadata.get("eval_answer", sample.response.strip()))
+
+
+def eval_at_k(samples: list[Sample], args, ks: list[int], prefix: str) -> dict[str, float]:
+    """`<prefix>/pass@k`, `mean@k`, `maj@k` of an eval set's samples, n per prompt (consecutive samples of one
+    group_index, in the order generated); a failed or unscored sample counts as reward 0 (incorrect)."""
+    prompts: list[tuple[list[str], list[float]]] = []
+    last = object()
+    for s in samples:
+        scored = s.status not in (Sample.Status.FAILED, Sample.Status.ABORTED) and s.reward is not None
+        reward = s.get_reward_value(args) if scored else 0.0
+        if s.group_index != last:
+            prompts.append(([], []))
+            last = s.group_index
+        prompts[-1][0].append(eval_answer(s))
+        prompts[-1][1].append(reward if math.isfinite(reward) else 0.0)
+    return {f"{prefix}/{k}": v for k, v in eval_at_k_metrics(prompts, ks).items()}

@@ -18,6 +18,7 @@ from typing import Any
 
 import aiohttp
 
+from vime.algorithms.names import REMAX_GREEDY_REWARD_KEY
 from vime.backends.vllm_utils.client import SERVED_MODEL
 from vime.backends.vllm_utils.generate_request import (
     EngineRejectedError,
@@ -345,12 +346,60 @@ async def generate_group_and_rm(args, group: list[Sample], sampling_params: dict
     return list(await asyncio.gather(*(_after_generate(args, s, s) for s in group)))
 
 
+def greedy_sample(prompt: Sample) -> Sample:
+    """A fresh sample of `prompt`'s prompt (its tokens before any response), index, label and metadata: what the
+    greedy baseline response of --advantage-estimator remax is generated into."""
+    return Sample(group_index=prompt.group_index, index=prompt.index, prompt=prompt.prompt,
+                  tokens=list(prompt.tokens[:len(prompt.tokens) - prompt.response_length]), label=prompt.label,
+                  metadata=dict(prompt.metadata), tools=prompt.tools, status=Sample.Status.PENDING)
+
+
+async def remax_greedy_reward(args, sample: Sample, sampling_params: dict[str, Any]) -> float | None:
+    """ReMax's baseline (Li et al. 2024): one temperature-0 response to the group's prompt (`sample`, from
+    `greedy_sample`) through the run's generate function and engines, scored by the run's reward (--group-rm: as a
+    group of one). None when it fails or is cut off by the rollout's abort; the trainer then gives the group
+    advantage 0."""
+    state = GenerateState(args)
+    params = {**sampling_params, "temperature": 0.0}
+    params.pop("n", None)
+    async with state.semaphore:
+        if state.aborted:
+            return None
+        try:
+            sample = await state.generate_fn(args, sample, params)
+        except Exception as e:  # the group still trains on without a baseline: advantage 0
+            logger.warning("group %s: the ReMax greedy response failed: %s", sample.group_index, e)
+            return None
+    if not isinstance(sample, Sample) or sample.status in (Sample.Status.ABORTED, Sample.Status.FAILED):
+        return None
+    if args.group_rm:
+        try:
+            sample.reward = (await asyncio.wait_for(batched_async_rm(args, [sample]), timeout=args.rm_timeout))[0]
+        except Exception as e:
+            logger.warning("group %s: the ReMax greedy response's reward failed: %s", sample.group_index, e)
+            return None
+    else:
+        await _reward_one(args, sample)
+    if sample.status == Sample.Status.FAILED or sample.reward is None:
+        return None
+    value = sample.get_reward_value(args)
+    return value if math.isfinite(value) else None
+
+
 async def generate_and_rm_group(args, group: list[Sample], sampling_params: dict[str, Any],
                                 evaluation: bool = False) -> list[Sample]:
+    remax = getattr(args, "advantage_estimator", None) == "remax" and not evaluation
+    # the greedy request runs beside the group's; its sample is taken now, while group[0] holds just the prompt
+    baseline = asyncio.ensure_future(remax_greedy_reward(args, greedy_sample(group[0]), sampling_params)) \
+        if remax else None
     if _one_request(args, group):
         group = await generate_group_and_rm(args, group, sampling_params, evaluation)
     else:
         group = list(await asyncio.gather(*(generate_and_rm(args, s, sampling_params, evaluation) for s in group)))
+    if baseline is not None:  # each sample carries its group's greedy reward to the trainer
+        greedy_reward = await baseline
+        for s in group:
+            s.metadata[REMAX_GREEDY_REWARD_KEY] = greedy_reward
     if args.group_rm and all(s.status not in (Sample.Status.ABORTED, Sample.Status.FAILED) for s in group):
         try:
             rewards = await asyncio.wait_for(batched_async_rm(args, group), timeout=args.rm_timeout)

@@ -5,13 +5,17 @@ program (or a test) can read back exactly what the picture shows."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 SERIES_KEY = "vime reward series"
+# each eval set's mean reward, and pass@k / mean@k / maj@k with --eval-pass-at-k
+_EVAL_SERIES = re.compile(r"/(reward_mean|pass@\d+|mean@\d+|maj@\d+)$")
 
 
 def save_reward_curve(output_dir: str | Path, name: str = "reward_curve.png") -> Path | None:
-    """Plot `rollout/reward_mean` and every `eval/*/reward_mean` from metrics.jsonl; None if nothing to plot."""
+    """Plot `rollout/reward_mean`, every `eval/*/reward_mean` and `eval/*/pass@k`, `mean@k`, `maj@k` from
+    metrics.jsonl; None if nothing to plot."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display needed
@@ -25,7 +29,7 @@ def save_reward_curve(output_dir: str | Path, name: str = "reward_curve.png") ->
     for line in path.read_text().splitlines():
         record = json.loads(line)
         for key, value in record.items():
-            if key == "rollout/reward_mean" or (key.startswith("eval/") and key.endswith("/reward_mean")):
+            if key == "rollout/reward_mean" or (key.startswith("eval/") and _EVAL_SERIES.search(key)):
                 series.setdefault(key, []).append((record["rollout_id"], value))
     if not series:
         return None

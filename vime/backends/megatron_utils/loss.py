@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from vime.algorithms import aggregate_loss, compute_approx_kl, compute_tis_weights, get_policy_loss
-from vime.algorithms.losses import compute_mis_weights
+from vime.algorithms.losses import compute_mis_weights, top_entropy_mask
 from vime.backends.megatron_utils.train_batch import TrainBatch
 from vime.backends.megatron_utils.log_probs import response_log_probs
 from vime.utils.misc import load_function
@@ -21,13 +21,18 @@ def make_loss_fn(args, batch: TrainBatch, denominators: dict, scale: float, step
     """Return loss_fn(indices, inputs, logits) -> (scaled loss, metrics) for `model.run_schedule`. A custom loss
     function gets `plugin_args` (the flags and the run's values, `vime.utils.plugin_args`; default `args`)."""
     policy_loss = get_policy_loss(getattr(args, "policy_loss", "ppo"))
-    # only cispo's own keyword: a loss registered by a user keeps the contract it was written against
-    cispo_kwargs = {"cispo_eps_low": args.cispo_eps_low} if getattr(args, "policy_loss", "ppo") == "cispo" else {}
+    # only a built-in loss's own keywords: a loss registered by a user keeps the contract it was written against
+    own_kwargs = policy_loss_kwargs(args, step_index)
     custom = load_function(args.custom_loss_function_path) if args.custom_loss_function_path else None
+    top_fraction = getattr(args, "entropy_top_fraction", None)
 
     def agg(values, masks):
         return aggregate_loss(values, masks, args.loss_agg_mode, total_tokens=denominators["tokens"],
-                              num_sequences=denominators["sequences"])
+                              num_sequences=denominators["sequences"], max_response_len=args.rollout_max_response_len,
+                              num_micro_batches=denominators.get("micro_batches"))
+
+    def token_share(values, masks):  # a fraction of the step's trainable tokens, whatever the aggregation
+        return aggregate_loss(values, masks, "token_mean", total_tokens=denominators["tokens"])
 
     def loss_fn(indices, inputs, logits):
         # entropy is always reported; it needs a graph only when it is part of the loss
@@ -49,8 +54,12 @@ def make_loss_fn(args, batch: TrainBatch, denominators: dict, scale: float, step
             rollout = mb.get("rollout_log_probs")
             pg, clipped = policy_loss(log_probs, old, mb["advantages"], masks, eps_clip=args.eps_clip,
                                       eps_clip_high=args.eps_clip_high, eps_clip_c=args.eps_clip_c,
-                                      **cispo_kwargs)
+                                      **own_kwargs)
             pg_masks = masks
+            if top_fraction is not None:  # only the highest-entropy tokens stay in the policy loss
+                keep = top_entropy_mask(entropy, masks, top_fraction)
+                pg_masks = [m * k for m, k in zip(masks, keep)]
+                metrics["entropy_masked_fraction"] = token_share([1.0 - k for k in keep], masks).detach()
             if args.use_tis:
                 weights = [compute_tis_weights(o, r, args.tis_clip, args.tis_clip_low) for o, r in zip(old, rollout)]
                 pg = [p * w for p, w in zip(pg, weights)]
@@ -59,7 +68,7 @@ def make_loss_fn(args, batch: TrainBatch, denominators: dict, scale: float, step
                 weights, keep = compute_mis_weights(old, rollout, masks, args.mis_level, args.mis_threshold_low,
                                                     args.mis_threshold_high)
                 pg = [p * w for p, w in zip(pg, weights)]
-                pg_masks = [m * k for m, k in zip(masks, keep)]
+                pg_masks = [m * k for m, k in zip(pg_masks, keep)]
                 metrics["mis_weight_mean"] = agg(weights, masks).detach()
                 metrics["mis_masked_fraction"] = agg([1.0 - k for k in keep], masks).detach()
             loss = agg(pg, pg_masks)
@@ -88,6 +97,21 @@ def make_loss_fn(args, batch: TrainBatch, denominators: dict, scale: float, step
         return loss * scale, metrics
 
     return loss_fn
+
+
+def policy_loss_kwargs(args, step_index: int) -> dict:
+    """The keywords of the chosen built-in policy loss beyond the shared contract (verl's names for Clip-Cov and
+    KL-Cov); Clip-Cov's random pick is seeded by --seed and the step, so a rerun picks the same tokens."""
+    name = getattr(args, "policy_loss", "ppo")
+    if name == "cispo":
+        return {"cispo_eps_low": args.cispo_eps_low}
+    if name == "clip_cov":
+        return {"clip_cov_ratio": args.clip_cov_ratio, "clip_cov_lb": args.clip_cov_lb,
+                "clip_cov_ub": args.clip_cov_ub,
+                "generator": torch.Generator().manual_seed(getattr(args, "seed", 0) * 1_000_003 + step_index)}
+    if name == "kl_cov":
+        return {"kl_cov_ratio": args.kl_cov_ratio, "ppo_kl_coef": args.ppo_kl_coef}
+    return {}
 
 
 def sampling_log_probs(mb: dict) -> list[torch.Tensor]:

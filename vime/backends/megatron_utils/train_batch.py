@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from vime.algorithms.names import REMAX_GREEDY_REWARD_KEY
 from vime.utils.lora_adapters import ADAPTER_KEY, adapter_names
 from vime.utils.types import Sample
 
@@ -39,6 +40,9 @@ class TrainBatch:
     rollout_routed_experts: list | None = None
     # --lora-adapters: each sample's adapter, as its index in that flag's order (None: one adapter or none)
     adapters: list[int] | None = None
+    truncated: list[bool] = field(default_factory=list)  # cut at the length limit (--mask-truncated-samples)
+    # --advantage-estimator remax: the reward of each sample's group's greedy response (NaN: none), else None
+    greedy_rewards: torch.Tensor | None = None
 
     @classmethod
     def from_samples(cls, groups: list[list[dict]], args) -> TrainBatch:
@@ -63,6 +67,8 @@ class TrainBatch:
             rollout_routed_experts=[s.rollout_routed_experts for s in samples]
             if getattr(args, "use_rollout_routing_replay", False) else None,
             adapters=sample_adapters(samples, adapter_names(args)),
+            truncated=[s.status == Sample.Status.TRUNCATED for s in samples],
+            greedy_rewards=greedy_rewards(samples),
         )
 
     def sampling_log_probs(self, i: int) -> torch.Tensor:
@@ -83,6 +89,15 @@ class TrainBatch:
             if isinstance(value, list) and value:
                 out[f.name] = [_on_device(value[i], device) for i in indices]
         return out
+
+
+def greedy_rewards(samples: list[Sample]) -> torch.Tensor | None:
+    """Each sample's ReMax baseline (`metadata[REMAX_GREEDY_REWARD_KEY]`, NaN where missing or None); None when no
+    sample carries one."""
+    values = [s.metadata.get(REMAX_GREEDY_REWARD_KEY) for s in samples]
+    if all(v is None for v in values):
+        return None
+    return torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float32)
 
 
 def _on_device(value, device):

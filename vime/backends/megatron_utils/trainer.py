@@ -23,6 +23,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from vime.algorithms import compute_approx_kl, get_advantage_estimator, masked_mean_std
+from vime.algorithms.shaping import entropy_coef_at, mask_truncated, overlong_penalties
 from vime.algorithms.distillation import opd_token_rewards
 from vime.backends.megatron_utils.checkpoint import load_checkpoint, save_checkpoint
 from vime.backends.megatron_utils.batching import balanced_partition, micro_batches, step_slices
@@ -173,14 +174,23 @@ class MegatronTrainer:
         lengths = [len(t) for t in batch.tokens]
         plan = []
         for step in step_slices(len(lengths), args.global_batch_size):
-            local = balanced_partition(list(step), lengths, self.dp_size)[self.dp_rank]
-            computed = local if every_sample else [i for i in local if batch.loss_masks[i].any()] or local[:1]
-            if args.use_dynamic_batch_size:
-                mbs = micro_batches(computed, lengths, max_tokens=args.max_tokens_per_gpu, packed=is_packed(args))
-            else:
-                mbs = micro_batches(computed, lengths, micro_batch_size=args.micro_batch_size)
+            local, mbs = self._rank_share(batch, step, lengths, self.dp_rank, every_sample)
             plan.append((step, local, mbs))
         return plan
+
+    def _rank_share(self, batch: TrainBatch, step, lengths: list[int], dp_rank: int, every_sample: bool = False):
+        """Data-parallel rank `dp_rank`'s samples of `step` and its micro-batches (every rank derives every rank's)."""
+        args = self.args
+        local = balanced_partition(list(step), lengths, self.dp_size)[dp_rank]
+        computed = local if every_sample else [i for i in local if batch.loss_masks[i].any()] or local[:1]
+        if args.use_dynamic_batch_size:
+            return local, micro_batches(computed, lengths, max_tokens=args.max_tokens_per_gpu, packed=is_packed(args))
+        return local, micro_batches(computed, lengths, micro_batch_size=args.micro_batch_size)
+
+    def _step_micro_batches(self, batch: TrainBatch, step) -> int:
+        """The micro-batches of `step` over all data-parallel ranks (--loss-agg-mode bnpo averages over them)."""
+        lengths = [len(t) for t in batch.tokens]
+        return sum(len(self._rank_share(batch, step, lengths, r)[1]) for r in range(self.dp_size))
 
     # ---- one rollout -----------------------------------------------------------------------------------------
     def train(self, rollout_id: int, groups: list[list[dict]], values: dict | None = None) -> dict[str, float]:
@@ -190,6 +200,15 @@ class MegatronTrainer:
         batch = TrainBatch.from_samples(groups, self.args)
         if values is not None:
             batch.values = [torch.as_tensor(values[i], dtype=torch.float32) for i in range(len(batch.tokens))]
+        metrics: dict[str, float] = {}
+        if args.mask_truncated_samples and args.loss_type != "sft_loss":  # before the split: they are not computed
+            batch.loss_masks, masked = mask_truncated(batch.loss_masks, batch.truncated)
+            metrics["train/truncated_masked_fraction"] = masked / max(1, batch.num_usable)
+        if args.entropy_coef_schedule != "constant":
+            args = with_values(args, entropy_coef=entropy_coef_at(
+                rollout_id, self.args.entropy_coef, args.entropy_coef_final, args.entropy_coef_decay_rollouts,
+                args.entropy_coef_schedule))
+            metrics["train/entropy_coef"] = float(args.entropy_coef)
         plan = self._split(batch)
         all_local_mbs = [mb for _, _, mbs in plan for mb in mbs]
         needs_old = args.loss_type != "sft_loss" and (
@@ -205,9 +224,8 @@ class MegatronTrainer:
             with phase("first_pass"):
                 old = forward_log_probs(args, self.model, batch, all_local_mbs, routing=routing)
             batch.old_log_probs = _dense(old, len(batch.tokens))
-        metrics: dict[str, float] = {}
         if args.loss_type != "sft_loss":
-            self._compute_advantages(batch)
+            metrics.update(self._compute_advantages(batch))
             # the estimator's own output, over the whole batch's trainable tokens (every rank holds all of it)
             metrics["train/advantage_mean"], metrics["train/advantage_std"] = masked_mean_std(batch.advantages,
                                                                                               batch.loss_masks)
@@ -217,7 +235,10 @@ class MegatronTrainer:
                 self._add_opd_rewards(batch)
 
         for step_index, (step, local, mbs) in enumerate(plan):
-            loss_fn = make_loss_fn(args, batch, _denominators(batch, step), scale=len(mbs) * self.dp_size,
+            denominators = _denominators(batch, step)
+            if args.loss_agg_mode == "bnpo":
+                denominators["micro_batches"] = self._step_micro_batches(batch, step)
+            loss_fn = make_loss_fn(args, batch, denominators, scale=len(mbs) * self.dp_size,
                                    step_index=step_index, plugin_args=self.plugin_args)
             with phase("steps"):
                 mb_metrics, grad_norm, lr, skipped = self._train_step(batch, mbs, loss_fn, metrics, routing=routing)
@@ -268,9 +289,31 @@ class MegatronTrainer:
             return RoutingReplay(self.model, args.num_layers, len(batch.tokens))
         return None
 
-    def _compute_advantages(self, batch: TrainBatch) -> None:
+    def _compute_advantages(self, batch: TrainBatch) -> dict[str, float]:
+        """The estimator's advantages (and returns) into `batch`; returns the shaping's own metrics: the overlong
+        penalties applied (--overlong-buffer-len) and the ReMax baselines (--advantage-estimator remax)."""
         args = self.args
         n = len(batch.tokens)
+        metrics: dict[str, float] = {}
+        rewards = batch.rewards
+        usable = torch.tensor([bool(m.any()) for m in batch.loss_masks])
+        n_usable = max(1, int(usable.sum()))
+        if args.overlong_buffer_len is not None:  # DAPO's soft overlong punishment, added to the reward
+            penalties = torch.tensor(overlong_penalties(batch.response_lengths, args.rollout_max_response_len,
+                                                        args.overlong_buffer_len, args.overlong_penalty_factor))
+            penalties = torch.where(usable, penalties, torch.zeros_like(penalties))
+            rewards = rewards + penalties
+            metrics["train/overlong_penalty_mean"] = float(penalties.sum()) / n_usable
+            metrics["train/overlong_penalized_fraction"] = float((penalties < 0).sum()) / n_usable
+        extra = {}
+        if args.advantage_estimator == "remax" and not args.custom_advantage_function_path:
+            if batch.greedy_rewards is None:
+                raise ValueError("--advantage-estimator remax: no sample carries its greedy baseline reward "
+                                 "(metadata['remax_greedy_reward']); the default rollout writes it, a custom rollout "
+                                 "must too")
+            extra["greedy_rewards"] = batch.greedy_rewards
+            baselines = batch.greedy_rewards[usable & torch.isfinite(batch.greedy_rewards)]
+            metrics["train/remax_greedy_reward_mean"] = float(baselines.mean()) if len(baselines) else 0.0
         if args.custom_advantage_function_path:
             estimator = load_function(args.custom_advantage_function_path)
         else:
@@ -287,10 +330,11 @@ class MegatronTrainer:
                 return None if values is None else [values[i] for i in rows]
 
             return estimator(
-                rewards=batch.rewards[rows], loss_masks=pick(batch.loss_masks), n_samples_per_prompt=group_size,
+                rewards=rewards[rows], loss_masks=pick(batch.loss_masks), n_samples_per_prompt=group_size,
                 kl=pick(kl), values=pick(batch.values), kl_coef=args.kl_coef, gamma=args.gamma, lambd=args.lambd,
                 normalize_std=not args.disable_grpo_std_normalization,
-                normalize_advantages=args.normalize_advantages, eps=args.advantage_eps)
+                normalize_advantages=args.normalize_advantages, eps=args.advantage_eps,
+                **{k: v[rows] for k, v in extra.items()})
 
         # multi-LoRA: each adapter's advantages from its own samples only (a batch-wide baseline or whitening
         # would mix two tasks' reward scales); its groups stay whole, as the data source hands out whole groups
@@ -303,6 +347,7 @@ class MegatronTrainer:
                 batch.advantages[i], batch.returns[i] = a, r
         assert all(a is not None for a in batch.advantages)
         self.last_returns = [r.tolist() for r in batch.returns] if batch.values is not None else None
+        return metrics
 
     def _add_opd_rewards(self, batch: TrainBatch) -> None:
         """--opd-mode reward: each of this rank's samples gets the teacher's per-token reward on top of its
