@@ -5,18 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
+from tests.helpers.attention_reference import per_sequence_causal as _reference
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-
-
-def _reference(q, k, v, cu, scale):
-    outs = []
-    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
-        qs, ks, vs = (x[a:b].transpose(0, 1) for x in (q, k, v))
-        outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
-                                                   enable_gqa=ks.shape[0] != qs.shape[0]).transpose(0, 1))
-    return torch.cat(outs)
 
 
 def test_varlen_kernel_matches_causal_sdpa_without_a_host_sync():

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
+from tests.helpers.attention_reference import per_sequence_causal as _reference
 from vime.backends.megatron_utils import attention
 from vime.backends.megatron_utils.attention import padded_rows, uses_varlen_kernel, varlen_causal
 
@@ -19,15 +19,6 @@ def test_padded_rows_equal_the_real_mask(lengths):
     longest = max(lengths)
     real = (torch.arange(longest) < torch.tensor(lengths).unsqueeze(1)).view(-1)
     assert padded_rows(cu, sum(lengths), longest).tolist() == real.nonzero().view(-1).tolist()
-
-
-def _reference(q, k, v, cu, scale):
-    outs = []
-    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
-        qs, ks, vs = (x[a:b].transpose(0, 1) for x in (q, k, v))
-        outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
-                                                   enable_gqa=ks.shape[0] != qs.shape[0]).transpose(0, 1))
-    return torch.cat(outs)
 
 
 @pytest.mark.parametrize("spelling", ["window_size", "is_causal"])
