@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tests.helpers.attention_reference import per_sequence_causal as _reference
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
