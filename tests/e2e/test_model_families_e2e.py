@@ -104,7 +104,8 @@ def test_family_generates_trains_and_syncs(family, tmp_path):
         ref = logp[s.prompt_length - 1: len(s.tokens) - 1].gather(-1, targets[:, None]).squeeze(-1)
         worst = max(worst, (ref - torch.tensor(s.rollout_log_probs)).abs().max().item())
     print(f"{family}: max |vLLM - transformers| log-prob {worst:.2e}, train/rollout gap "
-          f"{max(r['train_rollout_logprob_abs_diff_max'] for r in train):.2e}")
+          f"{max(r['train_rollout_logprob_abs_diff_max'] for r in train):.2e}, weight check "
+          f"{max(r['weight_check/max_abs_logprob_diff'] for r in train):.2e}")
     assert worst <= 1e-4
 
 
