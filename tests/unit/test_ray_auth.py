@@ -74,3 +74,16 @@ def test_the_runs_cluster_admits_only_the_runs_token(no_ray_auth_settings):
         shutdown_ray()
     assert not os.path.exists(path) and TOKEN_PATH_ENV not in os.environ
     assert (os.stat(home_token).st_mtime if os.path.exists(home_token) else None) == before
+
+
+def test_a_token_this_process_did_not_make_stays(no_ray_auth_settings, tmp_path):
+    """A run started by another vime process inherits its token in the environment: stopping it leaves the
+    parent's token (and the environment naming it) alone."""
+    from vime.ray.ray_auth import MODE_ENV, TOKEN_PATH_ENV, drop_run_token
+
+    parents = tmp_path / f"vime-ray-auth-{os.getpid() + 1}-abc"
+    parents.mkdir()
+    (parents / "auth_token").write_text("0" * 64)
+    os.environ[MODE_ENV], os.environ[TOKEN_PATH_ENV] = "token", str(parents / "auth_token")
+    drop_run_token()
+    assert (parents / "auth_token").exists() and os.environ[TOKEN_PATH_ENV] == str(parents / "auth_token")

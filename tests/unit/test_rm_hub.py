@@ -453,7 +453,8 @@ def test_hung_sync_rewards_hold_a_bounded_number_of_threads(monkeypatch):
     """Sync reward calls that never return hold their threads past --rm-timeout (a thread cannot be stopped); once
     all reward threads are held, the next sample fails at once, recorded as a reward error naming the way out,
     instead of waiting behind them forever; the threads come back when the calls return."""
-    monkeypatch.setattr(rm_hub, "_SYNC_REWARD_THREADS", 2)
+    threads = rm_hub.RewardThreads(limit=2)
+    monkeypatch.setattr(rm_hub, "reward_threads", lambda: threads)
     monkeypatch.setattr(rm_hub, "load_function", lambda path: _hung_reward)
     HUNG.clear()
     args = make_args(rm_type=None, custom_rm_path="tests.unit.test_rm_hub._hung_reward", rm_timeout=0.5)
@@ -466,7 +467,7 @@ def test_hung_sync_rewards_hold_a_bounded_number_of_threads(monkeypatch):
     try:
         timed_out = asyncio.run(score(2))
         assert [s.metadata["failure"]["reason"] for s in timed_out] == ["timeout", "timeout"]
-        assert rm_hub.busy_reward_threads() == 2  # still held by the hung calls
+        assert threads.busy == 2  # still held by the hung calls
         start = time.monotonic()
         [refused] = asyncio.run(score(1))
         assert time.monotonic() - start < 0.4  # at once, not after --rm-timeout
@@ -476,6 +477,6 @@ def test_hung_sync_rewards_hold_a_bounded_number_of_threads(monkeypatch):
     finally:
         HUNG.set()
     deadline = time.monotonic() + 10
-    while rm_hub.busy_reward_threads() and time.monotonic() < deadline:
+    while threads.busy and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert rm_hub.busy_reward_threads() == 0
+    assert threads.busy == 0

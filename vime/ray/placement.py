@@ -23,7 +23,6 @@ from vime.utils.cpus import CpuShare
 
 
 WORKER_ENV = {"TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
-_token_dir: str | None = None  # the run's Ray token (`ray_auth.use_run_token`), removed by `shutdown_ray`
 
 
 def init_ray(args) -> None:
@@ -44,18 +43,15 @@ def init_ray(args) -> None:
     # Ray runs its workers at nice 15 by default; ours are the processes that compute. Nor does it prestart idle
     # workers: a process each, started while the run starts and competing with it for the CPUs, that no actor of
     # the run would use (each actor starts its own).
-    global _token_dir
-    _token_dir = use_run_token()  # the cluster asks for a token only this run has (vime.ray.ray_auth)
+    use_run_token()  # the cluster asks for a token only this run has (vime.ray.ray_auth)
     ray.init(address="local", num_cpus=max(os.cpu_count() or 1, slots), include_dashboard=False, log_to_driver=True,
              _node_ip_address="127.0.0.1", _system_config={"worker_niceness": 0, "enable_worker_prestart": False})
 
 
 def shutdown_ray() -> None:
     """Stop Ray (the run's local cluster with it) and drop the run's Ray token."""
-    global _token_dir
     ray.shutdown()
-    drop_run_token(_token_dir)
-    _token_dir = None
+    drop_run_token()
 
 
 def num_engines(args) -> int:

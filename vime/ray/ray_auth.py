@@ -22,13 +22,13 @@ MODE_ENV, TOKEN_PATH_ENV = "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH"
 
 def use_run_token() -> str | None:
     """Before a local `ray.init`: a fresh token for this run's cluster; returns the private directory holding it
-    (for `drop_run_token`), or None where the user chose Ray's authentication themselves (RAY_AUTH_MODE or a
-    token path set)."""
+    (`drop_run_token` removes it), or None where the user chose Ray's authentication themselves (RAY_AUTH_MODE or
+    a token path set)."""
     if os.environ.get(MODE_ENV) or os.environ.get(TOKEN_PATH_ENV) or os.environ.get("RAY_AUTH_TOKEN"):
         if os.environ.get(MODE_ENV, "").lower() == "disabled":
             logger.warning("RAY_AUTH_MODE=disabled: this run's Ray cluster accepts anyone who can reach it")
         return None
-    directory = tempfile.mkdtemp(prefix="vime-ray-auth-")  # 0700
+    directory = tempfile.mkdtemp(prefix=_owned_prefix())  # 0700
     path = os.path.join(directory, "auth_token")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -47,15 +47,23 @@ def _reload_ray_auth_config() -> None:
     AuthenticationTokenLoader.instance().reset_cache()
 
 
-def drop_run_token(directory: str | None) -> None:
-    """After `ray.shutdown`: the run's token directory goes, and with it the environment that named it."""
-    if directory is None:
+def _owned_prefix() -> str:
+    """Token directories this process made carry its pid: a child that inherited the environment (a run started
+    by a test, say) uses the parent's token and never removes it."""
+    return f"vime-ray-auth-{os.getpid()}-"
+
+
+def drop_run_token() -> None:
+    """After `ray.shutdown`: the token directory this process made for its cluster (named by RAY_AUTH_TOKEN_PATH)
+    goes, and with it the environment that named it; a token set by anyone else stays."""
+    path = os.environ.get(TOKEN_PATH_ENV, "")
+    directory = os.path.dirname(path)
+    if not os.path.basename(directory).startswith(_owned_prefix()):
         return
     shutil.rmtree(directory, ignore_errors=True)
-    if os.environ.get(TOKEN_PATH_ENV, "").startswith(directory):
-        os.environ.pop(TOKEN_PATH_ENV, None)
-        os.environ.pop(MODE_ENV, None)
-        _reload_ray_auth_config()
+    os.environ.pop(TOKEN_PATH_ENV, None)
+    os.environ.pop(MODE_ENV, None)
+    _reload_ray_auth_config()
 
 
 def warn_if_unauthenticated(address: str) -> bool:

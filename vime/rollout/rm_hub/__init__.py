@@ -34,12 +34,6 @@ from .registry import RM_REGISTRY, register_rm
 
 __all__ = ["RM_REGISTRY", "RewardTypeError", "async_rm", "batched_async_rm", "register_rm"]
 
-# Sync custom rewards: enough threads that a few calls hanging past --rm-timeout do not starve the others.
-_SYNC_REWARD_THREADS = 128
-_busy_threads = 0  # sync reward calls running in a thread, hung ones past --rm-timeout included
-_busy_lock = threading.Lock()
-
-
 class RewardTypeError(TypeError):
     """A custom reward function returned something other than a number or a dict."""
 
@@ -48,36 +42,42 @@ class RewardThreadsExhaustedError(RuntimeError):
     """Every reward thread is held by a call that has not returned (hung past --rm-timeout)."""
 
 
+class RewardThreads:
+    """The threads sync custom rewards run in, and how many are held. A thread cannot be stopped: a call hung past
+    --rm-timeout keeps its thread until it returns. Once all `limit` are held, `submit` refuses at once (a recorded
+    per-sample failure) instead of queueing the call behind them forever."""
+
+    def __init__(self, limit: int = 128):  # enough that a few hanging calls do not starve the others
+        self.limit, self.busy = limit, 0
+        self._lock = threading.Lock()
+        self._executor = ThreadPoolExecutor(max_workers=limit, thread_name_prefix="vime-reward")
+
+    def submit(self, fn, *args, **kwargs) -> asyncio.Future:
+        with self._lock:
+            if self.busy >= self.limit:
+                raise RewardThreadsExhaustedError(
+                    f"all {self.limit} reward threads are held by calls of {getattr(fn, '__name__', fn)} that have "
+                    "not returned (past --rm-timeout); run it with --custom-rm-in-workers, where a call is killed "
+                    "at the timeout")
+            self.busy += 1
+        future = self._executor.submit(functools.partial(fn, *args, **kwargs))
+        future.add_done_callback(self._release)
+        return asyncio.wrap_future(future)
+
+    def _release(self, _) -> None:
+        with self._lock:
+            self.busy -= 1
+
+
 @functools.cache
-def _executor() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=_SYNC_REWARD_THREADS, thread_name_prefix="vime-reward")
-
-
-def _release_thread(_) -> None:
-    global _busy_threads
-    with _busy_lock:
-        _busy_threads -= 1
-
-
-def busy_reward_threads() -> int:
-    return _busy_threads
+def reward_threads() -> RewardThreads:
+    """This process's reward threads (made on first use)."""
+    return RewardThreads()
 
 
 async def _call(fn, *args: Any, in_thread: bool = False, **kwargs: Any) -> Any:
-    global _busy_threads
     if in_thread and not inspect.iscoroutinefunction(fn):
-        # a thread cannot be stopped: a call hung past --rm-timeout keeps its thread until it returns. Once all
-        # are held, a new call fails at once (a recorded per-sample failure) instead of queueing behind them forever
-        with _busy_lock:
-            if _busy_threads >= _SYNC_REWARD_THREADS:
-                raise RewardThreadsExhaustedError(
-                    f"all {_SYNC_REWARD_THREADS} reward threads are held by calls of {getattr(fn, '__name__', fn)} "
-                    "that have not returned (past --rm-timeout); run it with --custom-rm-in-workers, where a call "
-                    "is killed at the timeout")
-            _busy_threads += 1
-        future = _executor().submit(functools.partial(fn, *args, **kwargs))
-        future.add_done_callback(_release_thread)
-        result = await asyncio.wrap_future(future)
+        result = await reward_threads().submit(fn, *args, **kwargs)
     else:
         result = fn(*args, **kwargs)
     return await result if inspect.isawaitable(result) else result
