@@ -30,6 +30,8 @@ RUNTIME_FIELDS = {
 }
 # slime's name -> vime's, for values whose meaning is the same
 SLIME_NAMES = {"sglang_router_ip": "vllm_router_ip", "sglang_router_port": "vllm_router_port"}
+# every name the view sets over the flags
+VIEW_FIELDS = (*RUNTIME_FIELDS, "sglang_server_concurrency", *SLIME_NAMES)
 
 
 def plugin_view(args: argparse.Namespace, router_url: str | None, num_rollout: int | None,
@@ -58,14 +60,14 @@ def move_router(view: argparse.Namespace, router_url: str | None) -> None:
 
 def runtime_values(view: argparse.Namespace) -> dict[str, Any]:
     """The view's run-time values (plain JSON): what another process needs to build the same view."""
-    return {name: getattr(view, name) for name in (*RUNTIME_FIELDS, "sglang_server_concurrency", *SLIME_NAMES)}
+    return {name: getattr(view, name) for name in VIEW_FIELDS}
 
 
 def plugin_view_from(args: argparse.Namespace, values: dict[str, Any] | None) -> argparse.Namespace:
     """The view in another process (a training rank): `args` with the `runtime_values` of the manager's view.
     Unknown names are refused: only the fields above may differ from the flags."""
     view = argparse.Namespace(**vars(args))
-    unknown = set(values or {}) - {*RUNTIME_FIELDS, "sglang_server_concurrency", *SLIME_NAMES}
+    unknown = set(values or {}) - set(VIEW_FIELDS)
     if unknown:
         raise ValueError(f"plugin values {sorted(unknown)} are not run-time fields ({sorted(RUNTIME_FIELDS)})")
     for name, value in (values or {}).items():
