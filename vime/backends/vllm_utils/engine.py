@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -274,6 +275,19 @@ def control_routes_locked(url: str) -> str | None:
             "that vime is installed in the engine's environment")
 
 
+PORT_ATTEMPTS = 3  # launches on fresh ports when another process binds the chosen one first
+
+
+def lost_port_race(proc, log_path: Path, log_offset: int) -> bool:
+    """Whether the server exited because its port was taken between choosing and binding it (its log from
+    `log_offset`, where this launch's output begins, says so)."""
+    if proc.poll() is None:
+        return False
+    with open(log_path, "rb") as f:
+        f.seek(log_offset)
+        return b"Address already in use" in f.read()
+
+
 class VLLMEngine:
     """Wrapped as a Ray actor by the rollout manager: `ray.remote(VLLMEngine)`."""
 
@@ -300,14 +314,24 @@ class VLLMEngine:
         cmd = engine_command(self.args, host, port, self.engine_rank)
         env = engine_env(self.args, self.cpu_share, self.gpus)
         raise_priority()  # the server inherits this process's priority, which Ray lowered
+        self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         logger.info("engine %d: workers on %s", self.engine_rank, f"GPUs {env['CUDA_VISIBLE_DEVICES']}" if self.gpus
                     else f"CPUs {env.get('VLLM_CPU_OMP_THREADS_BIND', '(GPU)')}")
         self.proc = spawn(cmd, self.log_path, env=env)
 
     def start(self) -> str:
         """Wait until the server launched at construction serves, with its control routes locked; its URL."""
-        ready = wait_until(lambda: http_ok(self.url + "/health"), self.args.engine_startup_timeout,
-                           interval_s=0.25, alive=lambda: self.proc.poll() is None)
+        deadline = time.monotonic() + self.args.engine_startup_timeout
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            ready = wait_until(lambda: http_ok(self.url + "/health"), max(deadline - time.monotonic(), 0.0),
+                               interval_s=0.25, alive=lambda: self.proc.poll() is None)
+            if ready or not lost_port_race(self.proc, self.log_path, self._log_offset) or attempt == PORT_ATTEMPTS:
+                break
+            # the port was free when chosen, then taken before the server bound it: choose again
+            kill_tree(self.proc)
+            logger.warning("engine %d: %s was taken before the server bound it; relaunching on a new port "
+                           "(attempt %d of %d)", self.engine_rank, self.url, attempt + 1, PORT_ATTEMPTS)
+            self._launch()
         if not ready:
             exit_code = self.proc.poll()
             kill_tree(self.proc)
