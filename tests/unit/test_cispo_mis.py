@@ -9,10 +9,10 @@ import torch
 
 from vime.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from vime.algorithms.arguments import add_algorithm_args, validate_algorithm_args
+from vime.algorithms.rollout_correction import compute_mis_weights
 from vime.algorithms.losses import (
     aggregate_loss,
     cispo_policy_loss,
-    compute_mis_weights,
     get_policy_loss,
     ppo_policy_loss,
 )
@@ -115,8 +115,8 @@ def test_mis_sequence_level_survives_huge_log_ratios_and_rejects_unknown_levels(
     weights, keep = compute_mis_weights([t(0.0).repeat(100)], [t(-5.0).repeat(100)], [torch.ones(100)], "sequence")
     assert torch.isfinite(weights[0]).all()  # sum 500 is clamped to 20 before exp
     close(keep[0], torch.zeros(100))
-    with pytest.raises(ValueError, match="unknown MIS level 'geometric'"):
-        compute_mis_weights(MIS_OLD, MIS_ROLLOUT, MIS_MASKS, "geometric")
+    with pytest.raises(ValueError, match="unknown correction level 'harmonic'"):
+        compute_mis_weights(MIS_OLD, MIS_ROLLOUT, MIS_MASKS, "harmonic")
 
 
 # ---------------------------------------------------------------------------------------------- flags
@@ -154,4 +154,4 @@ def test_mis_thresholds_must_be_ordered(low, high):
 
 def test_unknown_mis_level_is_refused_at_parse():
     with pytest.raises(SystemExit):
-        parse("--mis-level", "geometric")
+        parse("--mis-level", "harmonic")

@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from vime.algorithms.arguments import add_algorithm_args, validate_algorithm_args
+from vime.algorithms.rollout_correction import compute_tis_weights
 from vime.algorithms.losses import (
     POLICY_LOSSES,
     aggregate_loss,
     clip_cov_policy_loss,
     compute_approx_kl,
     compute_log_probs_from_logits,
-    compute_tis_weights,
     entropy_from_logits,
     get_policy_loss,
     gspo_policy_loss,

@@ -14,9 +14,11 @@ _EXPORTS = {
                    "rloo_advantages", "whiten"),
     "arguments": ("add_algorithm_args", "validate_algorithm_args"),
     "losses": ("POLICY_LOSSES", "aggregate_loss", "compute_approx_kl", "compute_log_probs_from_logits",
-               "compute_tis_weights", "entropy_from_logits", "get_policy_loss", "gspo_policy_loss",
+               "entropy_from_logits", "get_policy_loss", "gspo_policy_loss",
                "ppo_policy_loss", "register_policy_loss", "sft_loss", "value_loss", "clip_cov_policy_loss",
                "kl_cov_policy_loss", "top_entropy_mask"),
+    "rollout_correction": ("compute_tis_weights", "compute_mis_weights", "truncated_weights",
+                           "correction_log_ratios"),
     "shaping": ("entropy_coef_at", "overlong_penalties", "mask_truncated"),
     "eval_metrics": ("pass_at_k", "eval_at_k_metrics"),
 }

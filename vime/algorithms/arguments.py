@@ -7,7 +7,7 @@ import logging
 from pathlib import Path
 
 from vime.algorithms.names import (ADVANTAGE_ESTIMATOR_NAMES, ENTROPY_COEF_SCHEDULES, KL_TYPES, LOSS_AGG_MODES,
-                                   MIS_LEVELS, OPD_MODES, POLICY_LOSS_NAMES)
+                                   CORRECTION_LEVELS, OPD_MODES, POLICY_LOSS_NAMES)
 from vime.utils.misc import with_values
 
 logger = logging.getLogger(__name__)
@@ -178,35 +178,62 @@ def add_algorithm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         "Default: token_mean.",
     )
 
+    g = parser.add_argument_group(
+        "rollout correction", "importance weights pi_old / pi_engine for tokens the engine sampled under another "
+        "policy (vime/algorithms/rollout_correction.py)")
     g.add_argument(
         "--use-tis",
         action="store_true",
-        help="Truncated importance sampling: weight the policy loss by exp(old_logp - rollout_logp) to correct "
-        "the train/inference mismatch. Default: off.",
+        help="Truncated importance sampling: weight the policy loss by w = exp(old_logp - rollout_logp) clamped to "
+        "[--tis-clip-low, --tis-clip]. With PPO's clip this is AReaL's decoupled objective (the trainer's old "
+        "log-probs are the proximal policy, the engine's the behaviour policy). Default: off.",
     )
     g.add_argument("--tis-clip", type=float, default=2.0, help="Upper truncation of the TIS weight. Default: 2.0.")
     g.add_argument(
         "--tis-clip-low", type=float, default=0.0, help="Lower truncation of the TIS weight. Default: 0.0."
     )
     g.add_argument(
+        "--tis-level",
+        choices=CORRECTION_LEVELS,
+        default="token",
+        help="TIS weight per token, per sequence (the product of its tokens' ratios) or per sequence as their "
+        "geometric mean. Default: token.",
+    )
+    g.add_argument(
+        "--custom-tis-function-path",
+        default=None,
+        help="Replace the built-in TIS (with --use-tis) by fn(args, *, pg_loss, train_log_probs, rollout_log_probs, "
+        "loss_masks, total_lengths, response_lengths) -> (pg_loss, loss_masks, metrics), slime's signature: "
+        "pg_loss and each metric are per-token tensors over the micro-batch's concatenated responses, the log-probs "
+        "and masks lists of one tensor per sample. Tokens whose returned mask is 0 leave the policy loss; the "
+        "step's denominators stay those of the original masks. Default: none.",
+    )
+    g.add_argument(
         "--use-mis",
         action="store_true",
         help="Masked importance sampling: weight the policy loss by w = exp(old_logp - rollout_logp) where w lies "
-        "in [--mis-threshold-low, --mis-threshold-high] and mask the token (or sequence) out where it does not. "
-        "Excludes --use-tis. Default: off.",
+        "in [--mis-threshold-low, --mis-threshold-high] and mask the token (or sequence) out where it does not; at "
+        "token level this is ICE-POP. Excludes --use-tis. Default: off.",
     )
     g.add_argument(
         "--mis-level",
-        choices=MIS_LEVELS,
+        choices=CORRECTION_LEVELS,
         default="token",
-        help="MIS decision per token, or per sequence on the product of its tokens' ratios (the sequence "
-        "likelihood ratio). Default: token.",
+        help="MIS decision per token, per sequence on the product of its tokens' ratios (the sequence likelihood "
+        "ratio), or per sequence on their geometric mean. Default: token.",
     )
     g.add_argument(
         "--mis-threshold-low", type=float, default=0.5, help="Smallest MIS weight kept. Default: 0.5."
     )
     g.add_argument(
         "--mis-threshold-high", type=float, default=2.0, help="Largest MIS weight kept. Default: 2.0."
+    )
+    g.add_argument(
+        "--use-rollout-logprobs",
+        action="store_true",
+        help="Bypass: the engine's log-probs are the old policy of the policy loss (PPO's ratio is pi / "
+        "pi_engine), so the trainer skips its old-log-prob forward pass; no correction weight is applied. "
+        "Samples without engine log-probs fall back to the trainer's. Default: off.",
     )
 
     g = parser.add_argument_group("on-policy distillation")
@@ -254,6 +281,11 @@ def validate_algorithm_args(args: argparse.Namespace) -> argparse.Namespace:
         )
     if args.cispo_eps_low is not None and args.cispo_eps_low <= 0:
         raise ValueError(f"--cispo-eps-low must be > 0, got {args.cispo_eps_low}; omit it for no lower bound")
+    if args.use_rollout_logprobs and (args.use_tis or args.use_mis):
+        raise ValueError("--use-rollout-logprobs makes the engine's log-probs the old policy, so every TIS / MIS "
+                         "weight would be exactly 1: drop --use-tis / --use-mis, or drop --use-rollout-logprobs")
+    if args.custom_tis_function_path and not args.use_tis:
+        raise ValueError("--custom-tis-function-path replaces the built-in TIS: add --use-tis")
     if args.use_mis and args.use_tis:
         raise ValueError("--use-mis and --use-tis are mutually exclusive (both reweight the policy loss by "
                          "exp(old_logp - rollout_logp)); pass one of them")

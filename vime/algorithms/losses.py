@@ -1,7 +1,7 @@
-"""Loss math: log-probs, KL estimators, policy / value / SFT losses, truncated and masked importance sampling,
-aggregation.
+"""Loss math: log-probs, KL estimators, policy / value / SFT losses, aggregation (importance weights for the
+rollout: `vime.algorithms.rollout_correction`).
 
-Element-wise functions (`compute_approx_kl`, `compute_tis_weights`, `value_loss`, ...) take tensors of any
+Element-wise functions (`compute_approx_kl`, `value_loss`, ...) take tensors of any
 shape. Functions that need sequence boundaries (policy losses, `aggregate_loss`, `sft_loss`) take lists of
 1-D tensors, one per sample, each of length `response_length`, with 0/1 `loss_masks` of the same shapes.
 All losses are to be minimised.
@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from vime.algorithms.names import KL_TYPES, LOSS_AGG_MODES, MIS_LEVELS
+from vime.algorithms.names import KL_TYPES, LOSS_AGG_MODES
 
 Tensors = list[torch.Tensor]
 PolicyLoss = Callable[..., tuple[Tensors, Tensors]]
@@ -47,7 +47,7 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch
 
 
 # ----------------------------------------------------------------------------------------------------------
-# KL and importance weights
+# KL
 # ----------------------------------------------------------------------------------------------------------
 
 
@@ -72,55 +72,6 @@ def compute_approx_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kl_t
         log_ratio = log_ratio.clamp(-20.0, 20.0)
         return (torch.exp(-log_ratio) - 1 + log_ratio).clamp(-10.0, 10.0)
     raise ValueError(f"unknown kl_type {kl_type!r}; choose one of {KL_TYPES}")
-
-
-def compute_tis_weights(
-    old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, tis_clip: float = 2.0, tis_clip_low: float = 0.0
-) -> torch.Tensor:
-    """Truncated importance weights exp(old - rollout) clamped to [tis_clip_low, tis_clip], detached.
-
-    Corrects for the rollout engine sampling from a slightly different distribution than the trainer's
-    (kernels, precision). Multiply the per-token policy loss by these weights.
-    """
-    weights = torch.exp(old_log_probs.float() - rollout_log_probs.float())
-    return weights.clamp(min=tis_clip_low, max=tis_clip).detach()
-
-
-def compute_mis_weights(
-    old_log_probs: Tensors,
-    rollout_log_probs: Tensors,
-    loss_masks: Tensors,
-    level: str = "token",
-    low: float = 0.5,
-    high: float = 2.0,
-) -> tuple[Tensors, Tensors]:
-    """Masked importance sampling: weights exp(old - rollout) kept where they lie in [low, high], 0 elsewhere.
-
-    Like TIS it corrects for the rollout engine sampling from a slightly different distribution than the
-    trainer; instead of truncating an outlier's weight it rejects the outlier, whose gradient would be biased
-    by a truncated weight. Inliers keep their untruncated weight w.
-      token:    w_t = exp(old_t - rollout_t), decided per token.
-      sequence: w = exp(sum over the sequence's trainable tokens of (old_t - rollout_t)), the likelihood
-                ratio of the whole response (a product, not the length-normalised geometric mean gspo uses,
-                so a long response with a small per-token drift can be rejected); every token of the sequence
-                gets w and the same decision. The summed log-ratio is clamped to [-20, 20] before exp, which
-                changes no decision for thresholds within [e^-20, e^20].
-    Tokens with mask 0 (tool output, whose engine log-probs are placeholders) enter no sum and are kept.
-    Returns (weights, keep), both B x [T_i], detached; keep is 1.0 for inliers, 0.0 for rejected tokens, and
-    weights is 0 wherever keep is 0.
-    """
-    if level not in MIS_LEVELS:
-        raise ValueError(f"unknown MIS level {level!r}; choose one of {MIS_LEVELS}")
-    mask = torch.cat(loss_masks).bool()
-    log_ratio = torch.cat(old_log_probs).float() - torch.cat(rollout_log_probs).float()
-    log_ratio = torch.where(mask, log_ratio, torch.zeros_like(log_ratio)).detach()
-    if level == "sequence":
-        seq_ids = _seq_ids(old_log_probs)
-        log_ratio = _seq_sum(log_ratio, seq_ids, len(old_log_probs)).clamp(-20.0, 20.0)[seq_ids]
-    weights = torch.exp(log_ratio)
-    keep = ((weights >= low) & (weights <= high)) | ~mask
-    weights = torch.where(keep, weights, torch.zeros_like(weights))
-    return _split(weights, old_log_probs), _split(keep.float(), old_log_probs)
 
 
 # ----------------------------------------------------------------------------------------------------------

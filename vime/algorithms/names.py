@@ -10,5 +10,5 @@ LOSS_AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "se
 ENTROPY_COEF_SCHEDULES = ("constant", "linear", "cosine")
 # sample metadata the rollout writes for --advantage-estimator remax: the reward of the group's greedy response
 REMAX_GREEDY_REWARD_KEY = "remax_greedy_reward"
-MIS_LEVELS = ("token", "sequence")
+CORRECTION_LEVELS = ("token", "sequence", "geometric")  # rollout correction: one weight per token or per sequence
 OPD_MODES = ("reward", "loss")  # on-policy distillation: the teacher's log-ratio as the reward, or as a loss term

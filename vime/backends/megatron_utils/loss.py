@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from vime.algorithms import aggregate_loss, compute_approx_kl, compute_tis_weights, get_policy_loss
-from vime.algorithms.losses import compute_mis_weights, top_entropy_mask
+from vime.algorithms import aggregate_loss, compute_approx_kl, get_policy_loss
+from vime.algorithms.losses import top_entropy_mask
+from vime.algorithms.rollout_correction import compute_mis_weights, truncated_weights
 from vime.backends.megatron_utils.train_batch import TrainBatch
 from vime.backends.megatron_utils.log_probs import response_log_probs
 from vime.utils.misc import load_function
@@ -24,6 +25,8 @@ def make_loss_fn(args, batch: TrainBatch, denominators: dict, scale: float, step
     # only a built-in loss's own keywords: a loss registered by a user keeps the contract it was written against
     own_kwargs = policy_loss_kwargs(args, step_index)
     custom = load_function(args.custom_loss_function_path) if args.custom_loss_function_path else None
+    custom_tis = load_function(args.custom_tis_function_path) if getattr(args, "custom_tis_function_path", None) \
+        else None
     top_fraction = getattr(args, "entropy_top_fraction", None)
 
     def agg(values, masks):
@@ -50,7 +53,7 @@ def make_loss_fn(args, batch: TrainBatch, denominators: dict, scale: float, step
             loss = agg([-lp for lp in log_probs], masks)
             metrics["sft_loss"] = loss.detach()
         else:
-            old = mb.get("old_log_probs") or [lp.detach() for lp in log_probs]
+            old = old_policy_log_probs(args, mb, log_probs)
             rollout = mb.get("rollout_log_probs")
             pg, clipped = policy_loss(log_probs, old, mb["advantages"], masks, eps_clip=args.eps_clip,
                                       eps_clip_high=args.eps_clip_high, eps_clip_c=args.eps_clip_c,
@@ -60,10 +63,21 @@ def make_loss_fn(args, batch: TrainBatch, denominators: dict, scale: float, step
                 keep = top_entropy_mask(entropy, masks, top_fraction)
                 pg_masks = [m * k for m, k in zip(masks, keep)]
                 metrics["entropy_masked_fraction"] = token_share([1.0 - k for k in keep], masks).detach()
-            if args.use_tis:
-                weights = [compute_tis_weights(o, r, args.tis_clip, args.tis_clip_low) for o, r in zip(old, rollout)]
+            if custom_tis is not None:  # slime's signature: flat per-token tensors, lists per sample
+                flat, keep, tis_metrics = custom_tis(plugin_args or args, pg_loss=torch.cat(pg), train_log_probs=old,
+                                                     rollout_log_probs=rollout, loss_masks=masks,
+                                                     total_lengths=[len(t) for t in mb["tokens"]],
+                                                     response_lengths=[len(m) for m in masks])
+                pg = _split_like(flat, pg)
+                pg_masks = [m * k.to(m.dtype) for m, k in zip(pg_masks, keep)]
+                for name, value in tis_metrics.items():
+                    metrics[name] = agg(_split_like(value.detach().float(), pg), masks).detach()
+            elif args.use_tis:
+                weights, truncated = truncated_weights(old, rollout, masks, args.tis_level, args.tis_clip_low,
+                                                       args.tis_clip)
                 pg = [p * w for p, w in zip(pg, weights)]
                 metrics["tis_weight_mean"] = agg(weights, masks).detach()
+                metrics["tis_clipfrac"] = agg(truncated, masks).detach()
             elif args.use_mis:  # rejected tokens leave the policy loss; the denominators stay the step's
                 weights, keep = compute_mis_weights(old, rollout, masks, args.mis_level, args.mis_threshold_low,
                                                     args.mis_threshold_high)
@@ -97,6 +111,21 @@ def make_loss_fn(args, batch: TrainBatch, denominators: dict, scale: float, step
         return loss * scale, metrics
 
     return loss_fn
+
+
+def old_policy_log_probs(args, mb: dict, log_probs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The old policy of PPO's ratio: the trainer's log-probs before the rollout's first step (equal to the
+    current ones, detached, when the rollout takes one step and they were not computed), or with
+    --use-rollout-logprobs the engine's, where the engine scored the sample."""
+    trainer_old = mb.get("old_log_probs") or [lp.detach() for lp in log_probs]
+    if not getattr(args, "use_rollout_logprobs", False):
+        return trainer_old
+    rollout = mb.get("rollout_log_probs") or [None] * len(log_probs)
+    return [r if r is not None else o for r, o in zip(rollout, trainer_old)]
+
+
+def _split_like(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    return list(flat.split([len(t) for t in like]))
 
 
 def policy_loss_kwargs(args, step_index: int) -> dict:

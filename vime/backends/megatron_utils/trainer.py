@@ -211,8 +211,10 @@ class MegatronTrainer:
             metrics["train/entropy_coef"] = float(args.entropy_coef)
         plan = self._split(batch)
         all_local_mbs = [mb for _, _, mbs in plan for mb in mbs]
+        # --use-rollout-logprobs: the engine's log-probs are the old policy; no forward pass for it
+        bypass = getattr(args, "use_rollout_logprobs", False) and all(r is not None for r in batch.rollout_log_probs)
         needs_old = args.loss_type != "sft_loss" and (
-            len(plan) > 1 or (args.kl_coef and args.advantage_estimator in _PER_TOKEN_ESTIMATORS)
+            (len(plan) > 1 and not bypass) or (args.kl_coef and args.advantage_estimator in _PER_TOKEN_ESTIMATORS)
             or (self.teacher_state is not None and any(lp is None for lp in batch.rollout_log_probs)))
         routing = self._routing_replay(batch, first_pass=needs_old)
         phase = routing.phase if routing is not None else (lambda name: contextlib.nullcontext())
