@@ -1,4 +1,4 @@
-"""The baselines of issue 41 on the real stack (tiny model, 2 vLLM engines behind vllm-router, Megatron-core, Ray),
+"""The baselines of issue 41 on the real stack (tiny model, a vLLM engine behind vllm-router, Megatron-core, Ray),
 two rollouts each, every number the run reports recomputed by hand from what it saved:
 
 - RLOO with DAPO's overlong shaping and Dr. GRPO's aggregation, plus eval pass@1 / pass@4 / maj@4 over 4 samples
@@ -27,7 +27,8 @@ pytestmark = pytest.mark.e2e
 MAX_LEN = 16
 # 32 of the tiny model's 512 tokens end a response: its near-uniform sampling then stops about two responses in
 # three before 16 tokens, so lengths (and overlong penalties, truncations) vary
-STOP = ("--rollout-stop-token-ids", *map(str, range(100, 132)))
+STOP = ("--rollout-stop-token-ids", *map(str, range(100, 132)),
+        "--rollout-num-gpus", "1")  # one engine: a second costs each run ~12 s of start-up on two cores
 
 
 def _samples(out: Path, name: str, rollout_id: int):

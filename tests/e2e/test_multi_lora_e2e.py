@@ -58,7 +58,7 @@ def test_two_adapters_learn_opposite_tasks_on_one_base(tiny_qwen3, arithmetic_da
            "--eval-prompt-data", *(x for name in ADAPTERS for x in (name, str(held_out[name]))),
            "--eval-interval", str(NUM_ROLLOUT), "--n-samples-per-eval-prompt", "4",
            "--apply-chat-template", "--rollout-shuffle", "--rollout-batch-size", "8", "--n-samples-per-prompt", "8",
-           "--num-rollout", str(NUM_ROLLOUT), "--rollout-num-gpus", "2", "--rollout-max-response-len", "16",
+           "--num-rollout", str(NUM_ROLLOUT), "--rollout-num-gpus", "1", "--rollout-max-response-len", "16",
            "--micro-batch-size", "16", "--lr", "1e-2", "--check-weight-update-equal",
            "--save-debug-rollout-data", str(tmp_path / "rollout_{rollout_id}.jsonl"),
            "--output-dir", str(tmp_path / "run"), "--vllm-enforce-eager", "--vllm-max-model-len", "256"]
