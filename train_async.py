@@ -12,15 +12,8 @@ from __future__ import annotations
 import time
 
 from vime.ray.session import TrainingSession, exit_after_run, run_entry_point
+from vime.data.weight_versions import staleness_metrics
 from vime.utils.logging_utils import progress
-
-
-def staleness_metrics(sample_versions: list, trainer_version: int) -> dict[str, float]:
-    """How many weight updates behind the trainer each sample's (last) generating version was."""
-    lags = [trainer_version - int(v) for v in sample_versions if v is not None and str(v).isdigit()]
-    if not lags:
-        return {}
-    return {"async/staleness_mean": sum(lags) / len(lags), "async/staleness_max": float(max(lags))}
 
 
 def train(args) -> None:
@@ -36,7 +29,7 @@ def train(args) -> None:
             rollout, metrics = run.collect(pending)
             if rollout_id + 1 < num_rollout:
                 pending = run.generate(rollout_id + 1)  # runs on the engines while we train below
-            metrics.update(staleness_metrics(rollout.extra["sample_versions"], run.weight_version))
+            metrics.update(staleness_metrics(rollout.extra.get("version_tokens", []), run.weight_version))
             metrics.update(run.train(rollout))
             run.maybe_save(rollout_id, num_rollout)
             if (rollout_id + 1) % args.update_weights_interval == 0 or rollout_id + 1 == num_rollout:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vime.agents.api.completion import canonical_arguments
+from vime.data.weight_versions import add_spans, add_versions, shift_spans
 from vime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -149,6 +150,7 @@ class Trajectory:
     messages: list[dict[str, Any]] = field(default_factory=list)  # normalized, incl. the last reply
     prompt_messages: list[dict[str, Any]] = field(default_factory=list)  # the first call's messages
     weight_versions: list[str] = field(default_factory=list)
+    weight_version_spans: list[list] = field(default_factory=list)  # over `tokens` (vime.data.weight_versions)
     turns: list[dict[str, Any]] = field(default_factory=list)
     closed_text: str = ""  # what of the template's closing the last reply already contains
 
@@ -157,15 +159,15 @@ class Trajectory:
         self.loss_mask += [0] * len(token_ids)
         self.log_probs += [0.0] * len(token_ids)
 
-    def add_sampled(self, token_ids: list[int], log_probs: list[float], weight_versions: list[str]) -> None:
+    def add_sampled(self, token_ids: list[int], log_probs: list[float], weight_versions: list) -> None:
+        """`weight_versions`: the engine's spans over these tokens (or bare version labels)."""
         if len(token_ids) != len(log_probs):
             raise ValueError(f"{len(token_ids)} sampled tokens but {len(log_probs)} log-probs")
+        add_spans(self.weight_version_spans, weight_versions, len(self.tokens), len(token_ids))
+        add_versions(self.weight_versions, weight_versions)
         self.tokens += token_ids
         self.loss_mask += [1] * len(token_ids)
         self.log_probs += [float(x) for x in log_probs]
-        for version in weight_versions:
-            if not self.weight_versions or self.weight_versions[-1] != version:
-                self.weight_versions.append(version)
 
     @property
     def finish_reason(self) -> str | None:
@@ -210,7 +212,7 @@ class ChatSession:
         return fresh, template.prompt_ids(normalized, tools, tool_choice), normalized
 
     def record(self, trajectory: Trajectory, prompt_ids: list[int], messages: list[dict[str, Any]],
-               sampled: list[int], log_probs: list[float], weight_versions: list[str], finish_reason: str | None,
+               sampled: list[int], log_probs: list[float], weight_versions: list, finish_reason: str | None,
                assistant_message: dict[str, Any], template: ChatTemplate) -> None:
         """Add one answer to `trajectory` (a trajectory `prepare` returned, or a `branch` of one)."""
         if not trajectory.tokens:  # a new trajectory: the whole prompt is its prompt
@@ -240,5 +242,6 @@ def trajectory_to_sample(trajectory: Trajectory, base: Sample, tokenizer, role: 
         status=_FINISH_STATUS.get(trajectory.finish_reason, Sample.Status.COMPLETED),
         metadata={**base.metadata, "agent_role": role, "agent_session": session_id,
                   "agent_turns": list(trajectory.turns)},
-        weight_versions=list(trajectory.weight_versions), tools=base.tools,
+        weight_versions=list(trajectory.weight_versions),
+        weight_version_spans=shift_spans(trajectory.weight_version_spans, p), tools=base.tools,
     )

@@ -513,8 +513,7 @@ class OpenAIServer:
             for target, choice, answer in zip(branches, choices, answers):
                 sampled = list(choice.get("token_ids") or [])
                 content = (choice.get("logprobs") or {}).get("content") or []
-                versions = [str(v["version"]) if isinstance(v, dict) else str(v)
-                            for v in choice.get("weight_versions") or []]
+                versions = choice.get("weight_versions") or []  # spans over `sampled`
                 session.record(target, prompt_ids, messages, sampled, [c["logprob"] for c in content], versions,
                                choice.get("finish_reason") or "stop", answer.chat_message(), self.template)
             episode.sessions.setdefault(session.session_id, session)

@@ -26,6 +26,7 @@ from vime.backends.vllm_utils.generate_request import (
     decode_routed_experts,
     request_choices,
 )
+from vime.data.weight_versions import add_spans, add_versions
 from vime.rollout.context import rollout_context
 from vime.rollout.rm_hub import RewardTypeError, async_rm, batched_async_rm
 from vime.rollout.rm_hub.remote_rm import NonFiniteRewardError
@@ -182,14 +183,12 @@ def append_choice(sample: Sample, choice: dict[str, Any], tokenizer, trainable: 
     content = (choice.get("logprobs") or {}).get("content") or []
     if len(content) != len(new_tokens):
         raise RuntimeError(f"engine returned {len(new_tokens)} tokens but {len(content)} log-probs")
+    add_spans(sample.weight_version_spans, choice.get("weight_versions"), sample.response_length, len(new_tokens))
+    add_versions(sample.weight_versions, choice.get("weight_versions"))
     sample.tokens = sample.tokens + new_tokens
     sample.response_length += len(new_tokens)
     sample.rollout_log_probs = (sample.rollout_log_probs or []) + [c["logprob"] for c in content]
     sample.loss_mask = (sample.loss_mask or []) + [int(trainable)] * len(new_tokens)
-    for wv in choice.get("weight_versions") or []:
-        version = str(wv["version"]) if isinstance(wv, dict) else str(wv)
-        if not sample.weight_versions or sample.weight_versions[-1] != version:
-            sample.weight_versions.append(version)
     if choice.get("routed_experts") is not None:
         sample.rollout_routed_experts = decode_routed_experts(choice["routed_experts"])
     sample.response = tokenizer.decode(sample.response_tokens, skip_special_tokens=False)

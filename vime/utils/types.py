@@ -35,6 +35,8 @@ class Sample:
     status: Status = Status.PENDING
     metadata: dict[str, Any] = field(default_factory=dict)
     weight_versions: list[str] = field(default_factory=list)  # engine weight versions that produced the tokens
+    # [version, start, end]: response tokens [start, end) were sampled by that version (vime.data.weight_versions)
+    weight_version_spans: list[list] = field(default_factory=list)
     tools: list[dict[str, Any]] | None = None  # tool schemas offered to the model, if any
     # --use-rollout-routing-replay: the experts the engine routed each forwarded token to, [len(tokens) - 1, layers,
     # top-k] (the last token is sampled, never forwarded); a numpy integer array, nested lists after JSON
@@ -87,7 +89,8 @@ _FIELD_TYPES = {
     "group_index": (int, _NONE), "index": (int, _NONE), "prompt": (str, list), "tokens": (list, tuple),
     "response": (str,), "response_length": (int,), "reward": (int, float, dict, _NONE),
     "loss_mask": (list, tuple, _NONE), "rollout_log_probs": (list, tuple, _NONE), "status": (str,),
-    "metadata": (dict,), "weight_versions": (list,), "tools": (list, _NONE),
+    "metadata": (dict,), "weight_versions": (list,), "weight_version_spans": (list,),
+    "tools": (list, _NONE),
 }
 _NOT_BOOL = ("group_index", "index", "response_length")  # bool is an int to isinstance; not a count or an id
 _SAMPLE_FIELDS = frozenset(f.name for f in dataclasses.fields(Sample))
@@ -132,6 +135,12 @@ def check_sample_dict(d: Any, vocab_size: int | None = None) -> None:
     if not _all_finite(log_probs):
         bad = next(i for i, x in enumerate(log_probs) if not _all_finite((x,)))
         raise InvalidSampleError("rollout_log_probs", f"entry {bad} ({log_probs[bad]!r}) is not a finite number")
+    for span in d.get("weight_version_spans") or ():
+        if not (isinstance(span, (list, tuple)) and len(span) == 3 and isinstance(span[0], str)
+                and all(isinstance(x, int) and not isinstance(x, bool) for x in span[1:])
+                and 0 <= span[1] <= span[2] <= response_length):
+            raise InvalidSampleError("weight_version_spans", f"{span!r} is not [version, start, end] with "
+                                                             f"0 <= start <= end <= {response_length}")
 
 
 def _check_numbers(name: str, values, integral: bool, bools: bool = False) -> None:

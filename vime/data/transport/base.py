@@ -5,12 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from vime.data.weight_versions import trained_tokens_by_version
+
 
 @dataclass(frozen=True)
 class RolloutRef:
     """A produced rollout as the driver sees it: its transport handle and its small JSON `extra` (rollout id,
-    metrics, data-source state, sample ids, sample weight versions). The samples themselves are read by the
-    training ranks, `transport.get(handle)`; the driver never decodes them."""
+    metrics, data-source state, sample ids, trained tokens per weight version). The samples themselves are read by
+    the training ranks, `transport.get(handle)`; the driver never decodes them."""
 
     handle: Any
     extra: dict[str, Any]
@@ -21,11 +23,11 @@ class RolloutRef:
 
 
 def rollout_summary(groups: list[list[dict]]) -> dict[str, list]:
-    """What the driver keeps of a rollout's samples: their ids (the trained-samples record) and the weight
-    version that generated each one's last turn (async staleness)."""
+    """What the driver keeps of a rollout's samples: their ids (the trained-samples record) and how many of each
+    one's trained tokens each weight version sampled (async staleness, `vime.data.weight_versions`)."""
     samples = [s for g in groups for s in g]
     return {"sample_ids": [s["index"] for s in samples],
-            "sample_versions": [(s.get("weight_versions") or [None])[-1] for s in samples]}
+            "version_tokens": [trained_tokens_by_version(s) for s in samples]}
 
 
 class RolloutTransport:
