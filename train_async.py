@@ -3,8 +3,10 @@
     python train_async.py --hf-checkpoint DIR --prompt-data data.jsonl --rm-type math ...
 
 Engines and trainers sit on separate devices (disaggregated). Rollout N+1 is generated with the weights from
-before training on rollout N, so samples are one update stale (more with --update-weights-interval > 1); every
-sample records the weight version that produced it, and the staleness is reported per rollout.
+before training on rollout N, so samples are one update stale (more with --update-weights-interval > 1). With
+--update-weights-in-flight the engines take each update as soon as it is trained, between decode steps of rollout
+N+1, whose tokens then come from two versions. Every token records the version that sampled it
+(`weight_version_spans`), and the staleness is reported per rollout, per sample and per token.
 """
 
 from __future__ import annotations
@@ -33,10 +35,12 @@ def train(args) -> None:
             metrics.update(run.train(rollout))
             run.maybe_save(rollout_id, num_rollout)
             if (rollout_id + 1) % args.update_weights_interval == 0 or rollout_id + 1 == num_rollout:
-                # the trainers write the new weights while rollout N+1 finishes; the engines load them between
-                # rollouts, never mid-generation
-                after = [pending] if rollout_id + 1 < num_rollout else None
-                metrics.update(run.update_weights(version=rollout_id + 1, after=after))
+                # the trainers write the new weights while rollout N+1 generates; the engines load them once it is
+                # done, or (--update-weights-in-flight) right away, between its decode steps
+                generating = rollout_id + 1 < num_rollout
+                in_flight = bool(args.update_weights_in_flight and generating)
+                after = [pending] if generating and not in_flight else None
+                metrics.update(run.update_weights(version=rollout_id + 1, after=after, in_flight=in_flight))
                 if args.eval_interval and (rollout_id + 1) % args.eval_interval == 0:
                     run.maybe_eval(rollout_id + 1, force=True)
             metrics["perf/step_time"] = time.perf_counter() - step_start

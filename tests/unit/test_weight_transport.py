@@ -37,7 +37,7 @@ EXTENSION = "vime.backends.weight_transport.worker_extension.WeightReceiver"
 ARGV = ["--debug-train-only", "--load-debug-rollout-data", "unused_{rollout_id}.jsonl", "--rm-type", "math",
         "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--micro-batch-size", "2",
         "--update-weight-transport", "broadcast", "--update-weight-buffer-size", str(64 * 1024),
-        "--vllm-enforce-eager", "--vllm-dtype", "float32", "--vllm-max-model-len", "256"]
+        "--vllm-enforce-eager", "--vllm-dtype", "float32", "--vllm-max-model-len", "2048"]
 
 
 # ---- no engine -----------------------------------------------------------------------------------------------
@@ -214,14 +214,14 @@ class _Manager:
     def probe_tokens(self):
         return _probe(self.hf_checkpoint)
 
-    def apply_weights(self, transport, handle, version, recovery_dir=None):
+    def apply_weights(self, transport, handle, version, recovery_dir=None, pause_mode="wait"):
         from vime.backends.vllm_utils import client
 
         if isinstance(handle, dict) and "dir" in handle:  # delta: remember what it wrote
             for f in sorted(Path(handle["dir"]).glob("*.safetensors")):
                 with safe_open(str(f), "pt") as st:
                     self.written += list(st.keys())
-        answers = client.update_weights_all(self.urls, transport.load_calls(self.urls, handle), version)
+        answers = client.update_weights_all(self.urls, transport.load_calls(self.urls, handle), version, pause_mode)
         self.answers = answers
         return answers[0]["timings"] if answers else {}
 
@@ -383,8 +383,8 @@ def test_fault_tolerance_leaves_a_recovery_copy_for_restarted_engines(fake_ray, 
     try:
         for name in ("disk", "memory"):
             group, manager, raw = _driver(fake_trainer, [], fake_ray)
-            raw.apply_weights = lambda transport, handle, version, recovery_dir=None: recoveries.append(
-                recovery_dir) or {}
+            raw.apply_weights = lambda transport, handle, version, recovery_dir=None, pause_mode="wait": \
+                recoveries.append(recovery_dir) or {}
             update_weights(argparse.Namespace(**{**vars(args), "update_weight_transport": name}), group, manager, 3)
     finally:
         del weight_transport.TRANSPORTS["memory"]
@@ -424,11 +424,11 @@ def sync(stack, fake_ray):
     group, manager, state = _driver(trainer, [url], fake_ray)
     syncs: dict[str, WeightSync] = {}
 
-    def push(name: str, version: int) -> list[str]:
+    def push(name: str, version: int, in_flight: bool = False) -> list[str]:
         state.written = []
         if name not in syncs:
             syncs[name] = WeightSync(argparse.Namespace(**{**vars(args), "update_weight_transport": name}))
-        syncs[name].update(group, manager, version)
+        syncs[name].update(group, manager, version, in_flight=in_flight)
         return state.written
 
     push.check = lambda: check_weights_equal(args, group, manager)
@@ -587,3 +587,36 @@ def test_cuda_ipc_handles_cross_as_json_not_pickle():
         decode_rebuild_args([["class", "os.system"], *encoded[1:]])
     with pytest.raises(ValueError, match="unknown argument kind"):
         decode_rebuild_args([["pickle", "gASV"], *encoded[1:]])
+
+
+def test_an_in_flight_update_switches_a_running_request_to_the_new_weights(stack, sync):
+    """An update while the engine generates (train_async --update-weights-in-flight): the request is kept, its
+    tokens carry two version spans, and every token after the update has exactly the new weights' log-prob on
+    its whole context (the kept request's KV was recomputed, not reused from the old weights)."""
+    import time
+
+    from vime.backends.vllm_utils import client
+
+    args, trainer, url = stack
+    prompt = _probe(args.hf_checkpoint)[:8]
+    sync("disk", version=50)  # the engine serves the trainer's weights
+    body = {"token_ids": prompt, "model": "policy",
+            "sampling_params": {"max_tokens": 1500, "ignore_eos": True, "temperature": 1.0, "logprobs": 0}}
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(lambda: client.http().post(url + "/inference/v1/generate", json=body, timeout=300))
+        time.sleep(0.5)  # a few hundred of its 1500 decode steps
+        _perturb(trainer, scale=0.05)
+        sync("disk", version=51, in_flight=True)
+        answer = pending.result(timeout=300)
+    assert answer.status_code == 200, answer.text[:500]
+    choice = answer.json()["choices"][0]
+    spans = choice["weight_versions"]
+    assert [s["version"] for s in spans] == ["50", "51"], spans
+    boundary = spans[0]["end"]
+    assert 0 < boundary == spans[1]["start"] < spans[1]["end"] == 1500, spans
+    engine = [c["logprob"] for c in choice["logprobs"]["content"]]
+    new = trainer.probe_log_probs(prompt + choice["token_ids"], 1500, temperature=1.0)
+    after = max(abs(a - b) for a, b in zip(engine[boundary:], new[boundary:]))
+    before = max(abs(a - b) for a, b in zip(engine[:boundary], new[:boundary]))
+    assert after <= 10 * FLOAT32_TOLERANCE, after  # sampled by the new weights, on a recomputed cache
+    assert before > 1e-3, before  # sampled by the old ones

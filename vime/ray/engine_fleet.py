@@ -290,10 +290,12 @@ class EngineFleet:
         if awake:
             client.post_all([url], "/wake_up", params={"tags": awake})
 
-    def apply_weights(self, transport, handle, version: int, recovery_dir: str | None = None) -> dict[str, float]:
+    def apply_weights(self, transport, handle, version: int, recovery_dir: str | None = None,
+                      pause_mode: str = "wait") -> dict[str, float]:
         """Every engine at once: pause -> load `transport`'s update -> reset the prefix cache -> weight `version`
         -> resume. `recovery_dir`: an HF directory of the same weights (--use-fault-tolerance), kept for engines
-        restarted later. Returns the slowest engine's {"pause_s", "load_s", "finish_s"}."""
+        restarted later. `pause_mode` "keep": an in-flight update, running requests continue under the new weights
+        (their KV recomputed). Returns the slowest engine's {"pause_s", "load_s", "finish_s"}."""
         with self._engines_lock:
             targets = list(self.engine_urls)
             connected = transport.bound_engines(handle)
@@ -304,7 +306,7 @@ class EngineFleet:
                 recovery_call = recovery_load_call(self.args, recovery_dir)
                 calls = {u: recovery_call for u in targets if u not in connected}
             calls.update(transport.load_calls([u for u in targets if u not in calls], handle))
-            answers, errors = client.update_weights_each(targets, calls, version)
+            answers, errors = client.update_weights_each(targets, calls, version, pause_mode)
             self._settle(errors)  # a dead engine gets these weights when it is restarted
             if recovery_dir is not None:
                 self.set_recovery_weights(recovery_dir)

@@ -89,7 +89,8 @@ def log_dir(args) -> Path:
     return Path(args.output_dir) / "logs"
 
 
-@ray.remote(num_cpus=0)
+# every other call runs one at a time in the default group; a weight update has its own thread
+@ray.remote(num_cpus=0, concurrency_groups={"weights": 1})
 class RolloutManager:
     def __init__(self, args, placement=None, engines: list | None = None, token: str | None = None):
         """`engines`: actors made for it by `engine_fleet.new_engines` with the run's control `token`; without
@@ -149,8 +150,10 @@ class RolloutManager:
         """`tags` of the engines' memory ("weights", "kv_cache"), or all of it (`EngineFleet.wake_up`)."""
         self.fleet.wake_up(tags)
 
-    def apply_weights(self, transport, handle, version: int, recovery_dir: str | None = None) -> dict[str, float]:
-        return self.fleet.apply_weights(transport, handle, version, recovery_dir)
+    @ray.method(concurrency_group="weights")  # beside a rollout in progress: in-flight updates (train_async)
+    def apply_weights(self, transport, handle, version: int, recovery_dir: str | None = None,
+                      pause_mode: str = "wait") -> dict[str, float]:
+        return self.fleet.apply_weights(transport, handle, version, recovery_dir, pause_mode)
 
     def set_recovery_weights(self, path: str) -> None:
         self.fleet.set_recovery_weights(path)

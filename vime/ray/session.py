@@ -190,22 +190,23 @@ class TrainingSession:
         gather(engines, "starting the engines and the router", self.args.engine_startup_timeout + 300,
                "--engine-startup-timeout")
 
-    def update_weights(self, version: int, after: list | None = None) -> dict[str, float]:
+    def update_weights(self, version: int, after: list | None = None, in_flight: bool = False) -> dict[str, float]:
         """Push the trainer's weights into the engines as `version`. `after`: rollouts still generating; the
-        trainers write the weights meanwhile and the engines load them once those are done (train_async)."""
+        trainers write the weights meanwhile and the engines load them once those are done (train_async).
+        `in_flight`: the engines load them now, between decode steps of the rollout in progress."""
         if not (self.use_engines and self.trainers is not None):
             return {}
         self.weight_version = version
         try:
-            return self._update_weights(version, after)
+            return self._update_weights(version, after, in_flight)
         except ray.exceptions.RayActorError as e:  # the trainers died after training: rebuild them, then push
             self._recover_trainers(trained_through=version - 1, error=e)
-            metrics = self._update_weights(version, after)
+            metrics = self._update_weights(version, after, in_flight)
             metrics["recovery/trainer_restarts"] = float(self.trainer_restarts)
             return metrics
 
-    def _update_weights(self, version: int, after: list | None = None) -> dict[str, float]:
-        metrics = self.weight_sync.update(self.trainers, self.manager, version, after=after)
+    def _update_weights(self, version: int, after: list | None = None, in_flight: bool = False) -> dict[str, float]:
+        metrics = self.weight_sync.update(self.trainers, self.manager, version, after=after, in_flight=in_flight)
         if self.args.check_weight_update_equal:  # raises when an engine serves other weights than the trainer's
             metrics.update(check_weights_equal(self.args, self.trainers, self.manager))
         return metrics

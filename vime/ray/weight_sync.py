@@ -60,10 +60,15 @@ class WeightSync:
         """The update directory doubles as the recovery copy (the manager owns and later deletes it)."""
         return self.recovery_writer is not None and self.transport.update_is_recovery_copy
 
-    def update(self, train_group, rollout_manager, version: int, after: list | None = None) -> dict[str, float]:
+    def update(self, train_group, rollout_manager, version: int, after: list | None = None,
+               in_flight: bool = False) -> dict[str, float]:
         """Push the current policy into every engine. `after`: ObjectRefs (e.g. a rollout still generating) to
-        wait for between the trainer half and the engine half, so that writing the weights overlaps them."""
+        wait for between the trainer half and the engine half, so that writing the weights overlaps them.
+        `in_flight`: do not wait; the engines load between decode steps of the requests they are running, which
+        continue under the new weights (`apply`'s pause mode "keep")."""
         staged = self.stage(train_group, rollout_manager, version)
+        if in_flight:
+            return self.apply(train_group, rollout_manager, staged, pause_mode="keep")
         if after:
             _, unfinished = ray.wait(list(after), num_returns=len(after), timeout=self.args.rollout_timeout)
             if unfinished:
@@ -84,13 +89,14 @@ class WeightSync:
             self._wait([a.send_weights.remote(self.kind, handle) for a in train_group.actors], version, "write")
         return StagedUpdate(handle, version, recovery, time.perf_counter() - start)
 
-    def apply(self, train_group, rollout_manager, staged: StagedUpdate) -> dict[str, float]:
-        """The engine half: pause (in-flight requests finish first; none is lost) -> load -> reset the prefix
-        cache -> bump the weight version -> resume. Returns timing metrics of the whole update (pause and load as
-        the slowest engine measured them)."""
+    def apply(self, train_group, rollout_manager, staged: StagedUpdate, pause_mode: str = "wait") -> dict[str, float]:
+        """The engine half: pause (`pause_mode` "wait": in-flight requests finish first; "keep": they stay, and
+        continue under the new weights with their KV recomputed; none is lost) -> load -> reset the prefix cache
+        -> bump the weight version -> resume. Returns timing metrics of the whole update (pause and load as the
+        slowest engine measured them)."""
         start = time.perf_counter()
         applying = rollout_manager.apply_weights.remote(self.transport, staged.handle, staged.version,
-                                                        staged.recovery)
+                                                        staged.recovery, pause_mode)
         if self.transport.concurrent:  # one collective: trainers send while engines receive
             self._wait([a.send_weights.remote(self.kind, staged.handle) for a in train_group.actors] + [applying],
                        staged.version, "send")

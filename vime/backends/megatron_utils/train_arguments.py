@@ -50,6 +50,12 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
                         "devices and dtypes: vime/utils/tolerances.py) and stop with an error if not (default: off).")
     g.add_argument("--update-weights-interval", type=int, default=1,
                    help="train_async.py: push weights to the engines every this many rollouts (default: 1).")
+    g.add_argument("--update-weights-in-flight", action="store_true",
+                   help="train_async.py: push each update into the engines as soon as it is trained, between decode "
+                   "steps of the rollout they are generating, instead of after it: its requests continue under the "
+                   "new weights (their KV recomputed), and each token records the version that sampled it "
+                   "(weight_version_spans). Less stale data for the same overlap; combine with --use-tis or "
+                   "--use-mis to correct each token by its own sampling policy (default: off).")
     g.add_argument("--critic-lr", type=float, default=None,
                    help="Learning rate of the PPO critic (default: --lr).")
     g.add_argument("--save-hf", default=None,

@@ -97,8 +97,9 @@ def abort_all(urls: list[str]) -> None:
     post_all(urls, "/abort_requests", body={})
 
 
-def reset_prefix_cache(urls: list[str]) -> None:
-    post_all(urls, "/reset_prefix_cache")
+def reset_prefix_cache(urls: list[str], running_requests: bool = False) -> None:
+    """`running_requests`: also preempt running requests, whose KV is then recomputed when they resume."""
+    post_all(urls, "/reset_prefix_cache", params={"reset_running_requests": "true"} if running_requests else None)
 
 
 def update_weight_version(urls: list[str], version: str) -> None:
@@ -155,7 +156,7 @@ def _update_one(url: str, call: LoadCall, version: str, pause_mode: str, timeout
     answer = collective_rpc([url], call[0], call[1], timeout)[0] if call else {}
     results = answer.get("results", []) if isinstance(answer, dict) else []
     loaded = time.perf_counter()
-    reset_prefix_cache([url])
+    reset_prefix_cache([url], running_requests=pause_mode == "keep")
     update_weight_version([url], version)
     resume([url])
     return {"results": results, "timings": {"pause_s": paused - start, "load_s": loaded - paused,

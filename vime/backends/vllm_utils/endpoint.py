@@ -110,7 +110,12 @@ async def run_update(engine, method: str | None, kwargs: dict, version: str, mod
         raise RuntimeError(f"worker method {method!r} failed, the engine stays paused: {type(e).__name__}: {e}") \
             from e
     loaded = time.perf_counter()
-    await engine.reset_prefix_cache()
+    # requests kept across the update (pause_mode "keep") are preempted: their KV is recomputed under the new
+    # weights when they resume, so every token sampled after the update comes from the new policy on its whole
+    # context (a kept cache would mix old-weight keys into it); without running requests this is the plain reset
+    if not await engine.reset_prefix_cache(reset_running_requests=mode == "keep"):
+        raise RuntimeError("the prefix cache could not be reset after the load, the engine stays paused (cached "
+                           "prefixes of the old weights must not be served)")
     await engine.update_weight_version(version)
     await engine.resume_generation()
     return {"results": [r if r is None or isinstance(r, (dict, list)) else str(r) for r in results or []],
