@@ -5,13 +5,16 @@
 Engines and trainers sit on separate devices (disaggregated). Rollout N+1 is generated with the weights from
 before training on rollout N, so samples are one update stale (more with --update-weights-interval > 1). With
 --update-weights-in-flight the engines take each update as soon as it is trained, between decode steps of rollout
-N+1, whose tokens then come from two versions. Every token records the version that sampled it
+N+1, whose tokens then come from two versions. `--max-staleness K` (continuous mode) generates up to K rollouts
+ahead, back to back, pushes every update in flight, and leaves out of the loss any sample with a token more than K
+versions older than the weights it would train. Every token records the version that sampled it
 (`weight_version_spans`), and the staleness is reported per rollout, per sample and per token.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 
 from vime.ray.session import TrainingSession, exit_after_run, run_entry_point
 from vime.data.weight_versions import staleness_metrics
@@ -25,25 +28,31 @@ def train(args) -> None:
     with TrainingSession(args, overlap=True) as run:
         start, num_rollout = run.start()
         run.maybe_eval(start)
-        pending = run.generate(start)
+        # rollouts generated ahead of training: one, or --max-staleness K back to back (the manager runs them in
+        # order, so the engines never wait for the trainer)
+        ahead = args.max_staleness or 1
+        in_flight = bool(args.update_weights_in_flight or args.max_staleness)
+        pending = deque(run.generate(i) for i in range(start, min(start + ahead, num_rollout)))
         for rollout_id in progress(range(start, num_rollout), desc="rollouts", initial=start, total=num_rollout):
             step_start = time.perf_counter()
-            rollout, metrics = run.collect(pending)
-            if rollout_id + 1 < num_rollout:
-                pending = run.generate(rollout_id + 1)  # runs on the engines while we train below
+            rollout, metrics = run.collect(pending.popleft())
+            waited = time.perf_counter() - step_start  # the trainer had nothing to train
+            if rollout_id + ahead < num_rollout:
+                pending.append(run.generate(rollout_id + ahead))  # runs on the engines while we train below
             metrics.update(staleness_metrics(rollout.extra.get("version_tokens", []), run.weight_version))
             metrics.update(run.train(rollout))
             run.maybe_save(rollout_id, num_rollout)
             if (rollout_id + 1) % args.update_weights_interval == 0 or rollout_id + 1 == num_rollout:
                 # the trainers write the new weights while rollout N+1 generates; the engines load them once it is
-                # done, or (--update-weights-in-flight) right away, between its decode steps
-                generating = rollout_id + 1 < num_rollout
-                in_flight = bool(args.update_weights_in_flight and generating)
-                after = [pending] if generating and not in_flight else None
-                metrics.update(run.update_weights(version=rollout_id + 1, after=after, in_flight=in_flight))
+                # done, or in flight (--update-weights-in-flight, --max-staleness), between its decode steps
+                now = in_flight and bool(pending)
+                after = [pending[0]] if pending and not now else None
+                metrics.update(run.update_weights(version=rollout_id + 1, after=after, in_flight=now))
+                metrics["async/in_flight_updates"] = float(now)
                 if args.eval_interval and (rollout_id + 1) % args.eval_interval == 0:
                     run.maybe_eval(rollout_id + 1, force=True)
             metrics["perf/step_time"] = time.perf_counter() - step_start
+            metrics["perf/trainer_idle_fraction"] = waited / metrics["perf/step_time"]
             run.metrics.log(rollout_id, metrics)
             run.publish_checkpoint()  # after the metrics line: a resume never skips a row
 

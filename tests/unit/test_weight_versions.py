@@ -93,3 +93,27 @@ def test_malformed_spans_are_refused_naming_the_field(spans):
 
     with pytest.raises(InvalidSampleError, match="weight_version_spans"):
         check_sample_dict({"tokens": [1, 2, 3], "response_length": 2, "weight_version_spans": spans})
+
+
+def test_the_staleness_bound_leaves_out_samples_with_a_token_older_than_k_versions():
+    import argparse
+
+    from vime.backends.megatron_utils.train_batch import TrainBatch
+    from vime.data.weight_versions import oldest_version, too_stale
+
+    def sample(index, spans=None, labels=None):
+        return Sample(index=index, tokens=[1, 2, 3, 4], response_length=2, reward=1.0,
+                      status=Sample.Status.COMPLETED, weight_versions=labels or [],
+                      weight_version_spans=spans or []).to_dict()
+
+    fresh = sample(0, [["5", 0, 2]])
+    mixed = sample(1, [["2", 0, 1], ["5", 1, 2]])  # its first token is 6 - 2 = 4 versions old
+    labels = sample(2, labels=["3", "4"])  # labels only: the oldest counts
+    unknown = sample(3)
+    assert [oldest_version(s) for s in (fresh, mixed, labels, unknown)] == [5, 2, 3, None]
+    assert [too_stale(s, 6, 2) for s in (fresh, mixed, labels, unknown)] == [False, True, True, False]
+    assert not too_stale(mixed, 6, None)  # no bound without the flag
+    args = argparse.Namespace(max_staleness=3, reward_key=None, use_rollout_routing_replay=False, lora_adapters=None)
+    batch = TrainBatch.from_samples([[fresh, mixed], [labels, unknown]], args, trainer_version=6)
+    assert batch.stale == 1 and batch.num_usable == 3
+    assert batch.loss_masks[1].sum() == 0 and batch.rewards[1] == 0.0  # left out, its place kept

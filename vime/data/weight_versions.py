@@ -82,3 +82,20 @@ def staleness_metrics(version_tokens: list[dict[str, int]], trainer_version: int
     for lag, count in sorted(token_counts.items()):
         metrics[f"async/token_lag_{lag}_fraction"] = count / tokens
     return metrics
+
+
+def oldest_version(sample: dict) -> int | None:
+    """The oldest numeric weight version that sampled one of `sample`'s tokens (spans, else its version labels);
+    None when it reports none."""
+    labels = [span[0] for span in sample.get("weight_version_spans") or []] or list(sample.get("weight_versions") or [])
+    numeric = [int(v) for v in labels if str(v).lstrip("-").isdigit()]
+    return min(numeric) if numeric else None
+
+
+def too_stale(sample: dict, trainer_version: int, max_staleness: int | None) -> bool:
+    """Whether `sample` has a token sampled more than `max_staleness` versions before `trainer_version` (the
+    number of rollouts the trainer has trained: the version label its next update will carry, minus one)."""
+    if max_staleness is None:
+        return False
+    oldest = oldest_version(sample)
+    return oldest is not None and trainer_version - oldest > max_staleness

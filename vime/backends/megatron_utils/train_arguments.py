@@ -50,6 +50,11 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
                         "devices and dtypes: vime/utils/tolerances.py) and stop with an error if not (default: off).")
     g.add_argument("--update-weights-interval", type=int, default=1,
                    help="train_async.py: push weights to the engines every this many rollouts (default: 1).")
+    g.add_argument("--max-staleness", type=int, default=None,
+                   help="train_async.py continuous mode: generate up to K rollouts ahead of training, back to back on "
+                   "the engines, and push every update in flight (--update-weights-in-flight); a sample with a token "
+                   "sampled more than K weight versions before the weights it would train is left out of the loss "
+                   "and counted (async/stale_samples_dropped). Without it: one rollout ahead (default: off).")
     g.add_argument("--update-weights-in-flight", action="store_true",
                    help="train_async.py: push each update into the engines as soon as it is trained, between decode "
                    "steps of the rollout they are generating, instead of after it: its requests continue under the "
@@ -255,6 +260,12 @@ def validate_train_args(args: argparse.Namespace) -> argparse.Namespace:
     if getattr(args, "use_critic", False) and args.pipeline_model_parallel_size > 1:
         raise ValueError("the PPO critic (--advantage-estimator ppo) supports --pipeline-model-parallel-size 1 "
                          "only; use tensor or data parallelism")
+    if args.max_staleness is not None and args.max_staleness < 1:
+        raise ValueError(f"--max-staleness must be >= 1 (rollouts generated ahead of training), got "
+                         f"{args.max_staleness}; omit it for one rollout ahead")
+    if args.max_staleness is not None and args.update_weights_interval > 1:
+        raise ValueError("--max-staleness pushes every update in flight: drop --update-weights-interval "
+                         f"{args.update_weights_interval}, or drop --max-staleness")
     if args.train_num_threads is not None and args.train_num_threads < 1:
         raise ValueError(f"--train-num-threads must be >= 1, got {args.train_num_threads}")
     if args.use_dynamic_batch_size and not args.max_tokens_per_gpu:

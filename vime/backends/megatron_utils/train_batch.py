@@ -16,6 +16,7 @@ import torch
 
 from vime.algorithms.names import REMAX_GREEDY_REWARD_KEY
 from vime.utils.lora_adapters import ADAPTER_KEY, adapter_names
+from vime.data.weight_versions import too_stale
 from vime.utils.types import Sample
 
 
@@ -43,15 +44,20 @@ class TrainBatch:
     truncated: list[bool] = field(default_factory=list)  # cut at the length limit (--mask-truncated-samples)
     # --advantage-estimator remax: the reward of each sample's group's greedy response (NaN: none), else None
     greedy_rewards: torch.Tensor | None = None
+    stale: int = 0  # samples left out for --max-staleness
 
     @classmethod
-    def from_samples(cls, groups: list[list[dict]], args) -> TrainBatch:
+    def from_samples(cls, groups: list[list[dict]], args, trainer_version: int | None = None) -> TrainBatch:
         """Groups of `Sample` dicts -> a batch. A failed or aborted sample, or one without a finite reward (the
         default rollout fails NaN and inf rewards; a custom rollout may not), keeps its place (indices stay those
-        of the rollout) with an all-zero loss mask and reward 0."""
-        samples = [Sample.from_dict(d) for g in groups for d in g]
+        of the rollout) with an all-zero loss mask and reward 0. So does, with --max-staleness K, a sample with a
+        token sampled more than K versions before `trainer_version` (`stale`)."""
+        dicts = [d for g in groups for d in g]
+        samples = [Sample.from_dict(d) for d in dicts]
+        stale = [trainer_version is not None and too_stale(d, trainer_version, getattr(args, "max_staleness", None))
+                 for d in dicts]
         usable = [s.status not in (Sample.Status.FAILED, Sample.Status.ABORTED) and s.reward is not None
-                  and math.isfinite(s.get_reward_value(args)) for s in samples]
+                  and math.isfinite(s.get_reward_value(args)) and not old for s, old in zip(samples, stale)]
         masks = []
         for s, ok in zip(samples, usable):
             mask = s.loss_mask if s.loss_mask is not None else [1] * s.response_length
@@ -69,6 +75,7 @@ class TrainBatch:
             adapters=sample_adapters(samples, adapter_names(args)),
             truncated=[s.status == Sample.Status.TRUNCATED for s in samples],
             greedy_rewards=greedy_rewards(samples),
+            stale=sum(stale),
         )
 
     def sampling_log_probs(self, i: int) -> torch.Tensor:

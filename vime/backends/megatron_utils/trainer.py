@@ -197,7 +197,8 @@ class MegatronTrainer:
         """Actor: one rollout's optimizer steps. `values` ({sample index: per-token values}) come from the
         critic for --advantage-estimator ppo; the GAE returns are then kept in `last_returns` for it."""
         args = self.args
-        batch = TrainBatch.from_samples(groups, self.args)
+        # the trainer has trained `rollout_id` rollouts: its weights are the version an update would label so
+        batch = TrainBatch.from_samples(groups, self.args, trainer_version=rollout_id)
         if values is not None:
             batch.values = [torch.as_tensor(values[i], dtype=torch.float32) for i in range(len(batch.tokens))]
         metrics: dict[str, float] = {}
@@ -256,6 +257,8 @@ class MegatronTrainer:
             metrics["train/lr"] = float(lr)
             metrics["train/skipped_steps"] = metrics.get("train/skipped_steps", 0.0) + float(skipped)
         metrics["train/num_usable_samples"] = float(batch.num_usable)
+        if getattr(args, "max_staleness", None) is not None:
+            metrics["async/stale_samples_dropped"] = float(batch.stale)
         metrics["train/steps"] = float(len(plan))
         return read_metrics(metrics) if is_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0 else {}
 
