@@ -80,9 +80,10 @@ def main() -> None:
         modes.update({f"continuous K={k}": ("train_async.py", ("--max-staleness", str(k))) for k in a.ks})
         results = {}
         for name, (entry, extra) in modes.items():
-            records = run(entry, model, data, tmp / name.split()[0].replace("=", ""), a.rollouts, a.short, *extra)
+            slug = "".join(c if c.isalnum() else "_" for c in name)
+            records = run(entry, model, data, tmp / slug, a.rollouts, a.short, *extra)
             results[name] = summarize(records, sync=entry == "train.py")
-            print(f"{name:28s} done", flush=True)
+            print(f"{name:28s} {results[name]}", flush=True)
     sync, ahead = results["sync (train.py)"]["samples_per_s"], results["one-ahead (train_async.py)"]["samples_per_s"]
     print(f"\n{'mode':28s} {'samples/s':>9s} {'x sync':>7s} {'x 1-ahead':>9s} {'engine idle':>11s} "
           f"{'trainer idle':>12s} {'staleness mean/max':>18s} {'mean len':>8s}")
