@@ -140,7 +140,7 @@ def _sample(view: SampleView) -> str:
         if isinstance(reward, dict) else ""
     spans = raw.get("weight_version_spans") or []
     spans_html = ("<div class=\"note\">weight version spans (response tokens [start, end)): "
-                  + escape(", ".join(f"v{v} [{a}, {b})" for v, a, b in spans)) + "</div>") if spans else ""
+                  + escape(", ".join(f"{v}: [{a}, {b})" for v, a, b in spans)) + "</div>") if spans else ""
     fail_html = (f"<div class=\"failure\">failed at {escape(str(failure.get('stage')))}: "
                  f"<b>{escape(str(failure.get('reason')))}</b> — {escape(str(failure.get('error')))}</div>"
                  if failure else "")
