@@ -23,6 +23,7 @@ LAYERS = [
     "ray",
     "synthetic",  # builders of tiny models and task data (tests, examples, benches): nothing in vime imports them
     "inspect",  # python -m vime.inspect: reads what a run saved; nothing in vime imports it
+    "docs_flags",  # python -m vime.docs_flags: the flag reference, from the parser
 ]
 
 
