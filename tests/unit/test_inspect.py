@@ -11,12 +11,13 @@ from html.parser import HTMLParser
 
 import pytest
 
-from vime.arguments import build_parser
+from vime.arguments import build_parser, config_to_argv
 from vime.inspect.__main__ import main as inspect_main
 from vime.inspect.load import group_advantages, load_rollout_view, marked_tokens, rollout_files, scalar_reward
 from vime.inspect.render import rollout_page
 from vime.rollout.arguments import validate_rollout_args
 from vime.rollout.debug_data import compact_rollout_path, read_compact_rollout, save_compact_rollout
+from vime.utils.run_config import write_resolved_config
 from vime.utils.types import Sample
 
 
@@ -69,6 +70,15 @@ def test_saving_flags_default_on_and_validated(arithmetic_data):
     assert build_parser().parse_args(base + ["--no-save-rollouts"]).save_rollouts is False
     with pytest.raises(ValueError, match="--save-rollouts-max-mb must be > 0"):
         validate_rollout_args(build_parser().parse_args(base + ["--save-rollouts-max-mb", "0"]))
+
+
+def test_saving_flags_survive_the_run_config_round_trip(tmp_path):
+    """<output-dir>/config.yaml reproduces a run that turned saving off (`train.py --config`)."""
+    parser = build_parser()
+    args = parser.parse_args(["--no-save-rollouts", "--save-rollouts-max-mb", "7"])
+    path = write_resolved_config(args, tmp_path / "config.yaml", parser)
+    again = parser.parse_args(config_to_argv(str(path), parser))
+    assert (again.save_rollouts, again.save_rollouts_max_mb) == (False, 7.0)
 
 
 def test_group_advantages_and_marked_tokens_by_hand():

@@ -220,9 +220,9 @@ def add_debug_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--load-debug-rollout-data", default=None,
                    help="Path template with {rollout_id}: replay saved rollouts instead of generating "
                         "(default: None).")
-    g.add_argument("--no-save-rollouts", dest="save_rollouts", action="store_false",
-                   help="Do not keep the compact copy of each rollout (and eval) in <output-dir>/rollouts/ that "
-                        "`python -m vime.inspect <output-dir>` renders (default: kept).")
+    g.add_argument("--save-rollouts", action=argparse.BooleanOptionalAction, default=True,
+                   help="Keep a compact copy of each rollout (and eval) in <output-dir>/rollouts/, which "
+                        "`python -m vime.inspect <output-dir>` renders; --no-save-rollouts turns it off (default: on).")
     g.add_argument("--save-rollouts-max-mb", type=float, default=512.0,
                    help="Size cap of <output-dir>/rollouts/ in megabytes: the oldest rollouts there are deleted to "
                         "stay under it (default: 512).")
