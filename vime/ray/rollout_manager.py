@@ -191,7 +191,6 @@ class RolloutManager:
         elapsed = time.perf_counter() - start
         if args.save_debug_rollout_data:
             save_rollout(args.save_debug_rollout_data, rollout_id, groups)
-        self._keep_for_inspection(f"rollout_{rollout_id}", groups)
         samples = [s for g in groups for s in g]
         metrics = rollout_metrics(samples, args)
         metrics["rollout/time"] = elapsed
@@ -199,6 +198,7 @@ class RolloutManager:
         metrics.update(output.metrics or {})
         skip_reason = self._judge(rollout_id, metrics)
         dicts = [[s.to_dict() for s in g] for g in groups]
+        self._keep_for_inspection(f"rollout_{rollout_id}", dicts)
         extra = {"rollout_id": rollout_id, "metrics": metrics, "data_source": self.data_source_state(),
                  **rollout_summary(dicts)}
         if skip_reason is not None:

@@ -55,10 +55,11 @@ ROLLOUTS_DIR = "rollouts"  # under --output-dir
 LOG_PROB_DECIMALS = 5  # log-probs are kept to 1e-5: plenty to read, half the bytes of a full float
 
 
-def compact_sample(sample: Sample) -> dict:
-    """`sample.to_dict()` without what is too big to look at (the routed experts) and with its log-probs rounded to
-    LOG_PROB_DECIMALS places."""
-    d = sample.to_dict()
+def compact_sample(sample: Sample | dict) -> dict:
+    """The sample as `Sample.to_dict()` gives it, without what is too big to look at (the routed experts) and with
+    its log-probs rounded to LOG_PROB_DECIMALS places. A dict (a `to_dict()` the caller already made) is not
+    copied deeply."""
+    d = dict(sample) if isinstance(sample, dict) else sample.to_dict()
     d.pop("rollout_routed_experts", None)
     if d.get("rollout_log_probs") is not None:
         d["rollout_log_probs"] = [round(float(x), LOG_PROB_DECIMALS) for x in d["rollout_log_probs"]]
@@ -69,15 +70,16 @@ def compact_rollout_path(output_dir: str | Path, name: str) -> Path:
     return Path(output_dir) / ROLLOUTS_DIR / f"{name}.jsonl.gz"
 
 
-def save_compact_rollout(output_dir: str | Path, name: str, groups: list[list[Sample]], max_mb: float) -> Path | None:
-    """Write `groups` to <output_dir>/rollouts/<name>.jsonl.gz (gzip JSON lines, one compact sample a line, the
+def save_compact_rollout(output_dir: str | Path, name: str, groups: list[list[Sample | dict]],
+                         max_mb: float) -> Path | None:
+    """Write `groups` (samples, or their `to_dict()`s) to <output_dir>/rollouts/<name>.jsonl.gz (gzip JSON lines, one compact sample a line, the
     groups' samples consecutive), then delete the oldest other files there until the folder holds at most `max_mb`
     megabytes (the newest rollouts are the ones worth looking at). Returns the path, or None when the file alone
     is over the cap (it is not kept, and nothing else is deleted)."""
     path = compact_rollout_path(output_dir, name)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    with gzip.open(tmp, "wt", encoding="utf-8", compresslevel=6) as f:
+    with gzip.open(tmp, "wt", encoding="utf-8", compresslevel=1) as f:
         for group in groups:
             for sample in group:
                 f.write(json.dumps(compact_sample(sample), ensure_ascii=False) + "\n")
