@@ -16,6 +16,7 @@ tokens the model never sampled: the stored ids there are still the sampled ones 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -191,6 +192,21 @@ def test_inspector_page_in_a_browser_shows_the_saved_rollout(episodes, tiny_qwen
         assert [int("trained" in t["class"].split()) for t in section.tokens] == d["loss_mask"]
         assert [float(t["data-lp"]) for t in section.tokens] == d["rollout_log_probs"]
         assert 0 < sum(d["loss_mask"]) < d["response_length"]  # multi-turn: trained and untrained tokens both
+        assert json.loads(section.attrs["data-spans"]) == d["weight_version_spans"] != []
+        assert section.facts["weight"] == ", ".join(d["weight_versions"])
+
+    # hovering a token shows its log-prob and weight version (the page's script writes the title on mouseover)
+    hover = run / "inspect" / "hover.html"
+    hover.write_text((run / "inspect" / "rollout_0.html").read_text().replace("</body>", (
+        "<script>for (const t of document.querySelectorAll('span.tok[data-i]')) "
+        "t.dispatchEvent(new MouseEvent('mouseover', {bubbles: true}));</script></body>")))
+    hovered = parse_page(dump_dom(hover))
+    for section, d in zip(hovered.samples, saved):
+        for i, t in enumerate(section.tokens):
+            versions = [v for v, start, end in d["weight_version_spans"] if start <= i < end]
+            assert len(versions) == d["loss_mask"][i]  # the model's tokens have a version, the environment's none
+            assert t["title"] == f"token {i} \u00b7 engine log-prob {d['rollout_log_probs'][i]:.5f}" + "".join(
+                f" \u00b7 weight version {v}" for v in versions), t
 
     best = max(d["reward"] for d in saved)
     filtered = parse_page(dump_dom(run / "inspect" / "rollout_0.html", f"#min={best}&status=ok"))

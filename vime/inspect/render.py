@@ -61,6 +61,16 @@ JS = """
   $('f-status').value = initial.get('status') || '';
   $('f-source').value = initial.get('source') || '';
   for (const id of ['f-min', 'f-max', 'f-status', 'f-source']) $(id).addEventListener('input', apply);
+  document.addEventListener('mouseover', (e) => {
+    const t = e.target;
+    if (!t.classList || !t.classList.contains('tok') || t.title) return;
+    const i = parseInt(t.dataset.i), section = t.closest('section.sample');
+    let title = 'token ' + i + ' \u00b7 engine log-prob ' + parseFloat(t.dataset.lp).toFixed(5);
+    if (t.dataset.trainLp !== undefined) title += ' \u00b7 trainer ' + parseFloat(t.dataset.trainLp).toFixed(5);
+    for (const [v, start, end] of JSON.parse(section.dataset.spans || '[]'))
+      if (start <= i && i < end) title += ' \u00b7 weight version ' + v;
+    t.title = title;
+  });
   apply();
 })();
 """
@@ -83,26 +93,19 @@ def _kv_table(items: dict) -> str:
 
 
 def _tokens(view: SampleView) -> str:
+    """One span per response token. The markup is kept small (a page may hold millions of tokens): the hover text
+    (log-probs, weight version) is made by the page's script from data-lp, data-train-lp and the section's
+    data-spans."""
     raw = view.raw
     n = raw.get("response_length") or 0
     engine = raw.get("rollout_log_probs") or [0.0] * n
     mask = raw.get("loss_mask") if raw.get("loss_mask") is not None else [1] * n
-    version = [""] * n
-    for v, start, end in raw.get("weight_version_spans") or []:
-        version[start:end] = [str(v)] * (end - start)
     marked = set(view.marked)
     out = []
     for i, piece in enumerate(view.pieces):
         cls = "tok " + ("trained" if mask[i] else "untrained") + (" marked" if i in marked else "")
-        title = f"token {i} · engine log-prob {engine[i]:.5f}"
-        train = ""
-        if view.train_log_probs is not None:
-            train = f' data-train-lp="{view.train_log_probs[i]!r}"'
-            title += f" · trainer {view.train_log_probs[i]:.5f}"
-        if version[i]:
-            title += f" · weight version {version[i]}"
-        out.append(f'<span class="{cls}" data-i="{i}" data-lp="{engine[i]!r}"{train} data-v="{escape(version[i])}" '
-                   f'title="{escape(title)}">{escape(piece)}</span>')
+        train = "" if view.train_log_probs is None else f' data-train-lp="{view.train_log_probs[i]!r}"'
+        out.append(f'<span class="{cls}" data-i="{i}" data-lp="{engine[i]!r}"{train}>{escape(piece)}</span>')
     return "".join(out)
 
 
@@ -148,7 +151,8 @@ def _sample(view: SampleView) -> str:
     reward_attr = "" if view.reward is None else repr(view.reward)
     return (f'<section class="sample{" failed" if status == "failed" else ""}" data-index="{raw.get("index")}" '
             f'data-group="{raw.get("group_index")}" data-status="{escape(status)}" '
-            f'data-source="{escape(view.source)}" data-reward="{reward_attr}">\n'
+            f'data-source="{escape(view.source)}" data-reward="{reward_attr}" '
+            f'data-spans="{escape(json.dumps(spans))}">\n'
             f"<h2>{head}</h2>{fail_html}{parts}{spans_html}\n"
             f"<details><summary>prompt ({len(raw.get('tokens') or []) - (raw.get('response_length') or 0)} "
             f"tokens)</summary><div class=\"text prompt\">{escape(view.prompt_text)}</div></details>\n"
