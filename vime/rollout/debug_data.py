@@ -88,13 +88,22 @@ def save_compact_rollout(output_dir: str | Path, name: str, groups: list[list[Sa
     if path.stat().st_size > cap:
         path.unlink()
         return None
-    others = sorted((p for p in path.parent.glob("*.jsonl.gz") if p != path), key=lambda p: p.stat().st_mtime)
-    total = path.stat().st_size + sum(p.stat().st_size for p in others)
+    others = sorted((_size_and_mtime(p) + (p,) for p in path.parent.glob("*.jsonl.gz") if p != path),
+                    key=lambda entry: entry[1])
+    total = path.stat().st_size + sum(size for size, _, _ in others)
     while total > cap:
-        oldest = others.pop(0)
-        total -= oldest.stat().st_size
-        oldest.unlink()
+        size, _, oldest = others.pop(0)
+        total -= size
+        oldest.unlink(missing_ok=True)  # another writer's trim (rollouts saved from two threads) may be first
     return path
+
+
+def _size_and_mtime(path: Path) -> tuple[int, float]:
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return 0, 0.0
+    return st.st_size, st.st_mtime
 
 
 def read_compact_rollout(path: str | Path) -> list[dict]:
