@@ -2,7 +2,8 @@
 through `html.escape`; the pages carry their own CSS and JavaScript (no network, no server) and open from disk.
 
 The page's structure is what tests and scripts read: each sample is a `section.sample` with data-index,
-data-group, data-status, data-source and data-reward; each response token a `span.tok` (class `trained` or
+data-group, data-status, data-source, data-reward and data-spans (its weight_version_spans as JSON); each response
+token a `span.tok` (class `trained` or
 `untrained` after its loss_mask entry, `marked` for the tokens `vime.inspect.load.marked_tokens` picked) with
 data-lp (the engine's log-prob) and, where saved, data-train-lp.
 """
