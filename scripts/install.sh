@@ -29,6 +29,14 @@ else
   EXTRA=cpu
 fi
 
+# The rollout inspector's test opens its pages in a real headless browser: Debian's chromium, installed where
+# apt-get can (as root); elsewhere that test skips (and fails under CI).
+if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1 \
+    || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1; } \
+    || echo "install.sh: apt-get could not install chromium; the inspector's browser test needs it" >&2
+fi
+
 stamp=.venv/.vime-install-$EXTRA
 want=$(cat pyproject.toml scripts/install.sh | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && .venv/bin/python -c "import vime, vllm, megatron.core" 2>/dev/null; then

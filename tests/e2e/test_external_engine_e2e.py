@@ -1,5 +1,5 @@
 """An engine started outside vime (`--rollout-external-engine-addrs`): a plain `vllm` OpenAI server process, with
-the run's control token in its environment as the README says, serves a real run of 2 rollouts: vime registers it
+the run's control token in its environment as docs/guides/security.md says, serves a real run of 2 rollouts: vime registers it
 with its router, updates its weights after each rollout and checks them (--check-weight-update-equal), leaves it
 running, and it then serves exactly the run's final weights; its control routes refuse a caller without the
 token. The run is PPO: actor and critic ranks, the critic's values into GAE on the actor, its returns back to the

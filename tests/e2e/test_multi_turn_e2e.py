@@ -16,6 +16,7 @@ tokens the model never sampled: the stored ids there are still the sampled ones 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -26,7 +27,9 @@ import pytest
 import torch
 
 from tests.e2e.processes import stack_pids
-from vime.rollout.debug_data import load_rollout
+from tests.helpers.browser import dump_dom, parse_page
+from vime.inspect.load import group_advantages
+from vime.rollout.debug_data import load_rollout, read_compact_rollout
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
@@ -79,11 +82,11 @@ def episodes(tiny_qwen3, arithmetic_data, tmp_path_factory):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
     assert proc.returncode == 0, proc.stderr[-6000:]
     samples = [s for g in load_rollout(str(out / "rollout_{rollout_id}.jsonl"), 0) for s in g]
-    return samples, stack_pids()
+    return samples, stack_pids(), out
 
 
 def test_three_model_turns_with_environment_turns_between(episodes):
-    samples, _ = episodes
+    samples, *_ = episodes
     assert len(samples) == 8
     for s in samples:
         turns = s.metadata["turns"]
@@ -97,7 +100,7 @@ def test_three_model_turns_with_environment_turns_between(episodes):
 
 
 def test_masks_and_log_probs_align_with_tokens(episodes):
-    samples, _ = episodes
+    samples, *_ = episodes
     for s in samples:
         assert len(s.loss_mask) == len(s.rollout_log_probs) == s.response_length
         for t in s.metadata["turns"]:
@@ -113,7 +116,7 @@ def test_masks_and_log_probs_align_with_tokens(episodes):
 def test_trained_tokens_are_exactly_the_sampled_ones(episodes, tiny_qwen3):
     from transformers import AutoTokenizer
 
-    samples, _ = episodes
+    samples, *_ = episodes
     tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3)
     non_canonical = 0
     for s in samples:
@@ -136,7 +139,7 @@ def test_trained_tokens_are_exactly_the_sampled_ones(episodes, tiny_qwen3):
 def test_engine_log_probs_match_transformers_on_stored_tokens(episodes, tiny_qwen3):
     from transformers import AutoModelForCausalLM
 
-    samples, _ = episodes
+    samples, *_ = episodes
     model = AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32, attn_implementation="eager")
     model.eval()
     worst = 0.0
@@ -153,5 +156,60 @@ def test_engine_log_probs_match_transformers_on_stored_tokens(episodes, tiny_qwe
 
 
 def test_no_processes_left(episodes):
-    _, left = episodes
+    _, left, _ = episodes
     assert not left, f"processes left after the run: {left}"
+
+
+def test_inspector_page_in_a_browser_shows_the_saved_rollout(episodes, tiny_qwen3):
+    """The run kept its rollout in <output-dir>/rollouts/ by default; `python -m vime.inspect` renders it, and the
+    page as Chromium builds it (its script run) has one section per sample, shades exactly the loss-masked tokens,
+    and carries the saved numbers: every engine log-prob, the reward, the group-normalised advantage."""
+    samples, _, out = episodes
+    run = out / "run"
+    saved = read_compact_rollout(run / "rollouts" / "rollout_0.jsonl.gz")
+    assert [d["tokens"] for d in saved] == [s.tokens for s in samples]  # the compact copy is the same rollout
+    for d, s in zip(saved, samples):
+        assert d["loss_mask"] == s.loss_mask and d["reward"] == s.reward
+        assert d["rollout_log_probs"] == pytest.approx(s.rollout_log_probs, abs=5e-6)
+    proc = subprocess.run([sys.executable, "-m", "vime.inspect", str(run)], capture_output=True, text=True,
+                          timeout=120, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    index = parse_page(dump_dom(run / "inspect" / "index.html"))
+    assert [row[:2] for row in index.rows] == [["rollout_0", "8"]]
+
+    page = parse_page(dump_dom(run / "inspect" / "rollout_0.html"))
+    assert "8 of 8 samples shown" in page.text  # the page's script ran
+    assert len(page.samples) == len(saved) == 8
+    rewards = {}
+    for d in saved:
+        rewards.setdefault(d["group_index"], []).append(d["reward"])
+    advantages = {g: iter(group_advantages(r)) for g, r in rewards.items()}
+    for section, d in zip(page.samples, saved):
+        assert int(section.attrs["data-index"]) == d["index"] and section.attrs["data-status"] == d["status"]
+        assert float(section.attrs["data-reward"]) == d["reward"]
+        assert section.facts["advantage"] == f"{next(advantages[d['group_index']]):.4f}"
+        assert [int(t["data-i"]) for t in section.tokens] == list(range(d["response_length"]))
+        assert [int("trained" in t["class"].split()) for t in section.tokens] == d["loss_mask"]
+        assert [float(t["data-lp"]) for t in section.tokens] == d["rollout_log_probs"]
+        assert 0 < sum(d["loss_mask"]) < d["response_length"]  # multi-turn: trained and untrained tokens both
+        assert json.loads(section.attrs["data-spans"]) == d["weight_version_spans"] != []
+        assert section.facts["weight"] == ", ".join(d["weight_versions"])
+
+    # hovering a token shows its log-prob and weight version (the page's script writes the title on mouseover)
+    hover = run / "inspect" / "hover.html"
+    hover.write_text((run / "inspect" / "rollout_0.html").read_text().replace("</body>", (
+        "<script>for (const t of document.querySelectorAll('span.tok[data-i]')) "
+        "t.dispatchEvent(new MouseEvent('mouseover', {bubbles: true}));</script></body>")))
+    hovered = parse_page(dump_dom(hover))
+    for section, d in zip(hovered.samples, saved):
+        for i, t in enumerate(section.tokens):
+            versions = [v for v, start, end in d["weight_version_spans"] if start <= i < end]
+            assert len(versions) == d["loss_mask"][i]  # the model's tokens have a version, the environment's none
+            assert t["title"] == f"token {i} \u00b7 engine log-prob {d['rollout_log_probs'][i]:.5f}" + "".join(
+                f" \u00b7 weight version {v}" for v in versions), t
+
+    best = max(d["reward"] for d in saved)
+    filtered = parse_page(dump_dom(run / "inspect" / "rollout_0.html", f"#min={best}&status=ok"))
+    shown = [s for s in filtered.samples if "hidden" not in s.attrs]
+    assert len(shown) == sum(d["reward"] >= best for d in saved)
+    assert f"{len(shown)} of 8 samples shown" in filtered.text

@@ -22,6 +22,8 @@ LAYERS = [
     "arguments",  # vime/arguments.py: every package's flags in one parser (the ray layer's session parses them)
     "ray",
     "synthetic",  # builders of tiny models and task data (tests, examples, benches): nothing in vime imports them
+    "inspect",  # python -m vime.inspect: reads what a run saved; nothing in vime imports it
+    "docs_flags",  # python -m vime.docs_flags: the flag reference, from the parser
 ]
 
 

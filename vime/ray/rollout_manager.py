@@ -27,7 +27,7 @@ from vime.ray.engine_fleet import EngineFleet
 from vime.ray.health import FailedRollouts
 from vime.ray.placement import num_engines
 from vime.rollout.context import reset_rollout_context, rollout_context
-from vime.rollout.debug_data import load_rollout, save_rollout
+from vime.rollout.debug_data import load_rollout, save_compact_rollout, save_rollout
 from vime.rollout.metrics import eval_at_k, record_counters, rollout_metrics
 from vime.utils.logging_utils import configure_logging
 from vime.utils.lora_adapters import ADAPTER_KEY, adapter_names, adapter_specs
@@ -198,6 +198,7 @@ class RolloutManager:
         metrics.update(output.metrics or {})
         skip_reason = self._judge(rollout_id, metrics)
         dicts = [[s.to_dict() for s in g] for g in groups]
+        self._keep_for_inspection(f"rollout_{rollout_id}", dicts)
         extra = {"rollout_id": rollout_id, "metrics": metrics, "data_source": self.data_source_state(),
                  **rollout_summary(dicts)}
         if skip_reason is not None:
@@ -230,7 +231,16 @@ class RolloutManager:
             if self.args.save_debug_rollout_data:  # beside the training rollouts: eval_<name>_<rollout id>
                 template = self.args.save_debug_rollout_data.replace("{rollout_id}", f"eval_{name}_{{rollout_id}}")
                 save_rollout(template, rollout_id, [samples])
+            self._keep_for_inspection(f"eval_{name}_{rollout_id}", [samples])
         return metrics
+
+    def _keep_for_inspection(self, name: str, groups) -> None:
+        """The compact copy in <output-dir>/rollouts/ (`python -m vime.inspect`), unless --no-save-rollouts."""
+        if not self.args.save_rollouts:
+            return
+        if save_compact_rollout(self.args.output_dir, name, groups, self.args.save_rollouts_max_mb) is None:
+            logger.warning("%s alone is over --save-rollouts-max-mb %s; not kept in %s/rollouts", name,
+                           self.args.save_rollouts_max_mb, self.args.output_dir)
 
     def data_source_state(self) -> dict | None:
         return self.data_source.state_dict() if self.data_source else None

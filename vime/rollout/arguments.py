@@ -220,6 +220,12 @@ def add_debug_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--load-debug-rollout-data", default=None,
                    help="Path template with {rollout_id}: replay saved rollouts instead of generating "
                         "(default: None).")
+    g.add_argument("--save-rollouts", action=argparse.BooleanOptionalAction, default=True,
+                   help="Keep a compact copy of each rollout (and eval) in <output-dir>/rollouts/, which "
+                        "`python -m vime.inspect <output-dir>` renders; --no-save-rollouts turns it off (default: on).")
+    g.add_argument("--save-rollouts-max-mb", type=float, default=512.0,
+                   help="Size cap of <output-dir>/rollouts/ in megabytes: the oldest rollouts there are deleted to "
+                        "stay under it (default: 512).")
 
 
 def add_all_rollout_args(parser: argparse.ArgumentParser) -> None:
@@ -256,6 +262,9 @@ def validate_rollout_args(args: argparse.Namespace) -> argparse.Namespace:
                          "--rollout-function-path that needs no engines (vime.rollout.sft_rollout.generate_rollout)")
     if args.debug_rollout_only and replaying:
         raise ValueError("--debug-rollout-only generates rollouts; it cannot also --load-debug-rollout-data")
+    if args.save_rollouts_max_mb <= 0:
+        raise ValueError(f"--save-rollouts-max-mb must be > 0, got {args.save_rollouts_max_mb} (turn saving off "
+                         "with --no-save-rollouts)")
     for flag in ("save_debug_rollout_data", "load_debug_rollout_data"):
         template = getattr(args, flag)
         if template is not None and "{rollout_id}" not in template:

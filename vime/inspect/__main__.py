@@ -1,0 +1,59 @@
+"""`python -m vime.inspect OUTPUT_DIR [--out DIR] [--tokenizer PATH]`: one HTML page per rollout a run kept in
+OUTPUT_DIR/rollouts/ (and per eval set), plus index.html, written to OUTPUT_DIR/inspect/. Open index.html in a
+browser; no server is needed."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from vime.inspect.load import load_rollout_view, rollout_files, run_config, run_metrics
+from vime.inspect.render import index_page, rollout_page
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m vime.inspect", description=__doc__.split("\n\n")[0])
+    p.add_argument("output_dir", type=Path, help="a run's --output-dir")
+    p.add_argument("--out", type=Path, default=None, help="where the pages go (default: OUTPUT_DIR/inspect)")
+    p.add_argument("--tokenizer", default=None,
+                   help="HF checkpoint whose tokenizer splits the tokens into text (default: the run's "
+                        "--hf-checkpoint, from OUTPUT_DIR/config.yaml)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    output_dir: Path = args.output_dir
+    files = rollout_files(output_dir)
+    if not files:
+        print(f"vime.inspect: no rollouts in {output_dir / 'rollouts'} (a run keeps them there unless "
+              "--no-save-rollouts)", file=sys.stderr)
+        return 1
+    config = run_config(output_dir)
+    tokenizer_path = args.tokenizer or config.get("hf-checkpoint")
+    if not tokenizer_path:
+        print(f"vime.inspect: {output_dir / 'config.yaml'} names no hf-checkpoint; pass --tokenizer PATH",
+              file=sys.stderr)
+        return 1
+    from vime.utils.hf_tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(tokenizer_path)
+    metrics = run_metrics(output_dir)
+    out = args.out or output_dir / "inspect"
+    out.mkdir(parents=True, exist_ok=True)
+    views = []
+    for path in files:
+        view = load_rollout_view(path, tokenizer, config.get("reward-key"), None)
+        row = metrics.get(view.rollout_id, {})
+        view.metrics = row if view.eval_set is None else {k: v for k, v in row.items()
+                                                          if k.startswith(f"eval/{view.eval_set}/")}
+        (out / f"{view.name}.html").write_text(rollout_page(view), encoding="utf-8")
+        views.append(view)
+    (out / "index.html").write_text(index_page(str(output_dir), views), encoding="utf-8")
+    print(f"vime.inspect: {len(views)} rollout pages and {out / 'index.html'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

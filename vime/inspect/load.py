@@ -1,0 +1,146 @@
+"""What the inspector shows, read from a run's output directory: the compact rollouts in <output-dir>/rollouts/
+(`vime.rollout.debug_data.save_compact_rollout`), the run's flags (config.yaml) and metrics (metrics.jsonl), and the
+per-sample figures derived from them (token pieces, group advantages, the tokens to mark). Plain data out; the HTML
+is `vime.inspect.render`'s."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from vime.rollout.debug_data import ROLLOUTS_DIR, read_compact_rollout
+from vime.utils.lora_adapters import ADAPTER_KEY
+
+TRAIN_LOG_PROBS_KEY = "train_log_probs"  # metadata[...]: the trainer's log-probs of the response tokens, if saved
+MARKED_TOKENS = 5  # tokens marked per sample: the largest train/rollout gaps, else the least likely sampled tokens
+_NAME = re.compile(r"^(rollout|eval_(?P<eval>.+))_(?P<id>\d+)\.jsonl\.gz$")
+
+
+@dataclass
+class SampleView:
+    """One sample as the page shows it. `pieces[i]` is the text of response token i; `marked` the indices of the
+    response tokens to mark; `advantage` None for a sample without a numeric reward."""
+    raw: dict
+    prompt_text: str
+    pieces: list[str]
+    reward: float | None
+    advantage: float | None
+    source: str
+    marked: list[int]
+    train_log_probs: list[float] | None
+
+    @property
+    def failure(self) -> dict | None:
+        return (self.raw.get("metadata") or {}).get("failure")
+
+
+@dataclass
+class RolloutView:
+    name: str  # the file's stem: rollout_3, eval_math_4
+    rollout_id: int
+    eval_set: str | None
+    samples: list[SampleView]
+    metrics: dict = field(default_factory=dict)
+    advantages_note: str = ""
+
+
+def rollout_files(output_dir: Path) -> list[Path]:
+    """The compact rollouts of a run, training ones by rollout id, then the eval ones."""
+    files = [p for p in (output_dir / ROLLOUTS_DIR).glob("*.jsonl.gz") if _NAME.match(p.name)]
+
+    def key(p: Path):
+        m = _NAME.match(p.name)
+        return (m["eval"] is not None, m["eval"] or "", int(m["id"]))
+    return sorted(files, key=key)
+
+
+def run_config(output_dir: Path) -> dict:
+    path = output_dir / "config.yaml"
+    return (yaml.safe_load(path.read_text(encoding="utf-8")) or {}) if path.is_file() else {}
+
+
+def run_metrics(output_dir: Path) -> dict[int, dict]:
+    """{rollout id: every metric logged for it}, from metrics.jsonl (rows for one rollout merged)."""
+    path = output_dir / "metrics.jsonl"
+    merged: dict[int, dict] = {}
+    if path.is_file():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            row = json.loads(line) if line.strip() else {}
+            if isinstance(row.get("rollout_id"), int):
+                merged.setdefault(row["rollout_id"], {}).update(row)
+    return merged
+
+
+def scalar_reward(reward, reward_key: str | None) -> float | None:
+    """The number a reward stands for (`Sample.get_reward_value`'s rule), or None (failed, or a dict without
+    --reward-key)."""
+    if isinstance(reward, dict):
+        reward = reward.get(reward_key) if reward_key else None
+    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+        return None
+    return float(reward)
+
+
+def group_advantages(rewards: list[float | None]) -> list[float | None]:
+    """GRPO-style advantages of one group: (r - mean) / (std + 1e-6) over the samples with a reward (population
+    std); None for the others. The inspector computes them from the saved rewards; they are not the trainer's."""
+    values = [r for r in rewards if r is not None]
+    if not values:
+        return [None] * len(rewards)
+    mean = sum(values) / len(values)
+    std = math.sqrt(sum((r - mean) ** 2 for r in values) / len(values))
+    return [None if r is None else (r - mean) / (std + 1e-6) for r in rewards]
+
+
+def marked_tokens(engine: list[float], trainer: list[float] | None, mask: list[int], k: int = MARKED_TOKENS) -> list[int]:
+    """Indices of the `k` trained tokens with the largest |trainer - engine| log-prob gap, or, without the trainer's
+    log-probs, the `k` trained tokens the engine found least likely."""
+    trained = [i for i, m in enumerate(mask) if m]
+    if trainer is not None:
+        order = sorted(trained, key=lambda i: -abs(trainer[i] - engine[i]))
+    else:
+        order = sorted(trained, key=lambda i: engine[i])
+    return sorted(order[:k])
+
+
+def data_source(sample: dict, eval_set: str | None) -> str:
+    """What the page filters by as the data source: metadata["data_source"], else the LoRA adapter, else the eval
+    set, else "train"."""
+    metadata = sample.get("metadata") or {}
+    return str(metadata.get("data_source") or metadata.get(ADAPTER_KEY) or eval_set or "train")
+
+
+def load_rollout_view(path: Path, tokenizer, reward_key: str | None, metrics: dict | None = None) -> RolloutView:
+    m = _NAME.match(path.name)
+    raws = read_compact_rollout(path)
+    rewards = [scalar_reward(s.get("reward"), reward_key) for s in raws]
+    advantages: list[float | None] = [None] * len(raws)
+    groups: dict[object, list[int]] = {}
+    for i, s in enumerate(raws):
+        groups.setdefault(s.get("group_index"), []).append(i)
+    for members in groups.values():
+        for i, a in zip(members, group_advantages([rewards[i] for i in members])):
+            advantages[i] = a
+    samples = []
+    for raw, reward, advantage in zip(raws, rewards, advantages):
+        tokens, n = raw.get("tokens") or [], raw.get("response_length") or 0
+        prompt_ids, response_ids = tokens[:len(tokens) - n], tokens[len(tokens) - n:]
+        engine = raw.get("rollout_log_probs") or [0.0] * n
+        mask = raw.get("loss_mask") if raw.get("loss_mask") is not None else [1] * n
+        trainer = (raw.get("metadata") or {}).get(TRAIN_LOG_PROBS_KEY)
+        trainer = trainer if isinstance(trainer, list) and len(trainer) == n else None
+        samples.append(SampleView(
+            raw=raw, prompt_text=tokenizer.decode(prompt_ids, skip_special_tokens=False),
+            pieces=[tokenizer.decode([t], skip_special_tokens=False) for t in response_ids],
+            reward=reward, advantage=advantage, source=data_source(raw, m["eval"]),
+            marked=marked_tokens(engine, trainer, mask), train_log_probs=trainer))
+    return RolloutView(name=path.name.removesuffix(".jsonl.gz"), rollout_id=int(m["id"]), eval_set=m["eval"],
+                       samples=samples, metrics=metrics or {},
+                       advantages_note="computed by the inspector, GRPO-style: (reward - group mean) / (group std "
+                                       "+ 1e-6) over the group's samples with a reward; the trainer's own "
+                                       "advantages (its --advantage-estimator) are not saved")
