@@ -1,0 +1,101 @@
+"""`--environment` on the real stack (tiny model, 2 vLLM engines behind vllm-router, Megatron-core, Ray): two
+reasoning-gym datasets as a weighted mixture in one run, two rollouts with the train/rollout gap check, every
+reported reward recomputed from the saved samples with reasoning-gym's own scorer, and each environment's eval set.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.processes import stack_pids
+
+pytestmark = pytest.mark.e2e
+REPO = Path(__file__).resolve().parents[2]
+RG_ARGS = {"chain_sum": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
+           "basic_arithmetic": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1,
+                                "operators": ["+", "*"], "allow_parentheses": False}}
+
+
+def _run(cmd, timeout=900):
+    assert not stack_pids(), "engine or router processes are already running"
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert not stack_pids(), "the run left engine or router processes behind"
+
+
+def _metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+
+
+def _samples(out: Path, name: str, rollout_id: int):
+    from vime.rollout.debug_data import load_rollout
+
+    return [s for g in load_rollout(str(out / f"rollout_{name}{{rollout_id}}.jsonl"), rollout_id) for s in g]
+
+
+def test_reasoning_gym_mixture(tiny_qwen3, tmp_path):
+    import reasoning_gym
+    from reasoning_gym.utils import extract_answer
+    from transformers import AutoTokenizer
+
+    _run([sys.executable, str(REPO / "train.py"), "--hf-checkpoint", str(tiny_qwen3),
+          "--environment", "reasoning_gym:chain_sum,basic_arithmetic", "--environment-args", json.dumps(RG_ARGS),
+          "--reasoning-gym-weights", "3", "1", "--reasoning-gym-size", "40", "--reasoning-gym-seed", "5",
+          "--reasoning-gym-system-prompt", "none", "--environment-eval-size", "4", "--eval-interval", "100",
+          "--apply-chat-template", "--rollout-shuffle", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
+          "--num-rollout", "2", "--rollout-num-gpus", "2", "--rollout-max-response-len", "12",
+          "--micro-batch-size", "8", "--lr", "1e-2", "--check-weight-update-equal",
+          "--save-debug-rollout-data", str(tmp_path / "rollout_{rollout_id}.jsonl"),
+          "--output-dir", str(tmp_path / "run"), "--vllm-enforce-eager", "--vllm-max-model-len", "256"])
+    records = _metrics(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3)
+    datasets = {name: reasoning_gym.create_dataset(name, size=44, seed=5, **cfg) for name, cfg in RG_ARGS.items()}
+
+    def check_sample(s, name, indices):
+        entry = datasets[name][s.metadata["reasoning_gym"]["index"]]
+        assert s.metadata["reasoning_gym"]["index"] in indices
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": entry["question"]}],
+                                               add_generation_prompt=True, tokenize=False)
+        assert s.tokens[:s.prompt_length] == tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        assert s.label == entry["answer"]
+        expected = datasets[name].score_answer(extract_answer(s.response), entry)
+        assert s.reward == pytest.approx(expected) and s.metadata["reward_functions"] == {"score_answer": expected}
+        assert s.loss_mask == [1] * s.response_length and len(s.rollout_log_probs) == s.response_length
+
+    train = [r for r in records if "train/steps" in r]
+    assert [r["rollout_id"] for r in train] == [0, 1]
+    drawn = []
+    for r in train:
+        assert r["weight_check/max_abs_logprob_diff"] < 1e-5 and r["train_rollout_logprob_abs_diff"] < 1e-5, r
+        samples = _samples(tmp_path, "", r["rollout_id"])
+        assert len(samples) == 16
+        for name in RG_ARGS:
+            mine = [s for s in samples if s.metadata["environment"] == name]
+            for s in mine:
+                check_sample(s, name, range(40))
+            drawn += [name] * (len(mine) // 4)
+            if mine:
+                mean = sum(s.reward for s in mine) / len(mine)
+                assert r[f"rollout/env/{name}/reward_mean"] == pytest.approx(mean, abs=1e-9), r
+                assert r[f"rollout/env/{name}/fn/score_answer_mean"] == pytest.approx(mean, abs=1e-9), r
+                assert r[f"rollout/env/{name}/fn/score_answer_weight"] == 1.0
+                assert r[f"rollout/env/{name}/num_samples"] == len(mine)
+    assert drawn.count("chain_sum") == 6 and drawn.count("basic_arithmetic") == 2  # weights 3 : 1 over 8 groups
+    assert any(r["train/grad_norm"] > 0 for r in train)
+
+    evals = [r for r in records if "eval/chain_sum/reward_mean" in r]
+    assert [r["rollout_id"] for r in evals] == [0, 2]
+    for r in evals:
+        for name in RG_ARGS:
+            samples = _samples(tmp_path, f"eval_{name}_", r["rollout_id"])
+            assert len(samples) == 4
+            for s in samples:
+                check_sample(s, name, range(40, 44))  # the entries after the training ones
+            mean = sum(s.reward for s in samples) / 4
+            assert r[f"eval/{name}/reward_mean"] == pytest.approx(mean, abs=1e-9), r
+            assert r[f"eval/{name}/fn/score_answer_mean"] == pytest.approx(mean, abs=1e-9), r
