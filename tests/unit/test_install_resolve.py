@@ -1,7 +1,7 @@
 """The install resolves as pinned, for each Python vime supports, without a GPU or that Python here.
 
-A dry-run resolve (metadata only, nothing installed) of what `scripts/install.sh` installs, `.[gpu,test]` and
-`.[cpu,test]`, against PyPI for Linux x86_64. It must find exactly the pinned vLLM, torch==2.13.0 and no other
+A dry-run resolve (metadata only, nothing installed) of what `scripts/install.sh` installs, `.[gpu,test,envs]` and
+`.[cpu,test,envs]`, against PyPI for Linux x86_64. It must find exactly the pinned vLLM, torch==2.13.0 and no other
 torch, and torch's companions (torchvision, torchaudio, torchcodec) at the versions that match that torch, so a
 GPU machine gets a consistent set by construction rather than by the resolver's backtracking.
 
@@ -80,9 +80,9 @@ def uv_cache(tmp_path_factory) -> Path:
 
 
 def resolve(uv: str, cache: Path, tmp_path: Path, python: str, extra: str, overrides: list[str] = ()) -> dict:
-    """{name: version} that `.[extra,test]` resolves to for CPython `python` on Linux x86_64, from PyPI alone;
+    """{name: version} that `.[extra,test,envs]` resolves to for CPython `python` on Linux x86_64, from PyPI alone;
     fails the test with uv's reason when it does not resolve."""
-    cmd = [uv, "pip", "compile", str(PYPROJECT), "--extra", extra, "--extra", "test",
+    cmd = [uv, "pip", "compile", str(PYPROJECT), "--extra", extra, "--extra", "test", "--extra", "envs",
            "--python-version", python, "--python-platform", PLATFORM, "--index-url", INDEX, "--no-config",
            "--cache-dir", str(cache), "--no-build", "--no-header", "--no-annotate", "--quiet"]
     if overrides:
@@ -91,7 +91,7 @@ def resolve(uv: str, cache: Path, tmp_path: Path, python: str, extra: str, overr
     env = {k: v for k, v in os.environ.items() if not k.startswith("UV_")}  # no index or constraint from outside
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     if proc.returncode != 0:
-        pytest.fail(f"`.[{extra},test]` does not resolve for Python {python} on {PLATFORM} (the pins in "
+        pytest.fail(f"`.[{extra},test,envs]` does not resolve for Python {python} on {PLATFORM} (the pins in "
                     f"{PYPROJECT.name} conflict?):\n{proc.stderr[-3000:]}")
     pins: dict[str, list[str]] = {}
     for line in proc.stdout.splitlines():
