@@ -1,6 +1,9 @@
-"""`--environment` on the real stack (tiny model, 2 vLLM engines behind vllm-router, Megatron-core, Ray): two
-reasoning-gym datasets as a weighted mixture in one run, two rollouts with the train/rollout gap check, every
-reported reward recomputed from the saved samples with reasoning-gym's own scorer, and each environment's eval set.
+"""`--environment` on the real stack (tiny model, 2 vLLM engines behind vllm-router, Megatron-core, Ray), one run
+of two rollouts with the train/rollout gap check: a weighted mixture of two reasoning-gym datasets (single turn,
+scored by reasoning-gym) and an OpenEnv environment served by a local server process vime starts and stops (multi
+turn, stepped over its WebSocket session). Every reported reward is recomputed from the saved samples (reasoning-
+gym's own scorer; the OpenEnv environment's rule), the saved tokens and loss masks are checked against the chat
+template piece by piece, and each environment has its own eval set.
 """
 
 from __future__ import annotations
@@ -38,17 +41,48 @@ def _samples(out: Path, name: str, rollout_id: int):
     return [s for g in load_rollout(str(out / f"rollout_{name}{{rollout_id}}.jsonl"), rollout_id) for s in g]
 
 
-def test_reasoning_gym_mixture(tiny_qwen3, tmp_path):
+def check_episode(s, tokenizer):
+    """An OpenEnv episode as saved: the prompt from the environment's reset, model turns trained with the engine's
+    log-probs, each environment turn the chat template's piece for the step's observation (masked, log-prob 0),
+    the rewards the environment's rule gives each model turn, the episode's return as the reward."""
+    from vime.agents.multi_turn import environment_turn_ids
+
+    digit = str(s.metadata["openenv"]["seed"] % 10)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": f"Say the digit {digit}."}],
+                                           add_generation_prompt=True, tokenize=False)
+    assert s.tokens[:s.prompt_length] == tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    response, texts, previous = s.response_tokens, [], []
+    for turn in s.metadata["turns"]:
+        piece = slice(turn["start"], turn["start"] + turn["length"])
+        if turn["role"] == "assistant":
+            previous = response[piece]
+            texts.append(tokenizer.decode(previous, skip_special_tokens=True))
+            assert s.loss_mask[piece] == [1] * turn["length"]
+        else:
+            assert response[piece] == environment_turn_ids(
+                tokenizer, [{"role": "user", "content": f"No. Say the digit {digit}."}], previous)
+            assert s.loss_mask[piece] == [0] * turn["length"] and s.rollout_log_probs[piece] == [0.0] * turn["length"]
+    assert len(s.loss_mask) == s.response_length == len(s.rollout_log_probs)
+    stepped = texts if s.metadata["stop"] in ("done", "max_turns") else texts[:-1]  # a cut turn is no action
+    episode = s.metadata["openenv"]
+    assert episode["rewards"] == [float(digit in t) for t in stepped] and episode["steps"] == len(stepped)
+    assert episode["done"] == (1.0 in episode["rewards"] or len(stepped) == 2)
+    assert s.reward == sum(episode["rewards"])
+
+
+def test_reasoning_gym_and_openenv_mixture(tiny_qwen3, tmp_path):
     import reasoning_gym
     from reasoning_gym.utils import extract_answer
     from transformers import AutoTokenizer
 
     _run([sys.executable, str(REPO / "train.py"), "--hf-checkpoint", str(tiny_qwen3),
           "--environment", "reasoning_gym:chain_sum,basic_arithmetic", "--environment-args", json.dumps(RG_ARGS),
+          "--environment", "openenv:tests.environments.openenv_digits", "--environment-args", '{"size": 40}',
+          "--environment-weights", "2", "2", "--agent-max-turns", "2", "--agent-max-turn-tokens", "6",
           "--reasoning-gym-weights", "3", "1", "--reasoning-gym-size", "40", "--reasoning-gym-seed", "5",
           "--reasoning-gym-system-prompt", "none", "--environment-eval-size", "4", "--eval-interval", "100",
           "--apply-chat-template", "--rollout-shuffle", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
-          "--num-rollout", "2", "--rollout-num-gpus", "2", "--rollout-max-response-len", "12",
+          "--num-rollout", "2", "--rollout-num-gpus", "2", "--rollout-max-response-len", "40",
           "--micro-batch-size", "8", "--lr", "1e-2", "--check-weight-update-equal",
           "--save-debug-rollout-data", str(tmp_path / "rollout_{rollout_id}.jsonl"),
           "--output-dir", str(tmp_path / "run"), "--vllm-enforce-eager", "--vllm-max-model-len", "256"])
@@ -85,10 +119,28 @@ def test_reasoning_gym_mixture(tiny_qwen3, tmp_path):
                 assert r[f"rollout/env/{name}/fn/score_answer_mean"] == pytest.approx(mean, abs=1e-9), r
                 assert r[f"rollout/env/{name}/fn/score_answer_weight"] == 1.0
                 assert r[f"rollout/env/{name}/num_samples"] == len(mine)
-    assert drawn.count("chain_sum") == 6 and drawn.count("basic_arithmetic") == 2  # weights 3 : 1 over 8 groups
+        digits = [s for s in samples if s.metadata["environment"] == "openenv_digits"]
+        for s in digits:
+            check_episode(s, tokenizer)
+        drawn += ["openenv_digits"] * (len(digits) // 4)
+        if digits:
+            mean = sum(s.reward for s in digits) / len(digits)
+            assert r["rollout/env/openenv_digits/reward_mean"] == pytest.approx(mean, abs=1e-9), r
+            assert r["rollout/env/openenv_digits/fn/episode_return_mean"] == pytest.approx(mean, abs=1e-9), r
+            terminated = sum(s.metadata["openenv"]["done"] for s in digits) / len(digits)
+            assert r["rollout/env/openenv_digits/fn/terminated_mean"] == pytest.approx(terminated), r
+            assert r["rollout/env/openenv_digits/fn/terminated_weight"] == 0.0
+    # weights 2 (chain_sum 3 : basic_arithmetic 1 within it) : 2 over 8 groups
+    assert (drawn.count("chain_sum"), drawn.count("basic_arithmetic"), drawn.count("openenv_digits")) == (3, 1, 4)
     assert any(r["train/grad_norm"] > 0 for r in train)
 
     evals = [r for r in records if "eval/chain_sum/reward_mean" in r]
+    for r in evals:
+        samples = _samples(tmp_path, "eval_openenv_digits_", r["rollout_id"])
+        assert sorted(s.metadata["openenv"]["seed"] for s in samples) == [40, 41, 42, 43]
+        for s in samples:
+            check_episode(s, tokenizer)
+        assert r["eval/openenv_digits/reward_mean"] == pytest.approx(sum(s.reward for s in samples) / 4, abs=1e-9)
     assert [r["rollout_id"] for r in evals] == [0, 2]
     for r in evals:
         for name in RG_ARGS:

@@ -83,6 +83,15 @@ def test_episode_turn_by_turn_rewards_and_server_lifetime(tiny_qwen3, tmp_path, 
                                             {"max_tokens": 64}))
         assert second.metadata["openenv"]["rewards"] == [1.0]
 
+        # at --agent-max-turns the last model turn is still an action: stepped for its reward
+        one = load_environments(_args(tiny_qwen3, tmp_path, environment=f"openenv:{env.url}",
+                                      config='{"name": "one", "max_turns": 1}'))[0]
+        answers = iter(["5"])
+        last = asyncio.run(one.generate(args, Sample(index=3, metadata={"environment": "one",
+                                                                        "openenv": {"seed": 3}}), {"max_tokens": 64}))
+        assert last.metadata["stop"] == "max_turns" and [t["role"] for t in last.metadata["turns"]] == ["assistant"]
+        assert last.metadata["openenv"] == {"seed": 3, "done": False, "rewards": [0.0], "steps": 1}
+
         # the environment's error fails the episode with the server's message (the hooks record it per sample)
         answers = iter(["raise"])
         with pytest.raises(RuntimeError, match="the environment failed"):

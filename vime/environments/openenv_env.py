@@ -9,7 +9,8 @@
 One episode is one sample: a WebSocket session (`GenericEnvClient`, one server-side environment per session),
 `reset(seed=...)`, then vime's multi-turn loop (`vime.agents.multi_turn.generate`: exact token ids and log-probs,
 model turns trained, environment turns masked): each model turn becomes the action `{action_key: text}`, the
-step's observation text the next user turn, until the environment says `done` or --agent-max-turns model turns.
+step's observation text the next user turn, until the environment says `done` or --agent-max-turns model turns
+(the last one stepped too, for its reward); a model turn cut by the token budget is not an action.
 The reward is the episode's return, the sum of the rewards the steps gave (reported as the function
 `episode_return`; `terminated` says whether the environment ended the episode, weight 0). A step that errors or
 exceeds `step_timeout` fails the sample.
@@ -158,6 +159,10 @@ class OpenEnvEnvironment(Environment):
             if not first.done:
                 max_turns = int(self.max_turns or agent_setting(args, "agent_max_turns"))
                 await multi_turn_generate(args, sample, sampling_params, environment=step, max_turns=max_turns)
+                if sample.metadata.get("stop") == "max_turns":  # the last model turn is an action too: its reward
+                    last = sample.metadata["turns"][-1]
+                    ids = sample.response_tokens[last["start"]:last["start"] + last["length"]]
+                    await step(args, sample, GenerateState(args).tokenizer.decode(ids, skip_special_tokens=True), 0)
         finally:
             episode["rewards"], episode["steps"] = rewards, len(rewards)
             await client.close()
