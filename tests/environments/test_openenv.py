@@ -19,8 +19,8 @@ pytest.importorskip("openenv.core.generic_client")
 APP = "tests.environments.openenv_digits"
 
 
-def _args(tiny_qwen3, tmp_path, environment=f"openenv:{APP}", config='{"size": 4}'):
-    return argparse.Namespace(environment=[environment], environment_weights=None, environment_args=[config],
+def _args(tiny_qwen3, tmp_path, environment=f"openenv:{APP}", config='{"size": 4}', weight=1.0):
+    return argparse.Namespace(environment=[environment], environment_weights=[weight], environment_args=[config],
                               environment_eval_size=2, output_dir=str(tmp_path), hf_checkpoint=str(tiny_qwen3),
                               rollout_concurrency=8, custom_generate_function_path=None, apply_chat_template=True,
                               apply_chat_template_kwargs=None, agent_max_turns=3, agent_max_turn_tokens=None)
@@ -76,8 +76,8 @@ def test_episode_turn_by_turn_rewards_and_server_lifetime(tiny_qwen3, tmp_path, 
 
         # a second environment object on the running server (no process of its own)
         other = load_environments(_args(tiny_qwen3, tmp_path, environment=f"openenv:{env.url}",
-                                        config='{"name": "running"}'))[0]
-        assert other.server is None and other.name == "running"
+                                        config='{"name": "running"}', weight=2.5))[0]
+        assert other.server is None and other.name == "running" and other.weight == 2.5
         second = asyncio.run(other.generate(args, Sample(index=1, metadata={"environment": "running",
                                                                             "openenv": {"seed": 3}}),
                                             {"max_tokens": 64}))

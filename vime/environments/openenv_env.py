@@ -181,4 +181,6 @@ class OpenEnvEnvironment(Environment):
 
 
 def load(spec: EnvironmentSpec, args) -> list[OpenEnvEnvironment]:
-    return [OpenEnvEnvironment(spec.target, spec.config, args)]
+    env = OpenEnvEnvironment(spec.target, spec.config, args)
+    env.weight = spec.weight
+    return [env]
