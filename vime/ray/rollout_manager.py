@@ -143,9 +143,11 @@ class RolloutManager:
         return self.fleet.start()
 
     def shutdown(self) -> None:
-        for env in self.context.environments.values():  # servers and clients an environment started
-            env.close()
-        self.fleet.shutdown()
+        try:
+            self.fleet.shutdown()
+        finally:
+            for env in self.context.environments.values():  # servers an environment started (no rollout is left)
+                env.close()
 
     def engine_pids(self) -> list[int]:
         return self.fleet.engine_pids()
