@@ -49,6 +49,7 @@ def check_episode(s, tokenizer):
     """An OpenEnv episode as saved: the prompt from the environment's reset, model turns trained with the engine's
     log-probs, each environment turn the chat template's piece for the step's observation (masked, log-prob 0),
     the rewards the environment's rule gives each model turn, the episode's return as the reward."""
+    from tests.environments.openenv_digits import reward
     from vime.agents.multi_turn import environment_turn_ids
 
     digit = str(s.metadata["openenv"]["seed"] % 10)
@@ -69,7 +70,7 @@ def check_episode(s, tokenizer):
     assert len(s.loss_mask) == s.response_length == len(s.rollout_log_probs)
     stepped = texts if s.metadata["stop"] in ("done", "max_turns") else texts[:-1]  # a cut turn is no action
     episode = s.metadata["openenv"]
-    assert episode["rewards"] == [float(digit in t) for t in stepped] and episode["steps"] == len(stepped)
+    assert episode["rewards"] == [reward(int(digit), t) for t in stepped] and episode["steps"] == len(stepped)
     assert episode["done"] == (1.0 in episode["rewards"] or len(stepped) == 2)
     assert s.reward == sum(episode["rewards"])
 

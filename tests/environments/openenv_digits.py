@@ -1,6 +1,7 @@
 """A tiny OpenEnv environment, written as OpenEnv's template writes one (Action / Observation models, an
 `Environment` with reset and step, `create_app`): the episode asks for one digit (its reset seed mod 10); each step
-rewards 1 when the model's message contains it and ends the episode then, or after two steps.
+rewards 1 when the model's message contains it (and ends the episode then), 0.5 when it holds another digit;
+the episode ends after two steps at most.
 
 Served by `uvicorn tests.environments.openenv_digits:app` (vime starts it for `--environment
 openenv:tests.environments.openenv_digits`)."""
@@ -15,6 +16,13 @@ from openenv.core.env_server.types import Action, Observation, State
 from pydantic import Field
 
 MAX_STEPS = 2
+
+
+def reward(target: int, message: str) -> float:
+    """1 for the digit asked for, 0.5 for another digit (a signal an untrained model finds), else 0."""
+    if str(target) in message:
+        return 1.0
+    return 0.5 if any(c.isdigit() for c in message) else 0.0
 
 
 class DigitAction(Action):
@@ -43,7 +51,8 @@ class DigitEnvironment(Environment):
             raise RuntimeError("the environment failed")
         hit = str(self.target) in action.message
         done = hit or self._state.step_count >= MAX_STEPS
-        return DigitObservation(prompt=f"No. Say the digit {self.target}.", done=done, reward=1.0 if hit else 0.0)
+        return DigitObservation(prompt=f"No. Say the digit {self.target}.", done=done, reward=reward(self.target,
+                                                                                                    action.message))
 
     @property
     def state(self) -> State:

@@ -86,7 +86,7 @@ def test_episode_turn_by_turn_rewards_and_server_lifetime(tiny_qwen3, tmp_path, 
         # at --agent-max-turns the last model turn is still an action: stepped for its reward
         one = load_environments(_args(tiny_qwen3, tmp_path, environment=f"openenv:{env.url}",
                                       config='{"name": "one", "max_turns": 1}'))[0]
-        answers = iter(["5"])
+        answers = iter(["x"])
         last = asyncio.run(one.generate(args, Sample(index=3, metadata={"environment": "one",
                                                                         "openenv": {"seed": 3}}), {"max_tokens": 64}))
         assert last.metadata["stop"] == "max_turns" and [t["role"] for t in last.metadata["turns"]] == ["assistant"]
