@@ -30,7 +30,7 @@ from vime.backends.megatron_utils.arguments import add_megatron_args
 from vime.backends.megatron_utils.routing_replay_arguments import add_routing_replay_args, validate_routing_replay_args
 from vime.backends.megatron_utils.train_arguments import add_train_args, validate_train_args
 from vime.backends.vllm_utils.arguments import add_router_args, add_vllm_engine_args, validate_vllm_args
-from vime.environments.arguments import add_environment_args, validate_environment_args
+from vime.environments.arguments import add_environment_args, add_judge_args, validate_environment_args
 from vime.rollout.arguments import add_all_rollout_args, validate_rollout_args
 from vime.rollout.rm_hub import RM_REGISTRY
 from vime.utils.lora_adapters import adapter_specs
@@ -121,6 +121,7 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     add_router_args(parser)
     add_agent_args(parser)
     add_environment_args(parser)
+    add_judge_args(parser)
     add_agent_harness_args(parser)
     if extra_args_provider is not None:
         extra_args_provider(parser)

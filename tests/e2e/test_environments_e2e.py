@@ -156,3 +156,42 @@ def test_reasoning_gym_and_openenv_mixture(tiny_qwen3, tmp_path):
             mean = sum(s.reward for s in samples) / 4
             assert r[f"eval/{name}/reward_mean"] == pytest.approx(mean, abs=1e-9), r
             assert r[f"eval/{name}/fn/score_answer_mean"] == pytest.approx(mean, abs=1e-9), r
+
+
+def test_judge_served_by_the_run(tiny_qwen3, arithmetic_data, tmp_path):
+    """A tiny judge model (another seed than the policy) on its own engine grades the policy's answers through the
+    reward function above. After the policy's weights moved (two rollouts, each followed by an update the engines
+    took, checked exactly), the judge's replies still carry the log-probs of its own checkpoint, recomputed by a
+    transformers forward: nothing updated it. Its calls are counted in the metrics."""
+    from tests.helpers.hf_reference import load_hf, response_log_probs
+    from vime.synthetic.tiny_model import build_tiny_model
+
+    judge = build_tiny_model(tmp_path / "judge", arch="qwen3", seed=7)
+    _run([sys.executable, str(REPO / "train.py"), "--hf-checkpoint", str(tiny_qwen3),
+          "--prompt-data", str(arithmetic_data[0]), "--label-key", "label", "--apply-chat-template",
+          "--custom-rm-path", "tests.e2e.judge_reward.reward", "--judge-checkpoint", str(judge),
+          "--judge-timeout", "60", "--judge-concurrency", "8", "--judge-temperature", "1.0",
+          "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--num-rollout", "2",
+          "--rollout-num-gpus", "1", "--rollout-max-response-len", "12", "--micro-batch-size", "8", "--lr", "1e-2",
+          "--check-weight-update-equal", "--save-debug-rollout-data", str(tmp_path / "rollout_{rollout_id}.jsonl"),
+          "--output-dir", str(tmp_path / "run"), "--vllm-enforce-eager", "--vllm-max-model-len", "256",
+          "--vllm-dtype", "float32"])
+    train = [r for r in _metrics(tmp_path) if "train/steps" in r]
+    assert [r["rollout_id"] for r in train] == [0, 1]
+    for r in train:
+        assert r["weight_check/max_abs_logprob_diff"] < 1e-5, r
+    assert any(r["train/grad_norm"] > 0 for r in train), "the policy's weights did not move"
+    assert [r["judge/calls"] for r in train] == [16.0, 32.0]  # one call per sample, running total
+    assert all(r.get("judge/errors", 0.0) == 0 and r.get("judge/timeouts", 0.0) == 0 for r in train)
+    assert train[-1]["judge/completion_tokens"] > 0 and train[-1]["judge/time_s"] > 0
+
+    model = load_hf(judge)
+    for rollout_id in (0, 1):
+        samples = _samples(tmp_path, "", rollout_id)
+        assert len(samples) == 16
+        for s in samples[:4]:
+            reply = s.metadata["judge"]
+            assert s.reward == float(reply["token_ids"][0] % 2)
+            tokens = reply["prompt_token_ids"] + reply["token_ids"]
+            expected = response_log_probs(model, tokens, len(reply["prompt_token_ids"]))
+            assert max(abs(a - b) for a, b in zip(reply["logprobs"], expected.tolist())) < 1e-4

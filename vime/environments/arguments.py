@@ -53,6 +53,41 @@ def add_environment_args(parser: argparse.ArgumentParser) -> None:
                         "(default, DeepSeekZero, simple, direct, ...) or none (default: default).")
 
 
+def add_judge_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("judge (a judge or reward model served by the run; vime.environments.judge)")
+    g.add_argument("--judge-checkpoint", default=None,
+                   help="HF checkpoint of a judge model the run serves on engines of its own, never updated; reward "
+                        "functions call it through `vime.environments.judge.run_judge()` (an OpenAI-compatible "
+                        "base_url and api_key, or its `chat` method) (default: None = no judge).")
+    g.add_argument("--judge-num-engines", type=int, default=1, help="Engines serving the judge (default: 1).")
+    g.add_argument("--judge-max-tokens", type=int, default=32,
+                   help="Tokens a judge reply may take unless the call says otherwise (default: 32).")
+    g.add_argument("--judge-temperature", type=float, default=0.0,
+                   help="Sampling temperature of judge calls unless the call says otherwise (default: 0.0).")
+    g.add_argument("--judge-timeout", type=float, default=60.0,
+                   help="Seconds one judge call may take; past it the call raises and the sample it scores fails "
+                        "(default: 60).")
+    g.add_argument("--judge-concurrency", type=int, default=64,
+                   help="Judge calls in flight at once, over its engines, which batch them (default: 64).")
+
+
+def validate_judge_args(args: argparse.Namespace) -> None:
+    if args.judge_checkpoint is None:
+        return
+    import os
+
+    if not os.path.isfile(os.path.join(args.judge_checkpoint, "config.json")):
+        raise ValueError(f"--judge-checkpoint {args.judge_checkpoint}: no config.json there; is it an HF checkpoint?")
+    for flag in ("judge_num_engines", "judge_max_tokens", "judge_concurrency"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if not args.judge_timeout > 0:
+        raise ValueError(f"--judge-timeout must be > 0 seconds, got {args.judge_timeout}")
+    if args.rollout_external_engine_addrs:
+        raise ValueError("--judge-checkpoint starts the judge's engines on this node; it is not yet supported with "
+                         "--rollout-external-engine-addrs")
+
+
 def check_installed(specs: list[EnvironmentSpec]) -> None:
     """Each kind's library is installed, or a one-line error naming the extra (before anything starts)."""
     for kind in dict.fromkeys(s.kind for s in specs):
@@ -65,6 +100,7 @@ def check_installed(specs: list[EnvironmentSpec]) -> None:
 def validate_environment_args(args: argparse.Namespace) -> argparse.Namespace:
     """Refuse flags that compete with --environment; set the environment hooks as the run's reward (and generate)
     functions. Returns `args` unchanged without --environment."""
+    validate_judge_args(args)
     specs = environment_specs(args)  # bad kinds, weights, JSON: refused here
     if not specs:
         for flag in ("environment_weights", "environment_args"):

@@ -21,6 +21,7 @@ from vime.backends.vllm_utils.client import SERVED_MODEL
 from vime.data.adapter_mix import AdapterMixSource
 from vime.data.data_source import RolloutDataSource
 from vime.data.prompt_dataset import load_prompt_file, load_prompt_samples
+from vime.environments.judge import JudgeGroup
 from vime.environments.mixture import environment_eval_sources, environment_source, load_environments
 from vime.backends.weight_transport.check import probe_tokens
 from vime.data.transport import RolloutRef, make_transport, rollout_summary
@@ -110,6 +111,9 @@ class RolloutManager:
         self.fleet = EngineFleet(args, placement, self.log_dir, self.context, engines, token)
         if not args.debug_train_only:
             self.fleet.launch()  # the engines boot while the tokenizer, data and functions load
+        # --judge-checkpoint: the judge's own engines, never in the fleet (no weight update reaches them)
+        self.context.judge = JudgeGroup(args, self.log_dir) \
+            if getattr(args, "judge_checkpoint", None) and not args.debug_train_only else None
         from vime.utils.hf_tokenizer import load_tokenizer
 
         self.tokenizer = load_tokenizer(args.hf_checkpoint)
@@ -139,15 +143,23 @@ class RolloutManager:
 
     # ---- the engine fleet (its remote interface) ------------------------------------------------------------
     def start(self) -> list[str]:
-        """Start (or connect to) the engines and the router; returns the engine URLs."""
-        return self.fleet.start()
+        """Start (or connect to) the engines and the router (and the judge's engines); returns the engine URLs."""
+        urls = self.fleet.start()
+        if self.context.judge is not None:
+            logger.info("judge engines at %s", ", ".join(self.context.judge.start()))
+        return urls
 
     def shutdown(self) -> None:
         try:
             self.fleet.shutdown()
         finally:
+            if self.context.judge is not None:
+                self.context.judge.stop()
             for env in self.context.environments.values():  # servers an environment started (no rollout is left)
                 env.close()
+
+    def judge_pids(self) -> list[int]:
+        return self.context.judge.pids() if self.context.judge is not None else []
 
     def engine_pids(self) -> list[int]:
         return self.fleet.engine_pids()

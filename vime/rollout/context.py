@@ -29,6 +29,7 @@ class RolloutContext:
     # --environment: {name: vime.environments.base.Environment}, loaded by the rollout manager; the environment
     # hooks (generate, reward) find each sample's environment here
     environments: dict[str, Any] = field(default_factory=dict)
+    judge: Any = None  # --judge-checkpoint: vime.environments.judge.JudgeGroup, started by the rollout manager
 
 
 _context = RolloutContext()
