@@ -74,9 +74,6 @@ class JudgeGroup:
         """The key its generation routes take (the run's serving key, derived from the run's secret)."""
         return serving_key()
 
-    def pids(self) -> list[int]:
-        return [e.pid() for e in self.engines if e.pid() is not None]
-
     async def chat(self, messages: list[dict[str, Any]], *, max_tokens: int | None = None,
                    temperature: float | None = None, **extra: Any) -> dict[str, Any]:
         """One chat completion from the judge: {"text", "token_ids", "prompt_token_ids", "logprobs"}. Raises

@@ -158,9 +158,6 @@ class RolloutManager:
             for env in self.context.environments.values():  # servers an environment started (no rollout is left)
                 env.close()
 
-    def judge_pids(self) -> list[int]:
-        return self.context.judge.pids() if self.context.judge is not None else []
-
     def engine_pids(self) -> list[int]:
         return self.fleet.engine_pids()
 
