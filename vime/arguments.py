@@ -7,7 +7,7 @@
   (`vime.backends.vllm_utils.arguments`).
 - vime's own flags: placement and run control here; rollout, data, rewards, eval, fault tolerance and the
   data buffer in `vime.rollout.arguments`; agents (multi-turn tools, the OpenAI-compatible harness) in
-  `vime.agents.arguments` and `vime.agents.openai_arguments`; environments (reasoning-gym, verifiers, OpenEnv) in
+  `vime.agents.arguments` and `vime.agents.openai_arguments`; environments (reasoning-gym, OpenEnv) and the judge in
   `vime.environments.arguments`.
 
 Everything is checked before any process starts (`validate_args`).

@@ -28,12 +28,14 @@ def test_spec_parsing_and_errors():
         parse_spec("reasoning_gym")
     with pytest.raises(ValueError, match="unknown kind 'gym'"):
         parse_spec("gym:x")
+    with pytest.raises(ValueError, match="verifiers kind is not supported yet: verifiers 0.4.0 requires openai<3"):
+        parse_spec("verifiers:my_env")
     with pytest.raises(ValueError, match="weight must be > 0"):
         parse_spec("openenv:x", 0.0)
-    args = SimpleNamespace(environment=["verifiers:m", "openenv:n"], environment_weights=[3.0, 1.0],
+    args = SimpleNamespace(environment=["reasoning_gym:m", "openenv:n"], environment_weights=[3.0, 1.0],
                            environment_args=['{"k": 1}', "{}"])
     specs = environment_specs(args)
-    assert [(s.kind, s.target, s.weight, s.config) for s in specs] == [("verifiers", "m", 3.0, {"k": 1}),
+    assert [(s.kind, s.target, s.weight, s.config) for s in specs] == [("reasoning_gym", "m", 3.0, {"k": 1}),
                                                                         ("openenv", "n", 1.0, {})]
     with pytest.raises(ValueError, match="2 JSON objects for 1"):
         environment_specs(SimpleNamespace(environment=["openenv:n"], environment_weights=None,

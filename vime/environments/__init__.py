@@ -1,8 +1,11 @@
 """Environments researchers already have, behind `--environment KIND:TARGET` (repeatable, a weighted mixture).
 
 - `reasoning_gym:<dataset>[,<dataset>...]`: reasoning-gym's procedural tasks and exact scorers (`reasoning_gym_env`)
-- `verifiers:<id or module>`: a verifiers environment, its harness driven against the run's engines (`verifiers_env`)
 - `openenv:<module or URL>`: an OpenEnv environment stepped turn by turn (`openenv_env`)
+- `verifiers:...` is refused with the reason (`base.NOT_YET`): verifiers 0.4 cannot be installed beside the test
+  extra's openai-agents.
+
+A judge served by the run (`--judge-checkpoint`, `judge`) gives reward functions a model to call.
 
 Each library is an optional extra (`pip install -e .[envs]`), imported only when its kind is used. The rollout
 manager loads the environments (`mixture.load_environments`), draws training groups from them by weight

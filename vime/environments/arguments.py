@@ -2,7 +2,7 @@
 
 `validate_environment_args` runs before the rollout side's validation: a run with environments takes its prompts,
 rewards and (for multi-turn kinds) generation from them, so it sets --custom-rm-path (and
---custom-generate-function-path, --group-rm where needed) to the environment hooks and refuses flags that would
+--custom-generate-function-path for multi-turn kinds) to the environment hooks and refuses flags that would
 compete with them.
 """
 
@@ -17,17 +17,15 @@ from vime.environments.mixture import environment_specs
 from vime.utils.misc import with_values
 
 # kind -> (module whose presence says the library is installed, PyPI name)
-LIBRARIES = {"reasoning_gym": ("reasoning_gym", "reasoning-gym"), "verifiers": ("verifiers", "verifiers"),
-             "openenv": ("openenv", "openenv-core")}
-MULTI_TURN_KINDS = ("verifiers", "openenv")  # kinds that generate through their own loop
-GROUP_SCORED_KINDS = ("verifiers",)  # kinds whose rewards may need the whole group
+LIBRARIES = {"reasoning_gym": ("reasoning_gym", "reasoning-gym"), "openenv": ("openenv", "openenv-core")}
+MULTI_TURN_KINDS = ("openenv",)  # kinds that generate through their own loop
 
 
 def add_environment_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("environments (reasoning-gym, verifiers, OpenEnv; pip install -e '.[envs]')")
+    g = parser.add_argument_group("environments (reasoning-gym, OpenEnv; pip install -e '.[envs]')")
     g.add_argument("--environment", action="append", default=None, metavar="KIND:TARGET",
                    help="An environment to train on, repeatable (a mixture): reasoning_gym:<dataset>[,<dataset>...], "
-                        "verifiers:<environment id or module>, openenv:<module or http://host:port>. Its prompts, "
+                        "openenv:<app module or http://host:port> (verifiers: not yet, see README). Its prompts, "
                         "rewards (each reward function reported as its own metric) and, for multi-turn kinds, its "
                         "turns replace --prompt-data and --rm-type (default: None).")
     g.add_argument("--environment-weights", type=float, nargs="+", default=None,
@@ -35,8 +33,7 @@ def add_environment_args(parser: argparse.ArgumentParser) -> None:
                         "(default: 1 each).")
     g.add_argument("--environment-args", action="append", default=None, metavar="JSON",
                    help="A JSON object configuring an --environment, one per --environment in order when given "
-                        "('{}' for none): a verifiers environment's load_environment keyword arguments, an "
-                        "OpenEnv environment's settings, reasoning-gym dataset configs {\"<dataset>\": {...}} "
+                        "('{}' for none): an OpenEnv environment's settings, reasoning-gym dataset configs {\"<dataset>\": {...}} "
                         "(default: None).")
     g.add_argument("--environment-eval-size", type=int, default=0,
                    help="Prompts per environment in its own eval set (eval/<environment>/..., every "
@@ -124,6 +121,4 @@ def validate_environment_args(args: argparse.Namespace) -> argparse.Namespace:
     derived = {"custom_rm_path": REWARD_PATH}
     if kinds & set(MULTI_TURN_KINDS):
         derived["custom_generate_function_path"] = GENERATE_PATH
-    if kinds & set(GROUP_SCORED_KINDS):
-        derived["group_rm"] = True
     return with_values(args, **derived)
