@@ -60,7 +60,8 @@ fi
 # compiled files. Python would otherwise compile torch, vLLM, Megatron, transformers and Ray from source in each
 # process wherever it may not write its cache (PYTHONDONTWRITEBYTECODE, a read-only .venv): ~2 s more per engine
 # start, ~2.5 s more per Ray start, measured.
-.venv/bin/uv pip install -q --compile-bytecode --python .venv/bin/python -e ".[$EXTRA,test]"
+# envs: the environment libraries behind --environment (reasoning-gym, OpenEnv), so that their tests run everywhere
+.venv/bin/uv pip install -q --compile-bytecode --python .venv/bin/python -e ".[$EXTRA,test,envs]"
 .venv/bin/python -c "import torch, sys; sys.exit(torch.version.cuda is not None and '$EXTRA' == 'cpu')" \
   || { echo "install.sh: a CUDA build of torch replaced the CPU one; pin torch before the rest" >&2; exit 1; }
 if [ "$EXTRA" = cpu ]; then
@@ -106,6 +107,6 @@ if not torch.cuda.is_available():
 print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.device_count()} GPU(s), driver {driver}")
 PY
 fi
-.venv/bin/python -c "import vime, vllm, megatron.core, ray, vllm_router, straw" 
+.venv/bin/python -c "import vime, vllm, megatron.core, ray, vllm_router, straw, reasoning_gym, openenv.core" 
 echo "$want" > "$stamp"
 echo "vime installed in $(pwd)/.venv ($EXTRA)"

@@ -7,7 +7,8 @@
   (`vime.backends.vllm_utils.arguments`).
 - vime's own flags: placement and run control here; rollout, data, rewards, eval, fault tolerance and the
   data buffer in `vime.rollout.arguments`; agents (multi-turn tools, the OpenAI-compatible harness) in
-  `vime.agents.arguments` and `vime.agents.openai_arguments`.
+  `vime.agents.arguments` and `vime.agents.openai_arguments`; environments (reasoning-gym, OpenEnv) and the judge in
+  `vime.environments.arguments`.
 
 Everything is checked before any process starts (`validate_args`).
 """
@@ -29,6 +30,7 @@ from vime.backends.megatron_utils.arguments import add_megatron_args
 from vime.backends.megatron_utils.routing_replay_arguments import add_routing_replay_args, validate_routing_replay_args
 from vime.backends.megatron_utils.train_arguments import add_train_args, validate_train_args
 from vime.backends.vllm_utils.arguments import add_router_args, add_vllm_engine_args, validate_vllm_args
+from vime.environments.arguments import add_environment_args, add_judge_args, validate_environment_args
 from vime.rollout.arguments import add_all_rollout_args, validate_rollout_args
 from vime.rollout.rm_hub import RM_REGISTRY
 from vime.utils.lora_adapters import adapter_specs
@@ -118,6 +120,8 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     add_vllm_engine_args(parser)
     add_router_args(parser)
     add_agent_args(parser)
+    add_environment_args(parser)
+    add_judge_args(parser)
     add_agent_harness_args(parser)
     if extra_args_provider is not None:
         extra_args_provider(parser)
@@ -288,6 +292,7 @@ def validate_args(args: argparse.Namespace, check_model: bool = True) -> argpars
             raise ValueError(f"--{flag.replace('_', '-')} must be a positive number of seconds, got "
                              f"{getattr(args, flag)}")
     validate_transport_placement(args)
+    args = validate_environment_args(args)  # sets the reward (and generate) hooks the rollout side checks
     args = validate_rollout_args(args)
     for flag, path in function_path_flags(args):
         try:

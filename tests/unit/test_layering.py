@@ -19,6 +19,7 @@ LAYERS = [
     "backends.megatron_utils",
     "rollout",
     "agents",
+    "environments",  # --environment: reasoning-gym, verifiers, OpenEnv (over rollout and agents)
     "arguments",  # vime/arguments.py: every package's flags in one parser (the ray layer's session parses them)
     "ray",
     "synthetic",  # builders of tiny models and task data (tests, examples, benches): nothing in vime imports them

@@ -21,6 +21,8 @@ from vime.backends.vllm_utils.client import SERVED_MODEL
 from vime.data.adapter_mix import AdapterMixSource
 from vime.data.data_source import RolloutDataSource
 from vime.data.prompt_dataset import load_prompt_file, load_prompt_samples
+from vime.environments.judge import JudgeGroup
+from vime.environments.mixture import environment_eval_sources, environment_source, load_environments
 from vime.backends.weight_transport.check import probe_tokens
 from vime.data.transport import RolloutRef, make_transport, rollout_summary
 from vime.ray.engine_fleet import EngineFleet
@@ -47,10 +49,13 @@ def resolve_num_rollout(args, num_prompts: int) -> int:
     raise ValueError("set --num-rollout or --num-epoch")
 
 
-def make_data_source(args, tokenizer) -> RolloutDataSource | None:
-    """The training prompts: --prompt-data, or each adapter's file (--lora-adapters, `AdapterMixSource`); None
-    without either (replayed rollouts). Malformed rows skipped and over-long prompts dropped, all files together,
-    are reported with the next rollout (data/skipped_rows, data/too_long_prompts)."""
+def make_data_source(args, tokenizer, environments: list | None = None) -> RolloutDataSource | None:
+    """The training prompts: the --environment mixture (`environments`, loaded), --prompt-data, or each adapter's
+    file (--lora-adapters, `AdapterMixSource`); None without any (replayed rollouts). Malformed rows skipped and
+    over-long prompts dropped, all files together, are reported with the next rollout (data/skipped_rows,
+    data/too_long_prompts)."""
+    if environments:
+        return environment_source(environments, tokenizer, args, _buffer_filter(args))
     specs = adapter_specs(args)
     files = {s.name: s.prompt_data for s in specs} or ({None: args.prompt_data} if args.prompt_data else {})
     if not files:
@@ -58,16 +63,20 @@ def make_data_source(args, tokenizer) -> RolloutDataSource | None:
     loaded = {name: load_prompt_file(path, tokenizer, args) for name, path in files.items()}
     record_counters({"data/skipped_rows": float(sum(len(f.skipped) for f in loaded.values())),
                      "data/too_long_prompts": float(sum(f.too_long for f in loaded.values()))})
-    buffer_filter = None
-    if args.buffer_filter_path:
-        fn = load_function(args.buffer_filter_path)
-        # the filter gets the plugin view (the rollout context's, made once the data is loaded), as every hook
-        buffer_filter = lambda buffer, n: fn(rollout_context().plugin_args or args, buffer, n)  # noqa: E731
+    buffer_filter = _buffer_filter(args)
     if specs:
         return AdapterMixSource({name: f.samples for name, f in loaded.items()}, args.n_samples_per_prompt,
                                 args.rollout_seed, args.rollout_shuffle, buffer_filter)
     return RolloutDataSource(loaded[None].samples, args.n_samples_per_prompt, args.rollout_seed,
                              args.rollout_shuffle, buffer_filter)
+
+
+def _buffer_filter(args):
+    if not args.buffer_filter_path:
+        return None
+    fn = load_function(args.buffer_filter_path)
+    # the filter gets the plugin view (the rollout context's, made once the data is loaded), as every hook
+    return lambda buffer, n: fn(rollout_context().plugin_args or args, buffer, n)
 
 
 def make_eval_sources(args, tokenizer) -> dict[str, RolloutDataSource]:
@@ -103,11 +112,18 @@ class RolloutManager:
         self.fleet = EngineFleet(args, placement, self.log_dir, self.context, engines, token)
         if not args.debug_train_only:
             self.fleet.launch()  # the engines boot while the tokenizer, data and functions load
+        # --judge-checkpoint: the judge's own engines, never in the fleet (no weight update reaches them)
+        self.context.judge = JudgeGroup(args, self.log_dir) \
+            if getattr(args, "judge_checkpoint", None) and not args.debug_train_only else None
         from vime.utils.hf_tokenizer import load_tokenizer
 
         self.tokenizer = load_tokenizer(args.hf_checkpoint)
-        self.data_source = make_data_source(args, self.tokenizer)
-        self.eval_sources = make_eval_sources(args, self.tokenizer)
+        # --environment: the environments' prompts, evals, rewards and turns (the hooks find them in the context)
+        environments = load_environments(args) if getattr(args, "environment", None) else []
+        self.context.environments = {env.name: env for env in environments}
+        self.data_source = make_data_source(args, self.tokenizer, environments)
+        self.eval_sources = {**make_eval_sources(args, self.tokenizer),
+                             **environment_eval_sources(environments, self.tokenizer, args)}
         self.rollout_fn = load_function(args.rollout_function_path)
         self.eval_fn = load_function(args.eval_function_path or args.rollout_function_path)
         self.transport = make_transport(args)  # how generate() hands rollouts to the trainer side
@@ -128,11 +144,20 @@ class RolloutManager:
 
     # ---- the engine fleet (its remote interface) ------------------------------------------------------------
     def start(self) -> list[str]:
-        """Start (or connect to) the engines and the router; returns the engine URLs."""
-        return self.fleet.start()
+        """Start (or connect to) the engines and the router (and the judge's engines); returns the engine URLs."""
+        urls = self.fleet.start()
+        if self.context.judge is not None:
+            logger.info("judge engines at %s", ", ".join(self.context.judge.start()))
+        return urls
 
     def shutdown(self) -> None:
-        self.fleet.shutdown()
+        try:
+            self.fleet.shutdown()
+        finally:
+            if self.context.judge is not None:
+                self.context.judge.stop()
+            for env in self.context.environments.values():  # servers an environment started (no rollout is left)
+                env.close()
 
     def engine_pids(self) -> list[int]:
         return self.fleet.engine_pids()

@@ -272,7 +272,7 @@ def validate_rollout_args(args: argparse.Namespace) -> argparse.Namespace:
 
     adapters = adapter_specs(args)
     if not replaying:
-        if not args.prompt_data and not adapters:
+        if not args.prompt_data and not adapters and not getattr(args, "environment", None):
             raise ValueError("--prompt-data FILE is required (JSONL or Parquet; with --lora-adapters, each adapter's "
                              "NAME=FILE) unless replaying saved rollouts")
         if args.prompt_data and not Path(args.prompt_data).is_file():
@@ -298,8 +298,9 @@ def validate_rollout_args(args: argparse.Namespace) -> argparse.Namespace:
                                  f"{', '.join(s.name for s in adapters)})")
 
     if args.eval_pass_at_k is not None:
-        if args.eval_prompt_data is None:
-            raise ValueError("--eval-pass-at-k needs eval sets: --eval-prompt-data NAME PATH")
+        if args.eval_prompt_data is None and not getattr(args, "environment_eval_size", 0):
+            raise ValueError("--eval-pass-at-k needs eval sets: --eval-prompt-data NAME PATH (or "
+                             "--environment-eval-size N)")
         if args.eval_pass_at_k[-1] > args.n_samples_per_eval_prompt:
             raise ValueError(f"--eval-pass-at-k {','.join(map(str, args.eval_pass_at_k))}: k = "
                              f"{args.eval_pass_at_k[-1]} needs --n-samples-per-eval-prompt >= {args.eval_pass_at_k[-1]} "

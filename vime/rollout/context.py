@@ -26,6 +26,10 @@ class RolloutContext:
     # the args custom functions receive (vime.utils.plugin_args): the flags and the run-time values, the router's
     # address kept current by the engine fleet
     plugin_args: Any = None
+    # --environment: {name: vime.environments.base.Environment}, loaded by the rollout manager; the environment
+    # hooks (generate, reward) find each sample's environment here
+    environments: dict[str, Any] = field(default_factory=dict)
+    judge: Any = None  # --judge-checkpoint: vime.environments.judge.JudgeGroup, started by the rollout manager
 
 
 _context = RolloutContext()

@@ -15,6 +15,12 @@ from vime.utils.lora_adapters import ADAPTER_KEY, adapter_names
 from vime.utils.types import Sample
 
 
+# --environment runs (vime.environments): the environment a sample came from, and what its reward functions gave
+ENVIRONMENT_KEY = "environment"
+REWARD_FUNCTIONS_KEY = "reward_functions"  # {function name: value}
+REWARD_WEIGHTS_KEY = "reward_weights"  # {function name: weight in the reward}
+
+
 def _mean(xs):
     return sum(xs) / len(xs) if xs else 0.0
 
@@ -87,11 +93,45 @@ def rollout_metrics(samples: list[Sample], args=None, prefix: str = "rollout") -
         if s.status == Sample.Status.FAILED:
             key = f"{prefix}/failed/{failure_key(s)}"
             m[key] = m.get(key, 0.0) + 1.0
+    m.update(environment_metrics(samples, args, prefix))
     if prefix == "rollout" and args is not None:
         m.update(take_counters())
         for name in adapter_names(args):
             mine = [s for s in samples if s.metadata.get(ADAPTER_KEY) == name]
             m.update(rollout_metrics(mine, args, prefix=f"{prefix}/adapter/{name}"))
+    return m
+
+
+def environment_metrics(samples: list[Sample], args, prefix: str) -> dict[str, float]:
+    """Per environment of an --environment run (`<prefix>/env/<name>/...`): its samples' count, reward mean and
+    failures, and each reward function's mean value and weight (`fn/<function>_mean`, `fn/<function>_weight`,
+    over the samples that report it). An environment's own eval set (`eval/<name>`) already is that environment's
+    statistics: only its functions' (`eval/<name>/fn/...`). Empty when no sample is tagged with an environment."""
+    by_env: dict[str, list[Sample]] = {}
+    for s in samples:
+        name = s.metadata.get(ENVIRONMENT_KEY)
+        if name is not None:
+            by_env.setdefault(str(name), []).append(s)
+    m = {}
+    for name, mine in sorted(by_env.items()):
+        if len(by_env) == 1 and prefix.endswith(f"/{name}"):  # an environment's own eval set: no repeats
+            base = prefix
+        else:
+            rewards, _ = _reward_values(mine, args)
+            base = f"{prefix}/env/{name}"
+            m[f"{base}/num_samples"] = float(len(mine))
+            m[f"{base}/reward_mean"] = _mean(rewards)
+            m[f"{base}/failed_samples"] = float(sum(s.status == Sample.Status.FAILED for s in mine))
+        values: dict[str, list[float]] = {}
+        weights: dict[str, float] = {}
+        for s in mine:
+            for fn, value in (s.metadata.get(REWARD_FUNCTIONS_KEY) or {}).items():
+                values.setdefault(fn, []).append(float(value))
+            weights.update(s.metadata.get(REWARD_WEIGHTS_KEY) or {})
+        for fn, vs in sorted(values.items()):
+            m[f"{base}/fn/{fn}_mean"] = _mean(vs)
+            if fn in weights:
+                m[f"{base}/fn/{fn}_weight"] = float(weights[fn])
     return m
 
 

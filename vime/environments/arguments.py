@@ -1,0 +1,124 @@
+"""Flags of `--environment` runs (`vime.environments`) and their validation.
+
+`validate_environment_args` runs before the rollout side's validation: a run with environments takes its prompts,
+rewards and (for multi-turn kinds) generation from them, so it sets --custom-rm-path (and
+--custom-generate-function-path for multi-turn kinds) to the environment hooks and refuses flags that would
+compete with them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+
+from vime.environments.base import EnvironmentSpec
+from vime.environments.hooks import GENERATE_PATH, REWARD_PATH
+from vime.environments.mixture import environment_specs
+from vime.utils.misc import with_values
+
+# kind -> (module whose presence says the library is installed, PyPI name)
+LIBRARIES = {"reasoning_gym": ("reasoning_gym", "reasoning-gym"), "openenv": ("openenv", "openenv-core")}
+MULTI_TURN_KINDS = ("openenv",)  # kinds that generate through their own loop
+
+
+def add_environment_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("environments (reasoning-gym, OpenEnv; pip install -e '.[envs]')")
+    g.add_argument("--environment", action="append", default=None, metavar="KIND:TARGET",
+                   help="An environment to train on, repeatable (a mixture): reasoning_gym:<dataset>[,<dataset>...], "
+                        "openenv:<app module or http://host:port> (verifiers: not yet, see README). Its prompts, "
+                        "rewards (each reward function reported as its own metric) and, for multi-turn kinds, its "
+                        "turns replace --prompt-data and --rm-type (default: None).")
+    g.add_argument("--environment-weights", type=float, nargs="+", default=None,
+                   help="Mixture weight of each --environment, in order: the share of training groups drawn from it "
+                        "(default: 1 each).")
+    g.add_argument("--environment-args", action="append", default=None, metavar="JSON",
+                   help="A JSON object configuring an --environment, one per --environment in order when given "
+                        "('{}' for none): an OpenEnv environment's settings, reasoning-gym dataset configs {\"<dataset>\": {...}} "
+                        "(default: None).")
+    g.add_argument("--environment-eval-size", type=int, default=0,
+                   help="Prompts per environment in its own eval set (eval/<environment>/..., every "
+                        "--eval-interval rollouts); 0: no environment eval sets (default: 0).")
+    g.add_argument("--reasoning-gym-size", type=int, default=1000,
+                   help="Training entries generated per reasoning-gym dataset (default: 1000).")
+    g.add_argument("--reasoning-gym-seed", type=int, default=None,
+                   help="Seed of reasoning-gym's generators (default: --seed).")
+    g.add_argument("--reasoning-gym-weights", type=float, nargs="+", default=None,
+                   help="Weight of each dataset of a reasoning_gym:<d1>,<d2>,... spec within that environment's "
+                        "weight (default: equal).")
+    g.add_argument("--reasoning-gym-system-prompt", default="default",
+                   help="System prompt of reasoning-gym prompts: a key of reasoning_gym.utils.SYSTEM_PROMPTS "
+                        "(default, DeepSeekZero, simple, direct, ...) or none (default: default).")
+
+
+def add_judge_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("judge (a judge or reward model served by the run; vime.environments.judge)")
+    g.add_argument("--judge-checkpoint", default=None,
+                   help="HF checkpoint of a judge model the run serves on engines of its own, never updated; reward "
+                        "functions call it through `vime.environments.judge.run_judge()` (an OpenAI-compatible "
+                        "base_url and api_key, or its `chat` method) (default: None = no judge).")
+    g.add_argument("--judge-num-engines", type=int, default=1, help="Engines serving the judge (default: 1).")
+    g.add_argument("--judge-max-tokens", type=int, default=32,
+                   help="Tokens a judge reply may take unless the call says otherwise (default: 32).")
+    g.add_argument("--judge-temperature", type=float, default=0.0,
+                   help="Sampling temperature of judge calls unless the call says otherwise (default: 0.0).")
+    g.add_argument("--judge-timeout", type=float, default=60.0,
+                   help="Seconds one judge call may take; past it the call raises and the sample it scores fails "
+                        "(default: 60).")
+    g.add_argument("--judge-concurrency", type=int, default=64,
+                   help="Judge calls in flight at once, over its engines, which batch them (default: 64).")
+
+
+def validate_judge_args(args: argparse.Namespace) -> None:
+    if args.judge_checkpoint is None:
+        return
+    import os
+
+    if not os.path.isfile(os.path.join(args.judge_checkpoint, "config.json")):
+        raise ValueError(f"--judge-checkpoint {args.judge_checkpoint}: no config.json there; is it an HF checkpoint?")
+    for flag in ("judge_num_engines", "judge_max_tokens", "judge_concurrency"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if not args.judge_timeout > 0:
+        raise ValueError(f"--judge-timeout must be > 0 seconds, got {args.judge_timeout}")
+    if args.rollout_external_engine_addrs:
+        raise ValueError("--judge-checkpoint starts the judge's engines on this node; it is not yet supported with "
+                         "--rollout-external-engine-addrs")
+
+
+def check_installed(specs: list[EnvironmentSpec]) -> None:
+    """Each kind's library is installed, or a one-line error naming the extra (before anything starts)."""
+    for kind in dict.fromkeys(s.kind for s in specs):
+        module, package = LIBRARIES[kind]
+        if importlib.util.find_spec(module) is None:
+            raise ValueError(f"--environment {kind}:... needs the {package} package, which is not installed: "
+                             "pip install -e '.[envs]'")
+
+
+def validate_environment_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Refuse flags that compete with --environment; set the environment hooks as the run's reward (and generate)
+    functions. Returns `args` unchanged without --environment."""
+    validate_judge_args(args)
+    specs = environment_specs(args)  # bad kinds, weights, JSON: refused here
+    if not specs:
+        for flag in ("environment_weights", "environment_args"):
+            if getattr(args, flag):
+                raise ValueError(f"--{flag.replace('_', '-')} needs --environment")
+        return args
+    competing = [flag for flag in ("prompt_data", "custom_rm_path", "rm_type", "lora_adapters",
+                                   "custom_generate_function_path") if getattr(args, flag, None)]
+    if competing:
+        raise ValueError(f"--environment gives the run its prompts, rewards and generation: drop "
+                         f"{', '.join('--' + f.replace('_', '-') for f in competing)}")
+    if args.environment_eval_size < 0:
+        raise ValueError(f"--environment-eval-size must be >= 0, got {args.environment_eval_size}")
+    if args.reasoning_gym_size < 1:
+        raise ValueError(f"--reasoning-gym-size must be >= 1, got {args.reasoning_gym_size}")
+    if args.reasoning_gym_weights and sum(s.kind == "reasoning_gym" for s in specs) != 1:
+        raise ValueError("--reasoning-gym-weights weighs the datasets of one reasoning_gym spec; with several, "
+                         "weigh the specs with --environment-weights")
+    check_installed(specs)
+    kinds = {s.kind for s in specs}
+    derived = {"custom_rm_path": REWARD_PATH}
+    if kinds & set(MULTI_TURN_KINDS):
+        derived["custom_generate_function_path"] = GENERATE_PATH
+    return with_values(args, **derived)
