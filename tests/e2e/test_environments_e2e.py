@@ -89,7 +89,7 @@ def test_reasoning_gym_and_openenv_mixture(tiny_qwen3, tmp_path):
           "--reasoning-gym-weights", "3", "1", "--reasoning-gym-size", "40", "--reasoning-gym-seed", "5",
           "--reasoning-gym-system-prompt", "none", "--environment-eval-size", "4", "--eval-interval", "100",
           "--apply-chat-template", "--rollout-shuffle", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
-          "--num-rollout", "2", "--rollout-num-gpus", "2", "--rollout-max-response-len", "40",
+          "--num-rollout", "2", "--rollout-num-gpus", "1", "--rollout-max-response-len", "40",
           "--micro-batch-size", "8", "--lr", "1e-2", "--check-weight-update-equal",
           "--save-debug-rollout-data", str(tmp_path / "rollout_{rollout_id}.jsonl"),
           "--output-dir", str(tmp_path / "run"), "--vllm-enforce-eager", "--vllm-max-model-len", "256"])
@@ -199,6 +199,8 @@ def test_judge_served_by_the_run(tiny_qwen3, arithmetic_data, tmp_path):
             assert max(abs(a - b) for a, b in zip(reply["logprobs"], expected.tolist())) < 1e-4
 
 
+@pytest.mark.skipif(not os.environ.get("VIME_TEST_LEARNING_EXAMPLES"),
+                    reason="131 s: VIME_TEST_LEARNING_EXAMPLES=1 runs it (the quickstart's learning test runs in CI)")
 def test_reasoning_gym_example_learns(tmp_path):
     """examples/reasoning_gym/run.sh as a user runs it, GRPO cut from 60 rollouts to 45 with one eval at each end:
     the model learns reasoning-gym's task, its held-out eval reward rising by 0.2 or more (0.242 -> 0.602 measured),
