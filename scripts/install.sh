@@ -30,7 +30,7 @@ else
 fi
 
 # The rollout inspector's test opens its pages in a real headless browser: Debian's chromium, installed where
-# apt-get can (as root); elsewhere that test skips (and fails under CI).
+# apt-get can (as root); elsewhere that test skips.
 if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1 \
     || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1; } \
