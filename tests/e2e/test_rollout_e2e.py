@@ -57,7 +57,13 @@ def rollout_run(tiny_qwen3, arithmetic_data, tmp_path_factory):
                                 env=held_run_env(hold, at=2))
     try:
         wait_until_held(proc, hold, lambda: log.read_text()[-6000:])
-        served = {"workers": worker_cpus(), "metrics": (out / "run" / "metrics.jsonl").read_text(),
+        workers = worker_cpus()
+        for _ in range(20):  # a process name psutil could not read this once (busy, renaming) is read again
+            if len(workers) == 2:
+                break
+            time.sleep(0.5)
+            workers = worker_cpus()
+        served = {"workers": workers, "metrics": (out / "run" / "metrics.jsonl").read_text(),
                   "engine_logs": {p.name: p.read_text() for p in (out / "run" / "logs").glob("engine_*.log")},
                   "routes": _engine_routes(log.read_text(), token_file.read_text().strip()),
                   "hostile": _another_user_probes(log.read_text(), token_file.read_text().strip())

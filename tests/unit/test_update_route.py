@@ -88,7 +88,9 @@ def test_engine_without_the_route_gets_the_same_steps_as_separate_calls(old_engi
     answer = client.update_weights_all([old_engine], {old_engine: call}, 7, pause_mode="keep")[0]
     assert answer["results"] == ["loaded"] and set(answer["timings"]) == {"pause_s", "load_s", "finish_s"}
     assert [(path, query) for path, query, _ in _Engine.calls] == [
-        (ROUTE, ""), ("/pause", "mode=keep"), ("/collective_rpc", ""), ("/reset_prefix_cache", ""),
+        # kept requests are preempted at the reset: their KV is recomputed under the new weights
+        (ROUTE, ""), ("/pause", "mode=keep"), ("/collective_rpc", ""),
+        ("/reset_prefix_cache", "reset_running_requests=true"),
         ("/update_weight_version", ""), ("/resume", "")]
     assert _Engine.calls[2][2] == {"method": "reload_weights", "kwargs": {"weights_path": "/dev/shm/w"}}
     assert _Engine.calls[4][2] == {"new_version": "7"}
@@ -132,3 +134,12 @@ def test_engine_core_fork_patch(monkeypatch):
     patched = engine_utils.get_mp_context
     fork_engine_core()
     assert engine_utils.get_mp_context is patched and patched().get_start_method() == "fork"
+
+
+def test_a_prefix_cache_the_engine_could_not_reset_fails_the_update(monkeypatch):
+    sent = []
+    monkeypatch.setattr(client, "post_all", lambda urls, route, body=None, params=None: sent.append(params) or
+                        [{"success": True}, {"success": False}])
+    with pytest.raises(client.EngineControlError, match=r"\['http://b'\]: the prefix cache could not be reset"):
+        client.reset_prefix_cache(["http://a", "http://b"], running_requests=True)
+    assert sent == [{"reset_running_requests": "true"}]

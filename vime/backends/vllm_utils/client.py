@@ -98,8 +98,14 @@ def abort_all(urls: list[str]) -> None:
 
 
 def reset_prefix_cache(urls: list[str], running_requests: bool = False) -> None:
-    """`running_requests`: also preempt running requests, whose KV is then recomputed when they resume."""
-    post_all(urls, "/reset_prefix_cache", params={"reset_running_requests": "true"} if running_requests else None)
+    """`running_requests`: also preempt running requests, whose KV is then recomputed when they resume. Raises
+    naming the engines whose cache could not be reset (vLLM answers {"success": false}): cached prefixes of the
+    old weights must not be served."""
+    answers = post_all(urls, "/reset_prefix_cache",
+                       params={"reset_running_requests": "true"} if running_requests else None)
+    failed = [u for u, a in zip(urls, answers) if isinstance(a, dict) and a.get("success") is False]
+    if failed:
+        raise EngineControlError(f"engines {failed}: the prefix cache could not be reset")
 
 
 def update_weight_version(urls: list[str], version: str) -> None:
