@@ -33,8 +33,8 @@ def add_environment_args(parser: argparse.ArgumentParser) -> None:
                         "(default: 1 each).")
     g.add_argument("--environment-args", action="append", default=None, metavar="JSON",
                    help="A JSON object configuring an --environment, one per --environment in order when given "
-                        "('{}' for none): an OpenEnv environment's settings, reasoning-gym dataset configs {\"<dataset>\": {...}} "
-                        "(default: None).")
+                        "('{}' for none): an OpenEnv environment's settings, reasoning-gym dataset configs "
+                        "{\"<dataset>\": {...}} (default: None).")
     g.add_argument("--environment-eval-size", type=int, default=0,
                    help="Prompts per environment in its own eval set (eval/<environment>/..., every "
                         "--eval-interval rollouts); 0: no environment eval sets (default: 0).")

@@ -6,6 +6,7 @@ import argparse
 import importlib
 import random
 import socket
+from pathlib import Path
 from typing import Any, Callable
 
 
@@ -55,7 +56,7 @@ def find_free_port(host: str = "127.0.0.1") -> int:
 def _listen_range() -> tuple[int, int]:
     """Ports for listeners: above Ray's worker ports (10002-19999 by default), below the ephemeral range."""
     try:
-        ephemeral_low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+        ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         ephemeral_low = 32768  # Linux's default
     return 20000, ephemeral_low
