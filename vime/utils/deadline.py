@@ -33,6 +33,8 @@ def gather(refs, what: str, timeout: float | None, flag: str | None = None):
     while pending:
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+        if not ready and time.monotonic() < deadline:
+            continue  # ray.wait rounds its timeout to milliseconds and may return a hair early
         if not ready:
             hint = f"; raise {flag} if it is only slow" if flag else ""
             raise DeadlineExceeded(f"{what} did not finish within {timeout:g}s ({len(pending)} of {len(order)} "
