@@ -4,11 +4,12 @@
 
 from __future__ import annotations
 
-import gzip
 import json
 from pathlib import Path
 
 from vime.data.sample_codec import json_ready
+from vime.data.saved_rollouts import (LOG_PROB_DECIMALS, ROLLOUTS_DIR, keep_under_cap, read_gzip_lines,
+                                      write_gzip_lines)
 from vime.utils.types import Sample
 
 
@@ -51,10 +52,6 @@ def load_rollout(template: str, rollout_id: int) -> list[list[Sample]]:
 
 # ---- the compact rollouts every run keeps for `python -m vime.inspect` -------------------------------------------
 
-ROLLOUTS_DIR = "rollouts"  # under --output-dir
-LOG_PROB_DECIMALS = 5  # log-probs are kept to 1e-5: plenty to read, half the bytes of a full float
-
-
 def compact_sample(sample: Sample | dict) -> dict:
     """The sample as `Sample.to_dict()` gives it, without what is too big to look at (the routed experts) and with
     its log-probs rounded to LOG_PROB_DECIMALS places. A dict (a `to_dict()` the caller already made) is not
@@ -72,41 +69,16 @@ def compact_rollout_path(output_dir: str | Path, name: str) -> Path:
 
 def save_compact_rollout(output_dir: str | Path, name: str, groups: list[list[Sample | dict]],
                          max_mb: float) -> Path | None:
-    """Write `groups` (samples, or their `to_dict()`s) to <output_dir>/rollouts/<name>.jsonl.gz (gzip JSON lines, one compact sample a line, the
-    groups' samples consecutive), then delete the oldest other files there until the folder holds at most `max_mb`
-    megabytes (the newest rollouts are the ones worth looking at). Returns the path, or None when the file alone
+    """Write `groups` (samples, or their `to_dict()`s) to <output_dir>/rollouts/<name>.jsonl.gz (gzip JSON lines,
+    one compact sample a line, the groups' samples consecutive), then delete the oldest other files there (rollouts
+    and the trainer's records of them) until the folder holds at most `max_mb` megabytes (the newest rollouts are
+    the ones worth looking at). Returns the path, or None when the file alone
     is over the cap (it is not kept, and nothing else is deleted)."""
-    path = compact_rollout_path(output_dir, name)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with gzip.open(tmp, "wt", encoding="utf-8", compresslevel=1) as f:
-        for group in groups:
-            for sample in group:
-                f.write(json.dumps(compact_sample(sample), ensure_ascii=False) + "\n")
-    tmp.replace(path)
-    cap = int(max_mb * 1024 * 1024)
-    if path.stat().st_size > cap:
-        path.unlink()
-        return None
-    others = sorted((_size_and_mtime(p) + (p,) for p in path.parent.glob("*.jsonl.gz") if p != path),
-                    key=lambda entry: entry[1])
-    total = path.stat().st_size + sum(size for size, _, _ in others)
-    while total > cap:
-        size, _, oldest = others.pop(0)
-        total -= size
-        oldest.unlink(missing_ok=True)  # another writer's trim (rollouts saved from two threads) may be first
-    return path
-
-
-def _size_and_mtime(path: Path) -> tuple[int, float]:
-    try:
-        st = path.stat()
-    except FileNotFoundError:
-        return 0, 0.0
-    return st.st_size, st.st_mtime
+    path = write_gzip_lines(compact_rollout_path(output_dir, name),
+                            (compact_sample(sample) for group in groups for sample in group))
+    return keep_under_cap(path, max_mb)
 
 
 def read_compact_rollout(path: str | Path) -> list[dict]:
     """The sample dicts of a file written by `save_compact_rollout`, in order."""
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return read_gzip_lines(path)
