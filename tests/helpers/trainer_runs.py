@@ -27,8 +27,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 # 4 prompts x 4 samples per rollout, micro-batches of 2. --load-debug-rollout-data only satisfies the argument
-# check: the trainer is handed its rollouts and reads no file.
-BASE_ARGV = ["--debug-train-only", "--load-debug-rollout-data", "unused_{rollout_id}.jsonl", "--rm-type", "math",
+# check: the trainer is handed its rollouts and reads no file. --no-save-rollouts: a test that wants the trainer's
+# records for the inspector turns it back on with an --output-dir of its own (else they land in ./outputs/run).
+BASE_ARGV = ["--debug-train-only", "--no-save-rollouts", "--load-debug-rollout-data", "unused_{rollout_id}.jsonl",
+             "--rm-type", "math",
              "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--micro-batch-size", "2", "--lr", "1e-3"]
 
 

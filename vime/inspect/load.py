@@ -1,7 +1,8 @@
 """What the inspector shows, read from a run's output directory: the compact rollouts in <output-dir>/rollouts/
-(`vime.rollout.debug_data.save_compact_rollout`), the run's flags (config.yaml) and metrics (metrics.jsonl), and the
-per-sample figures derived from them (token pieces, group advantages, the tokens to mark). Plain data out; the HTML
-is `vime.inspect.render`'s."""
+(`vime.rollout.debug_data.save_compact_rollout`), the training ranks' records of them beside them (their per-token
+log-probs and advantages, `vime.data.saved_rollouts`), the run's flags (config.yaml) and metrics (metrics.jsonl),
+and the per-sample figures derived from them (token pieces, group advantages where the trainer's are missing, the
+tokens to mark). Plain data out; the HTML is `vime.inspect.render`'s."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ from pathlib import Path
 
 import yaml
 
+from vime.data.saved_rollouts import match_train_records, read_train_records
 from vime.rollout.debug_data import ROLLOUTS_DIR, read_compact_rollout
 from vime.utils.lora_adapters import ADAPTER_KEY
 
-TRAIN_LOG_PROBS_KEY = "train_log_probs"  # metadata[...]: the trainer's log-probs of the response tokens, if saved
+TRAIN_LOG_PROBS_KEY = "train_log_probs"  # metadata[...]: a rollout's own trainer log-probs (a custom rollout's)
 MARKED_TOKENS = 5  # tokens marked per sample: the largest train/rollout gaps, else the least likely sampled tokens
 _NAME = re.compile(r"^(rollout|eval_(?P<eval>.+))_(?P<id>\d+)\.jsonl\.gz$")
 
@@ -24,7 +26,8 @@ _NAME = re.compile(r"^(rollout|eval_(?P<eval>.+))_(?P<id>\d+)\.jsonl\.gz$")
 @dataclass
 class SampleView:
     """One sample as the page shows it. `pieces[i]` is the text of response token i; `marked` the indices of the
-    response tokens to mark; `advantage` None for a sample without a numeric reward."""
+    response tokens to mark, the most notable first; `advantage` the inspector's group-normalised reward (None for a
+    sample without a numeric reward); `train_advantages` the trainer's per-token advantages, where it saved them."""
     raw: dict
     prompt_text: str
     pieces: list[str]
@@ -33,6 +36,7 @@ class SampleView:
     source: str
     marked: list[int]
     train_log_probs: list[float] | None
+    train_advantages: list[float] | None = None
 
     @property
     def failure(self) -> dict | None:
@@ -98,14 +102,53 @@ def group_advantages(rewards: list[float | None]) -> list[float | None]:
 
 
 def marked_tokens(engine: list[float], trainer: list[float] | None, mask: list[int], k: int = MARKED_TOKENS) -> list[int]:
-    """Indices of the `k` trained tokens with the largest |trainer - engine| log-prob gap, or, without the trainer's
-    log-probs, the `k` trained tokens the engine found least likely."""
+    """Indices of the `k` trained tokens with the largest |trainer - engine| log-prob gap (a NaN one, the trainer's
+    non-finite log-prob, counts as the largest), or, without the trainer's log-probs, the `k` trained tokens the
+    engine found least likely; the largest gap (least likely token) first."""
     trained = [i for i, m in enumerate(mask) if m]
     if trainer is not None:
-        order = sorted(trained, key=lambda i: -abs(trainer[i] - engine[i]))
+        def gap(i: int) -> float:
+            d = abs(trainer[i] - engine[i])
+            return math.inf if math.isnan(d) else d
+        order = sorted(trained, key=lambda i: -gap(i))
     else:
         order = sorted(trained, key=lambda i: engine[i])
-    return sorted(order[:k])
+    return order[:k]
+
+
+def _floats(values: list | None, n: int) -> list[float] | None:
+    """A saved per-token list of length `n` as floats (None entries, non-finite numbers the writer dropped, as
+    NaN), or None when there is none of that length."""
+    if not isinstance(values, list) or len(values) != n:
+        return None
+    return [math.nan if v is None else float(v) for v in values]
+
+
+def trainer_figures(raw: dict, record: dict | None) -> tuple[list[float] | None, list[float] | None]:
+    """(the trainer's per-token log-probs, its per-token advantages) of one saved sample: from the training ranks'
+    record (`vime.data.saved_rollouts.train_record`), else the log-probs a rollout put in
+    metadata[TRAIN_LOG_PROBS_KEY]; None for what neither has."""
+    n = raw.get("response_length") or 0
+    record = record or {}
+    log_probs = _floats(record.get("log_probs"), n) or _floats((raw.get("metadata") or {}).get(TRAIN_LOG_PROBS_KEY), n)
+    return log_probs, _floats(record.get("advantages"), n)
+
+
+COMPUTED_ADVANTAGES_NOTE = ("advantage (computed): by the inspector, GRPO-style: (reward - group mean) / (group std "
+                            "+ 1e-6) over the group's samples with a reward; the trainer saved no advantages of "
+                            "these samples (an eval set, a --debug-rollout-only run, a rollout not trained, an older run)")
+TRAINER_ADVANTAGES_NOTE = ("advantages (trainer): the trainer's own, per token (its --advantage-estimator, after "
+                           "its reward shaping), and trainer log-probs under the weights the rollout was sampled "
+                           "with, saved by the training ranks in rollouts/<rollout>.train.<rank>.jsonl.gz")
+
+
+def advantages_note(with_trainer: int, total: int) -> str:
+    """The page's note on whose advantages it shows: the trainer's, the inspector's, or each for some samples."""
+    if with_trainer == total:
+        return TRAINER_ADVANTAGES_NOTE
+    if with_trainer == 0:
+        return COMPUTED_ADVANTAGES_NOTE
+    return f"{with_trainer} of {total} samples: {TRAINER_ADVANTAGES_NOTE}. The others: {COMPUTED_ADVANTAGES_NOTE}"
 
 
 def data_source(sample: dict, eval_set: str | None) -> str:
@@ -126,21 +169,21 @@ def load_rollout_view(path: Path, tokenizer, reward_key: str | None, metrics: di
     for members in groups.values():
         for i, a in zip(members, group_advantages([rewards[i] for i in members])):
             advantages[i] = a
+    records = match_train_records(raws, read_train_records(path.parent, int(m["id"])) if m["eval"] is None else [])
     samples = []
-    for raw, reward, advantage in zip(raws, rewards, advantages):
+    for raw, reward, advantage, record in zip(raws, rewards, advantages, records):
         tokens, n = raw.get("tokens") or [], raw.get("response_length") or 0
         prompt_ids, response_ids = tokens[:len(tokens) - n], tokens[len(tokens) - n:]
         engine = raw.get("rollout_log_probs") or [0.0] * n
         mask = raw.get("loss_mask") if raw.get("loss_mask") is not None else [1] * n
-        trainer = (raw.get("metadata") or {}).get(TRAIN_LOG_PROBS_KEY)
-        trainer = trainer if isinstance(trainer, list) and len(trainer) == n else None
+        trainer, trainer_advantages = trainer_figures(raw, record)
         samples.append(SampleView(
             raw=raw, prompt_text=tokenizer.decode(prompt_ids, skip_special_tokens=False),
             pieces=[tokenizer.decode([t], skip_special_tokens=False) for t in response_ids],
             reward=reward, advantage=advantage, source=data_source(raw, m["eval"]),
-            marked=marked_tokens(engine, trainer, mask), train_log_probs=trainer))
+            marked=marked_tokens(engine, trainer, mask), train_log_probs=trainer,
+            train_advantages=trainer_advantages))
+    with_trainer = sum(s.train_advantages is not None for s in samples)
     return RolloutView(name=path.name.removesuffix(".jsonl.gz"), rollout_id=int(m["id"]), eval_set=m["eval"],
-                       samples=samples, metrics=metrics or {},
-                       advantages_note="computed by the inspector, GRPO-style: (reward - group mean) / (group std "
-                                       "+ 1e-6) over the group's samples with a reward; the trainer's own "
-                                       "advantages (its --advantage-estimator) are not saved")
+                       samples=samples, metrics=metrics or {}, advantages_note=advantages_note(with_trainer,
+                                                                                               len(samples)))

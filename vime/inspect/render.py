@@ -5,7 +5,10 @@ The page's structure is what tests and scripts read: each sample is a `section.s
 data-group, data-status, data-source, data-reward and data-spans (its weight_version_spans as JSON); each response
 token a `span.tok` (class `trained` or
 `untrained` after its loss_mask entry, `marked` for the tokens `vime.inspect.load.marked_tokens` picked) with
-data-lp (the engine's log-prob) and, where saved, data-train-lp.
+data-lp (the engine's log-prob) and, where saved, data-train-lp (the trainer's) and, where the trainer's advantages
+differ between the sample's tokens, data-adv. The header's `b.f-advantages` is the trainer's advantage ("advantages
+(trainer)"), `b.f-advantage` the inspector's group-normalised one ("advantage (computed)") where the trainer saved
+none.
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ JS = """
     const i = parseInt(t.dataset.i), section = t.closest('section.sample');
     let title = 'token ' + i + ' \u00b7 engine log-prob ' + parseFloat(t.dataset.lp).toFixed(5);
     if (t.dataset.trainLp !== undefined) title += ' \u00b7 trainer ' + parseFloat(t.dataset.trainLp).toFixed(5);
+    if (t.dataset.adv !== undefined) title += ' \u00b7 advantage ' + parseFloat(t.dataset.adv).toFixed(4);
     for (const [v, start, end] of JSON.parse(section.dataset.spans || '[]'))
       if (start <= i && i < end) title += ' \u00b7 weight version ' + v;
     t.title = title;
@@ -100,14 +104,36 @@ def _tokens(view: SampleView) -> str:
     raw = view.raw
     n = raw.get("response_length") or 0
     engine = raw.get("rollout_log_probs") or [0.0] * n
-    mask = raw.get("loss_mask") if raw.get("loss_mask") is not None else [1] * n
+    mask = _mask(raw)
     marked = set(view.marked)
+    per_token_advantages = view.train_advantages if _varies(view.train_advantages) else None
     out = []
     for i, piece in enumerate(view.pieces):
         cls = "tok " + ("trained" if mask[i] else "untrained") + (" marked" if i in marked else "")
         train = "" if view.train_log_probs is None else f' data-train-lp="{view.train_log_probs[i]!r}"'
-        out.append(f'<span class="{cls}" data-i="{i}" data-lp="{engine[i]!r}"{train}>{escape(piece)}</span>')
+        adv = "" if per_token_advantages is None else f' data-adv="{per_token_advantages[i]!r}"'
+        out.append(f'<span class="{cls}" data-i="{i}" data-lp="{engine[i]!r}"{train}{adv}>{escape(piece)}</span>')
     return "".join(out)
+
+
+def _varies(values: list[float] | None) -> bool:
+    return values is not None and len(set(values)) > 1
+
+
+def trainer_advantage_text(advantages: list[float], mask: list[int]) -> str:
+    """The header's "advantages (trainer)": the one value of the trained tokens (GRPO and the other per-sample
+    estimators), else their mean and range (per-token estimators: PPO's GAE, REINFORCE++ with a KL penalty)."""
+    trained = [a for a, m in zip(advantages, mask) if m] or advantages
+    if not trained:
+        return ""
+    if len(set(trained)) == 1:
+        return _num(trained[0])
+    return f"{_num(sum(trained) / len(trained))} (per token {_num(min(trained))} to {_num(max(trained))})"
+
+
+def _mask(raw: dict) -> list[int]:
+    n = raw.get("response_length") or 0
+    return raw.get("loss_mask") if raw.get("loss_mask") is not None else [1] * n
 
 
 def _marked_table(view: SampleView) -> str:
@@ -115,7 +141,8 @@ def _marked_table(view: SampleView) -> str:
         return ""
     engine = view.raw.get("rollout_log_probs") or []
     trainer = view.train_log_probs
-    what = "largest |trainer - engine| log-prob gaps" if trainer else "least likely trained tokens (engine log-prob)"
+    what = ("largest |trainer - engine| log-prob gaps, largest first" if trainer
+            else "least likely trained tokens (engine log-prob), least likely first")
     head = "<tr><th>token</th><th>text</th><th>engine log-prob</th>" + (
         "<th>trainer log-prob</th><th>gap</th>" if trainer else "") + "</tr>"
     rows = []
@@ -135,7 +162,9 @@ def _sample(view: SampleView) -> str:
     facts = {
         "sample": raw.get("index"), "group": raw.get("group_index"), "status": status,
         "reward": reward if not isinstance(reward, dict) else _num(view.reward),
-        "advantage (computed)": _num(view.advantage), "data source": view.source,
+        **({"advantages (trainer)": trainer_advantage_text(view.train_advantages, _mask(raw))}
+           if view.train_advantages is not None else {"advantage (computed)": _num(view.advantage)}),
+        "data source": view.source,
         "response tokens": raw.get("response_length"), "trained tokens": sum(raw.get("loss_mask") or []),
         "weight versions": ", ".join(map(str, raw.get("weight_versions") or [])),
     }
@@ -173,12 +202,13 @@ def rollout_page(view: RolloutView) -> str:
         '<span id="f-count"></span></div>')
     legend = ('<p class="legend"><span class="tok trained">trained token (loss_mask 1)</span>'
               '<span class="tok untrained">not trained (loss_mask 0)</span>'
-              '<span class="tok marked">marked</span> hover a token for its log-prob and weight version</p>')
+              '<span class="tok marked">marked</span> hover a token for its log-probs (engine, trainer), advantage '
+              'and weight version</p>')
     title = f"{view.name} ({len(view.samples)} samples)"
     metrics = (f"<details><summary>rollout metrics (metrics.jsonl)</summary>{_kv_table(view.metrics)}</details>"
                if view.metrics else "")
     body = (f'<p><a href="index.html">all rollouts</a></p><h1>{escape(title)}</h1>{filters}{legend}'
-            f'<p class="note">advantages: {escape(view.advantages_note)}</p>{metrics}\n'
+            f'<p class="note advantages-note">{escape(view.advantages_note)}</p>{metrics}\n'
             + "\n".join(_sample(s) for s in view.samples))
     return _page(title, body, JS)
 

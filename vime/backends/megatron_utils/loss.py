@@ -18,9 +18,12 @@ from vime.backends.megatron_utils.log_probs import response_log_probs
 from vime.utils.misc import load_function
 
 
-def make_loss_fn(args, batch: TrainBatch, denominators: dict, scale: float, step_index: int, plugin_args=None):
+def make_loss_fn(args, batch: TrainBatch, denominators: dict, scale: float, step_index: int, plugin_args=None,
+                 keep_log_probs=None):
     """Return loss_fn(indices, inputs, logits) -> (scaled loss, metrics) for `model.run_schedule`. A custom loss
-    function gets `plugin_args` (the flags and the run's values, `vime.utils.plugin_args`; default `args`)."""
+    function gets `plugin_args` (the flags and the run's values, `vime.utils.plugin_args`; default `args`).
+    `keep_log_probs` (a `model.OnHost`, or None) is handed each micro-batch's log-probs, detached, on the device:
+    the trainer keeps them for the inspector without a host copy per micro-batch."""
     policy_loss = get_policy_loss(getattr(args, "policy_loss", "ppo"))
     # only a built-in loss's own keywords: a loss registered by a user keeps the contract it was written against
     own_kwargs = policy_loss_kwargs(args, step_index)
@@ -42,6 +45,8 @@ def make_loss_fn(args, batch: TrainBatch, denominators: dict, scale: float, step
         log_probs, entropy = response_log_probs(logits, inputs.targets, inputs.response_lengths,
                                                 args.rollout_temperature, with_entropy=True,
                                                 entropy_grad=bool(args.entropy_coef) or custom is not None)
+        if keep_log_probs is not None:
+            keep_log_probs.add(indices, log_probs)
         # the batch lives on the CPU: its tensors go to the model's device once per micro-batch
         mb = batch.select(indices, log_probs[0].device)
         masks = mb["loss_masks"]

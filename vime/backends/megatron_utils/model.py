@@ -231,7 +231,7 @@ def run_schedule(model, micro_batches: list[list[int]], batch: TrainBatch, loss_
         num_microbatches=len(micro_batches), seq_length=longest, micro_batch_size=1, forward_only=forward_only)
 
 
-class _OnHost:
+class OnHost:
     """Per-sample tensors a forward-only pass computes on the device, copied to the host in one transfer when the
     pass ends (a copy per sample would wait for the device once per sample)."""
 
@@ -256,7 +256,7 @@ class _OnHost:
 
 def forward_values(args, model, batch: TrainBatch, micro_batches: list[list[int]]) -> dict[int, torch.Tensor]:
     """Critic: {sample index: values of its response tokens} on the last stage, {} elsewhere."""
-    values_on_host = _OnHost()
+    values_on_host = OnHost()
 
     def loss_fn(indices, inputs, values):
         values_on_host.add(indices, list(values[:, 0].float().split(inputs.response_lengths)))
@@ -271,7 +271,7 @@ def forward_values(args, model, batch: TrainBatch, micro_batches: list[list[int]
 def forward_log_probs(args, model, batch: TrainBatch, micro_batches: list[list[int]], with_entropy: bool = False,
                       routing=None):
     """{sample index: (log-probs of its response tokens, entropy or None)} on the last stage, {} elsewhere."""
-    log_probs_on_host, entropy_on_host = _OnHost(), _OnHost()
+    log_probs_on_host, entropy_on_host = OnHost(), OnHost()
 
     def loss_fn(indices, inputs, logits):
         lps, ents = response_log_probs(logits, inputs.targets, inputs.response_lengths, args.rollout_temperature,
