@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -28,7 +29,9 @@ import torch
 
 from tests.e2e.processes import stack_pids
 from tests.helpers.browser import dump_dom, parse_page
-from vime.inspect.load import group_advantages
+from tests.helpers.trainer_runs import BASE_ARGV, launch
+from vime.data.saved_rollouts import match_train_records, read_train_records
+from vime.inspect.load import group_advantages, marked_tokens
 from vime.rollout.debug_data import load_rollout, read_compact_rollout
 
 pytestmark = pytest.mark.e2e
@@ -184,10 +187,12 @@ def test_inspector_page_in_a_browser_shows_the_saved_rollout(episodes, tiny_qwen
     for d in saved:
         rewards.setdefault(d["group_index"], []).append(d["reward"])
     advantages = {g: iter(group_advantages(r)) for g, r in rewards.items()}
+    assert "advantage (computed)" in page.text and "advantages (trainer)" not in page.text  # no trainer ran
     for section, d in zip(page.samples, saved):
         assert int(section.attrs["data-index"]) == d["index"] and section.attrs["data-status"] == d["status"]
         assert float(section.attrs["data-reward"]) == d["reward"]
         assert section.facts["advantage"] == f"{next(advantages[d['group_index']]):.4f}"
+        assert all("data-train-lp" not in t for t in section.tokens)
         assert [int(t["data-i"]) for t in section.tokens] == list(range(d["response_length"]))
         assert [int("trained" in t["class"].split()) for t in section.tokens] == d["loss_mask"]
         assert [float(t["data-lp"]) for t in section.tokens] == d["rollout_log_probs"]
@@ -213,3 +218,47 @@ def test_inspector_page_in_a_browser_shows_the_saved_rollout(episodes, tiny_qwen
     shown = [s for s in filtered.samples if "hidden" not in s.attrs]
     assert len(shown) == sum(d["reward"] >= best for d in saved)
     assert f"{len(shown)} of 8 samples shown" in filtered.text
+
+
+def _groups(samples: list[dict]) -> list[list[dict]]:
+    """Consecutive samples of one group_index together, as the rollout was saved."""
+    groups: list[list[dict]] = []
+    for d in samples:
+        if groups and groups[-1][0]["group_index"] == d["group_index"]:
+            groups[-1].append(d)
+        else:
+            groups.append([d])
+    return groups
+
+
+def test_inspector_page_shows_the_trainers_log_probs_and_advantages(episodes, tiny_qwen3, tmp_path):
+    """The run above generated only; a float32 CPU trainer (one rank) now trains on its saved rollout, in a copy of
+    the run's folder, and keeps its records beside it. The page then shows the trainer's log-prob of every token,
+    equal to the saved file's and within 1e-3 of the engine's on the trained tokens (the same weights, both float32),
+    the largest gaps marked, and the trainer's GRPO advantages as "advantages (trainer)"."""
+    _, _, out = episodes
+    run = tmp_path / "run"
+    shutil.copytree(out / "run", run, ignore=shutil.ignore_patterns("inspect"))
+    saved = read_compact_rollout(run / "rollouts" / "rollout_0.jsonl.gz")
+    argv = ["--hf-checkpoint", str(tiny_qwen3), *BASE_ARGV, "--rollout-batch-size", "4", "--n-samples-per-prompt",
+            "2", "--rollout-temperature", str(TEMPERATURE), "--save-rollouts", "--output-dir", str(run)]
+    launch({"argv": argv, "data": {"0": _groups(saved)}, "train": [0]}, tmp_path / "ranks", timeout_s=300)
+    records = match_train_records(saved, read_train_records(run / "rollouts", 0))
+    assert all(r is not None and r["log_probs_from"] == "first_step" for r in records)
+    worst = max(abs(t - e) for d, r in zip(saved, records)
+                for t, e, m in zip(r["log_probs"], d["rollout_log_probs"], d["loss_mask"]) if m)
+    assert worst < 1e-3, f"max |trainer - engine| log-prob on trained tokens = {worst}"
+
+    proc = subprocess.run([sys.executable, "-m", "vime.inspect", str(run)], capture_output=True, text=True,
+                          timeout=120, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    page = parse_page(dump_dom(run / "inspect" / "rollout_0.html"))
+    assert "8 of 8 samples shown" in page.text and "advantage (computed)" not in page.text
+    for section, d, r in zip(page.samples, saved, records):
+        assert [float(t["data-train-lp"]) for t in section.tokens] == r["log_probs"]
+        marked = [int(t["data-i"]) for t in section.tokens if "marked" in t["class"].split()]
+        assert marked == sorted(marked_tokens(d["rollout_log_probs"], r["log_probs"], d["loss_mask"]))
+        trained = {a for a, m in zip(r["advantages"], d["loss_mask"]) if m}
+        assert len(trained) == 1  # GRPO: one advantage per sample
+        assert section.facts["advantages"] == f"{trained.pop():.4f}"
+    print(f"max |trainer - engine| log-prob on trained tokens: {worst:.2e}")
