@@ -13,7 +13,8 @@ import pytest
 
 from vime.arguments import build_parser, config_to_argv
 from vime.inspect.__main__ import main as inspect_main
-from vime.inspect.load import group_advantages, load_rollout_view, marked_tokens, rollout_files, scalar_reward
+from vime.inspect.load import (group_advantages, load_rollout_view, marked_tokens, page_chunks, rollout_files,
+                               scalar_reward)
 from vime.inspect.render import rollout_page
 from vime.rollout.arguments import validate_rollout_args
 from vime.rollout.debug_data import compact_rollout_path, read_compact_rollout, save_compact_rollout
@@ -154,3 +155,24 @@ def test_cli_writes_index_and_one_page_per_rollout(tmp_path, monkeypatch):
     assert "eval/math/reward_mean" in (out / "eval_math_1.html").read_text()
     with gzip.open(tmp_path / "rollouts" / "rollout_0.jsonl.gz", "rt") as f:
         assert json.loads(f.readline())["response"] == "hi"
+
+
+def test_page_chunks_by_response_tokens():
+    assert page_chunks([3, 3, 3], 6) == [range(0, 2), range(2, 3)]
+    assert page_chunks([10, 1, 1], 6) == [range(0, 1), range(1, 3)]  # a longer sample alone
+    assert page_chunks([2, 2], 100) == [range(0, 2)] and page_chunks([], 5) == [range(0, 0)]
+
+
+def test_cli_splits_a_large_rollout_over_linked_pages(tmp_path, monkeypatch):
+    save_compact_rollout(tmp_path, "rollout_0", [[_sample(i, 0, "abcd", 1.0) for i in range(5)]], max_mb=1)
+    (tmp_path / "config.yaml").write_text("hf-checkpoint: /nonexistent\n")
+    monkeypatch.setattr("vime.utils.hf_tokenizer.load_tokenizer", lambda path: CharTokenizer())
+    assert inspect_main([str(tmp_path), "--max-page-tokens", "8"]) == 0
+    out = tmp_path / "inspect"
+    assert sorted(p.name for p in out.iterdir()) == ["index.html", "rollout_0.2.html", "rollout_0.3.html",
+                                                     "rollout_0.html"]
+    pages = [(out / f"{name}.html").read_text() for name in ("rollout_0", "rollout_0.2", "rollout_0.3")]
+    assert [p.count('<section class="sample') for p in pages] == [2, 2, 1]
+    assert 'href="rollout_0.3.html"' in pages[0] and 'href="rollout_0.html"' in pages[2]
+    assert "page 2 of 3" in pages[1]
+    assert "<td>5</td><td>0</td><td>1.0000</td><td>3</td>" in (out / "index.html").read_text()

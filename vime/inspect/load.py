@@ -51,6 +51,22 @@ class RolloutView:
     samples: list[SampleView]
     metrics: dict = field(default_factory=dict)
     advantages_note: str = ""
+    pages: list[str] = field(default_factory=list)  # the file stems of the rollout's pages, when it has several
+    page: int = 0  # which of them this view is
+
+
+def page_chunks(response_lengths: list[int], max_tokens: int) -> list[range]:
+    """Consecutive runs of samples, each of at most `max_tokens` response tokens (a longer sample alone): one
+    page each, so that no page grows past what a browser opens quickly (~90 bytes of HTML a token)."""
+    chunks, start, tokens = [], 0, 0
+    for i, n in enumerate(response_lengths):
+        if i > start and tokens + n > max_tokens:
+            chunks.append(range(start, i))
+            start, tokens = i, 0
+        tokens += n
+    if start < len(response_lengths) or not chunks:
+        chunks.append(range(start, len(response_lengths)))
+    return chunks
 
 
 def rollout_files(output_dir: Path) -> list[Path]:
@@ -101,7 +117,8 @@ def group_advantages(rewards: list[float | None]) -> list[float | None]:
     return [None if r is None else (r - mean) / (std + 1e-6) for r in rewards]
 
 
-def marked_tokens(engine: list[float], trainer: list[float] | None, mask: list[int], k: int = MARKED_TOKENS) -> list[int]:
+def marked_tokens(engine: list[float], trainer: list[float] | None, mask: list[int],
+                  k: int = MARKED_TOKENS) -> list[int]:
     """Indices of the `k` trained tokens with the largest |trainer - engine| log-prob gap (a NaN one, the trainer's
     non-finite log-prob, counts as the largest), or, without the trainer's log-probs, the `k` trained tokens the
     engine found least likely; the largest gap (least likely token) first."""
@@ -136,7 +153,8 @@ def trainer_figures(raw: dict, record: dict | None) -> tuple[list[float] | None,
 
 COMPUTED_ADVANTAGES_NOTE = ("advantage (computed): by the inspector, GRPO-style: (reward - group mean) / (group std "
                             "+ 1e-6) over the group's samples with a reward; the trainer saved no advantages of "
-                            "these samples (an eval set, a --debug-rollout-only run, a rollout not trained, an older run)")
+                            "these samples (an eval set, a --debug-rollout-only run, a rollout not trained, an "
+                            "older run)")
 TRAINER_ADVANTAGES_NOTE = ("advantages (trainer): the trainer's own, per token (its --advantage-estimator, after "
                            "its reward shaping), and trainer log-probs under the weights the rollout was sampled "
                            "with, saved by the training ranks in rollouts/<rollout>.train.<rank>.jsonl.gz")

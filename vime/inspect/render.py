@@ -204,10 +204,14 @@ def rollout_page(view: RolloutView) -> str:
               '<span class="tok untrained">not trained (loss_mask 0)</span>'
               '<span class="tok marked">marked</span> hover a token for its log-probs (engine, trainer), advantage '
               'and weight version</p>')
-    title = f"{view.name} ({len(view.samples)} samples)"
+    title = f"{view.name} ({len(view.samples)} samples)" if not view.pages else \
+        f"{view.name}, page {view.page + 1} of {len(view.pages)} ({len(view.samples)} samples)"
     metrics = (f"<details><summary>rollout metrics (metrics.jsonl)</summary>{_kv_table(view.metrics)}</details>"
                if view.metrics else "")
-    body = (f'<p><a href="index.html">all rollouts</a></p><h1>{escape(title)}</h1>{filters}{legend}'
+    pages = "" if not view.pages else " · pages: " + " ".join(
+        f'<b>{k + 1}</b>' if k == view.page else f'<a class="page" href="{escape(name)}.html">{k + 1}</a>'
+        for k, name in enumerate(view.pages)) + " (the filters act on this page)"
+    body = (f'<p><a href="index.html">all rollouts</a>{pages}</p><h1>{escape(title)}</h1>{filters}{legend}'
             f'<p class="note advantages-note">{escape(view.advantages_note)}</p>{metrics}\n'
             + "\n".join(_sample(s) for s in view.samples))
     return _page(title, body, JS)
@@ -220,9 +224,9 @@ def index_page(run: str, views: list[RolloutView]) -> str:
         failed = sum(s.raw.get("status") == "failed" for s in v.samples)
         mean = _num(sum(rewards) / len(rewards)) if rewards else ""
         rows.append(f'<tr class="rollout"><td><a href="{escape(v.name)}.html">{escape(v.name)}</a></td>'
-                    f"<td>{len(v.samples)}</td><td>{failed}</td><td>{mean}</td></tr>")
+                    f"<td>{len(v.samples)}</td><td>{failed}</td><td>{mean}</td><td>{len(v.pages) or 1}</td></tr>")
     body = (f"<h1>Rollouts of {escape(run)}</h1><table><tr><th>rollout</th><th>samples</th><th>failed</th>"
-            f"<th>reward mean</th></tr>{''.join(rows)}</table>"
+            f"<th>reward mean</th><th>pages</th></tr>{''.join(rows)}</table>"
             + ("" if views else "<p>No rollouts saved (a run keeps them in OUTPUT_DIR/rollouts unless "
                                 "--no-save-rollouts).</p>"))
     return _page(f"vime inspect: {run}", body)
