@@ -73,6 +73,7 @@ def test_records_are_read_per_rollout_and_count_against_the_cap(tmp_path):
     assert train_records_path(tmp_path, 1, 0) == rollouts / "rollout_1.train.0.jsonl.gz"
     assert len(read_train_records(rollouts, 1)) == 2 and len(read_train_records(rollouts, 10)) == 2  # not 1's
     assert read_train_records(rollouts, 2) == []
+    assert {p.stat().st_mode & 0o777 for p in rollouts.iterdir()} == {0o600}  # private whatever the umask
     # one cap for the folder: a new rollout deletes the oldest files, the trainer's records among them
     sizes = sum(p.stat().st_size for p in rollouts.iterdir())
     big = _sample(0, 0, "".join(chr(0x4E00 + (i * 7919) % 20000) for i in range(2000)), 0.0)

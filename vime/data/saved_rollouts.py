@@ -14,6 +14,7 @@ from __future__ import annotations
 import gzip
 import json
 import math
+import os
 import re
 from pathlib import Path
 from typing import Iterable
@@ -27,14 +28,22 @@ _TRAIN_NAME = re.compile(r"^rollout_(?P<id>\d+)\.train\.(?P<rank>\d+)\.jsonl\.gz
 # ---- writing, under the folder's size cap ------------------------------------------------------------------------
 
 def write_gzip_lines(path: Path, rows: Iterable[dict]) -> Path:
-    """`rows` as gzip JSON lines at `path`, written to a temporary name first: readers never see half a file."""
+    """`rows` as gzip JSON lines at `path`, written to a temporary name first: readers never see half a file. The
+    file is its user's alone (0600) whatever the writing process's umask: a training rank on a Ray cluster vime did
+    not start has the cluster's, not the run's 077 (what the model wrote may be private)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    with gzip.open(tmp, "wt", encoding="utf-8", compresslevel=1) as f:
+    with open(tmp, "wb", opener=_private) as raw, gzip.open(raw, "wt", encoding="utf-8", compresslevel=1) as f:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
     tmp.replace(path)
     return path
+
+
+def _private(path: str, flags: int) -> int:
+    fd = os.open(path, flags, 0o600)
+    os.fchmod(fd, 0o600)  # a leftover .tmp of a crashed write keeps its old mode otherwise
+    return fd
 
 
 def keep_under_cap(path: Path, max_mb: float) -> Path | None:
