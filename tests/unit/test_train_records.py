@@ -180,5 +180,5 @@ def test_first_step_log_probs_equal_the_old_log_probs(trained):
 
 def test_no_save_rollouts_saves_no_trainer_records(tiny_qwen3, tmp_path):
     argv = ["--hf-checkpoint", str(tiny_qwen3), *BASE_ARGV, "--no-save-rollouts", "--output-dir", str(tmp_path)]
-    launch({"argv": argv, "data": {"0": make_rollout(seed=4, num_prompts=1)}, "train": [0]}, tmp_path / "ranks")
+    launch({"argv": argv, "data": {"0": make_rollout(seed=4)}, "train": [0]}, tmp_path / "ranks")
     assert not (tmp_path / "rollouts").exists()
