@@ -1,7 +1,7 @@
-"""The full loop on the real stack (tiny model, 2 vLLM engines behind vllm-router, Megatron-core, Ray): sync
-colocated (REINFORCE++-baseline), async (REINFORCE++, LoRA); each run's reported advantage statistics equal the
-estimator's, computed by hand from its saved rollouts (sync disaggregated with a SIGKILL and resume, GSPO:
-test_trainer_crash_e2e.py). After every weight update the engines' log-probs of a probe sequence must equal the
+"""The full loop on the real stack (tiny model, vLLM engines behind vllm-router, Megatron-core, Ray): sync
+colocated (REINFORCE++-baseline, 2 engines), async (REINFORCE++, LoRA, 1 engine); each run's reported advantage
+statistics equal the estimator's, computed by hand from its saved rollouts (sync disaggregated with a SIGKILL and
+resume, GSPO: test_trainer_crash_e2e.py). After every weight update the engines' log-probs of a probe sequence must equal the
 trainer's (--check-weight-update-equal), and on-policy runs must report a train/rollout log-prob gap below 1e-5.
 No dtype flag is given: the float32 checkpoint must run in float32 on both sides by default."""
 
@@ -23,12 +23,14 @@ pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _cmd(entry: str, model: Path, data: Path, out: Path, num_rollout: int, *extra: str) -> list[str]:
+def _cmd(entry: str, model: Path, data: Path, out: Path, num_rollout: int, *extra: str,
+         engines: int = 2) -> list[str]:
     return [
         sys.executable, str(REPO / entry), "--hf-checkpoint", str(model), "--prompt-data", str(data),
         "--label-key", "label", "--apply-chat-template", "--rollout-shuffle", "--rm-type", "random",
         "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--num-rollout", str(num_rollout),
-        "--rollout-num-gpus", "2", "--rollout-max-response-len", "16", "--micro-batch-size", "8", "--lr", "1e-2",
+        "--rollout-num-gpus", str(engines), "--rollout-max-response-len", "16", "--micro-batch-size", "8",
+        "--lr", "1e-2",
         "--check-weight-update-equal", "--save-debug-rollout-data", str(out / "rollout_{rollout_id}.jsonl"),
         "--output-dir", str(out / "run"), "--vllm-enforce-eager", "--vllm-max-model-len", "256", *extra,
     ]
@@ -95,7 +97,7 @@ def test_async(tiny_qwen3, arithmetic_data, tmp_path):
     most 2 versions, as its own span says."""
     _run(_cmd("train_async.py", tiny_qwen3, arithmetic_data[0], tmp_path, 3,
               "--advantage-estimator", "reinforce_plus_plus", "--lora-rank", "8", "--lora-alpha", "16",
-              "--max-staleness", "2"))
+              "--max-staleness", "2", engines=1))  # one engine: a second costs ~12 s of start-up on two cores
     records = [r for r in _metrics(tmp_path) if "train/steps" in r]
     _check_run(records, [0, 1, 2], on_policy=False)
     for r in records:
