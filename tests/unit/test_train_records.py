@@ -6,6 +6,7 @@ two-step rollout computes)."""
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -136,15 +137,20 @@ def test_page_with_trainer_records_shows_them_and_marks_the_largest_gaps_first(t
 
 @pytest.fixture(scope="module")
 def trained(tiny_qwen3, tmp_path_factory):
-    """Rollout 0 trained by two data-parallel ranks in one step (log-probs from the step's own forward), and by
-    one rank in two steps (--global-batch-size 8 of 16 samples: the old log-probs are computed first)."""
+    """Rollout 0 trained by two data-parallel ranks in one step (log-probs from the step's own forward), by one rank
+    in two steps (--global-batch-size 8 of 16 samples: the old log-probs are computed first), and by one rank with
+    --no-save-rollouts; the three runs side by side (each is mostly process start-up)."""
     groups = make_rollout(seed=3)
-    out = {}
-    for name, world_size, extra in (("one_step", 2, []), ("two_steps", 1, ["--global-batch-size", "8"])):
-        run = tmp_path_factory.mktemp(name)
-        argv = ["--hf-checkpoint", str(tiny_qwen3), *BASE_ARGV, "--save-rollouts", "--output-dir", str(run), *extra]
-        launch({"argv": argv, "data": {"0": groups}, "train": [0]}, run / "ranks", world_size=world_size)
-        out[name] = run
+    cases = {"one_step": (2, ["--save-rollouts"]), "two_steps": (1, ["--save-rollouts", "--global-batch-size", "8"]),
+             "not_saved": (1, ["--no-save-rollouts"])}
+    out = {name: tmp_path_factory.mktemp(name) for name in cases}
+    with ThreadPoolExecutor(len(cases)) as pool:
+        runs = [pool.submit(launch, {"argv": ["--hf-checkpoint", str(tiny_qwen3), *BASE_ARGV, *extra, "--output-dir",
+                                              str(out[name])], "data": {"0": groups}, "train": [0]},
+                            out[name] / "ranks", world_size=world_size)
+                for name, (world_size, extra) in cases.items()]
+        for run in runs:
+            run.result()
     return groups, out
 
 
@@ -178,7 +184,6 @@ def test_first_step_log_probs_equal_the_old_log_probs(trained):
     assert [r["advantages"] for r in one] == [r["advantages"] for r in two]
 
 
-def test_no_save_rollouts_saves_no_trainer_records(tiny_qwen3, tmp_path):
-    argv = ["--hf-checkpoint", str(tiny_qwen3), *BASE_ARGV, "--no-save-rollouts", "--output-dir", str(tmp_path)]
-    launch({"argv": argv, "data": {"0": make_rollout(seed=4)}, "train": [0]}, tmp_path / "ranks")
-    assert not (tmp_path / "rollouts").exists()
+def test_no_save_rollouts_saves_no_trainer_records(trained):
+    _, runs = trained
+    assert not (runs["not_saved"] / "rollouts").exists()
