@@ -14,6 +14,8 @@ import pytest
 from PIL import Image
 
 from tests.e2e.processes import stack_pids
+from vime.data.saved_rollouts import match_train_records, read_train_records
+from vime.rollout.debug_data import compact_rollout_path, read_compact_rollout
 from vime.utils.plot import SERIES_KEY
 
 pytestmark = pytest.mark.e2e
@@ -46,3 +48,19 @@ def test_quickstart_learns_and_draws_its_reward_curve(tmp_path):
     assert series["eval/repeat/reward_mean"] == [[i, evals[i]] for i in sorted(evals)]
     assert series["rollout/reward_mean"] == [[r["rollout_id"], r["rollout/reward_mean"]] for r in records
                                              if "rollout/reward_mean" in r]
+    _check_saved_trainer_records(tmp_path / "grpo")
+
+
+def _check_saved_trainer_records(run_dir: Path) -> None:
+    """The training actor (through Ray) saved its log-probs and advantages of every sample of every rollout beside
+    the compact rollout, for the inspector: the log-probs within 1e-3 of the engine's (same weights, float32)."""
+    for rollout_id in range(NUM_ROLLOUT):
+        samples = read_compact_rollout(compact_rollout_path(run_dir, f"rollout_{rollout_id}"))
+        records = match_train_records(samples, read_train_records(run_dir / "rollouts", rollout_id))
+        assert len(samples) == 16 * 8 and all(r is not None for r in records), rollout_id
+        for sample, record in zip(samples, records):
+            assert len(record["advantages"]) == len(record["log_probs"]) == sample["response_length"]
+            gaps = [abs(a - b) for a, b, m in zip(record["log_probs"], sample["rollout_log_probs"],
+                                                  sample["loss_mask"]) if m]
+            assert max(gaps, default=0.0) < 1e-3, (rollout_id, max(gaps))
+
