@@ -49,3 +49,10 @@ def worker_cpus() -> list[set[int]]:
         except psutil.Error:
             pass
     return out
+
+
+def vllm_process_names() -> list[str]:
+    """Name and command line of every process that looks like vLLM's (what a failed `worker_cpus` saw)."""
+    out = subprocess.run(["ps", "-eo", "pid=,comm=,args="], capture_output=True, text=True).stdout
+    return [line.strip()[:160] for line in out.splitlines() if "vllm" in line.lower()]
+

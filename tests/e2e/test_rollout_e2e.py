@@ -19,7 +19,7 @@ import torch
 
 from tests.e2e.crash_hold_plugin import FUNCTION_PATH, held_run_env, wait_until_held
 from tests.e2e.processes import stack_pids as _stack_pids
-from tests.e2e.processes import worker_cpus
+from tests.e2e.processes import vllm_process_names, worker_cpus
 from vime.rollout.debug_data import load_rollout
 from vime.utils.types import Sample
 
@@ -63,7 +63,8 @@ def rollout_run(tiny_qwen3, arithmetic_data, tmp_path_factory):
                 break
             time.sleep(0.5)
             workers = worker_cpus()
-        served = {"workers": workers, "metrics": (out / "run" / "metrics.jsonl").read_text(),
+        served = {"workers": workers, "seen": [] if len(workers) == 2 else vllm_process_names(),
+                  "metrics": (out / "run" / "metrics.jsonl").read_text(),
                   "engine_logs": {p.name: p.read_text() for p in (out / "run" / "logs").glob("engine_*.log")},
                   "routes": _engine_routes(log.read_text(), token_file.read_text().strip()),
                   "hostile": _another_user_probes(log.read_text(), token_file.read_text().strip())
@@ -223,7 +224,7 @@ def test_live_engines_compute_on_cpus_of_their_own(rollout_run):
     core)."""
     _, served, _ = rollout_run
     workers = served["workers"]
-    assert len(workers) == 2 and not workers[0] & workers[1], workers
+    assert len(workers) == 2 and not workers[0] & workers[1], (workers, served["seen"])
 
 
 def test_ctrl_c_leaves_no_processes(rollout_run):
