@@ -181,13 +181,28 @@ RESUME_ARGV = ["--num-steps-per-rollout", "2", "--use-kl-loss", "--kl-loss-coef"
                "--lr-decay-style", "linear", "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
 
 
-@pytest.mark.parametrize("world_size, extra", [(1, ()), (2, ("--use-distributed-optimizer",))],
-                         ids=["adam", "distributed-optimizer-dp2"])
-def test_checkpoint_restart_continues_the_run_exactly(tiny_qwen3, tmp_path, world_size, extra):
+# (name, ranks, flags): Adam in one process (also a run killed inside a save), the distributed optimizer over two
+# data-parallel ranks (its state sharded)
+RESTART_CASES = [("adam", 1, ()), ("distributed-optimizer-dp2", 2, ("--use-distributed-optimizer",))]
+
+
+def test_checkpoint_restart_continues_the_run_exactly(tiny_qwen3, tmp_path):
     """Run A trains rollouts 0..3; run B trains 0..1, saves, exits (and, once, a run killed inside the save of
     rollout 2 after it); a new process loads and trains 2..3.
     Warmup and decay (scheduler), Adam moments, two steps per rollout, the KL reference and dropout (RNG)
-    all have to survive the restart for the numbers to agree."""
+    all have to survive the restart for the numbers to agree. The cases run side by side: each is a chain of
+    one-thread processes, mostly start-up. A GPU machine runs the cases it has a GPU per rank for."""
+    cases = [(name, n, extra) for name, n, extra in RESTART_CASES if not torch.cuda.is_available()
+             or torch.cuda.device_count() >= n]
+    with ThreadPoolExecutor(len(cases)) as pool:
+        runs = {name: pool.submit(_restart_runs, tiny_qwen3, tmp_path / name, n, extra) for name, n, extra in cases}
+        runs = {name: run.result() for name, run in runs.items()}
+    for name, n, _ in cases:
+        _check_restart_continues(tmp_path / name, n, *runs[name])
+
+
+def _restart_runs(tiny_qwen3, tmp_path: Path, world_size: int, extra) -> tuple[list[dict], list[dict]]:
+    """(run A's reports, the restarted run B's reports), each a list over ranks."""
     argv = ["--hf-checkpoint", str(tiny_qwen3), *BASE_ARGV, *RESUME_ARGV, *extra]
     data = {str(r): make_rollout(seed=10 + r) for r in range(4)}
     spec = {"data": data, "total_steps": 8, "weights": True}
@@ -201,8 +216,10 @@ def test_checkpoint_restart_continues_the_run_exactly(tiny_qwen3, tmp_path, worl
         launch({**spec, "argv": [*argv, "--load", save, "--save", save], "train": [2], "killed_in_save": 2},
                tmp_path / "b1_killed", world_size, expect_exit=17)
         assert (Path(save) / "iter_0000002.partial").is_dir() and not (Path(save) / "iter_0000002").exists()
-    run_b = launch({**spec, "argv": [*argv, "--load", save], "train": [2, 3]}, tmp_path / "b2", world_size)
+    return run_a, launch({**spec, "argv": [*argv, "--load", save], "train": [2, 3]}, tmp_path / "b2", world_size)
 
+
+def _check_restart_continues(tmp_path: Path, world_size: int, run_a: list[dict], run_b: list[dict]) -> None:
     for a, b in zip(run_a, run_b):
         assert b["loaded_state"]["rollout_id"] == 1
         assert b["step"] == a["step"] == 8
