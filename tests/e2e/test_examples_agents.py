@@ -62,6 +62,9 @@ def _check_trajectories(samples: list[Sample]) -> int:
     return with_tools
 
 
+@pytest.mark.skipif(not os.environ.get("VIME_TEST_ALL_EXAMPLES"),
+                    reason="47 s: VIME_TEST_ALL_EXAMPLES=1 runs it (CI time; the coding agent example below and "
+                           "tests/e2e/test_multi_turn_e2e.py check the same tool-turn trajectories)")
 def test_tool_use_example(tmp_path):
     samples = _run_example("tool_use", tmp_path, sft_steps=20)
     assert len(samples) == GRPO_STEPS * 4 * 4
