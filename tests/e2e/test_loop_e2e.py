@@ -1,13 +1,15 @@
 """The full loop on the real stack (tiny model, vLLM engines behind vllm-router, Megatron-core, Ray): sync
 colocated (REINFORCE++-baseline, 2 engines), async (REINFORCE++, LoRA, 1 engine); each run's reported advantage
 statistics equal the estimator's, computed by hand from its saved rollouts (sync disaggregated with a SIGKILL and
-resume, GSPO: test_trainer_crash_e2e.py). After every weight update the engines' log-probs of a probe sequence must equal the
-trainer's (--check-weight-update-equal), and on-policy runs must report a train/rollout log-prob gap below 1e-5.
+resume, GSPO: test_trainer_crash_e2e.py). After every weight update the engines' log-probs of a probe sequence must
+equal the trainer's (--check-weight-update-equal), and on-policy runs must report a train/rollout log-prob gap below
+1e-5; the async run's TIS weights are recomputed per token from the version that sampled it.
 No dtype flag is given: the float32 checkpoint must run in float32 on both sides by default."""
 
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -97,7 +99,8 @@ def test_async(tiny_qwen3, arithmetic_data, tmp_path):
     most 2 versions, as its own span says."""
     _run(_cmd("train_async.py", tiny_qwen3, arithmetic_data[0], tmp_path, 3,
               "--advantage-estimator", "reinforce_plus_plus", "--lora-rank", "8", "--lora-alpha", "16",
-              "--max-staleness", "2", engines=1))  # one engine: a second costs ~12 s of start-up on two cores
+              "--max-staleness", "2", "--use-tis", "--tis-clip", "1.002", "--tis-clip-low", "0.998",
+              engines=1))  # one engine: a second costs ~12 s of start-up on two cores
     records = [r for r in _metrics(tmp_path) if "train/steps" in r]
     _check_run(records, [0, 1, 2], on_policy=False)
     for r in records:
@@ -110,9 +113,45 @@ def test_async(tiny_qwen3, arithmetic_data, tmp_path):
         lags = {k: v for k, v in r.items() if k.startswith("async/token_lag_")}
         assert set(lags) <= {f"async/token_lag_{k}_fraction" for k in range(3)}, lags
         assert sum(lags.values()) == pytest.approx(1.0)
+    for r in records:
+        check_tis_from_saved_rollout(tmp_path / "run", r)
+        # the clamp [0.998, 1.002] truncates tokens an older version sampled and keeps the trainer's own version's
+        assert r["train/tis_clipfrac"] == pytest.approx(1.0 - r.get("async/token_lag_0_fraction", 0.0), abs=0.02), r
+    print("samples with tokens of two versions, by rollout:", [r["async/mixed_version_samples"] for r in records])
     for rollout_id in (1, 2):  # sampled by the weights at most 2 versions before those that train it
         for line in (tmp_path / f"rollout_{rollout_id}.jsonl").read_text().splitlines():
             sample = json.loads(line)
             spans = sample["weight_version_spans"]
             assert {int(v) for v, _, _ in spans} <= set(range(max(0, rollout_id - 2), rollout_id + 1)), spans
             assert spans[0][1] == 0 and spans[-1][2] == sample["response_length"], spans
+
+
+def check_tis_from_saved_rollout(run_dir: Path, record: dict, low: float = 0.998, high: float = 1.002) -> None:
+    """The rollout's TIS weights recomputed by hand from what the run saved: per trained token
+    clamp(exp(trainer log-prob - engine log-prob), low, high), where the engine's log-prob is the one the version
+    that sampled the token gave it (its span), and the trainer's is the one the trainer saved for the inspector
+    (the old policy of a one-step rollout, rounded to 1e-5). The reported tis_weight_mean is their token mean, and
+    tis_clipfrac the share of tokens the clamp changed; tokens sampled by the trainer's own version sit inside it."""
+    from vime.data.saved_rollouts import match_train_records, read_train_records
+    from vime.rollout.debug_data import compact_rollout_path, read_compact_rollout
+
+    rollout_id = record["rollout_id"]
+    samples = read_compact_rollout(compact_rollout_path(run_dir, f"rollout_{rollout_id}"))
+    weights, clipped, own_version_gaps, near_a_bound = [], [], [], 0
+    for sample, saved in zip(samples, match_train_records(samples, read_train_records(run_dir / "rollouts",
+                                                                                      rollout_id))):
+        versions = {t: int(v) for v, start, end in sample["weight_version_spans"] for t in range(start, end)}
+        for t, (trainer, engine, trained) in enumerate(zip(saved["log_probs"], sample["rollout_log_probs"],
+                                                           sample["loss_mask"])):
+            if trained:
+                raw = math.exp(trainer - engine)
+                weights.append(min(max(raw, low), high))
+                clipped.append(float(raw < low or raw > high))
+                near_a_bound += min(abs(raw - low), abs(raw - high)) < 3e-5  # the saved rounding may flip it
+                if versions[t] == rollout_id:
+                    own_version_gaps.append(abs(trainer - engine))
+    assert record["train/tis_weight_mean"] == pytest.approx(sum(weights) / len(weights), abs=2e-5), record
+    assert record["train/tis_clipfrac"] == pytest.approx(sum(clipped) / len(clipped),
+                                                         abs=(near_a_bound + 1e-3) / len(clipped)), record
+    assert max(own_version_gaps, default=0.0) < 1e-4, max(own_version_gaps)
+

@@ -7,8 +7,9 @@ refused). Its rollout 3 waits (tests/e2e/crash_hold_plugin.py) until the test ha
 so the run has then written the checkpoint of rollout 1 and stored and trained rollout 2. (a) The whole run's process
 tree is SIGKILLed, and the restart with --load trains rollout 2 from storage (not generated again) and generates
 rollout 3; (b) only the training actor's process tree is SIGKILLed, and the same run restarts its trainer from the
-checkpoint while the engines keep serving. Either way the sample ids trained over the whole run must be exactly an
-uninterrupted run's: none lost, none trained twice.
+checkpoint while the engines keep serving, in continuous asynchronous mode (train_async.py --max-staleness 2:
+rollouts generated ahead, weights updated in flight). Either way the sample ids trained over the whole run must be
+exactly an uninterrupted run's: none lost, none trained twice.
 """
 
 from __future__ import annotations
@@ -37,9 +38,9 @@ REPO = Path(__file__).resolve().parents[2]
 NUM_ROLLOUT, GROUPS, PER_PROMPT, SEED = 4, 4, 4, 1234
 
 
-def _cmd(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
+def _cmd(model: Path, data: Path, out: Path, *extra: str, entry: str = "train.py") -> list[str]:
     return [
-        sys.executable, str(REPO / "train.py"), "--hf-checkpoint", str(model), "--prompt-data", str(data),
+        sys.executable, str(REPO / entry), "--hf-checkpoint", str(model), "--prompt-data", str(data),
         "--label-key", "label", "--apply-chat-template", "--rollout-shuffle", "--rollout-seed", str(SEED),
         "--rm-type", "random", "--rollout-batch-size", str(GROUPS), "--n-samples-per-prompt", str(PER_PROMPT),
         "--num-rollout", str(NUM_ROLLOUT), "--rollout-num-gpus", "1", "--rollout-max-response-len", "16",
@@ -181,14 +182,33 @@ def _cmdline(p: psutil.Process) -> list[str]:
         return []
 
 
+def _wait_until_rollout_2_is_logged(proc: subprocess.Popen, hold: Path, out: Path) -> None:
+    """Continuous mode: the manager holds rollout 3's generation while the driver still trains and saves the
+    rollouts generated ahead of it; wait until rollout 2 is trained, its weights sent and its metrics row written
+    (the driver then waits for rollout 3), with checkpoint 1 written and rollout 2 stored."""
+    wait_until_held(proc, hold, lambda: _log_tail(out))
+    metrics, deadline = out / "run" / "metrics.jsonl", time.monotonic() + 300
+    while not any(json.loads(line).get("rollout_id") == 2 and "train/steps" in line
+                  for line in (metrics.read_text().splitlines() if metrics.exists() else [])):
+        assert proc.poll() is None, _log_tail(out)
+        assert time.monotonic() < deadline, "rollout 2 was not trained within 5 minutes"
+        time.sleep(0.2)
+    assert (out / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+    assert _stored(out) == {2}
+
+
 def test_sigkilled_training_actor_is_restarted_in_process_while_engines_keep_serving(tiny_qwen3, arithmetic_data,
                                                                                      tmp_path):
+    """Continuous mode (--max-staleness 2): the engines generate two rollouts ahead and take every update in
+    flight. The training actor dies after training rollout 2 (checkpoint 1); rollout 3, generated meanwhile, finds
+    it dead, and the restarted trainer replays rollout 2 from storage before training 3."""
     assert not stack_pids()
     data = arithmetic_data[0]
     hold = tmp_path / "hold"
-    proc = _start(_cmd(tiny_qwen3, data, tmp_path), tmp_path, hold=hold)
+    proc = _start(_cmd(tiny_qwen3, data, tmp_path, "--max-staleness", "2", entry="train_async.py"), tmp_path,
+                  hold=hold)
     try:
-        _wait_until_held(proc, hold, tmp_path)
+        _wait_until_rollout_2_is_logged(proc, hold, tmp_path)
         engines = stack_pids()
         victims = _trainer_trees(proc.pid)
         assert victims, "no TrainActor process found under the run"
@@ -212,5 +232,8 @@ def test_sigkilled_training_actor_is_restarted_in_process_while_engines_keep_ser
             os.killpg(proc.pid, signal.SIGKILL)
     _wait_for_no_stack()
     _check_trained_samples_equal_an_uninterrupted_run(tiny_qwen3, data, tmp_path)
-    restarts = [json.loads(line).get("recovery/trainer_restarts") for line in metrics_path.read_text().splitlines()]
-    assert max(r or 0 for r in restarts) == 1.0
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines()]
+    assert max(r.get("recovery/trainer_restarts", 0) for r in rows) == 1.0
+    trained = [r for r in rows if "train/steps" in r]
+    assert [r["rollout_id"] for r in trained] == list(range(NUM_ROLLOUT))
+    assert all(r["async/stale_samples_dropped"] == 0.0 and r["async/staleness_max"] <= 2.0 for r in trained), trained

@@ -162,6 +162,9 @@ class RolloutManager:
     def engine_pids(self) -> list[int]:
         return self.fleet.engine_pids()
 
+    # beside a rollout in progress: an in-flight update asks for them first (a read, like apply_weights, serialised
+    # with it); in the default group it waited for the rollout to end, and so was not in flight at all
+    @ray.method(concurrency_group="weights")
     def get_engine_urls(self) -> list[str]:
         return list(self.fleet.engine_urls)
 
