@@ -21,20 +21,25 @@ export VIME_PROGRESS=${VIME_PROGRESS:-1}
 
 COMMON=(--label-key label --apply-chat-template --rollout-shuffle --seed 1234 --micro-batch-size 32)
 
+# SKIP_SFT=1 reuses the warm-up of an earlier run in $OUT (the continuous-mode parity test trains from one twice)
+if [ "${SKIP_SFT:-0}" != 1 ]; then
 echo "== SFT warm-up"
 $PY train.py --overwrite-output "${COMMON[@]}" --hf-checkpoint "$OUT/model" --prompt-data "$OUT/data/train.jsonl" \
   --debug-train-only --rollout-function-path vime.rollout.sft_rollout.generate_rollout --loss-type sft_loss \
   --rollout-batch-size 32 --n-samples-per-prompt 1 --num-rollout "${SFT_STEPS:-40}" --lr 2e-3 \
   --output-dir "$OUT/sft" --save-hf "$OUT/sft_hf"
+fi
 
 # --vllm-enforce-eager: compiling this tiny model cost 35 s of each engine's start and made no rollout faster
+# ENTRY=train_async.py runs the GRPO phase asynchronously (add --max-staleness K for continuous mode)
+GRPO_DIR=${GRPO_DIR:-$OUT/grpo}
 echo "== GRPO"
-$PY train.py --overwrite-output "${COMMON[@]}" --hf-checkpoint "$OUT/sft_hf" --prompt-data "$OUT/data/train.jsonl" \
+$PY "${ENTRY:-train.py}" --overwrite-output "${COMMON[@]}" --hf-checkpoint "$OUT/sft_hf" --prompt-data "$OUT/data/train.jsonl" \
   --rm-type math --eval-prompt-data repeat "$OUT/data/eval.jsonl" --eval-interval "${EVAL_INTERVAL:-5}" \
   --n-samples-per-eval-prompt 2 --rollout-batch-size 16 --n-samples-per-prompt 8 --num-rollout "${NUM_ROLLOUT:-20}" \
   --rollout-max-response-len 24 \
   --advantage-estimator grpo --lr 5e-4 --rollout-num-gpus 2 --vllm-dtype float32 --vllm-max-model-len 256 \
   --vllm-enforce-eager \
-  --output-dir "$OUT/grpo" "$@"
+  --output-dir "$GRPO_DIR" "$@"
 
-echo "reward curve: $OUT/grpo/reward_curve.png; metrics: $OUT/grpo/metrics.jsonl"
+echo "reward curve: $GRPO_DIR/reward_curve.png; metrics: $GRPO_DIR/metrics.jsonl"
