@@ -306,7 +306,8 @@ class EngineFleet:
                 recovery_call = recovery_load_call(self.args, recovery_dir)
                 calls = {u: recovery_call for u in targets if u not in connected}
             calls.update(transport.load_calls([u for u in targets if u not in calls], handle))
-            answers, errors = client.update_weights_each(targets, calls, version, pause_mode)
+            answers, errors = client.update_weights_each(targets, calls, version, pause_mode,
+                                                         all_at_once=transport.concurrent)
             self._settle(errors)  # a dead engine gets these weights when it is restarted
             if recovery_dir is not None:
                 self.set_recovery_weights(recovery_dir)
