@@ -147,15 +147,20 @@ class EngineFleet:
         logger.info("engines %s behind router %s (custom functions: %s)", self.engine_urls, self.router_url,
                     self.plugin_router_url())
         if args.use_fault_tolerance and self.engines:
-            own_router = self.router is not None  # an external router is not ours to restart
-            self.monitor = EngineHealthMonitor(len(self.engines), self._probe_engine_between_updates,
-                                               self._restart_engine,
-                                               args.rollout_health_check_interval,
-                                               args.rollout_health_check_first_wait,
-                                               probe_router=self._probe_router if own_router else None,
-                                               restart_router=self._restart_router if own_router else None)
+            self.monitor = self.health_monitor()
             self.monitor.start()
         return list(self.engine_urls)
+
+    def health_monitor(self) -> EngineHealthMonitor:
+        """The monitor of these engines and, when it is ours, the router (not started). Its sweeps hold the
+        engines' lock: never while weights are being loaded (a busy engine may answer /health late)."""
+        args = self.args
+        own_router = self.router is not None  # an external router is not ours to restart
+        return EngineHealthMonitor(len(self.engines), self._probe_engine, self._restart_engine,
+                                   args.rollout_health_check_interval, args.rollout_health_check_first_wait,
+                                   probe_router=self._probe_router if own_router else None,
+                                   restart_router=self._restart_router if own_router else None,
+                                   sweep_lock=self._engines_lock)
 
     def _new_engine(self, rank: int):
         return new_engine(self.args, self.placement, rank, self.log_dir, self.token)
@@ -345,11 +350,6 @@ class EngineFleet:
         if not http_ok(self.rank_urls[rank] + "/health", timeout=timeout):
             return f"/health did not answer within --rollout-health-check-timeout {timeout}s"
         return None
-
-    def _probe_engine_between_updates(self, rank: int) -> str | None:
-        """The monitor's probe: never while weights are being loaded (a busy engine may answer /health late)."""
-        with self._engines_lock:
-            return self._probe_engine(rank)
 
     def reconcile_router(self) -> list[str]:
         """Make vime's router serve exactly the engines in service: a worker someone else added (its routes that
