@@ -26,7 +26,7 @@ import ray
 from vime.backends.vllm_utils import client
 from vime.backends.vllm_utils.arguments import engine_dtype_warning, router_args_from
 from vime.backends.vllm_utils.engine import VLLMEngine, http_ok
-from vime.backends.vllm_utils.router import Router, post_worker
+from vime.backends.vllm_utils.router import Router, post_worker, post_workers
 from vime.backends.vllm_utils.router_gate import RouterGate
 from vime.ray.health import EngineHealthMonitor
 from vime.ray.placement import num_engines
@@ -169,13 +169,11 @@ class EngineFleet:
         args = self.args
         if args.vllm_router_ip:  # an external router: register our engines with it
             self.router_url = f"http://{args.vllm_router_ip}:{args.vllm_router_port}"
-            for url in self.engine_urls:
-                post_worker(self.router_url, "add_worker", url)
+            post_workers(self.router_url, "add_worker", self.engine_urls)
             return  # not ours to stop
         if self.router is not None:  # launched with the engines, before their URLs were known
             self.router_url = self.router.wait_ready()
-            for url in self.engine_urls:
-                self.router.add_worker(url)
+            self.router.add_workers(self.engine_urls)
             return
         self._start_own_router(args.vllm_router_port or find_free_port())
 
@@ -360,10 +358,8 @@ class EngineFleet:
         with self._engines_lock:  # the engine set does not change meanwhile (restarts register under it)
             served, ours = set(self.router.workers()), set(self.engine_urls)
             strangers = sorted(served - ours)
-            for url in strangers:
-                post_worker(self.router_url, "remove_worker", url)
-            for url in sorted(ours - served):
-                post_worker(self.router_url, "add_worker", url)
+            post_workers(self.router_url, "remove_worker", strangers)
+            post_workers(self.router_url, "add_worker", sorted(ours - served))
         if strangers:
             add_counter("rollout/router_unknown_workers_removed", len(strangers))
             logger.error("the router served workers vime did not start, removed: %s (someone on this node added them "
