@@ -26,7 +26,7 @@ import ray
 from vime.backends.vllm_utils import client
 from vime.backends.vllm_utils.arguments import engine_dtype_warning, router_args_from
 from vime.backends.vllm_utils.engine import VLLMEngine, http_ok
-from vime.backends.vllm_utils.router import Router, post_worker
+from vime.backends.vllm_utils.router import Router, post_worker, post_workers
 from vime.backends.vllm_utils.router_gate import RouterGate
 from vime.ray.health import EngineHealthMonitor
 from vime.ray.placement import num_engines
@@ -147,15 +147,20 @@ class EngineFleet:
         logger.info("engines %s behind router %s (custom functions: %s)", self.engine_urls, self.router_url,
                     self.plugin_router_url())
         if args.use_fault_tolerance and self.engines:
-            own_router = self.router is not None  # an external router is not ours to restart
-            self.monitor = EngineHealthMonitor(len(self.engines), self._probe_engine_between_updates,
-                                               self._restart_engine,
-                                               args.rollout_health_check_interval,
-                                               args.rollout_health_check_first_wait,
-                                               probe_router=self._probe_router if own_router else None,
-                                               restart_router=self._restart_router if own_router else None)
+            self.monitor = self.health_monitor()
             self.monitor.start()
         return list(self.engine_urls)
+
+    def health_monitor(self) -> EngineHealthMonitor:
+        """The monitor of these engines and, when it is ours, the router (not started). Its sweeps hold the
+        engines' lock: never while weights are being loaded (a busy engine may answer /health late)."""
+        args = self.args
+        own_router = self.router is not None  # an external router is not ours to restart
+        return EngineHealthMonitor(len(self.engines), self._probe_engine, self._restart_engine,
+                                   args.rollout_health_check_interval, args.rollout_health_check_first_wait,
+                                   probe_router=self._probe_router if own_router else None,
+                                   restart_router=self._restart_router if own_router else None,
+                                   sweep_lock=self._engines_lock)
 
     def _new_engine(self, rank: int):
         return new_engine(self.args, self.placement, rank, self.log_dir, self.token)
@@ -164,13 +169,11 @@ class EngineFleet:
         args = self.args
         if args.vllm_router_ip:  # an external router: register our engines with it
             self.router_url = f"http://{args.vllm_router_ip}:{args.vllm_router_port}"
-            for url in self.engine_urls:
-                post_worker(self.router_url, "add_worker", url)
+            post_workers(self.router_url, "add_worker", self.engine_urls)
             return  # not ours to stop
         if self.router is not None:  # launched with the engines, before their URLs were known
             self.router_url = self.router.wait_ready()
-            for url in self.engine_urls:
-                self.router.add_worker(url)
+            self.router.add_workers(self.engine_urls)
             return
         self._start_own_router(args.vllm_router_port or find_free_port())
 
@@ -306,7 +309,8 @@ class EngineFleet:
                 recovery_call = recovery_load_call(self.args, recovery_dir)
                 calls = {u: recovery_call for u in targets if u not in connected}
             calls.update(transport.load_calls([u for u in targets if u not in calls], handle))
-            answers, errors = client.update_weights_each(targets, calls, version, pause_mode)
+            answers, errors = client.update_weights_each(targets, calls, version, pause_mode,
+                                                         all_at_once=transport.concurrent)
             self._settle(errors)  # a dead engine gets these weights when it is restarted
             if recovery_dir is not None:
                 self.set_recovery_weights(recovery_dir)
@@ -345,11 +349,6 @@ class EngineFleet:
             return f"/health did not answer within --rollout-health-check-timeout {timeout}s"
         return None
 
-    def _probe_engine_between_updates(self, rank: int) -> str | None:
-        """The monitor's probe: never while weights are being loaded (a busy engine may answer /health late)."""
-        with self._engines_lock:
-            return self._probe_engine(rank)
-
     def reconcile_router(self) -> list[str]:
         """Make vime's router serve exactly the engines in service: a worker someone else added (its routes that
         change workers answer anyone on the node) is removed and reported, an engine of ours it lost is added
@@ -359,10 +358,8 @@ class EngineFleet:
         with self._engines_lock:  # the engine set does not change meanwhile (restarts register under it)
             served, ours = set(self.router.workers()), set(self.engine_urls)
             strangers = sorted(served - ours)
-            for url in strangers:
-                post_worker(self.router_url, "remove_worker", url)
-            for url in sorted(ours - served):
-                post_worker(self.router_url, "add_worker", url)
+            post_workers(self.router_url, "remove_worker", strangers)
+            post_workers(self.router_url, "add_worker", sorted(ours - served))
         if strangers:
             add_counter("rollout/router_unknown_workers_removed", len(strangers))
             logger.error("the router served workers vime did not start, removed: %s (someone on this node added them "

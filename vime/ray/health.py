@@ -6,7 +6,9 @@ fails is handed to `restart(rank, reason)`, which the rollout manager implements
 it, start a new one in the same placement bundle, give it the current weights and weight version, register it
 again. Restarts run one at a time, in this thread; the rollout goes on with the other engines meanwhile.
 Given `probe_router` and `restart_router`, it probes the router first, and a dead router is started again (with
-every engine in service registered) before the engines are probed.
+every engine in service registered) before the engines are probed. The engines are probed `PROBE_FANOUT` at a
+time (a sweep of 1,000 engines takes about 1,000 / PROBE_FANOUT probe times, not 1,000), under `sweep_lock` when
+given (the fleet's: no probe meets a weight update, during which an engine may answer /health late).
 
 `FailedRollouts` judges each rollout by its failed samples (--max-failed-samples-ratio): one above the ratio is
 not trained on, and --max-consecutive-failed-rollouts of them in a row stop the run.
@@ -14,21 +16,27 @@ not trained on, and --max-consecutive-failed-rollouts of them in a row stop the 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 logger = logging.getLogger(__name__)
+
+PROBE_FANOUT = 32  # engine probes in flight at once (each a thread and, for /health, a connection)
 
 
 class EngineHealthMonitor:
     def __init__(self, num_engines: int, probe: Callable[[int], str | None], restart: Callable[[int, str], None],
                  interval_s: float, first_wait_s: float = 0.0,
                  probe_router: Callable[[], str | None] | None = None,
-                 restart_router: Callable[[str], None] | None = None):
+                 restart_router: Callable[[str], None] | None = None,
+                 sweep_lock: contextlib.AbstractContextManager | None = None):
         """`probe(rank)` returns None when engine `rank` is healthy, else why not; `restart(rank, reason)`.
-        `probe_router()` and `restart_router(reason)` likewise for the router (both or neither)."""
+        `probe_router()` and `restart_router(reason)` likewise for the router (both or neither). `sweep_lock`:
+        held while the engines are probed (not while they are restarted)."""
         if (probe_router is None) != (restart_router is None):
             raise ValueError("EngineHealthMonitor: pass both probe_router and restart_router, or neither")
         self.num_engines = num_engines
@@ -38,6 +46,7 @@ class EngineHealthMonitor:
         self.restart_router = restart_router
         self.interval_s = interval_s
         self.first_wait_s = first_wait_s
+        self.sweep_lock = sweep_lock if sweep_lock is not None else contextlib.nullcontext()
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -76,20 +85,29 @@ class EngineHealthMonitor:
                 logger.exception("restarting the router failed; trying again at the next check")
             return False
 
+    def _probe_one(self, rank: int) -> str | None:
+        if self._stop.is_set():
+            return None
+        try:
+            return self.probe(rank)
+        except Exception as e:  # a probe that fails is a failed engine, not a dead monitor
+            return f"health probe raised {type(e).__name__}: {e}"
+
+    def probe_engines(self) -> dict[int, str]:
+        """{rank: why} of the engines that failed their probe, `PROBE_FANOUT` probed at a time."""
+        with self.sweep_lock, ThreadPoolExecutor(max(1, min(self.num_engines, PROBE_FANOUT)),
+                                                 thread_name_prefix="vime-engine-probe") as pool:
+            reasons = list(pool.map(self._probe_one, range(self.num_engines)))
+        return {rank: reason for rank, reason in enumerate(reasons) if reason is not None}
+
     def check_once(self) -> list[int]:
-        """Probe the router, then every engine, once; restart the failed ones; returns the engine ranks restarted.
-        The router goes first: a restarted engine is registered with it."""
+        """Probe the router, then every engine, once; restart the failed ones (one at a time); returns the engine
+        ranks restarted. The router goes first: a restarted engine is registered with it."""
         self.check_router()
         restarted = []
-        for rank in range(self.num_engines):
+        for rank, reason in self.probe_engines().items():
             if self._stop.is_set():
                 break
-            try:
-                reason = self.probe(rank)
-            except Exception as e:  # a probe that fails is a failed engine, not a dead monitor
-                reason = f"health probe raised {type(e).__name__}: {e}"
-            if reason is None or self._stop.is_set():
-                continue
             logger.error("engine %d is unhealthy (%s): restarting it", rank, reason)
             try:
                 self.restart(rank, reason)

@@ -14,6 +14,14 @@ from vime.utils.auth import control_headers
 
 
 SERVED_MODEL = "policy"  # the model name every request asks the engines for (with LoRA: the current adapter)
+# At most this many control calls in flight from one process: a thread and a connection each. Past it, a fleet's
+# calls run in waves (1,000 engines: 8), which keeps the driver's threads and sockets (a common open-file limit
+# is 1,024) bounded. A collective weight update is the exception: every receiver must be in it at once.
+CONTROL_FANOUT = 128
+# Idle connections kept for reuse (httpx's default): every request scans them all, which at 128 cost 7 ms of CPU
+# per request, at 20 about 1 ms (128 calls in flight to 500 stand-in engines, `bench/standin_engines.py`); a
+# fleet of a few engines still reuses its connections.
+KEEPALIVE_CONNECTIONS = 20
 
 
 class EngineControlError(RuntimeError):
@@ -32,8 +40,11 @@ class _RunToken(httpx.Auth):
 
 @functools.cache
 def http() -> httpx.Client:
-    """One client per process: `httpx.post` builds a new client, and its TLS context costs ~50 ms per call."""
-    return httpx.Client(auth=_RunToken())
+    """One client per process: `httpx.post` builds a new client, and its TLS context costs ~50 ms per call.
+    Connections are not capped here (httpx's default, 100, would hold back a collective update's receivers past
+    the hundredth until the others time out): the fan-outs bound them (`CONTROL_FANOUT`)."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=KEEPALIVE_CONNECTIONS)
+    return httpx.Client(auth=_RunToken(), limits=limits)
 
 
 def _post(url: str, route: str, body: dict | None, params: dict | None, timeout: float) -> Any:
@@ -50,11 +61,13 @@ def _post(url: str, route: str, body: dict | None, params: dict | None, timeout:
         return r.text
 
 
-def _each(urls: list[str], call: Callable[[str], Any]) -> tuple[dict[str, Any], dict[str, str]]:
-    """`call(url)` for every engine at once; returns ({url: answer}, {url: error}) for those that failed."""
+def _each(urls: list[str], call: Callable[[str], Any], all_at_once: bool = False) -> tuple[dict[str, Any],
+                                                                                          dict[str, str]]:
+    """`call(url)` for every engine, `CONTROL_FANOUT` at a time (`all_at_once`: every one together, for a
+    collective); returns ({url: answer}, {url: error}) for those that failed."""
     if not urls:
         return {}, {}
-    with ThreadPoolExecutor(max_workers=len(urls)) as pool:
+    with ThreadPoolExecutor(max_workers=len(urls) if all_at_once else min(len(urls), CONTROL_FANOUT)) as pool:
         futures = {u: pool.submit(call, u) for u in urls}
         results, errors = {}, {}
         for url, f in futures.items():
@@ -73,13 +86,14 @@ def _all(urls: list[str], results: dict[str, Any], errors: dict[str, str]) -> li
 
 def post_each(urls: list[str], route: str, body: dict | None = None, params: dict | None = None,
               timeout: float = 300.0) -> tuple[dict[str, Any], dict[str, str]]:
-    """POST to `route` on every engine at once; returns ({url: answer}, {url: error}) for those that failed."""
+    """POST to `route` on every engine (`CONTROL_FANOUT` at a time); returns ({url: answer}, {url: error}) for
+    those that failed."""
     return _each(urls, lambda url: _post(url, route, body, params, timeout))
 
 
 def post_all(urls: list[str], route: str, body: dict | None = None, params: dict | None = None,
              timeout: float = 300.0) -> list[Any]:
-    """POST to `route` on every engine at once; raise naming the engine(s) that failed."""
+    """POST to `route` on every engine (`CONTROL_FANOUT` at a time); raise naming the engine(s) that failed."""
     return _all(urls, *post_each(urls, route, body, params, timeout))
 
 
@@ -125,13 +139,15 @@ _without_update_route: set[str] = set()  # engines whose server lacks vime's rou
 
 
 def update_weights_each(urls: list[str], calls: dict[str, LoadCall], version: int | str, pause_mode: str = "wait",
-                        timeout: float = UPDATE_TIMEOUT_S) -> tuple[dict[str, dict], dict[str, str]]:
-    """On every engine at once: pause -> `calls[url]` -> reset prefix cache -> weight version -> resume.
+                        timeout: float = UPDATE_TIMEOUT_S, all_at_once: bool = False) -> tuple[dict[str, dict],
+                                                                                             dict[str, str]]:
+    """On every engine: pause -> `calls[url]` -> reset prefix cache -> weight version -> resume.
 
     One POST to vime's route (`vime.backends.vllm_utils.endpoint`) per engine, or, for an engine without it, the
-    same steps as separate control calls. All engines run at the same time (a broadcast needs every receiver in
-    the collective). Returns ({url: {"results", "timings"}}, {url: error}); a failed engine stays paused."""
-    return _each(urls, lambda url: _update_one(url, calls.get(url), str(version), pause_mode, timeout))
+    same steps as separate control calls; `CONTROL_FANOUT` engines at a time, or all of them with `all_at_once`
+    (a broadcast needs every receiver in the collective). Returns ({url: {"results", "timings"}}, {url: error});
+    a failed engine stays paused."""
+    return _each(urls, lambda url: _update_one(url, calls.get(url), str(version), pause_mode, timeout), all_at_once)
 
 
 def update_weights_all(urls: list[str], calls: dict[str, LoadCall], version: int | str, pause_mode: str = "wait",
