@@ -48,8 +48,10 @@ def serve(handle) -> ThreadingHTTPServer:
         def log_message(self, *args):
             pass
 
-    ThreadingHTTPServer.request_queue_size = 512  # every engine's connection may arrive at once
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    class Server(ThreadingHTTPServer):
+        request_queue_size = 512  # every engine's connection may arrive at once
+
+    server = Server(("127.0.0.1", 0), Handler)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
