@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from vime.ray.session import TrainingSession, exit_after_run, run_entry_point
+from vime.ray.session import TrainingSession, engine_idle_fraction, exit_after_run, run_entry_point
 from vime.utils.logging_utils import progress
 
 
@@ -30,6 +30,7 @@ def train(args) -> None:
             run.offload_train()  # colocated: the engines get the devices back,
             run.onload_rollout()  # and only then allocate their KV cache again
             metrics["perf/step_time"] = time.perf_counter() - step_start
+            metrics["perf/engine_idle_fraction"] = engine_idle_fraction(metrics, metrics["perf/step_time"])
             run.metrics.log(rollout_id, metrics)
             run.publish_checkpoint()  # after the metrics line: a resume never skips a row
         run.maybe_eval(num_rollout, force=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from vime.ray.session import TrainingSession, exit_after_run, run_entry_point
+from vime.ray.session import TrainingSession, engine_idle_fraction, exit_after_run, run_entry_point
 from vime.data.weight_versions import staleness_metrics
 from vime.utils.logging_utils import progress
 
@@ -53,6 +53,7 @@ def train(args) -> None:
                     run.maybe_eval(rollout_id + 1, force=True)
             metrics["perf/step_time"] = time.perf_counter() - step_start
             metrics["perf/trainer_idle_fraction"] = waited / metrics["perf/step_time"]
+            metrics["perf/engine_idle_fraction"] = engine_idle_fraction(metrics, metrics["perf/step_time"])
             run.metrics.log(rollout_id, metrics)
             run.publish_checkpoint()  # after the metrics line: a resume never skips a row
 

@@ -106,6 +106,7 @@ def test_async(tiny_qwen3, arithmetic_data, tmp_path):
     for r in records:
         check_whitened(r)
         assert r["async/stale_samples_dropped"] == 0.0, r
+        assert 0.0 <= r["perf/engine_idle_fraction"] < 1.0 and 0.0 <= r["perf/trainer_idle_fraction"] <= 1.0, r
     assert records[0]["async/staleness_max"] == 0.0 and records[0]["async/token_lag_0_fraction"] == 1.0
     assert [r["async/in_flight_updates"] for r in records] == [1.0, 1.0, 0.0]  # the last has nothing generating
     for r in records[1:]:

@@ -117,3 +117,12 @@ def test_the_staleness_bound_leaves_out_samples_with_a_token_older_than_k_versio
     batch = TrainBatch.from_samples([[fresh, mixed], [labels, unknown]], args, trainer_version=6)
     assert batch.stale == 1 and batch.num_usable == 3
     assert batch.loss_masks[1].sum() == 0 and batch.rewards[1] == 0.0  # left out, its place kept
+
+
+def test_engine_idle_fraction_of_a_step():
+    from vime.ray.session import engine_idle_fraction
+
+    assert engine_idle_fraction({"rollout/time": 1.5}, 2.0) == pytest.approx(0.25)  # generated 1.5 s of a 2 s step
+    assert engine_idle_fraction({"rollout/time": 3.0}, 2.0) == 0.0  # generated beside longer than the step took
+    assert engine_idle_fraction({"rollout/time": 1.5, "buffer/replayed": 1.0}, 2.0) == 1.0  # from storage
+    assert engine_idle_fraction({}, 2.0) == 1.0 and engine_idle_fraction({"rollout/time": 1.0}, 0.0) == 0.0

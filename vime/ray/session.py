@@ -66,6 +66,14 @@ def exit_after_run() -> None:
     os._exit(0)
 
 
+def engine_idle_fraction(metrics: dict, step_time: float) -> float:
+    """The share of a loop step the engines spent not generating: each step collects one rollout, generated within
+    the step (train.py) or back to back beside the steps (train_async.py), so its generation time is the engines'
+    busy time of a step; a rollout replayed from storage kept them idle."""
+    busy = 0.0 if metrics.get("buffer/replayed") else metrics.get("rollout/time", 0.0)
+    return min(1.0, max(0.0, 1.0 - busy / step_time)) if step_time > 0 else 0.0
+
+
 def critic_args(args):
     """The critic trains with its own learning rate; its checkpoints are the critic part of the actor's
     (`checkpoint_files.part_dir`)."""
