@@ -25,7 +25,6 @@ from megatron.core import parallel_state
 from vime.algorithms import compute_approx_kl, get_advantage_estimator, masked_mean_std
 from vime.algorithms.shaping import entropy_coef_at, mask_truncated, overlong_penalties
 from vime.algorithms.distillation import opd_token_rewards
-from vime.data.saved_rollouts import save_train_records, train_record
 from vime.backends.megatron_utils.checkpoint import load_checkpoint, save_checkpoint
 from vime.backends.megatron_utils.batching import balanced_partition, micro_batches, step_slices
 from vime.backends.megatron_utils.device import collective_device, model_device
@@ -34,6 +33,7 @@ from vime.backends.megatron_utils.moe_metrics import ExpertLoad, take_moe_losses
 from vime.backends.megatron_utils.offload import TrainStateOffloader
 from vime.backends.megatron_utils.routing_replay import RoutingReplay, sample_routing
 from vime.backends.megatron_utils.train_batch import TrainBatch
+from vime.backends.megatron_utils.train_records import saves_train_records, write_train_records
 from vime.backends.megatron_utils.critic import attach_value_head, make_value_loss_fn
 from vime.backends.megatron_utils.lora import (LoraConfig, adapters_merged, attach_lora, is_lora_parameter,
                                               load_peft_adapter)
@@ -109,6 +109,7 @@ class MegatronTrainer:
             self.loaded_state = load_checkpoint(self, args.load)
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
+        self.saves_train_records = saves_train_records(args, role)  # its share of each rollout, for the inspector
 
     def _moe_metrics(self, num_micro_batches: int) -> dict:
         """The routers' losses and expert loads of the step just run ({} for dense models). Collective."""
@@ -241,7 +242,7 @@ class MegatronTrainer:
 
         # the inspector's trainer log-probs: those of the first step's forward, under the rollout's weights, unless
         # the old log-probs were computed for all of them already
-        first_step_log_probs = OnHost() if self._saves_train_records() and batch.old_log_probs is None else None
+        first_step_log_probs = OnHost() if self.saves_train_records and batch.old_log_probs is None else None
         for step_index, (step, local, mbs) in enumerate(plan):
             denominators = _denominators(batch, step)
             if args.loss_agg_mode == "bnpo":
@@ -266,44 +267,10 @@ class MegatronTrainer:
         if getattr(args, "max_staleness", None) is not None:
             metrics["async/stale_samples_dropped"] = float(batch.stale)
         metrics["train/steps"] = float(len(plan))
-        if self._saves_train_records():
-            self._save_train_records(rollout_id, groups, batch, [i for _, local, _ in plan for i in local],
-                                     first_step_log_probs)
+        if self.saves_train_records:  # for the inspector
+            write_train_records(args, rollout_id, groups, batch, [i for _, local, _ in plan for i in local],
+                                first_step_log_probs)
         return read_metrics(metrics) if is_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0 else {}
-
-    # ---- what the inspector shows of training (`vime.data.saved_rollouts`) -------------------------------------
-    def _saves_train_records(self) -> bool:
-        """One rank per data-parallel share writes it: the last pipeline stage (the only one with log-probs),
-        tensor-parallel rank 0 (the others hold the same numbers); the actor only, unless --no-save-rollouts."""
-        return (self.role == "actor" and bool(getattr(self.args, "save_rollouts", False))
-                and getattr(self.args, "output_dir", None) is not None and is_last_stage()
-                and parallel_state.get_tensor_model_parallel_rank() == 0)
-
-    def _save_train_records(self, rollout_id: int, groups: list[list[dict]], batch: TrainBatch, local: list[int],
-                            first_step_log_probs: OnHost | None) -> None:
-        """This rank's share of the rollout (`local`, sample positions): per sample its log-probs under the weights
-        the rollout was sampled with (the old log-probs where computed, else the first step's forward; None for a
-        sample no forward computed) and its advantages, in <output-dir>/rollouts/rollout_<id>.train.<rank>.jsonl.gz.
-        One host copy of each; a failed write is logged, not raised: the file is for people, not for training."""
-        samples = [d for g in groups for d in g]
-        if batch.old_log_probs is not None:
-            source, computed = "old_log_probs", {i: batch.old_log_probs[i] for i in local
-                                                 if batch.old_log_probs[i] is not None}
-        else:
-            source, computed = "first_step", first_step_log_probs.gather() if first_step_log_probs is not None else {}
-        log_probs = _as_lists(computed)
-        advantages = _as_lists({i: batch.advantages[i] for i in local}) if batch.advantages is not None else {}
-        records = [train_record(i, samples[i], log_probs.get(i), advantages.get(i), source if i in log_probs else None)
-                   for i in local]
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        try:
-            if save_train_records(self.args.output_dir, rollout_id, rank, records,
-                                  self.args.save_rollouts_max_mb) is None:
-                logger.warning("rollout %d: rank %d's trainer records alone are over --save-rollouts-max-mb; "
-                               "not kept", rollout_id, rank)
-        except OSError as e:
-            logger.warning("rollout %d: could not save rank %d's trainer records for the inspector: %s",
-                           rollout_id, rank, e)
 
     def _train_step(self, batch: TrainBatch, mbs: list, loss_fn, metrics: dict, routing=None, prefix: str = "train"):
         """`train_step` that skips the optimizer step when a loss or gradient on any rank is NaN or inf (counted in
@@ -636,19 +603,6 @@ def _denominators(batch: TrainBatch, step) -> dict:
     """Trainable tokens and sequences of one optimizer step, over all data-parallel ranks (global means)."""
     return {"tokens": max(1.0, float(sum(batch.loss_masks[i].sum() for i in step))),
             "sequences": max(1, sum(int(batch.loss_masks[i].sum() > 0) for i in step))}
-
-
-def _as_lists(by_index: dict[int, torch.Tensor]) -> dict[int, list[float]]:
-    """{i: tensor} -> {i: list of floats}, with one host copy for all of them."""
-    if not by_index:
-        return {}
-    keys = list(by_index)
-    tensors = [by_index[i].detach().float().reshape(-1) for i in keys]
-    flat = torch.cat([t.to(tensors[0].device) for t in tensors]).cpu().tolist()
-    out, start = {}, 0
-    for i, t in zip(keys, tensors):
-        out[i], start = flat[start:start + t.numel()], start + t.numel()
-    return out
 
 
 def _dense(by_index: dict, n: int) -> list:
