@@ -2,7 +2,8 @@
 
 `--rollout-function-path crash_hold_plugin.generate_rollout` (with `held_run_env`) is vime's default rollout,
 except that rollout VIME_TEST_HOLD_AT first touches `<VIME_TEST_HOLD>.reached`, then waits while the file
-VIME_TEST_HOLD exists. A test that kills the run while it waits knows exactly what the run has done: a step of the
+VIME_TEST_HOLD exists. VIME_TEST_HOLD_AT may list several rollouts ("1,3"): each after the first has its own
+hold file, `hold_file(hold, rollout_id)`. A test that kills the run while it waits knows exactly what the run has done: a step of the
 tiny run takes under a second, too short to aim a kill at from outside by watching its files.
 """
 
@@ -22,7 +23,9 @@ def generate_rollout(args, rollout_id: int, data_source, evaluation: bool = Fals
     from vime.rollout.vllm_rollout import generate_rollout as default_rollout
 
     hold = os.environ.get(HOLD_ENV)
-    if hold and not evaluation and rollout_id == int(os.environ[HOLD_AT_ENV]):
+    at = [int(r) for r in os.environ.get(HOLD_AT_ENV, "").split(",") if r]
+    if hold and not evaluation and rollout_id in at:
+        hold = str(hold_file(Path(hold), rollout_id, at[0]))
         Path(f"{hold}.reached").touch()
         deadline = time.monotonic() + 600
         while os.path.exists(hold):
@@ -32,15 +35,22 @@ def generate_rollout(args, rollout_id: int, data_source, evaluation: bool = Fals
     return default_rollout(args, rollout_id, data_source, evaluation=evaluation)
 
 
-def held_run_env(hold: Path | None = None, at: int | None = None) -> dict[str, str]:
-    """The environment of a train.py run that can import this plugin; with `hold`, rollout `at` waits while the
-    file `hold` (created here) exists."""
+def hold_file(hold: Path, rollout_id: int, first: int) -> Path:
+    """The file rollout `rollout_id` waits on: `hold` for the first held rollout, `<hold>.<id>` for the others."""
+    return hold if rollout_id == first else Path(f"{hold}.{rollout_id}")
+
+
+def held_run_env(hold: Path | None = None, at: int | tuple[int, ...] | None = None) -> dict[str, str]:
+    """The environment of a train.py run that can import this plugin; with `hold`, rollout `at` (or each of
+    several) waits while its file (`hold_file`, created here) exists."""
     repo = HERE.parents[1]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(repo), os.environ.get("PYTHONPATH", "")])}
     env.pop(HOLD_ENV, None)
     if hold is not None:
-        hold.touch()
-        env.update({HOLD_ENV: str(hold), HOLD_AT_ENV: str(at)})
+        ids = (at,) if isinstance(at, int) else tuple(at)
+        for rollout_id in ids:
+            hold_file(hold, rollout_id, ids[0]).touch()
+        env.update({HOLD_ENV: str(hold), HOLD_AT_ENV: ",".join(map(str, ids))})
     return env
 
 

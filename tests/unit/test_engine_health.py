@@ -110,6 +110,31 @@ def test_router_probe_needs_its_restart():
         EngineHealthMonitor(1, lambda rank: None, lambda r, why: None, interval_s=1, probe_router=lambda: None)
 
 
+def test_a_collective_update_leaves_out_the_engines_that_fail_their_probe_now(monkeypatch, tmp_path):
+    """Every member of a broadcast group takes part in each broadcast: an engine that died since the last sweep
+    (its node lost between two updates) is probed out before the group is formed, and restarted soon."""
+    from types import SimpleNamespace
+
+    from vime.ray import engine_fleet
+    from vime.rollout.context import RolloutContext
+
+    router = []
+    monkeypatch.setattr(engine_fleet, "post_worker", lambda url, verb, worker: router.append((verb, worker)))
+    fleet = engine_fleet.EngineFleet(SimpleNamespace(control_token_file=None, debug_train_only=False), None,
+                                     tmp_path, RolloutContext())
+    fleet.engine_urls = ["http://e0", "http://e1", "http://e2"]
+    fleet.rank_urls = list(fleet.engine_urls)
+    assert fleet.live_engine_urls() == fleet.engine_urls  # without fault tolerance: no probe
+    health = {0: None, 1: "engine actor unreachable: ActorDiedError", 2: None}
+    fleet.monitor = EngineHealthMonitor(3, health.get, lambda *a: None, interval_s=60,
+                                        sweep_lock=fleet._engines_lock)
+    soon = []
+    monkeypatch.setattr(fleet.monitor, "check_soon", lambda rank=None: soon.append(rank))
+    assert fleet.live_engine_urls() == ["http://e0", "http://e2"]
+    assert router == [("remove_worker", "http://e1")] and soon == [None]
+    assert fleet.live_engine_urls() == ["http://e0", "http://e2"] and len(router) == 1  # out already
+
+
 def test_rollouts_with_too_many_failed_samples_are_skipped():
     guard = FailedRollouts(max_ratio=0.5, max_consecutive=3)
     assert guard.judge(0, failed=128, total=256) is None  # at the ratio: trained on

@@ -211,6 +211,8 @@ class _Manager:
     def get_engine_urls(self):
         return list(self.urls)
 
+    get_live_engine_urls = get_engine_urls  # (the probe of each engine is EngineFleet's, tested on its own)
+
     def probe_tokens(self):
         return _probe(self.hf_checkpoint)
 

@@ -249,6 +249,22 @@ class EngineFleet:
         if healthy_errors:
             raise client.EngineControlError("; ".join(healthy_errors))
 
+    def live_engine_urls(self) -> list[str]:
+        """The engines in service, less those that fail a probe now (with --use-fault-tolerance; the monitor
+        restarts them). For a collective update (broadcast): every member takes part in each of its broadcasts, so
+        one engine that died since the last health sweep (with its node, say) would fail the whole update."""
+        if self.monitor is not None:
+            failed = self.monitor.probe_engines()
+            for rank, reason in failed.items():
+                url = self.rank_urls[rank]
+                if url in self.engine_urls:
+                    logger.error("engine %d (%s) failed its probe before a weight update (%s); taken out of service "
+                                 "until it is restarted", rank, url, reason)
+                    self._take_out_of_service(url)
+            if failed:
+                self.monitor.check_soon()
+        return list(self.engine_urls)
+
     def _take_out_of_service(self, url: str) -> None:
         with self._engines_lock:
             if url in self.engine_urls:

@@ -16,7 +16,7 @@ import os
 
 import ray
 from ray.util.placement_group import placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from vime.ray.ray_auth import drop_run_token, use_run_token, warn_if_unauthenticated
 from vime.utils.cpus import CpuShare
@@ -173,6 +173,16 @@ class Placement:
                 first += units
         return shares
 
+    def describe(self) -> str:
+        """Which node (its address and the start of its id) holds each rank of each role, for the run's log."""
+        address = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+        parts = []
+        for role, count in self.ranks.items():
+            if count:
+                nodes = [self.bundle_nodes[self.bundle_of(role, rank)] for rank in range(count)]
+                parts.append(f"{role} ranks on " + ", ".join(f"{address.get(n, '?')}/{n[:8]}" for n in nodes))
+        return "; ".join(parts)
+
     def actor_options(self, index: int) -> dict:
         """Ray options for an actor on bundle `index`, asking for its share of the bundle's resources."""
         options = {"num_cpus": self.share, "scheduling_strategy": bundle_strategy(self.pg, index)}
@@ -209,6 +219,13 @@ def device_order(nodes: list[str], gpus: list[str | None]) -> list[int]:
         gpu = gpus[bundle]
         return first_seen[nodes[bundle]], (int(gpu) if gpu is not None and gpu.isdigit() else bundle, str(gpu))
     return sorted(range(len(nodes)), key=key)
+
+
+def on_this_node() -> dict:
+    """Ray options that place an actor on the calling process's node: the rollout manager (and the router it
+    starts) stays on the driver's node, whichever node of a cluster has room."""
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
+                                                                  soft=False)}
 
 
 def bundle_strategy(pg, index: int) -> PlacementGroupSchedulingStrategy:

@@ -168,6 +168,12 @@ class RolloutManager:
     def get_engine_urls(self) -> list[str]:
         return list(self.fleet.engine_urls)
 
+    @ray.method(concurrency_group="weights")
+    def get_live_engine_urls(self) -> list[str]:
+        """`get_engine_urls` after a probe of each (`EngineFleet.live_engine_urls`): the members of a collective
+        update."""
+        return self.fleet.live_engine_urls()
+
     def get_router_url(self) -> str | None:
         return self.fleet.router_url
 

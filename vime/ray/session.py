@@ -17,7 +17,7 @@ from vime.backends.weight_transport.check import check_weights_equal
 from vime.data.transport import RolloutRef, make_transport, rollout_summary
 from vime.data.transport.replay import append_trained_samples, replay_ids, truncate_trained_samples
 from vime.ray.actor_group import RayTrainGroup
-from vime.ray.placement import Placement, cluster_has_gpus, init_ray, shutdown_ray
+from vime.ray.placement import Placement, cluster_has_gpus, init_ray, on_this_node, shutdown_ray
 from vime.ray.previous_run import check_start
 from vime.ray.engine_fleet import new_engines, run_control_token
 from vime.ray.rollout_manager import RolloutManager, log_dir, resolve_num_rollout
@@ -117,10 +117,13 @@ class TrainingSession:
         validate_transport_placement(args, gpus=cluster_has_gpus())  # what only the cluster's devices decide
         self.placement = Placement(args, with_engines=self.use_engines, with_trainers=self.train_enabled,
                                    overlap=self.overlap)
+        if len(set(self.placement.bundle_nodes)) > 1:
+            logger.info("placement over %d nodes: %s", len(set(self.placement.bundle_nodes)),
+                        self.placement.describe())
         token = run_control_token(args)
         # the engines' actors first: they boot beside the manager's, which takes them over
         self.engines = new_engines(args, self.placement, log_dir(args), token)  # none with --debug-train-only
-        self.manager = RolloutManager.remote(args, self.placement, self.engines, token)
+        self.manager = RolloutManager.options(**on_this_node()).remote(args, self.placement, self.engines, token)
         self.critic = None
         if self.train_enabled:
             self._create_trainers()

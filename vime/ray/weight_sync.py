@@ -79,7 +79,10 @@ class WeightSync:
     def stage(self, train_group, rollout_manager, version: int) -> StagedUpdate:
         """The trainer half, which needs no pause."""
         start = time.perf_counter()
-        self.transport.connect(control(rollout_manager.get_engine_urls.remote(), "the engine URLs"),
+        # a collective's members must all be alive: its engines are probed first
+        urls = (rollout_manager.get_live_engine_urls if self.transport.concurrent else
+                rollout_manager.get_engine_urls).remote()
+        self.transport.connect(control(urls, "the engine URLs"),
                                lambda: control(train_group.actors[0].address.remote(), "training rank 0's address"))
         handle = self.transport.prepare(version)
         recovery = None

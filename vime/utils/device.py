@@ -46,7 +46,20 @@ def serving_host(args) -> str:
         return "127.0.0.1"
     if getattr(args, "serving_interface", None):
         return interface_address(args.serving_interface)
-    return ray.util.get_node_ip_address()
+    return ray_node_address()
+
+
+def ray_node_address() -> str:
+    """The address this process's Ray node registered (`ray start --node-ip-address`), from the cluster's node
+    table. Not `ray.util.get_node_ip_address()`: in an actor it guesses the interface of the default route, which
+    is not the node's address where a node was given one (a second network, several nodes on one machine)."""
+    import ray
+
+    node_id = ray.get_runtime_context().get_node_id()
+    for node in ray.nodes():
+        if node["NodeID"] == node_id:
+            return node["NodeManagerAddress"]
+    raise RuntimeError(f"this process's Ray node {node_id} is not in the cluster's node table")
 
 
 def interface_address(name: str) -> str:

@@ -23,6 +23,7 @@ FLOAT32_TOLERANCE = tolerances.tolerance("logprob", "float32", "cpu")
 # log-probs near -15, where the two stacks were seen 1.14e-5 apart on the same weights after 16 rollouts)
 RELATIVE_TOLERANCE = tolerances.tolerance("logprob_relative", "float32", "cpu")
 METRIC = "weight_check/max_abs_logprob_diff"
+ENGINES_METRIC = "weight_check/engines"  # how many engines the check found in service and compared
 HALF_TOLERANCE = tolerances.tolerance("logprob", "bfloat16", "cpu")
 
 
@@ -109,13 +110,14 @@ def check_weights_equal(args, train_group, rollout_manager) -> dict[str, float]:
 
     tokens = control(rollout_manager.probe_tokens.remote(), "the weight check's probe tokens")
     urls = control(rollout_manager.get_engine_urls.remote(), "the engine URLs")
-    worst = 0.0
+    worst, checked = 0.0, 0
     kind = train_group.compute_kind()
     for adapter in adapter_names(args) or [None]:
         engines = rollout_manager.probe_log_probs.remote(tokens, adapter or client.SERVED_MODEL)
         trainer = next(r for r in train_group.probe_log_probs(tokens, len(tokens) - 1, temperature=1.0,
                                                               adapter=adapter) if r)
         engine_lps = control(engines, "the engines' probe log-probs")
+        checked = len(engine_lps)
         worst = max(worst, compare_log_probs(trainer, engine_lps, urls, tolerance_for(args, kind), adapter,
                                              relative_tolerance_for(args, kind))[METRIC])
-    return {METRIC: worst}
+    return {METRIC: worst, ENGINES_METRIC: float(checked)}
