@@ -42,11 +42,6 @@ CONCURRENCY = 256
 HEALTH_INTERVAL, HEALTH_TIMEOUT = 2.0, 5.0
 
 
-def _get_json(url: str, timeout: float = 10.0):
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return json.loads(r.read())
-
-
 def _in_engine(url: str) -> float:
     """Requests an engine holds now (running + waiting), from its Prometheus /metrics."""
     with urllib.request.urlopen(urllib.request.Request(url + "/metrics", headers=control_headers()), timeout=5) as r:
@@ -56,7 +51,9 @@ def _in_engine(url: str) -> float:
 
 
 def _router_workers(router_url: str) -> list[str]:
-    data = _get_json(router_url + "/workers")
+    with urllib.request.urlopen(urllib.request.Request(router_url + "/workers", headers=serving_headers()),
+                                timeout=10) as r:
+        data = json.loads(r.read())
     return sorted(w["url"] if isinstance(w, dict) else w for w in data.get("workers", data.get("urls", [])))
 
 
@@ -202,6 +199,16 @@ def test_control_routes_answer_only_to_the_run_token(stack, tiny_qwen3):
     for route in ("/pause", "/sleep", "/collective_rpc", "/vime/update_weights"):
         for headers in (None, control_headers()):
             assert http_status(router_url + route, "POST", headers, {"method": "vime_load_weights"}) != 200, route
+    # the router's own routes, its admin ones included, open to the serving key only (`router_door`)
+    admin = [("POST", "/add_worker?url=http://127.0.0.1:1"), ("POST", f"/remove_worker?url={urls[0]}"),
+             ("POST", "/flush_cache"), ("GET", "/workers"), ("GET", "/list_workers"), ("GET", "/health"),
+             ("GET", "/get_server_info"), ("POST", "/inference/v1/generate")]
+    generate = {"token_ids": [100, 101, 102], "sampling_params": {"max_tokens": 2}, "model": "policy"}
+    for method, route in admin:
+        seen = [http_status(router_url + route, method, h, generate) for h in (None, wrong, control_headers())]
+        assert seen == [401, 401, 401], (route, seen)
+    assert http_status(router_url + "/health", headers=serving_headers()) == 200
+    assert _router_workers(router_url) == sorted(urls)  # nothing above changed the router
     for url in urls:  # nothing above changed an engine
         state = json.loads(urllib.request.urlopen(urllib.request.Request(url + "/is_paused",
                                                                          headers=control_headers())).read())
@@ -329,7 +336,8 @@ def test_sigkilled_router_fails_the_rollout_which_is_not_trained_and_is_restarte
     print(f"router back {time.monotonic() - killed:.1f}s after the SIGKILL")
     new_router = ray.get(manager.get_router_url.remote())
     assert new_router != old_router and new_router.startswith("http://127.0.0.1:")
-    assert http_status(new_router + "/health") == 200
+    assert http_status(new_router + "/health", headers=serving_headers()) == 200
+    assert http_status(new_router + "/add_worker?url=http://127.0.0.1:1", "POST") == 401
     assert _router_workers(new_router) == sorted(ray.get(manager.get_engine_urls.remote())) == sorted(urls)
 
     groups, metrics = _rollout(manager, args, 4)

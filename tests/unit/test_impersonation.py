@@ -123,14 +123,37 @@ def test_router_start_sends_nothing_to_an_impostor(impostor, tmp_path):
     assert all(r["authorization"] is None and r["method"] == "GET" for r in received()), received()
 
 
-def test_a_worker_another_user_adds_to_the_router_is_removed(tmp_path):
-    """Another user adds their server to vime's router (its /add_worker answers anyone on the node); at the next
-    rollout's check the fleet removes it, reports it, and the router serves vime's engines only."""
+HOSTILE = textwrap.dedent('''
+    import json, sys, urllib.error, urllib.request
+    router, theirs, ours = sys.argv[1:4]
+    routes = [("POST", "/add_worker?url=" + theirs), ("POST", "/remove_worker?url=" + ours), ("POST", "/flush_cache"),
+              ("GET", "/workers"), ("GET", "/list_workers"), ("GET", "/health"), ("GET", "/get_server_info")]
+    seen = {}
+    for method, route in routes:
+        for key in (None, "0" * 64):
+            request = urllib.request.Request(router + route, method=method, data=b"" if method == "POST" else None)
+            if key:
+                request.add_header("Authorization", "Bearer " + key)
+            try:
+                with urllib.request.urlopen(request, timeout=10) as r:
+                    seen[f"{method} {route} {bool(key)}"] = r.status
+            except urllib.error.HTTPError as e:
+                seen[f"{method} {route} {bool(key)}"] = e.code
+    print(json.dumps(seen))
+''')
+
+
+def test_another_user_cannot_steer_the_router_and_a_stranger_worker_is_removed(tmp_path):
+    """Another user (uid 65534) calls vime's real router: every route, /add_worker and /remove_worker included,
+    answers 401 without the run's serving key (`router_door`), and the router still serves vime's engine alone.
+    A stranger in its worker list all the same (added by a holder of the key, or by an older router) is removed at
+    the next rollout's check and reported."""
     from vime.arguments import build_parser
     from vime.backends.vllm_utils.arguments import router_args_from
-    from vime.backends.vllm_utils.router import Router
+    from vime.backends.vllm_utils.router import Router, post_worker
     from vime.ray.engine_fleet import EngineFleet
     from vime.rollout.context import reset_rollout_context
+    from vime.utils.auth import serving_key
 
     (tmp_path / "worker.py").write_text(IMPOSTOR)  # a server that answers 200 (the router checks /health)
     ports = (_free_port(), _free_port())
@@ -142,19 +165,21 @@ def test_a_worker_another_user_adds_to_the_router_is_removed(tmp_path):
         while not listeners(port) and time.monotonic() < deadline:
             time.sleep(0.05)
     flags = build_parser().parse_args(["--hf-checkpoint", "x"])
-    router = Router(router_args_from(flags, "127.0.0.1", _free_port(), [], api_key="k"), str(tmp_path))
+    router = Router(router_args_from(flags, "127.0.0.1", _free_port(), [], api_key=serving_key()), str(tmp_path))
     context = reset_rollout_context()  # the manager's: where the fleet counts
     fleet = EngineFleet(SimpleNamespace(control_token_file=None, debug_train_only=True), None, tmp_path, context)
     try:
         fleet.router, fleet.router_url = router, router.start()
         fleet.engine_urls = [ours]
         router.add_worker(ours)
-        hostile = ("import sys, urllib.request\n"
-                   "urllib.request.urlopen(urllib.request.Request(sys.argv[1] + '/add_worker?url=' + sys.argv[2], "
-                   "method='POST'), timeout=10).read()\n")
-        subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-I", "-c",
-                        hostile, fleet.router_url, theirs], check=True, timeout=60)
-        assert sorted(router.workers()) == sorted([ours, theirs])  # the router let them in
+        proc = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-I",
+                               "-c", HOSTILE, fleet.router_url, theirs, ours],
+                              capture_output=True, text=True, check=True, timeout=60)
+        seen = json.loads(proc.stdout)
+        assert len(seen) == 14 and set(seen.values()) == {401}, seen
+        assert router.workers() == [ours]  # nothing they sent changed it
+        post_worker(fleet.router_url, "add_worker", theirs)
+        assert sorted(router.workers()) == sorted([ours, theirs])
         assert fleet.reconcile_router() == [theirs]
         assert router.workers() == [ours]
         assert context.counters["rollout/router_unknown_workers_removed"] == 1

@@ -26,7 +26,7 @@ import ray
 from vime.backends.vllm_utils import client
 from vime.backends.vllm_utils.arguments import engine_dtype_warning, router_args_from
 from vime.backends.vllm_utils.engine import VLLMEngine, http_ok
-from vime.backends.vllm_utils.router import Router, post_worker, post_workers
+from vime.backends.vllm_utils.router import Router, post_worker, post_workers, router_ok
 from vime.backends.vllm_utils.router_gate import RouterGate
 from vime.ray.health import EngineHealthMonitor
 from vime.ray.placement import num_engines
@@ -178,7 +178,7 @@ class EngineFleet:
         self._start_own_router(args.vllm_router_port or find_free_port())
 
     def _own_router(self, port: int, worker_urls: list[str]) -> Router:
-        # loopback: whoever reaches the router can add engines to it; rollouts run in this process
+        # loopback, and every route asks for the serving key (`router_door`); rollouts run in this process
         router_args = router_args_from(self.args, "127.0.0.1", port, worker_urls, api_key=serving_key(self.token))
         return Router(router_args, str(self.log_dir))
 
@@ -388,7 +388,7 @@ class EngineFleet:
         timeout = self.args.rollout_health_check_timeout
         if self.router.proc is None or self.router.proc.poll() is not None:
             return "its process exited"
-        if not http_ok(self.router_url + "/health", timeout=timeout):
+        if not router_ok(self.router_url, timeout=timeout):
             return f"/health did not answer within --rollout-health-check-timeout {timeout}s"
         return None
 

@@ -2,6 +2,8 @@
 
 The router spreads generate requests over engines. Control calls (pause, weight updates, ...) must not go
 through it: it forwards them to one worker only. See `vime.backends.vllm_utils.client`.
+Every route of vime's router, its admin routes included, admits only callers that carry the run's serving key
+(`router_door`): `router_ok`, `post_worker` and `Router.workers` send it.
 """
 
 from __future__ import annotations
@@ -9,13 +11,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+import time
 import urllib.parse
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from vime.backends.vllm_utils.engine import http_ok
-from vime.utils.listeners import foreign_listener
+from vime.backends.vllm_utils.engine import http_status
+from vime.utils.auth import serving_headers
+from vime.utils.listeners import foreign_listener, listeners
 from vime.utils.process import kill_tree, spawn, tail, wait_until
 
 # add_worker / remove_worker calls in flight to the router at once: the router checks a new worker's /health
@@ -42,19 +46,25 @@ class Router:
                           stdin_data=payload)
 
     def wait_ready(self, timeout_s: float = 60.0) -> str:
-        """Wait until the launched router answers /health; its URL."""
-        if not wait_until(lambda: http_ok(self.url + "/health"), timeout_s, 0.1, alive=lambda: self.proc.poll() is None):
-            self.stop()
-            raise RuntimeError(f"vllm-router did not start on {self.url}. Log {self.log_path}:\n{tail(self.log_path)}")
-        stranger = foreign_listener(self.router_args.port, self.proc.pid)
-        if stranger is not None:  # generate requests carry the serving key: none goes to a stranger
-            self.stop()
-            raise RuntimeError(f"vllm-router at {self.url}: {stranger}; nothing was sent to it. Another user may be "
-                               "trying to impersonate the router: start the run again on another port")
-        return self.url
+        """Wait until the launched router answers /health; its URL. The key goes only to a listener that is the
+        router's own: first its port must be listening, and by the router's process."""
+        deadline = time.monotonic() + timeout_s
+        alive = lambda: self.proc.poll() is None  # noqa: E731
+        port = self.router_args.port
+        if wait_until(lambda: bool(listeners(port)), timeout_s, 0.05, alive=alive):
+            stranger = foreign_listener(port, self.proc.pid)
+            if stranger is not None:  # /health and generate requests carry the serving key: none goes to a stranger
+                self.stop()
+                raise RuntimeError(f"vllm-router at {self.url}: {stranger}; nothing was sent to it. Another user may "
+                                   "be trying to impersonate the router: start the run again on another port")
+            if wait_until(lambda: router_ok(self.url), max(deadline - time.monotonic(), 0.0), 0.1, alive=alive):
+                return self.url
+        self.stop()
+        raise RuntimeError(f"vllm-router did not start on {self.url}. Log {self.log_path}:\n{tail(self.log_path)}")
 
     def workers(self) -> list[str]:
-        with urllib.request.urlopen(self.url + "/workers", timeout=10) as r:
+        with urllib.request.urlopen(urllib.request.Request(self.url + "/workers", headers=serving_headers()),
+                                    timeout=10) as r:
             data = json.loads(r.read())
         return [w["url"] if isinstance(w, dict) else w for w in data.get("workers", data.get("urls", []))]
 
@@ -73,10 +83,15 @@ class Router:
             self.proc = None
 
 
+def router_ok(router_url: str, timeout: float = 2.0) -> bool:
+    """Whether the router at `router_url` answers /health (asked with the serving key, which it requires)."""
+    return http_status(router_url + "/health", headers=serving_headers(), timeout=timeout) == 200
+
+
 def post_worker(router_url: str, route: str, worker_url: str) -> None:
     """Register (add_worker) or drop (remove_worker) an engine at any running vllm-router, ours or not."""
     query = urllib.parse.quote(worker_url, safe="")
-    req = urllib.request.Request(f"{router_url}/{route}?url={query}", method="POST")
+    req = urllib.request.Request(f"{router_url}/{route}?url={query}", method="POST", headers=serving_headers())
     with urllib.request.urlopen(req, timeout=30) as r:
         r.read()
 
@@ -90,10 +105,19 @@ def post_workers(router_url: str, route: str, worker_urls: list[str]) -> None:
 
 
 def _main() -> None:
+    from vime.backends.vllm_utils.router_door import open_door
+
+    config = json.loads(sys.stdin.read())
+    # callers need the key the router sends the engines (`router_door`); opened before anything starts a thread
+    door = open_door((config["api_key"],)) if config.get("api_key") else None
+
     from vllm_router.launch_router import launch_router
     from vllm_router.router_args import RouterArgs
 
-    launch_router(RouterArgs(**json.loads(sys.stdin.read())))
+    router_args = RouterArgs(**config)  # this process's own, made here
+    if door is not None:
+        router_args.api_key_validation_urls = [door]  # a _Router argument that RouterArgs does not declare
+    launch_router(router_args)
 
 
 if __name__ == "__main__":
