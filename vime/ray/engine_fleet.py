@@ -9,8 +9,9 @@ control calls skip an engine found dead, which the monitor restarts with the cur
 (`recovery_weights`, an HF directory the weight sync leaves with every update).
 
 It also holds the run's control token (`vime.utils.auth`; made here, or read from --control-token-file), which
-its engines require on their routes. The router, which authenticates nobody, listens on this node's loopback
-only; it holds the serving key, which opens the engines' generation routes and none of their control routes.
+its engines require on their routes. The router listens on this node's loopback only and admits only callers
+with the serving key (`router_door`); it holds that key, which opens the engines' generation routes and none of
+their control routes.
 """
 
 from __future__ import annotations
