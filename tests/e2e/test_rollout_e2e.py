@@ -86,7 +86,9 @@ HOSTILE = textwrap.dedent('''
     secrets_, urls = json.loads(sys.stdin.read())  # on stdin: a secret in this argv would be found by the scan
     def status(url, method="GET", data=None):
         try:
-            return urllib.request.urlopen(urllib.request.Request(url, data=data, method=method), timeout=10).status
+            headers = {"Content-Type": "application/json"} if data is not None else {}
+            return urllib.request.urlopen(urllib.request.Request(url, data=data, method=method, headers=headers),
+                                          timeout=10).status
         except urllib.error.HTTPError as e:
             return e.code
         except OSError as e:
@@ -98,8 +100,20 @@ HOSTILE = textwrap.dedent('''
         except OSError:
             continue
         hits += [pid for secret in secrets_ if secret in cmdline]
-    engines = urls["engines"]
+    engines, router = urls["engines"], urls["router"]
+    router_routes = [("POST", "/add_worker?url=http://127.0.0.1:1"), ("POST", "/remove_worker?url=" + engines[0]),
+                     ("POST", "/flush_cache"), ("GET", "/workers"), ("GET", "/health"),
+                     ("POST", "/inference/v1/generate")]
+    generate = json.dumps({"token_ids": [1, 2], "sampling_params": {"max_tokens": 1}, "model": "policy"}).encode()
+    ray_tokens = []
+    for d in (d for d in os.listdir("/tmp") if d.startswith("vime-ray-auth-")):
+        try:
+            ray_tokens.append(open(f"/tmp/{d}/auth_token").read())
+        except OSError as e:
+            ray_tokens.append(type(e).__name__)
     print(json.dumps({"cmdline_hits": hits,
+                      "router": [status(router + r, m, generate if m == "POST" else None) for m, r in router_routes],
+                      "ray_tokens": ray_tokens,
                       "engine_control": [status(u + r) for u in engines for r in ("/is_paused", "/server_info")]
                                         + [status(u + "/collective_rpc", "POST", b"{}") for u in engines],
                       "engine_generate": [status(u + "/inference/v1/generate", "POST", b"{}") for u in engines],
@@ -116,7 +130,8 @@ def _another_user_probes(run_log: str, token: str) -> dict:
     engines = json.loads(match.group(1).replace("'", '"'))
     proc = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-I", "-c",
                            HOSTILE], input=json.dumps([[token, serving_key(token)],
-                                                       {"engines": engines, "front": match.group(3)}]),
+                                                       {"engines": engines, "router": match.group(2),
+                                                        "front": match.group(3)}]),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
@@ -165,13 +180,16 @@ def test_the_serving_key_opens_only_the_listed_routes_of_the_real_engine(rollout
 @pytest.mark.skipif(os.getuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv for a 2nd uid")
 def test_another_user_finds_no_secret_and_no_open_door(rollout_run):
     """Another user on the node, while the run serves: no process's argv holds the token or the serving key
-    (the router's arguments once did); every engine route answers 401 without a key; the router's front for
-    plugins answers 403."""
+    (the router's arguments once did); every engine route answers 401 without a key, and so does every route of
+    the router, /add_worker and /remove_worker included; the router's front for plugins answers 403; the run's
+    Ray token cannot be read."""
     _, served, _ = rollout_run
     hostile = served["hostile"]
     assert hostile["cmdline_hits"] == [], hostile
     assert set(hostile["engine_control"]) == {401} and set(hostile["engine_generate"]) == {401}, hostile
+    assert hostile["router"] == [401] * 6, hostile
     assert hostile["plugin_front"] == 403
+    assert hostile["ray_tokens"] and set(hostile["ray_tokens"]) == {"PermissionError"}, hostile
 
 
 def test_every_sample_is_complete(rollout_run):

@@ -87,3 +87,19 @@ def test_a_token_this_process_did_not_make_stays(no_ray_auth_settings, tmp_path)
     os.environ[MODE_ENV], os.environ[TOKEN_PATH_ENV] = "token", str(parents / "auth_token")
     drop_run_token()
     assert (parents / "auth_token").exists() and os.environ[TOKEN_PATH_ENV] == str(parents / "auth_token")
+
+
+def test_a_killed_runs_token_directory_is_reaped(tmp_path):
+    """A run killed with SIGKILL leaves its token directory; the next run removes the ones whose process is gone,
+    never a live run's."""
+    from vime.ray.ray_auth import reap_dead_runs_tokens
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale, live, other = (tmp_path / f"vime-ray-auth-{dead.pid}-x", tmp_path / f"vime-ray-auth-{os.getpid()}-y",
+                          tmp_path / "unrelated")
+    for d in (stale, live, other):
+        d.mkdir()
+        (d / "auth_token").write_text("0" * 64)
+    assert reap_dead_runs_tokens(str(tmp_path)) == [str(stale)]
+    assert not stale.exists() and live.exists() and other.exists()

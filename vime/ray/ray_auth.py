@@ -18,6 +18,7 @@ import tempfile
 logger = logging.getLogger(__name__)
 
 MODE_ENV, TOKEN_PATH_ENV = "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH"
+PREFIX = "vime-ray-auth-"  # then the pid of the process that made it
 
 
 def use_run_token() -> str | None:
@@ -28,6 +29,7 @@ def use_run_token() -> str | None:
         if os.environ.get(MODE_ENV, "").lower() == "disabled":
             logger.warning("RAY_AUTH_MODE=disabled: this run's Ray cluster accepts anyone who can reach it")
         return None
+    reap_dead_runs_tokens(tempfile.gettempdir())
     directory = tempfile.mkdtemp(prefix=_owned_prefix())  # 0700
     path = os.path.join(directory, "auth_token")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -36,6 +38,35 @@ def use_run_token() -> str | None:
     os.environ[MODE_ENV], os.environ[TOKEN_PATH_ENV] = "token", path
     _reload_ray_auth_config()
     return directory
+
+
+def reap_dead_runs_tokens(root: str) -> list[str]:
+    """Remove the token directories under `root` that this user's runs made and could not remove (a run killed
+    with SIGKILL): those whose process is gone. Returns what it removed."""
+    removed = []
+    for name in os.listdir(root):
+        if not name.startswith(PREFIX):
+            continue
+        path = os.path.join(root, name)
+        pid = name[len(PREFIX):].partition("-")[0]
+        try:
+            if not pid.isdigit() or os.lstat(path).st_uid != os.getuid() or _alive(int(pid)):
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process of that pid
+        return True
+    return True
 
 
 def _reload_ray_auth_config() -> None:
@@ -50,7 +81,7 @@ def _reload_ray_auth_config() -> None:
 def _owned_prefix() -> str:
     """Token directories this process made carry its pid: a child that inherited the environment (a run started
     by a test, say) uses the parent's token and never removes it."""
-    return f"vime-ray-auth-{os.getpid()}-"
+    return f"{PREFIX}{os.getpid()}-"
 
 
 def drop_run_token() -> None:
