@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -45,7 +46,9 @@ def rollout_run(tiny_qwen3, arithmetic_data, tmp_path_factory):
     """One run, held before its third rollout: what it did in two rollouts and, while it serves, the CPUs its
     engines compute on; then Ctrl-C, and the stack's processes that are left after it."""
     assert not _stack_pids(), "engine or router processes are already running"
-    out = tmp_path_factory.mktemp("rollout_e2e")
+    # a directory others may pass through (pytest's own are 0700): the run's output directory must keep them out
+    out = Path(tempfile.mkdtemp(prefix="vime-rollout-e2e-"))
+    out.chmod(0o711)
     hold, log = out / "hold", out / "run.log"  # a file: a pipe nobody reads could fill and block the run
     token_file = out / "token"
     token_file.write_text(secrets.token_hex(32))
@@ -67,7 +70,8 @@ def rollout_run(tiny_qwen3, arithmetic_data, tmp_path_factory):
                   "metrics": (out / "run" / "metrics.jsonl").read_text(),
                   "engine_logs": {p.name: p.read_text() for p in (out / "run" / "logs").glob("engine_*.log")},
                   "routes": _engine_routes(log.read_text(), token_file.read_text().strip()),
-                  "hostile": _another_user_probes(log.read_text(), token_file.read_text().strip())
+                  "hostile": _another_user_probes(log.read_text(), token_file.read_text().strip(),
+                                                  str(out / "run"))
                   if os.getuid() == 0 and shutil.which("setpriv") else None}
         proc.send_signal(signal.SIGINT)
         hold.unlink()
@@ -78,7 +82,8 @@ def rollout_run(tiny_qwen3, arithmetic_data, tmp_path_factory):
     deadline = time.monotonic() + 30
     while _stack_pids() and time.monotonic() < deadline:
         time.sleep(1)
-    return out, served, _stack_pids()
+    yield out, served, _stack_pids()
+    shutil.rmtree(out, ignore_errors=True)
 
 
 HOSTILE = textwrap.dedent('''
@@ -111,7 +116,13 @@ HOSTILE = textwrap.dedent('''
             ray_tokens.append(open(f"/tmp/{d}/auth_token").read())
         except OSError as e:
             ray_tokens.append(type(e).__name__)
-    print(json.dumps({"cmdline_hits": hits,
+    outputs = []
+    for path in (urls["output_dir"], urls["output_dir"] + "/config.yaml", urls["output_dir"] + "/metrics.jsonl"):
+        try:
+            outputs.append(len(os.listdir(path)) if path == urls["output_dir"] else len(open(path).read()))
+        except OSError as e:
+            outputs.append(type(e).__name__)
+    print(json.dumps({"cmdline_hits": hits, "outputs": outputs,
                       "router": [status(router + r, m, generate if m == "POST" else None) for m, r in router_routes],
                       "ray_tokens": ray_tokens,
                       "engine_control": [status(u + r) for u in engines for r in ("/is_paused", "/server_info")]
@@ -121,7 +132,7 @@ HOSTILE = textwrap.dedent('''
 ''')
 
 
-def _another_user_probes(run_log: str, token: str) -> dict:
+def _another_user_probes(run_log: str, token: str, output_dir: str) -> dict:
     """What uid 65534 finds while the run serves: the run's token or serving key in any process's argv, and the
     answers of the engines' control and generation routes and of the router's front for plugins."""
     from vime.utils.auth import serving_key
@@ -131,7 +142,7 @@ def _another_user_probes(run_log: str, token: str) -> dict:
     proc = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-I", "-c",
                            HOSTILE], input=json.dumps([[token, serving_key(token)],
                                                        {"engines": engines, "router": match.group(2),
-                                                        "front": match.group(3)}]),
+                                                        "front": match.group(3), "output_dir": output_dir}]),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
@@ -182,7 +193,7 @@ def test_another_user_finds_no_secret_and_no_open_door(rollout_run):
     """Another user on the node, while the run serves: no process's argv holds the token or the serving key
     (the router's arguments once did); every engine route answers 401 without a key, and so does every route of
     the router, /add_worker and /remove_worker included; the router's front for plugins answers 403; the run's
-    Ray token cannot be read."""
+    Ray token and its output directory (in a directory anyone may pass through) cannot be read."""
     _, served, _ = rollout_run
     hostile = served["hostile"]
     assert hostile["cmdline_hits"] == [], hostile
@@ -190,6 +201,7 @@ def test_another_user_finds_no_secret_and_no_open_door(rollout_run):
     assert hostile["router"] == [401] * 6, hostile
     assert hostile["plugin_front"] == 403
     assert hostile["ray_tokens"] and set(hostile["ray_tokens"]) == {"PermissionError"}, hostile
+    assert hostile["outputs"] == ["PermissionError"] * 3, hostile  # the output directory is the run's alone
 
 
 def test_every_sample_is_complete(rollout_run):
