@@ -18,6 +18,7 @@ one-CPU nodes, so that the trainer and each engine get a node of their own and o
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -141,6 +142,19 @@ def _start(cmd: list[str], out: Path, hold: Path, at: tuple[int, ...]) -> tuple[
     return proc, log
 
 
+@contextlib.contextmanager
+def _killed_if_it_fails(proc: subprocess.Popen, *holds: Path):
+    """The run is killed if the block fails; its holds are released either way."""
+    try:
+        yield
+    except BaseException:
+        proc.kill()
+        raise
+    finally:
+        for hold in holds:
+            hold.unlink(missing_ok=True)
+
+
 def _finish(proc: subprocess.Popen, log: Path, timeout: float = 600) -> str:
     try:
         proc.wait(timeout=timeout)
@@ -173,14 +187,9 @@ def test_disk_transport_across_nodes(cluster, tiny_qwen3, arithmetic_data, tmp_p
     # one engine: the broadcast test spreads two over two nodes
     proc, log = _start(_command(cluster, tmp_path, "disk", 3, "--update-weight-dir", str(tmp_path / "stage"),
                                 model=tiny_qwen3, data=arithmetic_data[0], engines=1), tmp_path, hold, at=(1,))
-    try:
+    with _killed_if_it_fails(proc, hold):
         wait_until_held(proc, hold, lambda: log.read_text()[-4000:])
         where = _placement(raylets)
-    except BaseException:
-        proc.kill()
-        raise
-    finally:
-        hold.unlink(missing_ok=True)
     text = _finish(proc, log)
     assert where["router"] == ["head"] and where["manager"] == ["head"], where  # the driver's node
     assert len(where["trainer"]) == 1 and where["trainer"][0] != "head", where
@@ -208,7 +217,7 @@ def test_broadcast_across_nodes_and_a_node_that_dies(cluster, tiny_qwen3, arithm
     proc, log = _start(_command(cluster, tmp_path, "broadcast", 4, "--use-fault-tolerance",
                                 "--rollout-health-check-interval", "2", "--rollout-health-check-timeout", "5",
                                 model=tiny_qwen3, data=arithmetic_data[0]), tmp_path, hold, at=(1, 3))
-    try:
+    with _killed_if_it_fails(proc, hold, later):
         wait_until_held(proc, hold, lambda: log.read_text()[-4000:])
         before = _placement(raylets)
         dead = before["engines"][0]
@@ -217,12 +226,6 @@ def test_broadcast_across_nodes_and_a_node_that_dies(cluster, tiny_qwen3, arithm
         wait_until_held(proc, later, lambda: log.read_text()[-4000:])
         _wait_for(proc, log, "restarted in")  # rollout 3 waits until the replacement serves
         after = _placement(raylets)
-    except BaseException:
-        proc.kill()
-        raise
-    finally:
-        hold.unlink(missing_ok=True)
-        later.unlink(missing_ok=True)
     _finish(proc, log)
     spare = {f"node{i}" for i in range(WORKER_NODES)} - set(before["engines"]) - set(before["trainer"])
     assert len(spare) == 1 and after["trainer"] == before["trainer"], (before, after)
