@@ -8,7 +8,9 @@ one-CPU nodes, so that the trainer and each engine get a node of their own and o
 1. disk transport (a staging directory every node reads), 3 rollouts of GRPO: while rollout 1 is held, the
    processes are where they must be (told by which raylet each descends from): the trainer on one node, the
    engine on another, the router and the rollout manager on the driver's; every weight check finds the
-   trainer's log-probs in the engine (< 1e-5), and the train/rollout gap is below 1e-5.
+   trainer's log-probs in the engine (< 1e-5), and the train/rollout gap is below 1e-5. Then, while rollout 3
+   is held, the trainer's node dies: the run stops within two minutes with an error that names the way back
+   (`--load` of its checkpoint, saved after rollout 1).
 2. broadcast over TCP, two engines on two more nodes, and a node that dies: while rollout 1 is held, one
    engine's node is SIGKILLed (its raylet and every process under it). The run goes on: the next update's
    group leaves the dead engine out, every trained batch is full (no failed sample), the fleet replaces the
@@ -181,16 +183,24 @@ def _check_on_policy(record: dict, engines: int) -> None:
     assert record["train/num_usable_samples"] == 16, record
 
 
-def test_disk_transport_across_nodes(cluster, tiny_qwen3, arithmetic_data, tmp_path):
+def test_disk_transport_across_nodes_and_the_trainers_node_dies(cluster, tiny_qwen3, arithmetic_data, tmp_path):
     cluster, nodes, hold = cluster
     raylets = _raylets(cluster, nodes)
+    later, save = hold_file(hold, 3, 1), tmp_path / "ckpt"
     # one engine: the broadcast test spreads two over two nodes
-    proc, log = _start(_command(cluster, tmp_path, "disk", 3, "--update-weight-dir", str(tmp_path / "stage"),
-                                model=tiny_qwen3, data=arithmetic_data[0], engines=1), tmp_path, hold, at=(1,))
-    with _killed_if_it_fails(proc, hold):
+    proc, log = _start(_command(cluster, tmp_path, "disk", 4, "--update-weight-dir", str(tmp_path / "stage"),
+                                "--save", str(save), "--save-interval", "2", model=tiny_qwen3,
+                                data=arithmetic_data[0], engines=1), tmp_path, hold, at=(1, 3))
+    with _killed_if_it_fails(proc, hold, later):
         wait_until_held(proc, hold, lambda: log.read_text()[-4000:])
         where = _placement(raylets)
-    text = _finish(proc, log)
+        hold.unlink()
+        wait_until_held(proc, later, lambda: log.read_text()[-4000:])
+        _kill_node(nodes, where["trainer"][0])
+        killed = time.monotonic()
+        later.unlink()
+        proc.wait(timeout=180)
+    text = log.read_text()
     assert where["router"] == ["head"] and where["manager"] == ["head"], where  # the driver's node
     assert len(where["trainer"]) == 1 and where["trainer"][0] != "head", where
     assert len(where["engines"]) == 1 and where["engines"][0] not in {"head", where["trainer"][0]}, where
@@ -200,6 +210,10 @@ def test_disk_transport_across_nodes(cluster, tiny_qwen3, arithmetic_data, tmp_p
     assert [r["rollout_id"] for r in records] == [0, 1, 2]
     for r in records:
         _check_on_policy(r, engines=1)
+    # the trainer's node lost with it: the run stops at once, saying how to resume (the checkpoint of rollout 1)
+    assert proc.returncode != 0 and time.monotonic() - killed < 120, text[-4000:]
+    assert "the training actors died" in text and f"--load {save} to resume" in text, text[-4000:]
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
 
 
 def _wait_for(proc: subprocess.Popen, log: Path, text: str, timeout: float = 240) -> None:

@@ -112,9 +112,11 @@ def test_router_probe_needs_its_restart():
 
 def test_a_collective_update_leaves_out_the_engines_that_fail_their_probe_now(monkeypatch, tmp_path):
     """Every member of a broadcast group takes part in each broadcast: an engine that died since the last sweep
-    (its node lost between two updates) is probed out before the group is formed, and restarted soon."""
+    (its node lost between two updates) is probed out before the group is formed and restarted soon; without
+    fault tolerance the run stops there, naming it."""
     from types import SimpleNamespace
 
+    from vime.backends.vllm_utils.client import EngineControlError
     from vime.ray import engine_fleet
     from vime.rollout.context import RolloutContext
 
@@ -122,12 +124,18 @@ def test_a_collective_update_leaves_out_the_engines_that_fail_their_probe_now(mo
     monkeypatch.setattr(engine_fleet, "post_worker", lambda url, verb, worker: router.append((verb, worker)))
     fleet = engine_fleet.EngineFleet(SimpleNamespace(control_token_file=None, debug_train_only=False), None,
                                      tmp_path, RolloutContext())
+    fleet.engines = [object()] * 3
     fleet.engine_urls = ["http://e0", "http://e1", "http://e2"]
     fleet.rank_urls = list(fleet.engine_urls)
-    assert fleet.live_engine_urls() == fleet.engine_urls  # without fault tolerance: no probe
-    health = {0: None, 1: "engine actor unreachable: ActorDiedError", 2: None}
-    fleet.monitor = EngineHealthMonitor(3, health.get, lambda *a: None, interval_s=60,
-                                        sweep_lock=fleet._engines_lock)
+    health = {0: None, 1: None, 2: None}
+    monkeypatch.setattr(fleet, "_probe_engine", health.get)
+    assert fleet.live_engine_urls() == fleet.engine_urls  # all alive
+    health[1] = "engine actor unreachable: ActorDiedError"
+    with pytest.raises(EngineControlError, match=r"engine 1 \(http://e1\) failed its probe: engine actor "
+                                                 r"unreachable.*--use-fault-tolerance"):
+        fleet.live_engine_urls()  # without fault tolerance
+    assert router == [] and len(fleet.engine_urls) == 3
+    fleet.monitor = EngineHealthMonitor(3, health.get, lambda *a: None, interval_s=60)
     soon = []
     monkeypatch.setattr(fleet.monitor, "check_soon", lambda rank=None: soon.append(rank))
     assert fleet.live_engine_urls() == ["http://e0", "http://e2"]

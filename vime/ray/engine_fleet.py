@@ -29,7 +29,7 @@ from vime.backends.vllm_utils.arguments import engine_dtype_warning, router_args
 from vime.backends.vllm_utils.engine import VLLMEngine, http_ok
 from vime.backends.vllm_utils.router import Router, post_worker, post_workers, router_ok
 from vime.backends.vllm_utils.router_gate import RouterGate
-from vime.ray.health import EngineHealthMonitor
+from vime.ray.health import EngineHealthMonitor, probe_each
 from vime.ray.placement import num_engines
 from vime.rollout.context import RolloutContext
 from vime.rollout.metrics import add_counter
@@ -251,19 +251,23 @@ class EngineFleet:
             raise client.EngineControlError("; ".join(healthy_errors))
 
     def live_engine_urls(self) -> list[str]:
-        """The engines in service, less those that fail a probe now (with --use-fault-tolerance; the monitor
-        restarts them). For a collective update (broadcast): every member takes part in each of its broadcasts, so
-        one engine that died since the last health sweep (with its node, say) would fail the whole update."""
-        if self.monitor is not None:
-            failed = self.monitor.probe_engines()
-            for rank, reason in failed.items():
-                url = self.rank_urls[rank]
-                if url in self.engine_urls:
-                    logger.error("engine %d (%s) failed its probe before a weight update (%s); taken out of service "
-                                 "until it is restarted", rank, url, reason)
-                    self._take_out_of_service(url)
-            if failed:
-                self.monitor.check_soon()
+        """The engines in service, after a probe of each. For a collective update (broadcast): every member takes
+        part in each of its broadcasts, so one engine that died since the last health sweep (with its node, say)
+        would fail the whole update. With --use-fault-tolerance the dead are taken out (the monitor restarts
+        them); without it the run stops here, naming them."""
+        failed = probe_each(len(self.engines), self._probe_engine, self._engines_lock)
+        dead = {rank: why for rank, why in failed.items() if self.rank_urls[rank] in self.engine_urls}
+        if dead and self.monitor is None:
+            raise client.EngineControlError(
+                "before a weight update, " + "; ".join(f"engine {r} ({self.rank_urls[r]}) failed its probe: {why}"
+                                                       for r, why in dead.items())
+                + ". Without --use-fault-tolerance a dead engine stops the run")
+        for rank, why in dead.items():
+            logger.error("engine %d (%s) failed its probe before a weight update (%s); taken out of service until "
+                         "it is restarted", rank, self.rank_urls[rank], why)
+            self._take_out_of_service(self.rank_urls[rank])
+        if dead:
+            self.monitor.check_soon()
         return list(self.engine_urls)
 
     def _take_out_of_service(self, url: str) -> None:

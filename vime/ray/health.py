@@ -95,10 +95,7 @@ class EngineHealthMonitor:
 
     def probe_engines(self) -> dict[int, str]:
         """{rank: why} of the engines that failed their probe, `PROBE_FANOUT` probed at a time."""
-        with self.sweep_lock, ThreadPoolExecutor(max(1, min(self.num_engines, PROBE_FANOUT)),
-                                                 thread_name_prefix="vime-engine-probe") as pool:
-            reasons = list(pool.map(self._probe_one, range(self.num_engines)))
-        return {rank: reason for rank, reason in enumerate(reasons) if reason is not None}
+        return probe_each(self.num_engines, self._probe_one, self.sweep_lock)
 
     def check_once(self) -> list[int]:
         """Probe the router, then every engine, once; restart the failed ones (one at a time); returns the engine
@@ -126,6 +123,22 @@ class EngineHealthMonitor:
             self.check_once()
             self._wake.wait(max(0.0, self.interval_s - (time.monotonic() - started)))
             self._wake.clear()
+
+
+def probe_each(num_engines: int, probe: Callable[[int], str | None],
+               lock: contextlib.AbstractContextManager | None = None) -> dict[int, str]:
+    """{rank: why} of engines 0..num_engines-1 whose `probe(rank)` failed (returned a reason, or raised),
+    `PROBE_FANOUT` at a time, under `lock` when given."""
+    def one(rank: int) -> str | None:
+        try:
+            return probe(rank)
+        except Exception as e:  # a probe that fails is a failed engine
+            return f"health probe raised {type(e).__name__}: {e}"
+
+    with lock or contextlib.nullcontext(), ThreadPoolExecutor(max(1, min(num_engines, PROBE_FANOUT)),
+                                                              thread_name_prefix="vime-engine-probe") as pool:
+        reasons = list(pool.map(one, range(num_engines)))
+    return {rank: reason for rank, reason in enumerate(reasons) if reason is not None}
 
 
 class FailedRollouts:

@@ -362,10 +362,15 @@ class TrainingSession:
 
     def _recover_trainers(self, trained_through: int, error: Exception) -> None:
         """New training actors from the last checkpoint, retrained on the stored rollouts after it up to
-        `trained_through`, so they hold what the dead ones did. Needs straw and --save; else `error` is raised."""
+        `trained_through`, so they hold what the dead ones did. Needs straw and --save; else the run stops with an
+        error that says how to resume."""
         args = self.args
         if not (self.transport.durable and args.save):
-            raise error
+            resume = (f"start the run again with --load {args.save} to resume from its last checkpoint" if args.save
+                      else "it has no --save, so no checkpoint to resume from")
+            raise RuntimeError(f"the training actors died ({type(error).__name__}: {error}). A run replaces them by "
+                               "itself only with --rollout-data-transport straw and --save; this one stops: "
+                               f"{resume}") from error
         logger.error("training actors died (%s); restarting them from the last checkpoint in %s",
                      type(error).__name__, args.save)
         for group in (self.trainers, self.critic):
