@@ -91,7 +91,7 @@ def _check_groups(groups: list[list[dict]], n_groups: int, versions: list[str] |
 def stack(tiny_qwen3, arithmetic_data, tmp_path_factory):
     import ray
 
-    from vime.ray.placement import Placement, init_ray
+    from vime.ray.placement import Placement, init_ray, shutdown_ray
     from vime.ray.rollout_manager import RolloutManager
     from vime.arguments import parse_args
 
@@ -118,7 +118,7 @@ def stack(tiny_qwen3, arithmetic_data, tmp_path_factory):
         yield args, manager, out
     finally:
         ray.get(manager.shutdown.remote(), timeout=180)
-        ray.shutdown()
+        shutdown_ray()  # and the run's Ray token with it, from this process's environment too
         deadline = time.monotonic() + 30
         while stack_pids() and time.monotonic() < deadline:
             time.sleep(1)

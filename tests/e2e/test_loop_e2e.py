@@ -116,8 +116,11 @@ def test_async(tiny_qwen3, arithmetic_data, tmp_path):
         assert sum(lags.values()) == pytest.approx(1.0)
     for r in records:
         check_tis_from_saved_rollout(tmp_path / "run", r)
-        # the clamp [0.998, 1.002] truncates tokens an older version sampled and keeps the trainer's own version's
-        assert r["train/tis_clipfrac"] == pytest.approx(1.0 - r.get("async/token_lag_0_fraction", 0.0), abs=0.02), r
+        # the clamp [0.998, 1.002] keeps every token of the trainer's own version (checked per token above) and
+        # truncates most that an older version sampled: not all, as an update can leave a token's probability
+        # within 0.2% (seen: 6 of 256)
+        stale = 1.0 - r.get("async/token_lag_0_fraction", 0.0)
+        assert 0.8 * stale - 1e-9 <= r["train/tis_clipfrac"] <= stale + 0.02, r
     print("samples with tokens of two versions, by rollout:", [r["async/mixed_version_samples"] for r in records])
     for rollout_id in (1, 2):  # sampled by the weights at most 2 versions before those that train it
         for line in (tmp_path / f"rollout_{rollout_id}.jsonl").read_text().splitlines():

@@ -10,7 +10,7 @@ one-CPU nodes, so that the trainer and each engine get a node of their own and o
    engine on another, the router and the rollout manager on the driver's; every weight check finds the
    trainer's log-probs in the engine (< 1e-5), and the train/rollout gap is below 1e-5. Then, while rollout 3
    is held, the trainer's node dies: the run stops within two minutes with an error that names the way back
-   (`--load` of its checkpoint, saved after rollout 1).
+   (`--load` of its checkpoint, saved after rollout 1). The node then comes back (a new raylet) for test 2.
 2. broadcast over TCP, two engines on two more nodes, and a node that dies: while rollout 1 is held, one
    engine's node is SIGKILLed (its raylet and every process under it). The run goes on: the next update's
    group leaves the dead engine out, every trained batch is full (no failed sample), the fleet replaces the
@@ -37,6 +37,7 @@ from tests.e2e.processes import stack_pids
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
 WORKER_NODES = 4
+STORE = 100 * 2**20  # each node's object store
 
 
 @pytest.fixture(scope="module")
@@ -45,30 +46,32 @@ def cluster(tmp_path_factory):
     on the path, and Ray's token authentication with a 0600 token in a 0700 directory."""
     from ray.cluster_utils import Cluster
 
-    from vime.ray.ray_auth import drop_run_token, use_run_token
+    from vime.ray.ray_auth import MODE_ENV, TOKEN_PATH_ENV, drop_run_token, reload_ray_auth_config, use_run_token
 
     assert not stack_pids(), "engine or router processes are already running"
     hold = tmp_path_factory.mktemp("multi_node") / "hold"
     with pytest.MonkeyPatch.context() as env:
         env.setenv("PYTHONPATH", os.pathsep.join([str(PLUGIN_DIR), str(REPO), os.environ.get("PYTHONPATH", "")]))
+        for name in (MODE_ENV, TOKEN_PATH_ENV, "RAY_AUTH_TOKEN"):  # whatever an earlier test left behind
+            env.delenv(name, raising=False)
         # what vime does for a cluster it starts: RAY_AUTH_MODE=token, RAY_AUTH_TOKEN_PATH a 0600 file
         assert use_run_token() is not None
         # the manager (a Ray worker) sees the nodes' environment, not the driver's: the hold is set here
         env.setenv("VIME_TEST_HOLD", str(hold))
         env.setenv("VIME_TEST_HOLD_AT", "1,3")
-        store = 100 * 2**20
         # a dead node is declared dead after 3 missed 1 s health checks (Ray's default takes ~30 s)
         cluster = Cluster(initialize_head=True, connect=False, head_node_args={
-            "num_cpus": 0, "node_ip_address": "127.0.0.1", "include_dashboard": False, "object_store_memory": store,
+            "num_cpus": 0, "node_ip_address": "127.0.0.1", "include_dashboard": False, "object_store_memory": STORE,
             "_system_config": {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}})
         try:
-            nodes = [cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1", object_store_memory=store)
+            nodes = [cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1", object_store_memory=STORE)
                      for _ in range(WORKER_NODES)]
             cluster.wait_for_nodes()
             yield cluster, nodes, hold
         finally:
             cluster.shutdown()
             drop_run_token()
+    reload_ray_auth_config()  # this process's Ray sees the environment it had before
     assert not stack_pids(), "a process of the run outlived the cluster"
 
 
@@ -214,6 +217,11 @@ def test_disk_transport_across_nodes_and_the_trainers_node_dies(cluster, tiny_qw
     assert proc.returncode != 0 and time.monotonic() - killed < 120, text[-4000:]
     assert "the training actors died" in text and f"--load {save} to resume" in text, text[-4000:]
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+    # the node comes back, for the next test
+    lost = int(where["trainer"][0].removeprefix("node"))
+    cluster.remove_node(nodes[lost], allow_graceful=False)  # what is left of it, out of the cluster's count
+    nodes[lost] = cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1", object_store_memory=STORE)
+    cluster.wait_for_nodes()
 
 
 def _wait_for(proc: subprocess.Popen, log: Path, text: str, timeout: float = 240) -> None:

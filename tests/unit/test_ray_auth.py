@@ -30,16 +30,16 @@ except Exception as e:
 def no_ray_auth_settings():
     """This process without RAY_AUTH_* settings, and after the test with the ones it had, as Ray sees them (Ray
     caches its authentication config per process: restoring the environment alone would leave them apart)."""
-    from vime.ray.ray_auth import MODE_ENV, TOKEN_PATH_ENV, _reload_ray_auth_config
+    from vime.ray.ray_auth import MODE_ENV, TOKEN_PATH_ENV, reload_ray_auth_config
 
     names = (MODE_ENV, TOKEN_PATH_ENV, "RAY_AUTH_TOKEN")
     saved = {name: os.environ.pop(name) for name in names if name in os.environ}
-    _reload_ray_auth_config()
+    reload_ray_auth_config()
     yield
     for name in names:
         os.environ.pop(name, None)
     os.environ.update(saved)
-    _reload_ray_auth_config()
+    reload_ray_auth_config()
 
 
 def test_the_runs_cluster_admits_only_the_runs_token(no_ray_auth_settings):

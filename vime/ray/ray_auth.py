@@ -36,7 +36,7 @@ def use_run_token() -> str | None:
     with os.fdopen(fd, "w") as f:
         f.write(secrets.token_hex(32))
     os.environ[MODE_ENV], os.environ[TOKEN_PATH_ENV] = "token", path
-    _reload_ray_auth_config()
+    reload_ray_auth_config()
     return directory
 
 
@@ -69,7 +69,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _reload_ray_auth_config() -> None:
+def reload_ray_auth_config() -> None:
     """Ray reads the mode and the token once per process, at import: make this process see the new ones (what
     Ray's own `ray get-auth-token` path does)."""
     from ray._raylet import AuthenticationTokenLoader, Config
@@ -94,7 +94,7 @@ def drop_run_token() -> None:
     shutil.rmtree(directory, ignore_errors=True)
     os.environ.pop(TOKEN_PATH_ENV, None)
     os.environ.pop(MODE_ENV, None)
-    _reload_ray_auth_config()
+    reload_ray_auth_config()
 
 
 def warn_if_unauthenticated(address: str) -> bool:
