@@ -1,5 +1,6 @@
 """An engine started outside vime (`--rollout-external-engine-addrs`): a plain `vllm` OpenAI server process, with
-the run's control token in its environment as docs/guides/security.md says, serves a real run of 2 rollouts: vime registers it
+the run's control token in its environment as docs/guides/security.md says, started beside the run (which waits for
+its /health), serves a real run of 2 rollouts: vime registers it
 with its router, updates its weights after each rollout and checks them (--check-weight-update-equal), leaves it
 running, and it then serves exactly the run's final weights; its control routes refuse a caller without the
 token. The run is PPO: actor and critic ranks, the critic's values into GAE on the actor, its returns back to the
@@ -47,10 +48,7 @@ def test_external_engine_is_registered_updated_and_verified(tiny_qwen3, arithmet
         env=env, stdout=open(tmp_path / "server.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_until(lambda: http_status(f"{url}/health") == 200 or server.poll() is not None, timeout_s=300)
-        assert server.poll() is None, (tmp_path / "server.log").read_text()[-4000:]
-        assert http_status(f"{url}/pause", "POST") in (401, 403)  # the token's middleware is in front of it
-
+        # the run starts beside the server, as a job script would start them: it waits for the server's /health
         out = tmp_path / "out"
         cmd = [sys.executable, str(REPO / "train.py"), "--hf-checkpoint", str(tiny_qwen3),
                "--prompt-data", str(arithmetic_data[0]), "--label-key", "label", "--apply-chat-template",
@@ -61,7 +59,9 @@ def test_external_engine_is_registered_updated_and_verified(tiny_qwen3, arithmet
                "--check-weight-update-equal", "--save-debug-rollout-data", str(out / "rollout_{rollout_id}.jsonl"),
                "--save-hf", str(out / "final_hf"), "--output-dir", str(out / "run")]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
+        assert server.poll() is None, (tmp_path / "server.log").read_text()[-4000:]
         assert proc.returncode == 0, proc.stderr[-6000:]
+        assert http_status(f"{url}/pause", "POST") in (401, 403)  # the token's middleware is in front of it
 
         records = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
         train = [r for r in records if "train/steps" in r]

@@ -193,3 +193,26 @@ def test_the_session_does_not_train_on_a_skipped_rollout_and_lets_it_go():
     assert trimmed == [7] and session.data_state_after == {}
     with pytest.raises(AssertionError, match="rollout 8 was trained on"):  # no skip_reason: trained
         session.train(RolloutRef("handle", {"rollout_id": 8}))
+
+
+def test_external_engines_that_never_answer_are_named(tmp_path):
+    """The run waits for servers the user started (they may still be loading) up to --engine-startup-timeout,
+    then names the ones that never answered /health."""
+    import socket
+    import time
+    from types import SimpleNamespace
+
+    from vime.ray.engine_fleet import EngineFleet
+    from vime.rollout.context import RolloutContext
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        silent = f"127.0.0.1:{s.getsockname()[1]}"  # closed once the block ends: nothing answers there
+    args = SimpleNamespace(control_token_file=None, debug_train_only=False, engine_startup_timeout=1.0,
+                           rollout_external_engine_addrs=[silent])
+    fleet = EngineFleet(args, None, tmp_path, RolloutContext())
+    fleet.engine_urls = [f"http://{silent}"]
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=f"http://{silent} did not answer /health within --engine-startup-timeout"):
+        fleet._wait_for_external_engines()
+    assert time.monotonic() - start < 5

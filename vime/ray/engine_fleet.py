@@ -36,6 +36,7 @@ from vime.rollout.metrics import add_counter
 from vime.utils.auth import control_token, read_token_file, serving_headers, serving_key, use_control_token
 from vime.utils.deadline import control, gather
 from vime.utils.misc import find_free_port
+from vime.utils.process import wait_until
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +138,7 @@ class EngineFleet:
         args = self.args
         if args.rollout_external_engine_addrs:
             self.engine_urls = [f"http://{a}" for a in args.rollout_external_engine_addrs]
+            self._wait_for_external_engines()
         else:
             self.launch()
             self.engine_urls = gather(self._launched, "starting the engines", args.engine_startup_timeout + 60,
@@ -151,6 +153,20 @@ class EngineFleet:
             self.monitor = self.health_monitor()
             self.monitor.start()
         return list(self.engine_urls)
+
+    def _wait_for_external_engines(self) -> None:
+        """Servers the user started may still be loading when the run starts (started side by side in a job
+        script): wait for each one's /health, up to --engine-startup-timeout, then name those that never came."""
+        timeout = self.args.engine_startup_timeout
+        waiting = list(self.engine_urls)
+
+        def all_up() -> bool:
+            waiting[:] = [url for url in waiting if not http_ok(url + "/health")]
+            return not waiting
+
+        if not wait_until(all_up, timeout, 0.5):
+            raise RuntimeError(f"--rollout-external-engine-addrs: {', '.join(waiting)} did not answer /health within "
+                               f"--engine-startup-timeout {timeout:g}s; start them first, or check their address")
 
     def health_monitor(self) -> EngineHealthMonitor:
         """The monitor of these engines and, when it is ours, the router (not started). Its sweeps hold the
