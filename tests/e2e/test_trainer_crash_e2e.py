@@ -121,14 +121,16 @@ def test_sigkilled_trainer_resumes_and_replays_stored_rollouts(tiny_qwen3, arith
                       for line in (tmp_path / "run" / "trained_samples.jsonl").read_text().splitlines()
                       if line.endswith("}")]
     assert trained_before == [0, 1, 2]  # rollout 2 was trained, but after the checkpoint
-    refused = subprocess.run(_cmd(tiny_qwen3, data, tmp_path), capture_output=True, text=True, timeout=300,
-                             cwd=REPO, env=held_run_env(None))  # a fresh run (no --load) over the killed run's state
-    assert refused.returncode != 0 and "earlier run's state" in refused.stderr, refused.stderr[-3000:]
     empty, other = tmp_path / "empty", tmp_path / "other"
     empty.mkdir()
-    refused = subprocess.run(_cmd(tiny_qwen3, data, other, "--load", str(empty)), capture_output=True, text=True,
-                             timeout=300, cwd=REPO, env=held_run_env(None))
-    assert refused.returncode != 0 and f"--load {empty}: no checkpoint" in refused.stderr, refused.stderr[-3000:]
+    # side by side (each is start-up and a refusal): a fresh run (no --load) over the killed run's state, and one
+    # whose --load holds no checkpoint
+    fresh, nothing = (subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                                       env=held_run_env(None))
+                      for cmd in (_cmd(tiny_qwen3, data, tmp_path), _cmd(tiny_qwen3, data, other, "--load", str(empty))))
+    for refused, says in ((fresh, "earlier run's state"), (nothing, f"--load {empty}: no checkpoint")):
+        stderr = refused.communicate(timeout=300)[1]
+        assert refused.returncode != 0 and says in stderr, stderr[-3000:]
     assert not (other / "run" / "metrics.jsonl").exists()  # it failed before anything started
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
 
