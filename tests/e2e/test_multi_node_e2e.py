@@ -177,9 +177,9 @@ def _trained(out: Path) -> list[dict]:
     return [r for r in records if "train/steps" in r]
 
 
-def _check_on_policy(record: dict, engines: int) -> None:
+def _check_on_policy(record: dict, engines: tuple[int, ...]) -> None:
     assert record["weight_check/max_abs_logprob_diff"] < 1e-5, record
-    assert record["weight_check/engines"] == engines, record
+    assert record["weight_check/engines"] in engines, record
     assert record["train_rollout_logprob_abs_diff"] < 1e-5, record
     # every trained batch is full: all 4 x 4 samples generated, none failed, all of them trained on
     assert record["rollout/num_samples"] == 16 and record["rollout/failed_samples"] == 0, record
@@ -212,7 +212,7 @@ def test_disk_transport_across_nodes_and_the_trainers_node_dies(cluster, tiny_qw
     records = _trained(tmp_path)
     assert [r["rollout_id"] for r in records] == [0, 1, 2]
     for r in records:
-        _check_on_policy(r, engines=1)
+        _check_on_policy(r, engines=(1,))
     # the trainer's node lost with it: the run stops at once, saying how to resume (the checkpoint of rollout 1)
     assert proc.returncode != 0 and time.monotonic() - killed < 120, text[-4000:]
     assert "the training actors died" in text and f"--load {save} to resume" in text, text[-4000:]
@@ -254,6 +254,8 @@ def test_broadcast_across_nodes_and_a_node_that_dies(cluster, tiny_qwen3, arithm
     assert after["engines"] == sorted(set(before["engines"]) - {dead} | spare), (before, after)
     records = _trained(tmp_path)
     assert [r["rollout_id"] for r in records] == [0, 1, 2, 3]
+    # the replacement boots for ~12 s from rollout 1's update on: rollout 2's check finds it only if that rollout
+    # is that slow, rollout 3's (held until it serves) always does
     for r in records:
-        _check_on_policy(r, engines=1 if r["rollout_id"] in (1, 2) else 2)
+        _check_on_policy(r, engines={0: (2,), 1: (1,), 2: (1, 2), 3: (2,)}[r["rollout_id"]])
     assert sum(r.get("rollout/engine_restarts", 0) for r in records) == 1
