@@ -90,16 +90,30 @@ def test_a_token_this_process_did_not_make_stays(no_ray_auth_settings, tmp_path)
 
 
 def test_a_killed_runs_token_directory_is_reaped(tmp_path):
-    """A run killed with SIGKILL leaves its token directory; the next run removes the ones whose process is gone,
-    never a live run's."""
-    from vime.ray.ray_auth import reap_dead_runs_tokens
+    """A run killed with SIGKILL leaves its token directory; the next run removes those whose lock no process
+    holds any more, never a live run's (its lock is held, whatever pid namespace it is in) nor a directory
+    without a lock file."""
+    from vime.ray.ray_auth import LOCK_FILE, reap_dead_runs_tokens
 
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    stale, live, other = (tmp_path / f"vime-ray-auth-{dead.pid}-x", tmp_path / f"vime-ray-auth-{os.getpid()}-y",
-                          tmp_path / "unrelated")
-    for d in (stale, live, other):
+    holder = ("import fcntl, os, sys, time\nfd = os.open(sys.argv[1], os.O_RDWR)\nfcntl.flock(fd, fcntl.LOCK_EX)\n"
+              "print('held', flush=True)\ntime.sleep(60)\n")
+    dirs = {name: tmp_path / name for name in ("vime-ray-auth-1-dead", "vime-ray-auth-2-live",
+                                               "vime-ray-auth-3-nolock", "unrelated")}
+    for name, d in dirs.items():
         d.mkdir()
         (d / "auth_token").write_text("0" * 64)
-    assert reap_dead_runs_tokens(str(tmp_path)) == [str(stale)]
-    assert not stale.exists() and live.exists() and other.exists()
+        if name != "vime-ray-auth-3-nolock":
+            (d / LOCK_FILE).touch()
+    live = subprocess.Popen([sys.executable, "-c", holder, str(dirs["vime-ray-auth-2-live"] / LOCK_FILE)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert live.stdout.readline().strip() == "held"
+        dead = subprocess.run([sys.executable, "-c", holder.replace("time.sleep(60)", "os._exit(0)"),
+                               str(dirs["vime-ray-auth-1-dead"] / LOCK_FILE)], capture_output=True, timeout=60)
+        assert dead.returncode == 0
+        assert reap_dead_runs_tokens(str(tmp_path)) == [str(dirs["vime-ray-auth-1-dead"])]
+        assert [d.exists() for d in dirs.values()] == [False, True, True, True]
+    finally:
+        live.kill()
+        live.wait()
+    assert reap_dead_runs_tokens(str(tmp_path)) == [str(dirs["vime-ray-auth-2-live"])]  # once its holder died

@@ -9,6 +9,7 @@ RAY_AUTH_TOKEN_PATH (its processes inherit it); the directory goes when the run 
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import secrets
@@ -19,6 +20,8 @@ logger = logging.getLogger(__name__)
 
 MODE_ENV, TOKEN_PATH_ENV = "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH"
 PREFIX = "vime-ray-auth-"  # then the pid of the process that made it
+LOCK_FILE = "lock"
+_held_locks: dict[str, int] = {}  # token directory -> the fd of its lock, held until `drop_run_token`
 
 
 def use_run_token() -> str | None:
@@ -31,6 +34,9 @@ def use_run_token() -> str | None:
         return None
     reap_dead_runs_tokens(tempfile.gettempdir())
     directory = tempfile.mkdtemp(prefix=_owned_prefix())  # 0700
+    lock = os.open(os.path.join(directory, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    fcntl.flock(lock, fcntl.LOCK_EX)  # held while this process lives (`reap_dead_runs_tokens`)
+    _held_locks[directory] = lock
     path = os.path.join(directory, "auth_token")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -42,31 +48,28 @@ def use_run_token() -> str | None:
 
 def reap_dead_runs_tokens(root: str) -> list[str]:
     """Remove the token directories under `root` that this user's runs made and could not remove (a run killed
-    with SIGKILL): those whose process is gone. Returns what it removed."""
+    with SIGKILL). A run holds an flock on its directory's lock file while it lives, which the kernel releases
+    when it dies: a directory whose lock can be taken is an orphan, whatever pid namespace its run was in; one
+    without a lock file is left alone. Returns what it removed."""
     removed = []
     for name in os.listdir(root):
-        if not name.startswith(PREFIX):
-            continue
         path = os.path.join(root, name)
-        pid = name[len(PREFIX):].partition("-")[0]
         try:
-            if not pid.isdigit() or os.lstat(path).st_uid != os.getuid() or _alive(int(pid)):
+            if not name.startswith(PREFIX) or os.lstat(path).st_uid != os.getuid():
                 continue
+            fd = os.open(os.path.join(path, LOCK_FILE), os.O_RDWR | os.O_NOFOLLOW)
         except OSError:
             continue
-        shutil.rmtree(path, ignore_errors=True)
-        removed.append(path)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # its run still holds it
+            continue
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        finally:
+            os.close(fd)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process of that pid
-        return True
-    return True
 
 
 def reload_ray_auth_config() -> None:
@@ -92,6 +95,9 @@ def drop_run_token() -> None:
     if not os.path.basename(directory).startswith(_owned_prefix()):
         return
     shutil.rmtree(directory, ignore_errors=True)
+    lock = _held_locks.pop(directory, None)
+    if lock is not None:
+        os.close(lock)
     os.environ.pop(TOKEN_PATH_ENV, None)
     os.environ.pop(MODE_ENV, None)
     reload_ray_auth_config()
