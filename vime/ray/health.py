@@ -86,12 +86,7 @@ class EngineHealthMonitor:
             return False
 
     def _probe_one(self, rank: int) -> str | None:
-        if self._stop.is_set():
-            return None
-        try:
-            return self.probe(rank)
-        except Exception as e:  # a probe that fails is a failed engine, not a dead monitor
-            return f"health probe raised {type(e).__name__}: {e}"
+        return None if self._stop.is_set() else self.probe(rank)  # `probe_each` turns a raise into a reason
 
     def probe_engines(self) -> dict[int, str]:
         """{rank: why} of the engines that failed their probe, `PROBE_FANOUT` probed at a time."""
@@ -132,7 +127,7 @@ def probe_each(num_engines: int, probe: Callable[[int], str | None],
     def one(rank: int) -> str | None:
         try:
             return probe(rank)
-        except Exception as e:  # a probe that fails is a failed engine
+        except Exception as e:  # a probe that fails is a failed engine, not a dead monitor
             return f"health probe raised {type(e).__name__}: {e}"
 
     with lock or contextlib.nullcontext(), ThreadPoolExecutor(max(1, min(num_engines, PROBE_FANOUT)),

@@ -108,16 +108,21 @@ def _main() -> None:
     from vime.backends.vllm_utils.router_door import open_door
 
     config = json.loads(sys.stdin.read())
-    # callers need the key the router sends the engines (`router_door`); opened before anything starts a thread
-    door = open_door((config["api_key"],)) if config.get("api_key") else None
+    # callers need the key the router sends the engines (`router_door`); opened before anything starts a thread,
+    # its socket held here while the router runs
+    door_url, door_socket = open_door((config["api_key"],)) if config.get("api_key") else (None, None)
 
     from vllm_router.launch_router import launch_router
     from vllm_router.router_args import RouterArgs
 
     router_args = RouterArgs(**config)  # this process's own, made here
-    if door is not None:
-        router_args.api_key_validation_urls = [door]  # a _Router argument that RouterArgs does not declare
-    launch_router(router_args)
+    if door_url is not None:
+        router_args.api_key_validation_urls = [door_url]  # a _Router argument that RouterArgs does not declare
+    try:
+        launch_router(router_args)
+    finally:
+        if door_socket is not None:
+            door_socket.close()
 
 
 if __name__ == "__main__":

@@ -24,18 +24,17 @@ import socket
 from vime.utils.auth import bearer_matches
 
 _PR_SET_PDEATHSIG = 1
-_held: list[socket.socket] = []  # the door's listening sockets, open for this process's whole life
 
 
-def open_door(keys: tuple[str, ...]) -> str:
+def open_door(keys: tuple[str, ...]) -> tuple[str, socket.socket]:
     """Start answering the router's key checks: 200 for `Authorization: Bearer <key>` with one of `keys`, 401
-    otherwise. Returns the URL to give the router as `api_key_validation_urls`. Call before any thread starts."""
+    otherwise. Returns the URL to give the router as `api_key_validation_urls` and the listening socket, which the
+    caller keeps open for as long as the router runs. Call before any thread starts."""
     if not keys or not all(keys):
         raise ValueError("the router's door needs at least one non-empty key")
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     sock.listen(128)
-    _held.append(sock)
     parent = os.getpid()
     if os.fork() == 0:
         try:
@@ -43,7 +42,7 @@ def open_door(keys: tuple[str, ...]) -> str:
             _serve(sock, tuple(keys))
         finally:
             os._exit(0)
-    return f"http://127.0.0.1:{sock.getsockname()[1]}/validate"
+    return f"http://127.0.0.1:{sock.getsockname()[1]}/validate", sock
 
 
 def _die_with(parent: int) -> None:
