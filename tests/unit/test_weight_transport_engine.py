@@ -139,10 +139,10 @@ def test_delta_sends_only_changed_layers_and_they_suffice(stack, sync):
     assert _max_diff(trainer, url, tokens) <= FLOAT32_TOLERANCE
 
 
-def test_one_call_update_on_the_engine_and_its_fallback(stack):
+def test_one_call_update_on_the_engine_and_its_fallback(stack, monkeypatch):
     """vime's route on the real engine: one POST pauses, loads, versions and resumes; a failed load names the
     route and leaves the engine paused; the separate-call fallback (engines without the plugin) does the same."""
-    from vime.backends.vllm_utils import client
+    from vime.backends.vllm_utils import client, endpoint
     from vime.backends.vllm_utils.endpoint import ROUTE
 
     args, trainer, url = stack
@@ -162,7 +162,7 @@ def test_one_call_update_on_the_engine_and_its_fallback(stack):
         assert set(answer["timings"]) == {"pause_s", "load_s", "finish_s"}
         served = engine_prompt_log_probs([url], tokens)[0]  # generation runs again: the checkpoint's weights
 
-        client._without_update_route.add(url)
+        monkeypatch.setattr(endpoint, "ROUTE", "/vime_route_of_another_version")  # 404: the separate steps
         _perturb(trainer)  # nothing pushed: only the version moves, then the checkpoint again
         client.update_weights_all([url], {}, 43)
         assert state() == (False, "43")
@@ -170,7 +170,6 @@ def test_one_call_update_on_the_engine_and_its_fallback(stack):
         assert state() == (False, "44")
         assert engine_prompt_log_probs([url], tokens)[0] == pytest.approx(served, abs=FLOAT32_TOLERANCE)
     finally:
-        client._without_update_route.discard(url)
         client.resume([url])
 
 
