@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_ipc_handles_open_in_another_process(tmp_path):
-    from vime.backends.vllm_utils.weight_loading import WEIGHT_ROOT_ENV
+    from vime.engine_protocol.weight_files import WEIGHT_ROOT_ENV
     from vime.backends.weight_transport.cuda_ipc import CudaIpcWeightTransport
 
     weights = {"model.embed_tokens.weight": torch.randn(64, 32, device="cuda"),
@@ -34,7 +34,7 @@ def test_ipc_handles_open_in_another_process(tmp_path):
     torch.save({k: v.cpu() for k, v in weights.items()}, tmp_path / "expected.pt")
     reader = textwrap.dedent(f"""
         import torch
-        from vime.backends.weight_transport.cuda_ipc import open_ipc_tensors
+        from vime.in_vllm.cuda_ipc import open_ipc_tensors
         expected = torch.load({str(tmp_path / 'expected.pt')!r})
         got = dict(open_ipc_tensors({handle!r}, torch.cuda.current_device()))
         assert set(got) == set(expected)

@@ -60,7 +60,7 @@ def test_offload_returns_device_memory_and_onload_restores_it_bit_exact():
 def test_cuda_ipc_exports_are_freed_once_the_engines_loaded_them(tmp_path):
     """Two engines (processes here) map the writer's exports and let them go; the writer's `release` then
     returns the memory. One export mapped by both would keep it in torch's limbo for good."""
-    from vime.backends.vllm_utils.weight_loading import WEIGHT_ROOT_ENV
+    from vime.engine_protocol.weight_files import WEIGHT_ROOT_ENV
     from vime.backends.weight_transport.cuda_ipc import CudaIpcWeightTransport
 
     root = tmp_path / "root"
@@ -83,7 +83,7 @@ def test_cuda_ipc_exports_are_freed_once_the_engines_loaded_them(tmp_path):
     reader = textwrap.dedent("""
         import gc, sys
         import torch
-        from vime.backends.weight_transport.cuda_ipc import open_ipc_tensors
+        from vime.in_vllm.cuda_ipc import open_ipc_tensors
         expected = torch.load(sys.argv[2])
         got = dict(open_ipc_tensors(sys.argv[1], torch.cuda.current_device()))
         assert set(got) == set(expected)

@@ -42,7 +42,7 @@ RECEIVER = r'''
 import json, sys
 import torch
 from transformers import AutoModelForCausalLM
-from vime.backends.weight_transport.worker_extension import WeightReceiver
+from vime.in_vllm.worker_extension import WeightReceiver
 
 spec = json.load(open(sys.argv[1]))
 expected = torch.load(spec["expected"])
@@ -175,7 +175,7 @@ def sender_side(t, tmp_path: Path) -> tuple[dict, list, list, torch.dtype]:
 
 @pytest.mark.parametrize("config", CONFIGS)
 def test_cuda_ipc_transport_gives_the_receiver_the_trainers_log_probs(tiny_qwen3, tmp_path, config):
-    from vime.backends.vllm_utils.weight_loading import WEIGHT_ROOT_ENV
+    from vime.engine_protocol.weight_files import WEIGHT_ROOT_ENV
     from vime.backends.weight_transport.cuda_ipc import CudaIpcWeightTransport
 
     root = tmp_path / "root"

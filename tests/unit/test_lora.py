@@ -278,8 +278,9 @@ def test_adapter_sync_engine_side(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
     from vime.backends.vllm_utils.engine import lora_engine_options
-    from vime.backends.vllm_utils.lora_serving import LOAD_ADAPTER, load_adapter
-    from vime.backends.vllm_utils.weight_loading import WEIGHT_ROOT_ENV
+    from vime.engine_protocol.names import LOAD_ADAPTER
+    from vime.engine_protocol.weight_files import WEIGHT_ROOT_ENV
+    from vime.in_vllm.lora_serving import load_adapter
     from vime.backends.weight_transport.lora_adapter import LoraAdapterTransport
     from vime.ray.engine_fleet import recovery_load_call
     from vime.ray.weight_sync import sync_kind

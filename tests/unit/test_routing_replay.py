@@ -17,7 +17,7 @@ import torch
 from vime.backends.megatron_utils.batching import micro_batch_inputs
 from vime.backends.megatron_utils.routing_replay import micro_batch_routing, sample_routing
 from vime.backends.vllm_utils.generate_request import decode_routed_experts
-from vime.backends.vllm_utils.routing_capture import RoutingStore, StepCapture
+from vime.in_vllm.routing_capture import RoutingStore, StepCapture
 from vime.data.sample_codec import SampleCodecError, decode_rollout, encode_rollout, json_ready
 from vime.utils.types import Sample
 
@@ -202,7 +202,7 @@ def test_rollout_replay_on_cpu_needs_one_worker_engines(tiny_moe, capsys):
 def test_engines_are_started_to_return_routing(tiny_moe):
     from vime.arguments import parse_args
     from vime.backends.vllm_utils.engine import engine_command, engine_env
-    from vime.backends.vllm_utils.routing_capture import CAPTURE_ENV
+    from vime.engine_protocol.names import CAPTURE_ENV
 
     args = parse_args(["--hf-checkpoint", str(tiny_moe), *BASE, "--use-rollout-routing-replay"])
     cmd = engine_command(args, "127.0.0.1", 1234, 0)

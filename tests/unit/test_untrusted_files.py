@@ -18,13 +18,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vime.backends.vllm_utils.weight_loading import WEIGHT_ROOT_ENV, update_files
 from vime.backends.weight_transport import staging
-from vime.backends.weight_transport.cuda_ipc import (CudaIpcWeightTransport, MANIFEST, encode_rebuild_args,
-                                                     read_manifests)
-from vime.backends.weight_transport.disk import STAGE_FILE, write_stage_file
+from vime.backends.weight_transport.cuda_ipc import CudaIpcWeightTransport
+from vime.backends.weight_transport.disk import write_stage_file
 from vime.backends.weight_transport.staging import stage_dir, write_new_file
-from vime.backends.weight_transport.worker_extension import WeightReceiver
+from vime.engine_protocol.ipc_codec import encode_rebuild_args
+from vime.engine_protocol.weight_files import MANIFEST, STAGE_FILE, WEIGHT_ROOT_ENV
+from vime.in_vllm.cuda_ipc import read_manifests
+from vime.in_vllm.weight_loading import update_files
+from vime.in_vllm.worker_extension import WeightReceiver
 
 WEIGHTS = [("model.embed_tokens.weight", torch.randn(8, 4)), ("model.norm.weight", torch.ones(4))]
 

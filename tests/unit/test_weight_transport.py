@@ -22,12 +22,12 @@ from tests.helpers.weight_sync_driver import ARGV, EXTENSION, driver, fake_ray, 
 pytest.importorskip("megatron.core")
 
 from vime.backends.weight_transport.base import WeightTransport, tensor_bytes  # noqa: E402
-from vime.backends.weight_transport.broadcast import (broadcast_weights, engine_set_key, join_group,  # noqa: E402
-                                                      plan_buckets)
+from vime.backends.weight_transport.broadcast import engine_set_key  # noqa: E402
 from vime.backends.weight_transport.check import (FLOAT32_TOLERANCE, WeightUpdateMismatchError,  # noqa: E402
                                                   compare_log_probs, tolerance_for)
 from vime.backends.weight_transport.delta import changed_tensors, load_unit  # noqa: E402
 from vime.backends.weight_transport.disk import DiskWeightTransport, write_stage_file  # noqa: E402
+from vime.engine_protocol.weight_broadcast import broadcast_weights, join_group, plan_buckets  # noqa: E402
 from vime.utils.misc import find_free_port  # noqa: E402
 
 
@@ -315,7 +315,7 @@ def test_cuda_ipc_handles_cross_as_json_not_pickle():
     import torch
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-    from vime.backends.weight_transport.cuda_ipc import decode_rebuild_args, encode_rebuild_args
+    from vime.engine_protocol.ipc_codec import decode_rebuild_args, encode_rebuild_args
 
     args = (torch.nn.Parameter, torch.Size([4, 8]), (8, 1), 0, torch.UntypedStorage, torch.bfloat16, 0,
             b"\x00\x01handle\xff", 64, 128, False, b"ref\x00", 16, b"\x02event", True)

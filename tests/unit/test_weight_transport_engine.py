@@ -143,7 +143,7 @@ def test_one_call_update_on_the_engine_and_its_fallback(stack):
     """vime's route on the real engine: one POST pauses, loads, versions and resumes; a failed load names the
     route and leaves the engine paused; the separate-call fallback (engines without the plugin) does the same."""
     from vime.backends.vllm_utils import client
-    from vime.backends.vllm_utils.endpoint import ROUTE
+    from vime.engine_protocol.names import UPDATE_ROUTE as ROUTE
 
     args, trainer, url = stack
     tokens = probe_for(args.hf_checkpoint)

@@ -2,7 +2,7 @@
 
 A transport has a driver half (`connect` to the engines, `prepare` one update's handle, `cleanup`), a trainer half
 (`send`, on every training rank, together) and an engine half (`load_calls`: the worker method and string
-kwargs each engine runs to load the update, `vime.backends.weight_transport.worker_extension` inside vLLM). The
+kwargs each engine runs to load the update, `vime.in_vllm.worker_extension` inside vLLM). The
 driver and every training rank each hold one instance for the whole run (`make_weight_transport`); the update
 itself is driven by `vime.ray.weight_sync`.
 

@@ -3,13 +3,12 @@
 Works everywhere (CPU, GPU, engines on other machines with a shared mount). The default root on /dev/shm keeps it
 in memory on one machine. Each update is a fresh private directory under the weight root
 (`staging.stage_dir`) holding model-pp<stage>.safetensors files only; the engines load nothing else from it
-(`weight_loading.update_files`).
+(`vime.in_vllm.weight_loading.update_files`).
 """
 
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import struct
 from pathlib import Path
@@ -17,11 +16,9 @@ from typing import BinaryIO
 
 import torch
 
-from vime.backends.vllm_utils.weight_loading import weight_root
 from vime.backends.weight_transport.base import Weights, WeightTransport, tensor_bytes
 from vime.backends.weight_transport.staging import stage_dir, write_new_file
-
-STAGE_FILE = re.compile(r"model-pp(\d+)\.safetensors")  # the only names in an update directory
+from vime.engine_protocol.weight_files import stage_file, weight_root
 
 # torch dtype -> safetensors dtype name (the format's spec); a dtype not here cannot be written
 SAFETENSORS_DTYPES = {
@@ -64,7 +61,7 @@ class DiskWeightTransport(WeightTransport):
 
 def write_stage_file(directory: Path, stage: int, weights: Weights) -> Path:
     """`weights` as directory/model-pp<stage>.safetensors, created new and renamed into place once complete."""
-    return write_new_file(directory, f"model-pp{stage}.safetensors", lambda f: write_safetensors(f, weights))
+    return write_new_file(directory, stage_file(stage), lambda f: write_safetensors(f, weights))
 
 
 def write_safetensors(f: BinaryIO, weights: Weights) -> None:

@@ -4,8 +4,8 @@ The base never changes during a LoRA run, so the engines keep it and each update
 under the weight root holding one PEFT adapter per adapter of the run (`<dir>/<name>/`: adapter_config.json and
 adapter_model.safetensors, each tensor gathered over tensor parallel, the pipeline stages joined:
 `hf_checkpoint.save_peft_adapter`). Every engine loads them in place of their previous versions under their names
-(`lora_serving`, inside vime's update route): "policy" for a run's one adapter, so rollouts keep asking for it,
-or each --lora-adapters name. The engines are started with LoRA enabled for it
+(`vime.in_vllm.lora_serving`, inside vime's update route): "policy" for a run's one adapter, so rollouts keep
+asking for it, or each --lora-adapters name. The engines are started with LoRA enabled for it
 (`engine.lora_engine_options`). Selected by --lora-sync adapter (the default of a LoRA run whose engines vime
 starts), never by --update-weight-transport.
 """
@@ -13,13 +13,26 @@ starts), never by --update-weight-transport.
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
-from vime.backends.vllm_utils.lora_serving import adapter_dirs, adapter_load_call
-from vime.backends.vllm_utils.weight_loading import weight_root
 from vime.backends.weight_transport.base import Weights, WeightTransport
 from vime.backends.weight_transport.staging import stage_dir
+from vime.engine_protocol.names import LOAD_ADAPTER
+from vime.engine_protocol.weight_files import ADAPTER_FILES, weight_root
 
 PREFIX = "vime_lora_"  # of every update directory (the fleet deletes a recovery copy only by such a name)
+
+
+def adapter_load_call(adapters: dict[str, str]) -> tuple[str, dict[str, str]]:
+    """The update call that serves each adapter directory of `adapters` ({name: directory}) as model `name`
+    (`vime.in_vllm.lora_serving.load_adapter`, inside the engine's update route)."""
+    return LOAD_ADAPTER, dict(adapters)
+
+
+def adapter_dirs(root: str | Path) -> dict[str, str]:
+    """{adapter name: its directory} of an update directory (one subdirectory per adapter); {} if it holds none."""
+    return {d.name: str(d) for d in sorted(Path(root).iterdir()) if (d / ADAPTER_FILES[0]).is_file()} \
+        if Path(root).is_dir() else {}
 
 
 class LoraAdapterTransport(WeightTransport):

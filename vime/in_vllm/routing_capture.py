@@ -12,7 +12,7 @@ VLLM_USE_V2_MODEL_RUNNER=1), which needs Triton: a GPU. On CPU vime captures the
   client unchanged.
 
 Tokens served from the prefix cache are not forwarded, so they would have no routing: vime starts such engines
-with prefix caching off (`engine.engine_command`). Installed by the general plugin (`engine_plugin.configure`)
+with prefix caching off (`engine.engine_command`). Installed by the general plugin (`general_plugin.configure`)
 when CAPTURE_ENV is set.
 """
 
@@ -24,9 +24,9 @@ import os
 
 import numpy as np
 
-logger = logging.getLogger(__name__)
+from vime.engine_protocol.names import CAPTURE_ENV
 
-CAPTURE_ENV = "VIME_CAPTURE_ROUTED_EXPERTS"
+logger = logging.getLogger(__name__)
 
 
 class StepCapture:
