@@ -4,7 +4,8 @@ import that runs only on some path is checked too.
 
 The code that runs inside vLLM's processes (`vime/in_vllm`) has a rule of its own, on top of its layer: it imports
 only `vime.utils`, the protocol it shares with vime (`vime/engine_protocol`) and itself, and nothing else in vime
-imports it (vLLM loads it by the names in pyproject.toml's entry points and `engine_protocol.names`)."""
+imports it (vLLM loads it by the names in pyproject.toml's entry points and `engine_protocol.names`). Neither
+package keeps state in module globals: what a patch needs lives on the vLLM object it serves."""
 
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ LAYERS = [
 ]
 IN_VLLM = "in_vllm"
 IN_VLLM_IMPORTS = ("utils", "engine_protocol", IN_VLLM)  # all that code inside vLLM's processes may import
+STATELESS = ("engine_protocol", IN_VLLM)  # packages whose module globals are constants only
+CONSTANT_CALLS = {"frozenset", "tuple", "re.compile", "logging.getLogger"}  # calls that make such a constant
 
 
 def layer_of(module: str) -> str:
@@ -100,6 +103,21 @@ def in_vllm_crossings() -> list[str]:
             and (why := in_vllm_crossing(here, module))]
 
 
+def module_state(path: Path) -> list[tuple[int, str]]:
+    """(line, what) of each `global` statement in a source file, and of each module-level name bound to a mutable
+    value (a dict, list or set, or what a call other than CONSTANT_CALLS returns)."""
+    tree = ast.parse(path.read_text(), str(path))
+    found = [(node.lineno, f"global {', '.join(node.names)}") for node in ast.walk(tree)
+             if isinstance(node, ast.Global)]
+    for node in tree.body:
+        value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+        if isinstance(value, (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp)) or \
+                isinstance(value, ast.Call) and ast.unparse(value.func) not in CONSTANT_CALLS:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            found.append((node.lineno, " = ".join(map(ast.unparse, targets))))
+    return found
+
+
 def test_layer_of_names_the_deepest_listed_package():
     assert layer_of("vime.backends.vllm_utils.engine") == "backends.vllm_utils"
     assert layer_of("vime.rollout.rm_hub.math") == "rollout"
@@ -138,3 +156,16 @@ def test_a_crossing_into_or_out_of_vllm_is_found(tmp_path):
 
 def test_code_inside_vllm_imports_only_utils_and_the_shared_protocol():
     assert not in_vllm_crossings(), "\n".join(in_vllm_crossings())
+
+
+def test_module_state_is_found(tmp_path):
+    source = tmp_path / "x.py"
+    source.write_text("import re\n_CAPTURE = None\n_STORE = RoutingStore()\nSEEN = {}\nNAME = re.compile('x')\n"
+                      "PATHS = frozenset({'/health'})\n\ndef capture():\n    global _CAPTURE\n")
+    assert sorted(module_state(source)) == [(3, "_STORE"), (4, "SEEN"), (9, "global _CAPTURE")]
+
+
+def test_code_inside_vllm_and_its_protocol_keep_no_module_state():
+    found = [f"{path.relative_to(VIME.parent)}:{line} {what}" for package in STATELESS
+             for path in sorted((VIME / package).rglob("*.py")) for line, what in module_state(path)]
+    assert not found, "module-level state (hold it on the object that uses it):\n" + "\n".join(found)

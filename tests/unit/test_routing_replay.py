@@ -329,3 +329,25 @@ def test_own_routing_replay_records_the_first_pass_and_replays_it(tiny_moe, monk
         modes.clear()
         t.train(1, make_rollout(seed=6, num_prompts=2))  # one step: nothing to replay, nothing recorded
         assert modes == []
+
+
+def test_capture_state_lives_on_the_model_runner_and_the_scheduler():
+    """No module-level capture: each model runner makes its own (bound once to its model), each scheduler its own
+    store of routed experts."""
+    from types import SimpleNamespace
+
+    from vime.in_vllm.routing_capture import _capture_for, _store_of
+
+    config = SimpleNamespace(get_total_num_hidden_layers=lambda: 3, get_num_experts_per_tok=lambda: 2,
+                             get_num_experts=lambda: 8)
+
+    def runner():
+        model = SimpleNamespace(vime_routing_bound=True)  # bound already: vLLM's binder is not called here
+        return SimpleNamespace(vllm_config=SimpleNamespace(model_config=config), get_model=lambda: model)
+
+    one = runner()
+    capture = _capture_for(one)
+    assert _capture_for(one) is capture and (capture.num_layers, capture.topk) == (3, 2)
+    assert _capture_for(runner()) is not capture
+    a, b = SimpleNamespace(), SimpleNamespace()
+    assert _store_of(a) is _store_of(a) and _store_of(b) is not _store_of(a)
