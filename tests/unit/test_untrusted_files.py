@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from vime.backends.weight_transport import staging
-from vime.backends.weight_transport.cuda_ipc import CudaIpcWeightTransport
-from vime.backends.weight_transport.disk import write_stage_file
+from vime.backends.weight_transport.cuda_ipc.driver import CudaIpcDriver
+from vime.backends.weight_transport.disk.rank import write_stage_file
 from vime.backends.weight_transport.staging import stage_dir, write_new_file
 from vime.engine_protocol.ipc_codec import encode_rebuild_args
 from vime.engine_protocol.weight_files import MANIFEST, STAGE_FILE, WEIGHT_ROOT_ENV
@@ -163,7 +163,7 @@ def test_staging_reuses_nothing_and_follows_no_link(tmp_path, root):
     args = SimpleNamespace(update_weight_dir=str(root), update_weight_transport="disk", use_fault_tolerance=True,
                            rollout_external_engine_addrs=["http://elsewhere:1"], train_timeout=60.0)
     sync = WeightSync(args)
-    made = [sync.transport.prepare(1), CudaIpcWeightTransport(args).prepare(1),
+    made = [sync.transport.prepare(1), CudaIpcDriver(args).prepare(1),
             sync._write_recovery_copy(SimpleNamespace(actors=[]), 1)]
     for staged in map(Path, made):
         assert staged.parent == root and not any(staged.iterdir()), staged  # new and empty, never the planted one

@@ -20,7 +20,7 @@ from tests.helpers.weight_sync_driver import ARGV, driver, fake_ray, probe_for  
 
 pytest.importorskip("megatron.core")
 
-from vime.backends.weight_transport.broadcast import engine_set_key  # noqa: E402
+from vime.backends.weight_transport.broadcast.driver import engine_set_key  # noqa: E402
 from vime.backends.weight_transport.check import (FLOAT32_TOLERANCE, WeightUpdateMismatchError,  # noqa: E402
                                                   check_weights_equal, compare_log_probs, engine_prompt_log_probs)
 from vime.ray.weight_sync import WeightSync  # noqa: E402
@@ -64,8 +64,8 @@ def sync(stack, fake_ray):
 
     push.check = lambda: check_weights_equal(args, group, manager)
     push.answers = lambda: state.answers  # the engines' answers to the last update
-    push.driver = lambda name: syncs[name].transport  # the driver's transport
-    push.writer = lambda name: group.actors[0]._obj.weight_transports[name]  # the training rank's
+    push.driver = lambda name: syncs[name].transport  # the transport's driver half
+    push.writer = lambda name: group.actors[0]._obj.weight_transports[name]  # the training rank's half
     yield push
     for transport in group.actors[0]._obj.weight_transports.values():
         if hasattr(transport, "close"):

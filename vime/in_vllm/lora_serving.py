@@ -6,7 +6,7 @@ Runs inside the engine's HTTP server, from vime's update route (`endpoint_plugin
 scheduler is paused: each adapter NAME in its DIR (PEFT's adapter_config.json and adapter_model.safetensors,
 written by the trainers) is loaded by every worker in place of its previous version, under the same LoRA id, and
 requests naming NAME are served with it from then on. The base weights never change. An update writes one
-directory holding a subdirectory per adapter (the driver's `weight_transport.lora_adapter.adapter_dirs` reads it
+directory holding a subdirectory per adapter (the driver's `weight_transport.lora_adapter.driver.adapter_dirs` reads it
 back).
 
 Why not vLLM's own `/v1/load_lora_adapter`: its in-place reload keeps `load_inplace=True` on the request it hands

@@ -1,24 +1,20 @@
-"""Weight sync through files: each pipeline stage writes its layers as HF safetensors, engines reload them.
-
-Works everywhere (CPU, GPU, engines on other machines with a shared mount). The default root on /dev/shm keeps it
-in memory on one machine. Each update is a fresh private directory under the weight root
-(`staging.stage_dir`) holding model-pp<stage>.safetensors files only; the engines load nothing else from it
-(`vime.in_vllm.weight_loading.update_files`).
-"""
+"""A training rank's half of the disk transport: the writer of each pipeline stage streams its tensors into one
+safetensors file of the update directory."""
 
 from __future__ import annotations
 
 import json
-import shutil
 import struct
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Iterator
 
 import torch
 
-from vime.backends.weight_transport.base import Weights, WeightTransport, tensor_bytes
-from vime.backends.weight_transport.staging import stage_dir, write_new_file
-from vime.engine_protocol.weight_files import stage_file, weight_root
+from vime.backends.weight_transport.base import Weights, WeightSender
+from vime.backends.weight_transport.staging import write_new_file
+from vime.engine_protocol.weight_files import stage_file
+
+BYTE_CHUNK = 16 * 2**20
 
 # torch dtype -> safetensors dtype name (the format's spec); a dtype not here cannot be written
 SAFETENSORS_DTYPES = {
@@ -27,36 +23,11 @@ SAFETENSORS_DTYPES = {
     torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
 
 
-class DiskWeightTransport(WeightTransport):
-    update_is_recovery_copy = True
-
-    def __init__(self, args):
-        from vime.backends.vllm_utils.engine import has_vime_worker_extension
-
-        super().__init__(args)
-        self.root = weight_root(args)
-        # vime's loader (in place where it can), else vLLM's own reload (external engines, another extension)
-        self.load_method = "vime_load_weights" if has_vime_worker_extension(args) else "reload_weights"
-
-    def prepare(self, version: int) -> str:
-        return stage_dir(self.root, f"vime_weights_{version}_")
-
+class DiskSender(WeightSender):
     def send(self, weights: Weights, stage: int | None, handle: str) -> None:
         """The writer of each pipeline stage saves its tensors as one safetensors file."""
         if stage is not None:
             write_stage_file(Path(handle), stage, weights)
-
-    def load_call(self, path: str) -> tuple[str, dict[str, str]]:
-        """The worker call that loads the HF safetensors directory `path`."""
-        if self.load_method == "vime_load_weights":
-            return self.load_method, {"path": path}
-        return self.load_method, {"weights_path": path}
-
-    def load_calls(self, engine_urls: list[str], handle: str) -> dict:
-        return {url: self.load_call(handle) for url in engine_urls}
-
-    def cleanup(self, handle: str) -> None:
-        shutil.rmtree(handle, ignore_errors=True)
 
 
 def write_stage_file(directory: Path, stage: int, weights: Weights) -> Path:
@@ -82,3 +53,18 @@ def write_safetensors(f: BinaryIO, weights: Weights) -> None:
     for _, t in weights:
         for piece in tensor_bytes(t):
             f.write(piece)
+
+
+def tensor_bytes(tensor: torch.Tensor, chunk: int = BYTE_CHUNK) -> Iterator[memoryview]:
+    """A tensor's bytes (C order) as memoryviews of at most `chunk` bytes, copied through a buffer of this
+    function's own; each view is valid until the next one. Never `tensor.numpy()`: numpy pins a CPU tensor's storage
+    at its size for good, and --offload-train must later shrink the trainer's storages to zero."""
+    flat = tensor.detach().contiguous().view(-1).view(torch.uint8)
+    if flat.numel() == 0:
+        return
+    scratch = torch.empty(min(chunk, flat.numel()), dtype=torch.uint8)
+    view = memoryview(scratch.numpy())
+    for start in range(0, flat.numel(), chunk):
+        n = min(chunk, flat.numel() - start)
+        scratch[:n].copy_(flat[start:start + n])
+        yield view[:n]

@@ -1,24 +1,14 @@
-"""Weight sync in memory: the training writers broadcast HF tensors over a process group the engines joined.
-
-    python train.py --update-weight-transport broadcast [--update-weight-buffer-size BYTES] ...
-
-The group, its members' ranks and the wire protocol, which writers and engines run alike:
-`vime.engine_protocol.weight_broadcast`. The group is built on the first update, kept by every member, and rebuilt
-when the engine set changes (the driver hands out a new group key). The engine side
-(`vime.in_vllm.worker_extension`) feeds the tensors, as they arrive, to vLLM's
-`reload_weights(weights_iterator=...)`: on CPU the linear weights are repacked after loading, so writing into the
-parameters would not update anything.
-"""
+"""The driver's half of the broadcast transport: one group key and rendezvous address per engine set, each
+engine's receive call."""
 
 from __future__ import annotations
 
 import uuid
 from typing import Callable
 
-from vime.backends.weight_transport.base import Weights, WeightTransport
-from vime.engine_protocol.weight_broadcast import broadcast_weights, group_backend, join_group
+from vime.backends.weight_transport.base import TransportDriver
 
-# ---- driver side: one group key per engine set ------------------------------------------------------------------
+
 def engine_set_key(state: dict, engine_urls: list[str], trainer_address: Callable[[], tuple[str, int]] | None = None):
     """(key, rendezvous address) for the current engine set; a new key (and address) when the set changes.
 
@@ -33,8 +23,7 @@ def engine_set_key(state: dict, engine_urls: list[str], trainer_address: Callabl
     return state["key"], state["address"]
 
 
-# ---- the transport --------------------------------------------------------------------------------------------
-class BroadcastWeightTransport(WeightTransport):
+class BroadcastDriver(TransportDriver):
     concurrent = True  # send and apply join the same collective: the driver starts both, then waits for both
 
     def __init__(self, args):
@@ -42,18 +31,17 @@ class BroadcastWeightTransport(WeightTransport):
         self.bucket_bytes = int(args.update_weight_buffer_size)
         self.num_senders = int(args.pipeline_model_parallel_size)
         self.workers_per_engine = int(args.rollout_num_gpus_per_engine)
-        self.engine_set: dict = {}  # driver: the engine set, its group key and rendezvous address
+        self.engine_set: dict = {}  # the engine set, its group key and rendezvous address
         self.engine_urls: list[str] | None = None
-        self.group: dict = {}  # a training writer: the group it joined, {"key", "pg"}
 
     def connect(self, engine_urls: list[str], trainer_address: Callable[[], tuple[str, int]]) -> None:
-        """Driver side, before `prepare`: the engines, and a (host, free port) on training rank 0's node."""
+        """Before `prepare`: the engines, and a (host, free port) on training rank 0's node."""
         self.engine_urls = list(engine_urls)
         engine_set_key(self.engine_set, engine_urls, trainer_address)
 
     def prepare(self, version: int) -> dict:
         if self.engine_urls is None:
-            raise RuntimeError("BroadcastWeightTransport.connect(engine_urls, trainer_address) must run first")
+            raise RuntimeError("BroadcastDriver.connect(engine_urls, trainer_address) must run first")
         # no backend here: each member picks it for the device it holds its tensors on (`group_backend`); the
         # driver may run on a CPU-only head node
         host, port = self.engine_set["address"]
@@ -62,29 +50,8 @@ class BroadcastWeightTransport(WeightTransport):
                 "world_size": self.num_senders + len(self.engine_urls) * self.workers_per_engine,
                 "bucket_bytes": self.bucket_bytes}
 
-    def send(self, weights: Weights, stage: int | None, handle: dict) -> None:
-        """The writer of each pipeline stage broadcasts its tensors to the group."""
-        if stage is None:
-            return
-        from vime.utils.device import local_device
-
-        device = local_device()  # the training writer's own
-        weights = [(name, t.detach().to(device)) for name, t in weights]
-        pg = join_group(self.group, handle["key"], handle["master_addr"], handle["master_port"], stage,
-                        handle["world_size"], group_backend(device))
-        for _ in broadcast_weights(pg, handle["num_senders"], handle["bucket_bytes"], device, own=weights):
-            pass  # another stage's tensors: this writer only relays its part of the collective
-
     def bound_engines(self, handle: dict) -> list[str]:
         return handle["engine_urls"]
-
-    def close(self) -> None:
-        """A training writer leaves its group (tests, benchmarks; a run's processes just exit)."""
-        from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
-
-        if self.group.get("pg") is not None:
-            stateless_destroy_torch_distributed_process_group(self.group["pg"])
-        self.group.clear()
 
     def load_calls(self, engine_urls: list[str], handle: dict) -> dict:
         """Each engine's receive (the caller runs them at once: each blocks until the whole group has joined)."""

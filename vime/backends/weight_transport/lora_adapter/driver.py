@@ -1,21 +1,12 @@
-"""LoRA weight sync: only the adapters travel, as a PEFT adapter the engines serve through vLLM's LoRA support.
-
-The base never changes during a LoRA run, so the engines keep it and each update is a fresh private directory
-under the weight root holding one PEFT adapter per adapter of the run (`<dir>/<name>/`: adapter_config.json and
-adapter_model.safetensors, each tensor gathered over tensor parallel, the pipeline stages joined:
-`hf_checkpoint.save_peft_adapter`). Every engine loads them in place of their previous versions under their names
-(`vime.in_vllm.lora_serving`, inside vime's update route): "policy" for a run's one adapter, so rollouts keep
-asking for it, or each --lora-adapters name. The engines are started with LoRA enabled for it
-(`engine.lora_engine_options`). Selected by --lora-sync adapter (the default of a LoRA run whose engines vime
-starts), never by --update-weight-transport.
-"""
+"""The driver's half of the LoRA adapter sync: a fresh update directory, the update call that serves each adapter
+the trainers wrote there (also a restarted engine's recovery call: `engine_fleet.recovery_load_call`)."""
 
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
 
-from vime.backends.weight_transport.base import Weights, WeightTransport
+from vime.backends.weight_transport.base import TransportDriver
 from vime.backends.weight_transport.staging import stage_dir
 from vime.engine_protocol.names import LOAD_ADAPTER
 from vime.engine_protocol.weight_files import ADAPTER_FILES, weight_root
@@ -35,9 +26,8 @@ def adapter_dirs(root: str | Path) -> dict[str, str]:
         if Path(root).is_dir() else {}
 
 
-class LoraAdapterTransport(WeightTransport):
+class LoraAdapterDriver(TransportDriver):
     update_is_recovery_copy = True  # a restarted engine loads the base from its checkpoint, then this adapter
-    sends_adapter = True  # the trainers write the adapters (`Trainer.send_weights`), not the merged weights
 
     def __init__(self, args):
         super().__init__(args)
@@ -45,9 +35,6 @@ class LoraAdapterTransport(WeightTransport):
 
     def prepare(self, version: int) -> str:
         return stage_dir(self.root, f"{PREFIX}{version}_")
-
-    def send(self, weights: Weights, stage: int | None, handle: str) -> None:
-        raise TypeError("the LoRA adapter sync sends adapters, written by the trainer itself, not merged weights")
 
     def load_calls(self, engine_urls: list[str], handle: str) -> dict:
         adapters = adapter_dirs(handle)
