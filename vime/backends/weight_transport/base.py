@@ -14,7 +14,10 @@ The halves share nothing but the handle (plain data, made by `prepare`) and `vim
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:  # annotations only: a driver half imports no torch
+    import torch
 
 Weights = list[tuple[str, "torch.Tensor"]]  # (HF name, tensor) of one pipeline stage, gathered over tensor parallel
 
