@@ -31,7 +31,6 @@ ALLOWED = {
                                  "programs it starts do not inherit it",
     ("ray/ray_auth.py", "_held_locks"): "the flock this process holds on its Ray token directory while it lives",
     ("backends/megatron_utils/cpu_compat.py", "_PATCHED"): "megatron-core's CPU patches: applied once per process",
-    ("backends/vllm_utils/routing_capture.py", "_CAPTURE"): "in an engine process; leaves with the in-vLLM package",
     ("agents/sandbox/site_hooks/sitecustomize.py", "_recording"): "runs inside the sandboxed program, not in vime",
     ("agents/sandbox/site_hooks/sitecustomize.py", "_recorded"): "runs inside the sandboxed program, not in vime",
 }

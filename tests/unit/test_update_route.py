@@ -15,7 +15,8 @@ from urllib.parse import urlparse
 import pytest
 
 from vime.backends.vllm_utils import client
-from vime.backends.vllm_utils.endpoint import ROUTE, _parse
+from vime.engine_protocol.names import UPDATE_ROUTE as ROUTE
+from vime.in_vllm.endpoint_plugin import _parse
 from vime.backends.vllm_utils.engine import plugin_allowlist
 
 
@@ -35,7 +36,7 @@ def test_plugin_allowlist_keeps_the_users_plugins():
 
     installed = [p.name for g in ("vllm.general_plugins", "vllm.platform_plugins") for p in entry_points(group=g)]
     unset = plugin_allowlist(None).split(",")
-    assert "vime" in installed  # vime's own general plugin (engine_plugin)
+    assert "vime" in installed  # vime's own general plugin (in_vllm.general_plugin)
     assert unset == list(dict.fromkeys(installed))  # vLLM's default (load them all), vime's route included
     assert plugin_allowlist("a,b") == "a,b,vime"
     assert plugin_allowlist("vime,a") == "vime,a"
@@ -110,7 +111,7 @@ def test_a_failed_engine_is_named_and_the_others_still_update(old_engine):
 
 
 def test_idle_spin_cap_applies_to_readers_only():
-    from vime.backends.vllm_utils.engine_plugin import cap_idle_spin
+    from vime.in_vllm.general_plugin import cap_idle_spin
 
     class Spin:  # vLLM's SpinCondition shape: readers busy-wait busy_loop_s after a message
         def __init__(self, is_reader, context=None, notify_address="", busy_loop_s=1):
@@ -127,7 +128,7 @@ def test_engine_core_fork_patch(monkeypatch):
     whose fresh import of vLLM was most of an engine's start); loading the plugin twice changes nothing."""
     from vllm.v1.engine import utils as engine_utils
 
-    from vime.backends.vllm_utils.engine_plugin import fork_engine_core
+    from vime.in_vllm.general_plugin import fork_engine_core
 
     monkeypatch.setattr(engine_utils, "get_mp_context", engine_utils.get_mp_context)  # restored after the test
     fork_engine_core()
