@@ -7,8 +7,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+from typing import Any, Callable
 
 import ray
 
@@ -95,27 +97,12 @@ class TrainActor:
             logger.debug("%s rank %d: released %d bytes the weight transports kept", self.role, self.rank, released)
         return self.trainer.offload()
 
-    def onload(self) -> int:
-        return self.trainer.onload()
-
-    # checkpoints
-    def save(self, rollout_id: int, extra_state: dict | None = None) -> str:
-        return self.trainer.save(rollout_id, extra_state)
-
-    def save_hf(self, out_dir: str) -> str:
-        return self.trainer.save_hf(out_dir)
-
+    # checkpoints (save, save_hf, get_loaded_state: the trainer's own, see TRAINER_VERBS)
     def publish_checkpoint(self, rollout_id: int, parts: list[str]) -> str:
         """Make iteration `rollout_id`, saved by every role in `parts`, the one a resume starts from."""
         from vime.backends.megatron_utils.checkpoint_files import publish
 
         return str(publish(self.args.save, rollout_id, retain=self.args.save_retain, parts=parts))
-
-    def get_loaded_state(self) -> dict | None:
-        return self.trainer.get_loaded_state()
-
-    def set_plugin_values(self, values: dict) -> None:
-        self.trainer.set_plugin_values(values)
 
     # weights to the engines, and the probe that checks they arrived
     def send_weights(self, kind: str, handle) -> None:
@@ -127,15 +114,12 @@ class TrainActor:
             self.weight_transports[kind] = make_sender(kind, self.args)
         return self.trainer.send_weights(self.weight_transports[kind], handle)
 
-    def probe_log_probs(self, tokens: list[int], response_length: int, temperature: float | None = None,
-                        adapter: str | None = None):
-        return self.trainer.probe_log_probs(tokens, response_length, temperature, adapter)
-
-    def compute_kind(self) -> tuple[str, str]:
-        return self.trainer.compute_kind()
 
 
 class RayTrainGroup:
+    """One `TrainActor` per rank of a role. Its verbs are declared in `GROUP_CALLS` (made into methods below: which
+    ranks, which deadline, how the answers combine); PPO's value hand-offs, which pass refs on, are written out."""
+
     def __init__(self, args, placement=None, role: str = "actor"):
         self.args = args
         self.role = role
@@ -158,12 +142,6 @@ class RayTrainGroup:
         master_addr, master_port = control(self.actors[0].address.remote(), f"{self.role} rank 0's address")
         return [a.init.remote(master_addr, master_port, total_steps) for a in self.actors]
 
-    def train(self, rollout_id: int, handle) -> dict[str, float]:
-        """All ranks train together on the rollout behind `handle`; the metrics come from the last pipeline
-        stage."""
-        return _first_nonempty(self._all([a.train.remote(rollout_id, handle) for a in self.actors],
-                                         f"training on rollout {rollout_id}"))
-
     # PPO. Values and returns pass between the groups as object refs: the driver never fetches them.
     def compute_values(self, handle) -> list[ray.ObjectRef]:
         """The critic's values, one ref per rank (each holds its own samples' values)."""
@@ -177,40 +155,6 @@ class RayTrainGroup:
     def train_critic(self, rollout_id: int, handle, values: list[ray.ObjectRef], returns: ray.ObjectRef) -> dict:
         return _first_nonempty(self._all([a.train_critic.remote(rollout_id, handle, returns, *values)
                                           for a in self.actors], f"training on rollout {rollout_id}"))
-
-    def offload(self) -> list[int]:
-        return self._all([a.offload.remote() for a in self.actors], "offload (--offload-train)")
-
-    def onload(self) -> list[int]:
-        return self._all([a.onload.remote() for a in self.actors], "onload (--offload-train)")
-
-    def save(self, rollout_id: int, extra_state: dict | None = None) -> list[str]:
-        return self._all([a.save.remote(rollout_id, extra_state) for a in self.actors],
-                         f"checkpoint save of rollout {rollout_id}")
-
-    def save_hf(self, out_dir: str) -> list[str]:
-        return self._all([a.save_hf.remote(out_dir) for a in self.actors], f"HF save into {out_dir}")
-
-    def publish_checkpoint(self, rollout_id: int, parts: list[str]) -> str:
-        """One rank publishes (files only; on the trainers' node, which sees --save)."""
-        return self._all(self.actors[0].publish_checkpoint.remote(rollout_id, parts),
-                         f"publishing the checkpoint of rollout {rollout_id}")
-
-    def get_loaded_state(self) -> list[dict | None]:
-        return control([a.get_loaded_state.remote() for a in self.actors], f"the {self.role}s' loaded state")
-
-    def set_plugin_values(self, values: dict) -> None:
-        """The run-time values every rank's custom functions see in `args` (`vime.utils.plugin_args`)."""
-        control([a.set_plugin_values.remote(values) for a in self.actors], f"the {self.role}s' plugin values")
-
-    def probe_log_probs(self, tokens: list[int], response_length: int, temperature: float | None = None,
-                        adapter: str | None = None) -> list:
-        return self._all([a.probe_log_probs.remote(tokens, response_length, temperature, adapter)
-                          for a in self.actors], "the weight check's probe forward")
-
-    def compute_kind(self) -> tuple[str, str]:
-        """(dtype, device type) the training ranks compute in, as rank 0 reports it."""
-        return tuple(self._all([self.actors[0].compute_kind.remote()], "the training ranks' dtype and device")[0])
 
     def _all(self, refs, what: str):
         """Every rank's answer to one call, at most --train-timeout; a rank that fails fails it at once."""
@@ -232,3 +176,76 @@ def _merged(parts) -> dict | None:
     for part in parts:
         merged.update(part)
     return merged or None
+
+
+# ---- the actor's verbs that are the trainer's own, and how the group calls each verb -----------------------------
+# TrainActor.<verb>(...) is MegatronTrainer.<verb>(...) on that rank
+TRAINER_VERBS = ("save", "save_hf", "onload", "get_loaded_state", "set_plugin_values", "probe_log_probs",
+                 "compute_kind")
+
+
+def _to_trainer(verb: str):
+    def call(self, *args, **kwargs):
+        return getattr(self.trainer, verb)(*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = verb
+    call.__doc__ = f"This rank's `MegatronTrainer.{verb}`."
+    return call
+
+
+for _verb in TRAINER_VERBS:
+    setattr(TrainActor, _verb, _to_trainer(_verb))
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupCall:
+    """How `RayTrainGroup.<verb>(...)` runs `TrainActor.<verb>(...)`: on every rank or on rank 0 alone, under
+    --train-timeout (work) or the control deadline (a read or a flip of state), the ranks' answers combined by
+    `reduce`. `what` names the call in a deadline's or a failure's error, formatted with the call's arguments
+    ({0}: the first)."""
+
+    what: str
+    ranks: str = "all"  # "all" | "first"
+    deadline: str = "work"  # "work": --train-timeout | "control": CONTROL_TIMEOUT
+    reduce: Callable[[list], Any] = list
+
+
+def _first(results: list):
+    return results[0]
+
+
+GROUP_CALLS = {
+    # all ranks train together; the metrics come from the last pipeline stage's first rank
+    "train": GroupCall("training on rollout {0}", reduce=_first_nonempty),
+    "offload": GroupCall("offload (--offload-train)"),
+    "onload": GroupCall("onload (--offload-train)"),
+    "save": GroupCall("checkpoint save of rollout {0}"),
+    "save_hf": GroupCall("HF save into {0}"),
+    # files only, on the trainers' node (which sees --save)
+    "publish_checkpoint": GroupCall("publishing the checkpoint of rollout {0}", ranks="first",
+                                    reduce=_first),
+    "get_loaded_state": GroupCall("loaded state", deadline="control"),
+    # the run-time values every rank's custom functions see in `args` (vime.utils.plugin_args)
+    "set_plugin_values": GroupCall("plugin values", deadline="control", reduce=lambda _: None),
+    "probe_log_probs": GroupCall("the weight check's probe forward"),
+    # (dtype, device type) the training ranks compute in, as rank 0 reports it
+    "compute_kind": GroupCall("dtype and device", ranks="first", reduce=lambda results: tuple(results[0])),
+}
+
+
+def _group_call(verb: str, spec: GroupCall):
+    def call(self: RayTrainGroup, *args, **kwargs):
+        actors = self.actors if spec.ranks == "all" else self.actors[:1]
+        refs = [getattr(actor, verb).remote(*args, **kwargs) for actor in actors]
+        what = f"the {self.role} ranks' {spec.what.format(*args, **kwargs)}"
+        if spec.deadline == "control":
+            return spec.reduce(control(refs, what))
+        return spec.reduce(gather(refs, what, self.args.train_timeout, "--train-timeout"))
+
+    call.__name__ = call.__qualname__ = verb
+    call.__doc__ = f"`TrainActor.{verb}` on {'every rank' if spec.ranks == 'all' else 'rank 0'}: {spec.what}."
+    return call
+
+
+for _verb, _spec in GROUP_CALLS.items():
+    setattr(RayTrainGroup, _verb, _group_call(_verb, _spec))

@@ -11,13 +11,13 @@ service, counters) that rollout code reads (`vime.rollout.context`).
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from pathlib import Path
 
 import ray
 
-from vime.backends.vllm_utils.client import SERVED_MODEL
 from vime.data.adapter_mix import AdapterMixSource
 from vime.data.data_source import RolloutDataSource
 from vime.data.prompt_dataset import load_prompt_file, load_prompt_samples
@@ -93,6 +93,19 @@ def make_eval_sources(args, tokenizer) -> dict[str, RolloutDataSource]:
     return sources
 
 
+def _fleet_verb(name: str, concurrency_group: str | None = None):
+    """A RolloutManager method that is `EngineFleet.<name>(...)`, or a copy of the attribute `name` (a list, a
+    URL) where it is not a method."""
+
+    def verb(self, *args, **kwargs):
+        value = getattr(self.fleet, name)
+        return value(*args, **kwargs) if callable(value) else copy.copy(value)
+
+    verb.__name__ = verb.__qualname__ = name
+    verb.__doc__ = f"`EngineFleet.{name}` of this manager's fleet."
+    return ray.method(concurrency_group=concurrency_group)(verb) if concurrency_group else verb
+
+
 def log_dir(args) -> Path:
     """Where the engines' and the router's logs go."""
     return Path(args.output_dir) / "logs"
@@ -166,50 +179,22 @@ class RolloutManager:
                 env.close()
             self.context.close()  # reward workers, the agents' endpoint
 
-    def engine_pids(self) -> list[int]:
-        return self.fleet.engine_pids()
-
-    # beside a rollout in progress: an in-flight update asks for them first (a read, like apply_weights, serialised
-    # with it); in the default group it waited for the rollout to end, and so was not in flight at all
-    @ray.method(concurrency_group="weights")
-    def get_engine_urls(self) -> list[str]:
-        return list(self.fleet.engine_urls)
-
-    @ray.method(concurrency_group="weights")
-    def get_live_engine_urls(self) -> list[str]:
-        """`get_engine_urls` after a probe of each (`EngineFleet.live_engine_urls`): the members of a collective
-        update."""
-        return self.fleet.live_engine_urls()
-
-    def get_router_url(self) -> str | None:
-        return self.fleet.router_url
-
-    def sleep(self) -> None:
-        self.fleet.sleep()
-
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        """`tags` of the engines' memory ("weights", "kv_cache"), or all of it (`EngineFleet.wake_up`)."""
-        self.fleet.wake_up(tags)
-
-    @ray.method(concurrency_group="weights")  # beside a rollout in progress: in-flight updates (train_async)
-    def apply_weights(self, transport, handle, version: int, recovery_dir: str | None = None,
-                      pause_mode: str = "wait") -> dict[str, float]:
-        return self.fleet.apply_weights(transport, handle, version, recovery_dir, pause_mode)
-
-    def set_recovery_weights(self, path: str) -> None:
-        self.fleet.set_recovery_weights(path)
-
-    def engine_restarts(self) -> int:
-        return self.fleet.engine_restarts()
-
-    def router_restarts(self) -> int:
-        return self.fleet.router_restarts()
+    # The fleet's own verbs (EngineFleet's methods of the same name, unless named). In the "weights" group: beside a
+    # rollout in progress; an in-flight update (train_async) asks for the engines first, then applies.
+    engine_pids = _fleet_verb("engine_pids")
+    get_engine_urls = _fleet_verb("engine_urls", concurrency_group="weights")
+    get_live_engine_urls = _fleet_verb("live_engine_urls", concurrency_group="weights")  # after a probe of each
+    get_router_url = _fleet_verb("router_url")
+    sleep = _fleet_verb("sleep")
+    wake_up = _fleet_verb("wake_up")  # tags of the engines' memory ("weights", "kv_cache"), or all of it
+    apply_weights = _fleet_verb("apply_weights", concurrency_group="weights")
+    set_recovery_weights = _fleet_verb("set_recovery_weights")
+    engine_restarts = _fleet_verb("engine_restarts")
+    router_restarts = _fleet_verb("router_restarts")
+    probe_log_probs = _fleet_verb("probe_log_probs")
 
     def probe_tokens(self) -> list[int]:
         return probe_tokens(len(self.tokenizer))
-
-    def probe_log_probs(self, tokens: list[int], model: str = SERVED_MODEL) -> list[list[float]]:
-        return self.fleet.probe_log_probs(tokens, model)
 
     # ---- rollouts --------------------------------------------------------------------------------------------
     def generate(self, rollout_id: int) -> RolloutRef:
