@@ -150,7 +150,7 @@ def test_sample_round_trip_is_lossless():
     s = Sample(group_index=1, index=7, prompt=[{"role": "user", "content": "hi"}], tokens=[1, 2, 3, 4],
                response="x", response_length=2, label={"a": [1, 2]}, reward={"score": 1.0, "acc": 0},
                loss_mask=[1, 0], rollout_log_probs=[-0.5, -1.25], status=Sample.Status.TRUNCATED,
-               metadata={"turns": 2}, weight_versions=["1", "2"], tools=[{"name": "calc"}])
+               metadata={"turns": 2}, weight_versions=[1, 2], tools=[{"name": "calc"}])
     d = json.loads(json.dumps(s.to_dict()))
     assert Sample.from_dict(d) == s
     assert s.prompt_length == 2 and s.response_tokens == [3, 4]

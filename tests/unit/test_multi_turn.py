@@ -88,7 +88,7 @@ def test_tool_turn_is_masked_and_sampled_ids_are_kept(monkeypatch, tiny_qwen3, t
     # the second request continued the exact token sequence, tool turn included
     assert engine.requests[1][0] == sample.tokens[:sample.prompt_length + turns[2]["start"]]
     assert engine.requests[1][1]["max_tokens"] == 400 - turns[2]["start"]
-    assert sample.weight_versions == ["3"]
+    assert sample.weight_versions == [3]
 
 
 def test_same_layout_as_the_chat_template_for_canonical_text(tokenizer):

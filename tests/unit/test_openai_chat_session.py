@@ -79,7 +79,7 @@ def test_multi_turn_is_token_exact(tokenizer):
     assert [traj.log_probs[i] for i in sampled_positions] == pytest.approx(lp1 + lp2 + lp3)
     assert all(traj.log_probs[i] == 0.0 for i in range(len(traj.tokens)) if not traj.loss_mask[i])
     assert [t["finish_reason"] for t in traj.turns] == ["stop", "length", "stop"]
-    assert traj.weight_versions == ["3"]
+    assert traj.weight_versions == [3]
 
     base = Sample(group_index=4, index=17, label="5", metadata={"k": 1})
     sample = trajectory_to_sample(traj, base, tokenizer, "main", "ep/main")

@@ -102,7 +102,7 @@ def test_episode_with_two_roles_becomes_per_role_samples(tiny_qwen3):
         assert sum(main.loss_mask) == 5 and main.loss_mask[:3] == [1, 1, 1] and main.loss_mask[-2:] == [1, 1]
         assert main.rollout_log_probs[:3] == pytest.approx([-0.5, -0.25, -0.5 / 3])
         assert main.response_tokens[:3] == FAKE_TOKENS
-        assert main.weight_versions == ["7"]
+        assert main.weight_versions == [7]
         assert agent_reward(None, main) == 1.0 and agent_reward(None, checker) == 0.0
         assert main.status == Sample.Status.TRUNCATED
         assert main.metadata["agent_session"] == f"{token}/solver"

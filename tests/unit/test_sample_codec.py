@@ -15,7 +15,7 @@ from vime.utils.types import Sample
 def _groups() -> list[list[dict]]:
     a = Sample(group_index=0, index=0, prompt="1+1=", tokens=[5, 6, 7, 8, 9], response="2", response_length=2,
                label="2", reward=1.0, loss_mask=[1, 0], rollout_log_probs=[-0.1, -1e-300],
-               status=Sample.Status.COMPLETED, metadata={"k": [1, {"x": None}], "uni": "é✓"}, weight_versions=["3"])
+               status=Sample.Status.COMPLETED, metadata={"k": [1, {"x": None}], "uni": "é✓"}, weight_versions=[3])
     b = Sample(group_index=0, index=1, prompt=[{"role": "user", "content": "hi"}], tokens=[5, 2**40],
                response_length=1, reward={"acc": 0.0, "fmt": 1}, loss_mask=None,
                rollout_log_probs=[math.nextafter(-2.5, 0.0)], status=Sample.Status.TRUNCATED,

@@ -20,12 +20,12 @@ def test_spans_merge_across_answers_and_place_each_answer_at_its_offset():
     # answer 2 (a partial rollout continued, or the next turn): 4 tokens at offset 7, all version 2
     add_spans(spans, [{"version": "2", "start": 0, "end": 4}], 7, 4)
     add_versions(distinct, ["2"])
-    assert spans == [["1", 0, 3], ["2", 3, 5], ["2", 7, 11]]  # not contiguous: 5-7 are tool tokens
-    assert distinct == ["1", "2"]
+    assert spans == [[1, 0, 3], [2, 3, 5], [2, 7, 11]]  # not contiguous: 5-7 are tool tokens
+    assert distinct == [1, 2]
     add_spans(spans, [{"version": "2", "start": 0, "end": 2}], 11, 2)  # contiguous, same version: merged
-    assert spans[-1] == ["2", 7, 13]
+    assert spans[-1] == [2, 7, 13]
     add_spans(spans, ["3"], 13, 2)  # an engine that reports labels only: the whole answer is the last one's
-    assert spans[-1] == ["3", 13, 15]
+    assert spans[-1] == [3, 13, 15]
     add_spans(spans, None, 15, 3)  # no versions reported: nothing claimed
     assert len(spans) == 4
     assert shift_spans([["1", 0, 4], ["2", 4, 9]], 6) == [["2", 0, 3]]  # the prompt's part cut away
@@ -37,7 +37,7 @@ def test_trained_tokens_by_version_and_staleness_by_hand():
     b = Sample(tokens=list(range(6)), response_length=4, weight_versions=["4"]).to_dict()  # labels only
     c = Sample(tokens=[1, 2], response_length=1).to_dict()  # no versions (a replayed or synthetic sample)
     counts = [trained_tokens_by_version(s) for s in (a, b, c)]
-    assert counts == [{"3": 3, "4": 2}, {"4": 4}, {}]
+    assert counts == [{3: 3, 4: 2}, {4: 4}, {}]
     m = staleness_metrics(counts, trainer_version=5)
     # per sample the oldest token's lag: a 5 - 3 = 2, b 1; per token: 3 tokens at lag 2, 6 at lag 1
     assert m["async/staleness_mean"] == pytest.approx(1.5) and m["async/staleness_max"] == 2.0
@@ -45,7 +45,10 @@ def test_trained_tokens_by_version_and_staleness_by_hand():
     assert m["async/token_lag_1_fraction"] == pytest.approx(6 / 9)
     assert m["async/token_lag_2_fraction"] == pytest.approx(3 / 9)
     assert m["async/mixed_version_samples"] == 1.0
-    assert staleness_metrics([{}, {"latest": 3}], 5) == {}  # nothing numeric: no metric rather than a wrong one
+    assert staleness_metrics([{}, {}], 5) == {}  # no versions: no metric rather than a wrong one
+    assert staleness_metrics([{"3": 2}], 5)["async/staleness_max"] == 2.0  # keys as JSON left them
+    with pytest.raises(ValueError, match="'latest' is not one vime sets"):  # a label no vime engine reports
+        trained_tokens_by_version({"response_length": 1, "weight_versions": ["latest"]})
 
 
 def test_a_sample_keeps_the_engines_spans_through_the_default_rollout_and_the_codec():
@@ -63,9 +66,9 @@ def test_a_sample_keeps_the_engines_spans_through_the_default_rollout_and_the_co
     resumed = {"token_ids": [11, 12], "logprobs": {"content": [{"logprob": -0.2}] * 2}, "finish_reason": "stop",
                "weight_versions": [{"version": "2", "start": 0, "end": 2}]}
     append_choice(sample, resumed, Tok())  # a partial rollout continued under version 2
-    assert sample.weight_version_spans == [["1", 0, 1], ["2", 1, 6]] and sample.weight_versions == ["1", "2"]
+    assert sample.weight_version_spans == [[1, 0, 1], [2, 1, 6]] and sample.weight_versions == [1, 2]
     [[back]], _ = decode_rollout(encode_rollout([[sample.to_dict()]]))
-    assert back["weight_version_spans"] == [["1", 0, 1], ["2", 1, 6]]
+    assert back["weight_version_spans"] == [[1, 0, 1], [2, 1, 6]]
 
 
 def test_agent_trajectories_keep_spans_over_the_response():
@@ -83,11 +86,11 @@ def test_agent_trajectories_keep_spans_over_the_response():
     t.add_sampled([7, 8, 9], [-0.1] * 3, [{"version": "1", "start": 0, "end": 1}, {"version": "2", "start": 1,
                                                                                     "end": 3}])
     sample = trajectory_to_sample(t, Sample(), Tok(), "main", "s")
-    assert sample.weight_version_spans == [["1", 0, 2], ["1", 3, 4], ["2", 4, 6]]
-    assert trained_tokens_by_version(sample.to_dict()) == {"1": 3, "2": 2}
+    assert sample.weight_version_spans == [[1, 0, 2], [1, 3, 4], [2, 4, 6]]
+    assert trained_tokens_by_version(sample.to_dict()) == {1: 3, 2: 2}
 
 
-@pytest.mark.parametrize("spans", [[["1", 0, 9]], [[1, 0, 1]], [["1", 2, 1]], [["1", 0]], ["1"]])
+@pytest.mark.parametrize("spans", [[["1", 0, 9]], [["v1", 0, 1]], [[1.0, 0, 1]], [["1", 2, 1]], [["1", 0]], ["1"]])
 def test_malformed_spans_are_refused_naming_the_field(spans):
     from vime.utils.types import InvalidSampleError, check_sample_dict
 

@@ -149,7 +149,7 @@ class Trajectory:
     log_probs: list[float] = field(default_factory=list)
     messages: list[dict[str, Any]] = field(default_factory=list)  # normalized, incl. the last reply
     prompt_messages: list[dict[str, Any]] = field(default_factory=list)  # the first call's messages
-    weight_versions: list[str] = field(default_factory=list)
+    weight_versions: list[int] = field(default_factory=list)
     weight_version_spans: list[list] = field(default_factory=list)  # over `tokens` (vime.data.weight_versions)
     turns: list[dict[str, Any]] = field(default_factory=list)
     closed_text: str = ""  # what of the template's closing the last reply already contains

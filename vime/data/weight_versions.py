@@ -4,7 +4,9 @@ An engine whose weights change while a request runs (an update between decode st
 continued after one) reports each answer's output tokens as spans `{"version", "start", "end"}` (vLLM's
 `WeightVersionSpan`: tokens [start, end) of that answer were sampled by weights labelled `version`). A sample
 keeps them over its response tokens as `weight_version_spans`, `[version, start, end]` lists, merged where one
-version continues; `weight_versions` (slime's field) keeps the distinct versions in order.
+version continues; `weight_versions` (slime's field) keeps the distinct versions in order. Versions are integers
+from the engine's answer on (`vime.utils.types.as_version`): 0 for the checkpoint the run started from (vLLM's
+"default"), k after the trainer's k-th update.
 
 A token's staleness (lag) is the trainer's weight version minus the version that sampled it: 0 for on-policy
 tokens, k when the trainer has taken k updates since.
@@ -15,6 +17,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from vime.utils.types import as_version
+
 
 def add_spans(spans: list[list], versions: list[Any] | None, offset: int, n_tokens: int) -> None:
     """Extend `spans` with one answer's `versions` (vLLM's span dicts, or bare version labels: then the whole
@@ -22,9 +26,9 @@ def add_spans(spans: list[list], versions: list[Any] | None, offset: int, n_toke
     if not versions or not n_tokens:
         return
     if all(isinstance(v, dict) for v in versions):
-        pieces = [(str(v["version"]), offset + int(v["start"]), offset + int(v["end"])) for v in versions]
+        pieces = [(as_version(v["version"]), offset + int(v["start"]), offset + int(v["end"])) for v in versions]
     else:
-        pieces = [(str(versions[-1]), offset, offset + n_tokens)]
+        pieces = [(as_version(versions[-1]), offset, offset + n_tokens)]
     for version, start, end in pieces:
         if end <= start:
             continue
@@ -34,12 +38,12 @@ def add_spans(spans: list[list], versions: list[Any] | None, offset: int, n_toke
             spans.append([version, start, end])
 
 
-def add_versions(distinct: list[str], versions: list[Any] | None) -> None:
-    """Append the labels of `versions` (span dicts or labels) to `distinct` where they differ from its last."""
+def add_versions(distinct: list[int], versions: list[Any] | None) -> None:
+    """Append the versions of `versions` (span dicts or labels) to `distinct` where they differ from its last."""
     for v in versions or []:
-        label = str(v["version"]) if isinstance(v, dict) else str(v)
-        if not distinct or distinct[-1] != label:
-            distinct.append(label)
+        version = as_version(v["version"] if isinstance(v, dict) else v)
+        if not distinct or distinct[-1] != version:
+            distinct.append(version)
 
 
 def shift_spans(spans: list[list], by: int) -> list[list]:
@@ -48,7 +52,7 @@ def shift_spans(spans: list[list], by: int) -> list[list]:
     return [span for span in shifted if span[2] > span[1]]
 
 
-def trained_tokens_by_version(sample: dict) -> dict[str, int]:
+def trained_tokens_by_version(sample: dict) -> dict[int, int]:
     """{version: trained (mask 1) response tokens it sampled} of one sample dict; a sample that reports no spans
     counts all its trained tokens under its last version label; {} without any version."""
     n = int(sample.get("response_length") or 0)
@@ -58,17 +62,18 @@ def trained_tokens_by_version(sample: dict) -> dict[str, int]:
     mask = sample.get("loss_mask") or [1] * n
     counts: Counter = Counter()
     for version, start, end in spans:  # a slice's sum: this runs over every token of every rollout
-        counts[str(version)] += sum(mask[max(0, start):min(end, n)])
+        counts[as_version(version)] += sum(mask[max(0, start):min(end, n)])
     return {v: c for v, c in counts.items() if c}
 
 
-def staleness_metrics(version_tokens: list[dict[str, int]], trainer_version: int) -> dict[str, float]:
+def staleness_metrics(version_tokens: list[dict[int, int]], trainer_version: int) -> dict[str, float]:
     """Staleness of a batch about to be trained, from each sample's `trained_tokens_by_version`: per sample (its
     oldest token's lag: mean, max), per trained token (mean), the share of trained tokens at each lag
     (`async/token_lag_<k>_fraction`, a histogram per step) and the samples whose tokens span several versions."""
     sample_lags, token_counts = [], Counter()
     for counts in version_tokens:
-        lags = {trainer_version - int(v): c for v, c in counts.items() if str(v).lstrip("-").isdigit()}
+        # int(): a dict that crossed JSON (the data transport's summary) has its keys as strings
+        lags = {trainer_version - int(v): c for v, c in counts.items()}
         if lags:
             sample_lags.append(max(lags))
             token_counts.update(lags)
@@ -85,11 +90,11 @@ def staleness_metrics(version_tokens: list[dict[str, int]], trainer_version: int
 
 
 def oldest_version(sample: dict) -> int | None:
-    """The oldest numeric weight version that sampled one of `sample`'s tokens (spans, else its version labels);
-    None when it reports none."""
-    labels = [span[0] for span in sample.get("weight_version_spans") or []] or list(sample.get("weight_versions") or [])
-    numeric = [int(v) for v in labels if str(v).lstrip("-").isdigit()]
-    return min(numeric) if numeric else None
+    """The oldest weight version that sampled one of `sample`'s tokens (spans, else its versions); None when it
+    reports none."""
+    versions = [span[0] for span in sample.get("weight_version_spans") or []] or list(sample.get("weight_versions")
+                                                                                      or [])
+    return min(as_version(v) for v in versions) if versions else None
 
 
 def too_stale(sample: dict, trainer_version: int, max_staleness: int | None) -> bool:

@@ -34,7 +34,7 @@ class Sample:
     rollout_log_probs: list[float] | None = None  # engine log-probs of the response tokens
     status: Status = Status.PENDING
     metadata: dict[str, Any] = field(default_factory=dict)
-    weight_versions: list[str] = field(default_factory=list)  # engine weight versions that produced the tokens
+    weight_versions: list[int] = field(default_factory=list)  # engine weight versions that produced the tokens
     # [version, start, end]: response tokens [start, end) were sampled by that version (vime.data.weight_versions)
     weight_version_spans: list[list] = field(default_factory=list)
     tools: list[dict[str, Any]] | None = None  # tool schemas offered to the model, if any
@@ -71,7 +71,29 @@ class Sample:
         check_sample_dict(d)
         d = dict(d)
         d["status"] = cls.Status(d.get("status", cls.Status.PENDING.value))
+        if d.get("weight_versions"):  # labels saved as strings (older rollouts, slime-style code) become numbers
+            d["weight_versions"] = [as_version(v) for v in d["weight_versions"]]
+        if d.get("weight_version_spans"):
+            d["weight_version_spans"] = [[as_version(v), start, end] for v, start, end in d["weight_version_spans"]]
         return cls(**d)
+
+
+INITIAL_VERSION_LABEL = "default"  # what vLLM calls the weights an engine started with: vime's version 0
+
+
+def as_version(label: Any) -> int:
+    """A weight version as vime numbers them (0: the checkpoint the run started from, k: after k updates), from
+    an engine's label ("3", vLLM's "default" for the weights it started with) or a number."""
+    if isinstance(label, int) and not isinstance(label, bool):
+        return label
+    text = str(label)
+    if text == INITIAL_VERSION_LABEL:
+        return 0
+    if text.lstrip("-").isdigit():
+        return int(text)
+    raise ValueError(f"weight version {label!r} is not one vime sets: vime numbers an engine's weights 0 (the "
+                     f"checkpoint, vLLM's {INITIAL_VERSION_LABEL!r}), 1, 2, ... as it updates them; an engine whose "
+                     "weights someone else labelled cannot be told apart from the run's")
 
 
 class InvalidSampleError(ValueError):
@@ -136,11 +158,22 @@ def check_sample_dict(d: Any, vocab_size: int | None = None) -> None:
         bad = next(i for i, x in enumerate(log_probs) if not _all_finite((x,)))
         raise InvalidSampleError("rollout_log_probs", f"entry {bad} ({log_probs[bad]!r}) is not a finite number")
     for span in d.get("weight_version_spans") or ():
-        if not (isinstance(span, (list, tuple)) and len(span) == 3 and isinstance(span[0], str)
+        if not (isinstance(span, (list, tuple)) and len(span) == 3 and _is_version(span[0])
                 and all(isinstance(x, int) and not isinstance(x, bool) for x in span[1:])
                 and 0 <= span[1] <= span[2] <= response_length):
             raise InvalidSampleError("weight_version_spans", f"{span!r} is not [version, start, end] with "
                                                              f"0 <= start <= end <= {response_length}")
+    for version in d.get("weight_versions") or ():
+        if not _is_version(version):
+            raise InvalidSampleError("weight_versions", f"{version!r} is not a weight version (0, 1, 2, ...)")
+
+
+def _is_version(value: Any) -> bool:
+    try:
+        as_version(value)
+    except ValueError:
+        return False
+    return not isinstance(value, (bool, float, list, dict, tuple))
 
 
 def _check_numbers(name: str, values, integral: bool, bools: bool = False) -> None:
