@@ -59,9 +59,9 @@ class ScriptedRouter:
 
 
 def reply(body) -> str:
-    """A forced call looks up Ada; a free answer repeats the fact, or says 4."""
+    """A forced call looks up ada; a free answer repeats the fact, or says 4."""
     if "structured_outputs" in body["sampling_params"]:
-        return json.dumps({"name": "facts_lookup", "arguments": {"name": "Ada"}})
+        return json.dumps({"name": "facts_lookup", "arguments": {"name": "ada"}})
     return "4"
 
 

@@ -4,6 +4,8 @@ Tools", and the glossary example): a `vf.Toolset` with one `@vf.tool`, served on
 tool server's program (`python -m tests.environments.vf_lookup`). Loaded by vime as
 `--environment verifiers:tests.environments.vf_lookup`; imported only in the verifiers venv."""
 
+from typing import Literal
+
 import verifiers.v1 as vf
 
 FACTS = {"ada": "first programmer", "grace": "compiler pioneer", "alan": "computability", "edsger": "shortest paths",
@@ -14,7 +16,7 @@ class FactsToolset(vf.Toolset[vf.SharedToolsetConfig]):
     TOOL_PREFIX = "facts"
 
     @vf.tool
-    async def lookup(self, name: str) -> str:
+    async def lookup(self, name: Literal["ada", "grace", "alan", "edsger", "barbara", "donald", "john", "ken"]) -> str:
         """Look up what a person is known for."""
         return FACTS.get(str(name).strip().lower(), "no entry found")
 
@@ -44,8 +46,8 @@ class LookupTaskset(vf.Taskset[LookupTask, LookupConfig]):
 
     def load(self) -> list[LookupTask]:
         return [LookupTask(LookupData(idx=i, name=name.title(), answer=fact,
-                                      prompt=f'Use the `facts_lookup` tool to look up "{name.title()}", then reply '
-                                             "with what it returns."), self.config.task)
+                                      prompt=f'Use the `facts_lookup` tool to look up "{name}", then reply with '
+                                             "what it returns."), self.config.task)
                 for i, (name, fact) in enumerate(FACTS.items())]
 
 
