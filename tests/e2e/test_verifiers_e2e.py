@@ -99,9 +99,9 @@ def test_verifiers_single_turn_and_tool_environments_mixture(tiny_qwen3, tmp_pat
            "--environment", "verifiers:tests.environments.vf_arithmetic", "--environment-args", '{"size": 16}',
            "--environment", "verifiers:tests.environments.vf_lookup", "--environment-args", json.dumps(LOOKUP_ARGS),
            "--environment-weights", "1", "1", "--router-policy", "consistent_hash",
-           "--apply-chat-template", "--rollout-shuffle", "--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
-           "--num-rollout", "2", "--rollout-num-gpus", "1", "--rollout-max-response-len", "32",
-           "--micro-batch-size", "8", "--lr", "1e-2", "--check-weight-update-equal",
+           "--apply-chat-template", "--rollout-shuffle", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
+           "--num-rollout", "2", "--rollout-num-gpus", "1", "--rollout-max-response-len", "24",
+           "--micro-batch-size", "4", "--lr", "1e-2", "--check-weight-update-equal",
            "--save-debug-rollout-data", str(tmp_path / "rollout_{rollout_id}.jsonl"),
            "--output-dir", str(tmp_path / "run"), "--vllm-enforce-eager", "--vllm-max-model-len", "512"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}  # the bridges import the environments from the repository
@@ -126,10 +126,10 @@ def test_verifiers_single_turn_and_tool_environments_mixture(tiny_qwen3, tmp_pat
     for r in train:
         assert r["weight_check/max_abs_logprob_diff"] < 1e-5 and r["train_rollout_logprob_abs_diff"] < 1e-5, r
         samples = _samples(tmp_path, r["rollout_id"])
-        assert len(samples) == 8
+        assert len(samples) == 4
         for name, check in checks.items():
             mine = [s for s in samples if s.metadata["environment"] == name]
-            drawn += [name] * (len(mine) // 4)
+            drawn += [name] * (len(mine) // 2)
             for s in mine:
                 assert s.status.value in ("completed", "truncated"), s.metadata.get("failure")
                 values = check(s, tokenizer)
@@ -143,5 +143,5 @@ def test_verifiers_single_turn_and_tool_environments_mixture(tiny_qwen3, tmp_pat
                     mean = sum(s.metadata["reward_functions"][fn] for s in mine) / len(mine)
                     assert r[f"rollout/env/{name}/fn/{fn}_mean"] == pytest.approx(mean, abs=1e-9), r
                     assert r[f"rollout/env/{name}/fn/{fn}_weight"] == weight
-    assert sorted(drawn) == ["vf_arithmetic"] * 2 + ["vf_lookup"] * 2  # weights 1 : 1 over 4 groups
+    assert drawn == ["vf_arithmetic", "vf_lookup"] * 2  # weights 1 : 1, one group each per rollout
     assert any(r["train/grad_norm"] > 0 for r in train)

@@ -61,11 +61,11 @@ class VerifiersEnvironment(Environment):
         self.name = str(own["name"] or default_name(spec.target))
         self.weight = spec.weight
         self.size = None if own["size"] is None else int(own["size"])
-        self.eval_size = int(getattr(args, "environment_eval_size", 0) or 0)
+        self.eval_size = int(args.environment_eval_size or 0)
         self.startup_timeout = float(own["startup_timeout"])
         self.episode_timeout = float(agent_flag(args, "agent_timeout"))  # vime's deadline; the bridge's too
         config = {k: v for k, v in spec.config.items() if k not in VIME_KEYS}
-        log_dir = Path(getattr(args, "output_dir", None) or tempfile.gettempdir()) / "logs"
+        log_dir = Path(args.output_dir or tempfile.gettempdir()) / "logs"
         take = None if self.size is None else self.size + self.eval_size
         self.bridge = BridgeProcess(verifiers_python(args.verifiers_python), spec.target, config, log_dir,
                                     self.name, take=take)
