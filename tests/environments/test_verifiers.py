@@ -213,3 +213,16 @@ def test_a_dead_bridge_fails_pending_and_new_requests(tmp_path):
             late.result(timeout=5)
     finally:
         env.close()
+
+
+def test_flags_refuse_a_missing_venv_before_anything_starts(tiny_qwen3, tmp_path, capsys):
+    from vime.arguments import parse_args
+    from vime.environments.hooks import GENERATE_PATH, REWARD_PATH
+
+    argv = ["--hf-checkpoint", str(tiny_qwen3), "--environment", "verifiers:tests.environments.vf_arithmetic"]
+    with pytest.raises(SystemExit):
+        parse_args(argv + ["--verifiers-python", str(tmp_path / "python")])
+    assert "runs verifiers 0.4.0 in its own venv" in capsys.readouterr().err
+    if os.access(DEFAULT_PYTHON, os.X_OK):
+        args = parse_args(argv)  # the environment's own loop and reward functions
+        assert (args.custom_generate_function_path, args.custom_rm_path) == (GENERATE_PATH, REWARD_PATH)
