@@ -32,6 +32,7 @@ import json
 import os
 import signal
 import sys
+import traceback
 from typing import Any
 
 LEGACY_HINT = ("it looks written against verifiers' pre-0.4 API (load_environment() returning SingleTurnEnv, "
@@ -184,7 +185,8 @@ class Bridge:
             reply = await self.episode(request)
         except asyncio.CancelledError:
             return  # vime gave up on it (cancel, close): nobody waits for an answer
-        except Exception as e:  # noqa: BLE001 - each request answers for itself; the bridge serves on
+        except (Exception, SystemExit) as e:  # noqa: BLE001 - each request answers for itself; the bridge serves on
+            # (verifiers raises SystemExit for a missing Prime login, e.g. a remote runtime's tunnel)
             reply = {"error": f"{type(e).__name__}: {e}"}
         finally:
             self.running.pop(rid, None)
@@ -196,7 +198,7 @@ class Bridge:
         first = json.loads(await loop.run_in_executor(None, sys.stdin.readline) or "{}")
         try:
             self.send({"id": first.get("id"), **self.load(first)})
-        except Exception as e:  # noqa: BLE001 - any load failure is the environment's: report it, exit
+        except (Exception, SystemExit) as e:  # noqa: BLE001 - any load failure is the environment's: report, exit
             self.send({"id": first.get("id"), "error": f"{type(e).__name__}: {e}"})
             return
         async with self.env.serving():
@@ -229,12 +231,16 @@ def main() -> None:
     main_task = loop.create_task(bridge.serve())
     # SIGTERM (vime closing the run): leave Env.serving() so verifiers stops the tool servers it started
     loop.add_signal_handler(signal.SIGTERM, main_task.cancel)
+    code = 0
     try:
         loop.run_until_complete(main_task)
     except asyncio.CancelledError:
         pass
+    except BaseException:  # noqa: BLE001 - e.g. Env.serving() failing: say why (vime shows the log), then exit
+        traceback.print_exc()
+        code = 1
     out.flush()
-    os._exit(0)  # not sys.exit: a thread may still block reading stdin, and exit would wait for it
+    os._exit(code)  # not sys.exit: a thread may still block reading stdin, and exit would wait for it
 
 
 if __name__ == "__main__":
