@@ -114,7 +114,8 @@ class VerifiersEnvironment(Environment):
             raise
         if "error" in result:
             raise BridgeError(f"verifiers environment {self.name}, task {task['task']}: {result['error']}")
-        task.update(traces=result["traces"], errors=result["errors"])
+        # a new dict, not an update: the prompt's metadata may be shared with the rest of its group
+        sample.metadata[TASK_KEY] = {**task, "traces": result["traces"], "errors": result["errors"]}
         if not any(t["calls"] for t in result["traces"]):
             why = "; ".join(result["errors"] + [e for t in result["traces"] for e in t["errors"]]) or "no error given"
             raise BridgeError(f"verifiers environment {self.name}, task {task['task']}: the episode made no model "
