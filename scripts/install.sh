@@ -37,9 +37,29 @@ if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt
     || echo "install.sh: apt-get could not install chromium; the inspector's browser test needs it" >&2
 fi
 
+# --environment verifiers:... runs verifiers in a venv of its own, .venv-verifiers: verifiers 0.4.0 requires openai<3
+# and mcp==2.0.0, which .venv cannot hold beside the test extra's openai-agents 0.24.0 (openai>=3). vime never imports
+# it; it runs vime/environments/verifiers_bridge.py with this venv's Python. uv is there too: verifiers' harnesses
+# prepare their chat program with it. Measured here: 23-26 s with or without uv's cache (most of it compiling
+# bytecode: without it a first import of verifiers.v1 took 6.1 s, not 3.5 s), 596 MB; 0.05 s when it is current.
+VERIFIERS_PINS="verifiers==0.4.0 uv==0.13.8"
+install_verifiers() {
+  # the installed version, not an import: importing verifiers.v1 takes ~3.5 s
+  if [ -f .venv-verifiers/.vime-pins ] && [ "$(cat .venv-verifiers/.vime-pins)" = "$VERIFIERS_PINS" ] \
+    && .venv-verifiers/bin/python -c "import importlib.metadata as m; assert m.version('verifiers') == '0.4.0'" \
+      2>/dev/null; then
+    return 0
+  fi
+  .venv/bin/uv venv -q --allow-existing --python .venv/bin/python .venv-verifiers
+  # shellcheck disable=SC2086  # the pins are words
+  .venv/bin/uv pip install -q --compile-bytecode --python .venv-verifiers/bin/python $VERIFIERS_PINS
+  echo "$VERIFIERS_PINS" > .venv-verifiers/.vime-pins
+}
+
 stamp=.venv/.vime-install-$EXTRA
 want=$(cat pyproject.toml scripts/install.sh | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && .venv/bin/python -c "import vime, vllm, megatron.core" 2>/dev/null; then
+  install_verifiers
   exit 0
 fi
 
@@ -108,5 +128,6 @@ print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.device
 PY
 fi
 .venv/bin/python -c "import vime, vllm, megatron.core, ray, vllm_router, straw, reasoning_gym, openenv.core" 
+install_verifiers
 echo "$want" > "$stamp"
 echo "vime installed in $(pwd)/.venv ($EXTRA)"

@@ -28,8 +28,7 @@ def test_spec_parsing_and_errors():
         parse_spec("reasoning_gym")
     with pytest.raises(ValueError, match="unknown kind 'gym'"):
         parse_spec("gym:x")
-    with pytest.raises(ValueError, match="verifiers kind is not supported yet: verifiers 0.4.0 requires openai<3"):
-        parse_spec("verifiers:my_env")
+    assert parse_spec("verifiers:my_env", 1.5, {"size": 4}).kind == "verifiers"
     with pytest.raises(ValueError, match="weight must be > 0"):
         parse_spec("openenv:x", 0.0)
     args = SimpleNamespace(environment=["reasoning_gym:m", "openenv:n"], environment_weights=[3.0, 1.0],

@@ -16,16 +16,17 @@ from vime.environments.hooks import GENERATE_PATH, REWARD_PATH
 from vime.environments.mixture import environment_specs
 from vime.utils.misc import with_values
 
-# kind -> (module whose presence says the library is installed, PyPI name)
+# kind -> (module whose presence says the library is installed, PyPI name); verifiers lives in a venv of its own
 LIBRARIES = {"reasoning_gym": ("reasoning_gym", "reasoning-gym"), "openenv": ("openenv", "openenv-core")}
-MULTI_TURN_KINDS = ("openenv",)  # kinds that generate through their own loop
+MULTI_TURN_KINDS = ("openenv", "verifiers")  # kinds that generate through their own loop
 
 
 def add_environment_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("environments (reasoning-gym, OpenEnv; pip install -e '.[envs]')")
+    g = parser.add_argument_group("environments (reasoning-gym, OpenEnv: pip install -e '.[envs]'; verifiers: its own "
+                                  "venv, scripts/install.sh)")
     g.add_argument("--environment", action="append", default=None, metavar="KIND:TARGET",
                    help="An environment to train on, repeatable (a mixture): reasoning_gym:<dataset>[,<dataset>...], "
-                        "openenv:<app module or http://host:port> (verifiers: not yet, see README). Its prompts, "
+                        "openenv:<app module or http://host:port>, verifiers:<taskset id or module>. Its prompts, "
                         "rewards (each reward function reported as its own metric) and, for multi-turn kinds, its "
                         "turns replace --prompt-data and --rm-type (default: None).")
     g.add_argument("--environment-weights", type=float, nargs="+", default=None,
@@ -34,7 +35,8 @@ def add_environment_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--environment-args", action="append", default=None, metavar="JSON",
                    help="A JSON object configuring an --environment, one per --environment in order when given "
                         "('{}' for none): an OpenEnv environment's settings, reasoning-gym dataset configs "
-                        "{\"<dataset>\": {...}} (default: None).")
+                        "{\"<dataset>\": {...}}, a verifiers EnvConfig {\"taskset\": {...}, \"agent\": {...}} "
+                        "(default: None).")
     g.add_argument("--environment-eval-size", type=int, default=0,
                    help="Prompts per environment in its own eval set (eval/<environment>/..., every "
                         "--eval-interval rollouts); 0: no environment eval sets (default: 0).")
@@ -48,6 +50,11 @@ def add_environment_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--reasoning-gym-system-prompt", default="default",
                    help="System prompt of reasoning-gym prompts: a key of reasoning_gym.utils.SYSTEM_PROMPTS "
                         "(default, DeepSeekZero, simple, direct, ...) or none (default: default).")
+    g.add_argument("--verifiers-python", default=None,
+                   help="Python of the venv holding verifiers 0.4.0 (and the environments it loads), where vime runs "
+                        "a verifiers:... environment's bridge process; verifiers cannot share vime's venv "
+                        "(default: None = .venv-verifiers/bin/python at the repository root, made by "
+                        "scripts/install.sh).")
 
 
 def add_judge_args(parser: argparse.ArgumentParser) -> None:
@@ -88,6 +95,8 @@ def validate_judge_args(args: argparse.Namespace) -> None:
 def check_installed(specs: list[EnvironmentSpec]) -> None:
     """Each kind's library is installed, or a one-line error naming the extra (before anything starts)."""
     for kind in dict.fromkeys(s.kind for s in specs):
+        if kind == "verifiers":
+            continue  # in its own venv: `verifiers_process.verifiers_python` checks it (validate_environment_args)
         module, package = LIBRARIES[kind]
         if importlib.util.find_spec(module) is None:
             raise ValueError(f"--environment {kind}:... needs the {package} package, which is not installed: "
@@ -118,6 +127,10 @@ def validate_environment_args(args: argparse.Namespace) -> argparse.Namespace:
                          "weigh the specs with --environment-weights")
     check_installed(specs)
     kinds = {s.kind for s in specs}
+    if "verifiers" in kinds:
+        from vime.environments.verifiers_process import verifiers_python
+
+        verifiers_python(args.verifiers_python)
     derived = {"custom_rm_path": REWARD_PATH}
     if kinds & set(MULTI_TURN_KINDS):
         derived["custom_generate_function_path"] = GENERATE_PATH

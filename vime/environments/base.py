@@ -1,7 +1,8 @@
 """What every environment kind provides, the `--environment` spec, and the optional-import rule.
 
 An `Environment` is one named source of prompts with its own scoring (and, for multi-turn kinds, its own
-generation). Kinds are registered in `KINDS` by module path and imported only when a spec names them.
+generation). Kinds are registered in `KINDS` by module path and imported only when a spec names them (verifiers' module
+imports no verifiers: that runs in its own venv).
 """
 
 from __future__ import annotations
@@ -20,11 +21,7 @@ __all__ = ["ENVIRONMENT_KEY", "REWARD_FUNCTIONS_KEY", "REWARD_WEIGHTS_KEY", "Env
 KINDS = {
     "reasoning_gym": "vime.environments.reasoning_gym_env",
     "openenv": "vime.environments.openenv_env",
-}
-# kinds named by the issue that are not wired in yet: kind -> why (the README's "Environments" says more)
-NOT_YET = {
-    "verifiers": "verifiers 0.4.0 requires openai<3, which openai-agents 0.24.0 (the test and agents extras) "
-                 "excludes, so the two cannot be installed together; see README.md, Environments",
+    "verifiers": "vime.environments.verifiers_env",  # runs in its own venv, through a bridge process
 }
 
 
@@ -56,8 +53,6 @@ def parse_spec(text: str, weight: float = 1.0, config: dict[str, Any] | None = N
     kind, sep, target = text.partition(":")
     if not sep or not target:
         raise ValueError(f"--environment {text!r}: expected KIND:TARGET with KIND one of {', '.join(KINDS)}")
-    if kind in NOT_YET:
-        raise ValueError(f"--environment {text!r}: the {kind} kind is not supported yet: {NOT_YET[kind]}")
     if kind not in KINDS:
         raise ValueError(f"--environment {text!r}: unknown kind {kind!r}; known: {', '.join(KINDS)}")
     if not weight > 0:
