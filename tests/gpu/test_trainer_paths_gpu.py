@@ -45,7 +45,7 @@ def gpu_trainer(hf_dir, *argv, role: str = "actor", **values):
     """A one-process MegatronTrainer on this GPU with BASE_ARGV + argv, `values` set on the parsed args."""
     from vime.arguments import parse_args
     from vime.backends.megatron_utils.parallel import destroy_parallel
-    from vime.backends.megatron_utils.trainer import MegatronTrainer
+    from vime.trainer.trainer import MegatronTrainer
     from vime.utils.misc import with_values
 
     args = parse_args(["--hf-checkpoint", str(hf_dir), *BASE_ARGV, *argv])

@@ -326,7 +326,7 @@ def test_the_trainers_offload_releases_the_transports_first(tmp_path, fake_cuda)
 def test_offload_moves_only_the_devices_storages():
     """Storages elsewhere than the device being freed stay (on GPU: host tensors; here: meta ones, which have no
     bytes to copy)."""
-    from vime.backends.megatron_utils.offload import TrainStateOffloader
+    from vime.trainer.offload import TrainStateOffloader
 
     kept, elsewhere = torch.arange(6, dtype=torch.float32), torch.empty(1000, device="meta")
     off = TrainStateOffloader()
@@ -336,7 +336,7 @@ def test_offload_moves_only_the_devices_storages():
 
 
 def test_a_failed_offload_leaves_the_state_as_it_was(monkeypatch):
-    from vime.backends.megatron_utils import offload as offload_module
+    from vime.trainer import offload as offload_module
 
     a, b = torch.arange(4, dtype=torch.float32), torch.arange(8, dtype=torch.float32)
     real_empty, made = torch.empty, []

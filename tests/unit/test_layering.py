@@ -17,6 +17,7 @@ LAYERS = [
     "backends.vllm_utils",
     "backends.weight_transport",
     "backends.megatron_utils",
+    "trainer",  # the RL trainer on a training rank, over megatron_utils (model, conversion, checkpoints)
     "rollout",
     "agents",
     "environments",  # --environment: reasoning-gym, verifiers, OpenEnv (over rollout and agents)

@@ -17,8 +17,8 @@ from tests.helpers.rollouts import flat, make_rollout  # noqa: E402
 from tests.helpers.trainer_runs import BASE_ARGV, launch, local_trainer as trainer  # noqa: E402
 from vime.backends.megatron_utils.hf_checkpoint import _unwrap  # noqa: E402
 from vime.backends.megatron_utils.lora import adapted_linears  # noqa: E402
-from vime.backends.megatron_utils.model import forward_log_probs  # noqa: E402
-from vime.backends.megatron_utils.train_batch import TrainBatch  # noqa: E402
+from vime.trainer.passes import forward_log_probs  # noqa: E402
+from vime.trainer.train_batch import TrainBatch  # noqa: E402
 
 RANK, ALPHA = 4, 8.0
 LORA_ARGV = ["--lora-rank", str(RANK), "--lora-alpha", str(ALPHA), "--lr", "1e-2"]

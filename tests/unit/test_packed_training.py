@@ -12,12 +12,12 @@ from tests.helpers.devices import output_tolerance  # noqa: E402
 from tests.helpers.rollouts import make_rollout  # noqa: E402
 from tests.helpers.trainer_runs import local_trainer  # noqa: E402
 from vime.backends.megatron_utils.attention import prompt_sharing_plan  # noqa: E402
-from vime.backends.megatron_utils import batching  # noqa: E402
-from vime.backends.megatron_utils.batching import micro_batch_inputs  # noqa: E402
-from vime.backends.megatron_utils.train_batch import TrainBatch  # noqa: E402
-from vime.backends.megatron_utils.loss import make_loss_fn  # noqa: E402
-from vime.backends.megatron_utils.model import forward_log_probs, prompt_sharing, run_schedule  # noqa: E402
-from vime.backends.megatron_utils.trainer import _denominators  # noqa: E402
+from vime.trainer import batching  # noqa: E402
+from vime.trainer.batching import micro_batch_inputs  # noqa: E402
+from vime.trainer.train_batch import TrainBatch  # noqa: E402
+from vime.trainer.loss import make_loss_fn  # noqa: E402
+from vime.trainer.passes import forward_log_probs, prompt_sharing, run_schedule  # noqa: E402
+from vime.trainer.trainer import _denominators  # noqa: E402
 from vime.utils.misc import with_values  # noqa: E402
 
 

@@ -98,7 +98,7 @@ def test_malformed_spans_are_refused_naming_the_field(spans):
 def test_the_staleness_bound_leaves_out_samples_with_a_token_older_than_k_versions():
     import argparse
 
-    from vime.backends.megatron_utils.train_batch import TrainBatch
+    from vime.trainer.train_batch import TrainBatch
     from vime.data.weight_versions import oldest_version, too_stale
 
     def sample(index, spans=None, labels=None):

@@ -23,30 +23,23 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from vime.algorithms import compute_approx_kl, get_advantage_estimator, masked_mean_std
-from vime.algorithms.shaping import entropy_coef_at, mask_truncated, overlong_penalties
 from vime.algorithms.distillation import opd_token_rewards
+from vime.algorithms.shaping import entropy_coef_at, mask_truncated, overlong_penalties
 from vime.backends.megatron_utils.checkpoint import load_checkpoint, save_checkpoint
-from vime.backends.megatron_utils.batching import balanced_partition, micro_batches, step_slices
 from vime.backends.megatron_utils.device import collective_device, model_device
-from vime.backends.megatron_utils.loss import make_loss_fn
-from vime.backends.megatron_utils.moe_metrics import ExpertLoad, take_moe_losses
-from vime.backends.megatron_utils.offload import TrainStateOffloader
-from vime.backends.megatron_utils.routing_replay import RoutingReplay, sample_routing
-from vime.backends.megatron_utils.train_batch import TrainBatch
-from vime.backends.megatron_utils.train_records import saves_train_records, write_train_records
-from vime.backends.megatron_utils.critic import attach_value_head, make_value_loss_fn
 from vime.backends.megatron_utils.lora import (LoraConfig, adapters_merged, attach_lora, is_lora_parameter,
                                               load_peft_adapter)
-from vime.backends.megatron_utils.model import (
-    OnHost,
-    forward_log_probs,
-    forward_values,
-    is_last_stage,
-    is_packed,
-    prompt_sharing,
-    setup_model_and_optimizer,
-    train_step,
-)
+from vime.backends.megatron_utils.model import setup_model_and_optimizer
+from vime.trainer.batching import balanced_partition, micro_batches, step_slices
+from vime.trainer.critic import attach_value_head, make_value_loss_fn
+from vime.trainer.loss import make_loss_fn
+from vime.trainer.moe_metrics import ExpertLoad, take_moe_losses
+from vime.trainer.offload import TrainStateOffloader
+from vime.trainer.passes import (OnHost, forward_log_probs, forward_values, is_last_stage, is_packed, prompt_sharing,
+                                 train_step)
+from vime.trainer.routing_replay import RoutingReplay, sample_routing
+from vime.trainer.train_batch import TrainBatch
+from vime.trainer.train_records import saves_train_records, write_train_records
 from vime.utils.misc import load_function, with_values
 from vime.utils.plugin_args import plugin_view_from
 
@@ -419,7 +412,7 @@ class MegatronTrainer:
     # ---- colocated offload (--offload-train) ------------------------------------------------------------------
     def offload(self) -> int:
         """Move parameters, grad buffers, optimizer state and the KL reference to host memory; returns bytes."""
-        from vime.backends.megatron_utils.offload import train_state_tensors
+        from vime.trainer.offload import train_state_tensors
 
         ref = [t for state in (self.ref_state, self.teacher_state) for sd in state or [] for t in sd.values()]
         return self.offloader.offload(train_state_tensors(self.model, self.optimizer, ref))

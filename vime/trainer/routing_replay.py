@@ -12,7 +12,7 @@ Megatron-core's `RouterReplay` does the replacing (`moe_enable_routing_replay`);
 its [tokens, top-k] indices for one micro-batch, in the order the model flattens it: packed (thd) sequences one
 after another, right-padded (bshd) [seq, batch] seq-major. Routing is per sample [tokens, layers, top-k] with
 layers counted over the whole model (dense layers' rows unused), as vLLM returns it. The flags:
-`routing_replay_arguments.py`.
+`vime.backends.megatron_utils.routing_replay_arguments`.
 """
 
 from __future__ import annotations
@@ -91,7 +91,8 @@ class RoutingReplay:
     """What the forwards of one rollout do with this rank's routers: replay per-sample routing, or record it.
 
     `routing` holds per sample [tokens, all layers, top-k] indices (None where unknown); `recording()` fills it
-    from the routers' own choices, `replaying()` feeds it back. Used by `model.run_schedule` around each micro-batch."""
+    from the routers' own choices, `replaying()` feeds it back. Used by `passes.run_schedule` around each
+    micro-batch."""
 
     def __init__(self, model, num_layers: int, num_samples: int, given: bool = False):
         self.slots = model_routers(model)
