@@ -171,15 +171,15 @@ def test_reduce_all_reduces_on_the_device_an_nccl_group_serves(megatron_world, m
     after its first step."""
     from megatron.core import parallel_state
 
-    from vime.trainer import trainer as trainer_module
+    from vime.trainer import step_metrics
 
     group = parallel_state.get_data_parallel_group()
-    monkeypatch.setattr(trainer_module, "is_last_stage", lambda: True)
+    monkeypatch.setattr(step_metrics, "is_last_stage", lambda: True)
     # a custom loss may report a metric as a CPU tensor or a number: the reduction places it
     mb_metrics = [{"loss": torch.tensor(0.5), "logprob_diff_max": torch.tensor(0.25), "custom": 1.0},
                   {"loss": torch.tensor(0.25), "logprob_diff_max": torch.tensor(0.75), "custom": 2.0}]
     with nccl_only(group) as reduced:
-        out = trainer_module.MegatronTrainer._reduce(_fake_trainer(2, META), mb_metrics)
+        out = step_metrics.reduce_step_metrics(mb_metrics, 2, META)
     assert sorted(out) == ["custom", "logprob_diff_max", "loss"]
     assert_all_on(out.values(), META)
     assert [(d.type, op) for d, op in reduced] == [("meta", dist_op("SUM")), ("meta", dist_op("MAX"))]
@@ -194,13 +194,13 @@ def dist_op(name: str):
 def test_reduce_sums_shares_and_takes_the_max_over_a_gloo_group(megatron_world, monkeypatch):
     """On a gloo group (CPU runs) the metrics are reduced on the CPU, with data parallel forced to 2 (a group of
     one: the all-reduce runs and leaves the sums); read once, as floats."""
-    from vime.trainer import trainer as trainer_module
-    from vime.trainer.trainer import read_metrics
+    from vime.trainer import step_metrics
+    from vime.trainer.step_metrics import read_metrics
 
-    monkeypatch.setattr(trainer_module, "is_last_stage", lambda: True)
+    monkeypatch.setattr(step_metrics, "is_last_stage", lambda: True)
     mb_metrics = [{"loss": torch.tensor(0.5), "logprob_diff_max": torch.tensor(0.25), "custom": 1.0},
                   {"loss": torch.tensor(0.25), "logprob_diff_max": torch.tensor(0.75), "custom": 2.0}]
-    out = trainer_module.MegatronTrainer._reduce(_fake_trainer(2, "cpu"), mb_metrics)
+    out = step_metrics.reduce_step_metrics(mb_metrics, 2, "cpu")
     assert_all_on(out.values(), "cpu")
     assert read_metrics({**out, "lr": 1e-3}) == {"custom": 3.0, "logprob_diff_max": 0.75, "loss": 0.75, "lr": 1e-3}
 

@@ -155,7 +155,7 @@ def _model(grad: float):
                                                 (float("inf"), 1.0, "non_finite_grad_norm"),
                                                 (0.1, float("nan"), "non_finite_loss")])
 def test_the_guard_skips_the_step_on_a_non_finite_loss_or_gradient(grad, loss, reason):
-    from vime.trainer.trainer import FiniteStepGuard
+    from vime.trainer.non_finite import FiniteStepGuard
 
     optimizer = _Optimizer()
     guard = FiniteStepGuard(optimizer, _model(grad))
@@ -168,7 +168,7 @@ def test_the_guard_skips_the_step_on_a_non_finite_loss_or_gradient(grad, loss, r
 
 
 def test_with_a_loss_scaler_megatron_decides():
-    from vime.trainer.trainer import FiniteStepGuard
+    from vime.trainer.non_finite import FiniteStepGuard
 
     optimizer = _Optimizer()
     optimizer.grad_scaler = object()  # fp16: the scaler must see the overflow to lower the scale
@@ -177,7 +177,7 @@ def test_with_a_loss_scaler_megatron_decides():
 
 
 def test_a_non_finite_parameter_after_a_step_stops_the_run():
-    from vime.trainer.trainer import check_finite_parameters
+    from vime.trainer.non_finite import check_finite_parameters
 
     model = _model(0.1)
     check_finite_parameters(model, 3)

@@ -18,6 +18,13 @@ from vime.trainer.log_probs import response_log_probs
 from vime.utils.misc import load_function
 
 
+def step_denominators(batch: TrainBatch, step) -> dict:
+    """Trainable tokens and sequences of one optimizer step (`step`: its sample positions), over all data-parallel
+    ranks: what a micro-batch's loss is a share of (global means)."""
+    return {"tokens": max(1.0, float(sum(batch.loss_masks[i].sum() for i in step))),
+            "sequences": max(1, sum(int(batch.loss_masks[i].sum() > 0) for i in step))}
+
+
 def make_loss_fn(args, batch: TrainBatch, denominators: dict, scale: float, step_index: int, plugin_args=None,
                  keep_log_probs=None):
     """Return loss_fn(indices, inputs, logits) -> (scaled loss, metrics) for `passes.run_schedule`. A custom loss
