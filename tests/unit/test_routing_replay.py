@@ -37,7 +37,7 @@ def _routing(num_tokens: int, layers: int = 2, topk: int = 2, experts: int = 4, 
 # ---- engine answer -> sample -> codec / JSON -------------------------------------------------------------------
 
 def test_engine_answer_decodes_and_replaces_the_samples_routing():
-    from vime.rollout.vllm_rollout import append_choice
+    from vime.rollout.generation import append_choice
 
     class Tok:
         def decode(self, tokens, skip_special_tokens=False):

@@ -50,7 +50,7 @@ def test_trained_tokens_by_version_and_staleness_by_hand():
 
 def test_a_sample_keeps_the_engines_spans_through_the_default_rollout_and_the_codec():
     from vime.data.sample_codec import decode_rollout, encode_rollout
-    from vime.rollout.vllm_rollout import append_choice
+    from vime.rollout.generation import append_choice
 
     class Tok:
         def decode(self, ids, skip_special_tokens=False):
