@@ -18,7 +18,7 @@ import torch
 import vime.utils.device
 from vime.arguments import parse_args
 from vime.backends.vllm_utils.engine import engine_command, engine_memory_fraction
-from vime.ray import engine_fleet
+from vime.ray import engine_fleet, fleet_recovery
 from vime.ray.engine_fleet import EngineFleet
 from vime.rollout.context import RolloutContext
 
@@ -95,7 +95,7 @@ def fleet(monkeypatch, tmp_path):
 
     monkeypatch.setattr(engine_fleet.client, "post_each", post_each)  # with a health monitor
     monkeypatch.setattr(engine_fleet.client, "post_all", post_each)  # without
-    monkeypatch.setattr(engine_fleet, "post_worker", lambda *a: sent.append(("router", a[1], [a[2]])))
+    monkeypatch.setattr(fleet_recovery, "post_worker", lambda *a: sent.append(("router", a[1], [a[2]])))
     f = EngineFleet(SimpleNamespace(control_token_file=None, debug_train_only=False), None, tmp_path, RolloutContext())
     f.engine_urls = ["http://e0", "http://e1"]
     f.rank_urls = list(f.engine_urls)

@@ -281,7 +281,7 @@ def test_adapter_sync_engine_side(tmp_path, monkeypatch):
     from vime.backends.vllm_utils.lora_serving import LOAD_ADAPTER, load_adapter
     from vime.backends.vllm_utils.weight_loading import WEIGHT_ROOT_ENV
     from vime.backends.weight_transport.lora_adapter import LoraAdapterTransport
-    from vime.ray.engine_fleet import recovery_load_call
+    from vime.ray.fleet_recovery import recovery_load_call
     from vime.ray.weight_sync import sync_kind
 
     args = SimpleNamespace(lora_rank=12, lora_sync="adapter", update_weight_transport="disk")
