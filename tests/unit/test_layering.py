@@ -89,3 +89,23 @@ def test_an_upward_import_is_found(tmp_path):
 
 def test_no_module_imports_from_a_higher_layer():
     assert not upward_imports(), "\n".join(upward_imports())
+
+
+MAX_MODULE_LINES = 400  # past this a module is doing more than one job: split it by concern (STYLE.md)
+
+
+def long_modules(root: Path = VIME, limit: int = MAX_MODULE_LINES) -> list[str]:
+    """Every module under `root` longer than `limit` lines, with its length."""
+    found = [(len(path.read_text().splitlines()), path) for path in sorted(root.rglob("*.py"))]
+    return [f"{path.relative_to(root.parent)}: {n} lines" for n, path in found if n > limit]
+
+
+def test_a_long_module_is_found(tmp_path):
+    (tmp_path / "short.py").write_text("x = 1\n" * MAX_MODULE_LINES)
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "long.py").write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
+    assert long_modules(tmp_path) == [f"{tmp_path.name}/pkg/long.py: {MAX_MODULE_LINES + 1} lines"]
+
+
+def test_no_module_is_over_400_lines():
+    assert not long_modules(), "split by concern:\n" + "\n".join(long_modules())
