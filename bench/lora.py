@@ -48,7 +48,7 @@ def bench_mode(label: str, argv: list[str], groups, work: Path, repeats: int) ->
     from vime.backends.megatron_utils.parallel import destroy_parallel
     from vime.trainer.trainer import MegatronTrainer
     from vime.backends.vllm_utils.engine import VLLMEngine
-    from vime.backends.weight_transport import make_weight_transport
+    from vime.backends.weight_transport import make_driver, make_sender
     from vime.ray.weight_sync import sync_kind
 
     args = parse_args(argv + ["--output-dir", str(work / label)])
@@ -65,8 +65,8 @@ def bench_mode(label: str, argv: list[str], groups, work: Path, repeats: int) ->
                 steps.append(time.perf_counter() - t0)
             url = booting.result()
             kind = sync_kind(args)
-            transport = make_weight_transport(kind, args)
-            updates = [update_once(transport, trainer, url, version) for version in range(1, repeats + 2)][1:]
+            driver, sender = make_driver(kind, args), make_sender(kind, args)
+            updates = [update_once(driver, sender, trainer, url, version) for version in range(1, repeats + 2)][1:]
             adapters = sum(p.numel() * p.element_size() for _, _, m in adapted_linears(_unwrap(trainer.model[0]))
                            for p in m.lora.parameters())
             model_bytes = sum(t.numel() * t.element_size() for _, t in trainer.hf_weights())

@@ -34,34 +34,34 @@ SIZES = {
 }
 
 
-def update_once(transport, trainer, url: str, version: int) -> dict[str, float]:
-    """One update as `WeightSync.update` runs it, without Ray (`transport` plays the driver's and the trainer's
-    instance, both kept for the run): seconds of the whole update, of the trainer's send, and of the engine's load
-    and of its control steps (pause, cache reset, version, resume) as the engine timed them; the bytes of the
-    update directory (NaN for a transport that writes none)."""
+def update_once(driver, sender, trainer, url: str, version: int) -> dict[str, float]:
+    """One update as `WeightSync.update` runs it, without Ray (`driver` and `sender`: the transport's driver and
+    training-rank halves, both kept for the run): seconds of the whole update, of the trainer's send, and of the
+    engine's load and of its control steps (pause, cache reset, version, resume) as the engine timed them; the
+    bytes of the update directory (NaN for a transport that writes none)."""
     from vime.backends.vllm_utils import client
     from vime.utils.misc import find_free_port
 
     start = time.perf_counter()
-    transport.connect([url], lambda: ("127.0.0.1", find_free_port()))
-    handle = transport.prepare(version)
+    driver.connect([url], lambda: ("127.0.0.1", find_free_port()))
+    handle = driver.prepare(version)
 
     def load() -> dict:
-        return client.update_weights_all([url], transport.load_calls([url], handle), version)[0]["timings"]
+        return client.update_weights_all([url], driver.load_calls([url], handle), version)[0]["timings"]
 
-    if transport.concurrent:  # one collective: the send and the load overlap
+    if driver.concurrent:  # one collective: the send and the load overlap
         with ThreadPoolExecutor(1) as pool:
-            sending = pool.submit(trainer.send_weights, transport, handle)
+            sending = pool.submit(trainer.send_weights, sender, handle)
             timings = load()
             sending.result()
         send = float("nan")
     else:
-        trainer.send_weights(transport, handle)
+        trainer.send_weights(sender, handle)
         send = time.perf_counter() - start
         timings = load()
     sent = sum(f.stat().st_size for f in Path(handle).rglob("*") if f.is_file()) if isinstance(handle, str) \
         else float("nan")
-    transport.cleanup(handle)
+    driver.cleanup(handle)
     return {"update": time.perf_counter() - start, "send": send, "load": timings["load_s"],
             "control": timings["pause_s"] + timings["finish_s"], "bytes": sent}
 
@@ -89,7 +89,7 @@ def bench_size(label: str, shape: dict, work: Path, repeats: int) -> dict:
     from vime.backends.megatron_utils.parallel import destroy_parallel
     from vime.trainer.trainer import MegatronTrainer
     from vime.backends.vllm_utils.engine import VLLMEngine
-    from vime.backends.weight_transport import make_weight_transport
+    from vime.backends.weight_transport import make_driver, make_sender
     from vime.synthetic.tiny_model import build_tiny_model
     from vime.arguments import parse_args
 
@@ -107,19 +107,19 @@ def bench_size(label: str, shape: dict, work: Path, repeats: int) -> dict:
             params = sum(t.numel() for _, t in trainer.hf_weights())
             url = booting.result()
             times = {"copy": []}
-            transports = {name: make_weight_transport(name, args) for name in ("disk", "broadcast")}
+            halves = {name: (make_driver(name, args), make_sender(name, args)) for name in ("disk", "broadcast")}
             version = 0
             for round_ in range(repeats + 1):  # the first round warms up (and builds the broadcast group)
                 for name in ("disk", "broadcast"):
                     elapsed, nbytes = plain_copy(trainer)  # interleaved: the copy sees the same machine state
                     version += 1
-                    update = update_once(transports[name], trainer, url, version)
+                    update = update_once(*halves[name], trainer, url, version)
                     if round_ == 0:
                         continue
                     times["copy"].append(elapsed)
                     for part, seconds in update.items():
                         times.setdefault(f"{name}_{part}", []).append(seconds)
-            transports["broadcast"].close()
+            halves["broadcast"][1].close()
             destroy_parallel()
         finally:
             try:

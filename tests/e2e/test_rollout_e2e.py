@@ -177,7 +177,7 @@ def _engine_routes(run_log: str, token: str) -> dict:
 def test_the_serving_key_opens_only_the_listed_routes_of_the_real_engine(rollout_run):
     """Every route of the real vLLM server that the serving key gets past the middleware (anything but 401) is
     in route_auth's list of generation routes; the ones vime's rollouts use exist there."""
-    from vime.backends.vllm_utils.route_auth import PUBLIC_PATHS, SERVING_PATHS
+    from vime.engine_protocol.names import PUBLIC_PATHS, SERVING_PATHS
 
     _, served, _ = rollout_run
     routes = served["routes"]

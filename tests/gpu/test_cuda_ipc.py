@@ -20,21 +20,22 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_ipc_handles_open_in_another_process(tmp_path):
-    from vime.backends.vllm_utils.weight_loading import WEIGHT_ROOT_ENV
-    from vime.backends.weight_transport.cuda_ipc import CudaIpcWeightTransport
+    from vime.engine_protocol.weight_files import WEIGHT_ROOT_ENV
+    from vime.backends.weight_transport.cuda_ipc.driver import CudaIpcDriver
+    from vime.backends.weight_transport.cuda_ipc.rank import CudaIpcSender
 
     weights = {"model.embed_tokens.weight": torch.randn(64, 32, device="cuda"),
                "lm_head.weight": torch.randn(16, 32, device="cuda"),
                "model.norm.weight": torch.randn(32, device="cuda").bfloat16()}
     root = tmp_path / "root"
-    transport = CudaIpcWeightTransport(SimpleNamespace(update_weight_dir=str(root)))
-    handle = transport.prepare(version=1)
-    transport.send(list(weights.items()), 0, handle)  # what a training writer does: stage_0.json in `handle`
+    driver, writer = CudaIpcDriver(SimpleNamespace(update_weight_dir=str(root))), CudaIpcSender(SimpleNamespace())
+    handle = driver.prepare(version=1)
+    writer.send(list(weights.items()), 0, handle)  # what a training writer does: stage_0.json in `handle`
     assert [p.name for p in Path(handle).iterdir()] == ["stage_0.json"]
     torch.save({k: v.cpu() for k, v in weights.items()}, tmp_path / "expected.pt")
     reader = textwrap.dedent(f"""
         import torch
-        from vime.backends.weight_transport.cuda_ipc import open_ipc_tensors
+        from vime.in_vllm.cuda_ipc import open_ipc_tensors
         expected = torch.load({str(tmp_path / 'expected.pt')!r})
         got = dict(open_ipc_tensors({handle!r}, torch.cuda.current_device()))
         assert set(got) == set(expected)
@@ -48,5 +49,5 @@ def test_ipc_handles_open_in_another_process(tmp_path):
     env = {**os.environ, WEIGHT_ROOT_ENV: str(root), "PYTHONPATH": str(REPO)}
     proc = subprocess.run([sys.executable, "-c", reader], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
-    transport.cleanup(handle)
+    driver.cleanup(handle)
     assert not Path(handle).exists()

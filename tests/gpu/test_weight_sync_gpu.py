@@ -6,10 +6,10 @@ every tensor it gets must equal the trainer's HF weights bit for bit, and its lo
 then be the trainer's own (`probe_log_probs`) within vime's tolerance for the trainer's dtype, and must have differed
 before (the trainer took a step away from the checkpoint first).
 
-- CUDA IPC (colocated GPUs, one GPU): the trainer writes its handles (`CudaIpcWeightTransport.send` through
+- CUDA IPC (colocated GPUs, one GPU): the trainer writes its handles (`CudaIpcSender.send` through
   `MegatronTrainer.send_weights`); the receiver maps them (`vime_load_ipc_weights`).
 - NCCL broadcast (tests/unit/test_weight_transport.py does it over gloo on CPU): the trainer broadcasts
-  (`BroadcastWeightTransport`) to a receiver on another GPU (`vime_receive_weights`). NCCL refuses two ranks on one
+  (`BroadcastSender`) to a receiver on another GPU (`vime_receive_weights`). NCCL refuses two ranks on one
   GPU, so this needs 2 GPUs; and vime's group is vLLM's stateless process group, so it needs vLLM.
 """
 
@@ -42,7 +42,7 @@ RECEIVER = r'''
 import json, sys
 import torch
 from transformers import AutoModelForCausalLM
-from vime.backends.weight_transport.worker_extension import WeightReceiver
+from vime.in_vllm.worker_extension import WeightReceiver
 
 spec = json.load(open(sys.argv[1]))
 expected = torch.load(spec["expected"])
@@ -175,21 +175,22 @@ def sender_side(t, tmp_path: Path) -> tuple[dict, list, list, torch.dtype]:
 
 @pytest.mark.parametrize("config", CONFIGS)
 def test_cuda_ipc_transport_gives_the_receiver_the_trainers_log_probs(tiny_qwen3, tmp_path, config):
-    from vime.backends.vllm_utils.weight_loading import WEIGHT_ROOT_ENV
-    from vime.backends.weight_transport.cuda_ipc import CudaIpcWeightTransport
+    from vime.engine_protocol.weight_files import WEIGHT_ROOT_ENV
+    from vime.backends.weight_transport.cuda_ipc.driver import CudaIpcDriver
+    from vime.backends.weight_transport.cuda_ipc.rank import CudaIpcSender
 
     root = tmp_path / "root"
     with trained_trainer(tiny_qwen3, config) as t:
         sent, tokens, own, dtype = sender_side(t, tmp_path)
-        transport = CudaIpcWeightTransport(SimpleNamespace(update_weight_dir=str(root)))
-        handle = transport.prepare(version=1)
-        t.send_weights(transport, handle)  # the trainer keeps the tensors alive until the next update
+        driver, writer = CudaIpcDriver(SimpleNamespace(update_weight_dir=str(root))), CudaIpcSender(t.args)
+        handle = driver.prepare(version=1)
+        t.send_weights(writer, handle)  # the writer keeps the tensors alive until the next update
         assert sorted(p.name for p in Path(handle).iterdir()) == ["stage_0.json"]
-        call = transport.load_calls(["http://engine"], handle)["http://engine"]
+        call = driver.load_calls(["http://engine"], handle)["http://engine"]
         assert call[0] == "vime_load_ipc_weights"
         proc, log = start_receiver(tmp_path, "ipc", tiny_qwen3, tokens, call[1], {WEIGHT_ROOT_ENV: str(root)})
         report = finish_receiver(tmp_path, proc, log)
-        transport.cleanup(handle)
+        driver.cleanup(handle)
     assert not Path(handle).exists()
     check_received(report, sent, own, dtype)
 
@@ -198,25 +199,26 @@ def test_cuda_ipc_transport_gives_the_receiver_the_trainers_log_probs(tiny_qwen3
 @pytest.mark.skipif(not _installed("vllm"), reason="needs vLLM: vime's broadcast group is vLLM's stateless group")
 @pytest.mark.parametrize("config", CONFIGS)
 def test_nccl_broadcast_gives_the_receiver_the_trainers_log_probs(tiny_qwen3, tmp_path, config):
-    from vime.backends.weight_transport.broadcast import BroadcastWeightTransport
+    from vime.backends.weight_transport.broadcast.driver import BroadcastDriver
+    from vime.backends.weight_transport.broadcast.rank import BroadcastSender
     from vime.utils.misc import find_free_port
 
     url = "http://engine"
     # 64 KiB buckets: the norms travel packed, the matrices (64 KiB or more) each on their own
     with trained_trainer(tiny_qwen3, config, "--update-weight-buffer-size", str(64 * 1024)) as t:
         sent, tokens, own, dtype = sender_side(t, tmp_path)
-        transport = BroadcastWeightTransport(t.args)
-        transport.connect([url], lambda: ("127.0.0.1", find_free_port()))
-        handle = transport.prepare(version=1)
+        driver, writer = BroadcastDriver(t.args), BroadcastSender(t.args)
+        driver.connect([url], lambda: ("127.0.0.1", find_free_port()))
+        handle = driver.prepare(version=1)
         assert "backend" not in handle and handle["world_size"] == 2  # each member picks NCCL for its GPU
-        method, kwargs = transport.load_calls([url], handle)[url]
+        method, kwargs = driver.load_calls([url], handle)[url]
         assert method == "vime_receive_weights"
         proc, log = start_receiver(tmp_path, "broadcast", tiny_qwen3, tokens, kwargs, {"CUDA_VISIBLE_DEVICES": "1"})
         failure = []
 
         def send():  # blocks until the receiver has joined the group and taken every tensor
             try:
-                t.send_weights(transport, handle)
+                t.send_weights(writer, handle)
             except BaseException as e:  # noqa: BLE001 - reported below
                 failure.append(e)
 
@@ -229,5 +231,5 @@ def test_nccl_broadcast_gives_the_receiver_the_trainers_log_probs(tiny_qwen3, tm
         sender.join(timeout=30)
         assert not sender.is_alive(), "the sender still waits in the broadcast after the receiver finished"
         assert not failure, failure
-        transport.close()
+        writer.close()
     check_received(report, sent, own, dtype)

@@ -10,17 +10,14 @@ import sys
 @contextlib.contextmanager
 def rollout_plugin(tmp_path, monkeypatch, name: str, source: str):
     from vime.rollout.context import reset_rollout_context
-    from vime.rollout.vllm_rollout import GenerateState
 
     (tmp_path / f"{name}.py").write_text(source)
     monkeypatch.syspath_prepend(str(tmp_path))
     sys.modules.pop(name, None)
-    GenerateState.reset()
-    reset_rollout_context()
+    reset_rollout_context()  # a fresh one holds no generate state
     try:
         yield
     finally:
-        GenerateState.reset()
         reset_rollout_context()
         sys.modules.pop(name, None)
 

@@ -15,7 +15,7 @@ from safetensors import safe_open
 from vime.backends.weight_transport.check import engine_prompt_log_probs, probe_tokens
 from vime.ray.weight_sync import WeightSync
 
-EXTENSION = "vime.backends.weight_transport.worker_extension.WeightReceiver"
+EXTENSION = "vime.in_vllm.worker_extension.WeightReceiver"  # spelled out: what vLLM is given
 ARGV = ["--debug-train-only", "--load-debug-rollout-data", "unused_{rollout_id}.jsonl", "--rm-type", "math",
         "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--micro-batch-size", "2",
         "--update-weight-transport", "broadcast", "--update-weight-buffer-size", str(64 * 1024),

@@ -251,18 +251,24 @@ def fake_cuda(monkeypatch):
     return SimpleNamespace(exports=exports, collects=collects)
 
 
-def _transport(tmp_path, engines: int):
-    from vime.backends.weight_transport.cuda_ipc import CudaIpcWeightTransport
+def _driver(tmp_path, engines: int):
+    from vime.backends.weight_transport.cuda_ipc.driver import CudaIpcDriver
 
-    t = CudaIpcWeightTransport(SimpleNamespace(update_weight_dir=str(tmp_path / "root")))
+    t = CudaIpcDriver(SimpleNamespace(update_weight_dir=str(tmp_path / "root")))
     t.connect([f"http://e{i}" for i in range(engines)], lambda: None)
     return t
+
+
+def _writer():
+    from vime.backends.weight_transport.cuda_ipc.rank import CudaIpcSender
+
+    return CudaIpcSender(SimpleNamespace())  # a rank's own half knows no engines
 
 
 def test_each_engine_maps_exports_of_its_own(tmp_path, fake_cuda):
     """torch counts one consumer per export: two engines mapping one export would leave its count below zero,
     and the memory in the producer's limbo for good."""
-    driver, writer = _transport(tmp_path, 2), _transport(tmp_path, 0)  # a rank's own instance knows no engines
+    driver, writer = _driver(tmp_path, 2), _writer()
     handle = driver.prepare(1)
     weights = [("a", torch.randn(4, 6)[:, :3]), ("b", torch.randn(5))]
     writer.send(weights, 0, handle)
@@ -275,7 +281,7 @@ def test_each_engine_maps_exports_of_its_own(tmp_path, fake_cuda):
     assert driver.bound_engines(handle) == ["http://e0", "http://e1"]
     with pytest.raises(ValueError, match="not among those this update was exported for"):
         driver.load_calls(["http://restarted"], handle)
-    single = _transport(tmp_path, 1)  # one engine: the update directory itself, as before
+    single = _driver(tmp_path, 1)  # one engine: the update directory itself, as before
     one = single.prepare(2)
     writer.send(weights, 0, one)
     assert [p.name for p in Path(one).iterdir()] == ["stage_0.json"] and single.bound_engines(one) is None
@@ -283,7 +289,7 @@ def test_each_engine_maps_exports_of_its_own(tmp_path, fake_cuda):
 
 
 def test_a_writers_exports_go_before_the_next_ones_are_made(tmp_path, fake_cuda):
-    driver, writer = _transport(tmp_path, 1), _transport(tmp_path, 0)
+    driver, writer = _driver(tmp_path, 1), _writer()
     writer.send([("a", torch.randn(4, 6)[:, :3])], 0, driver.prepare(1))
     kept = weakref.ref(writer.keepalive[0][1])  # the contiguous copy: the keepalive is all that holds it
     fake_cuda.exports.clear()
@@ -300,7 +306,7 @@ def test_a_writers_exports_go_before_the_next_ones_are_made(tmp_path, fake_cuda)
     writer.send([("a", Weight())], 0, driver.prepare(2))
     assert alive_at_next_copy == [False] and len(writer.keepalive) == 1  # the peak is one copy, not two
     assert writer.release() == 4 * 3 * 4 and writer.keepalive == [] and fake_cuda.collects
-    other = _transport(tmp_path, 0)
+    other = _writer()
     other.send([("a", torch.randn(3))], None, driver.prepare(3))  # not a writer: nothing is mapped, nothing kept
     assert other.keepalive == [] and len(fake_cuda.exports) == 1
 
@@ -308,14 +314,14 @@ def test_a_writers_exports_go_before_the_next_ones_are_made(tmp_path, fake_cuda)
 def test_the_trainers_offload_releases_the_transports_first(tmp_path, fake_cuda):
     from vime.ray.actor_group import TrainActor
 
-    writer = _transport(tmp_path, 0)
-    writer.send([("a", torch.randn(8))], 0, _transport(tmp_path, 1).prepare(1))
+    writer = _writer()
+    writer.send([("a", torch.randn(8))], 0, _driver(tmp_path, 1).prepare(1))
     seen = []
     actor = TrainActor.__new__(TrainActor)  # its Ray-side set-up is not what is tested
     actor.rank, actor.role = 0, "actor"
-    from vime.backends.weight_transport.disk import DiskWeightTransport
+    from vime.backends.weight_transport.disk.rank import DiskSender
 
-    disk = DiskWeightTransport.__new__(DiskWeightTransport)  # one without anything to release
+    disk = DiskSender(SimpleNamespace())  # one without anything to release
     actor.weight_transports = {"cuda_ipc": writer, "disk": disk}
     actor.trainer = SimpleNamespace(offload=lambda: seen.append(list(writer.keepalive)) or 123)
     assert actor.offload() == 123

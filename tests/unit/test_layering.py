@@ -1,6 +1,11 @@
 """The package's layers, bottom up: every `vime` import (at module level or inside a function) goes to the
 importer's own layer or one below it, so no two packages import each other. Read from the source (AST), so an
-import that runs only on some path is checked too."""
+import that runs only on some path is checked too.
+
+The code that runs inside vLLM's processes (`vime/in_vllm`) has a rule of its own, on top of its layer: it imports
+only `vime.utils`, the protocol it shares with vime (`vime/engine_protocol`) and itself, and nothing else in vime
+imports it (vLLM loads it by the names in pyproject.toml's entry points and `engine_protocol.names`). Neither
+package keeps state in module globals: what a patch needs lives on the vLLM object it serves."""
 
 from __future__ import annotations
 
@@ -12,6 +17,8 @@ VIME = Path(__file__).resolve().parents[2] / "vime"
 # bottom up; a module imports only from its own layer or below
 LAYERS = [
     "utils",
+    "engine_protocol",  # names and wire formats shared by vime and its code inside vLLM
+    "in_vllm",  # runs inside vLLM's processes: see IN_VLLM_IMPORTS
     "algorithms",
     "data",
     "backends.vllm_utils",
@@ -27,13 +34,17 @@ LAYERS = [
     "inspect",  # python -m vime.inspect: reads what a run saved; nothing in vime imports it
     "docs_flags",  # python -m vime.docs_flags: the flag reference, from the parser
 ]
+IN_VLLM = "in_vllm"
+IN_VLLM_IMPORTS = ("utils", "engine_protocol", IN_VLLM)  # all that code inside vLLM's processes may import
+STATELESS = ("engine_protocol", IN_VLLM)  # packages whose module globals are constants only
+CONSTANT_CALLS = {"frozenset", "tuple", "re.compile", "logging.getLogger"}  # calls that make such a constant
 
 
 def layer_of(module: str) -> str:
     """The layer of a dotted module name under vime ("vime.backends.vllm_utils.engine" -> "backends.vllm_utils")."""
     parts = module.split(".")[1:]
     if parts[:1] == ["backends"] and parts[1:] in ([], ["__init__"]):
-        return LAYERS[3]  # the backends package itself: the lowest of its layers
+        return "backends.vllm_utils"  # the backends package itself: the lowest of its layers
     for depth in (2, 1):
         name = ".".join(parts[:depth])
         if name in LAYERS:
@@ -54,21 +65,58 @@ def vime_imports(path: Path, package: str = "") -> list[tuple[int, str]]:
     return [(line, m) for line, m in found if m == "vime" or m.startswith("vime.")]
 
 
-def upward_imports() -> list[str]:
-    problems = []
+def every_import():
+    """(file, line, importer's layer, imported module) of every `vime` import under vime/."""
     for path in sorted(VIME.rglob("*.py")):
         relative = path.relative_to(VIME.parent).with_suffix("")
         if relative.parts[-1] == "__init__" and len(relative.parts) <= 2:
             continue  # vime/__init__.py
         here = layer_of(".".join(relative.parts))
         for line, module in vime_imports(path, ".".join(relative.parts[:-1])):
-            if module == "vime":
-                problems.append(f"{relative}.py:{line} imports the vime package itself")
-                continue
-            there = layer_of(module)
-            if LAYERS.index(there) > LAYERS.index(here):
-                problems.append(f"{relative}.py:{line} ({here}) imports {module} ({there}, a higher layer)")
+            yield f"{relative}.py", line, here, module
+
+
+def upward_imports() -> list[str]:
+    problems = []
+    for where, line, here, module in every_import():
+        if module == "vime":
+            problems.append(f"{where}:{line} imports the vime package itself")
+            continue
+        there = layer_of(module)
+        if LAYERS.index(there) > LAYERS.index(here):
+            problems.append(f"{where}:{line} ({here}) imports {module} ({there}, a higher layer)")
     return problems
+
+
+def in_vllm_crossing(here: str, module: str) -> str | None:
+    """Why an import by a module of layer `here` breaks the in-vLLM rule; None when it keeps it."""
+    there = layer_of(module)
+    if here == IN_VLLM and there not in IN_VLLM_IMPORTS:
+        return f"runs inside vLLM and imports {module} ({there}): it may import only {', '.join(IN_VLLM_IMPORTS)}"
+    if here != IN_VLLM and there == IN_VLLM:
+        return (f"imports {module}, which runs inside vLLM: vLLM loads it by name; share what both sides need "
+                f"through vime.engine_protocol")
+    return None
+
+
+def in_vllm_crossings() -> list[str]:
+    return [f"{where}:{line} {why}" for where, line, here, module in every_import() if module != "vime"
+            and (why := in_vllm_crossing(here, module))]
+
+
+def module_state(path: Path) -> list[tuple[int, str]]:
+    """(line, what) of each `global` statement in a source file, and of each module-level name bound to a mutable
+    value (a dict, list or set, or what a call other than CONSTANT_CALLS returns)."""
+    tree = ast.parse(path.read_text(), str(path))
+    found = [(node.lineno, f"global {', '.join(node.names)}") for node in ast.walk(tree)
+             if isinstance(node, ast.Global)]
+    for node in tree.body:
+        value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+        if isinstance(value, (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp)) or \
+                isinstance(value, ast.Call) and ast.unparse(value.func) not in CONSTANT_CALLS:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            found.append((node.lineno, " = ".join(map(ast.unparse, targets))))
+    return found
 
 
 def test_layer_of_names_the_deepest_listed_package():
@@ -89,6 +137,39 @@ def test_an_upward_import_is_found(tmp_path):
 
 def test_no_module_imports_from_a_higher_layer():
     assert not upward_imports(), "\n".join(upward_imports())
+
+
+def test_a_crossing_into_or_out_of_vllm_is_found(tmp_path):
+    """The in-vLLM rule would report code inside vLLM reaching into the rest of vime, and any module outside it
+    importing what runs inside vLLM: a downward import, which layering alone lets pass."""
+    source = tmp_path / "x.py"
+    source.write_text("def f():\n    from vime.backends.vllm_utils.client import http\n"
+                      "    from vime.utils.auth import serving_key\n    from . import route_auth\n"
+                      "    from vime.engine_protocol.names import UPDATE_ROUTE\n")
+    imports = vime_imports(source, "vime.in_vllm")
+    assert [in_vllm_crossing(IN_VLLM, m) is None for _, m in imports] == [False, True, True, True]
+    source.write_text("from vime.in_vllm.endpoint_plugin import run_update\n"
+                      "from vime.engine_protocol.names import UPDATE_ROUTE\n")
+    (_, inward), (_, shared) = vime_imports(source, "vime.ray")
+    assert LAYERS.index(layer_of(inward)) < LAYERS.index("ray")  # not upward: the layers would let it pass
+    assert "runs inside vLLM" in in_vllm_crossing("ray", inward) and in_vllm_crossing("ray", shared) is None
+
+
+def test_code_inside_vllm_imports_only_utils_and_the_shared_protocol():
+    assert not in_vllm_crossings(), "\n".join(in_vllm_crossings())
+
+
+def test_module_state_is_found(tmp_path):
+    source = tmp_path / "x.py"
+    source.write_text("import re\n_CAPTURE = None\n_STORE = RoutingStore()\nSEEN = {}\nNAME = re.compile('x')\n"
+                      "PATHS = frozenset({'/health'})\n\ndef capture():\n    global _CAPTURE\n")
+    assert sorted(module_state(source)) == [(3, "_STORE"), (4, "SEEN"), (9, "global _CAPTURE")]
+
+
+def test_code_inside_vllm_and_its_protocol_keep_no_module_state():
+    found = [f"{path.relative_to(VIME.parent)}:{line} {what}" for package in STATELESS
+             for path in sorted((VIME / package).rglob("*.py")) for line, what in module_state(path)]
+    assert not found, "module-level state (hold it on the object that uses it):\n" + "\n".join(found)
 
 
 MAX_MODULE_LINES = 400  # past this a module is doing more than one job: split it by concern (STYLE.md)

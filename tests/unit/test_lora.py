@@ -278,9 +278,10 @@ def test_adapter_sync_engine_side(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
     from vime.backends.vllm_utils.engine import lora_engine_options
-    from vime.backends.vllm_utils.lora_serving import LOAD_ADAPTER, load_adapter
-    from vime.backends.vllm_utils.weight_loading import WEIGHT_ROOT_ENV
-    from vime.backends.weight_transport.lora_adapter import LoraAdapterTransport
+    from vime.engine_protocol.names import LOAD_ADAPTER
+    from vime.engine_protocol.weight_files import WEIGHT_ROOT_ENV
+    from vime.in_vllm.lora_serving import load_adapter
+    from vime.backends.weight_transport.lora_adapter.driver import LoraAdapterDriver
     from vime.ray.fleet_recovery import recovery_load_call
     from vime.ray.weight_sync import sync_kind
 
@@ -306,10 +307,10 @@ def test_adapter_sync_engine_side(tmp_path, monkeypatch):
         (d / "adapter_model.safetensors").write_bytes(b"")
         versions.append(str(d))
     assert recovery_load_call(args, str(root / "vime_lora_1_x")) == (LOAD_ADAPTER, {"policy": versions[0]})
-    assert LoraAdapterTransport(args).load_calls(["http://e:1"], str(root / "vime_lora_2_x")) == {
+    assert LoraAdapterDriver(args).load_calls(["http://e:1"], str(root / "vime_lora_2_x")) == {
         "http://e:1": (LOAD_ADAPTER, {"policy": versions[1]})}
     with pytest.raises(FileNotFoundError, match="wrote no adapter"):
-        LoraAdapterTransport(args).load_calls(["http://e:1"], str(root))
+        LoraAdapterDriver(args).load_calls(["http://e:1"], str(root))
 
     class Counter:
         n = 0

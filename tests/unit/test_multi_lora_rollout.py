@@ -304,9 +304,8 @@ def test_an_agent_episode_asks_for_its_samples_adapter_whatever_model_the_agent_
             asyncio.run_coroutine_threadsafe(self.__aenter__(), self.loop).result(10)
 
     router = Router()
-    old_server, harness._server = harness._server, None
     try:
-        reset_rollout_context(router_url=router.url)
+        context = reset_rollout_context(router_url=router.url)
         args = SimpleNamespace(hf_checkpoint=str(tiny_qwen3), router_policy="consistent_hash",
                                rollout_max_response_len=4, rollout_temperature=1.0, rollout_top_p=1.0,
                                rollout_top_k=-1, apply_chat_template_kwargs=None, rollout_request_timeout=30,
@@ -323,9 +322,7 @@ def test_an_agent_episode_asks_for_its_samples_adapter_whatever_model_the_agent_
             asyncio.run(generate(args, Sample(index=0, prompt="hi", metadata=metadata), {"max_tokens": 4}))
         assert [b["model"] for b in router.bodies] == ["math", "policy"]
     finally:
-        if harness._server is not None:
-            harness._server.stop()
-        harness._server = old_server
+        context.close()  # the run's endpoint
         asyncio.run_coroutine_threadsafe(router.__aexit__(), router.loop).result(10)
         router.loop.call_soon_threadsafe(router.loop.stop)
 

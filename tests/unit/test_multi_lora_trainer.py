@@ -100,11 +100,11 @@ def test_two_adapters_route_train_and_export_apart(tiny_qwen3, tmp_path):
 
         t.save_hf(str(tmp_path / "hf"))
         # a weight update: one PEFT adapter per name
-        from vime.backends.weight_transport.lora_adapter import LoraAdapterTransport
+        from vime.backends.weight_transport.lora_adapter.rank import LoraAdapterSender
 
         update = tmp_path / "update"
         update.mkdir()
-        t.send_weights(LoraAdapterTransport(t.args), str(update))
+        t.send_weights(LoraAdapterSender(t.args), str(update))
         final = {name: adapter(name) for name in ("math", "code")}
         t.save(1, {})
         publish(save, 1)

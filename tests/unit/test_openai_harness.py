@@ -15,7 +15,7 @@ from aiohttp import web
 from vime.agents import harness
 from vime.agents.harness import agent_reward, assign_rewards, forced_sampling, split_role_groups
 from vime.agents.openai_requests import call_seed, routing_key
-from vime.rollout.context import reset_rollout_context
+from vime.rollout.context import reset_rollout_context, rollout_context
 from vime.utils.types import Sample
 
 FAKE_TOKENS = [40, 41, 42]
@@ -61,8 +61,6 @@ def _args(model, router_url):
 
 def test_episode_with_two_roles_becomes_per_role_samples(tiny_qwen3):
     router = FakeRouter()
-    old_server = harness._server
-    harness._server = None
     try:
         args = _args(tiny_qwen3, router.url)
         seen = {}
@@ -108,15 +106,15 @@ def test_episode_with_two_roles_becomes_per_role_samples(tiny_qwen3):
         assert agent_reward(None, main) == 1.0 and agent_reward(None, checker) == 0.0
         assert main.status == Sample.Status.TRUNCATED
         assert main.metadata["agent_session"] == f"{token}/solver"
-        assert harness._server.episodes == {}  # closed episodes are handed over, not kept
-        late = openai.OpenAI(base_url=harness._server.base_url, api_key=f"{token}/solver", max_retries=0)
+        server = rollout_context().agent_server  # the run's endpoint, held by its rollout context
+        assert server.episodes == {}  # closed episodes are handed over, not kept
+        late = openai.OpenAI(base_url=server.base_url, api_key=f"{token}/solver", max_retries=0)
         with pytest.raises(openai.AuthenticationError):  # the episode is over: its token no longer works
             late.chat.completions.create(model="policy", messages=[{"role": "user", "content": "again"}])
-        assert harness._server.episodes == {} and len(router.requests) == 3
+        assert server.episodes == {} and len(router.requests) == 3
     finally:
-        if harness._server is not None:
-            harness._server.stop()
-        harness._server = old_server
+        rollout_context().close()
+        assert rollout_context().agent_server is None
         router.stop()
 
 

@@ -17,7 +17,7 @@ import torch
 from vime.trainer.batching import micro_batch_inputs
 from vime.trainer.routing_replay import micro_batch_routing, sample_routing
 from vime.backends.vllm_utils.generate_request import decode_routed_experts
-from vime.backends.vllm_utils.routing_capture import RoutingStore, StepCapture
+from vime.in_vllm.routing_capture import RoutingStore, StepCapture
 from vime.data.sample_codec import SampleCodecError, decode_rollout, encode_rollout, json_ready
 from vime.utils.types import Sample
 
@@ -202,7 +202,7 @@ def test_rollout_replay_on_cpu_needs_one_worker_engines(tiny_moe, capsys):
 def test_engines_are_started_to_return_routing(tiny_moe):
     from vime.arguments import parse_args
     from vime.backends.vllm_utils.engine import engine_command, engine_env
-    from vime.backends.vllm_utils.routing_capture import CAPTURE_ENV
+    from vime.engine_protocol.names import CAPTURE_ENV
 
     args = parse_args(["--hf-checkpoint", str(tiny_moe), *BASE, "--use-rollout-routing-replay"])
     cmd = engine_command(args, "127.0.0.1", 1234, 0)
@@ -329,3 +329,25 @@ def test_own_routing_replay_records_the_first_pass_and_replays_it(tiny_moe, monk
         modes.clear()
         t.train(1, make_rollout(seed=6, num_prompts=2))  # one step: nothing to replay, nothing recorded
         assert modes == []
+
+
+def test_capture_state_lives_on_the_model_runner_and_the_scheduler():
+    """No module-level capture: each model runner makes its own (bound once to its model), each scheduler its own
+    store of routed experts."""
+    from types import SimpleNamespace
+
+    from vime.in_vllm.routing_capture import _capture_for, _store_of
+
+    config = SimpleNamespace(get_total_num_hidden_layers=lambda: 3, get_num_experts_per_tok=lambda: 2,
+                             get_num_experts=lambda: 8)
+
+    def runner():
+        model = SimpleNamespace(vime_routing_bound=True)  # bound already: vLLM's binder is not called here
+        return SimpleNamespace(vllm_config=SimpleNamespace(model_config=config), get_model=lambda: model)
+
+    one = runner()
+    capture = _capture_for(one)
+    assert _capture_for(one) is capture and (capture.num_layers, capture.topk) == (3, 2)
+    assert _capture_for(runner()) is not capture
+    a, b = SimpleNamespace(), SimpleNamespace()
+    assert _store_of(a) is _store_of(a) and _store_of(b) is not _store_of(a)

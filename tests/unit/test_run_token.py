@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from vime.backends.vllm_utils.route_auth import RunTokenMiddleware, accepted_keys
+from vime.in_vllm.route_auth import RunTokenMiddleware, accepted_keys
 from vime.utils import auth
 
 TOKEN = "t" * 64

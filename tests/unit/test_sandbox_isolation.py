@@ -202,7 +202,7 @@ def test_isolation_report_and_refusal_in_process():
 
 
 def test_weak_run_is_logged_and_counted(caplog, monkeypatch):
-    monkeypatch.setattr(sandbox_isolation, "_warned", set())  # warned once per process: earlier tests may have
+    sandbox_isolation._warn_once.cache_clear()  # warned once per process: earlier tests may have
     reset_rollout_context()
     sandbox = LocalSandbox(namespaces=False, allow_weak_isolation=True)
     with caplog.at_level(logging.WARNING):

@@ -18,13 +18,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vime.backends.vllm_utils.weight_loading import WEIGHT_ROOT_ENV, update_files
 from vime.backends.weight_transport import staging
-from vime.backends.weight_transport.cuda_ipc import (CudaIpcWeightTransport, MANIFEST, encode_rebuild_args,
-                                                     read_manifests)
-from vime.backends.weight_transport.disk import STAGE_FILE, write_stage_file
+from vime.backends.weight_transport.cuda_ipc.driver import CudaIpcDriver
+from vime.backends.weight_transport.disk.rank import write_stage_file
 from vime.backends.weight_transport.staging import stage_dir, write_new_file
-from vime.backends.weight_transport.worker_extension import WeightReceiver
+from vime.engine_protocol.ipc_codec import encode_rebuild_args
+from vime.engine_protocol.weight_files import MANIFEST, STAGE_FILE, WEIGHT_ROOT_ENV
+from vime.in_vllm.cuda_ipc import read_manifests
+from vime.in_vllm.weight_loading import update_files
+from vime.in_vllm.worker_extension import WeightReceiver
 
 WEIGHTS = [("model.embed_tokens.weight", torch.randn(8, 4)), ("model.norm.weight", torch.ones(4))]
 
@@ -161,7 +163,7 @@ def test_staging_reuses_nothing_and_follows_no_link(tmp_path, root):
     args = SimpleNamespace(update_weight_dir=str(root), update_weight_transport="disk", use_fault_tolerance=True,
                            rollout_external_engine_addrs=["http://elsewhere:1"], train_timeout=60.0)
     sync = WeightSync(args)
-    made = [sync.transport.prepare(1), CudaIpcWeightTransport(args).prepare(1),
+    made = [sync.transport.prepare(1), CudaIpcDriver(args).prepare(1),
             sync._write_recovery_copy(SimpleNamespace(actors=[]), 1)]
     for staged in map(Path, made):
         assert staged.parent == root and not any(staged.iterdir()), staged  # new and empty, never the planted one

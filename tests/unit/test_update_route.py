@@ -15,7 +15,8 @@ from urllib.parse import urlparse
 import pytest
 
 from vime.backends.vllm_utils import client
-from vime.backends.vllm_utils.endpoint import ROUTE, _parse
+from vime.engine_protocol.names import UPDATE_ROUTE as ROUTE
+from vime.in_vllm.endpoint_plugin import _parse
 from vime.backends.vllm_utils.engine import plugin_allowlist
 
 
@@ -35,7 +36,7 @@ def test_plugin_allowlist_keeps_the_users_plugins():
 
     installed = [p.name for g in ("vllm.general_plugins", "vllm.platform_plugins") for p in entry_points(group=g)]
     unset = plugin_allowlist(None).split(",")
-    assert "vime" in installed  # vime's own general plugin (engine_plugin)
+    assert "vime" in installed  # vime's own general plugin (in_vllm.general_plugin)
     assert unset == list(dict.fromkeys(installed))  # vLLM's default (load them all), vime's route included
     assert plugin_allowlist("a,b") == "a,b,vime"
     assert plugin_allowlist("vime,a") == "vime,a"
@@ -80,7 +81,6 @@ def old_engine():
         yield url
     finally:
         server.shutdown()
-        client._without_update_route.discard(url)
 
 
 def test_engine_without_the_route_gets_the_same_steps_as_separate_calls(old_engine):
@@ -94,11 +94,12 @@ def test_engine_without_the_route_gets_the_same_steps_as_separate_calls(old_engi
         ("/update_weight_version", ""), ("/resume", "")]
     assert _Engine.calls[2][2] == {"method": "reload_weights", "kwargs": {"weights_path": "/dev/shm/w"}}
     assert _Engine.calls[4][2] == {"new_version": "7"}
-    # Remembered: the next update goes straight to the separate calls; with nothing to load, no RPC.
+    # Nothing remembered between updates (no process state): the route is asked again, one 404; with nothing to
+    # load, no RPC.
     _Engine.calls.clear()
     client.update_weights_all([old_engine], {}, 8)
-    assert [path for path, _, _ in _Engine.calls] == ["/pause", "/reset_prefix_cache", "/update_weight_version",
-                                                       "/resume"]
+    assert [path for path, _, _ in _Engine.calls] == [ROUTE, "/pause", "/reset_prefix_cache",
+                                                       "/update_weight_version", "/resume"]
 
 
 def test_a_failed_engine_is_named_and_the_others_still_update(old_engine):
@@ -110,7 +111,7 @@ def test_a_failed_engine_is_named_and_the_others_still_update(old_engine):
 
 
 def test_idle_spin_cap_applies_to_readers_only():
-    from vime.backends.vllm_utils.engine_plugin import cap_idle_spin
+    from vime.in_vllm.general_plugin import cap_idle_spin
 
     class Spin:  # vLLM's SpinCondition shape: readers busy-wait busy_loop_s after a message
         def __init__(self, is_reader, context=None, notify_address="", busy_loop_s=1):
@@ -127,7 +128,7 @@ def test_engine_core_fork_patch(monkeypatch):
     whose fresh import of vLLM was most of an engine's start); loading the plugin twice changes nothing."""
     from vllm.v1.engine import utils as engine_utils
 
-    from vime.backends.vllm_utils.engine_plugin import fork_engine_core
+    from vime.in_vllm.general_plugin import fork_engine_core
 
     monkeypatch.setattr(engine_utils, "get_mp_context", engine_utils.get_mp_context)  # restored after the test
     fork_engine_core()

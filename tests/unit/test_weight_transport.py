@@ -21,13 +21,14 @@ from tests.helpers.weight_sync_driver import ARGV, EXTENSION, driver, fake_ray, 
 
 pytest.importorskip("megatron.core")
 
-from vime.backends.weight_transport.base import WeightTransport, tensor_bytes  # noqa: E402
-from vime.backends.weight_transport.broadcast import (broadcast_weights, engine_set_key, join_group,  # noqa: E402
-                                                      plan_buckets)
+from vime.backends.weight_transport.base import WeightTransport  # noqa: E402
+from vime.backends.weight_transport.broadcast.driver import engine_set_key  # noqa: E402
 from vime.backends.weight_transport.check import (FLOAT32_TOLERANCE, WeightUpdateMismatchError,  # noqa: E402
                                                   compare_log_probs, tolerance_for)
-from vime.backends.weight_transport.delta import changed_tensors, load_unit  # noqa: E402
-from vime.backends.weight_transport.disk import DiskWeightTransport, write_stage_file  # noqa: E402
+from vime.backends.weight_transport.delta.rank import changed_tensors, load_unit  # noqa: E402
+from vime.backends.weight_transport.disk.driver import DiskDriver  # noqa: E402
+from vime.backends.weight_transport.disk.rank import tensor_bytes, write_stage_file  # noqa: E402
+from vime.engine_protocol.weight_broadcast import broadcast_weights, join_group, plan_buckets  # noqa: E402
 from vime.utils.misc import find_free_port  # noqa: E402
 
 
@@ -125,14 +126,14 @@ def test_engine_command_adds_the_worker_extension(tiny_qwen3):
     disk = base[:base.index("broadcast")] + ["disk"] + base[base.index("broadcast") + 1:]
     cmd = engine_command(parse_args(disk), "127.0.0.1", 8000, 0)  # every transport loads through it
     assert cmd[cmd.index("--worker-extension-cls") + 1] == EXTENSION
-    assert DiskWeightTransport(parse_args(disk)).load_call("/d") == ("vime_load_weights", {"path": "/d"})
+    assert DiskDriver(parse_args(disk)).load_call("/d") == ("vime_load_weights", {"path": "/d"})
     mine = parse_args(base + ["--vllm-worker-extension-cls", "my.Ext"])
     cmd = engine_command(mine, "127.0.0.1", 8000, 0)
     assert cmd.count("--worker-extension-cls") == 1 and cmd[cmd.index("--worker-extension-cls") + 1] == "my.Ext"
     # engines without vime's methods (another extension, or started elsewhere) reload with vLLM's own method
     external = parse_args(disk + ["--rollout-external-engine-addrs", "127.0.0.1:1"])
     for args in (mine, external):
-        assert DiskWeightTransport(args).load_call("/d") == ("reload_weights", {"weights_path": "/d"})
+        assert DiskDriver(args).load_call("/d") == ("reload_weights", {"weights_path": "/d"})
 
 
 def test_compare_log_probs_and_tolerance(tiny_qwen3):
@@ -263,13 +264,13 @@ def test_fault_tolerance_leaves_a_recovery_copy_for_restarted_engines(fake_ray, 
     """--use-fault-tolerance: the disk update directory itself is kept (not cleaned up) and handed to the manager
     as the recovery copy; any other transport gets an extra HF write into a vime_recovery_* directory."""
     from vime.backends import weight_transport
-    from vime.backends.weight_transport.disk import DiskWeightTransport
+    from vime.backends.weight_transport.disk.rank import DiskSender
     from vime.arguments import parse_args
 
     args = parse_args(["--hf-checkpoint", str(tiny_qwen3), *ARGV, "--use-fault-tolerance",
                        "--update-weight-dir", str(tmp_path)])
     written = []
-    monkeypatch.setattr(DiskWeightTransport, "send", lambda self, trainer, handle: written.append(handle))
+    monkeypatch.setattr(DiskSender, "send", lambda self, trainer, handle: written.append(handle))
     cleaned = []
 
     class Memory(WeightTransport):
@@ -315,7 +316,7 @@ def test_cuda_ipc_handles_cross_as_json_not_pickle():
     import torch
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-    from vime.backends.weight_transport.cuda_ipc import decode_rebuild_args, encode_rebuild_args
+    from vime.engine_protocol.ipc_codec import decode_rebuild_args, encode_rebuild_args
 
     args = (torch.nn.Parameter, torch.Size([4, 8]), (8, 1), 0, torch.UntypedStorage, torch.bfloat16, 0,
             b"\x00\x01handle\xff", 64, 128, False, b"ref\x00", 16, b"\x02event", True)

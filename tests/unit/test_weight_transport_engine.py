@@ -20,7 +20,7 @@ from tests.helpers.weight_sync_driver import ARGV, driver, fake_ray, probe_for  
 
 pytest.importorskip("megatron.core")
 
-from vime.backends.weight_transport.broadcast import engine_set_key  # noqa: E402
+from vime.backends.weight_transport.broadcast.driver import engine_set_key  # noqa: E402
 from vime.backends.weight_transport.check import (FLOAT32_TOLERANCE, WeightUpdateMismatchError,  # noqa: E402
                                                   check_weights_equal, compare_log_probs, engine_prompt_log_probs)
 from vime.ray.weight_sync import WeightSync  # noqa: E402
@@ -64,8 +64,8 @@ def sync(stack, fake_ray):
 
     push.check = lambda: check_weights_equal(args, group, manager)
     push.answers = lambda: state.answers  # the engines' answers to the last update
-    push.driver = lambda name: syncs[name].transport  # the driver's transport
-    push.writer = lambda name: group.actors[0]._obj.weight_transports[name]  # the training rank's
+    push.driver = lambda name: syncs[name].transport  # the transport's driver half
+    push.writer = lambda name: group.actors[0]._obj.weight_transports[name]  # the training rank's half
     yield push
     for transport in group.actors[0]._obj.weight_transports.values():
         if hasattr(transport, "close"):
@@ -139,11 +139,12 @@ def test_delta_sends_only_changed_layers_and_they_suffice(stack, sync):
     assert _max_diff(trainer, url, tokens) <= FLOAT32_TOLERANCE
 
 
-def test_one_call_update_on_the_engine_and_its_fallback(stack):
+def test_one_call_update_on_the_engine_and_its_fallback(stack, monkeypatch):
     """vime's route on the real engine: one POST pauses, loads, versions and resumes; a failed load names the
     route and leaves the engine paused; the separate-call fallback (engines without the plugin) does the same."""
     from vime.backends.vllm_utils import client
-    from vime.backends.vllm_utils.endpoint import ROUTE
+    from vime.engine_protocol import names
+    from vime.engine_protocol.names import UPDATE_ROUTE as ROUTE
 
     args, trainer, url = stack
     tokens = probe_for(args.hf_checkpoint)
@@ -162,7 +163,7 @@ def test_one_call_update_on_the_engine_and_its_fallback(stack):
         assert set(answer["timings"]) == {"pause_s", "load_s", "finish_s"}
         served = engine_prompt_log_probs([url], tokens)[0]  # generation runs again: the checkpoint's weights
 
-        client._without_update_route.add(url)
+        monkeypatch.setattr(names, "UPDATE_ROUTE", "/vime_route_of_another_version")  # 404: the separate steps
         _perturb(trainer)  # nothing pushed: only the version moves, then the checkpoint again
         client.update_weights_all([url], {}, 43)
         assert state() == (False, "43")
@@ -170,7 +171,6 @@ def test_one_call_update_on_the_engine_and_its_fallback(stack):
         assert state() == (False, "44")
         assert engine_prompt_log_probs([url], tokens)[0] == pytest.approx(served, abs=FLOAT32_TOLERANCE)
     finally:
-        client._without_update_route.discard(url)
         client.resume([url])
 
 

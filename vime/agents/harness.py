@@ -24,13 +24,13 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-import threading
 from typing import Any, Awaitable, Callable
 
 from vime.agents.arguments import agent_setting
 from vime.agents.chat_session import ChatSession, trajectory_to_sample
 from vime.agents.openai_arguments import agent_flag
 from vime.agents.openai_server import OpenAIServer
+from vime.rollout.context import rollout_context
 from vime.utils.device import serving_host
 from vime.utils.misc import load_function
 from vime.utils.types import RolloutFnTrainOutput, Sample
@@ -39,15 +39,12 @@ logger = logging.getLogger(__name__)
 MAIN_ROLE = "main"
 AgentFn = Callable[[str, str, Sample], Any]
 
-_server: OpenAIServer | None = None
-_server_lock = threading.Lock()
-
 
 def get_server(args) -> OpenAIServer:
-    """The rollout process's endpoint, started on first use (it lives as long as the process)."""
-    global _server
-    with _server_lock:
-        if _server is None:
+    """The run's endpoint, held by its rollout context (which stops it at the run's end), started on first use."""
+    context = rollout_context()
+    with context.lock:
+        if context.agent_server is None:
             from vime.rollout.generation import retry_window_s, router_url
             from vime.utils.hf_tokenizer import load_tokenizer
 
@@ -57,15 +54,14 @@ def get_server(args) -> OpenAIServer:
                                getattr(args, "router_policy", None))
             defaults = {"max_tokens": args.rollout_max_response_len, "temperature": args.rollout_temperature,
                         "top_p": args.rollout_top_p, "top_k": args.rollout_top_k}
-            _server = OpenAIServer(router_url(), load_tokenizer(args.hf_checkpoint),
-                                   template_kwargs=args.apply_chat_template_kwargs, default_sampling=defaults,
-                                   host=serving_host(args), port=agent_flag(args, "agent_endpoint_port"),
-                                   max_request_bytes=int(agent_flag(args, "agent_endpoint_max_request_mb") * 2**20),
-                                   request_timeout_s=args.rollout_request_timeout,
-                                   retries=args.rollout_request_retries,
-                                   retry_window_s=retry_window_s(args),
-                                   tool_call_format=agent_setting(args, "agent_tool_call_format")).start()
-        return _server
+            context.agent_server = OpenAIServer(
+                router_url(), load_tokenizer(args.hf_checkpoint), template_kwargs=args.apply_chat_template_kwargs,
+                default_sampling=defaults, host=serving_host(args), port=agent_flag(args, "agent_endpoint_port"),
+                max_request_bytes=int(agent_flag(args, "agent_endpoint_max_request_mb") * 2**20),
+                request_timeout_s=args.rollout_request_timeout, retries=args.rollout_request_retries,
+                retry_window_s=retry_window_s(args),
+                tool_call_format=agent_setting(args, "agent_tool_call_format")).start()
+        return context.agent_server
 
 
 def role_of(session_id: str) -> str:

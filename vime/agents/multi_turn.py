@@ -16,6 +16,7 @@ three-line generate function of your own, see `examples/tool_use/` and `examples
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Awaitable, Callable
 
@@ -99,17 +100,16 @@ def _load_tool_paths(args) -> None:
             register_tool(tool)
 
 
-_sandboxes: dict[tuple[str, bool], Any] = {}
-
-
 def _sandbox(args):
+    return _shared_sandbox(agent_setting(args, "agent_sandbox"),
+                           bool(agent_setting(args, "agent_sandbox_allow_weak_isolation")))
+
+
+@functools.cache  # one per process and setting: it holds the process's sandbox slots (uids, directories)
+def _shared_sandbox(spec: str | None, allow_weak: bool):
     from vime.agents.sandbox import make_sandbox
 
-    spec = agent_setting(args, "agent_sandbox")
-    allow_weak = bool(agent_setting(args, "agent_sandbox_allow_weak_isolation"))
-    if (spec, allow_weak) not in _sandboxes:
-        _sandboxes[spec, allow_weak] = make_sandbox(spec, allow_weak_isolation=allow_weak)
-    return _sandboxes[spec, allow_weak]
+    return make_sandbox(spec, allow_weak_isolation=allow_weak)
 
 
 async def tool_environment(args, sample: Sample, model_text: str, turn: int) -> list[dict[str, Any]] | None:
@@ -194,9 +194,6 @@ async def generate(args, sample: Sample, sampling_params: dict[str, Any], *, env
 
 # ---- multi-turn SFT warm-up -------------------------------------------------------------------------------
 
-_tokenizers: dict[str, Any] = {}
-
-
 def sft_generate_rollout(args, rollout_id: int, data_source, evaluation: bool = False) -> list[list[Sample]]:
     """SFT on scripted multi-turn conversations (metadata["conversation"]: assistant/tool messages after the
     prompt), laid out like sampled ones: assistant turns trained, tool turns masked.
@@ -206,11 +203,9 @@ def sft_generate_rollout(args, rollout_id: int, data_source, evaluation: bool = 
     """
     if evaluation:
         raise ValueError("sft_generate_rollout has no evaluation mode")
-    if args.hf_checkpoint not in _tokenizers:
-        from vime.utils.hf_tokenizer import load_tokenizer
+    from vime.utils.hf_tokenizer import shared_tokenizer
 
-        _tokenizers[args.hf_checkpoint] = load_tokenizer(args.hf_checkpoint)
-    tokenizer = _tokenizers[args.hf_checkpoint]
+    tokenizer = shared_tokenizer(args.hf_checkpoint)
     groups = data_source.get_samples(args.rollout_batch_size)
     for group in groups:
         for sample in group:

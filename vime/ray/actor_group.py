@@ -32,7 +32,7 @@ class TrainActor:
         self.args, self.rank, self.world_size, self.role = args, rank, world_size, role
         self.local_rank = local_rank  # its index among its group's ranks on this node (`Placement.local_rank`)
         self.trainer = None
-        self.weight_transports = {}  # kind -> this rank's transport
+        self.weight_transports = {}  # kind -> this rank's half of it (a WeightSender, kept for the run)
         self.rollouts = make_transport(args)  # where this rank reads the rollouts it trains on
         self.last_rollout: tuple[int, list] | None = None  # (id, groups): PPO's critic reads one rollout twice
         # Ray gives an actor of one logical CPU one OpenMP thread; the placement's share is what it computes on
@@ -121,10 +121,10 @@ class TrainActor:
     def send_weights(self, kind: str, handle) -> None:
         """This rank's half of a weight update through the `kind` transport (one instance per kind for the run:
         it keeps what must outlive an update, such as a process group)."""
-        from vime.backends.weight_transport import make_weight_transport
+        from vime.backends.weight_transport import make_sender
 
         if kind not in self.weight_transports:
-            self.weight_transports[kind] = make_weight_transport(kind, self.args)
+            self.weight_transports[kind] = make_sender(kind, self.args)
         return self.trainer.send_weights(self.weight_transports[kind], handle)
 
     def probe_log_probs(self, tokens: list[int], response_length: int, temperature: float | None = None,

@@ -221,11 +221,11 @@ def recovery_load_call(args, weights_dir: str):
     """The call that makes a restarted engine load the recovery weights: a LoRA adapter (`lora_adapter`
     transport) on the base it starts with, else HF safetensors (the disk transport's; imported here, not at the
     top, so that starting the fleet does not wait for torch)."""
-    from vime.backends.vllm_utils.lora_serving import adapter_dirs, adapter_load_call
+    from vime.backends.weight_transport.lora_adapter.driver import adapter_dirs, adapter_load_call
 
     adapters = adapter_dirs(weights_dir)
     if adapters:
         return adapter_load_call(adapters)
-    from vime.backends.weight_transport.disk import DiskWeightTransport
+    from vime.backends.weight_transport.disk.driver import DiskDriver
 
-    return DiskWeightTransport(args).load_call(weights_dir)
+    return DiskDriver(args).load_call(weights_dir)

@@ -17,6 +17,7 @@ not trained on, and --max-consecutive-failed-rollouts of them in a row stop the 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 import threading
 import time
@@ -52,7 +53,9 @@ class EngineHealthMonitor:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="vime-engine-health", daemon=True)
+        # in the starter's context variables: a restart it makes is counted in the run's rollout context
+        self._thread = threading.Thread(target=contextvars.copy_context().run, args=(self._run,),
+                                        name="vime-engine-health", daemon=True)
         self._thread.start()
 
     def stop(self, timeout_s: float = 5.0) -> None:

@@ -28,7 +28,7 @@ from vime.data.transport import RolloutRef, make_transport, rollout_summary
 from vime.ray.engine_fleet import EngineFleet
 from vime.ray.health import FailedRollouts
 from vime.ray.placement import num_engines
-from vime.rollout.context import reset_rollout_context, rollout_context
+from vime.rollout.context import RolloutContext, in_rollout_context, rollout_context, use_rollout_context
 from vime.rollout.debug_data import load_rollout, save_compact_rollout, save_rollout
 from vime.rollout.metrics import eval_at_k, record_counters, rollout_metrics
 from vime.utils.logging_utils import configure_logging
@@ -99,7 +99,9 @@ def log_dir(args) -> Path:
 
 
 # every other call runs one at a time in the default group; a weight update has its own thread
+# each public method runs with the run's rollout context current (what rollout code and custom functions read)
 @ray.remote(num_cpus=0, concurrency_groups={"weights": 1})
+@in_rollout_context
 class RolloutManager:
     def __init__(self, args, placement=None, engines: list | None = None, token: str | None = None):
         """`engines`: actors made for it by `engine_fleet.new_engines` with the run's control `token`; without
@@ -108,7 +110,11 @@ class RolloutManager:
         self.args = args
         self.log_dir = log_dir(args)
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.context = reset_rollout_context()  # router URL, engines in service, counters: what rollouts read
+        self.context = RolloutContext()  # router URL, engines in service, counters: what rollouts read
+        with use_rollout_context(self.context):
+            self._set_up(args, placement, engines, token)
+
+    def _set_up(self, args, placement, engines: list | None, token: str | None) -> None:
         self.fleet = EngineFleet(args, placement, self.log_dir, self.context, engines, token)
         if not args.debug_train_only:
             self.fleet.launch()  # the engines boot while the tokenizer, data and functions load
@@ -158,6 +164,7 @@ class RolloutManager:
                 self.context.judge.stop()
             for env in self.context.environments.values():  # servers an environment started (no rollout is left)
                 env.close()
+            self.context.close()  # reward workers, the agents' endpoint
 
     def engine_pids(self) -> list[int]:
         return self.fleet.engine_pids()

@@ -1,6 +1,6 @@
 """One weight update, driven from the driver: the trainers send, every engine loads, the version moves on.
 
-    sync = WeightSync(args)                      # one for the run: it holds the driver's transport
+    sync = WeightSync(args)                      # one for the run: it holds the transport's driver half
     metrics = sync.update(trainers, manager, version, after=[rollout_ref])
 
 An update has two halves. `stage` (the trainers write the new weights where the engines will load them from;
@@ -23,7 +23,7 @@ from typing import Any
 
 import ray
 
-from vime.backends.weight_transport import make_weight_transport
+from vime.backends.weight_transport import make_driver
 from vime.backends.weight_transport.staging import stage_dir
 from vime.utils.deadline import DeadlineExceeded, control, gather
 
@@ -52,8 +52,8 @@ class WeightSync:
     def __init__(self, args):
         self.args = args
         self.kind = sync_kind(args)
-        self.transport = make_weight_transport(self.kind, args)
-        self.recovery_writer = make_weight_transport(RECOVERY, args) if args.use_fault_tolerance else None
+        self.transport = make_driver(self.kind, args)
+        self.recovery_writer = make_driver(RECOVERY, args) if args.use_fault_tolerance else None
 
     @property
     def keeps_handle(self) -> bool:

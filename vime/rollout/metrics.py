@@ -49,9 +49,7 @@ def record_counters(values: dict[str, float], once: bool = True) -> None:
 
 def add_counter(key: str, n: float = 1.0) -> None:
     """Add `n` to a running total (e.g. rollout/engine_restarts)."""
-    context = rollout_context()
-    with context.lock:
-        context.counters[key] = context.counters.get(key, 0.0) + n
+    rollout_context().add_counter(key, n)
 
 
 def take_counters() -> dict[str, float]:

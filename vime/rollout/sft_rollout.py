@@ -9,23 +9,14 @@ model learns to stop. No engine is involved.
 
 from __future__ import annotations
 
+from vime.utils.hf_tokenizer import shared_tokenizer
 from vime.utils.types import Sample
-
-_tokenizers: dict = {}
-
-
-def _tokenizer(path: str):
-    if path not in _tokenizers:
-        from vime.utils.hf_tokenizer import load_tokenizer
-
-        _tokenizers[path] = load_tokenizer(path)
-    return _tokenizers[path]
 
 
 def generate_rollout(args, rollout_id: int, data_source, evaluation: bool = False) -> list[list[Sample]]:
     if evaluation:
         raise ValueError("sft_rollout has no evaluation mode; use the default rollout for --eval-function-path")
-    tokenizer = _tokenizer(args.hf_checkpoint)
+    tokenizer = shared_tokenizer(args.hf_checkpoint)
     groups = data_source.get_samples(args.rollout_batch_size)
     for group in groups:
         for sample in group:

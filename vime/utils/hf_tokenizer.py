@@ -10,6 +10,7 @@ class transformers does not export, custom code through `auto_map`) goes through
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -24,6 +25,12 @@ def load_tokenizer(path: str):
         if tokenizer_class is not None:
             return tokenizer_class.from_pretrained(path)
     return transformers.AutoTokenizer.from_pretrained(path)
+
+
+@functools.cache
+def shared_tokenizer(path: str):
+    """`load_tokenizer(path)`, loaded once per process (callers only read it: encode, decode, chat templates)."""
+    return load_tokenizer(path)
 
 
 def _named_class(config_file: Path) -> str | None:

@@ -16,6 +16,7 @@ so what is reported is what a run actually gets.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -30,7 +31,7 @@ from pathlib import Path
 from vime.agents.sandbox import cgroup
 from vime.agents.sandbox.seccomp import machine
 from vime.agents.sandbox.interface import SandboxRefused
-from vime.rollout.metrics import add_counter
+from vime.rollout.context import current_rollout_context
 
 logger = logging.getLogger(__name__)
 JAIL = Path(__file__).resolve().parent / "jail.py"
@@ -200,14 +201,16 @@ def refusal(missing: list[str]) -> SandboxRefused:
         "or accept the risk with --agent-sandbox-allow-weak-isolation (LocalSandbox(allow_weak_isolation=True)).")
 
 
-_warned: set[tuple[str, ...]] = set()
-
-
 def note_weak_run(missing: list[str]) -> None:
-    """A run under weak isolation: a warning (once per kind) in the log and a count in the rollout metrics."""
-    key = tuple(missing)
-    if key not in _warned:
-        _warned.add(key)
-        logger.warning("sandbox: running model code WITHOUT %s isolation (--agent-sandbox-allow-weak-isolation); "
-                       "counted in %s", ", ".join(missing), WEAK_RUNS_COUNTER)
-    add_counter(WEAK_RUNS_COUNTER)
+    """A run under weak isolation: a warning (once per kind) in the log and, inside a run, a count in its rollout
+    metrics."""
+    _warn_once(tuple(missing))
+    context = current_rollout_context()
+    if context is not None:
+        context.add_counter(WEAK_RUNS_COUNTER)
+
+
+@functools.cache  # once per process and kind of weakness
+def _warn_once(missing: tuple[str, ...]) -> None:
+    logger.warning("sandbox: running model code WITHOUT %s isolation (--agent-sandbox-allow-weak-isolation); "
+                   "counted in %s", ", ".join(missing), WEAK_RUNS_COUNTER)

@@ -244,7 +244,7 @@ def save_peft_adapter(model_chunks: list[torch.nn.Module], config, base_model: s
     Each file is written as a weight update's are (`staging.write_new_file`: new, complete before it has its
     name), since the adapter sync stages its updates with this too."""
     from vime.backends.megatron_utils.lora import adapted_linears, peft_config
-    from vime.backends.weight_transport.disk import write_safetensors
+    from vime.backends.weight_transport.disk.rank import write_safetensors
     from vime.backends.weight_transport.staging import write_new_file
 
     tensors = {}

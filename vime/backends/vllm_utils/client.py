@@ -135,7 +135,6 @@ def collective_rpc(urls: list[str], method: str, kwargs: dict[str, str] | None =
 # ---- a whole weight update ---------------------------------------------------------------------------------------
 LoadCall = tuple[str, dict[str, str]] | None  # (worker method, string kwargs) that loads an update; None: nothing
 UPDATE_TIMEOUT_S = 900.0  # outlasts a broadcast group's 600 s join timeout, so that one reports first
-_without_update_route: set[str] = set()  # engines whose server lacks vime's route (started without the plugin)
 
 
 def update_weights_each(urls: list[str], calls: dict[str, LoadCall], version: int | str, pause_mode: str = "wait",
@@ -143,7 +142,7 @@ def update_weights_each(urls: list[str], calls: dict[str, LoadCall], version: in
                                                                                              dict[str, str]]:
     """On every engine: pause -> `calls[url]` -> reset prefix cache -> weight version -> resume.
 
-    One POST to vime's route (`vime.backends.vllm_utils.endpoint`) per engine, or, for an engine without it, the
+    One POST to vime's route (`vime.in_vllm.endpoint_plugin`) per engine, or, for an engine without it, the
     same steps as separate control calls; `CONTROL_FANOUT` engines at a time, or all of them with `all_at_once`
     (a broadcast needs every receiver in the collective). Returns ({url: {"results", "timings"}}, {url: error});
     a failed engine stays paused."""
@@ -157,21 +156,18 @@ def update_weights_all(urls: list[str], calls: dict[str, LoadCall], version: int
 
 
 def _update_one(url: str, call: LoadCall, version: str, pause_mode: str, timeout: float) -> dict:
-    from vime.backends.vllm_utils.endpoint import ROUTE
-    from vime.backends.vllm_utils.lora_serving import LOAD_ADAPTER
+    from vime.engine_protocol.names import LOAD_ADAPTER, UPDATE_ROUTE
 
-    if url not in _without_update_route:
-        body = {"method": call[0] if call else None, "kwargs": call[1] if call else {}, "version": version,
-                "pause_mode": pause_mode}
-        try:
-            return _post(url, ROUTE, body, None, timeout)
-        except EngineControlError as e:
-            if e.status != 404:
-                raise
-            _without_update_route.add(url)
+    body = {"method": call[0] if call else None, "kwargs": call[1] if call else {}, "version": version,
+            "pause_mode": pause_mode}
+    try:
+        return _post(url, UPDATE_ROUTE, body, None, timeout)
+    except EngineControlError as e:
+        if e.status != 404:  # 404: a server started without vime's plugin (asked again each update: one request)
+            raise
     if call and call[0] == LOAD_ADAPTER:
-        raise EngineControlError(f"engine {url} has no vime route ({ROUTE}) to load a LoRA adapter with: it was not "
-                                 "started by vime; train with --lora-sync merged to send it merged weights")
+        raise EngineControlError(f"engine {url} has no vime route ({UPDATE_ROUTE}) to load a LoRA adapter with: it "
+                                 "was not started by vime; train with --lora-sync merged to send it merged weights")
     start = time.perf_counter()
     pause([url], pause_mode)
     paused = time.perf_counter()

@@ -3,7 +3,7 @@
 The server speaks token ids in and out (`/inference/v1/generate`, enabled by --enable-scale-out), returns
 `processed_logprobs` (log_softmax(logits / T) after top-k/top-p, which is what an RL ratio needs) and exposes the
 control routes (/pause, /resume, /collective_rpc, ...) because VLLM_SERVER_DEV_MODE=1. Those routes can run
-code in the engine: every route but /health asks for the run's keys (`route_auth`, installed by vime's vLLM
+code in the engine: every route but /health asks for the run's keys (`in_vllm.route_auth`, installed by vime's vLLM
 plugin from the token in the server's environment), and `VLLMEngine.start` checks that it does before serving.
 """
 
@@ -19,8 +19,8 @@ from pathlib import Path
 
 from vime.backends.vllm_utils.client import SERVED_MODEL
 from vime.utils.lora_adapters import adapter_names
-from vime.backends.vllm_utils.engine_plugin import CORE_FORK_ENV, IDLE_SPIN_ENV
-from vime.backends.vllm_utils.routing_capture import CAPTURE_ENV
+from vime.engine_protocol.names import CAPTURE_ENV, CORE_FORK_ENV, IDLE_SPIN_ENV, PLUGIN_NAME, WORKER_EXTENSION
+from vime.engine_protocol.weight_files import WEIGHT_ROOT_ENV, weight_root
 from vime.utils.auth import CONTROL_TOKEN_ENV, control_headers, control_token, use_control_token
 from vime.utils.cpus import CpuShare, allowed_cpus, raise_priority
 from vime.utils.logging_utils import configure_logging
@@ -31,7 +31,6 @@ from vime.utils.process import kill_tree, spawn, tail, wait_until
 
 logger = logging.getLogger(__name__)
 
-WORKER_EXTENSION = "vime.backends.weight_transport.worker_extension.WeightReceiver"
 CPU_IDLE_SPIN_S = 0.05  # decode steps follow each other within this; a longer gap sleeps on a socket instead
 
 
@@ -157,7 +156,7 @@ def is_moe(hf_checkpoint: str) -> bool:
 
 def routing_capture_options(args, user: list[str]) -> list[str]:
     """--use-rollout-routing-replay: the engine returns each request's routed experts. On GPU vLLM captures them
-    (`--enable-return-routed-experts`, its V2 model runner: `engine_env`); on CPU vime does (`routing_capture`),
+    (`--enable-return-routed-experts`, its V2 model runner: `engine_env`); on CPU vime does (`in_vllm.routing_capture`),
     without prefix caching, whose cached tokens are never forwarded and so never routed."""
     from vime.utils.device import use_gpu
 
@@ -182,7 +181,6 @@ def engine_env(args, cpu_share: CpuShare | None = None, gpus: list[str] | None =
     """The server's environment, with this process's copy of the run's control token. `cpu_share`: the share of
     its node's CPUs this engine computes on (`Placement.cpu_share`; all of them when None). `gpus`: the GPU ids of
     its bundles (`Placement.engine_gpus`), which its server sees whatever single GPU Ray showed the actor."""
-    from vime.backends.vllm_utils.weight_loading import WEIGHT_ROOT_ENV, weight_root
     from vime.utils.device import use_gpu
 
     env = dict(os.environ)
@@ -193,7 +191,7 @@ def engine_env(args, cpu_share: CpuShare | None = None, gpus: list[str] | None =
     if gpus:  # a tensor-parallel engine's workers take one each (vLLM refuses more workers than visible GPUs)
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
     if not use_gpu():
-        # vLLM's workers busy-wait 1 s after each message: a core the trainer needs (engine_plugin)
+        # vLLM's workers busy-wait 1 s after each message: a core the trainer needs (in_vllm.general_plugin)
         env.setdefault(IDLE_SPIN_ENV, str(CPU_IDLE_SPIN_S))
         # vLLM's "auto" binding neither knows about other engines on the node (every engine pinned its workers to
         # the same cores) nor uses the core it reserves for its front end, which on a small node is half of it
@@ -223,7 +221,7 @@ def single_worker_env(cpus: list[int], env: dict[str, str]) -> dict[str, str]:
         return {}
     return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(len(cpus)),
             "OMP_PLACES": "{" + ",".join(map(str, cpus)) + "}", "OMP_PROC_BIND": "true",
-            CORE_FORK_ENV: "1"}  # engine_plugin.fork_engine_core
+            CORE_FORK_ENV: "1"}  # in_vllm.general_plugin.fork_engine_core
 
 
 def omp_bind_value(cpus: list[int], workers: int) -> str:
@@ -238,14 +236,12 @@ def plugin_allowlist(current: str | None) -> str:
     every installed general and platform plugin (what vLLM loads when it is unset) plus vime's."""
     from importlib.metadata import entry_points
 
-    from vime.backends.vllm_utils.endpoint import NAME
-
     if current is not None:
         names = [n for n in current.split(",") if n]
     else:
         names = [p.name for group in ("vllm.general_plugins", "vllm.platform_plugins")
                  for p in entry_points(group=group)]
-    return ",".join(dict.fromkeys([*names, NAME]))
+    return ",".join(dict.fromkeys([*names, PLUGIN_NAME]))
 
 
 def http_ok(url: str, timeout: float = 2.0) -> bool:

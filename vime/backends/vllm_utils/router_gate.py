@@ -1,7 +1,7 @@
 """The router's address as custom functions see it: a loopback front that admits the run's own user only and
 adds the serving key.
 
-vime's engines answer generation only to requests that carry the run's serving key (`route_auth`); vllm-router
+vime's engines answer generation only to requests that carry the run's serving key (`in_vllm.route_auth`); vllm-router
 passes a request's Authorization header on and adds none of its own. vime's own generate calls send the key; a
 function written for slime posts to `http://{args.sglang_router_ip}:{args.sglang_router_port}/generate` with no
 key at all. The gate stands between the two: `args.vllm_router_ip` / `args.vllm_router_port` of the plugin view
@@ -9,9 +9,10 @@ key at all. The gate stands between the two: `args.vllm_router_ip` / `args.vllm_
 - answers only connections from a process of this user (the peer socket's owner, read from /proc/net/tcp and
   tcp6): another user on the node gets 403 and never reaches the engines through it;
 - forwards GET (the router's `/workers`, `/list_workers`, `/health`, ...) and the generation routes' POST
-  (`route_auth.SERVING_PATHS`) to the router in service at that moment (a restarted router moves; the gate does not),
-  with the serving key in place of any Authorization header given, streaming the answer back; the router's
-  control routes (`/add_worker`, `/remove_worker`, `/flush_cache`, ...) are refused: the fleet owns the worker set.
+  (`engine_protocol.names.SERVING_PATHS`) to the router in service at that moment (a restarted router moves; the
+  gate does not), with the serving key in place of any Authorization header given, streaming the answer back; the
+  router's control routes (`/add_worker`, `/remove_worker`, `/flush_cache`, ...) are refused: the fleet owns the
+  worker set.
 
 It serves from its own thread and event loop, so that a plugin that calls it synchronously from vime's rollout loop
 does not wait on itself.
@@ -29,7 +30,7 @@ from collections.abc import Callable
 import aiohttp
 from aiohttp import web
 
-from vime.backends.vllm_utils.route_auth import SERVING_PATHS
+from vime.engine_protocol.names import SERVING_PATHS
 from vime.utils.listeners import peer_uid
 
 logger = logging.getLogger(__name__)

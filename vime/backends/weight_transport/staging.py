@@ -4,12 +4,12 @@ new and renamed into place.
     path = stage_dir(weight_root(args), "vime_weights_3_")           # driver: mkdtemp, mode 0700
     write_new_file(Path(path), "model-pp0.safetensors", write)       # a training writer
 
-The default root (/dev/shm/vime-<uid>, `weight_loading.default_weight_root`) sits in a directory every user can
+The default root (/dev/shm/vime-<uid>, `weight_files.default_weight_root`) sits in a directory every user can
 write to, so it must be this user's own and private, or nothing is staged there: someone else could otherwise
 make it first and read or swap the weights. Each update gets a directory of an unpredictable name (an existing
 one is never reused), and each file is created with O_EXCL|O_NOFOLLOW (a file or link already at its name is
 an error, never written through) under a temporary name, then renamed, so engines see only complete files. The
-engine side (`weight_loading.update_files`) reads nothing else.
+engine side (`vime.in_vllm.weight_loading.update_files`) reads nothing else.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import BinaryIO, Callable
 
-from vime.backends.vllm_utils.weight_loading import default_weight_root
+from vime.engine_protocol.weight_files import default_weight_root
 
 
 def ensure_root(root: str) -> None:

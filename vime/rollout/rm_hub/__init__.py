@@ -17,6 +17,7 @@ instead: an --rm-type name, or a function path with --custom-rm-path's contract 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import inspect
 import numbers
@@ -60,7 +61,8 @@ class RewardThreads:
                     "not returned (past --rm-timeout); run it with --custom-rm-in-workers, where a call is killed "
                     "at the timeout")
             self.busy += 1
-        future = self._executor.submit(functools.partial(fn, *args, **kwargs))
+        # in the caller's context variables, as asyncio.to_thread does: the function may read the rollout context
+        future = self._executor.submit(contextvars.copy_context().run, functools.partial(fn, *args, **kwargs))
         future.add_done_callback(self._release)
         return asyncio.wrap_future(future)
 

@@ -1,6 +1,6 @@
 """The reward worker processes: rewards that can hang run here, where a call past `--rm-timeout` is killed.
 
-One `WorkerPool` (see `vime.utils.worker_pool`) per process, made on first use from `--rm-num-workers` and
+One `WorkerPool` (see `vime.utils.worker_pool`) per run, held by its rollout context, made on first use from `--rm-num-workers` and
 `--rm-worker-memory-mb`; each worker it kills and replaces adds one to `rollout/reward_workers_replaced`. Users:
 `math_rm` (sympy can hang on adversarial answers) and `--custom-rm-path` with `--custom-rm-in-workers`, whose
 function gets `args` as a Namespace of the JSON-able flags and a `Sample.from_dict` copy of the sample (so changes
@@ -10,10 +10,9 @@ it makes to the sample are not seen by the rollout), and must return JSON-able v
 from __future__ import annotations
 
 import json
-import threading
 from typing import Any
 
-from vime.rollout.metrics import add_counter
+from vime.rollout.context import rollout_context
 from vime.utils.cpus import allowed_cpus
 from vime.utils.types import Sample
 from vime.utils.worker_pool import CALL_WITH_SAMPLE, WorkerPool
@@ -22,27 +21,26 @@ DEFAULT_MEMORY_MB = 4096  # the default of --rm-worker-memory-mb
 DEFAULT_TIMEOUT_S = 60.0  # when args has no rm_timeout (the flag's own default lives in remote_rm)
 REPLACED_COUNTER = "rollout/reward_workers_replaced"
 
-_pool: WorkerPool | None = None
-_lock = threading.Lock()
-
 
 def default_num_workers() -> int:
     return min(4, len(allowed_cpus()))
 
 
 def reward_pool(args) -> WorkerPool:
-    """This process's reward pool, started on first use."""
-    global _pool
-    with _lock:
-        if _pool is None:
+    """The run's reward pool (its rollout context holds it), started on first use."""
+    context = rollout_context()
+    with context.lock:
+        if context.reward_workers is None:
             size = getattr(args, "rm_num_workers", None)
             size = default_num_workers() if size is None else size
             memory_mb = getattr(args, "rm_worker_memory_mb", DEFAULT_MEMORY_MB) or 0
             if size < 1 or memory_mb < 0:
                 raise ValueError(f"--rm-num-workers {size} must be >= 1 and --rm-worker-memory-mb {memory_mb} >= 0")
-            _pool = WorkerPool(size, memory_mb=memory_mb or None, preload=_preload(args),
-                               on_replace=lambda: add_counter(REPLACED_COUNTER), name="vime-reward")
-        return _pool
+            # a replaced worker is counted from the pool's own threads: the context is bound here, not looked up
+            context.reward_workers = WorkerPool(size, memory_mb=memory_mb or None, preload=_preload(args),
+                                                on_replace=lambda: context.add_counter(REPLACED_COUNTER),
+                                                name="vime-reward")
+        return context.reward_workers
 
 
 def _preload(args) -> tuple[str, ...]:
@@ -55,10 +53,11 @@ def _preload(args) -> tuple[str, ...]:
 
 
 def close_reward_pool() -> None:
-    """Kill the reward workers (at the end of a run, or between tests); the next reward starts a new pool."""
-    global _pool
-    with _lock:
-        pool, _pool = _pool, None
+    """Kill the run's reward workers (between tests; the rollout manager's shutdown closes its context); the next
+    reward starts a new pool."""
+    context = rollout_context()
+    with context.lock:
+        pool, context.reward_workers = context.reward_workers, None
     if pool is not None:
         pool.close()
 

@@ -2,7 +2,8 @@
 
 vLLM's server with VLLM_SERVER_DEV_MODE=1 exposes routes that run code in the engine (/collective_rpc, vime's
 /vime/update_weights), load other weights, pause or put it to sleep; its own --api-key guards only the /v1,
-/v2 and /inference paths. vime's endpoint plugin (`endpoint.py`) puts this middleware in front of every route:
+/v2 and /inference paths. vime's endpoint plugin (`endpoint_plugin.py`) puts this middleware in front of every
+route (the lists: `vime.engine_protocol.names`, which the router gate reads too):
 - /health: open (the router's and vime's health probes);
 - generation routes, an explicit list (`SERVING_PATHS`: completions, chat, responses, messages, generate, the
   renderers, tokenize, the model list, pooling): the serving key or the control token (`vime.utils.auth`);
@@ -15,16 +16,8 @@ from __future__ import annotations
 
 import json
 
+from vime.engine_protocol.names import PUBLIC_PATHS, SERVING_PATHS
 from vime.utils.auth import bearer_matches
-
-PUBLIC_PATHS = frozenset({"/health"})
-# what generation needs (vime's rollouts, agents' OpenAI / Anthropic calls, teacher scoring) and reads nothing else
-SERVING_PATHS = frozenset({
-    "/inference/v1/generate", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
-    "/v1/messages/count_tokens", "/v1/completions/render", "/v1/chat/completions/render", "/v1/responses/render",
-    "/v1/messages/render", "/v1/models", "/tokenize", "/detokenize", "/v1/embeddings", "/pooling", "/classify",
-    "/score", "/rerank", "/v1/score", "/v1/rerank", "/v2/embed", "/v2/rerank",
-})
 
 
 def accepted_keys(path: str, control_token: str, serving_key: str) -> tuple[str, ...]:

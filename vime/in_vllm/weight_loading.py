@@ -1,5 +1,5 @@
 """New weights into a running vLLM model, in the engine's worker (called by
-`vime.backends.weight_transport.worker_extension.WeightReceiver`).
+`vime.in_vllm.worker_extension.WeightReceiver`).
 
 vLLM's `reload_weights` handles every layer kind and quantization scheme: it moves each layer to the meta
 device, buffers incoming tensors until a layer is complete (counting elements under a dispatch mode),
@@ -21,10 +21,10 @@ False, and touches nothing, where it does not apply (larger models, another plat
 other special layers); the caller then uses `reload_weights`. Like `reload_weights`, a layer that receives only
 part of its tensors would load garbage for the rest: vime's transports send whole layers (weight_transport.delta).
 
-What a worker may read (`update_files`): only a directory under the run's weight root (`weight_root`, given to the
-engine as VIME_WEIGHT_ROOT by `engine.engine_env`; symlinks resolved), and in it only the file names the writer
-uses, each a regular file. The worker methods take a path from an HTTP route, so a path elsewhere, or a file
-someone else put beside the weights, is refused instead of read.
+What a worker may read (`update_files`): only a directory under the run's weight root (`weight_files.weight_root`,
+given to the engine as VIME_WEIGHT_ROOT by `engine.engine_env`; symlinks resolved), and in it only the file names
+the writer uses (`vime.engine_protocol.weight_files`), each a regular file. The worker methods take a path from an
+HTTP route, so a path elsewhere, or a file someone else put beside the weights, is refused instead of read.
 """
 
 from __future__ import annotations
@@ -33,31 +33,17 @@ import contextlib
 import os
 import re
 import stat
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # annotations only: the driver, which stages updates, imports no torch through here
+from vime.engine_protocol.weight_files import WEIGHT_ROOT_ENV, default_weight_root
+
+if TYPE_CHECKING:  # annotations only: `update_files` needs no torch (the API server's LoRA load uses it)
     import torch
 
 ONLINE_LOADER = "online_process_loader"  # vLLM's layerwise-reload wrapper around a parameter's weight loader
 IN_PLACE_MAX_BYTES = 128 * 2**20  # dense bytes made at once; beyond, vLLM's layer-by-layer reload is faster
-WEIGHT_ROOT_ENV = "VIME_WEIGHT_ROOT"  # the engine's weight root (`engine_env`)
-
-
-def default_weight_root() -> str:
-    """This user's own directory on /dev/shm (in memory), else in the temp dir: both are shared by every user,
-    so the root is per user and private (`weight_transport.staging.stage_dir` checks that)."""
-    shm = "/dev/shm"
-    base = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else tempfile.gettempdir()
-    return os.path.join(base, f"vime-{os.getuid()}")
-
-
-def weight_root(args) -> str:
-    """The one directory weight updates are staged under and engines load from: --update-weight-dir, else
-    `default_weight_root()`; absolute, since the engines do not share the driver's working directory."""
-    return os.path.abspath(getattr(args, "update_weight_dir", None) or default_weight_root())
 
 
 def update_files(path: str, name: re.Pattern, root: str | None = None) -> list[Path]:

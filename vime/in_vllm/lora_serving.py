@@ -2,11 +2,12 @@
 
     POST /vime/update_weights {"method": "vime.load_lora_adapter", "kwargs": {NAME: DIR, ...}, ...}
 
-Runs inside the engine's HTTP server, from vime's update route (`endpoint.run_update`), while the scheduler is
-paused: each adapter NAME in its DIR (PEFT's adapter_config.json and adapter_model.safetensors, written by the
-trainers) is loaded by every worker in place of its previous version, under the same LoRA id, and requests naming
-NAME are served with it from then on. The base weights never change. An update writes one directory holding a
-subdirectory per adapter (`adapter_dirs` reads it back).
+Runs inside the engine's HTTP server, from vime's update route (`endpoint_plugin.run_update`), while the
+scheduler is paused: each adapter NAME in its DIR (PEFT's adapter_config.json and adapter_model.safetensors,
+written by the trainers) is loaded by every worker in place of its previous version, under the same LoRA id, and
+requests naming NAME are served with it from then on. The base weights never change. An update writes one
+directory holding a subdirectory per adapter (the driver's `weight_transport.lora_adapter.driver.adapter_dirs` reads it
+back).
 
 Why not vLLM's own `/v1/load_lora_adapter`: its in-place reload keeps `load_inplace=True` on the request it hands
 to every later generation, and vLLM's workers then read the adapter from disk again at every forward step. Here
@@ -19,22 +20,11 @@ agents' endpoint and the weight check ask for "policy" whether or not the run tr
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
-LOAD_ADAPTER = "vime.load_lora_adapter"  # the update route's own load, not a worker method
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # a directory holds these and nothing else
-_ADAPTER_FILE = re.compile("|".join(re.escape(name) for name in ADAPTER_FILES))
+from vime.engine_protocol.names import LOAD_ADAPTER
+from vime.engine_protocol.weight_files import ADAPTER_FILES
 
-
-def adapter_load_call(adapters: dict[str, str]) -> tuple[str, dict[str, str]]:
-    """The update call that serves each adapter directory of `adapters` ({name: directory}) as model `name`."""
-    return LOAD_ADAPTER, dict(adapters)
-
-
-def adapter_dirs(root: str | Path) -> dict[str, str]:
-    """{adapter name: its directory} of an update directory (one subdirectory per adapter); {} if it holds none."""
-    return {d.name: str(d) for d in sorted(Path(root).iterdir()) if (d / ADAPTER_FILES[0]).is_file()} \
-        if Path(root).is_dir() else {}
+_ADAPTER_FILE = re.compile("|".join(re.escape(name) for name in ADAPTER_FILES))  # a directory holds these only
 
 
 async def load_adapter(models, engine, adapters: dict[str, str]) -> dict:
@@ -44,7 +34,7 @@ async def load_adapter(models, engine, adapters: dict[str, str]) -> dict:
     checked before any is loaded."""
     from vllm.lora.request import LoRARequest
 
-    from vime.backends.vllm_utils.weight_loading import update_files
+    from vime.in_vllm.weight_loading import update_files
 
     if not adapters:
         raise ValueError(f"{LOAD_ADAPTER} needs {{adapter name: directory}}, got nothing")

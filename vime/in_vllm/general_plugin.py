@@ -2,7 +2,7 @@
 
 vLLM runs general plugins in every process of an engine (API server, engine core, workers). The idle-spin cap
 acts only in engines vime starts, which carry VIME_ENGINE_IDLE_SPIN_S in their environment (`engine.engine_env`,
-CPU only).
+CPU only; the switches' names: `vime.engine_protocol.names`).
 
 Why: a vLLM worker busy-waits (sched_yield) for one second after every message from its engine core before it
 sleeps on a socket (`shm_broadcast.SpinCondition`, busy_loop_s=1); on a GPU that keeps step dispatch quick. On a
@@ -19,16 +19,15 @@ from __future__ import annotations
 
 import os
 
-IDLE_SPIN_ENV = "VIME_ENGINE_IDLE_SPIN_S"
-CORE_FORK_ENV = "VIME_ENGINE_CORE_FORK"
+from vime.engine_protocol.names import CORE_FORK_ENV, IDLE_SPIN_ENV
 
 
 def configure() -> None:
     """The entry point: cap the workers' idle spin when vime started this engine; capture routed experts when
     asked (`routing_capture`, CPU engines of --use-rollout-routing-replay)."""
-    from vime.backends.vllm_utils import routing_capture
-    from vime.backends.vllm_utils.cpu_rope import patch_cpu_rotary
-    from vime.backends.vllm_utils.cpu_sampler import patch_rank_count
+    from vime.in_vllm import routing_capture
+    from vime.in_vllm.cpu_rope import patch_cpu_rotary
+    from vime.in_vllm.cpu_sampler import patch_rank_count
 
     patch_cpu_rotary()  # a correctness fix: on every CPU engine, whoever started it
     patch_rank_count()

@@ -12,8 +12,9 @@ VLLM_USE_V2_MODEL_RUNNER=1), which needs Triton: a GPU. On CPU vime captures the
   client unchanged.
 
 Tokens served from the prefix cache are not forwarded, so they would have no routing: vime starts such engines
-with prefix caching off (`engine.engine_command`). Installed by the general plugin (`engine_plugin.configure`)
-when CAPTURE_ENV is set.
+with prefix caching off (`engine.engine_command`). Installed by the general plugin (`general_plugin.configure`)
+when CAPTURE_ENV is set. Each side's state lives on the vLLM object it serves: the worker's `StepCapture` on its
+model runner, the `RoutingStore` on the scheduler.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ import os
 
 import numpy as np
 
-logger = logging.getLogger(__name__)
+from vime.engine_protocol.names import CAPTURE_ENV
 
-CAPTURE_ENV = "VIME_CAPTURE_ROUTED_EXPERTS"
+logger = logging.getLogger(__name__)
 
 
 class StepCapture:
@@ -86,10 +87,6 @@ class RoutingStore:
         return self.finished.pop(req_id, None)
 
 
-_CAPTURE: StepCapture | None = None  # the worker's
-_STORE = RoutingStore()  # the scheduler's
-
-
 def install() -> None:
     """Patch the V1 model runner and the scheduler of this process (idempotent). The worker hands each step's
     rows to the scheduler in the field vLLM's own capture uses, `ModelRunnerOutput.aux_output_connector_output`
@@ -136,19 +133,20 @@ def install() -> None:
         return output
 
     def _free_request(self, request, *args, **kwargs):
-        _STORE.finish(request.request_id)
+        _store_of(self).finish(request.request_id)
         return free(self, request, *args, **kwargs)
 
     def update_from_output(self, scheduler_output, model_runner_output, *args, **kwargs):
+        store = _store_of(self)
         for req_id, (first, rows) in (getattr(model_runner_output, "aux_output_connector_output", None) or {}).items():
             if isinstance(rows, np.ndarray):  # vime's (first position, rows), not vLLM's own connector's
-                _STORE.add(req_id, first, rows)
+                store.add(req_id, first, rows)
         outputs = update(self, scheduler_output, model_runner_output, *args, **kwargs)
         for engine_outputs in outputs.values():
             for out in engine_outputs.outputs:
                 if out.finish_reason is not None and out.routed_experts is None:
-                    out.routed_experts = _STORE.take(out.request_id)
-        _STORE.finished.clear()  # freed without an output (aborted): nobody will ask
+                    out.routed_experts = store.take(out.request_id)
+        store.finished.clear()  # freed without an output (aborted): nobody will ask
         return outputs
 
     _model_forward.vime_capture = True
@@ -160,19 +158,27 @@ def install() -> None:
 
 
 def _capture_for(runner) -> StepCapture:
-    """The worker's capture, made (and the model's routers bound to it) on the first forward."""
-    global _CAPTURE
-    if _CAPTURE is None:
+    """The model runner's capture, made (and the model's routers bound to it) on its first forward."""
+    capture = runner.__dict__.get("vime_step_capture")
+    if capture is None:
         config = runner.vllm_config.model_config
-        _CAPTURE = StepCapture(config.get_total_num_hidden_layers(), config.get_num_experts_per_tok(),
-                               config.get_num_experts())
+        capture = runner.vime_step_capture = StepCapture(config.get_total_num_hidden_layers(),
+                                                         config.get_num_experts_per_tok(), config.get_num_experts())
     model = runner.get_model()
     if not getattr(model, "vime_routing_bound", False):
         from vllm.model_executor.layers.fused_moe.routed_experts_capturer import bind_routed_experts_capturer
 
-        bind_routed_experts_capturer(model, _CAPTURE)
+        bind_routed_experts_capturer(model, capture)
         model.vime_routing_bound = True
-    return _CAPTURE
+    return capture
+
+
+def _store_of(scheduler) -> RoutingStore:
+    """The scheduler's store of routed experts, made at its first use."""
+    store = scheduler.__dict__.get("vime_routing_store")
+    if store is None:
+        store = scheduler.vime_routing_store = RoutingStore()
+    return store
 
 
 def enabled() -> bool:

@@ -1,6 +1,5 @@
-"""Weight sync in memory: the training writers broadcast HF tensors over a process group the engines joined.
-
-    python train.py --update-weight-transport broadcast [--update-weight-buffer-size BYTES] ...
+"""The in-memory weight broadcast, as every member of the weight group runs it: each training writer (one per
+pipeline stage) sends, every engine worker (`vime.in_vllm.worker_extension`) receives.
 
 Group: rank s = the writer of pipeline stage s (DP rank 0, TP rank 0), then every engine worker
 (`len(stages) + engine_index * workers_per_engine + worker_rank`). It is built with vLLM's
@@ -11,42 +10,22 @@ Wire protocol, once per writer (in stage order; every member takes part in every
 [name, dtype, shape] (its length, then its bytes), then the tensors, in order, as flat uint8 broadcasts: small
 ones packed into buckets of at most --update-weight-buffer-size bytes, each tensor of 1 MiB or more on its own
 (sent from its own memory, no copy). Both sides cut buckets with `plan_buckets`, so no per-bucket header
-travels. The engine side (`vime.backends.weight_transport.worker_extension`) feeds the tensors, as they arrive, to
-vLLM's `reload_weights(weights_iterator=...)`: on CPU the linear weights are repacked after loading, so writing
-into the parameters would not update anything.
+travels.
 """
 
 from __future__ import annotations
 
 import json
-import uuid
 from datetime import timedelta
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
-
-from vime.backends.weight_transport.base import Weights, WeightTransport
 
 ALIGN = 64  # byte alignment of every tensor inside a bucket, so each can be viewed as its own dtype
 ALONE_BYTES = 1 << 20  # tensors this large travel on their own: packing gains nothing but a copy
 GROUP_TIMEOUT_S = 600  # a member that never shows up fails the update after this long instead of hanging
 
-# ---- driver side: one group key per engine set ------------------------------------------------------------------
-def engine_set_key(state: dict, engine_urls: list[str], trainer_address: Callable[[], tuple[str, int]] | None = None):
-    """(key, rendezvous address) for the current engine set; a new key (and address) when the set changes.
 
-    Called in the driver, `state` kept by its transport for the run. Trainer writers and engine workers keep the
-    group they built under a key and rebuild it when the handle carries another one, so the key is the only
-    thing that decides reuse."""
-    engines = tuple(engine_urls)
-    if engines != state.get("engines"):
-        state.update(engines=engines, key=uuid.uuid4().hex, address=None)
-    if state.get("address") is None and trainer_address is not None:
-        state["address"] = trainer_address()
-    return state["key"], state["address"]
-
-
-# ---- wire protocol (both sides) -------------------------------------------------------------------------------
 def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name.removeprefix("torch."))
 
@@ -140,72 +119,3 @@ def group_backend(device) -> str:
     CPU ones. Every member decides for itself, where it runs (training writers and engines are on the same kind
     of device)."""
     return "nccl" if str(device).partition(":")[0] == "cuda" else "gloo"
-
-
-# ---- the transport --------------------------------------------------------------------------------------------
-class BroadcastWeightTransport(WeightTransport):
-    concurrent = True  # send and apply join the same collective: the driver starts both, then waits for both
-
-    def __init__(self, args):
-        super().__init__(args)
-        self.bucket_bytes = int(args.update_weight_buffer_size)
-        self.num_senders = int(args.pipeline_model_parallel_size)
-        self.workers_per_engine = int(args.rollout_num_gpus_per_engine)
-        self.engine_set: dict = {}  # driver: the engine set, its group key and rendezvous address
-        self.engine_urls: list[str] | None = None
-        self.group: dict = {}  # a training writer: the group it joined, {"key", "pg"}
-
-    def connect(self, engine_urls: list[str], trainer_address: Callable[[], tuple[str, int]]) -> None:
-        """Driver side, before `prepare`: the engines, and a (host, free port) on training rank 0's node."""
-        self.engine_urls = list(engine_urls)
-        engine_set_key(self.engine_set, engine_urls, trainer_address)
-
-    def prepare(self, version: int) -> dict:
-        if self.engine_urls is None:
-            raise RuntimeError("BroadcastWeightTransport.connect(engine_urls, trainer_address) must run first")
-        # no backend here: each member picks it for the device it holds its tensors on (`group_backend`); the
-        # driver may run on a CPU-only head node
-        host, port = self.engine_set["address"]
-        return {"version": version, "key": self.engine_set["key"], "master_addr": host, "master_port": port,
-                "engine_urls": self.engine_urls, "num_senders": self.num_senders,
-                "world_size": self.num_senders + len(self.engine_urls) * self.workers_per_engine,
-                "bucket_bytes": self.bucket_bytes}
-
-    def send(self, weights: Weights, stage: int | None, handle: dict) -> None:
-        """The writer of each pipeline stage broadcasts its tensors to the group."""
-        if stage is None:
-            return
-        from vime.utils.device import local_device
-
-        device = local_device()  # the training writer's own
-        weights = [(name, t.detach().to(device)) for name, t in weights]
-        pg = join_group(self.group, handle["key"], handle["master_addr"], handle["master_port"], stage,
-                        handle["world_size"], group_backend(device))
-        for _ in broadcast_weights(pg, handle["num_senders"], handle["bucket_bytes"], device, own=weights):
-            pass  # another stage's tensors: this writer only relays its part of the collective
-
-    def bound_engines(self, handle: dict) -> list[str]:
-        return handle["engine_urls"]
-
-    def close(self) -> None:
-        """A training writer leaves its group (tests, benchmarks; a run's processes just exit)."""
-        from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
-
-        if self.group.get("pg") is not None:
-            stateless_destroy_torch_distributed_process_group(self.group["pg"])
-        self.group.clear()
-
-    def load_calls(self, engine_urls: list[str], handle: dict) -> dict:
-        """Each engine's receive (the caller runs them at once: each blocks until the whole group has joined)."""
-        if list(engine_urls) != handle["engine_urls"]:
-            raise RuntimeError(f"engine set changed between prepare and apply: {handle['engine_urls']} -> "
-                               f"{engine_urls}")
-        common = {"key": handle["key"], "master_addr": handle["master_addr"],
-                  "master_port": str(handle["master_port"]), "world_size": str(handle["world_size"]),
-                  "num_senders": str(handle["num_senders"]), "bucket_bytes": str(handle["bucket_bytes"])}
-        return {url: ("vime_receive_weights",
-                      {**common, "rank_offset": str(handle["num_senders"] + index * self.workers_per_engine)})
-                for index, url in enumerate(engine_urls)}
-
-    def cleanup(self, handle: dict) -> None:
-        pass  # the group stays up for the next update

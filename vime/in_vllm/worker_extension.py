@@ -1,5 +1,5 @@
 """The engine side of every weight transport: methods vime adds to every vLLM worker
-(`--worker-extension-cls vime.backends.weight_transport.worker_extension.WeightReceiver`).
+(`--worker-extension-cls vime.in_vllm.worker_extension.WeightReceiver`: `engine_protocol.names.WORKER_EXTENSION`).
 
 vLLM mixes this class into its worker class, so `self` is the worker (`self.reload_weights`, `self.rank`,
 `self.device`). Called through the dev-mode `/collective_rpc` route (or vime's `/vime/update_weights`), which pass
@@ -22,9 +22,9 @@ class WeightReceiver:
         """Join (or reuse) the weight group `key` and reload the weights the training writers broadcast.
 
         Blocks until every member has joined and every writer has sent; see
-        `vime.backends.weight_transport.broadcast` for the protocol. Returns {"tensors", "bytes"} received and
+        `vime.engine_protocol.weight_broadcast` for the protocol. Returns {"tensors", "bytes"} received and
         "in_place"."""
-        from vime.backends.weight_transport.broadcast import broadcast_weights, group_backend, join_group
+        from vime.engine_protocol.weight_broadcast import broadcast_weights, group_backend, join_group
 
         cache = self.__dict__.setdefault("_vime_weight_group", {})
         device = getattr(self, "device", None) or torch.device("cpu")  # the vLLM worker's: decided here
@@ -50,8 +50,8 @@ class WeightReceiver:
         transports write; it must be under the weight root and hold nothing else)."""
         from safetensors import safe_open
 
-        from vime.backends.vllm_utils.weight_loading import update_files
-        from vime.backends.weight_transport.disk import STAGE_FILE
+        from vime.engine_protocol.weight_files import STAGE_FILE
+        from vime.in_vllm.weight_loading import update_files
 
         files = update_files(path, STAGE_FILE)
         stats = {"tensors": 0}
@@ -68,7 +68,7 @@ class WeightReceiver:
 
     def _vime_load(self, weights) -> bool:
         """In place where `load_in_place` applies, else vLLM's `reload_weights`; True when in place."""
-        from vime.backends.vllm_utils.weight_loading import load_in_place, packing_cpu_experts
+        from vime.in_vllm.weight_loading import load_in_place, packing_cpu_experts
 
         runner = self.model_runner
         if not load_in_place(self.vllm_config, runner.get_model(), weights):
@@ -82,7 +82,7 @@ class WeightReceiver:
 
     def vime_load_ipc_weights(self, path: str) -> dict:
         """Colocated GPUs: reload from the trainer's CUDA IPC handles in `path` (see weight_transport.cuda_ipc)."""
-        from vime.backends.weight_transport.cuda_ipc import open_ipc_tensors
+        from vime.in_vllm.cuda_ipc import open_ipc_tensors
 
         count = 0
         opened = open_ipc_tensors(path, self.device.index)  # checks the path and every handle file first

@@ -12,8 +12,8 @@ The same steps as five separate control routes cost an HTTP round trip each, and
 20 ms sleep (for the ordering of outputs only); one update of a small model took 60-90 ms that way.
 
 Registered as the `vllm.endpoint_plugins` entry point `vime` (pyproject.toml); vLLM loads endpoint plugins only
-when named in VLLM_PLUGINS, which `engine.engine_env` sets. Engines started without it (external engines) get the
-same steps as separate calls (`client.update_weights_each`).
+when named in VLLM_PLUGINS, which `engine.engine_env` sets (the name and the route: `vime.engine_protocol.names`).
+Engines started without it (external engines) get the same steps as separate calls (`client.update_weights_each`).
 
 The plugin also puts `route_auth.RunTokenMiddleware` in front of every route of the server when vime started it
 (its environment carries the run's control token): this route, like vLLM's control routes, runs worker methods.
@@ -22,14 +22,13 @@ The plugin also puts `route_auth.RunTokenMiddleware` in front of every route of 
 # No `from __future__ import annotations`: FastAPI reads the route's parameter annotations (`Request`) at runtime.
 import time
 
-NAME = "vime"
-ROUTE = "/vime/update_weights"
+from vime.engine_protocol.names import LOAD_ADAPTER, PLUGIN_NAME, UPDATE_ROUTE
 
 
 class VimeEndpoints:
     """The `vllm.endpoint_plugins` entry point: `attach_router` adds the route, `init_state` needs nothing."""
 
-    name = NAME
+    name = PLUGIN_NAME
     required_tasks = ("generate",)
 
     def attach_router(self, app) -> None:
@@ -38,19 +37,19 @@ class VimeEndpoints:
 
         router = APIRouter()
 
-        @router.post(ROUTE)
+        @router.post(UPDATE_ROUTE)
         async def update_weights(raw_request: Request) -> JSONResponse:
             try:
                 body = await raw_request.json()
                 method, kwargs, version, mode = _parse(body)
             except ValueError as e:
-                return JSONResponse({"error": f"{ROUTE}: {e}"}, status_code=400)
+                return JSONResponse({"error": f"{UPDATE_ROUTE}: {e}"}, status_code=400)
             try:
                 state = raw_request.app.state
                 answer = await run_update(state.engine_client, method, kwargs, version, mode,
                                           getattr(state, "openai_serving_models", None))
             except Exception as e:  # noqa: BLE001 - the caller gets the reason
-                return JSONResponse({"error": f"{ROUTE}: {e}"}, status_code=500)
+                return JSONResponse({"error": f"{UPDATE_ROUTE}: {e}"}, status_code=500)
             return JSONResponse(answer)
 
         app.include_router(router)
@@ -62,7 +61,7 @@ class VimeEndpoints:
 
 def require_run_token(app) -> None:
     """Every route but /health asks for the run's keys (`route_auth`), when the server was given a token."""
-    from vime.backends.vllm_utils.route_auth import RunTokenMiddleware
+    from vime.in_vllm.route_auth import RunTokenMiddleware
     from vime.utils.auth import serving_key, token_from_environment
 
     token = token_from_environment()
@@ -88,9 +87,9 @@ def _parse(body) -> tuple[str | None, dict, str, str]:
 
 async def run_update(engine, method: str | None, kwargs: dict, version: str, mode: str, models=None) -> dict:
     """Pause -> load -> reset prefix cache -> version -> resume on one engine client (AsyncLLM). The load is the
-    worker method `method`, or, for `lora_serving.LOAD_ADAPTER`, a LoRA adapter served through `models` (the
-    server's OpenAIServingModels)."""
-    from vime.backends.vllm_utils.lora_serving import LOAD_ADAPTER, load_adapter
+    worker method `method`, or, for `LOAD_ADAPTER`, a LoRA adapter served through `models` (the server's
+    OpenAIServingModels)."""
+    from vime.in_vllm.lora_serving import load_adapter
 
     start = time.perf_counter()
     core = getattr(engine, "engine_core", None)
