@@ -109,7 +109,8 @@ class StandInEngine:
 
 
 class RayStandIn:
-    """Replaces `ray` in `vime.ray.engine_fleet`: no cluster, the stand-in engines answer directly."""
+    """Replaces `ray` in `vime.ray.engine_fleet` and `vime.ray.fleet_recovery`: no cluster, the stand-in engines
+    answer directly."""
 
     @staticmethod
     def get(value, timeout=None):
@@ -184,11 +185,11 @@ def build_fleet(n: int, hosts: list[StandInHost], log_dir: Path, token: str):
     """vime's fleet over `n` stand-in engines (fault tolerance on: the path a large run takes), its router
     launched with no worker yet, as `EngineFleet.launch` leaves it."""
     from vime.arguments import parse_args
-    from vime.ray import engine_fleet
+    from vime.ray import engine_fleet, fleet_recovery
     from vime.rollout.context import RolloutContext
     from vime.utils.misc import find_free_port
 
-    engine_fleet.ray = RayStandIn
+    engine_fleet.ray = fleet_recovery.ray = RayStandIn
     args = parse_args(["--use-fault-tolerance"], validate=False)
     fleet = engine_fleet.EngineFleet(args, None, log_dir, RolloutContext(), engines=[], token=token)
     fleet.gate = None  # the custom functions' front: not part of the control plane measured here

@@ -46,7 +46,7 @@ def bench_mode(label: str, argv: list[str], groups, work: Path, repeats: int) ->
     from vime.backends.megatron_utils.hf_checkpoint import _unwrap
     from vime.backends.megatron_utils.lora import adapted_linears
     from vime.backends.megatron_utils.parallel import destroy_parallel
-    from vime.backends.megatron_utils.trainer import MegatronTrainer
+    from vime.trainer.trainer import MegatronTrainer
     from vime.backends.vllm_utils.engine import VLLMEngine
     from vime.backends.weight_transport import make_driver, make_sender
     from vime.ray.weight_sync import sync_kind

@@ -36,7 +36,7 @@ def build_args(model: Path, data: Path, out: Path, a) -> argparse.Namespace:
 
 async def raw_rollout(args, engine_url: str, groups) -> int:
     """What a hand-written client would do: one POST per sample straight to the engine."""
-    from vime.rollout.vllm_rollout import sampling_params_for
+    from vime.rollout.generation import sampling_params_for
     from vime.utils.auth import serving_headers
 
     params = sampling_params_for(args)

@@ -49,7 +49,7 @@ def bare_step(model, optimizer, samples: list[dict], mbs: list[list[int]]) -> fl
     """Megatron forward + backward + optimizer step with a token-mean cross-entropy on the response tokens."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from vime.backends.megatron_utils.batching import pad_tokens
+    from vime.trainer.batching import pad_tokens
 
     total_tokens = sum(s["response_length"] for s in samples)
 
@@ -97,11 +97,11 @@ def main() -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
 
-    from vime.backends.megatron_utils.batching import micro_batches
+    from vime.trainer.batching import micro_batches
     from vime.backends.megatron_utils.hf_checkpoint import load_hf_checkpoint_into_model
     from vime.backends.megatron_utils.model import setup_model_and_optimizer
     from vime.backends.megatron_utils.parallel import destroy_parallel
-    from vime.backends.megatron_utils.trainer import MegatronTrainer
+    from vime.trainer.trainer import MegatronTrainer
     from vime.synthetic.tiny_model import build_tiny_model
     from vime.arguments import parse_args
 

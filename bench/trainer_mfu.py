@@ -103,7 +103,7 @@ def measure(shape: str, ckpt: Path, share: bool, steps: int, micro_batch: int, p
             peak: float) -> dict:
     from vime.arguments import parse_args
     from vime.backends.megatron_utils.parallel import destroy_parallel
-    from vime.backends.megatron_utils.trainer import MegatronTrainer
+    from vime.trainer.trainer import MegatronTrainer
 
     s = SHAPES[shape]
     gpu = torch.cuda.is_available()

@@ -87,7 +87,7 @@ def plain_copy(trainer) -> tuple[float, int]:
 
 def bench_size(label: str, shape: dict, work: Path, repeats: int) -> dict:
     from vime.backends.megatron_utils.parallel import destroy_parallel
-    from vime.backends.megatron_utils.trainer import MegatronTrainer
+    from vime.trainer.trainer import MegatronTrainer
     from vime.backends.vllm_utils.engine import VLLMEngine
     from vime.backends.weight_transport import make_driver, make_sender
     from vime.synthetic.tiny_model import build_tiny_model

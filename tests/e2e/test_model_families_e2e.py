@@ -136,9 +136,9 @@ def test_rollout_routing_replay_closes_the_train_rollout_gap(tmp_path):
     import numpy as np
 
     from tests.helpers.trainer_runs import local_trainer
-    from vime.backends.megatron_utils.model import forward_log_probs
-    from vime.backends.megatron_utils.routing_replay import RoutingReplay
-    from vime.backends.megatron_utils.train_batch import TrainBatch
+    from vime.trainer.passes import forward_log_probs
+    from vime.trainer.routing_replay import RoutingReplay
+    from vime.trainer.train_batch import TrainBatch
     from vime.synthetic.tiny_model import build_tiny_model
 
     assert not stack_pids()

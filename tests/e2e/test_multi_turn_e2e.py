@@ -43,12 +43,12 @@ PLUGIN = textwrap.dedent(f'''
     import contextvars
 
     from vime.agents import multi_turn
-    from vime.rollout import vllm_rollout
+    from vime.rollout import generation
 
     _sampled = contextvars.ContextVar("sampled")
 
     async def _recording_post_generate(args, token_ids, params, **kwargs):
-        choice = await vllm_rollout.post_generate(args, token_ids, params, **kwargs)
+        choice = await generation.post_generate(args, token_ids, params, **kwargs)
         _sampled.get().append(list(choice.get("token_ids") or []))
         return choice
 

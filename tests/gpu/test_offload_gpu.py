@@ -22,7 +22,7 @@ MIB = 2**20
 
 
 def test_offload_returns_device_memory_and_onload_restores_it_bit_exact():
-    from vime.backends.megatron_utils.offload import TrainStateOffloader, train_state_tensors
+    from vime.trainer.offload import TrainStateOffloader, train_state_tensors
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.Linear(1024, 512)).cuda()

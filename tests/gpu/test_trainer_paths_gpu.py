@@ -2,8 +2,8 @@
 each policy-loss variant, the PPO critic in fp32 / fp32 + distributed optimizer / bf16 + distributed optimizer,
 single and multi-LoRA, on-policy distillation in both modes, a tiny MoE with routing replay and the aux loss,
 shared prompts on and off, bshd and dynamic batch size, activation recompute, offload with the reference and the
-teacher, resuming on the GPU from a checkpoint a CPU run saved, and `_reduce` over an NCCL group with data
-parallel forced to 2.
+teacher, resuming on the GPU from a checkpoint a CPU run saved, and the step metrics' reduction over an NCCL group
+with data parallel forced to 2.
 
 The CPU tests catch the device mix-ups these paths had (tests/unit/test_device_placement.py); here they run for
 real: every step trains (no skipped step, finite loss, a gradient) and the tensors it touches are on the GPU.
@@ -45,7 +45,7 @@ def gpu_trainer(hf_dir, *argv, role: str = "actor", **values):
     """A one-process MegatronTrainer on this GPU with BASE_ARGV + argv, `values` set on the parsed args."""
     from vime.arguments import parse_args
     from vime.backends.megatron_utils.parallel import destroy_parallel
-    from vime.backends.megatron_utils.trainer import MegatronTrainer
+    from vime.trainer.trainer import MegatronTrainer
     from vime.utils.misc import with_values
 
     args = parse_args(["--hf-checkpoint", str(hf_dir), *BASE_ARGV, *argv])
@@ -251,15 +251,16 @@ def test_reduce_over_an_nccl_group_with_data_parallel_forced_to_2(tiny_qwen3):
     import torch.distributed as dist
     from megatron.core import parallel_state
 
+    from vime.trainer.step_metrics import reduce_step_metrics
+
     with gpu_trainer(tiny_qwen3) as t:
         assert "nccl" in dist.get_backend(parallel_state.get_data_parallel_group())
-        t.dp_size = 2
         device = t.device
-        out = t._reduce([
+        out = reduce_step_metrics([
             {"loss": torch.tensor(0.5, device=device), "logprob_diff_max": torch.tensor(0.25, device=device),
              "custom": 1.0},
             {"loss": torch.tensor(0.25, device=device), "logprob_diff_max": torch.tensor(0.75, device=device),
-             "custom": 2.0}])
+             "custom": 2.0}], 2, device)
     assert all(v.device == device for v in out.values())
     assert {k: v.item() for k, v in out.items()} == {"custom": 3.0, "logprob_diff_max": 0.75, "loss": 0.75}
 

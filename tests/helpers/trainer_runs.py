@@ -38,7 +38,7 @@ BASE_ARGV = ["--debug-train-only", "--no-save-rollouts", "--load-debug-rollout-d
 def local_trainer(hf_dir, *extra: str):
     """A one-process trainer in this process with BASE_ARGV + extra; Megatron's groups are destroyed after."""
     from vime.backends.megatron_utils.parallel import destroy_parallel
-    from vime.backends.megatron_utils.trainer import MegatronTrainer
+    from vime.trainer.trainer import MegatronTrainer
     from vime.arguments import parse_args
 
     args = parse_args(["--hf-checkpoint", str(hf_dir), *BASE_ARGV, *extra])
@@ -105,7 +105,7 @@ def main(spec_path: str, rank: int) -> None:
 
     torch.set_num_threads(1)
     from vime.backends.megatron_utils.parallel import destroy_parallel
-    from vime.backends.megatron_utils.trainer import MegatronTrainer
+    from vime.trainer.trainer import MegatronTrainer
     from vime.arguments import parse_args
 
     spec = json.loads(Path(spec_path).read_text())

@@ -228,7 +228,7 @@ def test_plain_vllm_options_are_checked_without_importing_vllm(base, tmp_path, m
     vllm_option_table(), megatron_option_table()  # the caches an earlier start left
     # one process parses a run with plain options, then one with a value only vLLM's parser reads ("1k")
     code = ("import sys, json, pickle; from vime.arguments import parse_args\n"
-            "from vime.ray.session import run_entry_point\n"
+            "from vime.ray.entry_point import run_entry_point\nfrom vime.ray.session import TrainingSession\n"
             "parse_args(json.loads(sys.argv[1])[0], check_model=False)\n"
             "print('heavy:', [m for m in ('torch', 'transformers', 'math_verify', 'vllm') if m in sys.modules])\n"
             "for argv in json.loads(sys.argv[1]):\n"

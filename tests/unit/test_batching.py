@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from vime.backends.megatron_utils.batching import balanced_partition, micro_batches, pad_tokens, step_slices
+from vime.trainer.batching import balanced_partition, micro_batches, pad_tokens, step_slices
 
 
 def test_step_slices_cut_consecutive_ranges():

@@ -17,7 +17,7 @@ from tests.helpers.trainer_runs import BASE_ARGV
 def critic(hf_dir, *extra, role: str = "critic"):
     """A PPO run's critic (or, with `role="actor"`, its actor) in this process."""
     from vime.backends.megatron_utils.parallel import destroy_parallel
-    from vime.backends.megatron_utils.trainer import MegatronTrainer
+    from vime.trainer.trainer import MegatronTrainer
     from vime.arguments import parse_args
 
     args = parse_args(["--hf-checkpoint", str(hf_dir), *BASE_ARGV, "--advantage-estimator", "ppo", *extra])

@@ -35,7 +35,7 @@ def _args(hf_dir, *extra, **values):
 
 def _batch():
     """Four samples with every per-sample field a step may read, on the CPU as the trainer holds them."""
-    from vime.backends.megatron_utils.train_batch import TrainBatch
+    from vime.trainer.train_batch import TrainBatch
 
     g = torch.Generator().manual_seed(0)
 
@@ -53,7 +53,7 @@ def _batch():
 
 
 def _inputs(batch, indices):
-    from vime.backends.megatron_utils.batching import micro_batch_inputs
+    from vime.trainer.batching import micro_batch_inputs
 
     return micro_batch_inputs([batch.tokens[i] for i in indices], [batch.response_lengths[i] for i in indices])
 
@@ -81,7 +81,7 @@ LOSS_VARIANTS = {
 def test_policy_loss_takes_the_batch_on_the_models_device(tiny_qwen3, megatron_world, variant):
     """Before: advantages, old / reference / rollout log-probs and a custom loss's batch stayed on the CPU next
     to CUDA log-probs ("Expected all tensors to be on the same device"; here: "... expected device meta")."""
-    from vime.backends.megatron_utils.loss import make_loss_fn
+    from vime.trainer.loss import make_loss_fn
 
     extra, values = LOSS_VARIANTS[variant]
     args = _args(tiny_qwen3, *extra, **values)
@@ -102,7 +102,7 @@ def test_policy_loss_takes_the_batch_on_the_models_device(tiny_qwen3, megatron_w
 
 def test_rollout_gap_counts_trained_tokens_only():
     """The train/inference gap metric without boolean indexing (no host sync): the same numbers."""
-    from vime.backends.megatron_utils.loss import rollout_gap
+    from vime.trainer.loss import rollout_gap
 
     lps = [torch.tensor([-1.0, -2.0, -3.0]), torch.tensor([-0.5]), torch.tensor([-4.0, -1.0])]
     rollout = [torch.tensor([-1.5, float("nan"), -3.25]), None, torch.tensor([-4.0, -0.25])]
@@ -116,7 +116,7 @@ def test_rollout_gap_counts_trained_tokens_only():
 
 def test_value_loss_takes_masks_old_values_and_returns_on_the_models_device(tiny_qwen3, megatron_world):
     """Before: the critic's loss masks, old values and returns stayed on the CPU next to CUDA values."""
-    from vime.backends.megatron_utils.critic import make_value_loss_fn
+    from vime.trainer.critic import make_value_loss_fn
 
     args = _args(tiny_qwen3, "--advantage-estimator", "ppo")
     batch = _batch()
@@ -147,7 +147,7 @@ class _LastStage(torch.nn.Module):
 def test_value_head_is_made_where_the_model_is_and_in_its_dtype(dtype):
     """Before: the value head was created on the CPU in float32 after the model had moved to the GPU (fp32:
     forward fails; bf16: F.linear of bf16 input and fp32 weight, or Megatron's Float16 optimizer refuses it)."""
-    from vime.backends.megatron_utils.critic import attach_value_head
+    from vime.trainer.critic import attach_value_head
 
     chunk = _LastStage(META, dtype)
     attach_value_head([chunk])
@@ -171,15 +171,15 @@ def test_reduce_all_reduces_on_the_device_an_nccl_group_serves(megatron_world, m
     after its first step."""
     from megatron.core import parallel_state
 
-    from vime.backends.megatron_utils import trainer as trainer_module
+    from vime.trainer import step_metrics
 
     group = parallel_state.get_data_parallel_group()
-    monkeypatch.setattr(trainer_module, "is_last_stage", lambda: True)
+    monkeypatch.setattr(step_metrics, "is_last_stage", lambda: True)
     # a custom loss may report a metric as a CPU tensor or a number: the reduction places it
     mb_metrics = [{"loss": torch.tensor(0.5), "logprob_diff_max": torch.tensor(0.25), "custom": 1.0},
                   {"loss": torch.tensor(0.25), "logprob_diff_max": torch.tensor(0.75), "custom": 2.0}]
     with nccl_only(group) as reduced:
-        out = trainer_module.MegatronTrainer._reduce(_fake_trainer(2, META), mb_metrics)
+        out = step_metrics.reduce_step_metrics(mb_metrics, 2, META)
     assert sorted(out) == ["custom", "logprob_diff_max", "loss"]
     assert_all_on(out.values(), META)
     assert [(d.type, op) for d, op in reduced] == [("meta", dist_op("SUM")), ("meta", dist_op("MAX"))]
@@ -194,13 +194,13 @@ def dist_op(name: str):
 def test_reduce_sums_shares_and_takes_the_max_over_a_gloo_group(megatron_world, monkeypatch):
     """On a gloo group (CPU runs) the metrics are reduced on the CPU, with data parallel forced to 2 (a group of
     one: the all-reduce runs and leaves the sums); read once, as floats."""
-    from vime.backends.megatron_utils import trainer as trainer_module
-    from vime.backends.megatron_utils.trainer import read_metrics
+    from vime.trainer import step_metrics
+    from vime.trainer.step_metrics import read_metrics
 
-    monkeypatch.setattr(trainer_module, "is_last_stage", lambda: True)
+    monkeypatch.setattr(step_metrics, "is_last_stage", lambda: True)
     mb_metrics = [{"loss": torch.tensor(0.5), "logprob_diff_max": torch.tensor(0.25), "custom": 1.0},
                   {"loss": torch.tensor(0.25), "logprob_diff_max": torch.tensor(0.75), "custom": 2.0}]
-    out = trainer_module.MegatronTrainer._reduce(_fake_trainer(2, "cpu"), mb_metrics)
+    out = step_metrics.reduce_step_metrics(mb_metrics, 2, "cpu")
     assert_all_on(out.values(), "cpu")
     assert read_metrics({**out, "lr": 1e-3}) == {"custom": 3.0, "logprob_diff_max": 0.75, "loss": 0.75, "lr": 1e-3}
 
@@ -224,7 +224,7 @@ def test_moe_tracker_stand_in_is_on_the_models_device(megatron_world):
     from megatron.core import parallel_state
     from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
 
-    from vime.backends.megatron_utils.trainer import MegatronTrainer
+    from vime.trainer.trainer import MegatronTrainer
 
     get_moe_layer_wise_logging_tracker().clear()
     args = types.SimpleNamespace(num_experts=4, moe_layer_freq=[0, 1, 1], moe_aux_loss_coeff=0.01,
@@ -247,7 +247,7 @@ def test_moe_losses_average_over_moe_layers_and_micro_batches(megatron_world):
     """The numbers behind the metrics above, on the CPU: the tracker's per-layer sums over micro-batches."""
     from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
 
-    from vime.backends.megatron_utils.moe_metrics import take_moe_losses
+    from vime.trainer.moe_metrics import take_moe_losses
 
     tracker = get_moe_layer_wise_logging_tracker()
     tracker.clear()

@@ -18,7 +18,7 @@ import torch
 import vime.utils.device
 from vime.arguments import parse_args
 from vime.backends.vllm_utils.engine import engine_command, engine_memory_fraction
-from vime.ray import engine_fleet
+from vime.ray import engine_fleet, fleet_recovery
 from vime.ray.engine_fleet import EngineFleet
 from vime.rollout.context import RolloutContext
 
@@ -95,7 +95,7 @@ def fleet(monkeypatch, tmp_path):
 
     monkeypatch.setattr(engine_fleet.client, "post_each", post_each)  # with a health monitor
     monkeypatch.setattr(engine_fleet.client, "post_all", post_each)  # without
-    monkeypatch.setattr(engine_fleet, "post_worker", lambda *a: sent.append(("router", a[1], [a[2]])))
+    monkeypatch.setattr(fleet_recovery, "post_worker", lambda *a: sent.append(("router", a[1], [a[2]])))
     f = EngineFleet(SimpleNamespace(control_token_file=None, debug_train_only=False), None, tmp_path, RolloutContext())
     f.engine_urls = ["http://e0", "http://e1"]
     f.rank_urls = list(f.engine_urls)
@@ -332,7 +332,7 @@ def test_the_trainers_offload_releases_the_transports_first(tmp_path, fake_cuda)
 def test_offload_moves_only_the_devices_storages():
     """Storages elsewhere than the device being freed stay (on GPU: host tensors; here: meta ones, which have no
     bytes to copy)."""
-    from vime.backends.megatron_utils.offload import TrainStateOffloader
+    from vime.trainer.offload import TrainStateOffloader
 
     kept, elsewhere = torch.arange(6, dtype=torch.float32), torch.empty(1000, device="meta")
     off = TrainStateOffloader()
@@ -342,7 +342,7 @@ def test_offload_moves_only_the_devices_storages():
 
 
 def test_a_failed_offload_leaves_the_state_as_it_was(monkeypatch):
-    from vime.backends.megatron_utils import offload as offload_module
+    from vime.trainer import offload as offload_module
 
     a, b = torch.arange(4, dtype=torch.float32), torch.arange(8, dtype=torch.float32)
     real_empty, made = torch.empty, []

@@ -155,7 +155,7 @@ def test_rloo_with_overlong_shaping_truncation_mask_and_dr_grpo_aggregation(tiny
 def test_remax_entropy_top_fraction_and_entropy_schedule(tiny_qwen3):
     """ReMax's baseline from each sample's metadata; only the top 20% entropy tokens of each micro-batch in the
     loss; the linear schedule's coefficient at rollout 5 of 10."""
-    from vime.backends.megatron_utils.train_batch import TrainBatch
+    from vime.trainer.train_batch import TrainBatch
 
     groups = make_rollout(seed=12)
     samples = flat(groups)
@@ -182,7 +182,7 @@ def test_remax_entropy_top_fraction_and_entropy_schedule(tiny_qwen3):
 
 
 def test_bnpo_averages_the_micro_batches_token_means(tiny_qwen3):
-    from vime.backends.megatron_utils.train_batch import TrainBatch
+    from vime.trainer.train_batch import TrainBatch
 
     groups = make_rollout(seed=13)
     samples = flat(groups)

@@ -24,6 +24,7 @@ LAYERS = [
     "backends.vllm_utils",
     "backends.weight_transport",
     "backends.megatron_utils",
+    "trainer",  # the RL trainer on a training rank, over megatron_utils (model, conversion, checkpoints)
     "rollout",
     "agents",
     "environments",  # --environment: reasoning-gym, verifiers, OpenEnv (over rollout and agents)
@@ -169,3 +170,23 @@ def test_code_inside_vllm_and_its_protocol_keep_no_module_state():
     found = [f"{path.relative_to(VIME.parent)}:{line} {what}" for package in STATELESS
              for path in sorted((VIME / package).rglob("*.py")) for line, what in module_state(path)]
     assert not found, "module-level state (hold it on the object that uses it):\n" + "\n".join(found)
+
+
+MAX_MODULE_LINES = 400  # past this a module is doing more than one job: split it by concern (STYLE.md)
+
+
+def long_modules(root: Path = VIME, limit: int = MAX_MODULE_LINES) -> list[str]:
+    """Every module under `root` longer than `limit` lines, with its length."""
+    found = [(len(path.read_text().splitlines()), path) for path in sorted(root.rglob("*.py"))]
+    return [f"{path.relative_to(root.parent)}: {n} lines" for n, path in found if n > limit]
+
+
+def test_a_long_module_is_found(tmp_path):
+    (tmp_path / "short.py").write_text("x = 1\n" * MAX_MODULE_LINES)
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "long.py").write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
+    assert long_modules(tmp_path) == [f"{tmp_path.name}/pkg/long.py: {MAX_MODULE_LINES + 1} lines"]
+
+
+def test_no_module_is_over_400_lines():
+    assert not long_modules(), "split by concern:\n" + "\n".join(long_modules())

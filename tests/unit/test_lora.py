@@ -17,8 +17,8 @@ from tests.helpers.rollouts import flat, make_rollout  # noqa: E402
 from tests.helpers.trainer_runs import BASE_ARGV, launch, local_trainer as trainer  # noqa: E402
 from vime.backends.megatron_utils.hf_checkpoint import _unwrap  # noqa: E402
 from vime.backends.megatron_utils.lora import adapted_linears  # noqa: E402
-from vime.backends.megatron_utils.model import forward_log_probs  # noqa: E402
-from vime.backends.megatron_utils.train_batch import TrainBatch  # noqa: E402
+from vime.trainer.passes import forward_log_probs  # noqa: E402
+from vime.trainer.train_batch import TrainBatch  # noqa: E402
 
 RANK, ALPHA = 4, 8.0
 LORA_ARGV = ["--lora-rank", str(RANK), "--lora-alpha", str(ALPHA), "--lr", "1e-2"]
@@ -282,7 +282,7 @@ def test_adapter_sync_engine_side(tmp_path, monkeypatch):
     from vime.engine_protocol.weight_files import WEIGHT_ROOT_ENV
     from vime.in_vllm.lora_serving import load_adapter
     from vime.backends.weight_transport.lora_adapter.driver import LoraAdapterDriver
-    from vime.ray.engine_fleet import recovery_load_call
+    from vime.ray.fleet_recovery import recovery_load_call
     from vime.ray.weight_sync import sync_kind
 
     args = SimpleNamespace(lora_rank=12, lora_sync="adapter", update_weight_transport="disk")

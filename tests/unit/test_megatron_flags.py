@@ -67,7 +67,7 @@ def test_architecture_flags_that_contradict_what_vime_builds_fail_naming_both(ti
 
 def test_non_default_flags_arrive_in_the_built_configs(tiny_qwen3):
     from vime.backends.megatron_utils.parallel import destroy_parallel
-    from vime.backends.megatron_utils.trainer import MegatronTrainer
+    from vime.trainer.trainer import MegatronTrainer
 
     args = parse_args(["--hf-checkpoint", str(tiny_qwen3), *BASE_ARGV,
                        # TransformerConfig

@@ -69,7 +69,7 @@ def _imbalance(chosen: torch.Tensor, num_experts: int) -> float:
 
 def test_qwen3_moe_aux_loss_and_load_imbalance_by_hand(tmp_path, megatron_world):
     from vime.backends.megatron_utils.device import model_device
-    from vime.backends.megatron_utils.moe_metrics import ExpertLoad, take_moe_losses
+    from vime.trainer.moe_metrics import ExpertLoad, take_moe_losses
 
     args, model = _model(tmp_path, "qwen3_moe", ["--moe-aux-loss-coeff", "0.01"])
     load = ExpertLoad(model, args.num_layers, args.num_experts)
@@ -95,7 +95,7 @@ def test_qwen3_moe_aux_loss_and_load_imbalance_by_hand(tmp_path, megatron_world)
 
 
 def test_deepseek_v3_load_imbalance_follows_the_expert_bias(tmp_path, megatron_world):
-    from vime.backends.megatron_utils.moe_metrics import ExpertLoad
+    from vime.trainer.moe_metrics import ExpertLoad
 
     args, model = _model(tmp_path, "deepseek_v3", [])
     load = ExpertLoad(model, args.num_layers, args.num_experts)

@@ -20,8 +20,9 @@ from vime.backends.megatron_utils.checkpoint_files import publish  # noqa: E402
 from tests.helpers.trainer_runs import local_trainer as trainer  # noqa: E402
 from vime.backends.megatron_utils.hf_checkpoint import _unwrap  # noqa: E402
 from vime.backends.megatron_utils.lora import adapters_merged  # noqa: E402
-from vime.backends.megatron_utils.model import forward_log_probs  # noqa: E402
-from vime.backends.megatron_utils.train_batch import TrainBatch  # noqa: E402
+from vime.trainer.advantages import compute_advantages  # noqa: E402
+from vime.trainer.passes import forward_log_probs  # noqa: E402
+from vime.trainer.train_batch import TrainBatch  # noqa: E402
 from vime.utils.lora_adapters import ADAPTER_KEY  # noqa: E402
 from vime.utils.misc import with_values  # noqa: E402
 
@@ -91,9 +92,7 @@ def test_two_adapters_route_train_and_export_apart(tiny_qwen3, tmp_path):
 
         # each adapter's advantages are whitened over its own samples (REINFORCE++-baseline whitens the batch)
         mixed = TrainBatch.from_samples(_tagged(make_rollout(seed=6), ["math", "code"]), t.args)
-        grpo_args, t.args = t.args, with_values(t.args, advantage_estimator="reinforce_plus_plus_baseline")
-        t._compute_advantages(mixed)
-        t.args = grpo_args
+        compute_advantages(with_values(t.args, advantage_estimator="reinforce_plus_plus_baseline"), mixed)
         for k in (0, 1):
             rows = [i for i, a in enumerate(mixed.adapters) if a == k]
             mean, std = masked_mean_std([mixed.advantages[i] for i in rows], [mixed.loss_masks[i] for i in rows])

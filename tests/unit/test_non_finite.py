@@ -119,7 +119,7 @@ def test_rollout_metrics_tolerate_failed_samples_and_non_finite_rewards():
 
 
 def test_train_batch_treats_a_non_finite_reward_as_unusable():
-    from vime.backends.megatron_utils.train_batch import TrainBatch
+    from vime.trainer.train_batch import TrainBatch
 
     groups = [[Sample(index=i, tokens=[1, 2, 3], response_length=2, reward=r, status=Sample.Status.COMPLETED,
                       loss_mask=[1, 1]).to_dict() for i, r in enumerate((1.0, float("nan"), float("-inf"), 0.0))]]
@@ -155,7 +155,7 @@ def _model(grad: float):
                                                 (float("inf"), 1.0, "non_finite_grad_norm"),
                                                 (0.1, float("nan"), "non_finite_loss")])
 def test_the_guard_skips_the_step_on_a_non_finite_loss_or_gradient(grad, loss, reason):
-    from vime.backends.megatron_utils.trainer import FiniteStepGuard
+    from vime.trainer.non_finite import FiniteStepGuard
 
     optimizer = _Optimizer()
     guard = FiniteStepGuard(optimizer, _model(grad))
@@ -168,7 +168,7 @@ def test_the_guard_skips_the_step_on_a_non_finite_loss_or_gradient(grad, loss, r
 
 
 def test_with_a_loss_scaler_megatron_decides():
-    from vime.backends.megatron_utils.trainer import FiniteStepGuard
+    from vime.trainer.non_finite import FiniteStepGuard
 
     optimizer = _Optimizer()
     optimizer.grad_scaler = object()  # fp16: the scaler must see the overflow to lower the scale
@@ -177,7 +177,7 @@ def test_with_a_loss_scaler_megatron_decides():
 
 
 def test_a_non_finite_parameter_after_a_step_stops_the_run():
-    from vime.backends.megatron_utils.trainer import check_finite_parameters
+    from vime.trainer.non_finite import check_finite_parameters
 
     model = _model(0.1)
     check_finite_parameters(model, 3)

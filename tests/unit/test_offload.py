@@ -10,7 +10,7 @@ pytest.importorskip("megatron.core")
 
 from tests.helpers.rollouts import make_rollout  # noqa: E402
 from tests.helpers.trainer_runs import local_trainer as trainer  # noqa: E402
-from vime.backends.megatron_utils.offload import TrainStateOffloader, train_state_tensors  # noqa: E402
+from vime.trainer.offload import TrainStateOffloader, train_state_tensors  # noqa: E402
 
 EXTRA = ("--use-kl-loss", "--kl-loss-coef", "0.1")  # a KL reference snapshot is part of the state too
 

@@ -6,7 +6,8 @@ import pytest
 
 from vime.agents.chat_session import (ChatSession, ChatTemplate, new_messages_after, normalize_messages,
                                       trajectory_to_sample)
-from vime.agents.openai_server import engine_sampling_params, reply_text, session_id_of
+from vime.agents.openai_replies import reply_text
+from vime.agents.openai_requests import engine_sampling_params, session_id_of
 from vime.utils.types import Sample
 
 

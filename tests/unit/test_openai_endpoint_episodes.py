@@ -20,7 +20,8 @@ import pytest
 from aiohttp import web
 
 from vime.agents.chat_session import ChatSession
-from vime.agents.openai_server import OpenAIServer, parse_body
+from vime.agents.openai_requests import parse_body
+from vime.agents.openai_server import OpenAIServer
 
 USER = [{"role": "user", "content": "hi"}]
 

@@ -12,12 +12,12 @@ from tests.helpers.devices import output_tolerance  # noqa: E402
 from tests.helpers.rollouts import make_rollout  # noqa: E402
 from tests.helpers.trainer_runs import local_trainer  # noqa: E402
 from vime.backends.megatron_utils.attention import prompt_sharing_plan  # noqa: E402
-from vime.backends.megatron_utils import batching  # noqa: E402
-from vime.backends.megatron_utils.batching import micro_batch_inputs  # noqa: E402
-from vime.backends.megatron_utils.train_batch import TrainBatch  # noqa: E402
-from vime.backends.megatron_utils.loss import make_loss_fn  # noqa: E402
-from vime.backends.megatron_utils.model import forward_log_probs, prompt_sharing, run_schedule  # noqa: E402
-from vime.backends.megatron_utils.trainer import _denominators  # noqa: E402
+from vime.trainer import batching  # noqa: E402
+from vime.trainer.advantages import compute_advantages  # noqa: E402
+from vime.trainer.batching import micro_batch_inputs  # noqa: E402
+from vime.trainer.train_batch import TrainBatch  # noqa: E402
+from vime.trainer.loss import make_loss_fn, step_denominators  # noqa: E402
+from vime.trainer.passes import forward_log_probs, prompt_sharing, run_schedule  # noqa: E402
 from vime.utils.misc import with_values  # noqa: E402
 
 
@@ -71,7 +71,7 @@ def test_samples_that_share_a_prompt_hold_one_copy_of_it_and_see_it_from_their_o
 def _loss_and_grads(t, batch, mbs, packed: bool, share_prompts: bool = False):
     for m in t.model:
         m.zero_grad_buffer()
-    loss_fn = make_loss_fn(t.args, batch, _denominators(batch, range(len(batch.tokens))), scale=len(mbs),
+    loss_fn = make_loss_fn(t.args, batch, step_denominators(batch, range(len(batch.tokens))), scale=len(mbs),
                            step_index=0)
     metrics = run_schedule(t.model, mbs, batch, loss_fn, forward_only=False, packed=packed,
                            share_prompts=share_prompts)
@@ -84,7 +84,7 @@ def test_packed_and_padded_training_give_the_same_loss_and_gradients(tiny_qwen3)
     groups = make_rollout(seed=7, prompt_lengths=(3, 30), response_lengths=(1, 25))
     with local_trainer(tiny_qwen3, "--entropy-coef", "0.01") as t:
         batch = TrainBatch.from_samples(groups, t.args)
-        t._compute_advantages(batch)
+        compute_advantages(t.args, batch)
         n = len(batch.tokens)
         mbs = [list(range(0, 5)), list(range(5, 11)), list(range(11, n))]
         assert len({len(batch.tokens[i]) for i in mbs[0]}) > 1  # mixed lengths within a micro-batch

@@ -16,7 +16,7 @@ pytest.importorskip("megatron.core")
 from tests.helpers.devices import output_tolerance, trained_weights_tolerance  # noqa: E402
 from tests.helpers.rollouts import make_rollout  # noqa: E402
 from tests.helpers.trainer_runs import BASE_ARGV, launch  # noqa: E402
-from vime.backends.megatron_utils.batching import micro_batch_inputs  # noqa: E402
+from vime.trainer.batching import micro_batch_inputs  # noqa: E402
 
 EXTRA_ARGV = ["--entropy-coef", "0.01"]  # the loss then depends on the weights
 
@@ -28,7 +28,7 @@ def train_one_step(hf_dir, groups, **values):
 
     from vime.arguments import parse_args
     from vime.backends.megatron_utils.parallel import destroy_parallel
-    from vime.backends.megatron_utils.trainer import MegatronTrainer
+    from vime.trainer.trainer import MegatronTrainer
     from vime.utils.misc import with_values
 
     args = with_values(parse_args(["--hf-checkpoint", str(hf_dir), *BASE_ARGV, *EXTRA_ARGV]), **values)

@@ -1,6 +1,6 @@
 """Rollout correction against hand-computed references: TIS and MIS at token, sequence and geometric-mean level,
 ICE-POP, AReaL's decoupled objective, bypass (--use-rollout-logprobs) and a custom TIS function with slime's
-signature, through the trainer's loss (vime/backends/megatron_utils/loss.py) with the log-probs given.
+signature, through the trainer's loss (vime/trainer/loss.py) with the log-probs given.
 
 Two samples, eps_clip 0.2, probabilities (current pi / old = proximal / engine = behaviour):
   A (advantage +1): pi [0.5, 0.3]        old [0.4, 0.3]        engine [0.2, 0.6]
@@ -71,8 +71,8 @@ def checkpoint(tmp_path):
 
 
 def _loss(monkeypatch, checkpoint, *flags, old_given=True):
-    from vime.backends.megatron_utils import loss as loss_module
-    from vime.backends.megatron_utils.train_batch import TrainBatch
+    from vime.trainer import loss as loss_module
+    from vime.trainer.train_batch import TrainBatch
 
     args = parse_args(["--hf-checkpoint", checkpoint, "--prompt-data", f"{checkpoint}/prompts.jsonl", "--rm-type", "math", "--eps-clip", "0.2", *flags], check_model=False)
     pi = [lp.clone().requires_grad_() for lp in logs(PI)]
@@ -135,7 +135,7 @@ def test_bypass_skips_the_trainers_old_log_prob_pass_on_real_megatron(tiny_qwen3
     forward pass over the rollout, unless the engine's log-probs are the old policy."""
     from tests.helpers.rollouts import make_rollout
     from tests.helpers.trainer_runs import local_trainer
-    from vime.backends.megatron_utils import trainer as trainer_module
+    from vime.trainer import trainer as trainer_module
 
     groups = make_rollout(seed=3)
     for sample in (s for g in groups for s in g):

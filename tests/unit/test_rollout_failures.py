@@ -13,11 +13,11 @@ import pytest
 from aiohttp import web
 
 from tests.helpers.plugins import rollout_plugin, run as _run
-from vime.rollout import vllm_rollout
 from vime.rollout.context import reset_rollout_context, rollout_context
 from vime.rollout.metrics import add_counter, record_counters, rollout_metrics
+from vime.rollout.generation import post_generate, retry_window_s
 from vime.rollout.vllm_rollout import (EngineRejectedError, EngineUnavailableError, GenerateState,
-                                       generate_and_rm_group, post_generate)
+                                       generate_and_rm_group)
 from vime.utils.types import Sample
 
 PLUGIN = textwrap.dedent('''
@@ -119,7 +119,7 @@ def test_bad_request_fails_at_once_and_server_errors_are_retried(tiny_qwen3, plu
 
 def test_fault_tolerance_keeps_retrying_through_the_health_check_window(tiny_qwen3, plugin):
     args = _args(tiny_qwen3, rollout_request_retries=1, use_fault_tolerance=True)
-    window = vllm_rollout.retry_window_s(args)
+    window = retry_window_s(args)
     assert window == args.rollout_health_check_interval + args.rollout_health_check_timeout + 10.0
     start = time.monotonic()
     engine, [result] = _run(_serve_and_post(args, [503] * 4))

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from vime.backends.megatron_utils.batching import micro_batch_inputs
-from vime.backends.megatron_utils.routing_replay import micro_batch_routing, sample_routing
+from vime.trainer.batching import micro_batch_inputs
+from vime.trainer.routing_replay import micro_batch_routing, sample_routing
 from vime.backends.vllm_utils.generate_request import decode_routed_experts
 from vime.in_vllm.routing_capture import RoutingStore, StepCapture
 from vime.data.sample_codec import SampleCodecError, decode_rollout, encode_rollout, json_ready
@@ -37,7 +37,7 @@ def _routing(num_tokens: int, layers: int = 2, topk: int = 2, experts: int = 4, 
 # ---- engine answer -> sample -> codec / JSON -------------------------------------------------------------------
 
 def test_engine_answer_decodes_and_replaces_the_samples_routing():
-    from vime.rollout.vllm_rollout import append_choice
+    from vime.rollout.generation import append_choice
 
     class Tok:
         def decode(self, tokens, skip_special_tokens=False):
@@ -228,9 +228,9 @@ def test_a_sample_without_routing_is_named():
 
 def _own_routing(t, groups) -> list[torch.Tensor]:
     """The trainer's own routing of every sample ([tokens, layers, top-k]), recorded in one forward."""
-    from vime.backends.megatron_utils.model import forward_log_probs
-    from vime.backends.megatron_utils.routing_replay import RoutingReplay
-    from vime.backends.megatron_utils.train_batch import TrainBatch
+    from vime.trainer.passes import forward_log_probs
+    from vime.trainer.routing_replay import RoutingReplay
+    from vime.trainer.train_batch import TrainBatch
 
     batch = TrainBatch.from_samples(groups, t.args)
     routing = RoutingReplay(t.model, t.args.num_layers, len(batch.tokens))
@@ -240,9 +240,9 @@ def _own_routing(t, groups) -> list[torch.Tensor]:
 
 
 def _log_probs(t, groups, routing=None) -> list[torch.Tensor]:
-    from vime.backends.megatron_utils.model import forward_log_probs
-    from vime.backends.megatron_utils.routing_replay import RoutingReplay
-    from vime.backends.megatron_utils.train_batch import TrainBatch
+    from vime.trainer.passes import forward_log_probs
+    from vime.trainer.routing_replay import RoutingReplay
+    from vime.trainer.train_batch import TrainBatch
 
     batch = TrainBatch.from_samples(groups, t.args)
     mbs = [list(range(i, min(i + 3, len(batch.tokens)))) for i in range(0, len(batch.tokens), 3)]  # of 3 samples
@@ -309,7 +309,7 @@ def test_trainer_without_replay_sees_the_engines_other_routing_as_a_gap(tiny_moe
 def test_own_routing_replay_records_the_first_pass_and_replays_it(tiny_moe, monkeypatch):
     from tests.helpers.rollouts import make_rollout
     from tests.helpers.trainer_runs import local_trainer
-    from vime.backends.megatron_utils import routing_replay
+    from vime.trainer import routing_replay
 
     modes, original = [], routing_replay.RoutingReplay.micro_batch
 

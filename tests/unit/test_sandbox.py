@@ -220,7 +220,8 @@ def test_jail_runs_nothing_when_an_isolation_step_fails(tmp_path):
     import sys
 
     from vime.agents.sandbox.events import parse_jail_events
-    from vime.agents.sandbox.local import _JAIL, _drain, _result
+    from vime.agents.sandbox.local import _JAIL, _drain
+    from vime.agents.sandbox.verdict import run_result
 
     marker = tmp_path / "ran"
     status_read, status_write = os.pipe()
@@ -234,5 +235,5 @@ def test_jail_runs_nothing_when_an_isolation_step_fails(tmp_path):
     assert b"isolation failed, the program was not run: cgroup:" in proc.stderr
     jail = parse_jail_events(_drain(status_read))
     os.close(status_read)
-    r = _result(b"", proc.stderr, False, False, proc.returncode, False, False, False, jail, [], 0.1)
+    r = run_result(b"", proc.stderr, False, False, proc.returncode, False, False, False, jail, [], 0.1)
     assert r.stopped_reason == "sandbox_error" and r.exit_code is None and "cgroup" in r.violations[0]["detail"]

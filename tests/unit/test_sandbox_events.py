@@ -8,7 +8,7 @@ import os
 import signal
 
 from vime.agents.sandbox.events import parse_jail_events, parse_program_events
-from vime.agents.sandbox.local import _result
+from vime.agents.sandbox.verdict import run_result
 
 
 def _wait_status(code: int | None = None, sig: int | None = None) -> int:
@@ -16,8 +16,8 @@ def _wait_status(code: int | None = None, sig: int | None = None) -> int:
 
 
 def _run_result(jail: bytes, hints: str, returncode: int = 0, timed_out: bool = False):
-    return _result(b"", b"", False, False, returncode, timed_out, False, False, parse_jail_events(jail),
-                   parse_program_events(hints), 0.1)
+    return run_result(b"", b"", False, False, returncode, timed_out, False, False, parse_jail_events(jail),
+                      parse_program_events(hints), 0.1)
 
 
 def test_the_jail_status_decides_the_exit_code():

@@ -31,7 +31,7 @@ def stack(tiny_qwen3, tmp_path_factory):
     """(args, trainer, engine url). One after the other: the trainer's rendezvous port and the booting engine's
     internal ports are picked free-then-bound, and overlapping the two has collided."""
     from vime.backends.megatron_utils.parallel import destroy_parallel
-    from vime.backends.megatron_utils.trainer import MegatronTrainer
+    from vime.trainer.trainer import MegatronTrainer
     from vime.backends.vllm_utils.engine import VLLMEngine
     from vime.arguments import parse_args
 

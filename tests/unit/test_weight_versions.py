@@ -53,7 +53,7 @@ def test_trained_tokens_by_version_and_staleness_by_hand():
 
 def test_a_sample_keeps_the_engines_spans_through_the_default_rollout_and_the_codec():
     from vime.data.sample_codec import decode_rollout, encode_rollout
-    from vime.rollout.vllm_rollout import append_choice
+    from vime.rollout.generation import append_choice
 
     class Tok:
         def decode(self, ids, skip_special_tokens=False):
@@ -101,7 +101,7 @@ def test_malformed_spans_are_refused_naming_the_field(spans):
 def test_the_staleness_bound_leaves_out_samples_with_a_token_older_than_k_versions():
     import argparse
 
-    from vime.backends.megatron_utils.train_batch import TrainBatch
+    from vime.trainer.train_batch import TrainBatch
     from vime.data.weight_versions import oldest_version, too_stale
 
     def sample(index, spans=None, labels=None):

@@ -45,7 +45,7 @@ def get_server(args) -> OpenAIServer:
     context = rollout_context()
     with context.lock:
         if context.agent_server is None:
-            from vime.rollout.vllm_rollout import retry_window_s, router_url
+            from vime.rollout.generation import retry_window_s, router_url
             from vime.utils.hf_tokenizer import load_tokenizer
 
             if getattr(args, "router_policy", None) != "consistent_hash":
@@ -116,7 +116,7 @@ def assign_rewards(samples: list[Sample], result: Any) -> None:
 async def run_episode(args, agent_fn: AgentFn, sample: Sample, sampling_params: dict[str, Any]) -> Sample:
     """Run the agent on `sample` and return its first role's Sample; the other roles' Samples ride along in
     metadata["agent_role_samples"] (as dicts) until `generate_rollout` regroups them."""
-    from vime.rollout.vllm_rollout import served_model
+    from vime.rollout.generation import served_model
 
     server = get_server(args)
     # the token is unguessable: the agent's credential; the episode's calls go to the sample's adapter

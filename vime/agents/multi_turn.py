@@ -23,7 +23,7 @@ from typing import Any, Awaitable, Callable
 from vime.agents.arguments import agent_setting
 from vime.agents.tool_parsing import parse_tool_calls
 from vime.agents.tools import TOOLS, Tool, ToolContext, register_tool, run_tool_call, select_tools
-from vime.rollout.vllm_rollout import GenerateState, append_choice, post_generate, served_model
+from vime.rollout.generation import GenerateState, append_choice, post_generate, served_model
 from vime.utils.misc import load_function
 from vime.utils.types import Sample
 

@@ -1,7 +1,8 @@
 """An OpenAI-compatible chat endpoint in front of the policy: "string in, tokens out".
 
 An existing agent harness points the `openai` client at it and chats; vime records, per session, the exact
-token ids the engines saw and sampled, the loss mask, log-probs and weight versions (`chat_session.py`).
+token ids the engines saw and sampled, the loss mask, log-probs and weight versions (`chat_session.py`). What a call
+brings (session id, body, sampling) is read in `openai_requests.py`; what it gets back is made in `openai_replies.py`.
 
     server = OpenAIServer(router_url, tokenizer).start()     # -> "http://127.0.0.1:PORT/v1"
     token = server.open_episode()                              # 128 random bits, e.g. "3f9c...e1"
@@ -42,16 +43,12 @@ sessions stay responsive while a large request is prepared. Bodies over `max_req
 from __future__ import annotations
 
 import asyncio
-import codecs
 import functools
-import hashlib
-import json
 import logging
 import secrets
 import threading
 import time
 import uuid
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,167 +57,19 @@ import aiohttp
 from aiohttp import web
 
 from vime.agents.api import anthropic_api, chat_api, responses_api
-from vime.agents.api.completion import ChoiceOut, Completion, ToolCallOut, canonical_arguments
+from vime.agents.api.completion import ChoiceOut, Completion
 from vime.agents.chat_session import ChatSession, ChatTemplate, branch
-from vime.agents.tool_parsing import forced_call_schema, split_tool_calls
+from vime.agents.openai_replies import client_answers, error_response, send_events, unauthorized
+from vime.agents.openai_requests import (DEFAULT_MAX_REQUEST_BYTES, MAX_SESSION_ID_CHARS, SESSION_HEADER, BodyTooLarge,
+                                         call_seed, engine_sampling_params, episode_of, parse_body, read_text,
+                                         routing_key, session_id_of, token_key)
+from vime.agents.tool_parsing import forced_call_schema
 from vime.backends.vllm_utils.client import SERVED_MODEL
 from vime.backends.vllm_utils.generate_request import (EngineRejectedError, EngineUnavailableError, RequestCounters,
                                                        request_choices)
 
 logger = logging.getLogger(__name__)
 MODEL_NAME = SERVED_MODEL
-SESSION_HEADER = "X-Session-ID"
-MAX_SESSION_ID_CHARS = 256  # a token (32 hex digits), "/" and a role name
-# json.loads holds the GIL (every thread of the rollout process waits) ~1.5 ms per MiB; a text-only policy's
-# longest useful request, a full context window, is well under 1 MiB.
-DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20
-MAX_CHOICES = 64  # n: each answer is an engine sequence and a trained sample
-MAX_TOP_LOGPROBS = 20  # OpenAI's limit
-
-
-def session_id_of(headers, body: dict[str, Any]) -> str | None:
-    if headers.get(SESSION_HEADER):
-        return headers[SESSION_HEADER]
-    auth = headers.get("Authorization", "")
-    if auth.lower().startswith("bearer ") and auth[7:].strip():
-        return auth[7:].strip()
-    if headers.get("x-api-key"):
-        return headers["x-api-key"]
-    user = body.get("user")
-    return str(user) if user else None
-
-
-def episode_of(session_id: str) -> str:
-    return session_id.split("/", 1)[0]
-
-
-def token_key(token: str) -> bytes:
-    """What an episode is filed under: the token's SHA-256. Lookups then compare digests, never the token itself,
-    so their timing says nothing about how much of a guessed token is right."""
-    return hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()
-
-
-def routing_key(session_id: str) -> str:
-    """The router's affinity key for a session: stable per session, and no use as a credential."""
-    return hashlib.sha256(session_id.encode("utf-8", "surrogatepass")).hexdigest()[:32]
-
-
-class BodyTooLarge(Exception):
-    pass
-
-
-async def read_text(request: web.Request, max_bytes: int) -> list[str]:
-    """The request body as text pieces, decoded chunk by chunk as it arrives: every step on the event loop stays
-    short (one `bytes(body)` or `decode` of a large body would hold it for tens of milliseconds)."""
-    if (request.content_length or 0) > max_bytes:
-        raise BodyTooLarge
-    decoder = codecs.getincrementaldecoder("utf-8")()
-    pieces, size = [], 0
-    try:
-        async for chunk in request.content.iter_any():
-            size += len(chunk)
-            if size > max_bytes:
-                raise BodyTooLarge
-            pieces.append(decoder.decode(chunk))
-        pieces.append(decoder.decode(b"", final=True))
-    except UnicodeDecodeError as e:
-        raise ValueError(f"the request body is not UTF-8 ({e})") from e
-    return pieces
-
-
-def parse_body(pieces: list[str]) -> dict[str, Any]:
-    """A chat request's JSON object from its text pieces (run off the event loop: ~1.5 ms per MiB)."""
-    try:
-        body = json.loads("".join(pieces))
-    except (ValueError, RecursionError) as e:  # RecursionError: nested deeper than the parser's stack
-        raise ValueError(f"the request body is not JSON ({e})") from e
-    if not isinstance(body, dict):
-        raise ValueError(f"the request body must be a JSON object, got {type(body).__name__}")
-    return body
-
-
-def engine_sampling_params(body: dict[str, Any], defaults: dict[str, Any], forced: dict[str, Any]) -> dict[str, Any]:
-    """vLLM sampling params for one chat call: the request's OpenAI fields over `defaults`, then `forced`
-    (an RL run forces its temperature/top-p/top-k: the trainer's log-probs use them)."""
-    p = dict(defaults)
-    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
-    if max_tokens is not None:
-        p["max_tokens"] = int(max_tokens)
-    for key in ("temperature", "top_p", "top_k", "seed", "stop_token_ids", "min_tokens"):
-        if body.get(key) is not None:
-            p[key] = body[key]
-    stop = body.get("stop")
-    if stop:
-        p["stop"] = [stop] if isinstance(stop, str) else list(stop)
-    p.update({k: v for k, v in forced.items() if v is not None})
-    if "max_tokens" in forced and max_tokens is not None:  # forced max_tokens is a cap, not a value
-        p["max_tokens"] = min(int(max_tokens), int(forced["max_tokens"]))
-    n = 1 if body.get("n") is None else body["n"]
-    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_CHOICES:
-        raise ValueError(f"n must be an integer from 1 to {MAX_CHOICES}, got {n!r}")
-    if n > 1:
-        p["n"] = n
-    p["logprobs"] = top_logprobs(body)  # 0: the sampled token's own log-prob, always recorded
-    p["skip_special_tokens"] = False
-    return p
-
-
-def top_logprobs(body: dict[str, Any]) -> int:
-    """How many alternatives per token the request asked for (`logprobs: true` with `top_logprobs`)."""
-    k = 0 if body.get("top_logprobs") is None else body["top_logprobs"]
-    if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_TOP_LOGPROBS:
-        raise ValueError(f"top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {k!r}")
-    if k and not body.get("logprobs"):
-        raise ValueError("top_logprobs needs logprobs: true")
-    return k
-
-
-def call_seed(seed: int, session_id: str, call_index: int) -> int:
-    """A distinct, reproducible seed per (session, call), so roles sharing an episode seed do not sample alike."""
-    return (int(seed) + zlib.crc32(session_id.encode()) + 7919 * call_index) % 2**31
-
-
-def reply_text(tokenizer, sampled: list[int], stop: list[str] | None) -> str:
-    """What the client sees: the sampled text without special tokens, cut before a stop string (OpenAI)."""
-    text = tokenizer.decode(sampled, skip_special_tokens=True)
-    for s in stop or []:
-        i = text.find(s)
-        if i >= 0:
-            text = text[:i]
-    return text
-
-
-def text_pieces(tokenizer, sampled: list[int], text: str) -> list[str]:
-    """The answer's text as one piece per sampled token, for streaming, when the text is the plain decoding of
-    the tokens (else the whole text as one piece: tool-call markup or a stop string was cut out of it)."""
-    pieces, previous = [], ""
-    for i in range(1, len(sampled) + 1):
-        current = tokenizer.decode(sampled[:i], skip_special_tokens=True)
-        if not current.startswith(previous) or "\ufffd" in current[len(previous):]:
-            continue  # a token that completes a multi-byte character: its text comes with the next one
-        if current != previous:
-            pieces.append(current[len(previous):])
-        previous = current
-    return pieces if "".join(pieces) == text else ([text] if text else [])
-
-
-def openai_logprobs(tokenizer, entries: list[dict[str, Any]], top: int) -> list[dict[str, Any]]:
-    """The engine's per-token log-probs (token ids; the sampled token first, then candidates by rank) in
-    OpenAI's chat form: token text, log-prob, UTF-8 bytes and the `top` best alternatives."""
-    def one(token_id: int, logprob: float) -> dict[str, Any]:
-        text = tokenizer.decode([token_id], skip_special_tokens=False)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-    out = []
-    for entry in entries:
-        ranked = sorted(entry.get("top_logprobs") or [], key=lambda c: (c.get("rank") or 0))
-        alternatives, seen = [], set()
-        for candidate in ranked:
-            if candidate["token_id"] not in seen and len(alternatives) < top:
-                seen.add(candidate["token_id"])
-                alternatives.append(one(candidate["token_id"], candidate["logprob"]))
-        out.append({**one(entry["token_id"], entry["logprob"]), "top_logprobs": alternatives})
-    return out
 
 
 class EngineError(Exception):
@@ -364,9 +213,9 @@ class OpenAIServer:
                 return web.json_response(chat_api.completion_object(completion))
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
             chunks = chat_api.stream_chunks(completion, include_usage)
-            return await _send_events(request, [(None, c) for c in chunks], done_marker=True)
+            return await send_events(request, [(None, c) for c in chunks], done_marker=True)
 
-        return await self._route(request, run, _error)
+        return await self._route(request, run, error_response)
 
     async def _responses(self, request: web.Request) -> web.StreamResponse:
         """The OpenAI Responses API: translated into a chat call; previous_response_id continues a response
@@ -386,10 +235,10 @@ class OpenAIServer:
                     episode.responses[completion.id] = (chat_body["messages"]
                                                         + [completion.choices[0].chat_message()])
             if body.get("stream"):
-                return await _send_events(request, responses_api.stream_events(completion, body))
+                return await send_events(request, responses_api.stream_events(completion, body))
             return web.json_response(responses_api.response_object(completion, body))
 
-        return await self._route(request, run, _error)
+        return await self._route(request, run, error_response)
 
     async def _messages(self, request: web.Request) -> web.StreamResponse:
         """The Anthropic Messages API: translated into a chat call."""
@@ -397,7 +246,7 @@ class OpenAIServer:
             chat_body = await self._off_loop(anthropic_api.chat_request, body)
             completion = await self._call(episode, session_id, chat_body, id_prefix="msg_")
             if body.get("stream"):
-                return await _send_events(request, anthropic_api.stream_events(completion))
+                return await send_events(request, anthropic_api.stream_events(completion))
             return web.json_response(anthropic_api.message_object(completion))
 
         def error(status: int, message: str, code: str | int | None = None) -> web.Response:
@@ -411,7 +260,7 @@ class OpenAIServer:
         route's own shape (`error(status, message, code)`)."""
         session_id = session_id_of(request.headers, {})
         if session_id is not None and self._episode(session_id) is None:
-            return _unauthorized(error)  # before reading a body that would not be served
+            return unauthorized(error)  # before reading a body that would not be served
         try:
             body = await self._off_loop(parse_body, await read_text(request, self.max_request_bytes))
         except BodyTooLarge:
@@ -429,16 +278,16 @@ class OpenAIServer:
                               "use the episode's token with a short role name, TOKEN/ROLE")
         episode = self._episode(session_id)
         if episode is None:
-            return _unauthorized(error)
+            return unauthorized(error)
         with self._guard:
             if not episode.open:  # closed since the lookup: a lock now would outlive it
-                return _unauthorized(error)
+                return unauthorized(error)
             lock = episode.locks.setdefault(session_id, asyncio.Lock())
         async with lock:  # one call at a time per session: each call extends the previous one
             try:
                 return await run(episode, session_id, body)
             except EpisodeClosed:
-                return _unauthorized(error)
+                return unauthorized(error)
             except ValueError as e:
                 return error(400, str(e))
             except EngineError as e:
@@ -475,32 +324,11 @@ class OpenAIServer:
             raise EngineError(422, "generation was aborted (the rollout batch is full or the engines were "
                                    "paused); this episode cannot continue")
         call_format = None if tools is None else ("json" if required else self.tool_call_format)
-        answers = await self._off_loop(self._answers, choices, params, call_format, bool(body.get("logprobs")))
+        answers = await self._off_loop(client_answers, self.tokenizer, choices, params, call_format,
+                                      bool(body.get("logprobs")))
         await self._off_loop(self._record, episode, session, trajectory, prompt_ids, messages, choices, answers)
         return Completion(id=f"{id_prefix}{uuid.uuid4().hex}", model=body.get("model") or MODEL_NAME,
                           created=int(time.time()), prompt_tokens=len(prompt_ids), choices=answers)
-
-    def _answers(self, choices: list[dict[str, Any]], params: dict[str, Any], call_format: str | None,
-                 with_logprobs: bool) -> list[ChoiceOut]:
-        """What the client sees of each engine answer: its text, its tool calls (parsed in `call_format` when
-        the request had tools), the finish reason, and the log-probs it asked for."""
-        out = []
-        for index, choice in enumerate(choices):
-            sampled = list(choice.get("token_ids") or [])
-            text = reply_text(self.tokenizer, sampled, params.get("stop"))
-            content, calls = split_tool_calls(text, call_format) if call_format else (text, [])
-            finish = "length" if choice.get("finish_reason") == "length" else ("tool_calls" if calls else "stop")
-            stop = choice.get("stop_reason")
-            entries = (choice.get("logprobs") or {}).get("content") or []
-            answer = ChoiceOut(
-                index=index, text=content, finish_reason=finish, completion_tokens=len(sampled),
-                tool_calls=[ToolCallOut(f"call_{uuid.uuid4().hex[:24]}", c.name, canonical_arguments(c.arguments))
-                            for c in calls],
-                stop_string=stop if isinstance(stop, str) else None,
-                logprobs=openai_logprobs(self.tokenizer, entries, params["logprobs"]) if with_logprobs else None)
-            answer.pieces = text_pieces(self.tokenizer, sampled, content) if not calls else [content] * bool(content)
-            out.append(answer)
-        return out
 
     def _record(self, episode: _Episode, session: ChatSession, trajectory, prompt_ids: list[int],
                 messages: list[dict[str, Any]], choices: list[dict[str, Any]], answers: list[ChoiceOut]) -> None:
@@ -534,31 +362,3 @@ class OpenAIServer:
             raise EngineError(400, str(e)) from e
         except EngineUnavailableError as e:
             raise EngineError(502, str(e)) from e
-
-
-def _unauthorized(error=None) -> web.Response:
-    return (error or _error)(401, "no open episode for this session id: use the session id the harness gave this "
-                                  "episode's agent (or it + '/ROLE'), and only until the episode ends",
-                             "invalid_api_key")
-
-
-async def _send_events(request: web.Request, events: list[tuple[str | None, dict[str, Any]]],
-                       done_marker: bool = False) -> web.StreamResponse:
-    """Server-sent events: `event: NAME` lines where the API names its events (Responses, Anthropic), then
-    each event's JSON; OpenAI chat streams end with `data: [DONE]`."""
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await response.prepare(request)
-    for name, data in events:
-        head = f"event: {name}\n" if name else ""
-        await response.write(f"{head}data: {json.dumps(data, ensure_ascii=False)}\n\n".encode())
-    if done_marker:
-        await response.write(b"data: [DONE]\n\n")
-    await response.write_eof()
-    return response
-
-
-def _error(status: int, message: str, code: str | int | None = None) -> web.Response:
-    """An OpenAI-style error body (the openai client raises it as BadRequestError, AuthenticationError, ...)."""
-    kind = "invalid_request_error" if status < 500 else "api_error"
-    return web.json_response({"error": {"message": message, "type": kind, "param": None,
-                                        "code": status if code is None else code}}, status=status)

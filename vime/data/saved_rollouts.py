@@ -1,5 +1,5 @@
 """The files a run keeps in <output-dir>/rollouts/ for `python -m vime.inspect`, at the data layer so that both
-their writers (the rollout manager, `vime.rollout.debug_data`; the training ranks, `vime.backends.megatron_utils`)
+their writers (the rollout manager, `vime.rollout.debug_data`; the training ranks, `vime.trainer.train_records`)
 and their reader (`vime.inspect`) share one format without importing each other:
 
     rollout_<id>.jsonl.gz            the compact rollout (one sample dict a line; `vime.rollout.debug_data`)

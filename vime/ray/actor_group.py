@@ -60,7 +60,7 @@ class TrainActor:
         return serving_host(self.args), find_free_port()
 
     def init(self, master_addr: str, master_port: int, total_steps: int) -> None:
-        from vime.backends.megatron_utils.trainer import MegatronTrainer
+        from vime.trainer.trainer import MegatronTrainer
 
         self.trainer = MegatronTrainer(self.args, self.rank, self.world_size, master_addr, master_port, total_steps,
                                        role=self.role, local_rank=self.local_rank)

@@ -1,10 +1,10 @@
-"""What train.py and train_async.py share: starting and stopping the pieces, resume, saving, eval, metrics."""
+"""What train.py and train_async.py share: starting and stopping the pieces, resume, saving, eval, metrics.
+
+The process around it (flags, Ray's shutdown, the exit) is `vime.ray.entry_point`'s."""
 
 from __future__ import annotations
 
 import logging
-import os
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -14,10 +14,10 @@ import ray
 from vime.arguments import ArgumentsError, build_parser, check_model_args, validate_transport_placement
 from vime.backends.megatron_utils.train_arguments import lr_schedule_problem
 from vime.backends.weight_transport.check import check_weights_equal
-from vime.data.transport import RolloutRef, make_transport, rollout_summary
-from vime.data.transport.replay import append_trained_samples, replay_ids, truncate_trained_samples
+from vime.data.transport import RolloutRef, make_transport
+from vime.data.transport.replay import append_trained_samples, plan_replay, stored_rollout, truncate_trained_samples
 from vime.ray.actor_group import RayTrainGroup
-from vime.ray.placement import Placement, cluster_has_gpus, init_ray, on_this_node, shutdown_ray
+from vime.ray.placement import Placement, cluster_has_gpus, init_ray, on_this_node
 from vime.ray.previous_run import check_start
 from vime.ray.engine_fleet import new_engines, run_control_token
 from vime.ray.rollout_manager import RolloutManager, log_dir, resolve_num_rollout
@@ -27,43 +27,9 @@ from vime.utils.logging_utils import MetricsLogger
 from vime.utils.misc import with_values
 from vime.utils.plot import save_reward_curve
 from vime.utils.run_config import write_resolved_config
-from vime.utils.run_lock import RunInUseError, RunLock, private_umask
+from vime.utils.run_lock import RunLock
 
 logger = logging.getLogger(__name__)
-
-
-def run_entry_point(train_fn, argv: list[str] | None = None) -> None:
-    """Parse flags, run `train_fn(args)`, and always shut Ray down (what train.py and train_async.py do)."""
-    import logging
-
-    from vime.arguments import parse_args
-    from vime.utils.logging_utils import configure_logging
-
-    configure_logging()
-    private_umask()  # before Ray and the servers start: everything the run writes is its user's alone
-    args = parse_args(argv, check_model=False)  # the session checks the model while Ray starts
-    try:
-        train_fn(args)
-    except ArgumentsError as e:  # as any other bad flag: usage, the message, exit code 2
-        build_parser().error(str(e))
-    except RunInUseError as e:
-        logging.getLogger("vime").error("%s", e)
-        sys.exit(1)
-    finally:
-        shutdown_ray()
-    logging.getLogger("vime").info("done: metrics in %s/metrics.jsonl", args.output_dir)
-
-
-def exit_after_run() -> None:
-    """End a finished run's process at once. Everything it wrote is closed by now (metrics, checkpoints, the
-    transport; Ray is shut down); what remains is the interpreter tearing down torch, vLLM and Ray's native
-    modules, about 2 s a run, and their destructors have crashed at exit before (see tests/conftest.py)."""
-    if "wandb" in sys.modules:  # its service process stops in an exit hook that os._exit would skip
-        sys.modules["wandb"].teardown()
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def engine_idle_fraction(metrics: dict, step_time: float) -> float:
@@ -149,11 +115,15 @@ class TrainingSession:
         if args.use_critic:
             self.critic = RayTrainGroup(critic_args(args), placement, role="critic")
 
+    def _train_groups(self) -> list:
+        """The training actor groups this run has: the actor's, and PPO's critic's."""
+        return [g for g in (self.trainers, self.critic) if g is not None]
+
     def _init_trainers(self) -> dict | None:
         """Build the models (loading --load if it has a checkpoint) and hand them the run-time values of the
         manager's plugin view (its router's address is fixed before the router starts); returns the loaded
         checkpoint's state."""
-        groups = [g for g in (self.trainers, self.critic) if g is not None]
+        groups = self._train_groups()
         values = self.manager.plugin_values.remote()
         gather([ref for group in groups for ref in group.begin_init(total_steps=self.total_steps)],
                "building the trainers' models", self.args.train_timeout, "--train-timeout")
@@ -223,32 +193,13 @@ class TrainingSession:
         return metrics
 
     def _plan_replay(self, start: int) -> None:
-        """With a durable transport, train rollouts stored by a crashed run instead of generating them again."""
-        truncate_trained_samples(self.args.output_dir, start)
-        stored = self.transport.stored()
-        if not stored:
-            return
-        if not self.args.load:  # --overwrite-output: earlier runs' rollouts are not ours to train
-            logger.warning("--overwrite-output: dropping %d rollouts stored in %s by an earlier run", len(stored),
-                           self.args.rollout_data_dir)
-            self.transport.trim(list(stored))
-            return
-        ids = replay_ids(stored, start)
-        self.transport.trim([i for i in stored if i not in ids])  # already in the checkpoint, or after a gap
-        if not ids:
-            return
-        self.replay = {i: self._stored_rollout(stored[i]) for i in ids}
-        last = self.replay[ids[-1]].extra
-        control(self.manager.load_data_source_state.remote(last.get("data_source")),  # continue after them
-                "restoring the data source's position")
-        logger.info("replaying rollouts %d..%d from %s before generating again", ids[0], ids[-1],
-                    self.args.rollout_data_dir)
-
-    def _stored_rollout(self, handle) -> RolloutRef:
-        """A rollout stored by an earlier (crashed) run, with the summary the driver keeps of it (rollouts stored
-        before the summary was part of their extra get it from their samples)."""
-        groups, extra = self.transport.get(handle)
-        return RolloutRef(handle, {**rollout_summary(groups), **extra})
+        """With a durable transport, train rollouts stored by a crashed run instead of generating them again; the
+        data source continues after the last of them."""
+        self.replay = plan_replay(self.transport, start, self.args.output_dir, resuming=bool(self.args.load),
+                                  data_dir=self.args.rollout_data_dir)
+        if self.replay:
+            control(self.manager.load_data_source_state.remote(self.replay[max(self.replay)].extra.get("data_source")),
+                    "restoring the data source's position")
 
     def generate(self, rollout_id: int):
         """Start rollout `rollout_id` (replayed from storage when a crashed run stored it); returns an ObjectRef
@@ -300,16 +251,12 @@ class TrainingSession:
 
     def offload_train(self) -> None:
         """Colocated runs: the trainer's state goes to host memory while the engines generate (--offload-train)."""
-        if self.args.offload_train and self.trainers is not None:
-            self.trainers.offload()
-            if self.critic is not None:
-                self.critic.offload()
+        for group in self._train_groups() if self.args.offload_train else []:
+            group.offload()
 
     def onload_train(self) -> None:
-        if self.args.offload_train and self.trainers is not None:
-            self.trainers.onload()
-            if self.critic is not None:
-                self.critic.onload()
+        for group in self._train_groups() if self.args.offload_train else []:
+            group.onload()
 
     def train(self, rollout: RolloutRef) -> dict[str, float]:
         """Train on one rollout. With straw and --save, training actors that die are restarted from the last
@@ -373,9 +320,8 @@ class TrainingSession:
                                f"{resume}") from error
         logger.error("training actors died (%s); restarting them from the last checkpoint in %s",
                      type(error).__name__, args.save)
-        for group in (self.trainers, self.critic):
-            if group is not None:
-                group.shutdown()
+        for group in self._train_groups():
+            group.shutdown()
         self.critic = None
         self._create_trainers(with_values(args, load=args.save))  # its own last checkpoint
         self.weight_sync = WeightSync(args)  # new writers: a collective transport builds a new group with them
@@ -388,7 +334,7 @@ class TrainingSession:
                                f"in {args.rollout_data_dir}") from error
         truncate_trained_samples(args.output_dir, first)  # what the crash undid is trained again below
         for i in range(first, trained_through + 1):
-            replayed = self._stored_rollout(stored[i])
+            replayed = stored_rollout(self.transport, stored[i])
             self._train_step(replayed)
             append_trained_samples(args.output_dir, i, replayed.extra["sample_ids"], replayed=True)
         self.trainer_restarts += 1
@@ -446,9 +392,8 @@ class TrainingSession:
             elif self.manager is not None:
                 ray.get(self.manager.shutdown.remote(), timeout=120)
         finally:
-            for group in (self.trainers, self.critic):
-                if group is not None:
-                    group.shutdown()
+            for group in self._train_groups():
+                group.shutdown()
             if curve is not None:
                 curve.join()
             self.transport.close()

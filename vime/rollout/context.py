@@ -30,7 +30,7 @@ class RolloutContext:
     counters: dict[str, float] = field(default_factory=dict)  # running totals, reported with every rollout
     counters_once: dict[str, float] = field(default_factory=dict)  # reported with the next rollout only
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # the health monitor's thread writes
-    generate_state: Any = None  # vime.rollout.vllm_rollout.GenerateState, made by the first generate call
+    generate_state: Any = None  # vime.rollout.generation.GenerateState, made by the first generate call
     # the args custom functions receive (vime.utils.plugin_args): the flags and the run-time values, the router's
     # address kept current by the engine fleet
     plugin_args: Any = None

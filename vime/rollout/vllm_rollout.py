@@ -6,206 +6,30 @@ Hook signatures match slime's, so users' functions port unchanged:
 - generate function: `async generate(args, sample, sampling_params) -> Sample`
 - reward function: `async reward(args, sample) -> float | dict` (`--group-rm`: list in, list out)
 - dynamic sampling filter: `filter(args, group) -> DynamicFilterOutput`
+
+The generate function and what it uses (`GenerateState`, `post_generate`, `append_choice`) are `generation.py`'s;
+`GenerateState` and `generate` are used here too, so slime's paths to them stay (`vime.rollout.vllm_rollout.generate`
+is the default generate function).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 from typing import Any
 
-import aiohttp
-
 from vime.algorithms.names import REMAX_GREEDY_REWARD_KEY
-from vime.backends.vllm_utils.client import SERVED_MODEL
-from vime.backends.vllm_utils.generate_request import (
-    EngineRejectedError,
-    EngineUnavailableError,
-    decode_routed_experts,
-    request_choices,
-)
-from vime.data.weight_versions import add_spans, add_versions
+from vime.backends.vllm_utils.generate_request import EngineRejectedError, EngineUnavailableError
 from vime.rollout.context import rollout_context
+from vime.rollout.generation import (GenerateState, append_choice, generate, post_generate_choices, sampling_params_for,
+                                     served_model)
 from vime.rollout.rm_hub import RewardTypeError, async_rm, batched_async_rm
 from vime.rollout.rm_hub.remote_rm import NonFiniteRewardError
-from vime.utils.lora_adapters import ADAPTER_KEY
 from vime.utils.misc import load_function
 from vime.utils.types import RolloutFnEvalOutput, RolloutFnTrainOutput, Sample
 
 logger = logging.getLogger(__name__)
-
-_FINISH_STATUS = {"stop": Sample.Status.COMPLETED, "length": Sample.Status.TRUNCATED, "abort": Sample.Status.ABORTED}
-
-
-class GenerateState:
-    """The run's state shared by all generate calls: tokenizer, HTTP session, concurrency limit, counters.
-
-    `GenerateState(args)` (slime's spelling, kept for custom generate functions) returns the one held by this
-    process's rollout context, made from `args` by the first call; a new run (`reset_rollout_context()`) or
-    `GenerateState.reset()` starts a fresh one. A call with flags that would need another state (another
-    checkpoint, concurrency or generate function) is refused rather than silently given the old one.
-
-    What slime's generate functions read from it: `tokenizer`, `processor` (None: text models), `semaphore` (the
-    run's --rollout-concurrency over all engines), `sampling_params` (the --rollout-* defaults, in vLLM's names:
-    `max_tokens` where slime's SGLang says `max_new_tokens`) and `aborted`.
-    """
-
-    _KEYS = ("hf_checkpoint", "rollout_concurrency", "custom_generate_function_path")
-
-    def __new__(cls, args):
-        context = rollout_context()
-        state = context.generate_state
-        if state is None:
-            state = super().__new__(cls)
-            state._init(args)
-            context.generate_state = state
-        elif state.args is not args:
-            changed = [k for k in cls._KEYS if getattr(args, k, None) != getattr(state.args, k, None)]
-            if changed:
-                key = changed[0]
-                raise ValueError(f"GenerateState: this process's generate state was made for another "
-                                 f"--{key.replace('_', '-')} ({getattr(state.args, key, None)!r}, now "
-                                 f"{getattr(args, key, None)!r}); call GenerateState.reset() (or "
-                                 "vime.rollout.context.reset_rollout_context()) before another run in this process")
-        return state
-
-    def _init(self, args) -> None:
-        from vime.utils.hf_tokenizer import load_tokenizer
-
-        self.args = args
-        self.tokenizer = load_tokenizer(args.hf_checkpoint)
-        self.processor = None  # slime's multimodal processor: vime's models are text-only
-        self.semaphore = asyncio.Semaphore(args.rollout_concurrency)
-        self._group_lock = asyncio.Lock()
-        self.session: aiohttp.ClientSession | None = None
-        self.aborted = False  # set when the batch is full: queued requests return without being sent
-        self.in_flight = 0  # generate requests sent and not yet answered (all engines)
-        self.max_in_flight = 0  # its peak since the last rollout started
-        self.retries = 0  # generate requests sent again after an error or a timeout, since the rollout started
-        self.generate_fn = load_function(args.custom_generate_function_path or
-                                         "vime.rollout.vllm_rollout.generate")
-
-    @property
-    def sampling_params(self) -> dict[str, Any]:
-        """The --rollout-* sampling defaults (a fresh dict each time: callers change theirs)."""
-        return sampling_params_for(self.args)
-
-    @contextlib.asynccontextmanager
-    async def group_slots(self, count: int):
-        """Hold `count` slots of the concurrency limit at once (a group sent as one request). Taken under a lock,
-        so that two groups never each hold part of what both need."""
-        async with self._group_lock:
-            for _ in range(count):
-                await self.semaphore.acquire()
-        try:
-            yield
-        finally:
-            for _ in range(count):
-                self.semaphore.release()
-
-    def http(self) -> aiohttp.ClientSession:
-        if self.session is None or self.session.closed:
-            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
-            self.session = aiohttp.ClientSession(connector=connector)
-        return self.session
-
-    @classmethod
-    def reset(cls) -> None:
-        rollout_context().generate_state = None
-
-
-def router_url() -> str:
-    """The router every generate request goes through (the rollout manager started or registered with it)."""
-    url = rollout_context().router_url
-    if url is None:
-        raise RuntimeError("no router in this process's rollout context: generate runs in the rollout manager, "
-                           "after it started the engines")
-    return url
-
-
-def sampling_params_for(args, evaluation: bool = False) -> dict[str, Any]:
-    """vLLM sampling parameters from the --rollout-* (or --eval-*) flags."""
-    p = dict(
-        temperature=args.eval_temperature if evaluation else args.rollout_temperature,
-        top_p=args.eval_top_p if evaluation else args.rollout_top_p,
-        top_k=args.eval_top_k if evaluation else args.rollout_top_k,
-        max_tokens=args.eval_max_response_len if evaluation else args.rollout_max_response_len,
-        logprobs=0,  # the sampled token's own log-prob
-        skip_special_tokens=False,
-    )
-    if args.rollout_stop:
-        p["stop"] = list(args.rollout_stop)
-    if args.rollout_stop_token_ids:
-        p["stop_token_ids"] = list(args.rollout_stop_token_ids)
-    return p
-
-
-def retry_window_s(args) -> float:
-    """How long retries of one request keep going at least. With --use-fault-tolerance the router may still
-    send requests to a dead engine until the health monitor takes it out, so retries must outlast that."""
-    if not getattr(args, "use_fault_tolerance", False):
-        return 0.0
-    return args.rollout_health_check_interval + args.rollout_health_check_timeout + 10.0
-
-
-def served_model(sample: Sample) -> str:
-    """The model a sample's requests ask the engines for: its adapter's name in a multi-LoRA run
-    (`metadata[ADAPTER_KEY]`), else the policy."""
-    return sample.metadata.get(ADAPTER_KEY) or SERVED_MODEL
-
-
-async def post_generate(args, token_ids: list[int], sampling_params: dict[str, Any], *,
-                        model: str = SERVED_MODEL) -> dict[str, Any]:
-    """One token-in/token-out request through the router, with retries (`request_choices`: at least
-    --rollout-request-retries times, and for `retry_window_s` with fault tolerance). Returns the first choice.
-    `model`: the served model asked for, `served_model(sample)` for a sample's request."""
-    return (await post_generate_choices(args, token_ids, sampling_params, model=model))[0]
-
-
-async def post_generate_choices(args, token_ids: list[int], sampling_params: dict[str, Any], *,
-                                model: str = SERVED_MODEL) -> list[dict[str, Any]]:
-    """Like `post_generate`, for every choice: `sampling_params["n"]` sequences from one prompt, one request."""
-    state = GenerateState(args)
-    payload = {"token_ids": token_ids, "sampling_params": sampling_params, "model": model}
-    return await request_choices(state.http(), router_url(), payload,
-                                 timeout=aiohttp.ClientTimeout(total=args.rollout_request_timeout),
-                                 retries=args.rollout_request_retries, retry_window_s=retry_window_s(args),
-                                 counters=state)
-
-
-def append_choice(sample: Sample, choice: dict[str, Any], tokenizer, trainable: bool = True) -> None:
-    """Append a generate answer (token ids, log-probs, weight versions, finish reason) to `sample`. The routed
-    experts an engine returns (--use-rollout-routing-replay) cover the request's whole prompt, so they replace
-    the sample's."""
-    new_tokens = choice.get("token_ids") or []
-    content = (choice.get("logprobs") or {}).get("content") or []
-    if len(content) != len(new_tokens):
-        raise RuntimeError(f"engine returned {len(new_tokens)} tokens but {len(content)} log-probs")
-    add_spans(sample.weight_version_spans, choice.get("weight_versions"), sample.response_length, len(new_tokens))
-    add_versions(sample.weight_versions, choice.get("weight_versions"))
-    sample.tokens = sample.tokens + new_tokens
-    sample.response_length += len(new_tokens)
-    sample.rollout_log_probs = (sample.rollout_log_probs or []) + [c["logprob"] for c in content]
-    sample.loss_mask = (sample.loss_mask or []) + [int(trainable)] * len(new_tokens)
-    if choice.get("routed_experts") is not None:
-        sample.rollout_routed_experts = decode_routed_experts(choice["routed_experts"])
-    sample.response = tokenizer.decode(sample.response_tokens, skip_special_tokens=False)
-    sample.status = _FINISH_STATUS.get(choice.get("finish_reason"), Sample.Status.COMPLETED)
-
-
-async def generate(args, sample: Sample, sampling_params: dict[str, Any]) -> Sample:
-    """Default single-turn generation; continues a partially generated sample where it stopped."""
-    state = GenerateState(args)
-    params = dict(sampling_params)
-    params["max_tokens"] = params["max_tokens"] - sample.response_length
-    if params["max_tokens"] <= 0:
-        sample.status = Sample.Status.TRUNCATED
-        return sample
-    choice = await post_generate(args, sample.tokens, params, model=served_model(sample))
-    append_choice(sample, choice, state.tokenizer)
-    return sample
 
 
 def fail_sample(sample: Sample, stage: str, reason: str, error: BaseException | str) -> Sample:
@@ -518,4 +342,4 @@ def check_routed_experts(groups: list[list[Sample]]) -> None:
                 "Engines vime starts return them; an external engine (--rollout-external-engine-addrs) must run "
                 "with --enable-return-routed-experts (vLLM's V2 model runner, VLLM_USE_V2_MODEL_RUNNER=1, a GPU), "
                 "and a custom generate function must keep the `routed_experts` of the engine's answer "
-                "(vime.rollout.vllm_rollout.append_choice does)")
+                "(vime.rollout.generation.append_choice does)")

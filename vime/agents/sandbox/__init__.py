@@ -23,7 +23,8 @@ allows (`LocalSandbox().isolation` is the report; `isolation.py` finds it by try
 - rlimits per process: CPU time, address space, file size, open files, processes;
 - an environment of its own (PATH, HOME, LANG, PYTHON*), never the trainer's (its secrets live there);
 - a verdict the program cannot forge: the jail reports the wait status it observed through a pipe the program never
-  holds; what the program writes to its own event log can only name a cause, never a success (`events.py`);
+  holds; what the program writes to its own event log can only name a cause, never a success (`events.py`,
+  `verdict.py`);
 - every descendant killed at the end: pid namespace, cgroup.kill, the slot's uid, or a process group nothing can
   leave (setsid refused), whichever is strongest here.
 Without network + pid + file-system isolation it refuses to run (`SandboxRefused`) unless

@@ -5,8 +5,8 @@ a bmm, and refuses packed sequences. This drop-in subclass (same constructor, sa
 keys) calls `torch.nn.functional.scaled_dot_product_attention`, which picks a fused kernel where one exists
 (flash attention on CPU too), and accepts Megatron's `thd` packed format (`PackedSeqParams` with cu_seqlens):
 each packed sequence attends only to itself, all of them in one batched call. With shared prompts
-(`SharedPromptSeqParams`, `batching.shared_prompt_inputs`) a packed response segment attends to its prompt
-segment and to itself.
+(`SharedPromptSeqParams`, `vime.trainer.batching.shared_prompt_inputs`) a packed response segment attends to its
+prompt segment and to itself.
 
 Who uses it: `model_provider.build_gpt_model` puts it into the local layer spec. The TransformerEngine spec on
 GPUs has its own fused attention with `thd` support.

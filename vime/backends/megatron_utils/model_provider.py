@@ -142,7 +142,7 @@ def _moe_config(args: argparse.Namespace) -> dict:
         expert_model_parallel_size=args.expert_model_parallel_size,
         expert_tensor_parallel_size=args.expert_tensor_parallel_size or args.tensor_model_parallel_size,
         moe_enable_routing_replay=bool(getattr(args, "use_rollout_routing_replay", False)
-                                       or getattr(args, "use_routing_replay", False)),  # routing_replay.py
+                                       or getattr(args, "use_routing_replay", False)),  # vime.trainer.routing_replay
     )
 
 

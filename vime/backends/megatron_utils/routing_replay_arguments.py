@@ -1,4 +1,4 @@
-"""Flags of MoE routing replay (`routing_replay.py`), apart from its torch code: parsing imports no torch."""
+"""Flags of MoE routing replay (`vime.trainer.routing_replay`), apart from its torch code: parsing imports no torch."""
 
 from __future__ import annotations
 

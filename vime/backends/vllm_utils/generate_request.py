@@ -1,6 +1,6 @@
 """One token-in/token-out generate request through vllm-router, with retries.
 
-Both the default rollout (`vime.rollout.vllm_rollout.post_generate`) and the OpenAI-compatible endpoint
+Both the default rollout (`vime.rollout.generation.post_generate`) and the OpenAI-compatible endpoint
 (`vime.agents.openai_server`) send their requests through `request_generate`, so both retry the same errors for
 as long: connection errors, timeouts, 5xx and 429 (overloaded) are retried at least `retries` times and for at
 least `retry_window_s` (what fault tolerance needs to outlast a dead engine); any other 4xx is the request's own

@@ -13,8 +13,13 @@ crash), so it always lists exactly the samples the current weights were trained 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
+
+from vime.data.transport.base import RolloutRef, RolloutTransport, rollout_summary
+
+logger = logging.getLogger(__name__)
 
 TRAINED_SAMPLES = "trained_samples.jsonl"
 
@@ -25,6 +30,34 @@ def replay_ids(stored_ids, start: int) -> list[int]:
     while start + len(ids) in stored:
         ids.append(start + len(ids))
     return ids
+
+
+def plan_replay(transport: RolloutTransport, start: int, output_dir, resuming: bool,
+                data_dir) -> dict[int, RolloutRef]:
+    """The stored rollouts a run starting at rollout `start` trains from storage ({rollout id: RolloutRef}); the
+    rest of what `transport` holds is let go: all of it when the run does not resume (`resuming` False:
+    --overwrite-output, an earlier run's rollouts are not this one's to train), else those inside the checkpoint
+    and those after a gap. The trained-samples record is cut back to `start` first."""
+    truncate_trained_samples(output_dir, start)
+    stored = transport.stored()
+    if not stored:
+        return {}
+    if not resuming:
+        logger.warning("--overwrite-output: dropping %d rollouts stored in %s by an earlier run", len(stored), data_dir)
+        transport.trim(list(stored))
+        return {}
+    ids = replay_ids(stored, start)
+    transport.trim([i for i in stored if i not in ids])  # already in the checkpoint, or after a gap
+    if ids:
+        logger.info("replaying rollouts %d..%d from %s before generating again", ids[0], ids[-1], data_dir)
+    return {i: stored_rollout(transport, stored[i]) for i in ids}
+
+
+def stored_rollout(transport: RolloutTransport, handle) -> RolloutRef:
+    """A rollout stored by an earlier (crashed) run, with the summary the driver keeps of it (rollouts stored
+    before the summary was part of their extra get it from their samples)."""
+    groups, extra = transport.get(handle)
+    return RolloutRef(handle, {**rollout_summary(groups), **extra})
 
 
 def read_trained_samples(output_dir) -> list[dict]:

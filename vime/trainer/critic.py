@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from vime.algorithms import aggregate_loss, value_loss
-from vime.backends.megatron_utils.train_batch import TrainBatch
+from vime.trainer.train_batch import TrainBatch
 
 
 class ValueHead(torch.nn.Module):

@@ -12,7 +12,7 @@ Megatron-core's `RouterReplay` does the replacing (`moe_enable_routing_replay`);
 its [tokens, top-k] indices for one micro-batch, in the order the model flattens it: packed (thd) sequences one
 after another, right-padded (bshd) [seq, batch] seq-major. Routing is per sample [tokens, layers, top-k] with
 layers counted over the whole model (dense layers' rows unused), as vLLM returns it. The flags:
-`routing_replay_arguments.py`.
+`vime.backends.megatron_utils.routing_replay_arguments`.
 """
 
 from __future__ import annotations
@@ -91,7 +91,8 @@ class RoutingReplay:
     """What the forwards of one rollout do with this rank's routers: replay per-sample routing, or record it.
 
     `routing` holds per sample [tokens, all layers, top-k] indices (None where unknown); `recording()` fills it
-    from the routers' own choices, `replaying()` feeds it back. Used by `model.run_schedule` around each micro-batch."""
+    from the routers' own choices, `replaying()` feeds it back. Used by `passes.run_schedule` around each
+    micro-batch."""
 
     def __init__(self, model, num_layers: int, num_samples: int, given: bool = False):
         self.slots = model_routers(model)
@@ -173,6 +174,23 @@ class RoutingReplay:
         for slot in self.slots:
             slot.replay.clear_indices()
             slot.replay.clear_router_replay_action()
+
+
+def rollout_routing(args, model, batch, first_pass: bool) -> RoutingReplay | None:
+    """The rollout's MoE routing replay for a `TrainBatch`: the engine's routing (--use-rollout-routing-replay), the
+    trainer's own as the first pass (`first_pass`: the old log-prob forward runs) records it (--use-routing-replay),
+    or None."""
+    if getattr(args, "use_rollout_routing_replay", False):
+        routing = RoutingReplay(model, args.num_layers, len(batch.tokens), given=True)
+        for i, (tokens, routed) in enumerate(zip(batch.tokens, batch.rollout_routed_experts)):
+            if routed is None and not batch.loss_masks[i].any():  # failed or aborted: computed, never trained
+                routed = np.zeros((0, args.num_layers, args.moe_router_topk), dtype=np.int64)
+            routing.routing[i] = sample_routing(routed, len(tokens), args.num_layers, args.moe_router_topk, i,
+                                                args.num_experts)
+        return routing
+    if getattr(args, "use_routing_replay", False) and first_pass:
+        return RoutingReplay(model, args.num_layers, len(batch.tokens))
+    return None
 
 
 def _device():

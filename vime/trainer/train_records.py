@@ -3,7 +3,7 @@ sample of its share, the log-probs under the weights the rollout was sampled wit
 
 One rank per data-parallel share writes: the last pipeline stage (the only one with log-probs), tensor-parallel
 rank 0 (the others hold the same numbers); the actor only, and nothing with --no-save-rollouts. The numbers are on
-the host already when the rollout ends (`model.OnHost` gathers the first step's log-probs in one copy; old
+the host already when the rollout ends (`passes.OnHost` gathers the first step's log-probs in one copy; old
 log-probs and advantages are kept there), so writing costs no device sync.
 """
 
@@ -14,8 +14,8 @@ import logging
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from vime.backends.megatron_utils.model import OnHost, is_last_stage
-from vime.backends.megatron_utils.train_batch import TrainBatch
+from vime.trainer.passes import OnHost, is_last_stage
+from vime.trainer.train_batch import TrainBatch
 from vime.data.saved_rollouts import save_train_records, train_record
 
 logger = logging.getLogger(__name__)

@@ -13,16 +13,23 @@ import torch
 from vime.algorithms import aggregate_loss, compute_approx_kl, get_policy_loss
 from vime.algorithms.losses import top_entropy_mask
 from vime.algorithms.rollout_correction import compute_mis_weights, truncated_weights
-from vime.backends.megatron_utils.train_batch import TrainBatch
-from vime.backends.megatron_utils.log_probs import response_log_probs
+from vime.trainer.train_batch import TrainBatch
+from vime.trainer.log_probs import response_log_probs
 from vime.utils.misc import load_function
+
+
+def step_denominators(batch: TrainBatch, step) -> dict:
+    """Trainable tokens and sequences of one optimizer step (`step`: its sample positions), over all data-parallel
+    ranks: what a micro-batch's loss is a share of (global means)."""
+    return {"tokens": max(1.0, float(sum(batch.loss_masks[i].sum() for i in step))),
+            "sequences": max(1, sum(int(batch.loss_masks[i].sum() > 0) for i in step))}
 
 
 def make_loss_fn(args, batch: TrainBatch, denominators: dict, scale: float, step_index: int, plugin_args=None,
                  keep_log_probs=None):
-    """Return loss_fn(indices, inputs, logits) -> (scaled loss, metrics) for `model.run_schedule`. A custom loss
+    """Return loss_fn(indices, inputs, logits) -> (scaled loss, metrics) for `passes.run_schedule`. A custom loss
     function gets `plugin_args` (the flags and the run's values, `vime.utils.plugin_args`; default `args`).
-    `keep_log_probs` (a `model.OnHost`, or None) is handed each micro-batch's log-probs, detached, on the device:
+    `keep_log_probs` (a `passes.OnHost`, or None) is handed each micro-batch's log-probs, detached, on the device:
     the trainer keeps them for the inspector without a host copy per micro-batch."""
     policy_loss = get_policy_loss(getattr(args, "policy_loss", "ppo"))
     # only a built-in loss's own keywords: a loss registered by a user keeps the contract it was written against
