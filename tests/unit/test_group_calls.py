@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import inspect
 
-from vime.backends.megatron_utils.trainer import MegatronTrainer
+from vime.trainer.trainer import MegatronTrainer
 from vime.ray import actor_group
 from vime.ray.actor_group import GROUP_CALLS, TRAINER_VERBS, RayTrainGroup, TrainActor
 from vime.ray.engine_fleet import EngineFleet

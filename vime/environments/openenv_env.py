@@ -27,7 +27,6 @@ import asyncio
 import json
 import logging
 import os
-import subprocess
 import sys
 import tempfile
 import time

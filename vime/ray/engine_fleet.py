@@ -81,7 +81,7 @@ class EngineFleet(FleetRecovery):
         self.engines: list = []
         self.router: Router | None = None
         self.rank_urls: list[str] = []  # engine rank -> its current URL (in service or being restarted)
-        self.served_version: str | None = None  # the version last sent to the engines, if any
+        self.served_version: int | None = None  # the version last sent to the engines, if any
         self.recovery_weights: str | None = None  # HF directory of the current weights, for restarted engines
         self.monitor: EngineHealthMonitor | None = None
         self._engines_lock = threading.RLock()  # engine set changes vs. control calls and weight updates
@@ -287,7 +287,7 @@ class EngineFleet(FleetRecovery):
             self._settle(errors)  # a dead engine gets these weights when it is restarted
             if recovery_dir is not None:
                 self.set_recovery_weights(recovery_dir)
-            self.served_version = str(version)
+            self.served_version = version
         slowest: dict[str, float] = {}
         for answer in answers.values():
             for phase, seconds in answer.get("timings", {}).items():

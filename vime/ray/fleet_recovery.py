@@ -193,7 +193,7 @@ class FleetRecovery:
             self._starting.pop(rank, None)
         add_counter("rollout/engine_restarts")
         logger.warning("engine %d restarted in %.1fs (%s): %s -> %s, weight version %s", rank,
-                       time.perf_counter() - start, reason, old_url, url, self.served_version or "initial")
+                       time.perf_counter() - start, reason, old_url, url, "initial" if self.served_version is None else self.served_version)
 
     def engine_restarts(self) -> int:
         return int(self.context.counters.get("rollout/engine_restarts", 0))
