@@ -76,7 +76,7 @@ def _rollout(manager, args, rollout_id: int):
     return groups, extra["metrics"]
 
 
-def _check_groups(groups: list[list[dict]], n_groups: int, versions: list[str] | None = None) -> None:
+def _check_groups(groups: list[list[dict]], n_groups: int, versions: list[int] | None = None) -> None:
     assert len(groups) == n_groups and all(len(g) == 4 for g in groups)
     assert len({g[0]["group_index"] for g in groups}) == n_groups
     for g in groups:
@@ -260,7 +260,7 @@ def test_sigkilled_engine_is_replaced_with_the_current_weights(stack, tiny_qwen3
     metrics = extra["metrics"]
     print(f"rollout with a SIGKILL: done {time.monotonic() - killed:.1f}s after the kill, "
           f"{metrics['rollout/request_retries']} requests retried")
-    _check_groups(groups, 64, versions=["1"])
+    _check_groups(groups, 64, versions=[1])
     assert metrics["rollout/failed_samples"] == 0
 
     window = HEALTH_INTERVAL + HEALTH_TIMEOUT + args.engine_startup_timeout
@@ -286,7 +286,7 @@ def test_sigkilled_engine_is_replaced_with_the_current_weights(stack, tiny_qwen3
         == ["1"], answer["choices"][0]
 
     groups, metrics = _rollout(manager, args, 2)
-    _check_groups(groups, 64, versions=["1"])
+    _check_groups(groups, 64, versions=[1])
     assert metrics["rollout/engine_restarts"] == 1.0
     assert (Path(weights) / "model-pp0.safetensors").exists()  # a user's directory is never deleted
     shutil.rmtree(weights)

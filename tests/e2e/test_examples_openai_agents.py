@@ -109,7 +109,7 @@ def test_async_agent_example(tiny_qwen3, tmp_path):
             first, second = s.metadata["agent_turns"]
             assert second["prompt_tokens"] > s.prompt_length + first["completion_tokens"]  # the follow-up is context
             assert s.metadata["agent_role"] == "main" and s.reward in (0.0, 1.0)
-            assert s.weight_versions == [str(rollout_id - 1 if rollout_id > 0 else 0)]  # one update stale
+            assert s.weight_versions == [rollout_id - 1 if rollout_id > 0 else 0]  # one update stale
     train = [r for r in records if "train/steps" in r]
     assert [r["async/staleness_max"] for r in train] == [0.0, 1.0, 1.0]
     assert train[0]["train_rollout_logprob_abs_diff"] < 1e-4, train[0]  # rollout 0 is on-policy

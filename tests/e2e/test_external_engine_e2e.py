@@ -75,7 +75,7 @@ def test_external_engine_is_registered_updated_and_verified(tiny_qwen3, arithmet
                                                                                        abs=1e-4), r
         versions = {v for g in load_rollout(str(out / "rollout_{rollout_id}.jsonl"), 1) for s in g
                     for v in s.weight_versions}
-        assert versions == {"1"}  # rollout 1 ran on the weights vime pushed after rollout 0
+        assert versions == {1}  # rollout 1 ran on the weights vime pushed after rollout 0
 
         # left running, and serving the run's final weights (not the checkpoint it started from)
         assert server.poll() is None and http_status(f"{url}/health") == 200

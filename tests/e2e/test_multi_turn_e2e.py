@@ -198,7 +198,7 @@ def test_inspector_page_in_a_browser_shows_the_saved_rollout(episodes, tiny_qwen
         assert [float(t["data-lp"]) for t in section.tokens] == d["rollout_log_probs"]
         assert 0 < sum(d["loss_mask"]) < d["response_length"]  # multi-turn: trained and untrained tokens both
         assert json.loads(section.attrs["data-spans"]) == d["weight_version_spans"] != []
-        assert section.facts["weight"] == ", ".join(d["weight_versions"])
+        assert section.facts["weight"] == ", ".join(map(str, d["weight_versions"]))
 
     # hovering a token shows its log-prob and weight version (the page's script writes the title on mouseover)
     hover = run / "inspect" / "hover.html"

@@ -217,7 +217,7 @@ def test_every_sample_is_complete(rollout_run):
                 assert len(s.rollout_log_probs) == s.response_length == len(s.loss_mask)
                 assert all(lp <= 0 for lp in s.rollout_log_probs)
                 assert s.reward in (0.0, 1.0)
-                assert s.weight_versions == ["default"]
+                assert s.weight_versions == [0]  # vLLM's "default": the checkpoint, version 0
                 assert isinstance(s.response, str)
     # the two rollouts used different prompts (the data source advances)
     r0 = load_rollout(str(out / "rollout_{rollout_id}.jsonl"), 0)

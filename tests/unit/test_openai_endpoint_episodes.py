@@ -136,6 +136,31 @@ def test_only_open_episodes_tokens_are_served(endpoint):
     assert router.calls == calls + 2 and server.episodes == {}
 
 
+def test_a_relay_names_sessions_by_public_id_and_proves_itself_with_its_key(endpoint):
+    """A relay (verifiers' interception server) that may write its session ids on a command line names them by
+    the episode's public id and carries the relay key: the public id alone, a wrong key, or the key with an id no
+    open episode has, are refused; the calls land in the episode's own sessions."""
+    from vime.agents.openai_requests import public_id
+
+    server, router = endpoint
+    calls = router.calls
+    token, key = server.open_episode(), server.relay_key()
+    public = public_id(token)
+    assert public != token and token not in public and key != token
+    body = json.dumps({"messages": USER}).encode()
+    for headers in ({"X-Session-ID": public},  # no key: the public id is no credential
+                    {"X-Session-ID": public, "Authorization": f"Bearer {token}"},  # a key that is not a relay's
+                    {"X-Session-ID": public_id("0" * 32), "Authorization": f"Bearer {key}"},  # no such episode
+                    {"X-Session-ID": f"{public}/solver", "Authorization": "Bearer " + "0" * 32}):
+        assert _post(server, body, headers)[0] == 401, headers
+    assert router.calls == calls
+    assert _post(server, body, {"X-Session-ID": public, "authorization": f"bearer {key}"})[0] == 200
+    assert _post(server, body, {"X-Session-ID": f"{public}/solver", "Authorization": f"Bearer {key}"})[0] == 200
+    assert list(server.close_episode(token)) == [token, f"{token}/solver"]
+    assert _post(server, body, {"X-Session-ID": public, "Authorization": f"Bearer {key}"})[0] == 401  # closed
+    assert server.tokens_by_public_id == {} and router.calls == calls + 2
+
+
 def test_a_call_in_flight_when_its_episode_closes_is_refused_and_leaves_nothing(endpoint):
     server, router = endpoint
     token = server.open_episode()

@@ -25,13 +25,19 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 def session_id_of(headers, body: dict[str, Any]) -> str | None:
     if headers.get(SESSION_HEADER):
         return headers[SESSION_HEADER]
+    key = api_key_of(headers)
+    if key:
+        return key
+    user = body.get("user")
+    return str(user) if user else None
+
+
+def api_key_of(headers) -> str | None:
+    """The API key a call carries: `Authorization: Bearer <key>` (OpenAI clients) or `x-api-key` (Anthropic's)."""
     auth = headers.get("Authorization", "")
     if auth.lower().startswith("bearer ") and auth[7:].strip():
         return auth[7:].strip()
-    if headers.get("x-api-key"):
-        return headers["x-api-key"]
-    user = body.get("user")
-    return str(user) if user else None
+    return headers.get("x-api-key") or None
 
 
 def episode_of(session_id: str) -> str:
@@ -42,6 +48,12 @@ def token_key(token: str) -> bytes:
     """What an episode is filed under: the token's SHA-256. Lookups then compare digests, never the token itself,
     so their timing says nothing about how much of a guessed token is right."""
     return hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()
+
+
+def public_id(token: str) -> str:
+    """An episode's name that is no credential (a digest of its token): what a relay may write where others can
+    read it (`OpenAIServer.relay_key`)."""
+    return hashlib.sha256(b"vime public id\0" + token.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
 def routing_key(session_id: str) -> str:

@@ -61,8 +61,8 @@ from vime.agents.api.completion import ChoiceOut, Completion
 from vime.agents.chat_session import ChatSession, ChatTemplate, branch
 from vime.agents.openai_replies import client_answers, error_response, send_events, unauthorized
 from vime.agents.openai_requests import (DEFAULT_MAX_REQUEST_BYTES, MAX_SESSION_ID_CHARS, SESSION_HEADER, BodyTooLarge,
-                                         call_seed, engine_sampling_params, episode_of, parse_body, read_text,
-                                         routing_key, session_id_of, token_key)
+                                         api_key_of, call_seed, engine_sampling_params, episode_of, parse_body,
+                                         public_id, read_text, routing_key, session_id_of, token_key)
 from vime.agents.tool_parsing import forced_call_schema
 from vime.backends.vllm_utils.client import SERVED_MODEL
 from vime.backends.vllm_utils.generate_request import (EngineRejectedError, EngineUnavailableError, RequestCounters,
@@ -118,6 +118,8 @@ class OpenAIServer:
         self.max_request_bytes = int(max_request_bytes)
         self.counters = RequestCounters()  # in flight and retried through this endpoint
         self.episodes: dict[bytes, _Episode] = {}  # open episodes by token_key(token)
+        self.tokens_by_public_id: dict[str, str] = {}  # open episodes' public ids (`public_id`) -> their tokens
+        self.relay_keys: set[bytes] = set()  # token_key of each key a relay proves itself with (`relay_key`)
         self._guard = threading.Lock()  # episodes and their sessions: the harness opens/closes from its thread
         self._pool = ThreadPoolExecutor(prepare_threads, thread_name_prefix="vime-openai-prepare")
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -173,6 +175,7 @@ class OpenAIServer:
         token = secrets.token_hex(16)
         with self._guard:
             self.episodes[token_key(token)] = _Episode(dict(forced_sampling or {}), model)
+            self.tokens_by_public_id[public_id(token)] = token
         return token
 
     def close_episode(self, token: str) -> dict[str, ChatSession]:
@@ -180,11 +183,32 @@ class OpenAIServer:
         token is refused from now on. {} for an unknown or already closed token."""
         with self._guard:
             episode = self.episodes.pop(token_key(token), None)
+            self.tokens_by_public_id.pop(public_id(token), None)
             if episode is None:
                 return {}
             episode.open = False
             episode.locks.clear()  # a call waiting on one still holds it, and finds the episode closed
             return episode.sessions
+
+    def relay_key(self) -> str:
+        """A key for a relay that names sessions by their public id (`public_id(token)`, "/ROLE" after it) in the
+        X-Session-ID header and proves itself with this key as its API key: a harness that writes the session id
+        where others can read it (a command line) then gives away nothing. Valid while the server runs."""
+        key = secrets.token_hex(16)
+        with self._guard:
+            self.relay_keys.add(token_key(key))
+        return key
+
+    def _session_of(self, headers) -> str | None:
+        """The call's session id (`session_id_of`), or, from a relay holding one of `relay_keys`, the session its
+        public id names (the public id itself when no open episode has it: refused like any unknown id)."""
+        named, key = headers.get(SESSION_HEADER), api_key_of(headers)
+        if not (named and key and token_key(key) in self.relay_keys):
+            return session_id_of(headers, {})
+        public, sep, role = named.partition("/")
+        with self._guard:
+            token = self.tokens_by_public_id.get(public)
+        return token + sep + role if token else named
 
     def session(self, session_id: str) -> ChatSession | None:
         episode = self._episode(session_id)
@@ -258,7 +282,7 @@ class OpenAIServer:
         """What every API route does around its own part (`run(episode, session_id, body)`): the session id
         and its open episode, the body within its size limit, one call at a time per session, and errors in the
         route's own shape (`error(status, message, code)`)."""
-        session_id = session_id_of(request.headers, {})
+        session_id = self._session_of(request.headers)
         if session_id is not None and self._episode(session_id) is None:
             return unauthorized(error)  # before reading a body that would not be served
         try:

@@ -9,7 +9,8 @@ imports only the standard library at module level and nothing of vime.
                      "size": int | null, "take": int | null}
     bridge -> vime  {"id": 0, "tasks": [{"idx", "key", "prompt", "system_prompt", "answer"}],
                      "env_id": str, "rewards": {name: weight}}
-    vime -> bridge  {"id": n, "op": "episode", "task": idx, "session": TOKEN, "base_url": URL, "timeout": s}
+    vime -> bridge  {"id": n, "op": "episode", "task": idx, "session": ID, "key": KEY, "base_url": URL,
+                     "timeout": s}
     bridge -> vime  {"id": n, "ok": bool, "errors": [str], "traces": [{"session", "agent", "ok", "errors",
                      "stop", "reward", "rewards": {name: [score | null, weight]}, "metrics": {name: value}}]}
     vime -> bridge  {"id": n, "op": "cancel"}      the episode of request n is abandoned
@@ -18,10 +19,12 @@ imports only the standard library at module level and nothing of vime.
 
 An episode is verifiers' own `Env.run_episode`: its harness (a program verifiers launches) chats through
 verifiers' interception server, whose model client relays every call to vime's OpenAI-compatible endpoint
-(`base_url`). Each trace's id is set to the vime session it belongs to (`TOKEN` for the first agent of the
-episode, `TOKEN/<agent>` for others) the moment verifiers mints it: verifiers sends the trace id as the
-`X-Session-ID` header of every relayed call, which is how vime's endpoint knows the episode and records its
-exact tokens. The session token arrives on stdin only (argv is readable by every user of the node).
+(`base_url`). Each trace's id is set to the session it belongs to (`ID` for the first agent of the episode,
+`ID/<agent>` for others) the moment verifiers mints it: verifiers sends the trace id as the `X-Session-ID` header
+of every relayed call, which is how vime's endpoint knows the episode and records its exact tokens. ID is the
+episode's public id, no credential (verifiers may write a trace id on a harness program's command line, which
+every user of the node can read); the relay proves itself with KEY, its API key (`OpenAIServer.relay_key`),
+which arrives on stdin and stays in this process's environment.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ LEGACY_HINT = ("it looks written against verifiers' pre-0.4 API (load_environmen
                "ToolEnv, MultiTurnEnv with a Rubric), which verifiers 0.4.0 removed: port it to a verifiers.v1 "
                "Taskset (a Task with @vf.reward methods, exported in the module's __all__), or run it with "
                "verifiers<0.4 outside vime")
+RELAY_KEY_ENV = "VIME_VERIFIERS_RELAY_KEY"  # where verifiers' model client reads its API key from
 MODEL = "policy"  # the name the harness asks for; vime's endpoint serves the run's policy whatever it is called
 
 
@@ -164,15 +168,18 @@ class Bridge:
         named: list[str] = []
 
         def name_trace(trace) -> None:
-            # the first agent's trace is the episode's main session; others are TOKEN/<agent>[#k]
+            # the first agent's trace is the episode's main session; others are ID/<agent>[#k]
             session = token if not named else f"{token}/{trace.agent.name or 'agent'}"
             while session in named:
                 session += "#"
             named.append(session)
             trace.id = session
 
-        # relayed unchanged to vime's endpoint; no key: the session id (X-Session-ID) is the credential
-        client = EvalClientConfig(base_url=request["base_url"], api_key_var="VIME_VERIFIERS_NO_KEY")
+        # Relayed to vime's endpoint under the episode's public id (X-Session-ID) with the relay key as the API
+        # key: the public id may land on a command line (a toolset's URL), the key stays in this process's
+        # environment (readable by this user only), which is where verifiers reads an API key from.
+        os.environ[RELAY_KEY_ENV] = request["key"]
+        client = EvalClientConfig(base_url=request["base_url"], api_key_var=RELAY_KEY_ENV)
         ctx = ModelContext(model=MODEL, client=client)
         episode = await asyncio.wait_for(self.env.run_episode(task, ctx, on_trace=name_trace),
                                          float(request.get("timeout") or 3600))

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from vime.agents.openai_arguments import agent_flag
+from vime.agents.openai_requests import public_id
 from vime.environments.base import ENVIRONMENT_KEY, Environment, EnvironmentSpec, record_functions
 from vime.environments.verifiers_process import BridgeError, BridgeProcess, verifiers_python
 from vime.utils.types import Sample
@@ -69,6 +70,7 @@ class VerifiersEnvironment(Environment):
         take = None if self.size is None else self.size + self.eval_size
         self.bridge = BridgeProcess(verifiers_python(args.verifiers_python), spec.target, config, log_dir,
                                     self.name, take=take)
+        self.relay_key: str | None = None  # the run's endpoint's key for this bridge (`OpenAIServer.relay_key`)
         self._tasks: list[dict[str, Any]] | None = None
         self.reward_weights: dict[str, float] = {}
 
@@ -105,8 +107,12 @@ class VerifiersEnvironment(Environment):
         """The agent function of `run_episode`: the bridge runs the task's verifiers episode against vime's
         endpoint, with `token` as its session; the traces' scores land in the sample's metadata."""
         task = sample.metadata[TASK_KEY]
-        rid, future = self.bridge.request({"op": "episode", "task": task["task"], "session": token,
-                                           "base_url": base_url, "timeout": self.episode_timeout})
+        # The bridge names the episode by its public id and proves itself with the relay key: verifiers may put
+        # a trace id on a harness program's command line, which every user of the node can read.
+        public = public_id(token)
+        rid, future = self.bridge.request({"op": "episode", "task": task["task"], "session": public,
+                                           "key": self.relay_key, "base_url": base_url,
+                                           "timeout": self.episode_timeout})
         try:
             result = await asyncio.wrap_future(future)
         except asyncio.CancelledError:
@@ -114,6 +120,9 @@ class VerifiersEnvironment(Environment):
             raise
         if "error" in result:
             raise BridgeError(f"verifiers environment {self.name}, task {task['task']}: {result['error']}")
+        for trace in result["traces"]:  # back to the sessions vime's endpoint recorded them under
+            if trace["session"].startswith(public):
+                trace["session"] = token + trace["session"][len(public):]
         # a new dict, not an update: the prompt's metadata may be shared with the rest of its group
         sample.metadata[TASK_KEY] = {**task, "traces": result["traces"], "errors": result["errors"]}
         if not any(t["calls"] for t in result["traces"]):
@@ -122,8 +131,10 @@ class VerifiersEnvironment(Environment):
                               f"call ({why})")
 
     async def generate(self, args, sample: Sample, sampling_params: dict[str, Any]) -> Sample:
-        from vime.agents.harness import run_episode
+        from vime.agents.harness import get_server, run_episode
 
+        if self.relay_key is None:
+            self.relay_key = get_server(args).relay_key()
         return await run_episode(args, self._episode, sample, sampling_params)
 
     async def score(self, args, sample: Sample) -> float:
