@@ -57,7 +57,7 @@ def check_arithmetic(s, tokenizer) -> dict[str, float]:
     assert s.loss_mask == [1] * s.response_length and len(s.rollout_log_probs) == s.response_length
     text = _reply(tokenizer, s.response_tokens)
     return {"exact_match": float(text == str(2 * i)), "has_digit": float(any(c.isdigit() for c in text)),
-            "reply_chars": float(len(text))}
+            "brevity": 1.0 / (1.0 + len(text)), "reply_chars": float(len(text))}
 
 
 def check_lookup(s, tokenizer) -> dict[str, float]:
@@ -120,7 +120,7 @@ def test_verifiers_single_turn_and_tool_environments_mixture(tiny_qwen3, tmp_pat
     train = [r for r in records if "train/steps" in r]
     assert [r["rollout_id"] for r in train] == [0, 1]
     checks = {"vf_arithmetic": check_arithmetic, "vf_lookup": check_lookup}
-    weights = {"vf_arithmetic": {"exact_match": 1.0, "has_digit": 0.5, "reply_chars": 0.0},
+    weights = {"vf_arithmetic": {"exact_match": 1.0, "has_digit": 0.5, "brevity": 0.1, "reply_chars": 0.0},
                "vf_lookup": {"used_tool": 0.5, "answered": 1.0}}
     drawn = []
     for r in train:
@@ -144,4 +144,5 @@ def test_verifiers_single_turn_and_tool_environments_mixture(tiny_qwen3, tmp_pat
                     assert r[f"rollout/env/{name}/fn/{fn}_mean"] == pytest.approx(mean, abs=1e-9), r
                     assert r[f"rollout/env/{name}/fn/{fn}_weight"] == weight
     assert drawn == ["vf_arithmetic", "vf_lookup"] * 2  # weights 1 : 1, one group each per rollout
-    assert any(r["train/grad_norm"] > 0 for r in train)
+    # the two replies of a group differ in length, so brevity alone gives every group an advantage to train on
+    assert all(r["train/grad_norm"] > 0 for r in train), train

@@ -17,11 +17,10 @@ from types import SimpleNamespace
 import pytest
 from aiohttp import web
 
-from vime.agents import harness
 from vime.environments.base import EnvironmentSpec
 from vime.environments.verifiers_env import VerifiersEnvironment, default_name
 from vime.environments.verifiers_process import DEFAULT_PYTHON, BridgeError, verifiers_python
-from vime.rollout.context import reset_rollout_context
+from vime.rollout.context import reset_rollout_context, rollout_context
 
 needs_venv = pytest.mark.skipif(not os.access(DEFAULT_PYTHON, os.X_OK),
                                 reason="no .venv-verifiers (bash scripts/install.sh makes it)")
@@ -115,17 +114,14 @@ def stack(tiny_qwen3, tmp_path_factory):
     tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3)
     router = ScriptedRouter(tokenizer, reply)
     tmp = tmp_path_factory.mktemp("verifiers")
-    old_server, harness._server = harness._server, None
-    args = _args(tmp, tiny_qwen3, router.url)
+    args = _args(tmp, tiny_qwen3, router.url)  # a fresh rollout context: the endpoint will be its own
     envs = {"arith": _env("tests.environments.vf_arithmetic", tmp, {"taskset": {"num_tasks": 6}, "size": 3}),
             "lookup": _env("tests.environments.vf_lookup", tmp, LOOKUP_ARGS),
             "broken": _env("tests.environments.vf_broken", tmp)}
     yield SimpleNamespace(args=args, tokenizer=tokenizer, router=router, envs=envs)
     for env in envs.values():
         env.close()
-    if harness._server is not None:
-        harness._server.stop()
-    harness._server = old_server
+    rollout_context().close()  # the endpoint
     router.stop()
 
 
@@ -147,7 +143,7 @@ def test_single_turn_episode_tokens_and_per_function_rewards(stack):
     assert [p.metadata["verifiers"]["task"] for p in train] == [0, 1, 2]
     assert [p.metadata["verifiers"]["task"] for p in evals] == [3, 4]  # the tasks after the training ones
     assert train[2].prompt == "What is 2 + 2?" and train[2].label == "4"
-    assert env.reward_weights == {"exact_match": 1.0, "has_digit": 0.5}
+    assert env.reward_weights == {"exact_match": 1.0, "has_digit": 0.5, "brevity": 0.1}
     sample, reward = _run(stack, env, train[2])
     # the endpoint's record: the chat template's prompt, the engine's tokens trained with their log-probs
     prompt_ids = _template_ids(tokenizer, [{"role": "user", "content": "What is 2 + 2?"}])
@@ -155,9 +151,11 @@ def test_single_turn_episode_tokens_and_per_function_rewards(stack):
     assert sample.tokens == prompt_ids + answer and sample.prompt_length == len(prompt_ids)
     assert sample.loss_mask == [1] * len(answer) and sample.rollout_log_probs == [-0.5] * len(answer)
     assert sample.metadata["agent_role"] == "main" and sample.metadata["environment"] == "vf_arithmetic"
-    assert reward == 1.5  # exact_match 1 x 1.0 + has_digit 1 x 0.5
-    assert sample.metadata["reward_functions"] == {"exact_match": 1.0, "has_digit": 1.0, "reply_chars": 1.0}
-    assert sample.metadata["reward_weights"] == {"exact_match": 1.0, "has_digit": 0.5, "reply_chars": 0.0}
+    assert reward == 1.55  # exact_match 1 x 1.0 + has_digit 1 x 0.5 + brevity 1 / (1 + 1) x 0.1
+    assert sample.metadata["reward_functions"] == {"exact_match": 1.0, "has_digit": 1.0, "brevity": 0.5,
+                                                   "reply_chars": 1.0}
+    assert sample.metadata["reward_weights"] == {"exact_match": 1.0, "has_digit": 0.5, "brevity": 0.1,
+                                                 "reply_chars": 0.0}
 
 
 @needs_venv

@@ -1,5 +1,5 @@
 """A single-turn verifiers 0.4 environment, written as verifiers' docs write a taskset (docs/v1/tasksets.md: the
-`AdditionTaskset`, with reverse-text's `@vf.stop` single turn): one addition question per task, two weighted
+`AdditionTaskset`, with reverse-text's `@vf.stop` single turn): one addition question per task, three weighted
 reward functions. Loaded by vime as `--environment verifiers:tests.environments.vf_arithmetic`; imported only in
 the verifiers venv (vime's bridge process), never by vime."""
 
@@ -22,6 +22,10 @@ class AdditionTask(vf.Task[AdditionData]):
     @vf.reward(weight=0.5)
     async def has_digit(self, trace: vf.Trace) -> float:
         return float(any(c.isdigit() for c in trace.last_reply))
+
+    @vf.reward(weight=0.1)  # a shaping term that tells apart any two replies of different lengths
+    async def brevity(self, trace: vf.Trace) -> float:
+        return 1.0 / (1.0 + len(trace.last_reply))
 
     @vf.metric
     async def reply_chars(self, trace: vf.Trace) -> float:
