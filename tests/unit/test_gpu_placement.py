@@ -51,7 +51,7 @@ def gpu_cluster():
 def _args(**kw):
     base = dict(actor_num_nodes=1, actor_num_gpus_per_node=1, rollout_num_gpus=1, rollout_num_gpus_per_engine=1,
                 rollout_external_engine_addrs=None, colocate=False, use_critic=False, train_num_threads=None,
-                data_transport="object_store", ray_address=None)
+                data_transport="object_store", ray_address=None, judge_checkpoint=None, judge_num_engines=1)
     base.update(kw)
     return SimpleNamespace(**base)
 
@@ -77,9 +77,10 @@ def _trainers(placement: Placement, args, role: str = "actor") -> list[dict]:
         group.shutdown()
 
 
-def _engines(placement: Placement) -> list[dict]:
-    return ray.get([engine_sees.options(**placement.actor_options(placement.bundle_of("engine", r))).remote(
-        placement.engine_gpus(r)) for r in range(placement.ranks["engine"])])
+def _engines(placement: Placement, role: str = "engine") -> list[dict]:
+    gpus = placement.engine_gpus if role == "engine" else placement.judge_gpus
+    return ray.get([engine_sees.options(**placement.actor_options(placement.bundle_of(role, r))).remote(gpus(r))
+                    for r in range(placement.ranks[role])])
 
 
 def _gpus(seen: dict) -> set[tuple[str, str]]:
@@ -109,6 +110,26 @@ def test_disaggregated_engines_own_their_tensor_parallel_gpus(gpu_cluster, tp):
         assert seen["actor"] in seen["server"].split(",")  # the actor sits on one of its server's GPUs
     every = set().union(*engine_gpus)
     assert len(every) == 4 and not every & rank_gpus  # engines never share a GPU with each other or a trainer
+
+
+@pytest.mark.parametrize("colocate", [False, True])
+def test_the_judges_engines_get_gpus_of_their_own(gpu_cluster, colocate):
+    """--judge-checkpoint: each judge engine serves on one GPU that no trainer, policy engine or other judge has,
+    whether the policy's engines share the trainers' GPUs or not."""
+    args = _args(actor_num_gpus_per_node=2, rollout_num_gpus=2, colocate=colocate, judge_checkpoint="judge",
+                 judge_num_engines=2)
+    p = Placement(args)
+    try:
+        assert p.ranks["judge"] == 2 and len(p.pg.bundle_specs) == (2 if colocate else 4) + 2
+        ranks, engines, judges = _ranks(p), _engines(p), _engines(p, "judge")
+    finally:
+        ray.util.remove_placement_group(p.pg)
+    policy = {(r["node"], r["visible"]) for r in ranks} | set().union(*map(_gpus, engines))
+    assert len(policy) == (2 if colocate else 4)
+    judge_gpus = [_gpus(j) for j in judges]
+    assert all(len(g) == 1 for g in judge_gpus) and not judge_gpus[0] & judge_gpus[1]
+    assert not set().union(*judge_gpus) & policy
+    assert all(j["actor"] == j["server"] for j in judges)  # the actor sits on the GPU its server uses
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])

@@ -34,7 +34,7 @@ def cluster():
 def _args(**kw):
     base = dict(actor_num_nodes=2, actor_num_gpus_per_node=1, rollout_num_gpus=2, rollout_num_gpus_per_engine=1,
                 rollout_external_engine_addrs=None,
-                colocate=False, use_critic=False)
+                colocate=False, use_critic=False, judge_checkpoint=None, judge_num_engines=1)
     base.update(kw)
     return SimpleNamespace(**base)
 

@@ -24,6 +24,7 @@ import time
 from typing import Any
 
 import aiohttp
+import ray
 
 from vime.rollout.context import rollout_context
 from vime.rollout.metrics import add_counter
@@ -46,22 +47,21 @@ def judge_engine_args(args):
 
 
 class JudgeGroup:
-    """The judge's engines (vime's `VLLMEngine`s, in this process) and the client reward functions use."""
+    """The judge's engines (`VLLMEngine` actors on the judge's own placement bundles, launched by whoever made
+    them: the rollout manager, with `judge_engine_args`) and the client reward functions use."""
 
-    def __init__(self, args, log_dir):
-        from vime.backends.vllm_utils.engine import VLLMEngine
-
+    def __init__(self, args, engines: list):
         self.args = args
-        engine_args = judge_engine_args(args)
-        self.engines = [VLLMEngine(engine_args, 1000 + i, str(log_dir)) for i in range(args.judge_num_engines)]
+        self.engines = engines
         self.urls: list[str] = []
         self.semaphore: asyncio.Semaphore | None = None
         self._next = 0
         self._session: aiohttp.ClientSession | None = None
 
     def start(self) -> list[str]:
-        """Wait for the engines (launched at construction) to serve; their URLs."""
-        self.urls = [engine.start() for engine in self.engines]
+        """Wait for the engines (launched as their actors were made) to serve; their URLs."""
+        self.urls = ray.get([engine.start.remote() for engine in self.engines],
+                            timeout=self.args.engine_startup_timeout + 60)
         return self.urls
 
     @property
@@ -114,9 +114,14 @@ class JudgeGroup:
                 "logprobs": [c["logprob"] for c in (choice.get("logprobs") or {}).get("content") or []]}
 
     def stop(self) -> None:
-        for engine in self.engines:
-            engine.stop()
-        self.urls = []
+        stops = [engine.stop.remote() for engine in self.engines]  # all at once: each waits for its server's exit
+        for engine, stop in zip(self.engines, stops):
+            try:
+                ray.get(stop, timeout=60)
+            except Exception as err:  # an engine already dead: its actor's watchdog killed the server
+                logger.warning("stopping a judge engine: %s", type(err).__name__)
+            ray.kill(engine)
+        self.engines, self.urls = [], []
 
 
 def run_judge() -> JudgeGroup | None:

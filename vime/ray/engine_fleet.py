@@ -48,14 +48,20 @@ def run_control_token(args) -> str:
     return control_token()
 
 
-def new_engine(args, placement, rank: int, log_dir: Path, token: str):
-    """An engine actor for `rank` in its placement bundle, not started (`VLLMEngine.start`)."""
+JUDGE_RANKS = 1000  # the judge's engine i is engine 1000 + i in logs (engine_1000.log)
+
+
+def new_engine(args, placement, rank: int, log_dir: Path, token: str, role: str = "engine"):
+    """An engine actor for `role` ("engine", or "judge": --judge-checkpoint's) rank `rank` in its placement
+    bundle, not started (`VLLMEngine.start`)."""
     options, share, gpus = {"num_cpus": 1}, None, None
     if placement is not None and placement.pg is not None:
-        options = placement.actor_options(placement.bundle_of("engine", rank))
-        share = placement.cpu_share("engine", rank)
-        gpus = placement.engine_gpus(rank)  # all of its tensor-parallel bundles' GPUs
-    return ray.remote(VLLMEngine).options(**options).remote(args, rank, str(log_dir), share, token, gpus)
+        options = placement.actor_options(placement.bundle_of(role, rank))
+        share = placement.cpu_share(role, rank)
+        # all of its tensor-parallel bundles' GPUs
+        gpus = placement.engine_gpus(rank) if role == "engine" else placement.judge_gpus(rank)
+    engine_rank = rank if role == "engine" else JUDGE_RANKS + rank
+    return ray.remote(VLLMEngine).options(**options).remote(args, engine_rank, str(log_dir), share, token, gpus)
 
 
 def new_engines(args, placement, log_dir: Path, token: str) -> list:

@@ -39,7 +39,8 @@ def init_ray(args) -> None:
         os.environ.setdefault(key, value)
     # A local cluster stays on loopback: engines and their control routes are never exposed to a network. It is
     # the run's own (address "local"), never another Ray instance found on this machine.
-    slots = args.rollout_num_gpus + args.actor_num_nodes * args.actor_num_gpus_per_node + 2
+    judges = args.judge_num_engines if args.judge_checkpoint else 0
+    slots = args.rollout_num_gpus + args.actor_num_nodes * args.actor_num_gpus_per_node + judges + 2
     # Ray runs its workers at nice 15 by default; ours are the processes that compute. Nor does it prestart idle
     # workers: a process each, started while the run starts and competing with it for the CPUs, that no actor of
     # the run would use (each actor starts its own).
@@ -77,6 +78,8 @@ class Placement:
         critic = with_trainers and getattr(args, "use_critic", False)  # PPO: as many critic ranks as actor ranks
         trainers = actors * (2 if critic else 1)
         engine_slots = 0 if (not with_engines or args.rollout_external_engine_addrs) else args.rollout_num_gpus
+        # --judge-checkpoint: the judge's engines, one device each, of their own (never shared with the training)
+        judges = args.judge_num_engines if with_engines and args.judge_checkpoint else 0
         self.colocate = bool(args.colocate and actors and engine_slots)
         self.actor_offset = 0
         if self.colocate:  # actor, engine (and critic) share each bundle and take turns
@@ -87,6 +90,7 @@ class Placement:
             self.critic_offset, self.rollout_offset = actors, trainers
             n_bundles = trainers + engine_slots
             self.share = 1.0
+        self.judge_offset, n_bundles = n_bundles, n_bundles + judges
         self.gpus = cluster_has_gpus()
         bundle = {"GPU": 1, "CPU": 1} if self.gpus else {"CPU": 1}
         self.gpus_per_engine = args.rollout_num_gpus_per_engine
@@ -96,7 +100,7 @@ class Placement:
         self.bundle_gpus: list[str | None] = []  # bundle index -> the GPU id Ray gave it (None on CPU)
         self.slots: list[int] = []  # the bundles in (node, GPU id) order: slot i is bundle slots[i]
         self.ranks = {"actor": actors if with_trainers else 0, "critic": actors if critic else 0,
-                      "engine": engine_slots // self.gpus_per_engine}
+                      "engine": engine_slots // self.gpus_per_engine, "judge": judges}
         if n_bundles:
             self.pg = placement_group([dict(bundle) for _ in range(n_bundles)], strategy="PACK")
             ray.get(self.pg.ready(), timeout=600)
@@ -128,11 +132,16 @@ class Placement:
                              "--rollout-num-gpus-per-engine GPUs, or use fewer GPUs per engine")
         return [self.bundle_gpus[b] for b in bundles]
 
+    def judge_gpus(self, rank: int) -> list[str] | None:
+        """The GPU id the judge's engine `rank` serves on; None on CPU."""
+        return [self.bundle_gpus[self.bundle_of("judge", rank)]] if self.gpus else None
+
     def bundle_of(self, role: str, rank: int) -> int:
-        """The (first) bundle of `role` ("actor", "critic" or "engine") rank `rank`."""
+        """The (first) bundle of `role` ("actor", "critic", "engine" or "judge") rank `rank`."""
         if role == "engine":
             return self.engine_bundles(rank)[0]
-        return self.slots[(self.critic_offset if role == "critic" else self.actor_offset) + rank]
+        offset = {"critic": self.critic_offset, "judge": self.judge_offset}.get(role, self.actor_offset)
+        return self.slots[offset + rank]
 
     def local_rank(self, role: str, rank: int) -> int:
         """`rank`'s index among the ranks of its role on its node (torchrun's LOCAL_RANK)."""
@@ -151,10 +160,12 @@ class Placement:
         groups: dict[tuple, list[tuple[str, int, int]]] = {}  # (node, group) -> [(role, rank, units)]
         for role, count in ranks.items():
             units = gpus_per_engine if role == "engine" else 1
-            side = "engines" if role == "engine" else "training"
+            side = "engines" if role in ("engine", "judge") else "training"
             for rank in range(count):
                 node = nodes[self.bundle_of(role, rank)]
-                groups.setdefault((node, side if overlap else role), []).append((role, rank, units))
+                # a judge computes while the engines generate (rewards are scored as samples finish)
+                together = side if overlap else ("engine" if role == "judge" else role)
+                groups.setdefault((node, together), []).append((role, rank, units))
         node_units: dict = {}
         for (node, _), members in groups.items():
             node_units[node] = node_units.get(node, 0) + sum(u for *_, u in members)

@@ -21,11 +21,11 @@ import ray
 from vime.data.adapter_mix import AdapterMixSource
 from vime.data.data_source import RolloutDataSource
 from vime.data.prompt_dataset import load_prompt_file, load_prompt_samples
-from vime.environments.judge import JudgeGroup
+from vime.environments.judge import JudgeGroup, judge_engine_args
 from vime.environments.mixture import environment_eval_sources, environment_source, load_environments
 from vime.backends.weight_transport.check import probe_tokens
 from vime.data.transport import RolloutRef, make_transport, rollout_summary
-from vime.ray.engine_fleet import EngineFleet
+from vime.ray.engine_fleet import EngineFleet, new_engine
 from vime.ray.health import FailedRollouts
 from vime.ray.placement import num_engines
 from vime.rollout.context import RolloutContext, in_rollout_context, rollout_context, use_rollout_context
@@ -132,8 +132,10 @@ class RolloutManager:
         if not args.debug_train_only:
             self.fleet.launch()  # the engines boot while the tokenizer, data and functions load
         # --judge-checkpoint: the judge's own engines, never in the fleet (no weight update reaches them)
-        self.context.judge = JudgeGroup(args, self.log_dir) \
-            if getattr(args, "judge_checkpoint", None) and not args.debug_train_only else None
+        if args.judge_checkpoint and not args.debug_train_only:
+            judge_args = judge_engine_args(args)
+            self.context.judge = JudgeGroup(args, [new_engine(judge_args, placement, i, self.log_dir, self.fleet.token,
+                                                              role="judge") for i in range(args.judge_num_engines)])
         from vime.utils.hf_tokenizer import load_tokenizer
 
         self.tokenizer = load_tokenizer(args.hf_checkpoint)
