@@ -117,7 +117,7 @@ def main() -> None:
         groups = make_groups(a.samples, a.group_size, a.tokens)
         samples = [s for g in groups for s in g]
         trainer = MegatronTrainer(args)
-        model, optimizer, _ = setup_model_and_optimizer(args, total_steps=1000)
+        model, optimizer, _ = setup_model_and_optimizer(trainer.args, total_steps=1000)  # the architecture filled in
         load_hf_checkpoint_into_model(model, str(hf))
         optimizer.reload_model_params()
         mbs = micro_batches(list(range(len(samples))), [len(s["tokens"]) for s in samples],
