@@ -10,13 +10,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import threading
 import time
 from types import SimpleNamespace
 
 import pytest
 from aiohttp import web
 
+from tests.helpers.stand_in_router import StandInRouter
 from vime.environments.base import EnvironmentSpec
 from vime.environments.verifiers_env import VerifiersEnvironment, default_name
 from vime.environments.verifiers_process import DEFAULT_PYTHON, BridgeError, verifiers_python
@@ -27,23 +27,12 @@ needs_venv = pytest.mark.skipif(not os.access(DEFAULT_PYTHON, os.X_OK),
 LOOKUP_ARGS = {"agent": {"sampling": {"tool_choice": "required"}, "max_turns": 2}}
 
 
-class ScriptedRouter:
+class ScriptedRouter(StandInRouter):
     """/inference/v1/generate answering with the token ids of `reply(body)` (a text), log-probs -0.5 each."""
 
     def __init__(self, tokenizer, reply):
         self.tokenizer, self.reply, self.requests = tokenizer, reply, []
-        self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, daemon=True).start()
-        asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(10)
-
-    async def _start(self):
-        app = web.Application()
-        app.router.add_post("/inference/v1/generate", self._generate)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        super().__init__()
 
     async def _generate(self, request):
         body = await request.json()
@@ -51,10 +40,6 @@ class ScriptedRouter:
         ids = self.tokenizer(self.reply(body), add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
         return web.json_response({"choices": [{"token_ids": ids, "finish_reason": "stop", "weight_versions": ["3"],
                                                "logprobs": {"content": [{"logprob": -0.5}] * len(ids)}}]})
-
-    def stop(self):
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
 
 
 def reply(body) -> str:

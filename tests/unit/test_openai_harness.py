@@ -5,13 +5,13 @@ episode test puts a fake token-in/token-out router behind the real endpoint and 
 from __future__ import annotations
 
 import asyncio
-import threading
 from types import SimpleNamespace
 
 import openai
 import pytest
 from aiohttp import web
 
+from tests.helpers.stand_in_router import StandInRouter
 from vime.agents import harness
 from vime.agents.harness import agent_reward, assign_rewards, forced_sampling, split_role_groups
 from vime.agents.openai_requests import call_seed, routing_key
@@ -21,23 +21,12 @@ from vime.utils.types import Sample
 FAKE_TOKENS = [40, 41, 42]
 
 
-class FakeRouter:
+class FakeRouter(StandInRouter):
     """Answers /inference/v1/generate with FAKE_TOKENS and log-probs -0.5, -0.25, ...; remembers requests."""
 
     def __init__(self):
         self.requests: list[tuple[dict, str | None]] = []
-        self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, daemon=True).start()
-        asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(10)
-
-    async def _start(self):
-        app = web.Application()
-        app.router.add_post("/inference/v1/generate", self._generate)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        super().__init__()
 
     async def _generate(self, request):
         body = await request.json()
@@ -46,10 +35,6 @@ class FakeRouter:
         return web.json_response({"choices": [{
             "token_ids": FAKE_TOKENS[:n], "finish_reason": "length",
             "logprobs": {"content": [{"logprob": -0.5 / (i + 1)} for i in range(n)]}, "weight_versions": ["7"]}]})
-
-    def stop(self):
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
 
 
 def _args(model, router_url):
