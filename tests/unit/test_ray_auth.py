@@ -52,7 +52,8 @@ def test_the_runs_cluster_admits_only_the_runs_token(no_ray_auth_settings):
     before = os.stat(home_token).st_mtime if os.path.exists(home_token) else None
     if ray.is_initialized():
         ray.shutdown()
-    init_ray(SimpleNamespace(ray_address=None, rollout_num_gpus=1, actor_num_nodes=1, actor_num_gpus_per_node=1))
+    init_ray(SimpleNamespace(ray_address=None, rollout_num_gpus=1, actor_num_nodes=1, actor_num_gpus_per_node=1,
+                             judge_checkpoint=None, judge_num_engines=1))
     try:
         path = os.environ[TOKEN_PATH_ENV]
         assert os.environ[MODE_ENV] == "token"
