@@ -158,7 +158,7 @@ def test_a_relay_names_sessions_by_public_id_and_proves_itself_with_its_key(endp
     assert _post(server, body, {"X-Session-ID": f"{public}/solver", "Authorization": f"Bearer {key}"})[0] == 200
     assert list(server.close_episode(token)) == [token, f"{token}/solver"]
     assert _post(server, body, {"X-Session-ID": public, "Authorization": f"Bearer {key}"})[0] == 401  # closed
-    assert server.tokens_by_public_id == {} and router.calls == calls + 2
+    assert server.episodes == {} and router.calls == calls + 2
 
 
 def test_a_call_in_flight_when_its_episode_closes_is_refused_and_leaves_nothing(endpoint):

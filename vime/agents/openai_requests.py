@@ -51,9 +51,9 @@ def token_key(token: str) -> bytes:
 
 
 def public_id(token: str) -> str:
-    """An episode's name that is no credential (a digest of its token): what a relay may write where others can
-    read it (`OpenAIServer.relay_key`)."""
-    return hashlib.sha256(b"vime public id\0" + token.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+    """An episode's name that is no credential: the digest it is filed under (`token_key`), in hex. What a relay
+    may write where others can read it (`OpenAIServer.relay_key`)."""
+    return token_key(token).hex()
 
 
 def routing_key(session_id: str) -> str:

@@ -62,7 +62,7 @@ from vime.agents.chat_session import ChatSession, ChatTemplate, branch
 from vime.agents.openai_replies import client_answers, error_response, send_events, unauthorized
 from vime.agents.openai_requests import (DEFAULT_MAX_REQUEST_BYTES, MAX_SESSION_ID_CHARS, SESSION_HEADER, BodyTooLarge,
                                          api_key_of, call_seed, engine_sampling_params, episode_of, parse_body,
-                                         public_id, read_text, routing_key, session_id_of, token_key)
+                                         read_text, routing_key, session_id_of, token_key)
 from vime.agents.tool_parsing import forced_call_schema
 from vime.backends.vllm_utils.client import SERVED_MODEL
 from vime.backends.vllm_utils.generate_request import (EngineRejectedError, EngineUnavailableError, RequestCounters,
@@ -88,6 +88,7 @@ class _Episode:
     its sessions (in order of first recorded call) and one lock per session. All of it goes when the episode
     closes."""
 
+    token: str  # its credential, which its sessions are named after ("TOKEN" or "TOKEN/ROLE")
     forced: dict[str, Any]
     model: str = MODEL_NAME  # a multi-LoRA run's episode: its sample's adapter, whatever model the agent names
     sessions: dict[str, ChatSession] = field(default_factory=dict)
@@ -118,7 +119,6 @@ class OpenAIServer:
         self.max_request_bytes = int(max_request_bytes)
         self.counters = RequestCounters()  # in flight and retried through this endpoint
         self.episodes: dict[bytes, _Episode] = {}  # open episodes by token_key(token)
-        self.tokens_by_public_id: dict[str, str] = {}  # open episodes' public ids (`public_id`) -> their tokens
         self.relay_keys: set[bytes] = set()  # token_key of each key a relay proves itself with (`relay_key`)
         self._guard = threading.Lock()  # episodes and their sessions: the harness opens/closes from its thread
         self._pool = ThreadPoolExecutor(prepare_threads, thread_name_prefix="vime-openai-prepare")
@@ -174,8 +174,7 @@ class OpenAIServer:
         engines for the served `model` (the sample's adapter in a multi-LoRA run)."""
         token = secrets.token_hex(16)
         with self._guard:
-            self.episodes[token_key(token)] = _Episode(dict(forced_sampling or {}), model)
-            self.tokens_by_public_id[public_id(token)] = token
+            self.episodes[token_key(token)] = _Episode(token, dict(forced_sampling or {}), model)
         return token
 
     def close_episode(self, token: str) -> dict[str, ChatSession]:
@@ -183,7 +182,6 @@ class OpenAIServer:
         token is refused from now on. {} for an unknown or already closed token."""
         with self._guard:
             episode = self.episodes.pop(token_key(token), None)
-            self.tokens_by_public_id.pop(public_id(token), None)
             if episode is None:
                 return {}
             episode.open = False
@@ -206,9 +204,13 @@ class OpenAIServer:
         if not (named and key and token_key(key) in self.relay_keys):
             return session_id_of(headers, {})
         public, sep, role = named.partition("/")
+        try:
+            key = bytes.fromhex(public)
+        except ValueError:
+            return named
         with self._guard:
-            token = self.tokens_by_public_id.get(public)
-        return token + sep + role if token else named
+            episode = self.episodes.get(key)
+        return episode.token + sep + role if episode is not None else named
 
     def session(self, session_id: str) -> ChatSession | None:
         episode = self._episode(session_id)
