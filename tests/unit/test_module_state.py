@@ -30,9 +30,6 @@ ALLOWED = {
     ("utils/auth.py", "_token"): "the process's copy of the run's secret, kept out of its environment so that the "
                                  "programs it starts do not inherit it",
     ("ray/ray_auth.py", "_held_locks"): "the flock this process holds on its Ray token directory while it lives",
-    ("backends/megatron_utils/cpu_compat.py", "_PATCHED"): "megatron-core's CPU patches: applied once per process",
-    ("agents/sandbox/site_hooks/sitecustomize.py", "_recording"): "runs inside the sandboxed program, not in vime",
-    ("agents/sandbox/site_hooks/sitecustomize.py", "_recorded"): "runs inside the sandboxed program, not in vime",
 }
 
 

@@ -20,13 +20,13 @@ process that needs the real `torch.cuda` behaviour.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import threading
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-_PATCHED = False
 _THREAD = threading.local()  # holds this thread's _CudaToCpuMode once entered
 
 
@@ -237,35 +237,37 @@ def apply_cpu_compat() -> None:
     `torch.set_default_device`, is per thread: call this again in any other thread that runs Megatron code
     (e.g. an async Ray actor's event-loop thread).
     """
-    global _PATCHED
     if torch.cuda.is_available():
         return
-    if not _PATCHED:
-        import megatron.core.tensor_parallel.random as mcore_random
-
-        # Megatron passes torch.cuda.current_device() as a device; index 0 is then redirected by the mode.
-        torch.cuda.current_device = lambda: 0
-        # Pipeline p2p and dist_checkpointing synchronize the GPU; nothing to wait for on CPU.
-        torch.cuda.synchronize = lambda device=None: None
-        # MoE's token dispatcher orders its copies with a side stream; on CPU there is one, synchronous, stream.
-        torch.cuda.Stream = _HostStream  # a class: other libraries annotate with `torch.cuda.Stream | None`
-        torch.cuda.current_stream = lambda device=None: _HOST_STREAM
-        torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
-        # Megatron instantiates `CudaRNGStatesTracker` by its module-level name: swap the class so that
-        # model_parallel_cuda_manual_seed() and get_cuda_rng_tracker() hand out CPU generator states.
-        import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
-
-        import megatron.core.tensor_parallel.mappings as mappings
-
-        token_dispatcher.maybe_move_tensor_to_cpu = _split_sizes_on_host  # expert parallel's all-to-all
-        mappings._AllToAll.forward = staticmethod(_all_to_all_forward)
-        mcore_random.CudaRNGStatesTracker = CPURNGStatesTracker
-        # Activation recompute saves and restores the CUDA generator around each recomputed forward.
-        mcore_random._get_cuda_rng_state = _get_no_cuda_rng_state
-        mcore_random._set_cuda_rng_state = _set_no_cuda_rng_state
-        mcore_random.initialize_rng_tracker(force_reset=True)
-        _PATCHED = True
+    _patch_process()
     if getattr(_THREAD, "mode", None) is None:
         # Tensors placed on "cuda" inside megatron land on the CPU (see _CudaToCpuMode); entered for good.
         _THREAD.mode = _CudaToCpuMode()
         _THREAD.mode.__enter__()
+
+
+@functools.cache  # once per process: the patches replace module attributes of torch and megatron-core
+def _patch_process() -> None:
+    import megatron.core.tensor_parallel.random as mcore_random
+
+    # Megatron passes torch.cuda.current_device() as a device; index 0 is then redirected by the mode.
+    torch.cuda.current_device = lambda: 0
+    # Pipeline p2p and dist_checkpointing synchronize the GPU; nothing to wait for on CPU.
+    torch.cuda.synchronize = lambda device=None: None
+    # MoE's token dispatcher orders its copies with a side stream; on CPU there is one, synchronous, stream.
+    torch.cuda.Stream = _HostStream  # a class: other libraries annotate with `torch.cuda.Stream | None`
+    torch.cuda.current_stream = lambda device=None: _HOST_STREAM
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+    # Megatron instantiates `CudaRNGStatesTracker` by its module-level name: swap the class so that
+    # model_parallel_cuda_manual_seed() and get_cuda_rng_tracker() hand out CPU generator states.
+    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
+
+    import megatron.core.tensor_parallel.mappings as mappings
+
+    token_dispatcher.maybe_move_tensor_to_cpu = _split_sizes_on_host  # expert parallel's all-to-all
+    mappings._AllToAll.forward = staticmethod(_all_to_all_forward)
+    mcore_random.CudaRNGStatesTracker = CPURNGStatesTracker
+    # Activation recompute saves and restores the CUDA generator around each recomputed forward.
+    mcore_random._get_cuda_rng_state = _get_no_cuda_rng_state
+    mcore_random._set_cuda_rng_state = _set_no_cuda_rng_state
+    mcore_random.initialize_rng_tracker(force_reset=True)

@@ -14,25 +14,6 @@ _ROOT = os.environ.get("VIME_SANDBOX_ROOT")
 _EVENTS = os.environ.get("VIME_SANDBOX_EVENTS")
 _ALLOW_NET = os.environ.get("VIME_SANDBOX_ALLOW_NETWORK") == "1"
 _WRITE_ALLOWED = ("/dev/null", "/dev/stdout", "/dev/stderr", "/dev/tty")
-_recording = False
-_recorded = set()  # each cause once per process: a fork bomb must not flood the event log
-
-
-def _record(reason, detail):
-    global _recording
-    if _recording or not _EVENTS or reason in _recorded:
-        return
-    _recorded.add(reason)
-    _recording = True
-    try:
-        fd = os.open(_EVENTS, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        os.write(fd, (json.dumps({"event": "violation", "reason": reason, "detail": str(detail)[:300]}) + "\n")
-                 .encode())
-        os.close(fd)
-    except OSError:
-        pass
-    finally:
-        _recording = False
 
 
 def _inside(path):
@@ -49,51 +30,75 @@ def _writes(mode, flags):
     return isinstance(flags, int) and bool(flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND))
 
 
-def _hook(event, args):
-    if _recording:
-        return
-    if event == "open":
-        path, mode, flags = args
-        if isinstance(path, int) or path is None or not _writes(mode, flags) or _inside(path):
+class _Guard:
+    """What the audit hook and the excepthook share: the causes already recorded (each once per process, so a
+    fork bomb cannot flood the event log) and whether a record is being written (its own open() must pass)."""
+
+    def __init__(self, events):
+        self.events = events
+        self.recording = False
+        self.recorded = set()
+
+    def record(self, reason, detail):
+        if self.recording or reason in self.recorded:
             return
-        _record("forbidden_write", path)
-        raise PermissionError(f"sandbox: writing outside the sandbox directory is not allowed: {path}")
-    if event in ("os.remove", "os.rmdir", "os.mkdir", "os.rename", "os.replace", "os.symlink", "os.link",
-                 "os.chmod", "os.truncate", "shutil.rmtree"):
-        paths = [a for a in args[:2] if isinstance(a, (str, bytes, os.PathLike))]
-        if event in ("os.symlink", "os.link", "os.rename", "os.replace"):
-            paths = paths[1:] if event in ("os.symlink", "os.link") else paths
-        for p in paths:
-            if not _inside(p):
-                _record("forbidden_write", p)
-                raise PermissionError(f"sandbox: changing files outside the sandbox directory is not allowed: {p}")
-    if not _ALLOW_NET and event == "socket.__new__":
-        family = args[1]
-        if family not in (-1, None, getattr(__import__("socket"), "AF_UNIX", None)):
-            _record("network", f"socket family {family}")
-            raise PermissionError(f"sandbox: network access is not allowed (socket family {family})")
-    if not _ALLOW_NET and event in ("socket.connect", "socket.sendto", "socket.bind"):
-        sock, address = args[0], args[1]
-        if getattr(sock, "family", None) == getattr(__import__("socket"), "AF_UNIX", None):
+        self.recorded.add(reason)
+        self.recording = True
+        try:
+            fd = os.open(self.events, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            os.write(fd, (json.dumps({"event": "violation", "reason": reason, "detail": str(detail)[:300]}) + "\n")
+                     .encode())
+            os.close(fd)
+        except OSError:
+            pass
+        finally:
+            self.recording = False
+
+    def hook(self, event, args):
+        if self.recording:
             return
-        _record("network", address)
-        raise PermissionError(f"sandbox: network access is not allowed: {address}")
+        if event == "open":
+            path, mode, flags = args
+            if isinstance(path, int) or path is None or not _writes(mode, flags) or _inside(path):
+                return
+            self.record("forbidden_write", path)
+            raise PermissionError(f"sandbox: writing outside the sandbox directory is not allowed: {path}")
+        if event in ("os.remove", "os.rmdir", "os.mkdir", "os.rename", "os.replace", "os.symlink", "os.link",
+                     "os.chmod", "os.truncate", "shutil.rmtree"):
+            paths = [a for a in args[:2] if isinstance(a, (str, bytes, os.PathLike))]
+            if event in ("os.symlink", "os.link", "os.rename", "os.replace"):
+                paths = paths[1:] if event in ("os.symlink", "os.link") else paths
+            for p in paths:
+                if not _inside(p):
+                    self.record("forbidden_write", p)
+                    raise PermissionError(f"sandbox: changing files outside the sandbox directory is not allowed: {p}")
+        if not _ALLOW_NET and event == "socket.__new__":
+            family = args[1]
+            if family not in (-1, None, getattr(__import__("socket"), "AF_UNIX", None)):
+                self.record("network", f"socket family {family}")
+                raise PermissionError(f"sandbox: network access is not allowed (socket family {family})")
+        if not _ALLOW_NET and event in ("socket.connect", "socket.sendto", "socket.bind"):
+            sock, address = args[0], args[1]
+            if getattr(sock, "family", None) == getattr(__import__("socket"), "AF_UNIX", None):
+                return
+            self.record("network", address)
+            raise PermissionError(f"sandbox: network access is not allowed: {address}")
 
 
-def _excepthook(kind, value, tb, _default=sys.excepthook):
-    import errno
+    def excepthook(self, kind, value, tb, _default=sys.excepthook):
+        import errno
 
-    if isinstance(value, MemoryError):
-        _record("memory", "MemoryError")
-    elif isinstance(value, BlockingIOError) or (isinstance(value, OSError) and value.errno == errno.EAGAIN):
-        _record("process_limit", value)
-    elif isinstance(value, OSError) and value.errno == errno.EFBIG:
-        _record("file_size", value)
-    elif isinstance(value, OSError) and value.errno in (errno.ENOSPC, errno.EDQUOT):
-        _record("disk_quota", value)
-    elif isinstance(value, PermissionError) and value.errno == errno.EPERM and _raised_in_socket(tb):
-        _record("network", f"socket refused by the sandbox: {value}")  # UNIX sockets too (seccomp)
-    _default(kind, value, tb)
+        if isinstance(value, MemoryError):
+            self.record("memory", "MemoryError")
+        elif isinstance(value, BlockingIOError) or (isinstance(value, OSError) and value.errno == errno.EAGAIN):
+            self.record("process_limit", value)
+        elif isinstance(value, OSError) and value.errno == errno.EFBIG:
+            self.record("file_size", value)
+        elif isinstance(value, OSError) and value.errno in (errno.ENOSPC, errno.EDQUOT):
+            self.record("disk_quota", value)
+        elif isinstance(value, PermissionError) and value.errno == errno.EPERM and _raised_in_socket(tb):
+            self.record("network", f"socket refused by the sandbox: {value}")  # UNIX sockets too (seccomp)
+        _default(kind, value, tb)
 
 
 def _raised_in_socket(tb):
@@ -102,14 +107,14 @@ def _raised_in_socket(tb):
     return tb is not None and os.path.basename(tb.tb_frame.f_code.co_filename) == "socket.py"
 
 
-def _guard_fork():
+def _guard_fork(record):
     real_fork = os.fork
 
     def fork():
         try:
             return real_fork()
         except BlockingIOError as e:  # RLIMIT_NPROC reached
-            _record("process_limit", e)
+            record("process_limit", e)
             raise
 
     os.fork = fork
@@ -117,6 +122,7 @@ def _guard_fork():
 
 if _ROOT and _EVENTS:
     _ROOT = os.path.realpath(_ROOT)
-    sys.addaudithook(_hook)
-    sys.excepthook = _excepthook
-    _guard_fork()
+    _guard = _Guard(_EVENTS)  # held by the hooks installed below
+    sys.addaudithook(_guard.hook)
+    sys.excepthook = _guard.excepthook
+    _guard_fork(_guard.record)
