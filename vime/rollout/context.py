@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import logging
 import threading
 from collections.abc import Iterator
@@ -105,7 +106,6 @@ def reset_rollout_context(**fields) -> RolloutContext:
 def in_rollout_context(cls):
     """Class decorator for the context's owner: each public method runs with the instance's `context` current.
     `functools.wraps` keeps the attributes Ray's `@ray.method` sets (concurrency group, ...)."""
-    import functools
 
     def wrap(method):
         @functools.wraps(method)
