@@ -16,6 +16,7 @@ Everything is checked before any process starts (`validate_args`).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -27,9 +28,12 @@ from vime.agents.arguments import add_agent_args
 from vime.agents.openai_arguments import add_agent_harness_args
 from vime.algorithms.arguments import add_algorithm_args, validate_algorithm_args
 from vime.backends.megatron_utils.arguments import add_megatron_args
+from vime.backends.megatron_utils.megatron_flags import add_generated_megatron_args
 from vime.backends.megatron_utils.routing_replay_arguments import add_routing_replay_args, validate_routing_replay_args
 from vime.backends.megatron_utils.train_arguments import add_train_args, validate_train_args
-from vime.backends.vllm_utils.arguments import add_router_args, add_vllm_engine_args, validate_vllm_args
+from vime.backends.vllm_utils.arguments import VLLM_RAW_DEST, add_router_args, add_vllm_engine_args, validate_vllm_args
+from vime.config import RunConfig
+from vime.config.section import apply_defaults
 from vime.environments.arguments import add_environment_args, add_judge_args, validate_environment_args
 from vime.rollout.arguments import add_all_rollout_args, validate_rollout_args
 from vime.rollout.rm_hub import RM_REGISTRY
@@ -123,9 +127,27 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     add_environment_args(parser)
     add_judge_args(parser)
     add_agent_harness_args(parser)
+    apply_defaults(parser, *RunConfig.sections().values())  # the defaults live with the typed sections
     if extra_args_provider is not None:
         extra_args_provider(parser)
     return parser
+
+
+def run_config(args: argparse.Namespace) -> RunConfig:
+    """The typed, frozen config of validated `args`; raises ValueError naming each value of a wrong type."""
+    try:
+        return RunConfig.build(args, megatron_core=_dests(add_generated_megatron_args),
+                               vllm=(*_dests(add_vllm_engine_args), VLLM_RAW_DEST), router_cli=_dests(add_router_args))
+    except TypeError as e:
+        raise ValueError(str(e)) from e
+
+
+@functools.cache
+def _dests(add_flags) -> frozenset[str]:
+    """The destinations of the flags `add_flags` adds (a pass-through group's, for `run_config`)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_flags(parser)
+    return frozenset(action.dest for action in parser._actions)
 
 
 def config_to_argv(path: str, parser: argparse.ArgumentParser) -> list[str]:
@@ -303,6 +325,7 @@ def validate_args(args: argparse.Namespace, check_model: bool = True) -> argpars
     args = validate_algorithm_args(args)
     args = validate_train_args(args)
     validate_routing_replay_args(args)
+    run_config(args)  # every value of its field's type
     if check_model:
         check_model_args(args)
     return args

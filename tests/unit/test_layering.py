@@ -16,6 +16,7 @@ VIME = Path(__file__).resolve().parents[2] / "vime"
 
 # bottom up; a module imports only from its own layer or below
 LAYERS = [
+    "config",  # the run's typed config sections: imports nothing of vime
     "utils",
     "engine_protocol",  # names and wire formats shared by vime and its code inside vLLM
     "in_vllm",  # runs inside vLLM's processes: see IN_VLLM_IMPORTS

@@ -227,11 +227,7 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
             kwargs["action"] = type(action)
             if action.nargs is not None:
                 kwargs["nargs"] = action.nargs
-        group.add_argument(*action.option_strings, **kwargs)
-    # Round robin spreads load evenly, which is what a rollout (many independent requests) wants. vllm-router
-    # serves Prometheus metrics whatever it is told (None means 29000): a fixed port is contended by two runs on a
-    # node, so each run's router gets a free one unless this flag names one (`router_args_from`)
-    parser.set_defaults(router_policy="round_robin", router_prometheus_port=None)
+        group.add_argument(*action.option_strings, **kwargs)  # vime's own defaults: vime.config.router
 
 
 def router_args_from(args, host: str, port: int, worker_urls: list[str], api_key: str | None = None):

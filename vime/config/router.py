@@ -1,0 +1,24 @@
+"""The vllm-router section: where the router listens, and the defaults vime chooses over vllm-router's own.
+
+vllm-router's other options are mirrored from its own CLI as `--router-*` (`add_router_args`) and passed through
+as they are (`RunConfig.router_cli`), with vllm-router's defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from vime.config.section import Section
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterConfig(Section):
+    """The router's address, and vime's choices among vllm-router's options (`--vllm-router-*`, `--router-policy`)."""
+
+    vllm_router_ip: str | None = None  # an already running router; vime starts one when unset
+    vllm_router_port: int | None = None
+    # round robin spreads load evenly, which is what a rollout (many independent requests) wants
+    router_policy: str = "round_robin"
+    # vllm-router serves Prometheus metrics whatever it is told (None means 29000): a fixed port is contended by
+    # two runs on a node, so each run's router gets a free one unless the flag names one (`router_args_from`)
+    router_prometheus_port: int | None = None

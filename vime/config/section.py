@@ -1,0 +1,121 @@
+"""The machinery of the run's typed config: a section is a frozen dataclass of the flags one component owns.
+
+Its fields are the destinations of its flags, spelled as slime-style `args` carries them (`rollout_batch_size`
+for `--rollout-batch-size`), so a grep of a flag's name finds its field and every reader. The field holds the
+flag's type and its default, the one place a default is written: the argparse groups that give the flags their
+spelling and help (`train.py --help`, YAML `--config`) take their defaults from the sections
+(`apply_defaults`).
+
+- `RunConfig.build` (vime/config/run_config.py) makes every section once, at the entry point, and checks each
+  value against its field's type (`check_types`).
+- A component reads its flags through its section: `RolloutConfig.of(args)` takes the run's namespace, or a
+  partial one a slime-style caller built, whose missing flags take their defaults, instead of a
+  `getattr(args, name, default)` repeating a default at each reader.
+- Fields that no flag sets but validation derives (`use_critic`) are declared with `derived()`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import types
+import typing
+from typing import Any, Literal, TypeVar, Union
+
+S = TypeVar("S", bound="Section")
+DERIVED = "derived"  # field metadata key: validation fills the value; no flag sets it
+
+
+def derived(default: Any = None) -> Any:
+    """A field validation derives from other flags (no flag of its own); `default` before validation ran."""
+    return dataclasses.field(default=default, metadata={DERIVED: True})
+
+
+@dataclasses.dataclass(frozen=True)
+class Section:
+    """Base of a config section; subclasses are `@dataclasses.dataclass(frozen=True)`."""
+
+    @classmethod
+    def of(cls: type[S], args: Any) -> S:
+        """This section of `args` (the run's namespace, or a partial one a slime-style caller built): each field
+        from `args`, or its flag's default where `args` has no such attribute."""
+        values = vars(args)
+        return cls(**{name: values[name] if name in values else (default() if factory else default)
+                      for name, default, factory in _defaults(cls)})
+
+    @classmethod
+    def flag_names(cls) -> tuple[str, ...]:
+        """The destinations of this section's flags (derived fields left out)."""
+        return tuple(f.name for f in dataclasses.fields(cls) if not f.metadata.get(DERIVED))
+
+    def replace(self: S, **values: Any) -> S:
+        return dataclasses.replace(self, **values)
+
+
+def section_defaults(cls: type[Section]) -> dict[str, Any]:
+    """{field: default} of a section (a fresh copy of each list a field's default factory makes)."""
+    return {name: default() if factory else default for name, default, factory in _defaults(cls)}
+
+
+@functools.cache
+def _defaults(cls: type[Section]) -> tuple[tuple[str, Any, bool], ...]:
+    """(field, default or default factory, whether it is a factory) of each field of `cls`."""
+    return tuple((f.name, f.default_factory, True) if f.default is dataclasses.MISSING else (f.name, f.default, False)
+                 for f in dataclasses.fields(cls))
+
+
+def apply_defaults(parser: argparse.ArgumentParser, *sections: type[Section]) -> None:
+    """Give every flag of `parser` that a section owns the section's default; a flag a section names but the
+    parser lacks is a mistake in one of them."""
+    actions = {a.dest: a for a in parser._actions}
+    for cls in sections:
+        for name in cls.flag_names():
+            if name not in actions:
+                raise TypeError(f"{cls.__name__}.{name}: no flag has that destination; declare the flag, or mark "
+                                "the field derived()")
+            actions[name].default = section_defaults(cls)[name]
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def check_types(section: Section) -> None:
+    """Raise TypeError naming each field whose value does not have the field's declared type."""
+    wrong = [f"{name}={getattr(section, name)!r} is not {_name(hint)}"
+             for name, hint in _hints(type(section)).items()
+             if name in {f.name for f in dataclasses.fields(section)} and not _is(getattr(section, name), hint)]
+    if wrong:
+        raise TypeError(f"{type(section).__name__}: " + "; ".join(wrong))
+
+
+def _is(value: Any, hint: Any) -> bool:
+    """Whether `value` has type `hint`: the subset of typing the sections use (unions, Literal, list, tuple, dict,
+    Any); an int is a float, a bool is no int."""
+    if hint is Any:
+        return True
+    origin, params = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (Union, types.UnionType):
+        return any(_is(value, p) for p in params)
+    if origin is Literal:
+        return value in params
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            return False
+        item = params[0] if params and (origin is list or params[-1] is Ellipsis) else None
+        return item is None or all(_is(v, item) for v in value)
+    if origin is dict:
+        return isinstance(value, dict)
+    return isinstance(value, origin or hint)
+
+
+def _name(hint: Any) -> str:
+    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
