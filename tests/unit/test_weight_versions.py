@@ -123,7 +123,7 @@ def test_the_staleness_bound_leaves_out_samples_with_a_token_older_than_k_versio
 
 
 def test_engine_idle_fraction_of_a_step():
-    from vime.ray.session import engine_idle_fraction
+    from vime.ray.entry_point import engine_idle_fraction
 
     assert engine_idle_fraction({"rollout/time": 1.5}, 2.0) == pytest.approx(0.25)  # generated 1.5 s of a 2 s step
     assert engine_idle_fraction({"rollout/time": 3.0}, 2.0) == 0.0  # generated beside longer than the step took

@@ -30,6 +30,9 @@ from vime.agents.arguments import agent_setting
 from vime.agents.chat_session import ChatSession, trajectory_to_sample
 from vime.agents.openai_arguments import agent_flag
 from vime.agents.openai_server import OpenAIServer
+from vime.config.rollout import PromptDataConfig, RolloutConfig
+from vime.config.router import RouterConfig
+from vime.config.run import JobConfig
 from vime.rollout.context import rollout_context
 from vime.utils.device import serving_host
 from vime.utils.misc import load_function
@@ -42,23 +45,27 @@ AgentFn = Callable[[str, str, Sample], Any]
 
 def get_server(args) -> OpenAIServer:
     """The run's endpoint, held by its rollout context (which stops it at the run's end), started on first use."""
+    router = RouterConfig.of(args)
+    rollout = RolloutConfig.of(args)
+    job = JobConfig.of(args)
+    prompt_data = PromptDataConfig.of(args)
     context = rollout_context()
     with context.lock:
         if context.agent_server is None:
             from vime.rollout.generation import retry_window_s, router_url
             from vime.utils.hf_tokenizer import load_tokenizer
 
-            if getattr(args, "router_policy", None) != "consistent_hash":
+            if router.router_policy != "consistent_hash":
                 logger.warning("--router-policy is %r: a session's calls may land on different engines; "
                                "--router-policy consistent_hash keeps each on one engine (prefix cache)",
-                               getattr(args, "router_policy", None))
-            defaults = {"max_tokens": args.rollout_max_response_len, "temperature": args.rollout_temperature,
-                        "top_p": args.rollout_top_p, "top_k": args.rollout_top_k}
+                               router.router_policy)
+            defaults = {"max_tokens": rollout.rollout_max_response_len, "temperature": rollout.rollout_temperature,
+                        "top_p": rollout.rollout_top_p, "top_k": rollout.rollout_top_k}
             context.agent_server = OpenAIServer(
-                router_url(), load_tokenizer(args.hf_checkpoint), template_kwargs=args.apply_chat_template_kwargs,
+                router_url(), load_tokenizer(job.hf_checkpoint), template_kwargs=prompt_data.apply_chat_template_kwargs,
                 default_sampling=defaults, host=serving_host(args), port=agent_flag(args, "agent_endpoint_port"),
                 max_request_bytes=int(agent_flag(args, "agent_endpoint_max_request_mb") * 2**20),
-                request_timeout_s=args.rollout_request_timeout, retries=args.rollout_request_retries,
+                request_timeout_s=rollout.rollout_request_timeout, retries=rollout.rollout_request_retries,
                 retry_window_s=retry_window_s(args),
                 tool_call_format=agent_setting(args, "agent_tool_call_format")).start()
         return context.agent_server

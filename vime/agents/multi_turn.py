@@ -23,6 +23,8 @@ from typing import Any, Awaitable, Callable
 from vime.agents.arguments import agent_setting
 from vime.agents.tool_parsing import parse_tool_calls
 from vime.agents.tools import TOOLS, Tool, ToolContext, register_tool, run_tool_call, select_tools
+from vime.config.rollout import RolloutConfig
+from vime.config.run import JobConfig
 from vime.rollout.generation import GenerateState, append_choice, post_generate, served_model
 from vime.utils.misc import load_function
 from vime.utils.types import Sample
@@ -201,12 +203,14 @@ def sft_generate_rollout(args, rollout_id: int, data_source, evaluation: bool = 
         train.py --debug-train-only --loss-type sft_loss --rollout-function-path \\
                  vime.agents.multi_turn.sft_generate_rollout ...
     """
+    job = JobConfig.of(args)
+    rollout = RolloutConfig.of(args)
     if evaluation:
         raise ValueError("sft_generate_rollout has no evaluation mode")
     from vime.utils.hf_tokenizer import shared_tokenizer
 
-    tokenizer = shared_tokenizer(args.hf_checkpoint)
-    groups = data_source.get_samples(args.rollout_batch_size)
+    tokenizer = shared_tokenizer(job.hf_checkpoint)
+    groups = data_source.get_samples(rollout.rollout_batch_size)
     for group in groups:
         for sample in group:
             conversation = sample.metadata.get("conversation")

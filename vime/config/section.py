@@ -25,6 +25,7 @@ from typing import Any, Literal, TypeVar, Union
 
 S = TypeVar("S", bound="Section")
 DERIVED = "derived"  # field metadata key: validation fills the value; no flag sets it
+_ABSENT = object()
 
 
 def derived(default: Any = None) -> Any:
@@ -38,11 +39,13 @@ class Section:
 
     @classmethod
     def of(cls: type[S], args: Any) -> S:
-        """This section of `args` (the run's namespace, or a partial one a slime-style caller built): each field
-        from `args`, or its flag's default where `args` has no such attribute."""
-        values = vars(args)
-        return cls(**{name: values[name] if name in values else (default() if factory else default)
-                      for name, default, factory in _defaults(cls)})
+        """This section of `args` (the run's namespace, a partial one a slime-style caller built, or None): each
+        field from `args`, or its flag's default where `args` has no such attribute."""
+        values = {}
+        for name, default, factory in _defaults(cls):
+            value = getattr(args, name, _ABSENT)
+            values[name] = value if value is not _ABSENT else default() if factory else default
+        return cls(**values)
 
     @classmethod
     def flag_names(cls) -> tuple[str, ...]:

@@ -13,6 +13,7 @@ import logging
 from pathlib import Path
 from typing import Any, Iterator
 
+from vime.config.rollout import PromptDataConfig
 from vime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -84,25 +85,26 @@ def _json_field(value: Any, name: str, where: str) -> Any:
 
 def row_to_sample(row: dict[str, Any], where: str, tokenizer, args) -> Sample:
     """One row -> a prompt Sample; raises DataFormatError naming `where` (file:line) when the row is malformed."""
-    if args.input_key not in row:
-        raise DataFormatError(f"{where}: missing key {args.input_key!r} (--input-key); row has {sorted(row)}")
-    prompt = row[args.input_key]
+    prompt_data = PromptDataConfig.of(args)
+    if prompt_data.input_key not in row:
+        raise DataFormatError(f"{where}: missing key {prompt_data.input_key!r} (--input-key); row has {sorted(row)}")
+    prompt = row[prompt_data.input_key]
     label = None
-    if args.label_key is not None:
-        if args.label_key not in row:
-            raise DataFormatError(f"{where}: missing key {args.label_key!r} (--label-key)")
-        label = row[args.label_key]
-    metadata = _json_field(row.get(args.metadata_key) or {}, args.metadata_key, where)
+    if prompt_data.label_key is not None:
+        if prompt_data.label_key not in row:
+            raise DataFormatError(f"{where}: missing key {prompt_data.label_key!r} (--label-key)")
+        label = row[prompt_data.label_key]
+    metadata = _json_field(row.get(prompt_data.metadata_key) or {}, prompt_data.metadata_key, where)
     if not isinstance(metadata, dict):
-        raise DataFormatError(f"{where}: {args.metadata_key!r} must be a dict, got {type(metadata).__name__}")
-    tools = _json_field(row.get(args.tool_key), args.tool_key, where) if args.tool_key else None
+        raise DataFormatError(f"{where}: {prompt_data.metadata_key!r} must be a dict, got {type(metadata).__name__}")
+    tools = _json_field(row.get(prompt_data.tool_key), prompt_data.tool_key, where) if prompt_data.tool_key else None
 
-    if args.apply_chat_template:
+    if prompt_data.apply_chat_template:
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         messages = _check_messages(messages, where)
         try:
             text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False,
-                                                 **(args.apply_chat_template_kwargs or {}))
+                                                 **(prompt_data.apply_chat_template_kwargs or {}))
         except Exception as e:  # a template error on one row's content (e.g. a non-string content)
             raise DataFormatError(f"{where}: chat template failed: {type(e).__name__}: {e}"[:300]) from None
     elif isinstance(prompt, str):
@@ -122,8 +124,9 @@ def load_prompt_file(path: str | Path, tokenizer, args) -> PromptFile:
     Uses args.input_key, label_key, metadata_key, tool_key, apply_chat_template(_kwargs),
     rollout_max_prompt_len (longer prompts are dropped and counted) and max_bad_prompt_rows_ratio.
     """
+    prompt_data = PromptDataConfig.of(args)
     samples, skipped, too_long, rows = [], [], 0, 0
-    max_len = args.rollout_max_prompt_len
+    max_len = prompt_data.rollout_max_prompt_len
     for line, row in read_rows(path):
         rows += 1
         try:
@@ -138,7 +141,7 @@ def load_prompt_file(path: str | Path, tokenizer, args) -> PromptFile:
             too_long += 1
             continue
         samples.append(sample)
-    check_bad_rows(path, rows, skipped, getattr(args, "max_bad_prompt_rows_ratio", DEFAULT_MAX_BAD_ROWS_RATIO))
+    check_bad_rows(path, rows, skipped, prompt_data.max_bad_prompt_rows_ratio)
     if too_long:
         logger.warning("%s: dropped %d prompts longer than --rollout-max-prompt-len %d", path, too_long, max_len)
     if not samples:

@@ -10,6 +10,8 @@ import os
 import re
 import tempfile
 
+from vime.config.train import WeightSyncConfig
+
 WEIGHT_ROOT_ENV = "VIME_WEIGHT_ROOT"  # the engine's weight root (`engine.engine_env`)
 STAGE_FILE = re.compile(r"model-pp(\d+)\.safetensors")  # disk, delta: HF tensors of one pipeline stage
 MANIFEST = re.compile(r"stage_(\d+)\.json")  # cuda_ipc: one pipeline stage's handles
@@ -40,4 +42,5 @@ def default_weight_root() -> str:
 def weight_root(args) -> str:
     """The one directory weight updates are staged under and engines load from: --update-weight-dir, else
     `default_weight_root()`; absolute, since the engines do not share the driver's working directory."""
-    return os.path.abspath(getattr(args, "update_weight_dir", None) or default_weight_root())
+    weight_sync = WeightSyncConfig.of(args)
+    return os.path.abspath(weight_sync.update_weight_dir or default_weight_root())

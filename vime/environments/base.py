@@ -11,6 +11,7 @@ import dataclasses
 import importlib
 from typing import Any
 
+from vime.config.rollout import PromptDataConfig
 from vime.rollout.metrics import ENVIRONMENT_KEY, REWARD_FUNCTIONS_KEY, REWARD_WEIGHTS_KEY
 from vime.utils.types import Sample
 
@@ -105,12 +106,13 @@ def prompt_sample(prompt: str | list[dict[str, Any]], tokenizer, args, *, enviro
                   metadata: dict[str, Any] | None = None, where: str = "") -> Sample:
     """A prompt `Sample` built as a prompt file's row is (`row_to_sample`: --apply-chat-template and its kwargs),
     tagged with its environment."""
+    prompt_data = PromptDataConfig.of(args)
     import argparse
 
     from vime.data.prompt_dataset import row_to_sample
 
     view = argparse.Namespace(input_key="prompt", label_key="label", metadata_key="metadata", tool_key=None,
-                              apply_chat_template=getattr(args, "apply_chat_template", False),
-                              apply_chat_template_kwargs=getattr(args, "apply_chat_template_kwargs", None))
+                              apply_chat_template=prompt_data.apply_chat_template,
+                              apply_chat_template_kwargs=prompt_data.apply_chat_template_kwargs)
     row = {"prompt": prompt, "label": label, "metadata": {**(metadata or {}), ENVIRONMENT_KEY: environment}}
     return row_to_sample(row, where or f"environment {environment}", tokenizer, view)

@@ -26,6 +26,9 @@ from typing import Any
 import aiohttp
 import ray
 
+from vime.config.agents import JudgeConfig
+from vime.config.rollout import EnginesConfig
+from vime.config.run import JobConfig
 from vime.rollout.context import rollout_context
 from vime.rollout.metrics import add_counter
 from vime.utils.auth import serving_key
@@ -42,8 +45,10 @@ class JudgeTimeout(TimeoutError):
 def judge_engine_args(args):
     """The flags a judge engine is started with: the run's engine flags (--vllm-*), the judge's checkpoint, one
     device per engine, no LoRA adapters, no routing capture."""
-    return with_values(args, hf_checkpoint=args.judge_checkpoint, rollout_num_gpus_per_engine=1, lora_sync=None,
-                       lora_adapters=None, use_rollout_routing_replay=False, seed=args.seed + 1000)
+    judge = JudgeConfig.of(args)
+    job = JobConfig.of(args)
+    return with_values(args, hf_checkpoint=judge.judge_checkpoint, rollout_num_gpus_per_engine=1, lora_sync=None,
+                       lora_adapters=None, use_rollout_routing_replay=False, seed=job.seed + 1000)
 
 
 class JudgeGroup:
@@ -60,8 +65,9 @@ class JudgeGroup:
 
     def start(self) -> list[str]:
         """Wait for the engines (launched as their actors were made) to serve; their URLs."""
+        engines = EnginesConfig.of(self.args)
         self.urls = ray.get([engine.start.remote() for engine in self.engines],
-                            timeout=self.args.engine_startup_timeout + 60)
+                            timeout=engines.engine_startup_timeout + 60)
         return self.urls
 
     @property
@@ -78,28 +84,29 @@ class JudgeGroup:
                    temperature: float | None = None, **extra: Any) -> dict[str, Any]:
         """One chat completion from the judge: {"text", "token_ids", "prompt_token_ids", "logprobs"}. Raises
         `JudgeTimeout` past --judge-timeout, RuntimeError on an engine error."""
+        judge = JudgeConfig.of(self.args)
         if self.semaphore is None:  # made on first use, in the event loop that runs the rewards
-            self.semaphore = asyncio.Semaphore(self.args.judge_concurrency)
+            self.semaphore = asyncio.Semaphore(judge.judge_concurrency)
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession()
         url = self.urls[self._next % len(self.urls)]
         self._next += 1
         body = {"model": JUDGE_MODEL, "messages": messages, "logprobs": True, "return_token_ids": True,
-                "max_tokens": max_tokens or self.args.judge_max_tokens,
-                "temperature": self.args.judge_temperature if temperature is None else temperature, **extra}
+                "max_tokens": max_tokens or judge.judge_max_tokens,
+                "temperature": judge.judge_temperature if temperature is None else temperature, **extra}
         start = time.perf_counter()
         add_counter("judge/calls")
         try:
             async with self.semaphore:
                 async with self._session.post(f"{url}/v1/chat/completions", json=body,
                                               headers={"Authorization": f"Bearer {self.api_key}"},
-                                              timeout=aiohttp.ClientTimeout(total=self.args.judge_timeout)) as r:
+                                              timeout=aiohttp.ClientTimeout(total=judge.judge_timeout)) as r:
                     answer = await r.json(content_type=None)
                     if r.status != 200:
                         raise RuntimeError(f"judge engine {url} answered {r.status}: {str(answer)[:500]}")
         except asyncio.TimeoutError:
             add_counter("judge/timeouts")
-            raise JudgeTimeout(f"the judge did not answer within --judge-timeout {self.args.judge_timeout}s") from None
+            raise JudgeTimeout(f"the judge did not answer within --judge-timeout {judge.judge_timeout}s") from None
         except Exception:
             add_counter("judge/errors")
             raise

@@ -11,6 +11,8 @@ import importlib
 import json
 import zlib
 
+from vime.config.agents import EnvironmentConfig
+from vime.config.rollout import EvalConfig, PromptDataConfig, RolloutConfig
 from vime.data.data_source import RolloutDataSource
 from vime.data.sample_codec import json_ready
 from vime.environments.base import ENVIRONMENT_KEY, Environment, EnvironmentSpec, KINDS, parse_spec
@@ -20,11 +22,12 @@ from vime.utils.types import Sample
 def environment_specs(args) -> list[EnvironmentSpec]:
     """The run's `--environment` specs with their `--environment-weights` and `--environment-args` (one each, in
     order, or none)."""
-    texts = list(getattr(args, "environment", None) or [])
+    environments = EnvironmentConfig.of(args)
+    texts = list(environments.environment or [])
     if not texts:
         return []
-    weights = list(getattr(args, "environment_weights", None) or [1.0] * len(texts))
-    configs = list(getattr(args, "environment_args", None) or ["{}"] * len(texts))
+    weights = list(environments.environment_weights or [1.0] * len(texts))
+    configs = list(environments.environment_args or ["{}"] * len(texts))
     if len(weights) != len(texts):
         raise ValueError(f"--environment-weights: {len(weights)} weights for {len(texts)} --environment specs; "
                          "give one per --environment, in order")
@@ -114,18 +117,23 @@ class EnvironmentMixSource(RolloutDataSource):
 
 
 def environment_source(environments: list[Environment], tokenizer, args, buffer_filter=None) -> EnvironmentMixSource:
+    rollout = RolloutConfig.of(args)
+    prompt_data = PromptDataConfig.of(args)
     prompts = {env.name: env.train_prompts(tokenizer, args) for env in environments}
-    return EnvironmentMixSource(prompts, {env.name: env.weight for env in environments}, args.n_samples_per_prompt,
-                                args.rollout_seed, args.rollout_shuffle, buffer_filter)
+    return EnvironmentMixSource(prompts, {env.name: env.weight for env in environments}, rollout.n_samples_per_prompt,
+                                rollout.rollout_seed, prompt_data.rollout_shuffle, buffer_filter)
 
 
 def environment_eval_sources(environments: list[Environment], tokenizer, args) -> dict[str, RolloutDataSource]:
     """One eval set per environment, named after it, of --environment-eval-size prompts (none when 0)."""
-    n = getattr(args, "environment_eval_size", 0) or 0
+    environments_flags = EnvironmentConfig.of(args)
+    evaluation = EvalConfig.of(args)
+    rollout = RolloutConfig.of(args)
+    n = environments_flags.environment_eval_size or 0
     if n <= 0:
         return {}
-    return {env.name: RolloutDataSource(env.eval_prompts(tokenizer, args, n), args.n_samples_per_eval_prompt,
-                                        args.rollout_seed, shuffle=False) for env in environments}
+    return {env.name: RolloutDataSource(env.eval_prompts(tokenizer, args, n), evaluation.n_samples_per_eval_prompt,
+                                        rollout.rollout_seed, shuffle=False) for env in environments}
 
 
 def sample_environment(environments: dict[str, Environment], sample: Sample) -> Environment:

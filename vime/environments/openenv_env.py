@@ -34,6 +34,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from vime.config.rollout import PromptDataConfig
+from vime.config.run import JobConfig
 from vime.environments.base import (ENVIRONMENT_KEY, Environment, EnvironmentSpec, import_optional, prompt_sample,
                                     record_functions)
 from vime.utils.types import Sample
@@ -89,6 +91,7 @@ class OpenEnvServer:
 
 class OpenEnvEnvironment(Environment):
     def __init__(self, target: str, config: dict[str, Any], args):
+        job = JobConfig.of(args)
         import_optional("openenv.core.generic_client", "openenv", "openenv-core")
         unknown = sorted(set(config) - set(DEFAULTS) - {"name"})
         if unknown:
@@ -101,7 +104,7 @@ class OpenEnvEnvironment(Environment):
             if not _healthy(self.url, timeout_s=10.0):
                 raise ValueError(f"--environment openenv:{target}: no healthy OpenEnv server there (GET /health)")
         else:
-            log_dir = Path(getattr(args, "output_dir", None) or tempfile.gettempdir()) / "logs"
+            log_dir = Path(job.output_dir or tempfile.gettempdir()) / "logs"
             self.server = OpenEnvServer(target, float(self.config["startup_timeout"]), log_dir)
             self.url = self.server.url
         # default name: the app module's last part (pkg.envs.digits -> digits), "openenv" for a URL
@@ -128,6 +131,7 @@ class OpenEnvEnvironment(Environment):
         return json.dumps(observation, sort_keys=True)
 
     async def generate(self, args, sample: Sample, sampling_params: dict[str, Any]) -> Sample:
+        prompt_data = PromptDataConfig.of(args)
         from openenv.core.generic_client import GenericEnvClient
 
         from vime.agents.arguments import agent_setting
@@ -144,7 +148,7 @@ class OpenEnvEnvironment(Environment):
             messages = [{"role": "user", "content": self._text(first.observation)}]
             if self.config["system_prompt"]:
                 messages.insert(0, {"role": "system", "content": self.config["system_prompt"]})
-            prompt = prompt_sample(messages if args.apply_chat_template else messages[-1]["content"],
+            prompt = prompt_sample(messages if prompt_data.apply_chat_template else messages[-1]["content"],
                                    GenerateState(args).tokenizer, args, environment=self.name)
             sample.prompt, sample.tokens = prompt.prompt, list(prompt.tokens)
             episode["done"] = bool(first.done)

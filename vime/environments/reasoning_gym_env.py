@@ -16,6 +16,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from vime.config.agents import EnvironmentConfig
+from vime.config.rollout import PromptDataConfig
+from vime.config.run import JobConfig
 from vime.environments.base import Environment, EnvironmentSpec, import_optional, prompt_sample, record_functions
 from vime.utils.types import Sample
 
@@ -38,13 +41,15 @@ class ReasoningGymEnvironment(Environment):
         self.system_prompt = system_prompt
 
     def _prompts(self, tokenizer, args, indices) -> list[Sample]:
+        prompt_data = PromptDataConfig.of(args)
         prompts = []
         for i in indices:
             entry = self.dataset[i]
             messages = [{"role": "user", "content": entry["question"]}]
             if self.system_prompt:
                 messages.insert(0, {"role": "system", "content": self.system_prompt})
-            prompts.append(prompt_sample(messages if args.apply_chat_template else _plain(messages), tokenizer, args,
+            chat = messages if prompt_data.apply_chat_template else _plain(messages)
+            prompts.append(prompt_sample(chat, tokenizer, args,
                                          environment=self.name, label=str(entry["answer"]),
                                          metadata={ENTRY_KEY: {"dataset": self.name, "index": i}},
                                          where=f"reasoning_gym {self.name} entry {i}"))
@@ -76,11 +81,13 @@ def _plain(messages: list[dict[str, str]]) -> str:
 
 
 def load(spec: EnvironmentSpec, args) -> list[ReasoningGymEnvironment]:
+    environments = EnvironmentConfig.of(args)
+    job = JobConfig.of(args)
     datasets = [d.strip() for d in spec.target.split(",") if d.strip()]
     if not datasets:
         raise ValueError(f"--environment reasoning_gym:{spec.target}: name at least one dataset")
     config = dict(spec.config)
-    system = config.pop("system_prompt", getattr(args, "reasoning_gym_system_prompt", "default"))
+    system = config.pop("system_prompt", environments.reasoning_gym_system_prompt)
     unknown = sorted(set(config) - set(datasets))
     if unknown:
         raise ValueError(f"--environment-args for reasoning_gym:{spec.target}: keys {', '.join(unknown)} name no "
@@ -90,15 +97,16 @@ def load(spec: EnvironmentSpec, args) -> list[ReasoningGymEnvironment]:
     prompts = import_optional("reasoning_gym.utils", "reasoning_gym", "reasoning-gym").SYSTEM_PROMPTS
     if system != "none" and system not in prompts:
         raise ValueError(f"reasoning_gym system prompt {system!r}: not one of none, {', '.join(prompts)}")
-    seed = args.reasoning_gym_seed if getattr(args, "reasoning_gym_seed", None) is not None else args.seed
-    return [ReasoningGymEnvironment(name, spec.weight * weights[name] / total, args.reasoning_gym_size,
-                                    getattr(args, "environment_eval_size", 0) or 0, seed, config.get(name, {}),
+    seed = environments.reasoning_gym_seed if environments.reasoning_gym_seed is not None else job.seed
+    return [ReasoningGymEnvironment(name, spec.weight * weights[name] / total, environments.reasoning_gym_size,
+                                    environments.environment_eval_size or 0, seed, config.get(name, {}),
                                     None if system == "none" else prompts[system])
             for name in datasets]
 
 
 def _dataset_weights(args, spec: EnvironmentSpec, datasets: list[str]) -> list[float]:
-    weights = getattr(args, "reasoning_gym_weights", None)
+    environments = EnvironmentConfig.of(args)
+    weights = environments.reasoning_gym_weights
     if not weights:
         return [1.0] * len(datasets)
     if len(weights) != len(datasets):

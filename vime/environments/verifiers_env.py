@@ -36,6 +36,9 @@ from typing import Any
 
 from vime.agents.openai_arguments import agent_flag
 from vime.agents.openai_requests import public_id
+from vime.config.agents import EnvironmentConfig
+from vime.config.rollout import PromptDataConfig
+from vime.config.run import JobConfig
 from vime.environments.base import ENVIRONMENT_KEY, Environment, EnvironmentSpec, record_functions
 from vime.environments.verifiers_process import BridgeError, BridgeProcess, verifiers_python
 from vime.utils.types import Sample
@@ -58,17 +61,19 @@ def _plain(prompt: Any) -> str:
 
 class VerifiersEnvironment(Environment):
     def __init__(self, spec: EnvironmentSpec, args):
+        environments = EnvironmentConfig.of(args)
+        job = JobConfig.of(args)
         own = {k: spec.config.get(k, default) for k, default in VIME_KEYS.items()}
         self.name = str(own["name"] or default_name(spec.target))
         self.weight = spec.weight
         self.size = None if own["size"] is None else int(own["size"])
-        self.eval_size = int(args.environment_eval_size or 0)
+        self.eval_size = int(environments.environment_eval_size or 0)
         self.startup_timeout = float(own["startup_timeout"])
         self.episode_timeout = float(agent_flag(args, "agent_timeout"))  # vime's deadline; the bridge's too
         config = {k: v for k, v in spec.config.items() if k not in VIME_KEYS}
-        log_dir = Path(args.output_dir or tempfile.gettempdir()) / "logs"
+        log_dir = Path(job.output_dir or tempfile.gettempdir()) / "logs"
         take = None if self.size is None else self.size + self.eval_size
-        self.bridge = BridgeProcess(verifiers_python(args.verifiers_python), spec.target, config, log_dir,
+        self.bridge = BridgeProcess(verifiers_python(environments.verifiers_python), spec.target, config, log_dir,
                                     self.name, take=take)
         self.relay_key: str | None = None  # the run's endpoint's key for this bridge (`OpenAIServer.relay_key`)
         self._tasks: list[dict[str, Any]] | None = None
@@ -89,7 +94,8 @@ class VerifiersEnvironment(Environment):
 
     def _prompts(self, rows: list[dict[str, Any]], args) -> list[Sample]:
         # the prompt the model sees comes from the harness when the episode runs: no tokens yet
-        return [Sample(prompt=row["prompt"] if args.apply_chat_template else _plain(row["prompt"]), tokens=[],
+        prompt_data = PromptDataConfig.of(args)
+        return [Sample(prompt=row["prompt"] if prompt_data.apply_chat_template else _plain(row["prompt"]), tokens=[],
                        label=None if row.get("answer") is None else str(row["answer"]),
                        metadata={ENVIRONMENT_KEY: self.name, TASK_KEY: {"task": row["idx"]}})
                 for row in rows]

@@ -9,6 +9,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
+from vime.config.run import JobConfig
 from vime.inspect.load import RolloutView, load_rollout_view, page_chunks, rollout_files, run_config, run_metrics
 from vime.inspect.render import index_page, rollout_page
 
@@ -40,7 +41,8 @@ def split_pages(view: RolloutView, max_tokens: int) -> list[RolloutView]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    output_dir: Path = args.output_dir
+    job = JobConfig.of(args)
+    output_dir: Path = job.output_dir
     files = rollout_files(output_dir)
     if not files:
         print(f"vime.inspect: no rollouts in {output_dir / 'rollouts'} (a run keeps them there unless "

@@ -14,13 +14,15 @@ from typing import Any, Callable
 
 import ray
 
+from vime.config.run import JobConfig, PlacementConfig
+from vime.config.train import MegatronConfig, TrainLoopConfig
 from vime.data.transport import make_transport
 from vime.ray.placement import cluster_has_gpus
 from vime.utils.deadline import control, gather
 from vime.utils.cpus import CpuShare, allowed_cpus, use_cpus
 from vime.utils.device import serving_host
 from vime.utils.logging_utils import configure_logging
-from vime.utils.misc import find_free_port
+from vime.utils.misc import find_free_port, with_values
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +32,7 @@ class TrainActor:
 
     def __init__(self, args, rank: int, world_size: int, role: str = "actor", cpu_share: CpuShare | None = None,
                  local_rank: int = 0):
+        train_loop = TrainLoopConfig.of(args)
         configure_logging()  # an actor process: its log lines reach the driver's console through Ray
         self.args, self.rank, self.world_size, self.role = args, rank, world_size, role
         self.local_rank = local_rank  # its index among its group's ranks on this node (`Placement.local_rank`)
@@ -39,8 +42,8 @@ class TrainActor:
         self.last_rollout: tuple[int, list] | None = None  # (id, groups): PPO's critic reads one rollout twice
         # Ray gives an actor of one logical CPU one OpenMP thread; the placement's share is what it computes on
         share = cpu_share or CpuShare()
-        if args.train_num_threads:  # the user's count, on whatever CPUs the OS picks
-            self.threads = use_cpus(allowed_cpus(), threads=args.train_num_threads, pin=False)
+        if train_loop.train_num_threads:  # the user's count, on whatever CPUs the OS picks
+            self.threads = use_cpus(allowed_cpus(), threads=train_loop.train_num_threads, pin=False)
         else:
             self.threads = use_cpus(share.cpus(allowed_cpus()))
         gpus = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -100,9 +103,10 @@ class TrainActor:
     # checkpoints (save, save_hf, get_loaded_state: the trainer's own, see TRAINER_VERBS)
     def publish_checkpoint(self, rollout_id: int, parts: list[str]) -> str:
         """Make iteration `rollout_id`, saved by every role in `parts`, the one a resume starts from."""
+        megatron = MegatronConfig.of(self.args)
         from vime.backends.megatron_utils.checkpoint_files import publish
 
-        return str(publish(self.args.save, rollout_id, retain=self.args.save_retain, parts=parts))
+        return str(publish(megatron.save, rollout_id, retain=megatron.save_retain, parts=parts))
 
     # weights to the engines, and the probe that checks they arrived
     def send_weights(self, kind: str, handle) -> None:
@@ -121,9 +125,10 @@ class RayTrainGroup:
     ranks, which deadline, how the answers combine); PPO's value hand-offs, which pass refs on, are written out."""
 
     def __init__(self, args, placement=None, role: str = "actor"):
+        placement_flags = PlacementConfig.of(args)
         self.args = args
         self.role = role
-        self.world_size = args.actor_num_nodes * args.actor_num_gpus_per_node
+        self.world_size = placement_flags.actor_num_nodes * placement_flags.actor_num_gpus_per_node
         actor_cls = ray.remote(TrainActor)
         self.actors = []
         for rank in range(self.world_size):
@@ -158,7 +163,8 @@ class RayTrainGroup:
 
     def _all(self, refs, what: str):
         """Every rank's answer to one call, at most --train-timeout; a rank that fails fails it at once."""
-        return gather(refs, f"the {self.role} ranks' {what}", self.args.train_timeout, "--train-timeout")
+        job = JobConfig.of(self.args)
+        return gather(refs, f"the {self.role} ranks' {what}", job.train_timeout, "--train-timeout")
 
     def shutdown(self) -> None:
         for a in self.actors:
@@ -235,12 +241,13 @@ GROUP_CALLS = {
 
 def _group_call(verb: str, spec: GroupCall):
     def call(self: RayTrainGroup, *args, **kwargs):
+        job = JobConfig.of(self.args)
         actors = self.actors if spec.ranks == "all" else self.actors[:1]
         refs = [getattr(actor, verb).remote(*args, **kwargs) for actor in actors]
         what = f"the {self.role} ranks' {spec.what.format(*args, **kwargs)}"
         if spec.deadline == "control":
             return spec.reduce(control(refs, what))
-        return spec.reduce(gather(refs, what, self.args.train_timeout, "--train-timeout"))
+        return spec.reduce(gather(refs, what, job.train_timeout, "--train-timeout"))
 
     call.__name__ = call.__qualname__ = verb
     call.__doc__ = f"`TrainActor.{verb}` on {'every rank' if spec.ranks == 'all' else 'rank 0'}: {spec.what}."
@@ -249,3 +256,12 @@ def _group_call(verb: str, spec: GroupCall):
 
 for _verb, _spec in GROUP_CALLS.items():
     setattr(RayTrainGroup, _verb, _group_call(_verb, _spec))
+
+
+def critic_args(args):
+    """The critic trains with its own learning rate; its checkpoints are the critic part of the actor's
+    (`checkpoint_files.part_dir`)."""
+    train_loop = TrainLoopConfig.of(args)
+    megatron = MegatronConfig.of(args)
+    lr = train_loop.critic_lr if train_loop.critic_lr is not None else megatron.lr
+    return with_values(args, lr=lr, use_kl_loss=False, kl_coef=0.0)

@@ -27,6 +27,9 @@ from vime.backends.vllm_utils.arguments import engine_dtype_warning, router_args
 from vime.backends.vllm_utils.engine import VLLMEngine, http_ok
 from vime.backends.vllm_utils.router import Router, post_workers
 from vime.backends.vllm_utils.router_gate import RouterGate
+from vime.config.rollout import EnginesConfig, FaultToleranceConfig
+from vime.config.router import RouterConfig
+from vime.config.run import DebugConfig, JobConfig
 from vime.ray.fleet_recovery import FleetRecovery, recovery_load_call
 from vime.ray.health import EngineHealthMonitor
 from vime.ray.placement import num_engines
@@ -43,8 +46,9 @@ SLEEP_TAGS = ("weights", "kv_cache")  # what vLLM's sleep frees and /wake_up?tag
 
 def run_control_token(args) -> str:
     """This process's copy of the run's control token (--control-token-file's, else made here)."""
-    if args.control_token_file:
-        use_control_token(read_token_file(args.control_token_file))
+    job = JobConfig.of(args)
+    if job.control_token_file:
+        use_control_token(read_token_file(job.control_token_file))
     return control_token()
 
 
@@ -69,7 +73,9 @@ def new_engines(args, placement, log_dir: Path, token: str) -> list:
     boot beside the rollout manager's instead of after it (about 3 s of every run's start-up); that manager's
     fleet runs them from then on (`EngineFleet(engines=...)`), while Ray counts the driver as their owner: they
     die with it, not with the manager (`TrainingSession.__exit__` kills them with a stuck manager)."""
-    if args.rollout_external_engine_addrs or args.debug_train_only:
+    engines = EnginesConfig.of(args)
+    debug = DebugConfig.of(args)
+    if engines.rollout_external_engine_addrs or debug.debug_train_only:
         return []
     return [new_engine(args, placement, rank, log_dir, token) for rank in range(num_engines(args))]
 
@@ -80,6 +86,7 @@ class EngineFleet(FleetRecovery):
 
     def __init__(self, args, placement, log_dir: Path, context: RolloutContext, engines: list | None = None,
                  token: str | None = None):
+        debug = DebugConfig.of(args)
         self.args = args
         self.placement = placement
         self.log_dir = log_dir
@@ -99,7 +106,7 @@ class EngineFleet(FleetRecovery):
         self.token = token if token is not None else run_control_token(args)
         use_control_token(self.token)
         # the router's front for custom functions (`plugin_router_url`), bound now: its address is fixed for the run
-        self.gate = None if args.debug_train_only else RouterGate(lambda: self.context.router_url, serving_headers)
+        self.gate = None if debug.debug_train_only else RouterGate(lambda: self.context.router_url, serving_headers)
         self._given = list(engines or [])  # engine actors made for this fleet, not started yet
 
     @property
@@ -130,25 +137,29 @@ class EngineFleet(FleetRecovery):
         """Begin starting vime's engines without waiting for them (the longest part of a run's start-up: its
         owner prepares the rest meanwhile); `start` waits."""
         args = self.args
-        if args.rollout_external_engine_addrs or self.engines:
+        engines = EnginesConfig.of(args)
+        router = RouterConfig.of(args)
+        if engines.rollout_external_engine_addrs or self.engines:
             return
         if engine_dtype_warning(args):
             logger.warning(engine_dtype_warning(args))
         self.engines = self._given or [self._new_engine(rank) for rank in range(num_engines(args))]
         self._launched = [e.start.remote() for e in self.engines]
-        if not args.vllm_router_ip:  # our router boots beside them (1-2 s); they join it once they serve
-            self.router = self._own_router(args.vllm_router_port or find_free_port(), [])
+        if not router.vllm_router_ip:  # our router boots beside them (1-2 s); they join it once they serve
+            self.router = self._own_router(router.vllm_router_port or find_free_port(), [])
             self.router.launch()
 
     def start(self) -> list[str]:
         """Start (or connect to) the engines and the router; returns the engine URLs."""
         args = self.args
-        if args.rollout_external_engine_addrs:
-            self.engine_urls = [f"http://{a}" for a in args.rollout_external_engine_addrs]
+        engines = EnginesConfig.of(args)
+        fault_tolerance = FaultToleranceConfig.of(args)
+        if engines.rollout_external_engine_addrs:
+            self.engine_urls = [f"http://{a}" for a in engines.rollout_external_engine_addrs]
             self._wait_for_external_engines()
         else:
             self.launch()
-            self.engine_urls = gather(self._launched, "starting the engines", args.engine_startup_timeout + 60,
+            self.engine_urls = gather(self._launched, "starting the engines", engines.engine_startup_timeout + 60,
                                       "--engine-startup-timeout")
         self.rank_urls = list(self.engine_urls)
         self._start_router()
@@ -156,7 +167,7 @@ class EngineFleet(FleetRecovery):
             self.gate.start()
         logger.info("engines %s behind router %s (custom functions: %s)", self.engine_urls, self.router_url,
                     self.plugin_router_url())
-        if args.use_fault_tolerance and self.engines:
+        if fault_tolerance.use_fault_tolerance and self.engines:
             self.monitor = self.health_monitor()
             self.monitor.start()
         return list(self.engine_urls)
@@ -164,7 +175,8 @@ class EngineFleet(FleetRecovery):
     def _wait_for_external_engines(self) -> None:
         """Servers the user started may still be loading when the run starts (started side by side in a job
         script): wait for each one's /health, up to --engine-startup-timeout, then name those that never came."""
-        timeout = self.args.engine_startup_timeout
+        engines = EnginesConfig.of(self.args)
+        timeout = engines.engine_startup_timeout
         waiting = list(self.engine_urls)
 
         def all_up() -> bool:
@@ -180,15 +192,16 @@ class EngineFleet(FleetRecovery):
 
     def _start_router(self) -> None:
         args = self.args
-        if args.vllm_router_ip:  # an external router: register our engines with it
-            self.router_url = f"http://{args.vllm_router_ip}:{args.vllm_router_port}"
+        router = RouterConfig.of(args)
+        if router.vllm_router_ip:  # an external router: register our engines with it
+            self.router_url = f"http://{router.vllm_router_ip}:{router.vllm_router_port}"
             post_workers(self.router_url, "add_worker", self.engine_urls)
             return  # not ours to stop
         if self.router is not None:  # launched with the engines, before their URLs were known
             self.router_url = self.router.wait_ready()
             self.router.add_workers(self.engine_urls)
             return
-        self._start_own_router(args.vllm_router_port or find_free_port())
+        self._start_own_router(router.vllm_router_port or find_free_port())
 
     def _own_router(self, port: int, worker_urls: list[str]) -> Router:
         # loopback, and every route asks for the serving key (`router_door`); rollouts run in this process

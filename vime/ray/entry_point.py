@@ -10,6 +10,7 @@ import os
 import sys
 
 from vime.arguments import ArgumentsError, build_parser
+from vime.config.run import JobConfig
 from vime.ray.placement import shutdown_ray
 from vime.utils.run_lock import RunInUseError, private_umask
 
@@ -22,6 +23,7 @@ def run_entry_point(train_fn, argv: list[str] | None = None) -> None:
     configure_logging()
     private_umask()  # before Ray and the servers start: everything the run writes is its user's alone
     args = parse_args(argv, check_model=False)  # the session checks the model while Ray starts
+    job = JobConfig.of(args)
     try:
         train_fn(args)
     except ArgumentsError as e:  # as any other bad flag: usage, the message, exit code 2
@@ -31,7 +33,7 @@ def run_entry_point(train_fn, argv: list[str] | None = None) -> None:
         sys.exit(1)
     finally:
         shutdown_ray()
-    logging.getLogger("vime").info("done: metrics in %s/metrics.jsonl", args.output_dir)
+    logging.getLogger("vime").info("done: metrics in %s/metrics.jsonl", job.output_dir)
 
 
 def exit_after_run() -> None:
@@ -44,3 +46,11 @@ def exit_after_run() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def engine_idle_fraction(metrics: dict, step_time: float) -> float:
+    """The share of a loop step the engines spent not generating: each step collects one rollout, generated within
+    the step (train.py) or back to back beside the steps (train_async.py), so its generation time is the engines'
+    busy time of a step; a rollout replayed from storage kept them idle."""
+    busy = 0.0 if metrics.get("buffer/replayed") else metrics.get("rollout/time", 0.0)
+    return min(1.0, max(0.0, 1.0 - busy / step_time)) if step_time > 0 else 0.0

@@ -20,6 +20,7 @@ import ray
 from vime.backends.vllm_utils import client
 from vime.backends.vllm_utils.engine import http_ok
 from vime.backends.vllm_utils.router import post_worker, post_workers, router_ok
+from vime.config.rollout import EnginesConfig, FaultToleranceConfig
 from vime.ray.health import EngineHealthMonitor, probe_each
 from vime.rollout.metrics import add_counter
 from vime.utils.misc import find_free_port
@@ -34,9 +35,11 @@ class FleetRecovery:
         """The monitor of these engines and, when it is ours, the router (not started). Its sweeps hold the
         engines' lock: never while weights are being loaded (a busy engine may answer /health late)."""
         args = self.args
+        fault_tolerance = FaultToleranceConfig.of(args)
         own_router = self.router is not None  # an external router is not ours to restart
         return EngineHealthMonitor(len(self.engines), self._probe_engine, self._restart_engine,
-                                   args.rollout_health_check_interval, args.rollout_health_check_first_wait,
+                                   fault_tolerance.rollout_health_check_interval,
+                                   fault_tolerance.rollout_health_check_first_wait,
                                    probe_router=self._probe_router if own_router else None,
                                    restart_router=self._restart_router if own_router else None,
                                    sweep_lock=self._engines_lock)
@@ -97,7 +100,8 @@ class FleetRecovery:
 
     def _probe_engine(self, rank: int) -> str | None:
         """None when engine `rank` is healthy, else why not."""
-        timeout = self.args.rollout_health_check_timeout
+        fault_tolerance = FaultToleranceConfig.of(self.args)
+        timeout = fault_tolerance.rollout_health_check_timeout
         try:
             if not ray.get(self.engines[rank].is_alive.remote(), timeout=timeout):
                 return "its server process exited"
@@ -127,7 +131,8 @@ class FleetRecovery:
 
     def _probe_router(self) -> str | None:
         """None when vime's router is healthy, else why not."""
-        timeout = self.args.rollout_health_check_timeout
+        fault_tolerance = FaultToleranceConfig.of(self.args)
+        timeout = fault_tolerance.rollout_health_check_timeout
         if self.router.proc is None or self.router.proc.poll() is not None:
             return "its process exited"
         if not router_ok(self.router_url, timeout=timeout):
@@ -157,6 +162,7 @@ class FleetRecovery:
         While the engines sleep (--offload-rollout) the trainer uses the devices a new engine would take in full to
         start: the dead one only leaves service, and the restart waits for the wake-up (`wake_up`)."""
         args = self.args
+        engines = EnginesConfig.of(args)
         start = time.perf_counter()
         old_url = self.rank_urls[rank]
         self._take_out_of_service(old_url)
@@ -176,7 +182,7 @@ class FleetRecovery:
         new = self._new_engine(rank)
         self._starting[rank] = new
         try:
-            url = ray.get(new.start.remote(), timeout=args.engine_startup_timeout + 60)
+            url = ray.get(new.start.remote(), timeout=engines.engine_startup_timeout + 60)
             with self._engines_lock:  # no weight update in between: the engine joins with the current weights
                 if self.served_version is not None:  # weights were pushed since the start: load the latest
                     call = recovery_load_call(args, self.recovery_weights) if self.recovery_weights else None

@@ -18,6 +18,10 @@ import ray
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
+from vime.config.agents import JudgeConfig
+from vime.config.algorithm import AlgorithmConfig
+from vime.config.rollout import EnginesConfig
+from vime.config.run import JobConfig, PlacementConfig
 from vime.ray.ray_auth import drop_run_token, use_run_token, warn_if_unauthenticated
 from vime.utils.cpus import CpuShare
 
@@ -26,11 +30,15 @@ WORKER_ENV = {"TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
 
 
 def init_ray(args) -> None:
+    job = JobConfig.of(args)
+    judge = JudgeConfig.of(args)
+    engines = EnginesConfig.of(args)
+    placement = PlacementConfig.of(args)
     if ray.is_initialized():
         return
-    if args.ray_address:
-        ray.init(address=args.ray_address, runtime_env={"env_vars": WORKER_ENV}, log_to_driver=True)
-        warn_if_unauthenticated(args.ray_address)
+    if job.ray_address:
+        ray.init(address=job.ray_address, runtime_env={"env_vars": WORKER_ENV}, log_to_driver=True)
+        warn_if_unauthenticated(job.ray_address)
         return
     # A local cluster's workers inherit this process's environment. A runtime_env would cost every actor a round
     # trip to Ray's runtime-env agent before its process starts (~1 s each, measured), on the engines' start-up
@@ -39,8 +47,8 @@ def init_ray(args) -> None:
         os.environ.setdefault(key, value)
     # A local cluster stays on loopback: engines and their control routes are never exposed to a network. It is
     # the run's own (address "local"), never another Ray instance found on this machine.
-    judges = args.judge_num_engines if args.judge_checkpoint else 0
-    slots = args.rollout_num_gpus + args.actor_num_nodes * args.actor_num_gpus_per_node + judges + 2
+    judges = judge.judge_num_engines if judge.judge_checkpoint else 0
+    slots = engines.rollout_num_gpus + placement.actor_num_nodes * placement.actor_num_gpus_per_node + judges + 2
     # Ray runs its workers at nice 15 by default; ours are the processes that compute. Nor does it prestart idle
     # workers: a process each, started while the run starts and competing with it for the CPUs, that no actor of
     # the run would use (each actor starts its own).
@@ -56,9 +64,10 @@ def shutdown_ray() -> None:
 
 
 def num_engines(args) -> int:
-    if args.rollout_external_engine_addrs:
-        return len(args.rollout_external_engine_addrs)
-    return args.rollout_num_gpus // args.rollout_num_gpus_per_engine
+    engines = EnginesConfig.of(args)
+    if engines.rollout_external_engine_addrs:
+        return len(engines.rollout_external_engine_addrs)
+    return engines.rollout_num_gpus // engines.rollout_num_gpus_per_engine
 
 
 class Placement:
@@ -74,13 +83,17 @@ class Placement:
     """
 
     def __init__(self, args, with_engines: bool = True, with_trainers: bool = True, overlap: bool = False):
-        actors = args.actor_num_nodes * args.actor_num_gpus_per_node if with_trainers else 0
-        critic = with_trainers and getattr(args, "use_critic", False)  # PPO: as many critic ranks as actor ranks
+        placement = PlacementConfig.of(args)
+        algorithm = AlgorithmConfig.of(args)
+        engines = EnginesConfig.of(args)
+        judge = JudgeConfig.of(args)
+        actors = placement.actor_num_nodes * placement.actor_num_gpus_per_node if with_trainers else 0
+        critic = with_trainers and algorithm.use_critic  # PPO: as many critic ranks as actor ranks
         trainers = actors * (2 if critic else 1)
-        engine_slots = 0 if (not with_engines or args.rollout_external_engine_addrs) else args.rollout_num_gpus
+        engine_slots = 0 if (not with_engines or engines.rollout_external_engine_addrs) else engines.rollout_num_gpus
         # --judge-checkpoint: the judge's engines, one device each, of their own (never shared with the training)
-        judges = args.judge_num_engines if with_engines and args.judge_checkpoint else 0
-        self.colocate = bool(args.colocate and actors and engine_slots)
+        judges = judge.judge_num_engines if with_engines and judge.judge_checkpoint else 0
+        self.colocate = bool(placement.colocate and actors and engine_slots)
         self.actor_offset = 0
         if self.colocate:  # actor, engine (and critic) share each bundle and take turns
             self.critic_offset = self.rollout_offset = 0
@@ -93,7 +106,7 @@ class Placement:
         self.judge_offset, n_bundles = n_bundles, n_bundles + judges
         self.gpus = cluster_has_gpus()
         bundle = {"GPU": 1, "CPU": 1} if self.gpus else {"CPU": 1}
-        self.gpus_per_engine = args.rollout_num_gpus_per_engine
+        self.gpus_per_engine = engines.rollout_num_gpus_per_engine
         self.pg = None
         self.cpu_shares: dict[tuple[str, int], CpuShare] = {}
         self.bundle_nodes: list[str] = []  # bundle index -> node id

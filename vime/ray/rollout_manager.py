@@ -24,6 +24,9 @@ from vime.data.prompt_dataset import load_prompt_file, load_prompt_samples
 from vime.environments.judge import JudgeGroup, judge_engine_args
 from vime.environments.mixture import environment_eval_sources, environment_source, load_environments
 from vime.backends.weight_transport.check import probe_tokens
+from vime.config.agents import EnvironmentConfig, JudgeConfig
+from vime.config.rollout import EvalConfig, FaultToleranceConfig, PromptDataConfig, RolloutConfig
+from vime.config.run import DebugConfig, JobConfig
 from vime.data.transport import RolloutRef, make_transport, rollout_summary
 from vime.ray.engine_fleet import EngineFleet, new_engine
 from vime.ray.health import FailedRollouts
@@ -42,10 +45,13 @@ logger = logging.getLogger(__name__)
 
 def resolve_num_rollout(args, num_prompts: int) -> int:
     """The run's rollout count: --num-rollout, else --num-epoch passes over `num_prompts` prompts."""
-    if args.num_rollout is not None:
-        return args.num_rollout
-    if args.num_epoch is not None:
-        return max(1, args.num_epoch * num_prompts // args.rollout_batch_size)
+    job = JobConfig.of(args)
+    prompt_data = PromptDataConfig.of(args)
+    rollout = RolloutConfig.of(args)
+    if job.num_rollout is not None:
+        return job.num_rollout
+    if prompt_data.num_epoch is not None:
+        return max(1, prompt_data.num_epoch * num_prompts // rollout.rollout_batch_size)
     raise ValueError("set --num-rollout or --num-epoch")
 
 
@@ -54,10 +60,13 @@ def make_data_source(args, tokenizer, environments: list | None = None) -> Rollo
     file (--lora-adapters, `AdapterMixSource`); None without any (replayed rollouts). Malformed rows skipped and
     over-long prompts dropped, all files together, are reported with the next rollout (data/skipped_rows,
     data/too_long_prompts)."""
+    prompt_data = PromptDataConfig.of(args)
+    rollout = RolloutConfig.of(args)
     if environments:
         return environment_source(environments, tokenizer, args, _buffer_filter(args))
     specs = adapter_specs(args)
-    files = {s.name: s.prompt_data for s in specs} or ({None: args.prompt_data} if args.prompt_data else {})
+    default = {None: prompt_data.prompt_data} if prompt_data.prompt_data else {}
+    files = {s.name: s.prompt_data for s in specs} or default
     if not files:
         return None
     loaded = {name: load_prompt_file(path, tokenizer, args) for name, path in files.items()}
@@ -65,16 +74,17 @@ def make_data_source(args, tokenizer, environments: list | None = None) -> Rollo
                      "data/too_long_prompts": float(sum(f.too_long for f in loaded.values()))})
     buffer_filter = _buffer_filter(args)
     if specs:
-        return AdapterMixSource({name: f.samples for name, f in loaded.items()}, args.n_samples_per_prompt,
-                                args.rollout_seed, args.rollout_shuffle, buffer_filter)
-    return RolloutDataSource(loaded[None].samples, args.n_samples_per_prompt, args.rollout_seed,
-                             args.rollout_shuffle, buffer_filter)
+        return AdapterMixSource({name: f.samples for name, f in loaded.items()}, rollout.n_samples_per_prompt,
+                                rollout.rollout_seed, prompt_data.rollout_shuffle, buffer_filter)
+    return RolloutDataSource(loaded[None].samples, rollout.n_samples_per_prompt, rollout.rollout_seed,
+                             prompt_data.rollout_shuffle, buffer_filter)
 
 
 def _buffer_filter(args):
-    if not args.buffer_filter_path:
+    rollout = RolloutConfig.of(args)
+    if not rollout.buffer_filter_path:
         return None
-    fn = load_function(args.buffer_filter_path)
+    fn = load_function(rollout.buffer_filter_path)
     # the filter gets the plugin view (the rollout context's, made once the data is loaded), as every hook
     return lambda buffer, n: fn(rollout_context().plugin_args or args, buffer, n)
 
@@ -82,14 +92,17 @@ def _buffer_filter(args):
 def make_eval_sources(args, tokenizer) -> dict[str, RolloutDataSource]:
     """{name: source} of --eval-prompt-data NAME PATH ...; in a multi-LoRA run each set is named after the adapter
     it evaluates (validation refuses other names), and its samples are tagged with it."""
+    evaluation = EvalConfig.of(args)
+    rollout = RolloutConfig.of(args)
     adapters = set(adapter_names(args))
     sources = {}
-    for name, path in zip((args.eval_prompt_data or [])[::2], (args.eval_prompt_data or [])[1::2]):
+    for name, path in zip((evaluation.eval_prompt_data or [])[::2], (evaluation.eval_prompt_data or [])[1::2]):
         prompts = load_prompt_samples(path, tokenizer, args)
         if name in adapters:
             for prompt in prompts:
                 prompt.metadata[ADAPTER_KEY] = name
-        sources[name] = RolloutDataSource(prompts, args.n_samples_per_eval_prompt, args.rollout_seed, shuffle=False)
+        sources[name] = RolloutDataSource(prompts, evaluation.n_samples_per_eval_prompt, rollout.rollout_seed,
+                                          shuffle=False)
     return sources
 
 
@@ -108,7 +121,8 @@ def _fleet_verb(name: str, concurrency_group: str | None = None):
 
 def log_dir(args) -> Path:
     """Where the engines' and the router's logs go."""
-    return Path(args.output_dir) / "logs"
+    job = JobConfig.of(args)
+    return Path(job.output_dir) / "logs"
 
 
 # every other call runs one at a time in the default group; a weight update has its own thread
@@ -128,29 +142,38 @@ class RolloutManager:
             self._set_up(args, placement, engines, token)
 
     def _set_up(self, args, placement, engines: list | None, token: str | None) -> None:
+        debug = DebugConfig.of(args)
+        judge = JudgeConfig.of(args)
+        job = JobConfig.of(args)
+        environments_flags = EnvironmentConfig.of(args)
+        rollout = RolloutConfig.of(args)
+        evaluation = EvalConfig.of(args)
+        fault_tolerance = FaultToleranceConfig.of(args)
+        prompt_data = PromptDataConfig.of(args)
         self.fleet = EngineFleet(args, placement, self.log_dir, self.context, engines, token)
-        if not args.debug_train_only:
+        if not debug.debug_train_only:
             self.fleet.launch()  # the engines boot while the tokenizer, data and functions load
         # --judge-checkpoint: the judge's own engines, never in the fleet (no weight update reaches them)
-        if args.judge_checkpoint and not args.debug_train_only:
+        if judge.judge_checkpoint and not debug.debug_train_only:
             judge_args = judge_engine_args(args)
             self.context.judge = JudgeGroup(args, [new_engine(judge_args, placement, i, self.log_dir, self.fleet.token,
-                                                              role="judge") for i in range(args.judge_num_engines)])
+                                                              role="judge") for i in range(judge.judge_num_engines)])
         from vime.utils.hf_tokenizer import load_tokenizer
 
-        self.tokenizer = load_tokenizer(args.hf_checkpoint)
+        self.tokenizer = load_tokenizer(job.hf_checkpoint)
         # --environment: the environments' prompts, evals, rewards and turns (the hooks find them in the context)
-        environments = load_environments(args) if getattr(args, "environment", None) else []
+        environments = load_environments(args) if environments_flags.environment else []
         self.context.environments = {env.name: env for env in environments}
         self.data_source = make_data_source(args, self.tokenizer, environments)
         self.eval_sources = {**make_eval_sources(args, self.tokenizer),
                              **environment_eval_sources(environments, self.tokenizer, args)}
-        self.rollout_fn = load_function(args.rollout_function_path)
-        self.eval_fn = load_function(args.eval_function_path or args.rollout_function_path)
+        self.rollout_fn = load_function(rollout.rollout_function_path)
+        self.eval_fn = load_function(evaluation.eval_function_path or rollout.rollout_function_path)
         self.transport = make_transport(args)  # how generate() hands rollouts to the trainer side
-        self.failures = FailedRollouts(args.max_failed_samples_ratio, args.max_consecutive_failed_rollouts)
+        self.failures = FailedRollouts(fault_tolerance.max_failed_samples_ratio,
+                                       fault_tolerance.max_consecutive_failed_rollouts)
         # what every custom function receives as `args`: the flags and the run's values (vime.utils.plugin_args)
-        has_length = args.num_rollout is not None or args.num_epoch is not None
+        has_length = job.num_rollout is not None or prompt_data.num_epoch is not None
         self.context.plugin_args = plugin_view(
             args, self.fleet.plugin_router_url(),
             resolve_num_rollout(args, self.num_prompts()) if has_length else None, num_engines(args))
@@ -208,17 +231,18 @@ class RolloutManager:
         must not be trained on (`skip_reason`, see `FailedRollouts`).
         """
         args = self.args
+        debug = DebugConfig.of(args)
         start = time.perf_counter()
         self.fleet.reconcile_router()
-        if args.load_debug_rollout_data:
-            output = RolloutFnTrainOutput(load_rollout(args.load_debug_rollout_data, rollout_id))
+        if debug.load_debug_rollout_data:
+            output = RolloutFnTrainOutput(load_rollout(debug.load_debug_rollout_data, rollout_id))
         else:
             output = as_rollout_output(self.rollout_fn(self.plugin_args, rollout_id, self.data_source),
                                        evaluation=False)
         groups = output.samples
         elapsed = time.perf_counter() - start
-        if args.save_debug_rollout_data:
-            save_rollout(args.save_debug_rollout_data, rollout_id, groups)
+        if debug.save_debug_rollout_data:
+            save_rollout(debug.save_debug_rollout_data, rollout_id, groups)
         samples = [s for g in groups for s in g]
         metrics = rollout_metrics(samples, args)
         metrics["rollout/time"] = elapsed
@@ -246,6 +270,8 @@ class RolloutManager:
         return reason
 
     def eval(self, rollout_id: int) -> dict[str, float]:
+        evaluation = EvalConfig.of(self.args)
+        debug = DebugConfig.of(self.args)
         if not self.eval_sources:
             return {}
         self.fleet.reconcile_router()
@@ -254,21 +280,23 @@ class RolloutManager:
         metrics = dict(output.metrics or {})
         for name, samples in output.data.items():
             metrics.update(rollout_metrics(samples, self.args, prefix=f"eval/{name}"))
-            if self.args.eval_pass_at_k:
-                metrics.update(eval_at_k(samples, self.args, self.args.eval_pass_at_k, prefix=f"eval/{name}"))
-            if self.args.save_debug_rollout_data:  # beside the training rollouts: eval_<name>_<rollout id>
-                template = self.args.save_debug_rollout_data.replace("{rollout_id}", f"eval_{name}_{{rollout_id}}")
+            if evaluation.eval_pass_at_k:
+                metrics.update(eval_at_k(samples, self.args, evaluation.eval_pass_at_k, prefix=f"eval/{name}"))
+            if debug.save_debug_rollout_data:  # beside the training rollouts: eval_<name>_<rollout id>
+                template = debug.save_debug_rollout_data.replace("{rollout_id}", f"eval_{name}_{{rollout_id}}")
                 save_rollout(template, rollout_id, [samples])
             self._keep_for_inspection(f"eval_{name}_{rollout_id}", [samples])
         return metrics
 
     def _keep_for_inspection(self, name: str, groups) -> None:
         """The compact copy in <output-dir>/rollouts/ (`python -m vime.inspect`), unless --no-save-rollouts."""
-        if not self.args.save_rollouts:
+        debug = DebugConfig.of(self.args)
+        job = JobConfig.of(self.args)
+        if not debug.save_rollouts:
             return
-        if save_compact_rollout(self.args.output_dir, name, groups, self.args.save_rollouts_max_mb) is None:
+        if save_compact_rollout(job.output_dir, name, groups, debug.save_rollouts_max_mb) is None:
             logger.warning("%s alone is over --save-rollouts-max-mb %s; not kept in %s/rollouts", name,
-                           self.args.save_rollouts_max_mb, self.args.output_dir)
+                           debug.save_rollouts_max_mb, job.output_dir)
 
     def data_source_state(self) -> dict | None:
         return self.data_source.state_dict() if self.data_source else None

@@ -11,12 +11,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import ray
 
-from vime.arguments import ArgumentsError, build_parser, check_model_args, validate_transport_placement
+from vime.arguments import (ArgumentsError, build_parser, check_model_args, run_config,
+                            validate_transport_placement)
 from vime.backends.megatron_utils.train_arguments import lr_schedule_problem
 from vime.backends.weight_transport.check import check_weights_equal
 from vime.data.transport import RolloutRef, make_transport
 from vime.data.transport.replay import append_trained_samples, plan_replay, stored_rollout, truncate_trained_samples
-from vime.ray.actor_group import RayTrainGroup
+from vime.ray.actor_group import RayTrainGroup, critic_args
 from vime.ray.placement import Placement, cluster_has_gpus, init_ray, on_this_node
 from vime.ray.previous_run import check_start
 from vime.ray.engine_fleet import new_engines, run_control_token
@@ -32,21 +33,6 @@ from vime.utils.run_lock import RunLock
 logger = logging.getLogger(__name__)
 
 
-def engine_idle_fraction(metrics: dict, step_time: float) -> float:
-    """The share of a loop step the engines spent not generating: each step collects one rollout, generated within
-    the step (train.py) or back to back beside the steps (train_async.py), so its generation time is the engines'
-    busy time of a step; a rollout replayed from storage kept them idle."""
-    busy = 0.0 if metrics.get("buffer/replayed") else metrics.get("rollout/time", 0.0)
-    return min(1.0, max(0.0, 1.0 - busy / step_time)) if step_time > 0 else 0.0
-
-
-def critic_args(args):
-    """The critic trains with its own learning rate; its checkpoints are the critic part of the actor's
-    (`checkpoint_files.part_dir`)."""
-    return with_values(args, lr=args.critic_lr if args.critic_lr is not None else args.lr, use_kl_loss=False,
-                       kl_coef=0.0)
-
-
 class TrainingSession:
     """Engines + router (rollout manager), training actors and the metrics sinks of one run.
 
@@ -54,10 +40,11 @@ class TrainingSession:
     """
 
     def __init__(self, args, overlap: bool = False):
-        self.args = args
+        self.args = args  # the slime-style view the actors are started with
+        self.config = run_config(args)
         self.overlap = overlap  # training and generation run at the same time (train_async): they split the CPUs
-        self.use_engines = not args.debug_train_only
-        self.train_enabled = not args.debug_rollout_only
+        self.use_engines = not self.config.debug.debug_train_only
+        self.train_enabled = not self.config.debug.debug_rollout_only
         self.manager = self.trainers = self.metrics = None
         self.engines: list = []  # the engine actors made for the manager (`new_engines`)
         self.weight_version = 0
@@ -74,11 +61,13 @@ class TrainingSession:
     def __enter__(self) -> TrainingSession:
         args = self.args
         # first: a second run on the same directories stops here, before it touches anything of the first's
-        stores = [args.output_dir, args.save, args.rollout_data_dir if args.rollout_data_transport == "straw" else None]
+        buffer = self.config.data_buffer
+        stores = [self.config.job.output_dir, self.config.megatron.save,
+                  buffer.rollout_data_dir if buffer.rollout_data_transport == "straw" else None]
         self.run_lock = RunLock(stores).__enter__()
         if self.train_enabled:  # before anything starts: refuse to take over an earlier run's state
             check_start(args, len(self.transport.stored()))
-        write_resolved_config(args, f"{args.output_dir}/config.yaml", build_parser())
+        write_resolved_config(args, f"{self.config.job.output_dir}/config.yaml", build_parser())
         self._start_ray_checking_the_model()
         validate_transport_placement(args, gpus=cluster_has_gpus())  # what only the cluster's devices decide
         self.placement = Placement(args, with_engines=self.use_engines, with_trainers=self.train_enabled,
@@ -112,7 +101,7 @@ class TrainingSession:
         """Training actors (and PPO's critic) for `args` (default: the run's)."""
         args, placement = args or self.args, self.placement
         self.trainers = RayTrainGroup(args, placement)
-        if args.use_critic:
+        if self.config.algorithm.use_critic:
             self.critic = RayTrainGroup(critic_args(args), placement, role="critic")
 
     def _train_groups(self) -> list:
@@ -126,7 +115,7 @@ class TrainingSession:
         groups = self._train_groups()
         values = self.manager.plugin_values.remote()
         gather([ref for group in groups for ref in group.begin_init(total_steps=self.total_steps)],
-               "building the trainers' models", self.args.train_timeout, "--train-timeout")
+               "building the trainers' models", self.config.job.train_timeout, "--train-timeout")
         values = control(values, "the rollout manager's plugin values")
         for group in groups:
             group.set_plugin_values(values)
@@ -138,7 +127,8 @@ class TrainingSession:
         the engines size their memory first."""
         args = self.args
         num_rollout = resolve_num_rollout(args, control(self.manager.num_prompts.remote(), "the prompt count"))
-        problem = lr_schedule_problem(args, num_rollout * args.num_steps_per_rollout) if self.train_enabled else None
+        steps = num_rollout * self.config.train.num_steps_per_rollout
+        problem = lr_schedule_problem(args, steps) if self.train_enabled else None
         if problem:  # --num-epoch: the step count is known only now, still before any model is built
             raise ArgumentsError(problem)
         engines = self.manager.start.remote() if self.use_engines else None
@@ -148,7 +138,7 @@ class TrainingSession:
                 self.offload_rollout()  # the trainers build their models in what the sleeping engines free
         resumed = None
         if self.trainers is not None:
-            self.total_steps = num_rollout * args.num_steps_per_rollout
+            self.total_steps = steps
             resumed = self._init_trainers()
         if engines is not None:
             self._wait_for_engines(engines)
@@ -163,12 +153,12 @@ class TrainingSession:
             self.update_weights(version=start)  # engines serve exactly the trainer's weights from now on
             self.offload_train()
             self.onload_rollout()
-        if resumed or args.overwrite_output:  # rows of rollouts this run does again would be there twice
+        if resumed or self.config.job.overwrite_output:  # rows of rollouts this run does again would be there twice
             self.metrics.drop_rows_from(start)
         return start, num_rollout
 
     def _wait_for_engines(self, engines) -> None:
-        gather(engines, "starting the engines and the router", self.args.engine_startup_timeout + 300,
+        gather(engines, "starting the engines and the router", self.config.engines.engine_startup_timeout + 300,
                "--engine-startup-timeout")
 
     def update_weights(self, version: int, after: list | None = None, in_flight: bool = False) -> dict[str, float]:
@@ -188,15 +178,16 @@ class TrainingSession:
 
     def _update_weights(self, version: int, after: list | None = None, in_flight: bool = False) -> dict[str, float]:
         metrics = self.weight_sync.update(self.trainers, self.manager, version, after=after, in_flight=in_flight)
-        if self.args.check_weight_update_equal:  # raises when an engine serves other weights than the trainer's
+        if self.config.weight_sync.check_weight_update_equal:  # raises when an engine serves other weights
             metrics.update(check_weights_equal(self.args, self.trainers, self.manager))
         return metrics
 
     def _plan_replay(self, start: int) -> None:
         """With a durable transport, train rollouts stored by a crashed run instead of generating them again; the
         data source continues after the last of them."""
-        self.replay = plan_replay(self.transport, start, self.args.output_dir, resuming=bool(self.args.load),
-                                  data_dir=self.args.rollout_data_dir)
+        self.replay = plan_replay(self.transport, start, self.config.job.output_dir,
+                                  resuming=bool(self.config.megatron.load),
+                                  data_dir=self.config.data_buffer.rollout_data_dir)
         if self.replay:
             control(self.manager.load_data_source_state.remote(self.replay[max(self.replay)].extra.get("data_source")),
                     "restoring the data source's position")
@@ -222,18 +213,19 @@ class TrainingSession:
         """ray.get a rollout or eval call, at most --rollout-timeout; after that the manager is stuck in it (its
         actor runs one call at a time), so it is killed at exit instead of asked to shut down."""
         try:
-            return ray.get(pending, timeout=self.args.rollout_timeout)
+            return ray.get(pending, timeout=self.config.rollout.rollout_timeout)
         except ray.exceptions.GetTimeoutError:
             self.manager_stuck = True
-            function = (self.args.eval_function_path if what == "eval" else None) or self.args.rollout_function_path
-            raise TimeoutError(f"the {what} did not finish within --rollout-timeout {self.args.rollout_timeout:g}s: "
+            rollout = self.config.rollout
+            function = (self.config.eval.eval_function_path if what == "eval" else None) or rollout.rollout_function_path
+            raise TimeoutError(f"the {what} did not finish within --rollout-timeout {rollout.rollout_timeout:g}s: "
                                f"the rollout function {function} (or a call it waits on) never returned. Fix the "
                                "function, or raise --rollout-timeout for longer rollouts") from None
 
     def offload_rollout(self) -> None:
         """Colocated runs: free the engines' device memory for training (--offload-rollout): their weights go to
         host memory, their KV cache is dropped (`EngineFleet.sleep`)."""
-        if self.args.offload_rollout and self.use_engines:
+        if self.config.placement.offload_rollout and self.use_engines:
             control(self.manager.sleep.remote(), "the engines' sleep (--offload-rollout)")
 
     def onload_rollout(self, tags: tuple[str, ...] | None = None) -> None:
@@ -242,20 +234,20 @@ class TrainingSession:
         the trainer and only then wakes the KV cache, which vLLM allocates anew: the trainer's state and the KV
         cache never hold the shared devices at once. With --check-weight-update-equal the engines generate right
         after the update (the probe), so they wake whole."""
-        if not (self.args.offload_rollout and self.use_engines):
+        if not (self.config.placement.offload_rollout and self.use_engines):
             return
-        if tags is not None and self.args.check_weight_update_equal:
+        if tags is not None and self.config.weight_sync.check_weight_update_equal:
             tags = None
         control(self.manager.wake_up.remote(list(tags) if tags is not None else None),
                 "the engines' wake-up (--offload-rollout)")
 
     def offload_train(self) -> None:
         """Colocated runs: the trainer's state goes to host memory while the engines generate (--offload-train)."""
-        for group in self._train_groups() if self.args.offload_train else []:
+        for group in self._train_groups() if self.config.placement.offload_train else []:
             group.offload()
 
     def onload_train(self) -> None:
-        for group in self._train_groups() if self.args.offload_train else []:
+        for group in self._train_groups() if self.config.placement.offload_train else []:
             group.onload()
 
     def train(self, rollout: RolloutRef) -> dict[str, float]:
@@ -277,9 +269,9 @@ class TrainingSession:
         if self.trainer_restarts:
             metrics["recovery/trainer_restarts"] = float(self.trainer_restarts)
         metrics["perf/train_time"] = time.perf_counter() - start
-        append_trained_samples(self.args.output_dir, rollout_id, rollout.extra["sample_ids"],
+        append_trained_samples(self.config.job.output_dir, rollout_id, rollout.extra["sample_ids"],
                                replayed=rollout_id in self.replayed)
-        if not self.args.save:  # nothing to resume from, so nothing to replay: let the rollout go now
+        if not self.config.megatron.save:  # nothing to resume from, so nothing to replay: let the rollout go now
             self.transport.trim([rollout_id])
             self.data_state_after.pop(rollout_id, None)
         return metrics
@@ -293,7 +285,7 @@ class TrainingSession:
             return None
         logger.error("not training on %s", reason)
         self.transport.trim([rollout.rollout_id])
-        if not self.args.save:  # else a checkpoint at this rollout still needs the data-source state after it
+        if not self.config.megatron.save:  # else a checkpoint at this rollout needs the data-source state after it
             self.data_state_after.pop(rollout.rollout_id, None)
         return {"train/skipped_rollout": 1.0}
 
@@ -312,18 +304,19 @@ class TrainingSession:
         `trained_through`, so they hold what the dead ones did. Needs straw and --save; else the run stops with an
         error that says how to resume."""
         args = self.args
-        if not (self.transport.durable and args.save):
-            resume = (f"start the run again with --load {args.save} to resume from its last checkpoint" if args.save
+        if not (self.transport.durable and self.config.megatron.save):
+            resume = (f"start the run again with --load {self.config.megatron.save} to resume from its last checkpoint"
+                      if self.config.megatron.save
                       else "it has no --save, so no checkpoint to resume from")
             raise RuntimeError(f"the training actors died ({type(error).__name__}: {error}). A run replaces them by "
                                "itself only with --rollout-data-transport straw and --save; this one stops: "
                                f"{resume}") from error
         logger.error("training actors died (%s); restarting them from the last checkpoint in %s",
-                     type(error).__name__, args.save)
+                     type(error).__name__, self.config.megatron.save)
         for group in self._train_groups():
             group.shutdown()
         self.critic = None
-        self._create_trainers(with_values(args, load=args.save))  # its own last checkpoint
+        self._create_trainers(with_values(args, load=self.config.megatron.save))  # its own last checkpoint
         self.weight_sync = WeightSync(args)  # new writers: a collective transport builds a new group with them
         resumed = self._init_trainers()
         first = resumed["rollout_id"] + 1 if resumed else 0
@@ -331,12 +324,12 @@ class TrainingSession:
         missing = [i for i in range(first, trained_through + 1) if i not in stored]
         if missing:
             raise RuntimeError(f"cannot recover the trainer: rollouts {missing} after its checkpoint are not stored "
-                               f"in {args.rollout_data_dir}") from error
-        truncate_trained_samples(args.output_dir, first)  # what the crash undid is trained again below
+                               f"in {self.config.data_buffer.rollout_data_dir}") from error
+        truncate_trained_samples(self.config.job.output_dir, first)  # what the crash undid is trained again below
         for i in range(first, trained_through + 1):
             replayed = stored_rollout(self.transport, stored[i])
             self._train_step(replayed)
-            append_trained_samples(args.output_dir, i, replayed.extra["sample_ids"], replayed=True)
+            append_trained_samples(self.config.job.output_dir, i, replayed.extra["sample_ids"], replayed=True)
         self.trainer_restarts += 1
         logger.info("trainers restarted (%d so far); replayed rollouts %d..%d from storage", self.trainer_restarts,
                     first, trained_through)
@@ -344,12 +337,12 @@ class TrainingSession:
     def maybe_save(self, rollout_id: int, num_rollout: int) -> None:
         """Save every role's part of a checkpoint, unpublished: `publish_checkpoint` makes it the one a resume
         starts from, after the rollout's metrics are written (no trained rollout then lacks its row)."""
-        args = self.args
         last = rollout_id + 1 == num_rollout
-        periodic = bool(args.save_interval and (rollout_id + 1) % args.save_interval == 0)
+        interval = self.config.megatron.save_interval
+        periodic = bool(interval and (rollout_id + 1) % interval == 0)
         if self.trainers is None:
             return
-        if args.save and (last or periodic):
+        if self.config.megatron.save and (last or periodic):
             if rollout_id in self.data_state_after:  # async runs have generated further by now
                 state = {"data_source": self.data_state_after[rollout_id]}
             else:
@@ -359,8 +352,8 @@ class TrainingSession:
             if self.critic is not None:
                 self.critic.save(rollout_id, {})
             self.unpublished = rollout_id
-        if args.save_hf and (last or periodic):
-            self.trainers.save_hf(args.save_hf.format(rollout_id=rollout_id))
+        if self.config.train.save_hf and (last or periodic):
+            self.trainers.save_hf(self.config.train.save_hf.format(rollout_id=rollout_id))
 
     def publish_checkpoint(self) -> None:
         """Publish the checkpoint `maybe_save` wrote (one marker for actor, critic and vime's state), then let the
@@ -374,15 +367,15 @@ class TrainingSession:
         self.data_state_after = {i: s for i, s in self.data_state_after.items() if i > rollout_id}
 
     def maybe_eval(self, rollout_id: int, force: bool = False) -> None:
-        args = self.args
-        if self.use_engines and args.eval_interval and (force or rollout_id % args.eval_interval == 0):
+        interval = self.config.eval.eval_interval
+        if self.use_engines and interval and (force or rollout_id % interval == 0):
             self.metrics.log(rollout_id, self._wait_for_rollout(self.manager.eval.remote(rollout_id), "eval"))
 
     def __exit__(self, *exc) -> None:
         curve = None
         if self.metrics is not None:  # every row is written: the curve is drawn while the actors stop
             self.metrics.close()
-            curve = threading.Thread(target=save_reward_curve, args=(self.args.output_dir,), name="reward-curve")
+            curve = threading.Thread(target=save_reward_curve, args=(self.config.job.output_dir,), name="reward-curve")
             curve.start()
         try:
             if self.manager is not None and self.manager_stuck:

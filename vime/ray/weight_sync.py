@@ -25,6 +25,9 @@ import ray
 
 from vime.backends.weight_transport import make_driver
 from vime.backends.weight_transport.staging import stage_dir
+from vime.config.rollout import FaultToleranceConfig, RolloutConfig
+from vime.config.run import JobConfig
+from vime.config.train import LoraConfig, WeightSyncConfig
 from vime.utils.deadline import DeadlineExceeded, control, gather
 
 RECOVERY = "disk"  # the transport that writes recovery copies
@@ -43,17 +46,20 @@ class StagedUpdate:
 def sync_kind(args) -> str:
     """The transport of the run's weight updates: --update-weight-transport, or a LoRA run's adapter sync (the flags'
     validation resolves --lora-sync for LoRA runs only)."""
-    if getattr(args, "lora_sync", None) == "adapter":
+    lora = LoraConfig.of(args)
+    weight_sync = WeightSyncConfig.of(args)
+    if lora.lora_sync == "adapter":
         return "lora_adapter"
-    return args.update_weight_transport
+    return weight_sync.update_weight_transport
 
 
 class WeightSync:
     def __init__(self, args):
+        fault_tolerance = FaultToleranceConfig.of(args)
         self.args = args
         self.kind = sync_kind(args)
         self.transport = make_driver(self.kind, args)
-        self.recovery_writer = make_driver(RECOVERY, args) if args.use_fault_tolerance else None
+        self.recovery_writer = make_driver(RECOVERY, args) if fault_tolerance.use_fault_tolerance else None
 
     @property
     def keeps_handle(self) -> bool:
@@ -66,14 +72,15 @@ class WeightSync:
         wait for between the trainer half and the engine half, so that writing the weights overlaps them.
         `in_flight`: do not wait; the engines load between decode steps of the requests they are running, which
         continue under the new weights (`apply`'s pause mode "keep")."""
+        rollout = RolloutConfig.of(self.args)
         staged = self.stage(train_group, rollout_manager, version)
         if in_flight:
             return self.apply(train_group, rollout_manager, staged, pause_mode="keep")
         if after:
-            _, unfinished = ray.wait(list(after), num_returns=len(after), timeout=self.args.rollout_timeout)
+            _, unfinished = ray.wait(list(after), num_returns=len(after), timeout=rollout.rollout_timeout)
             if unfinished:
                 raise DeadlineExceeded(f"the rollout weight update {version} waits for did not finish within "
-                                       f"--rollout-timeout {self.args.rollout_timeout:g}s")
+                                       f"--rollout-timeout {rollout.rollout_timeout:g}s")
         return self.apply(train_group, rollout_manager, staged)
 
     def stage(self, train_group, rollout_manager, version: int) -> StagedUpdate:
@@ -121,5 +128,6 @@ class WeightSync:
         return path
 
     def _wait(self, refs, version: int, what: str):
-        return gather(refs, f"the {what} of weight update {version} ({self.kind})", self.args.train_timeout,
+        job = JobConfig.of(self.args)
+        return gather(refs, f"the {what} of weight update {version} ({self.kind})", job.train_timeout,
                       "--train-timeout")

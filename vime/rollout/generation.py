@@ -15,6 +15,8 @@ import aiohttp
 
 from vime.backends.vllm_utils.client import SERVED_MODEL
 from vime.backends.vllm_utils.generate_request import decode_routed_experts, request_choices
+from vime.config.rollout import EvalConfig, FaultToleranceConfig, RolloutConfig
+from vime.config.run import JobConfig
 from vime.data.weight_versions import add_spans, add_versions
 from vime.rollout.context import rollout_context
 from vime.utils.lora_adapters import ADAPTER_KEY
@@ -57,20 +59,22 @@ class GenerateState:
         return state
 
     def _init(self, args) -> None:
+        job = JobConfig.of(args)
+        rollout = RolloutConfig.of(args)
         from vime.utils.hf_tokenizer import load_tokenizer
 
         self.args = args
-        self.tokenizer = load_tokenizer(args.hf_checkpoint)
+        self.tokenizer = load_tokenizer(job.hf_checkpoint)
         self.processor = None  # slime's multimodal processor: vime's models are text-only
-        self.semaphore = asyncio.Semaphore(args.rollout_concurrency)
+        self.semaphore = asyncio.Semaphore(rollout.rollout_concurrency)
         self._group_lock = asyncio.Lock()
         self.session: aiohttp.ClientSession | None = None
         self.aborted = False  # set when the batch is full: queued requests return without being sent
         self.in_flight = 0  # generate requests sent and not yet answered (all engines)
         self.max_in_flight = 0  # its peak since the last rollout started
         self.retries = 0  # generate requests sent again after an error or a timeout, since the rollout started
-        self.generate_fn = load_function(args.custom_generate_function_path) if args.custom_generate_function_path \
-            else generate
+        custom = rollout.custom_generate_function_path
+        self.generate_fn = load_function(custom) if custom else generate
 
     @property
     def sampling_params(self) -> dict[str, Any]:
@@ -112,27 +116,30 @@ def router_url() -> str:
 
 def sampling_params_for(args, evaluation: bool = False) -> dict[str, Any]:
     """vLLM sampling parameters from the --rollout-* (or --eval-*) flags."""
+    evaluation_flags = EvalConfig.of(args)
+    rollout = RolloutConfig.of(args)
     p = dict(
-        temperature=args.eval_temperature if evaluation else args.rollout_temperature,
-        top_p=args.eval_top_p if evaluation else args.rollout_top_p,
-        top_k=args.eval_top_k if evaluation else args.rollout_top_k,
-        max_tokens=args.eval_max_response_len if evaluation else args.rollout_max_response_len,
+        temperature=evaluation_flags.eval_temperature if evaluation else rollout.rollout_temperature,
+        top_p=evaluation_flags.eval_top_p if evaluation else rollout.rollout_top_p,
+        top_k=evaluation_flags.eval_top_k if evaluation else rollout.rollout_top_k,
+        max_tokens=evaluation_flags.eval_max_response_len if evaluation else rollout.rollout_max_response_len,
         logprobs=0,  # the sampled token's own log-prob
         skip_special_tokens=False,
     )
-    if args.rollout_stop:
-        p["stop"] = list(args.rollout_stop)
-    if args.rollout_stop_token_ids:
-        p["stop_token_ids"] = list(args.rollout_stop_token_ids)
+    if rollout.rollout_stop:
+        p["stop"] = list(rollout.rollout_stop)
+    if rollout.rollout_stop_token_ids:
+        p["stop_token_ids"] = list(rollout.rollout_stop_token_ids)
     return p
 
 
 def retry_window_s(args) -> float:
     """How long retries of one request keep going at least. With --use-fault-tolerance the router may still
     send requests to a dead engine until the health monitor takes it out, so retries must outlast that."""
-    if not getattr(args, "use_fault_tolerance", False):
+    fault_tolerance = FaultToleranceConfig.of(args)
+    if not fault_tolerance.use_fault_tolerance:
         return 0.0
-    return args.rollout_health_check_interval + args.rollout_health_check_timeout + 10.0
+    return fault_tolerance.rollout_health_check_interval + fault_tolerance.rollout_health_check_timeout + 10.0
 
 
 def served_model(sample: Sample) -> str:
@@ -152,11 +159,12 @@ async def post_generate(args, token_ids: list[int], sampling_params: dict[str, A
 async def post_generate_choices(args, token_ids: list[int], sampling_params: dict[str, Any], *,
                                 model: str = SERVED_MODEL) -> list[dict[str, Any]]:
     """Like `post_generate`, for every choice: `sampling_params["n"]` sequences from one prompt, one request."""
+    rollout = RolloutConfig.of(args)
     state = GenerateState(args)
     payload = {"token_ids": token_ids, "sampling_params": sampling_params, "model": model}
     return await request_choices(state.http(), router_url(), payload,
-                                 timeout=aiohttp.ClientTimeout(total=args.rollout_request_timeout),
-                                 retries=args.rollout_request_retries, retry_window_s=retry_window_s(args),
+                                 timeout=aiohttp.ClientTimeout(total=rollout.rollout_request_timeout),
+                                 retries=rollout.rollout_request_retries, retry_window_s=retry_window_s(args),
                                  counters=state)
 
 

@@ -9,15 +9,19 @@ model learns to stop. No engine is involved.
 
 from __future__ import annotations
 
+from vime.config.rollout import RolloutConfig
+from vime.config.run import JobConfig
 from vime.utils.hf_tokenizer import shared_tokenizer
 from vime.utils.types import Sample
 
 
 def generate_rollout(args, rollout_id: int, data_source, evaluation: bool = False) -> list[list[Sample]]:
+    job = JobConfig.of(args)
+    rollout = RolloutConfig.of(args)
     if evaluation:
         raise ValueError("sft_rollout has no evaluation mode; use the default rollout for --eval-function-path")
-    tokenizer = shared_tokenizer(args.hf_checkpoint)
-    groups = data_source.get_samples(args.rollout_batch_size)
+    tokenizer = shared_tokenizer(job.hf_checkpoint)
+    groups = data_source.get_samples(rollout.rollout_batch_size)
     for group in groups:
         for sample in group:
             response = sample.metadata.get("response")

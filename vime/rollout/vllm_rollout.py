@@ -21,6 +21,9 @@ from typing import Any
 
 from vime.algorithms.names import REMAX_GREEDY_REWARD_KEY
 from vime.backends.vllm_utils.generate_request import EngineRejectedError, EngineUnavailableError
+from vime.config.algorithm import AlgorithmConfig
+from vime.config.rollout import FaultToleranceConfig, RewardConfig, RolloutConfig
+from vime.config.train import RoutingReplayConfig
 from vime.rollout.context import rollout_context
 from vime.rollout.generation import (GenerateState, append_choice, generate, post_generate_choices, sampling_params_for,
                                      served_model)
@@ -77,10 +80,11 @@ def fail_non_finite_log_probs(sample: Sample) -> None:
 
 
 async def _reward_one(args, sample: Sample) -> None:
+    rewards = RewardConfig.of(args)
     try:
-        sample.reward = await asyncio.wait_for(async_rm(args, sample), timeout=args.rm_timeout)
+        sample.reward = await asyncio.wait_for(async_rm(args, sample), timeout=rewards.rm_timeout)
     except asyncio.TimeoutError:
-        fail_sample(sample, "reward", "timeout", f"reward function exceeded --rm-timeout {args.rm_timeout}s")
+        fail_sample(sample, "reward", "timeout", f"reward function exceeded --rm-timeout {rewards.rm_timeout}s")
     except RewardTypeError as e:
         fail_sample(sample, "reward", "bad_return_type", e)
     except NonFiniteRewardError as e:  # a reward server's NaN / Infinity
@@ -92,10 +96,12 @@ async def _reward_one(args, sample: Sample) -> None:
 def sample_seed(args, sample: Sample) -> int:
     """The sampling seed of a sample's request: from --rollout-seed and the sample's index, so a rollout is
     reproducible whatever order the requests run in."""
-    return (args.rollout_seed * 1_000_003 + sample.index) % 2**31
+    rollout = RolloutConfig.of(args)
+    return (rollout.rollout_seed * 1_000_003 + sample.index) % 2**31
 
 
 async def generate_and_rm(args, sample: Sample, sampling_params: dict[str, Any], evaluation: bool = False) -> Sample:
+    rollout = RolloutConfig.of(args)
     state = GenerateState(args)
     if sample.status == Sample.Status.COMPLETED or sample.status == Sample.Status.TRUNCATED:
         return sample
@@ -105,7 +111,7 @@ async def generate_and_rm(args, sample: Sample, sampling_params: dict[str, Any],
             return sample
         if sample.status == Sample.Status.ABORTED and sample.response_length:  # partial rollout: continue it
             sample.metadata["partial_rollout_resumed"] = sample.metadata.get("partial_rollout_resumed", 0) + 1
-            if args.mask_offpolicy_in_partial_rollout:  # those tokens came from older weights
+            if rollout.mask_offpolicy_in_partial_rollout:  # those tokens came from older weights
                 sample.loss_mask = [0] * sample.response_length
         if evaluation or not sampling_params.get("seed"):
             sampling_params = {**sampling_params, "seed": sample_seed(args, sample)}
@@ -119,15 +125,17 @@ async def generate_and_rm(args, sample: Sample, sampling_params: dict[str, Any],
 
 async def _after_generate(args, sample: Sample, result) -> Sample:
     """A generated sample's type check, final status and reward (unless the group is scored at once)."""
+    rollout = RolloutConfig.of(args)
+    rewards = RewardConfig.of(args)
     if not isinstance(result, Sample):
-        path = args.custom_generate_function_path or "vime.rollout.vllm_rollout.generate"
+        path = rollout.custom_generate_function_path or "vime.rollout.vllm_rollout.generate"
         return fail_sample(sample, "generate", "bad_return_type",
                            f"--custom-generate-function-path {path} returned {type(result).__name__}, expected "
                            f"Sample: {result!r}"[:500])
     if result.status == Sample.Status.PENDING:
         result.status = Sample.Status.COMPLETED
     fail_non_finite_log_probs(result)
-    if result.status in (Sample.Status.ABORTED, Sample.Status.FAILED) or args.group_rm:
+    if result.status in (Sample.Status.ABORTED, Sample.Status.FAILED) or rewards.group_rm:
         return result
     await _reward_one(args, result)
     return result
@@ -137,7 +145,8 @@ def _one_request(args, group: list[Sample]) -> bool:
     """Whether a group goes to the engine as one request for all its samples (`n`): vime's own generate, fresh
     samples of one prompt with consecutive indices (each then gets the seed its own request would have had) for
     one served model, and a concurrency limit that holds the group."""
-    return (len(group) > 1 and GenerateState(args).generate_fn is generate and len(group) <= args.rollout_concurrency
+    rollout = RolloutConfig.of(args)
+    return (len(group) > 1 and GenerateState(args).generate_fn is generate and len(group) <= rollout.rollout_concurrency
             and all(s.status == Sample.Status.PENDING and not s.response_length and s.tokens == group[0].tokens
                     and s.index == group[0].index + k and served_model(s) == served_model(group[0])
                     for k, s in enumerate(group)))
@@ -182,6 +191,7 @@ async def remax_greedy_reward(args, sample: Sample, sampling_params: dict[str, A
     `greedy_sample`) through the run's generate function and engines, scored by the run's reward (--group-rm: as a
     group of one). None when it fails or is cut off by the rollout's abort; the trainer then gives the group
     advantage 0."""
+    rewards = RewardConfig.of(args)
     state = GenerateState(args)
     params = {**sampling_params, "temperature": 0.0}
     params.pop("n", None)
@@ -195,9 +205,9 @@ async def remax_greedy_reward(args, sample: Sample, sampling_params: dict[str, A
             return None
     if not isinstance(sample, Sample) or sample.status in (Sample.Status.ABORTED, Sample.Status.FAILED):
         return None
-    if args.group_rm:
+    if rewards.group_rm:
         try:
-            sample.reward = (await asyncio.wait_for(batched_async_rm(args, [sample]), timeout=args.rm_timeout))[0]
+            sample.reward = (await asyncio.wait_for(batched_async_rm(args, [sample]), timeout=rewards.rm_timeout))[0]
         except Exception as e:
             logger.warning("group %s: the ReMax greedy response's reward failed: %s", sample.group_index, e)
             return None
@@ -211,7 +221,10 @@ async def remax_greedy_reward(args, sample: Sample, sampling_params: dict[str, A
 
 async def generate_and_rm_group(args, group: list[Sample], sampling_params: dict[str, Any],
                                 evaluation: bool = False) -> list[Sample]:
-    remax = getattr(args, "advantage_estimator", None) == "remax" and not evaluation
+    algorithm = AlgorithmConfig.of(args)
+    rewards_flags = RewardConfig.of(args)
+    rollout = RolloutConfig.of(args)
+    remax = algorithm.advantage_estimator == "remax" and not evaluation
     # the greedy request runs beside the group's; its sample is taken now, while group[0] holds just the prompt
     baseline = asyncio.ensure_future(remax_greedy_reward(args, greedy_sample(group[0]), sampling_params)) \
         if remax else None
@@ -223,57 +236,61 @@ async def generate_and_rm_group(args, group: list[Sample], sampling_params: dict
         greedy_reward = await baseline
         for s in group:
             s.metadata[REMAX_GREEDY_REWARD_KEY] = greedy_reward
-    if args.group_rm and all(s.status not in (Sample.Status.ABORTED, Sample.Status.FAILED) for s in group):
+    if rewards_flags.group_rm and all(s.status not in (Sample.Status.ABORTED, Sample.Status.FAILED) for s in group):
         try:
-            rewards = await asyncio.wait_for(batched_async_rm(args, group), timeout=args.rm_timeout)
+            rewards = await asyncio.wait_for(batched_async_rm(args, group), timeout=rewards_flags.rm_timeout)
             for s, r in zip(group, rewards):
                 s.reward = r
         except asyncio.TimeoutError:
             for s in group:
-                fail_sample(s, "reward", "timeout", f"group reward function exceeded --rm-timeout {args.rm_timeout}s")
+                fail_sample(s, "reward", "timeout",
+                            f"group reward function exceeded --rm-timeout {rewards_flags.rm_timeout}s")
         except Exception as e:
             reason = "bad_return_type" if isinstance(e, RewardTypeError) else "error"
             for s in group:
                 fail_sample(s, "reward", reason, f"group reward: {type(e).__name__}: {e}")
     fail_non_finite_rewards(args, group)
-    if args.custom_reward_post_process_path and not evaluation:
-        load_function(args.custom_reward_post_process_path)(args, group)
+    if rollout.custom_reward_post_process_path and not evaluation:
+        load_function(rollout.custom_reward_post_process_path)(args, group)
         fail_non_finite_rewards(args, group)  # what the post-process made of the rewards
     return group
 
 
 async def generate_rollout_async(args, rollout_id: int, data_source) -> tuple[list[list[Sample]], dict[str, Any]]:
     """Generate until --rollout-batch-size groups pass the dynamic filter; abort the surplus."""
+    rollout = RolloutConfig.of(args)
+    fault_tolerance = FaultToleranceConfig.of(args)
     from vime.backends.vllm_utils import client
 
     state = GenerateState(args)
     state.aborted = False
     state.max_in_flight, state.retries = state.in_flight, 0
-    target = args.rollout_batch_size
+    target = rollout.rollout_batch_size
     params = sampling_params_for(args)
-    dynamic_filter = load_function(args.dynamic_sampling_filter_path) if args.dynamic_sampling_filter_path else None
+    filter_path = rollout.dynamic_sampling_filter_path
+    dynamic_filter = load_function(filter_path) if filter_path else None
     pending: set[asyncio.Task] = set()
     data: list[list[Sample]] = []
     stats = {"dropped_groups": 0, "drop_reasons": {}, "submitted_groups": 0, "aborted_groups": 0}
     rounds = 0
     while len(data) < target:
         if len(data) + len(pending) < target:
-            if rounds >= args.max_dynamic_sampling_rounds:
+            if rounds >= rollout.max_dynamic_sampling_rounds:
                 raise RuntimeError(
                     f"rollout {rollout_id}: only {len(data)}/{target} groups passed the dynamic sampling filter "
-                    f"after {rounds} rounds of {args.over_sampling_batch_size}; loosen the filter or raise "
+                    f"after {rounds} rounds of {rollout.over_sampling_batch_size}; loosen the filter or raise "
                     "--max-dynamic-sampling-rounds")
             rounds += 1
-            for group in data_source.get_samples(args.over_sampling_batch_size):
+            for group in data_source.get_samples(rollout.over_sampling_batch_size):
                 pending.add(asyncio.create_task(generate_and_rm_group(args, group, params)))
-            stats["submitted_groups"] += args.over_sampling_batch_size
+            stats["submitted_groups"] += rollout.over_sampling_batch_size
         done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
         for task in done:
             group = task.result()
             if dynamic_filter is not None and len(data) < target:
                 verdict = dynamic_filter(args, group)
                 if not hasattr(verdict, "keep"):
-                    raise TypeError(f"--dynamic-sampling-filter-path {args.dynamic_sampling_filter_path} returned "
+                    raise TypeError(f"--dynamic-sampling-filter-path {rollout.dynamic_sampling_filter_path} returned "
                                     f"{type(verdict).__name__} ({verdict!r:.200}), expected a DynamicFilterOutput")
                 if not verdict.keep:
                     stats["dropped_groups"] += 1
@@ -288,14 +305,14 @@ async def generate_rollout_async(args, rollout_id: int, data_source) -> tuple[li
     if pending:
         state.aborted = True
         engines = list(rollout_context().engine_urls)
-        if getattr(args, "use_fault_tolerance", False):  # an engine may be dead: it has nothing left to abort
+        if fault_tolerance.use_fault_tolerance:  # an engine may be dead: it has nothing left to abort
             for url, error in client.post_each(engines, "/abort_requests", body={})[1].items():
                 logger.warning("abort on %s failed: %s", url, error)
         else:
             client.abort_all(engines)
         leftovers = await asyncio.gather(*pending)
         stats["aborted_groups"] = len(leftovers)
-        if args.partial_rollout:  # continue the cut-off groups first next rollout
+        if rollout.partial_rollout:  # continue the cut-off groups first next rollout
             data_source.add_samples(list(leftovers))
         state.aborted = False
     data.sort(key=lambda g: g[0].index)
@@ -318,12 +335,13 @@ def generate_rollout(args, rollout_id: int, data_source,
     """Sync entry called by the rollout manager (slime's signature). Training metrics beyond the samples':
     rollout/{submitted,dropped,aborted}_groups, rollout/dropped/<filter reason>, rollout/max_in_flight (requests
     in flight at once, all engines) and rollout/request_retries."""
+    routing_replay = RoutingReplayConfig.of(args)
     from vime.utils.async_utils import run
 
     if evaluation:
         return RolloutFnEvalOutput(run(eval_rollout_async(args, rollout_id, data_source)))
     groups, stats = run(generate_rollout_async(args, rollout_id, data_source))
-    if getattr(args, "use_rollout_routing_replay", False):
+    if routing_replay.use_rollout_routing_replay:
         check_routed_experts(groups)
     metrics = {f"rollout/{key}": float(stats[key]) for key in
                ("submitted_groups", "dropped_groups", "aborted_groups", "max_in_flight", "request_retries")}

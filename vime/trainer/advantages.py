@@ -12,6 +12,8 @@ import torch
 from vime.algorithms import compute_approx_kl, get_advantage_estimator
 from vime.algorithms.distillation import opd_token_rewards
 from vime.algorithms.shaping import overlong_penalties
+from vime.config.algorithm import AlgorithmConfig
+from vime.config.rollout import RolloutConfig
 from vime.trainer.train_batch import TrainBatch
 from vime.utils.misc import load_function
 
@@ -22,20 +24,22 @@ PER_TOKEN_ESTIMATORS = {"reinforce_plus_plus", "ppo"}
 def compute_advantages(args, batch: TrainBatch) -> dict[str, float]:
     """The estimator's advantages (and returns) into `batch`; returns the shaping's own metrics: the overlong
     penalties applied (--overlong-buffer-len) and the ReMax baselines (--advantage-estimator remax)."""
+    algorithm = AlgorithmConfig.of(args)
+    rollout = RolloutConfig.of(args)
     n = len(batch.tokens)
     metrics: dict[str, float] = {}
     rewards = batch.rewards
     usable = torch.tensor([bool(m.any()) for m in batch.loss_masks])
     n_usable = max(1, int(usable.sum()))
-    if args.overlong_buffer_len is not None:  # DAPO's soft overlong punishment, added to the reward
-        penalties = torch.tensor(overlong_penalties(batch.response_lengths, args.rollout_max_response_len,
-                                                    args.overlong_buffer_len, args.overlong_penalty_factor))
+    if algorithm.overlong_buffer_len is not None:  # DAPO's soft overlong punishment, added to the reward
+        penalties = torch.tensor(overlong_penalties(batch.response_lengths, rollout.rollout_max_response_len,
+                                                    algorithm.overlong_buffer_len, algorithm.overlong_penalty_factor))
         penalties = torch.where(usable, penalties, torch.zeros_like(penalties))
         rewards = rewards + penalties
         metrics["train/overlong_penalty_mean"] = float(penalties.sum()) / n_usable
         metrics["train/overlong_penalized_fraction"] = float((penalties < 0).sum()) / n_usable
     extra = {}
-    if args.advantage_estimator == "remax" and not args.custom_advantage_function_path:
+    if algorithm.advantage_estimator == "remax" and not algorithm.custom_advantage_function_path:
         if batch.greedy_rewards is None:
             raise ValueError("--advantage-estimator remax: no sample carries its greedy baseline reward "
                              "(metadata['remax_greedy_reward']); the default rollout writes it, a custom rollout "
@@ -43,14 +47,14 @@ def compute_advantages(args, batch: TrainBatch) -> dict[str, float]:
         extra["greedy_rewards"] = batch.greedy_rewards
         baselines = batch.greedy_rewards[usable & torch.isfinite(batch.greedy_rewards)]
         metrics["train/remax_greedy_reward_mean"] = float(baselines.mean()) if len(baselines) else 0.0
-    if args.custom_advantage_function_path:
-        estimator = load_function(args.custom_advantage_function_path)
+    if algorithm.custom_advantage_function_path:
+        estimator = load_function(algorithm.custom_advantage_function_path)
     else:
-        estimator = get_advantage_estimator(args.advantage_estimator)
+        estimator = get_advantage_estimator(algorithm.advantage_estimator)
     kl = None
-    group_size = args.n_samples_per_prompt
-    if args.kl_coef and args.advantage_estimator in PER_TOKEN_ESTIMATORS and batch.ref_log_probs is not None:
-        kl = [compute_approx_kl(o, r, args.kl_loss_type) if o is not None and r is not None
+    group_size = rollout.n_samples_per_prompt
+    if algorithm.kl_coef and algorithm.advantage_estimator in PER_TOKEN_ESTIMATORS and batch.ref_log_probs is not None:
+        kl = [compute_approx_kl(o, r, algorithm.kl_loss_type) if o is not None and r is not None
               else torch.zeros(batch.response_lengths[i])
               for i, (o, r) in enumerate(zip(batch.old_log_probs, batch.ref_log_probs))]
 
@@ -60,9 +64,10 @@ def compute_advantages(args, batch: TrainBatch) -> dict[str, float]:
 
         return estimator(
             rewards=rewards[rows], loss_masks=pick(batch.loss_masks), n_samples_per_prompt=group_size,
-            kl=pick(kl), values=pick(batch.values), kl_coef=args.kl_coef, gamma=args.gamma, lambd=args.lambd,
-            normalize_std=not args.disable_grpo_std_normalization,
-            normalize_advantages=args.normalize_advantages, eps=args.advantage_eps,
+            kl=pick(kl), values=pick(batch.values), kl_coef=algorithm.kl_coef, gamma=algorithm.gamma,
+            lambd=algorithm.lambd,
+            normalize_std=not algorithm.disable_grpo_std_normalization,
+            normalize_advantages=algorithm.normalize_advantages, eps=algorithm.advantage_eps,
             **{k: v[rows] for k, v in extra.items()})
 
     # multi-LoRA: each adapter's advantages from its own samples only (a batch-wide baseline or whitening

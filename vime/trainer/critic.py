@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from vime.algorithms import aggregate_loss, value_loss
+from vime.config.algorithm import AlgorithmConfig
 from vime.trainer.train_batch import TrainBatch
 
 
@@ -38,15 +39,16 @@ def attach_value_head(chunks) -> None:
 def make_value_loss_fn(args, batch: TrainBatch, denominators: dict, scale: float):
     """Clipped value loss against the returns computed by the actor (GAE), as a share of the global mean."""
 
+    algorithm = AlgorithmConfig.of(args)
     def loss_fn(indices, inputs, output):
         values = list(output[:, 0].float().split(inputs.response_lengths))  # [R, 1]: one row per response token
         mb = batch.select(indices, output.device)  # the batch's CPU tensors, on the model's device once
         masks = mb["loss_masks"]
-        losses, clipped = zip(*(value_loss(v, old, ret, args.value_clip)
+        losses, clipped = zip(*(value_loss(v, old, ret, algorithm.value_clip)
                                 for v, old, ret in zip(values, mb["old_values"], mb["returns"])))
 
         def agg(xs):
-            return aggregate_loss(list(xs), masks, args.loss_agg_mode, total_tokens=denominators["tokens"],
+            return aggregate_loss(list(xs), masks, algorithm.loss_agg_mode, total_tokens=denominators["tokens"],
                                   num_sequences=denominators["sequences"])
 
         loss = agg(losses)

@@ -13,6 +13,9 @@ import torch
 from vime.algorithms import aggregate_loss, compute_approx_kl, get_policy_loss
 from vime.algorithms.losses import top_entropy_mask
 from vime.algorithms.rollout_correction import compute_mis_weights, truncated_weights
+from vime.config.algorithm import AlgorithmConfig, DistillationConfig, RolloutCorrectionConfig
+from vime.config.rollout import RolloutConfig
+from vime.config.run import JobConfig
 from vime.trainer.train_batch import TrainBatch
 from vime.trainer.log_probs import response_log_probs
 from vime.utils.misc import load_function
@@ -31,17 +34,21 @@ def make_loss_fn(args, batch: TrainBatch, denominators: dict, scale: float, step
     function gets `plugin_args` (the flags and the run's values, `vime.utils.plugin_args`; default `args`).
     `keep_log_probs` (a `passes.OnHost`, or None) is handed each micro-batch's log-probs, detached, on the device:
     the trainer keeps them for the inspector without a host copy per micro-batch."""
-    policy_loss = get_policy_loss(getattr(args, "policy_loss", "ppo"))
+    algorithm = AlgorithmConfig.of(args)
+    correction = RolloutCorrectionConfig.of(args)
+    rollout_flags = RolloutConfig.of(args)
+    distillation = DistillationConfig.of(args)
+    policy_loss = get_policy_loss(algorithm.policy_loss)
     # only a built-in loss's own keywords: a loss registered by a user keeps the contract it was written against
     own_kwargs = policy_loss_kwargs(args, step_index)
-    custom = load_function(args.custom_loss_function_path) if args.custom_loss_function_path else None
-    custom_tis = load_function(args.custom_tis_function_path) if getattr(args, "custom_tis_function_path", None) \
-        else None
-    top_fraction = getattr(args, "entropy_top_fraction", None)
+    custom = load_function(algorithm.custom_loss_function_path) if algorithm.custom_loss_function_path else None
+    custom_tis = load_function(correction.custom_tis_function_path) if correction.custom_tis_function_path else None
+    top_fraction = algorithm.entropy_top_fraction
 
     def agg(values, masks):
-        return aggregate_loss(values, masks, args.loss_agg_mode, total_tokens=denominators["tokens"],
-                              num_sequences=denominators["sequences"], max_response_len=args.rollout_max_response_len,
+        return aggregate_loss(values, masks, algorithm.loss_agg_mode, total_tokens=denominators["tokens"],
+                              num_sequences=denominators["sequences"],
+                              max_response_len=rollout_flags.rollout_max_response_len,
                               num_micro_batches=denominators.get("micro_batches"))
 
     def token_share(values, masks):  # a fraction of the step's trainable tokens, whatever the aggregation
@@ -50,8 +57,8 @@ def make_loss_fn(args, batch: TrainBatch, denominators: dict, scale: float, step
     def loss_fn(indices, inputs, logits):
         # entropy is always reported; it needs a graph only when it is part of the loss
         log_probs, entropy = response_log_probs(logits, inputs.targets, inputs.response_lengths,
-                                                args.rollout_temperature, with_entropy=True,
-                                                entropy_grad=bool(args.entropy_coef) or custom is not None)
+                                                rollout_flags.rollout_temperature, with_entropy=True,
+                                                entropy_grad=bool(algorithm.entropy_coef) or custom is not None)
         if keep_log_probs is not None:
             keep_log_probs.add(indices, log_probs)
         # the batch lives on the CPU: its tensors go to the model's device once per micro-batch
@@ -61,14 +68,14 @@ def make_loss_fn(args, batch: TrainBatch, denominators: dict, scale: float, step
 
         if custom is not None:
             loss, metrics = custom(plugin_args or args, mb, log_probs, entropy, agg)
-        elif args.loss_type == "sft_loss":
+        elif algorithm.loss_type == "sft_loss":
             loss = agg([-lp for lp in log_probs], masks)
             metrics["sft_loss"] = loss.detach()
         else:
             old = old_policy_log_probs(args, mb, log_probs)
             rollout = mb.get("rollout_log_probs")
-            pg, clipped = policy_loss(log_probs, old, mb["advantages"], masks, eps_clip=args.eps_clip,
-                                      eps_clip_high=args.eps_clip_high, eps_clip_c=args.eps_clip_c,
+            pg, clipped = policy_loss(log_probs, old, mb["advantages"], masks, eps_clip=algorithm.eps_clip,
+                                      eps_clip_high=algorithm.eps_clip_high, eps_clip_c=algorithm.eps_clip_c,
                                       **own_kwargs)
             pg_masks = masks
             if top_fraction is not None:  # only the highest-entropy tokens stay in the policy loss
@@ -84,15 +91,15 @@ def make_loss_fn(args, batch: TrainBatch, denominators: dict, scale: float, step
                 pg_masks = [m * k.to(m.dtype) for m, k in zip(pg_masks, keep)]
                 for name, value in tis_metrics.items():
                     metrics[name] = agg(_split_like(value.detach().float(), pg), masks).detach()
-            elif args.use_tis:
-                weights, truncated = truncated_weights(old, rollout, masks, args.tis_level, args.tis_clip_low,
-                                                       args.tis_clip)
+            elif correction.use_tis:
+                weights, truncated = truncated_weights(old, rollout, masks, correction.tis_level,
+                                                       correction.tis_clip_low, correction.tis_clip)
                 pg = [p * w for p, w in zip(pg, weights)]
                 metrics["tis_weight_mean"] = agg(weights, masks).detach()
                 metrics["tis_clipfrac"] = agg(truncated, masks).detach()
-            elif args.use_mis:  # rejected tokens leave the policy loss; the denominators stay the step's
-                weights, keep = compute_mis_weights(old, rollout, masks, args.mis_level, args.mis_threshold_low,
-                                                    args.mis_threshold_high)
+            elif correction.use_mis:  # rejected tokens leave the policy loss; the denominators stay the step's
+                weights, keep = compute_mis_weights(old, rollout, masks, correction.mis_level,
+                                                    correction.mis_threshold_low, correction.mis_threshold_high)
                 pg = [p * w for p, w in zip(pg, weights)]
                 pg_masks = [m * k for m, k in zip(pg_masks, keep)]
                 metrics["mis_weight_mean"] = agg(weights, masks).detach()
@@ -101,20 +108,21 @@ def make_loss_fn(args, batch: TrainBatch, denominators: dict, scale: float, step
             metrics["pg_loss"] = loss.detach()
             metrics["pg_clipfrac"] = agg(clipped, masks).detach()
             metrics["ppo_kl"] = agg([(o - lp).detach() for o, lp in zip(old, log_probs)], masks)
-            if args.entropy_coef:
-                loss = loss - args.entropy_coef * agg(entropy, masks)
-            if args.use_kl_loss:
-                kl = agg([compute_approx_kl(lp, r, args.kl_loss_type)
+            if algorithm.entropy_coef:
+                loss = loss - algorithm.entropy_coef * agg(entropy, masks)
+            if algorithm.use_kl_loss:
+                kl = agg([compute_approx_kl(lp, r, algorithm.kl_loss_type)
                           for lp, r in zip(log_probs, mb["ref_log_probs"])], masks)
-                loss = loss + args.kl_loss_coef * kl
+                loss = loss + algorithm.kl_loss_coef * kl
                 metrics["kl_loss"] = kl.detach()
             if batch.teacher_log_probs is not None:  # on-policy distillation (vime.algorithms.distillation)
                 teacher = mb["teacher_log_probs"]
                 sampled = sampling_log_probs(mb)
                 metrics["opd_reverse_kl"] = agg([s - t for s, t in zip(sampled, teacher)], masks)
-                if args.opd_mode == "loss":
-                    opd = agg([compute_approx_kl(lp, t, args.opd_kl_type) for lp, t in zip(log_probs, teacher)], masks)
-                    loss = loss + args.opd_coef * opd
+                if distillation.opd_mode == "loss":
+                    opd = agg([compute_approx_kl(lp, t, distillation.opd_kl_type) for lp, t in zip(log_probs, teacher)],
+                              masks)
+                    loss = loss + distillation.opd_coef * opd
                     metrics["opd_kl_loss"] = opd.detach()
         metrics["entropy"] = agg([e.detach() for e in entropy], masks)
         metrics["loss"] = loss.detach()
@@ -129,8 +137,9 @@ def old_policy_log_probs(args, mb: dict, log_probs: list[torch.Tensor]) -> list[
     """The old policy of PPO's ratio: the trainer's log-probs before the rollout's first step (equal to the
     current ones, detached, when the rollout takes one step and they were not computed), or with
     --use-rollout-logprobs the engine's, where the engine scored the sample."""
+    correction = RolloutCorrectionConfig.of(args)
     trainer_old = mb.get("old_log_probs") or [lp.detach() for lp in log_probs]
-    if not getattr(args, "use_rollout_logprobs", False):
+    if not correction.use_rollout_logprobs:
         return trainer_old
     rollout = mb.get("rollout_log_probs") or [None] * len(log_probs)
     return [r if r is not None else o for r, o in zip(rollout, trainer_old)]
@@ -143,15 +152,17 @@ def _split_like(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tens
 def policy_loss_kwargs(args, step_index: int) -> dict:
     """The keywords of the chosen built-in policy loss beyond the shared contract (verl's names for Clip-Cov and
     KL-Cov); Clip-Cov's random pick is seeded by --seed and the step, so a rerun picks the same tokens."""
-    name = getattr(args, "policy_loss", "ppo")
+    algorithm = AlgorithmConfig.of(args)
+    job = JobConfig.of(args)
+    name = algorithm.policy_loss
     if name == "cispo":
-        return {"cispo_eps_low": args.cispo_eps_low}
+        return {"cispo_eps_low": algorithm.cispo_eps_low}
     if name == "clip_cov":
-        return {"clip_cov_ratio": args.clip_cov_ratio, "clip_cov_lb": args.clip_cov_lb,
-                "clip_cov_ub": args.clip_cov_ub,
-                "generator": torch.Generator().manual_seed(getattr(args, "seed", 0) * 1_000_003 + step_index)}
+        return {"clip_cov_ratio": algorithm.clip_cov_ratio, "clip_cov_lb": algorithm.clip_cov_lb,
+                "clip_cov_ub": algorithm.clip_cov_ub,
+                "generator": torch.Generator().manual_seed(job.seed * 1_000_003 + step_index)}
     if name == "kl_cov":
-        return {"kl_cov_ratio": args.kl_cov_ratio, "ppo_kl_coef": args.ppo_kl_coef}
+        return {"kl_cov_ratio": algorithm.kl_cov_ratio, "ppo_kl_coef": algorithm.ppo_kl_coef}
     return {}
 
 

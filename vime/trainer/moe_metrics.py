@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from vime.config.train import MegatronConfig
+
 # Megatron's tracker names -> vime's metric names
 _NAMES = {"load_balancing_loss": "moe_aux_loss", "seq_load_balancing_loss": "moe_aux_loss",
           "global_load_balancing_loss": "moe_global_aux_loss", "z_loss": "moe_z_loss"}
@@ -23,11 +25,12 @@ _NAMES = {"load_balancing_loss": "moe_aux_loss", "seq_load_balancing_loss": "moe
 
 def tracked_names(args) -> list[str]:
     """The tracker entries Megatron's routers fill with these flags."""
+    megatron = MegatronConfig.of(args)
     names = []
-    if (args.moe_aux_loss_coeff or 0) > 0:
+    if (megatron.moe_aux_loss_coeff or 0) > 0:
         names.append({"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
-                      "global_aux_loss": "global_load_balancing_loss"}.get(args.moe_router_load_balancing_type, ""))
-    if (args.moe_z_loss_coeff or 0) > 0:
+                      "global_aux_loss": "global_load_balancing_loss"}.get(megatron.moe_router_load_balancing_type, ""))
+    if (megatron.moe_z_loss_coeff or 0) > 0:
         names.append("z_loss")
     return [n for n in names if n]
 
@@ -36,8 +39,9 @@ def take_moe_losses(args, num_micro_batches: int, device) -> dict[str, torch.Ten
     """{metric: 0-dim tensor} of the step just run ({} for a dense model or when no router loss is on), on
     `device`, the model's (read once with the step's other metrics). Collective over the training ranks: every
     rank calls it after every optimizer step."""
-    moe_layers = getattr(args, "moe_layer_freq", None)
-    names = tracked_names(args) if getattr(args, "num_experts", None) else []
+    megatron = MegatronConfig.of(args)
+    moe_layers = megatron.moe_layer_freq
+    names = tracked_names(args) if megatron.num_experts else []
     if not moe_layers or not names:
         return {}
     from megatron.core.transformer.moe.moe_utils import (

@@ -20,6 +20,8 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from vime.backends.megatron_utils.attention import SDPAttention, SharedPromptSeqParams, cached_prompt_sharing_plan
 from vime.backends.megatron_utils.device import training_device
 from vime.backends.megatron_utils.lora import routed
+from vime.config.rollout import RolloutConfig
+from vime.config.train import MegatronConfig, RoutingReplayConfig, TrainLoopConfig
 from vime.trainer.batching import MicroBatchInputs, micro_batch_inputs
 from vime.trainer.log_probs import response_log_probs
 from vime.trainer.train_batch import TrainBatch
@@ -83,13 +85,15 @@ def prompt_sharing(args, model) -> str | None:
     RotaryEmbedding (`per_token_rope` gives each token its own position), no context parallel (it splits
     sequences), and a dense model (an MoE's load-balancing loss counts every copy of a prompt token; routing
     replay is per token of each sample's own sequence)."""
-    if not args.share_group_prompts:
+    train_loop = TrainLoopConfig.of(args)
+    routing_replay = RoutingReplayConfig.of(args)
+    if not train_loop.share_group_prompts:
         return "--no-share-group-prompts"
     if not is_packed(args):
         return "--qkv-format bshd"
     if adapter_names(args):
         return "--lora-adapters"
-    if getattr(args, "use_rollout_routing_replay", False):
+    if routing_replay.use_rollout_routing_replay:
         return "--use-rollout-routing-replay"
     gpt = _gpt_model(model[0])
     config = gpt.config
@@ -223,10 +227,11 @@ def forward_values(args, model, batch: TrainBatch, micro_batches: list[list[int]
 def forward_log_probs(args, model, batch: TrainBatch, micro_batches: list[list[int]], with_entropy: bool = False,
                       routing=None):
     """{sample index: (log-probs of its response tokens, entropy or None)} on the last stage, {} elsewhere."""
+    rollout = RolloutConfig.of(args)
     log_probs_on_host, entropy_on_host = OnHost(), OnHost()
 
     def loss_fn(indices, inputs, logits):
-        lps, ents = response_log_probs(logits, inputs.targets, inputs.response_lengths, args.rollout_temperature,
+        lps, ents = response_log_probs(logits, inputs.targets, inputs.response_lengths, rollout.rollout_temperature,
                                        with_entropy)
         log_probs_on_host.add(indices, lps)
         if ents is not None:
@@ -242,7 +247,8 @@ def forward_log_probs(args, model, batch: TrainBatch, micro_batches: list[list[i
 
 def is_packed(args) -> bool:
     """--qkv-format thd (default): micro-batches packed without padding; bshd: right-padded."""
-    return getattr(args, "qkv_format", "thd") == "thd"
+    megatron = MegatronConfig.of(args)
+    return megatron.qkv_format == "thd"
 
 
 def train_step(args, model, optimizer, scheduler, batch: TrainBatch, micro_batches: list[list[int]], loss_fn,

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vime.config.train import MegatronConfig, RoutingReplayConfig
+
 
 @dataclass
 class RouterSlot:
@@ -180,16 +182,18 @@ def rollout_routing(args, model, batch, first_pass: bool) -> RoutingReplay | Non
     """The rollout's MoE routing replay for a `TrainBatch`: the engine's routing (--use-rollout-routing-replay), the
     trainer's own as the first pass (`first_pass`: the old log-prob forward runs) records it (--use-routing-replay),
     or None."""
-    if getattr(args, "use_rollout_routing_replay", False):
-        routing = RoutingReplay(model, args.num_layers, len(batch.tokens), given=True)
+    routing_replay = RoutingReplayConfig.of(args)
+    megatron = MegatronConfig.of(args)
+    if routing_replay.use_rollout_routing_replay:
+        routing = RoutingReplay(model, megatron.num_layers, len(batch.tokens), given=True)
         for i, (tokens, routed) in enumerate(zip(batch.tokens, batch.rollout_routed_experts)):
             if routed is None and not batch.loss_masks[i].any():  # failed or aborted: computed, never trained
-                routed = np.zeros((0, args.num_layers, args.moe_router_topk), dtype=np.int64)
-            routing.routing[i] = sample_routing(routed, len(tokens), args.num_layers, args.moe_router_topk, i,
-                                                args.num_experts)
+                routed = np.zeros((0, megatron.num_layers, megatron.moe_router_topk), dtype=np.int64)
+            routing.routing[i] = sample_routing(routed, len(tokens), megatron.num_layers, megatron.moe_router_topk, i,
+                                                megatron.num_experts)
         return routing
-    if getattr(args, "use_routing_replay", False) and first_pass:
-        return RoutingReplay(model, args.num_layers, len(batch.tokens))
+    if routing_replay.use_routing_replay and first_pass:
+        return RoutingReplay(model, megatron.num_layers, len(batch.tokens))
     return None
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from vime.algorithms.names import REMAX_GREEDY_REWARD_KEY
+from vime.config.train import RoutingReplayConfig, TrainLoopConfig
 from vime.utils.lora_adapters import ADAPTER_KEY, adapter_names
 from vime.data.weight_versions import too_stale
 from vime.utils.types import Sample
@@ -52,9 +53,11 @@ class TrainBatch:
         default rollout fails NaN and inf rewards; a custom rollout may not), keeps its place (indices stay those
         of the rollout) with an all-zero loss mask and reward 0. So does, with --max-staleness K, a sample with a
         token sampled more than K versions before `trainer_version` (`stale`)."""
+        train_loop = TrainLoopConfig.of(args)
+        routing_replay = RoutingReplayConfig.of(args)
         dicts = [d for g in groups for d in g]
         samples = [Sample.from_dict(d) for d in dicts]
-        stale = [trainer_version is not None and too_stale(d, trainer_version, getattr(args, "max_staleness", None))
+        stale = [trainer_version is not None and too_stale(d, trainer_version, train_loop.max_staleness)
                  for d in dicts]
         usable = [s.status not in (Sample.Status.FAILED, Sample.Status.ABORTED) and s.reward is not None
                   and math.isfinite(s.get_reward_value(args)) and not old for s, old in zip(samples, stale)]
@@ -71,7 +74,7 @@ class TrainBatch:
                                if s.rollout_log_probs is not None else None for s in samples],
             num_usable=sum(usable),
             rollout_routed_experts=[s.rollout_routed_experts for s in samples]
-            if getattr(args, "use_rollout_routing_replay", False) else None,
+            if routing_replay.use_rollout_routing_replay else None,
             adapters=sample_adapters(samples, adapter_names(args)),
             truncated=[s.status == Sample.Status.TRUNCATED for s in samples],
             greedy_rewards=greedy_rewards(samples),

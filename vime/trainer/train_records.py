@@ -14,6 +14,7 @@ import logging
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from vime.config.run import DebugConfig, JobConfig
 from vime.trainer.passes import OnHost, is_last_stage
 from vime.trainer.train_batch import TrainBatch
 from vime.data.saved_rollouts import save_train_records, train_record
@@ -23,8 +24,10 @@ logger = logging.getLogger(__name__)
 
 def saves_train_records(args, role: str) -> bool:
     """Whether this rank writes its share's records (call after Megatron's groups are set up)."""
-    return (role == "actor" and bool(getattr(args, "save_rollouts", False))
-            and getattr(args, "output_dir", None) is not None and is_last_stage()
+    debug = DebugConfig.of(args)
+    job = JobConfig.of(args)
+    return (role == "actor" and bool(debug.save_rollouts)
+            and job.output_dir is not None and is_last_stage()
             and parallel_state.get_tensor_model_parallel_rank() == 0)
 
 
@@ -34,6 +37,8 @@ def write_train_records(args, rollout_id: int, groups: list[list[dict]], batch: 
     where computed, else the first step's forward, `first_step_log_probs`; None for a sample no forward computed)
     and its advantages, in <output-dir>/rollouts/rollout_<id>.train.<rank>.jsonl.gz. A failed write is logged, not
     raised: the file is for people, not for training."""
+    job = JobConfig.of(args)
+    debug = DebugConfig.of(args)
     samples = [d for g in groups for d in g]
     if batch.old_log_probs is not None:
         source, computed = "old_log_probs", {i: batch.old_log_probs[i] for i in local
@@ -46,7 +51,7 @@ def write_train_records(args, rollout_id: int, groups: list[list[dict]], batch: 
                for i in local]
     rank = dist.get_rank() if dist.is_initialized() else 0
     try:
-        if save_train_records(args.output_dir, rollout_id, rank, records, args.save_rollouts_max_mb) is None:
+        if save_train_records(job.output_dir, rollout_id, rank, records, debug.save_rollouts_max_mb) is None:
             logger.warning("rollout %d: rank %d's trainer records alone are over --save-rollouts-max-mb; not kept",
                            rollout_id, rank)
     except OSError as e:

@@ -27,8 +27,11 @@ from vime.algorithms import masked_mean_std
 from vime.algorithms.shaping import entropy_coef_at, mask_truncated
 from vime.backends.megatron_utils.checkpoint import load_checkpoint, save_checkpoint
 from vime.backends.megatron_utils.device import model_device
-from vime.backends.megatron_utils.lora import LoraConfig, adapters_merged, attach_lora, load_peft_adapter
+from vime.backends.megatron_utils.lora import LoraSetup, adapters_merged, attach_lora, load_peft_adapter
 from vime.backends.megatron_utils.model import setup_model_and_optimizer
+from vime.config.algorithm import AlgorithmConfig, DistillationConfig, RolloutCorrectionConfig
+from vime.config.run import JobConfig
+from vime.config.train import LoraConfig, MegatronConfig, TrainLoopConfig
 from vime.trainer.advantages import PER_TOKEN_ESTIMATORS, add_opd_rewards, compute_advantages
 from vime.trainer.batching import balanced_partition, micro_batches, step_slices
 from vime.trainer.critic import attach_value_head, make_value_loss_fn
@@ -60,27 +63,29 @@ class MegatronTrainer:
         if world_size > 1 or master_port is not None:
             os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank),
                               MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
-        init_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, seed=args.seed,
-                      expert_model_parallel_size=args.expert_model_parallel_size,
-                      expert_tensor_parallel_size=args.expert_tensor_parallel_size)
-        self.hf_config = AutoConfig.from_pretrained(args.hf_checkpoint)
+        megatron, job = MegatronConfig.of(args), JobConfig.of(args)
+        init_parallel(megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size, seed=job.seed,
+                      expert_model_parallel_size=megatron.expert_model_parallel_size,
+                      expert_tensor_parallel_size=megatron.expert_tensor_parallel_size)
+        self.hf_config = AutoConfig.from_pretrained(job.hf_checkpoint)
         # the run's flags plus the architecture read from the checkpoint: this rank's own copy
         args = validate_megatron_args(fill_architecture_from_hf(args, self.hf_config), world_size=dist.get_world_size())
+        megatron, lora_flags = MegatronConfig.of(args), LoraConfig.of(args)
         self.args = args
         self.plugin_args = plugin_view_from(args, None)  # what custom functions get (`set_plugin_values`)
         self.role = role
 
-        lora = LoraConfig.from_args(args) if role == "actor" else None  # the critic trains in full
+        lora = LoraSetup.from_args(args) if role == "actor" else None  # the critic trains in full
 
         def prepare(chunks):
-            load_hf_checkpoint_into_model(chunks, args.hf_checkpoint)
+            load_hf_checkpoint_into_model(chunks, job.hf_checkpoint)
             if role == "critic":
                 attach_value_head(chunks)
             elif lora is not None:  # a frozen base: only the adapters get grads and state
                 for chunk in chunks:
                     attach_lora(chunk, lora)
-                    if args.lora_load:
-                        load_peft_adapter(chunk, args.lora_load)
+                    if lora_flags.lora_load:
+                        load_peft_adapter(chunk, lora_flags.lora_load)
 
         self.model, self.optimizer, self.scheduler = setup_model_and_optimizer(args, total_steps, prepare)
         self.device = model_device(self.model)  # where build_model_chunks put it (training_device)
@@ -88,7 +93,8 @@ class MegatronTrainer:
         logger.info("training %s: micro-batches %s", role, "share each group's prompt" if no_sharing is None
                     else f"hold a copy of the prompt per sample (prompt sharing off: {no_sharing})")
         self.lora = lora
-        self.expert_load = ExpertLoad(self.model, args.num_layers, args.num_experts) if args.num_experts else None
+        self.expert_load = ExpertLoad(self.model, megatron.num_layers, megatron.num_experts) if megatron.num_experts \
+            else None
         self.step = 0
         self.offloader = TrainStateOffloader()  # --offload-train
         self.loaded_state = None
@@ -96,10 +102,10 @@ class MegatronTrainer:
         # The reference policy for KL is the starting point: the HF checkpoint (or a converted `release`). With
         # LoRA the base is frozen, so the reference is the starting adapters alone (not a copy of the model).
         self.ref_state = snapshot(self.model, adapters_only=lora is not None) if self._needs_ref() else None
-        self.teacher_state = teacher_snapshot(self.model, args.opd_teacher_checkpoint) if self._needs_teacher() \
-            else None
-        if args.load:
-            self.loaded_state = load_checkpoint(self, args.load)
+        teacher = DistillationConfig.of(args).opd_teacher_checkpoint
+        self.teacher_state = teacher_snapshot(self.model, teacher) if self._needs_teacher() else None
+        if megatron.load:
+            self.loaded_state = load_checkpoint(self, megatron.load)
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.saves_train_records = saves_train_records(args, role)  # its share of each rollout, for the inspector
@@ -116,10 +122,12 @@ class MegatronTrainer:
 
     # ---- reference weights (KL) -----------------------------------------------------------------------------
     def _needs_ref(self) -> bool:
-        return self.role == "actor" and bool(self.args.use_kl_loss or self.args.kl_coef)
+        algorithm = AlgorithmConfig.of(self.args)
+        return self.role == "actor" and bool(algorithm.use_kl_loss or algorithm.kl_coef)
 
     def _needs_teacher(self) -> bool:
-        return self.role == "actor" and getattr(self.args, "opd_teacher_checkpoint", None) is not None
+        distillation = DistillationConfig.of(self.args)
+        return self.role == "actor" and distillation.opd_teacher_checkpoint is not None
 
     # ---- data ------------------------------------------------------------------------------------------------
     def _split(self, batch: TrainBatch, every_sample: bool = False) -> list[tuple[range, list[int], list]]:
@@ -128,9 +136,10 @@ class MegatronTrainer:
         micro-batches and never computed (`every_sample` keeps it: the critic's values cover every sample); a rank
         whose share is all such samples still runs one micro-batch, of zero loss, to take part in the step."""
         args = self.args
+        megatron = MegatronConfig.of(args)
         lengths = [len(t) for t in batch.tokens]
         plan = []
-        for step in step_slices(len(lengths), args.global_batch_size):
+        for step in step_slices(len(lengths), megatron.global_batch_size):
             local, mbs = self._rank_share(batch, step, lengths, self.dp_rank, every_sample)
             plan.append((step, local, mbs))
         return plan
@@ -138,11 +147,14 @@ class MegatronTrainer:
     def _rank_share(self, batch: TrainBatch, step, lengths: list[int], dp_rank: int, every_sample: bool = False):
         """Data-parallel rank `dp_rank`'s samples of `step` and its micro-batches (every rank derives every rank's)."""
         args = self.args
+        train_loop = TrainLoopConfig.of(args)
+        megatron = MegatronConfig.of(args)
         local = balanced_partition(list(step), lengths, self.dp_size)[dp_rank]
         computed = local if every_sample else [i for i in local if batch.loss_masks[i].any()] or local[:1]
-        if args.use_dynamic_batch_size:
-            return local, micro_batches(computed, lengths, max_tokens=args.max_tokens_per_gpu, packed=is_packed(args))
-        return local, micro_batches(computed, lengths, micro_batch_size=args.micro_batch_size)
+        if train_loop.use_dynamic_batch_size:
+            return local, micro_batches(computed, lengths, max_tokens=train_loop.max_tokens_per_gpu,
+                                        packed=is_packed(args))
+        return local, micro_batches(computed, lengths, micro_batch_size=megatron.micro_batch_size)
 
     def _step_micro_batches(self, batch: TrainBatch, step) -> int:
         """The micro-batches of `step` over all data-parallel ranks (--loss-agg-mode bnpo averages over them)."""
@@ -153,30 +165,34 @@ class MegatronTrainer:
     def train(self, rollout_id: int, groups: list[list[dict]], values: dict | None = None) -> dict[str, float]:
         """Actor: one rollout's optimizer steps. `values` ({sample index: per-token values}) come from the
         critic for --advantage-estimator ppo; the GAE returns are then kept in `last_returns` for it."""
-        args = self.args
+        args, algorithm = self.args, AlgorithmConfig.of(self.args)
+        train_loop, distillation = TrainLoopConfig.of(args), DistillationConfig.of(args)
         # the trainer has trained `rollout_id` rollouts: its weights are the version an update would label so
         batch = TrainBatch.from_samples(groups, self.args, trainer_version=rollout_id)
         if values is not None:
             batch.values = [torch.as_tensor(values[i], dtype=torch.float32) for i in range(len(batch.tokens))]
         metrics: dict[str, float] = {}
-        if args.mask_truncated_samples and args.loss_type != "sft_loss":  # before the split: they are not computed
+        sft = algorithm.loss_type == "sft_loss"
+        if algorithm.mask_truncated_samples and not sft:  # before the split: they are not computed
             batch.loss_masks, masked = mask_truncated(batch.loss_masks, batch.truncated)
             metrics["train/truncated_masked_fraction"] = masked / max(1, batch.num_usable)
-        if args.entropy_coef_schedule != "constant":
+        if algorithm.entropy_coef_schedule != "constant":
             args = with_values(args, entropy_coef=entropy_coef_at(
-                rollout_id, self.args.entropy_coef, args.entropy_coef_final, args.entropy_coef_decay_rollouts,
-                args.entropy_coef_schedule))
-            metrics["train/entropy_coef"] = float(args.entropy_coef)
+                rollout_id, algorithm.entropy_coef, algorithm.entropy_coef_final, algorithm.entropy_coef_decay_rollouts,
+                algorithm.entropy_coef_schedule))
+            metrics["train/entropy_coef"] = float(AlgorithmConfig.of(args).entropy_coef)
         plan = self._split(batch)
         all_local_mbs = [mb for _, _, mbs in plan for mb in mbs]
         # --use-rollout-logprobs: the engine's log-probs are the old policy; no forward pass for it
-        bypass = getattr(args, "use_rollout_logprobs", False) and all(r is not None for r in batch.rollout_log_probs)
-        needs_old = args.loss_type != "sft_loss" and (
-            (len(plan) > 1 and not bypass) or (args.kl_coef and args.advantage_estimator in PER_TOKEN_ESTIMATORS)
+        bypass = RolloutCorrectionConfig.of(args).use_rollout_logprobs and all(
+            r is not None for r in batch.rollout_log_probs)
+        needs_old = not sft and (
+            (len(plan) > 1 and not bypass)
+            or (algorithm.kl_coef and algorithm.advantage_estimator in PER_TOKEN_ESTIMATORS)
             or (self.teacher_state is not None and any(lp is None for lp in batch.rollout_log_probs)))
         routing = rollout_routing(args, self.model, batch, first_pass=needs_old)
         phase = routing.phase if routing is not None else (lambda name: contextlib.nullcontext())
-        states = {"reference": self.ref_state, "teacher": self.teacher_state} if args.loss_type != "sft_loss" else {}
+        states = {"reference": self.ref_state, "teacher": self.teacher_state} if not sft else {}
         states = {k: v for k, v in states.items() if v is not None}
         swapped = log_probs_under(args, self.model, states, batch, all_local_mbs, routing, phase,
                                   adapters_only=self.lora is not None and all(v is self.ref_state
@@ -186,7 +202,7 @@ class MegatronTrainer:
             with phase("first_pass"):
                 old = forward_log_probs(args, self.model, batch, all_local_mbs, routing=routing)
             batch.old_log_probs = dense(old, len(batch.tokens))
-        if args.loss_type != "sft_loss":
+        if not sft:
             metrics.update(compute_advantages(args, batch))
             self.last_returns = [r.tolist() for r in batch.returns] if batch.values is not None else None
             # the estimator's own output, over the whole batch's trainable tokens (every rank holds all of it)
@@ -194,15 +210,15 @@ class MegatronTrainer:
                                                                                               batch.loss_masks)
             if batch.values is not None:
                 metrics["train/return_mean"] = masked_mean_std(batch.returns, batch.loss_masks)[0]
-            if self.teacher_state is not None and args.opd_mode == "reward":
-                add_opd_rewards(batch, args.opd_coef)
+            if self.teacher_state is not None and distillation.opd_mode == "reward":
+                add_opd_rewards(batch, distillation.opd_coef)
 
         # the inspector's trainer log-probs: those of the first step's forward, under the rollout's weights, unless
         # the old log-probs were computed for all of them already
         first_step_log_probs = OnHost() if self.saves_train_records and batch.old_log_probs is None else None
         for step_index, (step, local, mbs) in enumerate(plan):
             denominators = step_denominators(batch, step)
-            if args.loss_agg_mode == "bnpo":
+            if algorithm.loss_agg_mode == "bnpo":
                 denominators["micro_batches"] = self._step_micro_batches(batch, step)
             loss_fn = make_loss_fn(args, batch, denominators, scale=len(mbs) * self.dp_size,
                                    step_index=step_index, plugin_args=self.plugin_args,
@@ -221,7 +237,7 @@ class MegatronTrainer:
             metrics["train/lr"] = float(lr)
             metrics["train/skipped_steps"] = metrics.get("train/skipped_steps", 0.0) + float(skipped)
         metrics["train/num_usable_samples"] = float(batch.num_usable)
-        if getattr(args, "max_staleness", None) is not None:
+        if train_loop.max_staleness is not None:
             metrics["async/stale_samples_dropped"] = float(batch.stale)
         metrics["train/steps"] = float(len(plan))
         if self.saves_train_records:  # for the inspector
@@ -292,14 +308,16 @@ class MegatronTrainer:
         return iter_hf_weights(self.model, self.hf_config)
 
     def save(self, rollout_id: int, extra_state: dict | None = None) -> str:
-        return str(save_checkpoint(self, self.args.save, rollout_id, extra_state))
+        megatron = MegatronConfig.of(self.args)
+        return str(save_checkpoint(self, megatron.save, rollout_id, extra_state))
 
     def save_hf(self, out_dir: str) -> str:
         """The policy as an HF checkpoint (LoRA: the merged weights, and the adapter alone in PEFT's format under
         `out_dir/adapter`; multi-LoRA: the base, and each adapter under `out_dir/adapter/<name>`). Collective."""
+        job = JobConfig.of(self.args)
         from vime.backends.megatron_utils.hf_checkpoint import save_hf_checkpoint
 
-        save_hf_checkpoint(self.model, self.args.hf_checkpoint, out_dir)
+        save_hf_checkpoint(self.model, job.hf_checkpoint, out_dir)
         if self.lora is not None:
             self._write_adapters(f"{out_dir}/adapter", one_per_directory=bool(self.lora.adapters))
         return out_dir
@@ -307,11 +325,12 @@ class MegatronTrainer:
     def _write_adapters(self, root: str, one_per_directory: bool) -> None:
         """Each LoRA adapter as a PEFT adapter: in `root/<name>` (`one_per_directory`), or the only one in `root`.
         Collective."""
+        job = JobConfig.of(self.args)
         from vime.backends.megatron_utils.hf_checkpoint import save_peft_adapter
 
         for name in self.lora.names:
             path = f"{root}/{name}" if one_per_directory else root
-            save_peft_adapter(self.model, self.lora, str(self.args.hf_checkpoint), path, name)
+            save_peft_adapter(self.model, self.lora, str(job.hf_checkpoint), path, name)
 
     def get_loaded_state(self) -> dict | None:
         return self.loaded_state
@@ -354,7 +373,7 @@ class MegatronTrainer:
         batch = TrainBatch(tokens=[tokens], response_lengths=[response_length],
                            adapters=[names.index(adapter)] if names else None)
         # LoRA computed as the engines compute it: the adapter beside the base (adapter sync), or merged into it
-        merged = self.lora is not None and args.lora_sync == "merged"
+        merged = self.lora is not None and LoraConfig.of(args).lora_sync == "merged"
         with adapters_merged(self.model, adapter) if merged else contextlib.nullcontext():
             out = forward_log_probs(args, self.model, batch, [[0]])
         return out[0][0].tolist() if out else []

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import glob
 
+from vime.config.run import JobConfig
+from vime.config.train import MegatronConfig
+
 # What a GPU driver puts in /dev (NVIDIA's devices, ROCm's kernel driver, WSL's GPU): without any of them CUDA
 # cannot be available to torch.
 GPU_DEVICE_FILES = ("/dev/nvidia[0-9]*", "/dev/kfd", "/dev/dxg")
@@ -30,22 +33,24 @@ def local_device():
 def training_dtype(args) -> str:
     """The dtype name (torch / vLLM spelling) the trainer computes in: float32 on CPU whatever the flags
     (bfloat16 is several times slower there); bfloat16 / float16 on GPU with --bf16 / --fp16."""
+    megatron = MegatronConfig.of(args)
     if not use_gpu():
         return "float32"
-    if args.bf16:
+    if megatron.bf16:
         return "bfloat16"
-    return "float16" if args.fp16 else "float32"
+    return "float16" if megatron.fp16 else "float32"
 
 
 def serving_host(args) -> str:
     """Address this node's servers that other nodes call (engines, the trainers' rendezvous) bind to: loopback
     unless the run is on a cluster, and there the address of --serving-interface, or else the one Ray uses."""
+    job = JobConfig.of(args)
     import ray
 
-    if not (getattr(args, "ray_address", None) and ray.is_initialized()):
+    if not (job.ray_address and ray.is_initialized()):
         return "127.0.0.1"
-    if getattr(args, "serving_interface", None):
-        return interface_address(args.serving_interface)
+    if job.serving_interface:
+        return interface_address(job.serving_interface)
     return ray_node_address()
 
 

@@ -10,6 +10,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from vime.config.run import JobConfig, WandbConfig
+
 
 # HTTP clients that log every request at INFO: thousands of lines a rollout on the console
 QUIET_LOGGERS = ("httpx", "httpx2", "httpcore")  # httpx2: what the openai client uses
@@ -28,16 +30,18 @@ def progress(iterable, desc: str, **kwargs):
 
 def start_wandb(args):
     """A wandb run for --use-wandb: the --wandb-* flags, and the resolved flags (secrets left out) as its config."""
+    wandb_flags = WandbConfig.of(args)
+    job = JobConfig.of(args)
     try:
         import wandb
     except ImportError as e:
         raise ImportError(f"--use-wandb needs wandb ({e}): pip install wandb==0.31.0") from e
     from vime.utils.run_config import plain_values
 
-    wandb_dir = Path(args.wandb_dir or Path(args.output_dir) / "wandb")
+    wandb_dir = Path(wandb_flags.wandb_dir or Path(job.output_dir) / "wandb")
     wandb_dir.mkdir(parents=True, exist_ok=True)
-    return wandb.init(project=args.wandb_project, group=args.wandb_group, name=args.wandb_run_name,
-                      mode=args.wandb_mode, dir=str(wandb_dir), config=plain_values(args))
+    return wandb.init(project=wandb_flags.wandb_project, group=wandb_flags.wandb_group, name=wandb_flags.wandb_run_name,
+                      mode=wandb_flags.wandb_mode, dir=str(wandb_dir), config=plain_values(args))
 
 
 def _row_rollout(line: str) -> int | None:
@@ -53,7 +57,9 @@ class MetricsLogger:
     the same metrics in wandb at step=rollout_id (and the reward curve when it closes)."""
 
     def __init__(self, args):
-        self.dir = Path(args.output_dir)
+        job = JobConfig.of(args)
+        wandb = WandbConfig.of(args)
+        self.dir = Path(job.output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.jsonl = open(self.dir / "metrics.jsonl", "a", encoding="utf-8")
         self.tb = None
@@ -63,7 +69,7 @@ class MetricsLogger:
             self.tb = SummaryWriter(log_dir=str(self.dir / "tensorboard"))
         except ImportError:  # tensorboard is optional at run time
             logging.getLogger(__name__).warning("tensorboard not installed; metrics go to metrics.jsonl only")
-        self.wandb = start_wandb(args) if getattr(args, "use_wandb", False) else None
+        self.wandb = start_wandb(args) if wandb.use_wandb else None
         self.log_text = logging.getLogger("vime.metrics")
 
     def drop_rows_from(self, rollout_id: int) -> int:

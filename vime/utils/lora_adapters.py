@@ -16,6 +16,8 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
+from vime.config.train import LoraConfig
+
 ADAPTER_KEY = "lora_adapter"  # sample.metadata[ADAPTER_KEY]: the name of the adapter that generates and trains it
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
@@ -42,7 +44,8 @@ def parse_adapter_spec(text: str) -> AdapterSpec:
 
 def adapter_specs(args) -> list[AdapterSpec]:
     """The run's --lora-adapters in order ([] without the flag). Raises on a malformed entry or a repeated name."""
-    specs = [parse_adapter_spec(text) for text in getattr(args, "lora_adapters", None) or []]
+    lora = LoraConfig.of(args)
+    specs = [parse_adapter_spec(text) for text in lora.lora_adapters or []]
     names = [s.name for s in specs]
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:

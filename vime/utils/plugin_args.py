@@ -19,6 +19,8 @@ import math
 from typing import Any
 from urllib.parse import urlsplit
 
+from vime.config.rollout import RolloutConfig
+
 # what the view adds to the flags (vime's names): name -> what it holds
 RUNTIME_FIELDS = {
     "vllm_router_ip": "the host of the router's front for custom functions (loopback: it admits this user's "
@@ -37,12 +39,13 @@ VIEW_FIELDS = (*RUNTIME_FIELDS, "sglang_server_concurrency", *SLIME_NAMES)
 def plugin_view(args: argparse.Namespace, router_url: str | None, num_rollout: int | None,
                 num_engines: int) -> argparse.Namespace:
     """A copy of the flags `args` with the run-time values; the flags themselves are not touched."""
+    rollout = RolloutConfig.of(args)
     view = argparse.Namespace(**vars(args))
     view.num_rollout = num_rollout
     view.rollout_num_engines = num_engines
     # slime's per-engine limit: its GenerateState and HTTP clients take sglang_server_concurrency x engines, which
     # is then vime's --rollout-concurrency (the limit over all engines)
-    view.sglang_server_concurrency = max(1, math.ceil(args.rollout_concurrency / max(num_engines, 1)))
+    view.sglang_server_concurrency = max(1, math.ceil(rollout.rollout_concurrency / max(num_engines, 1)))
     move_router(view, router_url)
     return view
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from vime.config.rollout import RewardConfig
+
 
 @dataclass
 class Sample:
@@ -52,7 +54,8 @@ class Sample:
 
     def get_reward_value(self, args=None, key: str | None = None) -> float:
         """The scalar reward; `--reward-key` picks a field when the reward function returns a dict."""
-        key = key or getattr(args, "reward_key", None)
+        rewards = RewardConfig.of(args)
+        key = key or rewards.reward_key
         if isinstance(self.reward, dict):
             if not key:
                 raise ValueError(f"sample {self.index}: reward is a dict {sorted(self.reward)}; set --reward-key")

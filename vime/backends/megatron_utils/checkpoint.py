@@ -43,6 +43,7 @@ from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from vime.backends.megatron_utils.checkpoint_files import (STATE_FILE, fresh_partial, part_dir, partial_dir,
                                                            resolve_checkpoint)
 from vime.backends.megatron_utils.model import use_fused_adam
+from vime.config.train import MegatronConfig
 
 logger = logging.getLogger(__name__)
 
@@ -272,31 +273,32 @@ def load_checkpoint(trainer, root: str) -> dict | None:
         logger.info("no %s part in %s: the %s starts fresh", trainer.role, iteration, trainer.role)
         return None
     args = trainer.args
+    megatron = MegatronConfig.of(args)
     state_template = _sharded_state(trainer, is_loading=True)
     release = iteration.name == "release"
-    if release or args.no_load_optim or args.finetune:
+    if release or megatron.no_load_optim or megatron.finetune:
         state_template.pop("optimizer", None)
     with no_code_from_files():
         loaded = dist_checkpointing.load(state_template, str(path))
     trainer.model[0].module.load_state_dict(loaded["model"])
     if "optimizer" in loaded:
-        if not args.use_distributed_optimizer:
+        if not megatron.use_distributed_optimizer:
             _step_zero_where_missing(trainer.optimizer, loaded["optimizer"])
         with torch.no_grad():  # the distributed optimizer copies into views of leaf parameters
             trainer.optimizer.load_state_dict(loaded["optimizer"])
-        if args.use_distributed_optimizer and not distrib_optimizer.HAVE_APEX_OR_TE:
+        if megatron.use_distributed_optimizer and not distrib_optimizer.HAVE_APEX_OR_TE:
             _restore_adam_steps(trainer.optimizer, loaded["optimizer"])
         use_fused_adam(trainer.optimizer)  # the loaded param groups carry the saving run's kernel choice
         place_adam_steps(trainer.optimizer)
     else:
         trainer.optimizer.reload_model_params()
-    if release or args.finetune:
+    if release or megatron.finetune:
         return {"rollout_id": -1, "step": 0}
     meta = json.loads((path / STATE_FILE).read_text())
-    if not args.no_load_optim:
+    if not megatron.no_load_optim:
         trainer.scheduler.load_state_dict(meta["scheduler"])
     rng_file = path / "rng" / f"rank_{dist.get_rank()}.pt"
-    if not args.no_load_rng and rng_file.is_file():
+    if not megatron.no_load_rng and rng_file.is_file():
         _set_rng_state(read_rng_state(rng_file))
     trainer.step = meta["step"]
     return meta

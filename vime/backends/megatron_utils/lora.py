@@ -47,6 +47,8 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from vime.backends.megatron_utils.train_arguments import lora_targets
 from vime.backends.vllm_utils.client import SERVED_MODEL
+from vime.config.run import JobConfig
+from vime.config.train import LoraConfig
 from vime.utils.lora_adapters import adapter_names
 
 # Megatron module (under each decoder layer) -> the HF projections fused in it, in the order of its rows
@@ -60,7 +62,9 @@ DEFAULT_ADAPTER = SERVED_MODEL  # the one adapter of a run without --lora-adapte
 
 
 @dataclass(frozen=True)
-class LoraConfig:
+class LoraSetup:
+    """The LoRA a model is trained with: rank, scale, target projections and the adapters' names."""
+
     rank: int
     alpha: float
     dropout: float
@@ -77,12 +81,14 @@ class LoraConfig:
         return self.alpha / self.rank
 
     @classmethod
-    def from_args(cls, args) -> LoraConfig | None:
+    def from_args(cls, args) -> LoraSetup | None:
         """None without --lora-rank."""
-        if not getattr(args, "lora_rank", 0):
+        lora = LoraConfig.of(args)
+        job = JobConfig.of(args)
+        if not lora.lora_rank:
             return None
-        return cls(args.lora_rank, float(args.lora_alpha if args.lora_alpha is not None else args.lora_rank),
-                   args.lora_dropout, lora_targets(args.lora_target_modules), args.seed, tuple(adapter_names(args)))
+        return cls(lora.lora_rank, float(lora.lora_alpha if lora.lora_alpha is not None else lora.lora_rank),
+                   lora.lora_dropout, lora_targets(lora.lora_target_modules), job.seed, tuple(adapter_names(args)))
 
 
 class LoraAdapters(torch.nn.Module):
@@ -90,7 +96,7 @@ class LoraAdapters(torch.nn.Module):
     slices. `rows` are the output rows of each projection on this rank, in order; `groups` (linear_qkv only)
     interleaves them per KV group as the fused weight does."""
 
-    def __init__(self, config: LoraConfig, projections: tuple[str, ...], in_features: int, rows: tuple[int, ...],
+    def __init__(self, config: LoraSetup, projections: tuple[str, ...], in_features: int, rows: tuple[int, ...],
                  row_parallel: bool, groups: int | None, seeds: tuple[int, ...], dtype: torch.dtype,
                  device: torch.device):
         super().__init__()
@@ -236,7 +242,7 @@ def adapters_merged(chunks, name: str | None = None):
                 m.lora.enabled = True
 
 
-def attach_lora(chunk: torch.nn.Module, config: LoraConfig) -> None:
+def attach_lora(chunk: torch.nn.Module, config: LoraSetup) -> None:
     """Freeze `chunk` (a GPTModel) and hang the adapters `config.names` on its targeted linears. The base modules
     keep their names and weights; the adapters are `<linear>.lora.<name>.*`."""
     for p in chunk.parameters():
@@ -359,7 +365,7 @@ def load_peft_adapter(chunk: torch.nn.Module, path: str, name: str = DEFAULT_ADA
                         param.copy_(local)
 
 
-def peft_config(config: LoraConfig, base_model: str) -> dict:
+def peft_config(config: LoraSetup, base_model: str) -> dict:
     """adapter_config.json as PEFT writes it for these adapters."""
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model, "r": config.rank,
             "lora_alpha": config.alpha, "lora_dropout": config.dropout, "target_modules": list(config.targets),

@@ -13,33 +13,36 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from vime.backends.megatron_utils.megatron_flags import given_fields
 from vime.backends.megatron_utils.model_provider import build_model_chunks, params_dtype
+from vime.config.train import MegatronConfig
 
 
 def setup_model_and_optimizer(args, total_steps: int, prepare_chunks: Callable | None = None):
     """DDP-wrapped model chunks, Megatron's (optionally distributed) Adam and the LR scheduler.
 
     `prepare_chunks(chunks)` runs before wrapping: load weights, swap the output head (critic)."""
+    megatron = MegatronConfig.of(args)
     chunks = build_model_chunks(args)
     if prepare_chunks is not None:
         prepare_chunks(chunks)
     config = chunks[0].config
     ddp_config = DistributedDataParallelConfig(**{
         "grad_reduce_in_fp32": True, "overlap_grad_reduce": False, "bucket_size": None,
-        **given_fields(args, "ddp"), "use_distributed_optimizer": args.use_distributed_optimizer})
+        **given_fields(args, "ddp"), "use_distributed_optimizer": megatron.use_distributed_optimizer})
     model = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=c) for c in chunks]
     dtype = params_dtype(args)
     opt_config = OptimizerConfig(**{
-        "optimizer": "adam", **given_fields(args, "optimizer"), "lr": args.lr, "min_lr": args.min_lr,
-        "weight_decay": args.weight_decay, "adam_beta1": args.adam_beta1, "adam_beta2": args.adam_beta2,
-        "adam_eps": args.adam_eps, "clip_grad": args.clip_grad,
-        "use_distributed_optimizer": args.use_distributed_optimizer, "params_dtype": dtype,
+        "optimizer": "adam", **given_fields(args, "optimizer"), "lr": megatron.lr, "min_lr": megatron.min_lr,
+        "weight_decay": megatron.weight_decay, "adam_beta1": megatron.adam_beta1, "adam_beta2": megatron.adam_beta2,
+        "adam_eps": megatron.adam_eps, "clip_grad": megatron.clip_grad,
+        "use_distributed_optimizer": megatron.use_distributed_optimizer, "params_dtype": dtype,
         "bf16": dtype == torch.bfloat16, "fp16": dtype == torch.float16})
     optimizer = get_megatron_optimizer(opt_config, model)
     use_fused_adam(optimizer)
     scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=0.0 if args.lr_warmup_iters else args.lr, max_lr=args.lr, min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters, lr_decay_steps=max(total_steps, 1), lr_decay_style=args.lr_decay_style,
-        start_wd=args.weight_decay, end_wd=args.weight_decay, wd_incr_steps=max(total_steps, 1),
+        optimizer, init_lr=0.0 if megatron.lr_warmup_iters else megatron.lr, max_lr=megatron.lr, min_lr=megatron.min_lr,
+        lr_warmup_steps=megatron.lr_warmup_iters, lr_decay_steps=max(total_steps, 1),
+        lr_decay_style=megatron.lr_decay_style,
+        start_wd=megatron.weight_decay, end_wd=megatron.weight_decay, wd_incr_steps=max(total_steps, 1),
         wd_incr_style="constant")
     # What Megatron-LM's training loop wires up: DP grad all-reduce and embedding-grad sync after backward.
     config.finalize_model_grads_func = finalize_model_grads

@@ -34,6 +34,7 @@ from vime.backends.megatron_utils.cpu_compat import redirect_backward_for_sequen
 from vime.backends.megatron_utils.device import training_device
 from vime.backends.megatron_utils.megatron_flags import given_fields, warn_once
 from vime.backends.megatron_utils.packed_rope import use_packed_rope
+from vime.config.train import MegatronConfig, RoutingReplayConfig
 from vime.utils.device import training_dtype
 
 
@@ -58,28 +59,29 @@ def build_transformer_config(args: argparse.Namespace) -> TransformerConfig:
 
     TP/PP sizes are taken from args and must match `parallel_state`.
     """
+    megatron = MegatronConfig.of(args)
     on_gpu = torch.cuda.is_available()
     dtype = params_dtype(args)
-    config_class = MLATransformerConfig if getattr(args, "multi_latent_attention", None) else TransformerConfig
+    config_class = MLATransformerConfig if megatron.multi_latent_attention else TransformerConfig
     vime_values = dict(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        ffn_hidden_size=args.ffn_hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups,
-        kv_channels=args.kv_channels,
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        num_layers=megatron.num_layers,
+        hidden_size=megatron.hidden_size,
+        ffn_hidden_size=megatron.ffn_hidden_size,
+        num_attention_heads=megatron.num_attention_heads,
+        num_query_groups=megatron.num_query_groups,
+        kv_channels=megatron.kv_channels,
+        tensor_model_parallel_size=megatron.tensor_model_parallel_size,
+        pipeline_model_parallel_size=megatron.pipeline_model_parallel_size,
         # SwiGLU MLP, RMSNorm, no linear biases except the optional qkv bias (Qwen2).
         gated_linear_unit=True,
         activation_func=F.silu,
         normalization="RMSNorm",
-        layernorm_epsilon=args.norm_epsilon,
+        layernorm_epsilon=megatron.norm_epsilon,
         add_bias_linear=False,
-        add_qkv_bias=bool(args.add_qkv_bias),
-        qk_layernorm=bool(args.qk_layernorm),
-        attention_dropout=args.attention_dropout,
-        hidden_dropout=args.hidden_dropout,
+        add_qkv_bias=bool(megatron.add_qkv_bias),
+        qk_layernorm=bool(megatron.qk_layernorm),
+        attention_dropout=megatron.attention_dropout,
+        hidden_dropout=megatron.hidden_dropout,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -118,31 +120,33 @@ def _given_transformer_fields(args: argparse.Namespace, config_class: type) -> d
 def _moe_config(args: argparse.Namespace) -> dict:
     """TransformerConfig's MoE fields (Qwen3-MoE: softmax top-k routing; DeepSeek-V3: sigmoid routing with the
     expert bias, expert groups, scaled weights and shared experts)."""
-    if not getattr(args, "num_experts", None):  # dense; alltoall because the default dispatcher refuses
+    megatron = MegatronConfig.of(args)
+    routing_replay = RoutingReplayConfig.of(args)
+    if not megatron.num_experts:  # dense; alltoall because the default dispatcher refuses
         return {"moe_token_dispatcher_type": "alltoall"}  # variable sequence lengths even where unused
     return dict(
-        num_moe_experts=args.num_experts,
-        moe_router_topk=args.moe_router_topk,
-        moe_ffn_hidden_size=args.moe_ffn_hidden_size,
-        moe_layer_freq=list(args.moe_layer_freq),
+        num_moe_experts=megatron.num_experts,
+        moe_router_topk=megatron.moe_router_topk,
+        moe_ffn_hidden_size=megatron.moe_ffn_hidden_size,
+        moe_layer_freq=list(megatron.moe_layer_freq),
         moe_router_pre_softmax=bool(args.moe_router_pre_softmax),
-        moe_router_score_function=args.moe_router_score_function or "softmax",
-        moe_router_enable_expert_bias=bool(args.moe_router_enable_expert_bias),
-        moe_router_bias_update_rate=args.moe_router_bias_update_rate,
-        moe_router_num_groups=args.moe_router_num_groups,
-        moe_router_group_topk=args.moe_router_group_topk,
-        moe_router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
-        moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
-        moe_router_load_balancing_type=args.moe_router_load_balancing_type,
-        moe_aux_loss_coeff=args.moe_aux_loss_coeff or 0.0,
-        moe_z_loss_coeff=args.moe_z_loss_coeff,
-        moe_token_dispatcher_type=args.moe_token_dispatcher_type,
-        moe_grouped_gemm=bool(args.moe_grouped_gemm),
-        moe_router_dtype=args.moe_router_dtype,
-        expert_model_parallel_size=args.expert_model_parallel_size,
-        expert_tensor_parallel_size=args.expert_tensor_parallel_size or args.tensor_model_parallel_size,
-        moe_enable_routing_replay=bool(getattr(args, "use_rollout_routing_replay", False)
-                                       or getattr(args, "use_routing_replay", False)),  # vime.trainer.routing_replay
+        moe_router_score_function=megatron.moe_router_score_function or "softmax",
+        moe_router_enable_expert_bias=bool(megatron.moe_router_enable_expert_bias),
+        moe_router_bias_update_rate=megatron.moe_router_bias_update_rate,
+        moe_router_num_groups=megatron.moe_router_num_groups,
+        moe_router_group_topk=megatron.moe_router_group_topk,
+        moe_router_topk_scaling_factor=megatron.moe_router_topk_scaling_factor,
+        moe_shared_expert_intermediate_size=megatron.moe_shared_expert_intermediate_size,
+        moe_router_load_balancing_type=megatron.moe_router_load_balancing_type,
+        moe_aux_loss_coeff=megatron.moe_aux_loss_coeff or 0.0,
+        moe_z_loss_coeff=megatron.moe_z_loss_coeff,
+        moe_token_dispatcher_type=megatron.moe_token_dispatcher_type,
+        moe_grouped_gemm=bool(megatron.moe_grouped_gemm),
+        moe_router_dtype=megatron.moe_router_dtype,
+        expert_model_parallel_size=megatron.expert_model_parallel_size,
+        expert_tensor_parallel_size=megatron.expert_tensor_parallel_size or megatron.tensor_model_parallel_size,
+        moe_enable_routing_replay=bool(routing_replay.use_rollout_routing_replay
+                                       or routing_replay.use_routing_replay),  # vime.trainer.routing_replay
     )
 
 
@@ -150,10 +154,12 @@ def _mla_config(args: argparse.Namespace) -> dict:
     """MLATransformerConfig's fields for multi-latent attention (DeepSeek-V3), {} for other attention: plain RoPE
     on the rotary part, or YaRN with the HF config's parameters (its frequencies, its cos/sin scale and the
     softmax scale of mscale_all_dim, as transformers computes them)."""
-    if not getattr(args, "multi_latent_attention", None):
+    megatron = MegatronConfig.of(args)
+    if not megatron.multi_latent_attention:
         return {}
-    mla = dict(q_lora_rank=args.q_lora_rank, kv_lora_rank=args.kv_lora_rank, qk_head_dim=args.qk_head_dim,
-               qk_pos_emb_head_dim=args.qk_pos_emb_head_dim, v_head_dim=args.v_head_dim, rotary_base=args.rotary_base)
+    mla = dict(q_lora_rank=megatron.q_lora_rank, kv_lora_rank=megatron.kv_lora_rank, qk_head_dim=megatron.qk_head_dim,
+               qk_pos_emb_head_dim=megatron.qk_pos_emb_head_dim, v_head_dim=megatron.v_head_dim,
+               rotary_base=megatron.rotary_base)
     yarn = getattr(args, "rope_scaling", None)
     if yarn is None:
         return {**mla, "rope_type": "rope", "rotary_scaling_factor": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}
@@ -247,20 +253,21 @@ def build_gpt_model(args: argparse.Namespace, pre_process: bool = True, post_pro
                     vp_stage: int | None = None) -> GPTModel:
     """One GPTModel chunk. `pre_process` holds the embedding (first stage), `post_process` the final norm
     and output layer (last stage). Logits come out vocab-parallel over TP: [batch, seq, vocab / TP]."""
+    megatron = MegatronConfig.of(args)
     config = build_transformer_config(args)
     use_packed_rope()  # packed sequences' RoPE without a host read per layer
     model = GPTModel(
         config=config,
         transformer_layer_spec=_layer_specs(config, vp_stage),
-        vocab_size=args.vocab_size,
-        max_sequence_length=args.max_position_embeddings,
+        vocab_size=megatron.vocab_size,
+        max_sequence_length=megatron.max_position_embeddings,
         pre_process=pre_process,
         post_process=post_process,
         parallel_output=True,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        share_embeddings_and_output_weights=not megatron.untie_embeddings_and_output_weights,
         position_embedding_type="rope",
         rotary_percent=1.0,
-        rotary_base=args.rotary_base,
+        rotary_base=megatron.rotary_base,
         vp_stage=vp_stage,
     )
     scaling = getattr(args, "rope_scaling", None)

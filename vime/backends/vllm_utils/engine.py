@@ -18,6 +18,10 @@ import urllib.request
 from pathlib import Path
 
 from vime.backends.vllm_utils.client import SERVED_MODEL
+from vime.config.algorithm import AlgorithmConfig
+from vime.config.rollout import EnginesConfig
+from vime.config.run import DebugConfig, JobConfig, PlacementConfig
+from vime.config.train import LoraConfig, RoutingReplayConfig
 from vime.utils.lora_adapters import adapter_names
 from vime.engine_protocol.names import CAPTURE_ENV, CORE_FORK_ENV, IDLE_SPIN_ENV, PLUGIN_NAME, WORKER_EXTENSION
 from vime.engine_protocol.weight_files import WEIGHT_ROOT_ENV, weight_root
@@ -36,17 +40,19 @@ CPU_IDLE_SPIN_S = 0.05  # decode steps follow each other within this; a longer g
 
 def engine_command(args, host: str, port: int, engine_rank: int) -> list[str]:
     """The server command line: vime's required options, then the user's --vllm-* options."""
+    job = JobConfig.of(args)
+    engines = EnginesConfig.of(args)
     from vime.backends.vllm_utils.arguments import engine_dtype, vllm_cli_tokens
     from vime.utils.device import use_gpu
 
     user = vllm_cli_tokens(args)
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-           "--model", args.hf_checkpoint, "--host", host, "--port", str(port),
+           "--model", job.hf_checkpoint, "--host", host, "--port", str(port),
            "--served-model-name", SERVED_MODEL, "--enable-scale-out"]
     defaults = {
         "--logprobs-mode": "processed_logprobs",
-        "--seed": str(args.seed + engine_rank),
-        "--tensor-parallel-size": str(args.rollout_num_gpus_per_engine),
+        "--seed": str(job.seed + engine_rank),
+        "--tensor-parallel-size": str(engines.rollout_num_gpus_per_engine),
         "--dtype": engine_dtype(args),  # the trainer's unless --vllm-dtype says otherwise
     }
     # the engine side of every weight transport (in-place loading, the broadcast receiver, CUDA IPC)
@@ -55,7 +61,7 @@ def engine_command(args, host: str, port: int, engine_rank: int) -> list[str]:
         if flag not in user:
             cmd += [flag, value]
     if not use_gpu() and "--attention-backend" not in user and defaults["--dtype"] == "float32" \
-            and uses_mla(args.hf_checkpoint):
+            and uses_mla(job.hf_checkpoint):
         # on a CPU with AMX vLLM picks its AMX MLA kernel, which packs the weights for bf16/fp16/int8 only and
         # kills the engine at start-up on a float32 model; its reference MLA path computes in float32
         cmd += ["--attention-backend", "CPU_MLA"]
@@ -73,10 +79,11 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM's --
 def lora_engine_options(args, user: list[str]) -> list[str]:
     """--lora-sync adapter: LoRA on, its largest rank the smallest vLLM accepts that holds --lora-rank, one
     adapter slot per adapter the run trains (the user's own --vllm-* values win)."""
-    if getattr(args, "lora_sync", None) != "adapter":  # resolved by the flags' validation, for LoRA runs only
+    lora = LoraConfig.of(args)
+    if lora.lora_sync != "adapter":  # resolved by the flags' validation, for LoRA runs only
         return []
     slots = max(1, len(adapter_names(args)))  # every adapter resident: a batch may mix all of them
-    options = {"--enable-lora": None, "--max-lora-rank": str(min(r for r in VLLM_LORA_RANKS if r >= args.lora_rank)),
+    options = {"--enable-lora": None, "--max-lora-rank": str(min(r for r in VLLM_LORA_RANKS if r >= lora.lora_rank)),
                "--max-loras": str(slots), "--max-cpu-loras": str(slots)}
     out = []
     for flag, value in options.items():
@@ -106,11 +113,14 @@ def engine_memory_fraction(args) -> float | None:
       always): 0.3, the engine's weights and a KV cache, the trainer the rest; 0.2 with a critic, whose state
       is there too.
     A user's --vllm-gpu-memory-utilization always wins (`memory_engine_options`)."""
-    if not args.colocate or getattr(args, "debug_rollout_only", False):
+    placement = PlacementConfig.of(args)
+    debug = DebugConfig.of(args)
+    algorithm = AlgorithmConfig.of(args)
+    if not placement.colocate or debug.debug_rollout_only:
         return None
-    if args.offload_train and args.offload_rollout:
+    if placement.offload_train and placement.offload_rollout:
         return BOTH_OFFLOADED_ENGINE_MEMORY
-    return SHARED_WITH_CRITIC_ENGINE_MEMORY if getattr(args, "use_critic", False) else SHARED_ENGINE_MEMORY
+    return SHARED_WITH_CRITIC_ENGINE_MEMORY if algorithm.use_critic else SHARED_ENGINE_MEMORY
 
 
 def memory_engine_options(args, user: list[str]) -> list[str]:
@@ -119,12 +129,13 @@ def memory_engine_options(args, user: list[str]) -> list[str]:
     GPU. The user's own --vllm-* values win. Nothing on CPU: vLLM's model config refuses --enable-sleep-mode where
     the platform's `is_sleep_mode_available` is false, as on CPU (whose /sleep only pauses the engine), and a CPU
     engine sizes its KV cache from VLLM_CPU_KVCACHE_SPACE (`engine_env`)."""
+    placement = PlacementConfig.of(args)
     from vime.utils.device import use_gpu
 
     if not use_gpu():
         return []
     out = []
-    if args.offload_rollout and not {"--enable-sleep-mode", "--no-enable-sleep-mode"} & set(user):
+    if placement.offload_rollout and not {"--enable-sleep-mode", "--no-enable-sleep-mode"} & set(user):
         out.append("--enable-sleep-mode")
     fraction = engine_memory_fraction(args)
     if fraction is not None and "--gpu-memory-utilization" not in user:
@@ -158,9 +169,10 @@ def routing_capture_options(args, user: list[str]) -> list[str]:
     """--use-rollout-routing-replay: the engine returns each request's routed experts. On GPU vLLM captures them
     (`--enable-return-routed-experts`, its V2 model runner: `engine_env`); on CPU vime does (`in_vllm.routing_capture`),
     without prefix caching, whose cached tokens are never forwarded and so never routed."""
+    routing_replay = RoutingReplayConfig.of(args)
     from vime.utils.device import use_gpu
 
-    if not getattr(args, "use_rollout_routing_replay", False):
+    if not routing_replay.use_rollout_routing_replay:
         return []
     if use_gpu():
         return [] if "--enable-return-routed-experts" in user else ["--enable-return-routed-experts"]
@@ -172,15 +184,18 @@ def routing_capture_options(args, user: list[str]) -> list[str]:
 
 def has_vime_worker_extension(args) -> bool:
     """Whether the engines run vime's worker methods: vime starts them and the user named no other extension."""
+    engines = EnginesConfig.of(args)
     from vime.backends.vllm_utils.arguments import vllm_cli_tokens
 
-    return not args.rollout_external_engine_addrs and "--worker-extension-cls" not in vllm_cli_tokens(args)
+    return not engines.rollout_external_engine_addrs and "--worker-extension-cls" not in vllm_cli_tokens(args)
 
 
 def engine_env(args, cpu_share: CpuShare | None = None, gpus: list[str] | None = None) -> dict[str, str]:
     """The server's environment, with this process's copy of the run's control token. `cpu_share`: the share of
     its node's CPUs this engine computes on (`Placement.cpu_share`; all of them when None). `gpus`: the GPU ids of
     its bundles (`Placement.engine_gpus`), which its server sees whatever single GPU Ray showed the actor."""
+    engines = EnginesConfig.of(args)
+    routing_replay = RoutingReplayConfig.of(args)
     from vime.utils.device import use_gpu
 
     env = dict(os.environ)
@@ -196,15 +211,15 @@ def engine_env(args, cpu_share: CpuShare | None = None, gpus: list[str] | None =
         # vLLM's "auto" binding neither knows about other engines on the node (every engine pinned its workers to
         # the same cores) nor uses the core it reserves for its front end, which on a small node is half of it
         cpus = (cpu_share or CpuShare()).cpus(allowed_cpus())
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", omp_bind_value(cpus, args.rollout_num_gpus_per_engine))
-        if args.rollout_num_gpus_per_engine == 1:
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", omp_bind_value(cpus, engines.rollout_num_gpus_per_engine))
+        if engines.rollout_num_gpus_per_engine == 1:
             env.update(single_worker_env(cpus, env))
-    if getattr(args, "use_rollout_routing_replay", False):  # routing_capture_options
+    if routing_replay.use_rollout_routing_replay:  # routing_capture_options
         if use_gpu():
             env.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
         else:
             env[CAPTURE_ENV] = "1"
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.cpu_kv_cache_space))
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(engines.cpu_kv_cache_space))
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     return env
 
@@ -317,7 +332,8 @@ class VLLMEngine:
 
     def start(self) -> str:
         """Wait until the server launched at construction serves, with its control routes locked; its URL."""
-        deadline = time.monotonic() + self.args.engine_startup_timeout
+        engines = EnginesConfig.of(self.args)
+        deadline = time.monotonic() + engines.engine_startup_timeout
         for attempt in range(1, PORT_ATTEMPTS + 1):
             ready = wait_until(lambda: http_ok(self.url + "/health"), max(deadline - time.monotonic(), 0.0),
                                interval_s=0.25, alive=lambda: self.proc.poll() is None)
@@ -334,7 +350,7 @@ class VLLMEngine:
             state = f"exited with code {exit_code}" if exit_code is not None else "did not become healthy in time"
             raise RuntimeError(
                 f"vLLM engine {self.engine_rank} {state} (--engine-startup-timeout "
-                f"{self.args.engine_startup_timeout}s). Log {self.log_path}:\n{tail(self.log_path)}"
+                f"{engines.engine_startup_timeout}s). Log {self.log_path}:\n{tail(self.log_path)}"
             )
         # the port was free when chosen; whoever binds it first answers /health: no secret before it is ours
         stranger = foreign_listener(int(self.url.rsplit(":", 1)[1]), self.proc.pid)

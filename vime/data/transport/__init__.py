@@ -13,11 +13,13 @@ of `vime.data.sample_codec`, so nothing is unpickled from a stored rollout.
 
 from __future__ import annotations
 
+from vime.config.rollout import DataBufferConfig
 from vime.data.transport.base import RolloutRef, RolloutTransport, rollout_summary
 
 
 def make_transport(args) -> RolloutTransport:
-    kind = getattr(args, "rollout_data_transport", "object-store")
+    data_buffer = DataBufferConfig.of(args)
+    kind = data_buffer.rollout_data_transport
     if kind == "object-store":
         from vime.data.transport.object_store import ObjectStoreTransport
 
@@ -25,7 +27,7 @@ def make_transport(args) -> RolloutTransport:
     if kind == "straw":
         from vime.data.transport.straw_store import StrawTransport
 
-        return StrawTransport(args.rollout_data_dir)
+        return StrawTransport(data_buffer.rollout_data_dir)
     raise ValueError(f"unknown --rollout-data-transport {kind!r}: use object-store or straw")
 
 

@@ -25,6 +25,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from vime.config.rollout import RewardConfig
+from vime.config.train import LoraConfig
 from vime.utils.lora_adapters import ADAPTER_KEY, parse_adapter_spec
 from vime.utils.misc import load_function
 from vime.utils.types import Sample
@@ -100,22 +102,25 @@ def _adapter_rms(entries: tuple[str, ...]) -> dict[str, str]:
 def sample_reward(args, sample: Sample) -> tuple[str | None, str | None, str]:
     """(custom function path, --rm-type name, the flag that chose them) scoring `sample`: its adapter's own RM in a
     multi-LoRA run (a registry name, else a function path), else --custom-rm-path, else --rm-type."""
+    lora = LoraConfig.of(args)
+    rewards = RewardConfig.of(args)
     adapter = sample.metadata.get(ADAPTER_KEY)
-    rm = _adapter_rms(tuple(getattr(args, "lora_adapters", None) or ())).get(adapter) if adapter else None
+    rm = _adapter_rms(tuple(lora.lora_adapters or ())).get(adapter) if adapter else None
     if rm is not None:
         flag = f"--lora-adapters {adapter} RM"
         return (None, rm, flag) if rm in RM_REGISTRY else (rm, None, flag)
-    custom_path = getattr(args, "custom_rm_path", None)
+    custom_path = rewards.custom_rm_path
     if custom_path:
         return custom_path, None, "--custom-rm-path"
-    return None, getattr(args, "rm_type", None), "--rm-type"
+    return None, rewards.rm_type, "--rm-type"
 
 
 async def async_rm(args, sample: Sample, **kwargs: Any) -> float | dict:
     """The reward of one sample (by `sample_reward`'s choice). `kwargs` are passed to a custom function only."""
+    rewards = RewardConfig.of(args)
     custom_path, rm_type, flag = sample_reward(args, sample)
     if custom_path:
-        if getattr(args, "custom_rm_in_workers", False):
+        if rewards.custom_rm_in_workers:
             return check_reward(await pooled_reward(args, custom_path, sample, **kwargs), custom_path, flag)
         return check_reward(await _call(load_function(custom_path), args, sample, in_thread=True, **kwargs),
                             custom_path, flag)
@@ -129,9 +134,10 @@ async def async_rm(args, sample: Sample, **kwargs: Any) -> float | dict:
 
 async def batched_async_rm(args, samples: list[Sample]) -> list[float | dict]:
     """Rewards for `samples`, in order. Does not write `sample.reward`."""
-    custom_path = getattr(args, "custom_rm_path", None)
-    if getattr(args, "group_rm", False) and custom_path:
-        if getattr(args, "custom_rm_in_workers", False):
+    rewards_flags = RewardConfig.of(args)
+    custom_path = rewards_flags.custom_rm_path
+    if rewards_flags.group_rm and custom_path:
+        if rewards_flags.custom_rm_in_workers:
             rewards = await pooled_reward(args, custom_path, samples)
         else:
             rewards = await _call(load_function(custom_path), args, samples, in_thread=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from vime.config.rollout import RewardConfig
 from vime.rollout.context import rollout_context
 from vime.utils.cpus import allowed_cpus
 from vime.utils.types import Sample
@@ -28,12 +29,13 @@ def default_num_workers() -> int:
 
 def reward_pool(args) -> WorkerPool:
     """The run's reward pool (its rollout context holds it), started on first use."""
+    rewards = RewardConfig.of(args)
     context = rollout_context()
     with context.lock:
         if context.reward_workers is None:
-            size = getattr(args, "rm_num_workers", None)
+            size = rewards.rm_num_workers
             size = default_num_workers() if size is None else size
-            memory_mb = getattr(args, "rm_worker_memory_mb", DEFAULT_MEMORY_MB) or 0
+            memory_mb = rewards.rm_worker_memory_mb or 0
             if size < 1 or memory_mb < 0:
                 raise ValueError(f"--rm-num-workers {size} must be >= 1 and --rm-worker-memory-mb {memory_mb} >= 0")
             # a replaced worker is counted from the pool's own threads: the context is bound here, not looked up
@@ -46,8 +48,9 @@ def reward_pool(args) -> WorkerPool:
 def _preload(args) -> tuple[str, ...]:
     """What a worker imports as it starts, so that a replaced worker is soon ready: the pooled custom function's
     module, else math_verify (a second or more under load)."""
-    custom_path = getattr(args, "custom_rm_path", None)
-    if custom_path and getattr(args, "custom_rm_in_workers", False):
+    rewards = RewardConfig.of(args)
+    custom_path = rewards.custom_rm_path
+    if custom_path and rewards.custom_rm_in_workers:
         return (custom_path.replace(":", ".").rpartition(".")[0],)
     return (f"{__package__}.math_rm",)
 
@@ -63,7 +66,8 @@ def close_reward_pool() -> None:
 
 
 def reward_timeout(args) -> float:
-    return getattr(args, "rm_timeout", None) or DEFAULT_TIMEOUT_S
+    rewards = RewardConfig.of(args)
+    return rewards.rm_timeout or DEFAULT_TIMEOUT_S
 
 
 def _jsonable_args(args) -> dict[str, Any]:

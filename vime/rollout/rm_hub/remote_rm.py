@@ -16,6 +16,7 @@ import time
 
 import httpx
 
+from vime.config.rollout import RewardConfig
 from .registry import register_rm
 
 BACKOFF_BASE_S = 0.5  # waits 0.5 s, 1 s, 2 s, ... between attempts (never past the deadline)
@@ -46,12 +47,13 @@ def _parse_reward(url: str, body) -> float | dict:
 
 @register_rm("remote_rm", needs_label=False)
 async def remote_rm(args, sample) -> float | dict:
-    url = getattr(args, "rm_url", None)
+    rewards = RewardConfig.of(args)
+    url = rewards.rm_url
     if not url:
         raise ValueError("--rm-type remote_rm needs --rm-url")
-    attempts = 1 + getattr(args, "rm_max_retries", MAX_RETRIES)
-    timeout = getattr(args, "rm_timeout", None) or TIMEOUT_S
-    attempt_cap = getattr(args, "rm_attempt_timeout", None) or timeout
+    attempts = 1 + rewards.rm_max_retries
+    timeout = rewards.rm_timeout or TIMEOUT_S
+    attempt_cap = rewards.rm_attempt_timeout or timeout
     deadline = time.monotonic() + timeout
     payload = {"prompt": sample.prompt, "response": sample.response, "label": sample.label, "metadata": sample.metadata}
     last_error: Exception | None = None

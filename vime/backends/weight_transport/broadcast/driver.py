@@ -7,6 +7,8 @@ import uuid
 from typing import Callable
 
 from vime.backends.weight_transport.base import TransportDriver
+from vime.config.rollout import EnginesConfig
+from vime.config.train import MegatronConfig, WeightSyncConfig
 
 
 def engine_set_key(state: dict, engine_urls: list[str], trainer_address: Callable[[], tuple[str, int]] | None = None):
@@ -27,10 +29,13 @@ class BroadcastDriver(TransportDriver):
     concurrent = True  # send and apply join the same collective: the driver starts both, then waits for both
 
     def __init__(self, args):
+        weight_sync = WeightSyncConfig.of(args)
+        megatron = MegatronConfig.of(args)
+        engines = EnginesConfig.of(args)
         super().__init__(args)
-        self.bucket_bytes = int(args.update_weight_buffer_size)
-        self.num_senders = int(args.pipeline_model_parallel_size)
-        self.workers_per_engine = int(args.rollout_num_gpus_per_engine)
+        self.bucket_bytes = int(weight_sync.update_weight_buffer_size)
+        self.num_senders = int(megatron.pipeline_model_parallel_size)
+        self.workers_per_engine = int(engines.rollout_num_gpus_per_engine)
         self.engine_set: dict = {}  # the engine set, its group key and rendezvous address
         self.engine_urls: list[str] | None = None
 
