@@ -16,6 +16,7 @@ Everything is checked before any process starts (`validate_args`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -33,7 +34,10 @@ from vime.backends.megatron_utils.routing_replay_arguments import add_routing_re
 from vime.backends.megatron_utils.train_arguments import add_train_args, validate_train_args
 from vime.backends.vllm_utils.arguments import VLLM_RAW_DEST, add_router_args, add_vllm_engine_args, validate_vllm_args
 from vime.config import RunConfig
+from vime.config.rollout import EnginesConfig, RolloutConfig
+from vime.config.run import DebugConfig, JobConfig, PlacementConfig, WandbConfig
 from vime.config.section import apply_defaults
+from vime.config.train import WeightSyncConfig
 from vime.environments.arguments import add_environment_args, add_judge_args, validate_environment_args
 from vime.rollout.arguments import add_all_rollout_args, validate_rollout_args
 from vime.rollout.rm_hub import RM_REGISTRY
@@ -70,22 +74,16 @@ def add_run_args(parser: argparse.ArgumentParser) -> None:
                         "(default: None).")
 
 
-# the --wandb-* flags' defaults: any other value without --use-wandb is refused
-WANDB_DEFAULTS = {"wandb_project": "vime", "wandb_group": None, "wandb_run_name": None, "wandb_mode": "online",
-                  "wandb_dir": None}
-
-
 def add_wandb_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("wandb", "Weights & Biases logging, beside metrics.jsonl and TensorBoard.")
     g.add_argument("--use-wandb", action="store_true",
                    help="Log each rollout's metrics and the reward curve to wandb (pip install wandb==0.31.0) "
                         "(default: off).")
-    g.add_argument("--wandb-project", default=WANDB_DEFAULTS["wandb_project"],
-                   help="wandb project of the run (default: vime).")
+    g.add_argument("--wandb-project", help="wandb project of the run (default: vime).")
     g.add_argument("--wandb-group", default=None, help="wandb group the run belongs to (default: None).")
     g.add_argument("--wandb-run-name", default=None,
                    help="wandb run name; wandb makes one up when unset (default: None).")
-    g.add_argument("--wandb-mode", default=WANDB_DEFAULTS["wandb_mode"], choices=["online", "offline", "disabled"],
+    g.add_argument("--wandb-mode", choices=["online", "offline", "disabled"],
                    help="online uploads as the run goes; offline writes the run under --wandb-dir only, for "
                         "`wandb sync` later, with no account or network needed (default: online).")
     g.add_argument("--wandb-dir", default=None,
@@ -259,17 +257,21 @@ def validate_transport_placement(args: argparse.Namespace, gpus: bool | None = N
     whether the run's actors compute on GPUs, as the cluster's resources say once Ray is up
     (`placement.cluster_has_gpus`); the driver may run on a CPU-only head node, so its own devices do not tell.
     None (while parsing the flags): only what holds on any device."""
-    kind = args.update_weight_transport
+    weight_sync = WeightSyncConfig.of(args)
+    placement = PlacementConfig.of(args)
+    engines = EnginesConfig.of(args)
+    kind = weight_sync.update_weight_transport
     if kind == "cuda_ipc":
         if gpus is False:
             raise ValueError("--update-weight-transport cuda_ipc needs GPUs; use disk or broadcast on CPU")
-        if not args.colocate:
+        if not placement.colocate:
             raise ValueError("--update-weight-transport cuda_ipc maps the trainer's GPU tensors into engines on the "
                              "same GPUs: add --colocate, or use broadcast (or disk) for engines on their own GPUs")
-        if args.rollout_num_gpus_per_engine > 1:
+        if engines.rollout_num_gpus_per_engine > 1:
             raise ValueError("--update-weight-transport cuda_ipc serves engines of one GPU; with "
-                             f"--rollout-num-gpus-per-engine {args.rollout_num_gpus_per_engine} use disk or broadcast")
-    if kind == "broadcast" and args.colocate and gpus:
+                             f"--rollout-num-gpus-per-engine {engines.rollout_num_gpus_per_engine} use disk or "
+                             "broadcast")
+    if kind == "broadcast" and placement.colocate and gpus:
         raise ValueError("--update-weight-transport broadcast with --colocate would put a trainer rank and an engine "
                          "on one GPU into one NCCL group, which NCCL refuses; use cuda_ipc (or disk) with --colocate")
 
@@ -278,13 +280,15 @@ def validate_wandb_args(args: argparse.Namespace) -> argparse.Namespace:
     """--wandb-* flags need --use-wandb; fills --wandb-dir (<output-dir>/wandb when unset)."""
     from vime.utils.misc import with_values
 
-    if not args.use_wandb:
-        given = [f"--{flag.replace('_', '-')}" for flag, default in WANDB_DEFAULTS.items()
-                 if getattr(args, flag) != default]
+    wandb, job = WandbConfig.of(args), JobConfig.of(args)
+    if not wandb.use_wandb:
+        unset = WandbConfig(use_wandb=False)
+        given = [f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(wandb)
+                 if getattr(wandb, f.name) != getattr(unset, f.name)]
         if given:
             raise ValueError(f"{' '.join(given)} only take effect with --use-wandb: add it, or drop them")
         return args
-    return with_values(args, wandb_dir=os.path.abspath(args.wandb_dir or os.path.join(args.output_dir, "wandb")))
+    return with_values(args, wandb_dir=os.path.abspath(wandb.wandb_dir or os.path.join(job.output_dir, "wandb")))
 
 
 def validate_args(args: argparse.Namespace, check_model: bool = True) -> argparse.Namespace:
@@ -294,25 +298,26 @@ def validate_args(args: argparse.Namespace, check_model: bool = True) -> argpars
     are written)."""
     from vime.utils.misc import load_function, with_values
 
-    if not args.hf_checkpoint:
+    job = JobConfig.of(args)
+    if not job.hf_checkpoint:
         raise ValueError("--hf-checkpoint DIR is required (build a tiny one: python -m vime.synthetic.tiny_model)")
-    if not (Path(args.hf_checkpoint) / "config.json").is_file():
-        raise ValueError(f"--hf-checkpoint {args.hf_checkpoint}: no config.json there; is it an HF checkpoint?")
-    args = with_values(args, output_dir=os.path.abspath(args.output_dir))
-    if args.control_token_file:
+    if not (Path(job.hf_checkpoint) / "config.json").is_file():
+        raise ValueError(f"--hf-checkpoint {job.hf_checkpoint}: no config.json there; is it an HF checkpoint?")
+    args = with_values(args, output_dir=os.path.abspath(job.output_dir))
+    if job.control_token_file:
         from vime.utils.auth import read_token_file
 
-        read_token_file(args.control_token_file)  # unreadable, short or readable by others: say so now
+        read_token_file(job.control_token_file)  # unreadable, short or readable by others: say so now
     args = validate_wandb_args(args)
-    for flag in ("offload_rollout", "offload_train"):
-        if getattr(args, flag) and not args.colocate:
-            raise ValueError(f"--{flag.replace('_', '-')} only makes sense with --colocate (engines and trainer "
-                             "share devices)")
-
-    for flag in ("train_timeout", "rollout_timeout", "engine_startup_timeout"):
-        if not getattr(args, flag) > 0:
-            raise ValueError(f"--{flag.replace('_', '-')} must be a positive number of seconds, got "
-                             f"{getattr(args, flag)}")
+    placement = PlacementConfig.of(args)
+    for flag, on in (("--offload-rollout", placement.offload_rollout), ("--offload-train", placement.offload_train)):
+        if on and not placement.colocate:
+            raise ValueError(f"{flag} only makes sense with --colocate (engines and trainer share devices)")
+    for flag, seconds in (("--train-timeout", job.train_timeout),
+                          ("--rollout-timeout", RolloutConfig.of(args).rollout_timeout),
+                          ("--engine-startup-timeout", EnginesConfig.of(args).engine_startup_timeout)):
+        if not seconds > 0:
+            raise ValueError(f"{flag} must be a positive number of seconds, got {seconds}")
     validate_transport_placement(args)
     args = validate_environment_args(args)  # sets the reward (and generate) hooks the rollout side checks
     args = validate_rollout_args(args)
@@ -339,17 +344,20 @@ class ArgumentsError(ValueError):
 def check_model_args(args: argparse.Namespace) -> None:
     """The model and its parallel layout against the checkpoint's config (before any engine or trainer starts).
     Raises ValueError naming what is wrong."""
-    if args.debug_rollout_only:  # no trainer: the engines read the checkpoint themselves
+    debug = DebugConfig.of(args)
+    job = JobConfig.of(args)
+    placement = PlacementConfig.of(args)
+    if debug.debug_rollout_only:  # no trainer: the engines read the checkpoint themselves
         return
     from transformers import AutoConfig
 
     from vime.backends.megatron_utils.arguments import fill_architecture_from_hf, validate_megatron_args
 
     try:
-        hf_config = AutoConfig.from_pretrained(args.hf_checkpoint)
+        hf_config = AutoConfig.from_pretrained(job.hf_checkpoint)
     except Exception as e:  # transformers' own checks raise KeyError, ValueError, OSError, ...
-        raise ValueError(f"--hf-checkpoint {args.hf_checkpoint}: transformers cannot read its config.json "
+        raise ValueError(f"--hf-checkpoint {job.hf_checkpoint}: transformers cannot read its config.json "
                          f"({type(e).__name__}: {e})") from e
-    world_size = args.actor_num_nodes * args.actor_num_gpus_per_node
+    world_size = placement.actor_num_nodes * placement.actor_num_gpus_per_node
     validate_megatron_args(fill_architecture_from_hf(args, hf_config),
                            world_size=world_size)  # each rank fills its own architecture again

@@ -8,6 +8,9 @@ from pathlib import Path
 
 from vime.algorithms.names import (ADVANTAGE_ESTIMATOR_NAMES, ENTROPY_COEF_SCHEDULES, KL_TYPES, LOSS_AGG_MODES,
                                    CORRECTION_LEVELS, OPD_MODES, POLICY_LOSS_NAMES)
+from vime.config.algorithm import AlgorithmConfig, DistillationConfig, RolloutCorrectionConfig
+from vime.config.rollout import RolloutConfig
+from vime.config.run import JobConfig
 from vime.utils.misc import with_values
 
 logger = logging.getLogger(__name__)
@@ -180,7 +183,7 @@ def add_algorithm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
 
     g = parser.add_argument_group(
         "rollout correction", "importance weights pi_old / pi_engine for tokens the engine sampled under another "
-        "policy (vime/algorithms/rollout_correction.py)")
+        "policy (vime/algorithms/correction.py)")
     g.add_argument(
         "--use-tis",
         action="store_true",
@@ -262,124 +265,132 @@ def add_algorithm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
 def validate_algorithm_args(args: argparse.Namespace) -> argparse.Namespace:
     """Check flag combinations; returns a copy of `args` with the derived values: eps_clip_high, policy_loss
     (gspo / cispo when the estimator of that name is chosen), use_critic."""
+    algorithm = AlgorithmConfig.of(args)
+    correction = RolloutCorrectionConfig.of(args)
+    distillation = DistillationConfig.of(args)
     derived = {}
-    if args.eps_clip <= 0:
-        raise ValueError(f"--eps-clip must be > 0, got {args.eps_clip}")
-    if args.eps_clip_high is None:
-        derived["eps_clip_high"] = args.eps_clip
-    elif args.eps_clip_high <= 0:
-        raise ValueError(f"--eps-clip-high must be > 0, got {args.eps_clip_high}; omit it to use --eps-clip")
-    if args.eps_clip_c is not None and args.eps_clip_c <= 1.0:
+    if algorithm.eps_clip <= 0:
+        raise ValueError(f"--eps-clip must be > 0, got {algorithm.eps_clip}")
+    if algorithm.eps_clip_high is None:
+        derived["eps_clip_high"] = algorithm.eps_clip
+    elif algorithm.eps_clip_high <= 0:
+        raise ValueError(f"--eps-clip-high must be > 0, got {algorithm.eps_clip_high}; omit it to use --eps-clip")
+    if algorithm.eps_clip_c is not None and algorithm.eps_clip_c <= 1.0:
         raise ValueError(
             f"--eps-clip-c must be > 1.0 (it caps the loss of negative advantages at -A * eps_clip_c), "
-            f"got {args.eps_clip_c}; pass a value such as 3.0 or omit the flag to disable dual clip"
+            f"got {algorithm.eps_clip_c}; pass a value such as 3.0 or omit the flag to disable dual clip"
         )
-    if args.tis_clip_low > args.tis_clip:
+    if correction.tis_clip_low > correction.tis_clip:
         raise ValueError(
-            f"--tis-clip-low ({args.tis_clip_low}) must be <= --tis-clip ({args.tis_clip}); "
+            f"--tis-clip-low ({correction.tis_clip_low}) must be <= --tis-clip ({correction.tis_clip}); "
             f"lower --tis-clip-low or raise --tis-clip"
         )
-    if args.cispo_eps_low is not None and args.cispo_eps_low <= 0:
-        raise ValueError(f"--cispo-eps-low must be > 0, got {args.cispo_eps_low}; omit it for no lower bound")
-    if args.use_rollout_logprobs and (args.use_tis or args.use_mis):
+    if algorithm.cispo_eps_low is not None and algorithm.cispo_eps_low <= 0:
+        raise ValueError(f"--cispo-eps-low must be > 0, got {algorithm.cispo_eps_low}; omit it for no lower bound")
+    if correction.use_rollout_logprobs and (correction.use_tis or correction.use_mis):
         raise ValueError("--use-rollout-logprobs makes the engine's log-probs the old policy, so every TIS / MIS "
                          "weight would be exactly 1: drop --use-tis / --use-mis, or drop --use-rollout-logprobs")
-    if args.custom_tis_function_path and not args.use_tis:
+    if correction.custom_tis_function_path and not correction.use_tis:
         raise ValueError("--custom-tis-function-path replaces the built-in TIS: add --use-tis")
-    if args.use_mis and args.use_tis:
+    if correction.use_mis and correction.use_tis:
         raise ValueError("--use-mis and --use-tis are mutually exclusive (both reweight the policy loss by "
                          "exp(old_logp - rollout_logp)); pass one of them")
-    if not 0 <= args.mis_threshold_low < args.mis_threshold_high:
+    if not 0 <= correction.mis_threshold_low < correction.mis_threshold_high:
         raise ValueError(
-            f"MIS thresholds must satisfy 0 <= --mis-threshold-low ({args.mis_threshold_low}) < "
-            f"--mis-threshold-high ({args.mis_threshold_high})"
+            f"MIS thresholds must satisfy 0 <= --mis-threshold-low ({correction.mis_threshold_low}) < "
+            f"--mis-threshold-high ({correction.mis_threshold_high})"
         )
-    if args.use_kl_loss and args.kl_loss_coef == 0.0:
+    if algorithm.use_kl_loss and algorithm.kl_loss_coef == 0.0:
         logger.warning("--use-kl-loss is set but --kl-loss-coef is 0.0: the KL loss is logged but has no effect")
-    if args.kl_coef != 0.0 and args.advantage_estimator not in KL_REWARD_ESTIMATORS:
+    if algorithm.kl_coef != 0.0 and algorithm.advantage_estimator not in KL_REWARD_ESTIMATORS:
         logger.warning(
             "--kl-coef %s is ignored by --advantage-estimator %s (only %s put KL into the reward); "
             "use --use-kl-loss --kl-loss-coef instead",
-            args.kl_coef,
-            args.advantage_estimator,
+            algorithm.kl_coef,
+            algorithm.advantage_estimator,
             ", ".join(KL_REWARD_ESTIMATORS),
         )
-    if args.normalize_advantages and args.advantage_estimator != "ppo":
+    if algorithm.normalize_advantages and algorithm.advantage_estimator != "ppo":
         logger.warning("--normalize-advantages only affects --advantage-estimator ppo; it is ignored here")
-    if args.advantage_estimator in LOSS_SELECTING_ESTIMATORS and args.policy_loss != args.advantage_estimator:
-        logger.info("--advantage-estimator %s: using --policy-loss %s", args.advantage_estimator,
-                    args.advantage_estimator)
-        derived["policy_loss"] = args.advantage_estimator
-    if args.cispo_eps_low is not None and derived.get("policy_loss", args.policy_loss) != "cispo":
+    estimator = algorithm.advantage_estimator
+    if estimator in LOSS_SELECTING_ESTIMATORS and algorithm.policy_loss != estimator:
+        logger.info("--advantage-estimator %s: using --policy-loss %s", algorithm.advantage_estimator,
+                    algorithm.advantage_estimator)
+        derived["policy_loss"] = algorithm.advantage_estimator
+    if algorithm.cispo_eps_low is not None and derived.get("policy_loss", algorithm.policy_loss) != "cispo":
         logger.warning("--cispo-eps-low is ignored: the policy loss is not cispo")
-    if args.opd_teacher_checkpoint is not None:
-        if not (Path(args.opd_teacher_checkpoint) / "config.json").is_file():
-            raise ValueError(f"--opd-teacher-checkpoint {args.opd_teacher_checkpoint}: no HF checkpoint there "
+    if distillation.opd_teacher_checkpoint is not None:
+        if not (Path(distillation.opd_teacher_checkpoint) / "config.json").is_file():
+            raise ValueError(f"--opd-teacher-checkpoint {distillation.opd_teacher_checkpoint}: no HF checkpoint there "
                              "(config.json missing)")
-        if args.opd_coef <= 0:
-            raise ValueError(f"--opd-coef must be > 0, got {args.opd_coef}; omit --opd-teacher-checkpoint for no "
-                             "distillation")
-    derived.update(_validate_estimator_shaping_entropy_flags(args, derived.get("policy_loss", args.policy_loss)))
-    derived["use_critic"] = args.advantage_estimator == "ppo" or getattr(args, "use_critic", False)
+        if distillation.opd_coef <= 0:
+            raise ValueError(f"--opd-coef must be > 0, got {distillation.opd_coef}; omit --opd-teacher-checkpoint "
+                             "for no distillation")
+    derived.update(_validate_estimator_shaping_entropy_flags(args, derived.get("policy_loss", algorithm.policy_loss)))
+    derived["use_critic"] = algorithm.advantage_estimator == "ppo" or algorithm.use_critic
     return with_values(args, **derived)
 
 
 def _validate_estimator_shaping_entropy_flags(args: argparse.Namespace, policy_loss: str) -> dict:
     """RLOO / ReMax, Dr. GRPO and the TRL normalisations, DAPO's overlong shaping and filtering, entropy-aware
     updates (top fraction, Clip-Cov / KL-Cov, the coefficient's schedule); returns the derived values."""
+    rollout = RolloutConfig.of(args)
+    algorithm = AlgorithmConfig.of(args)
+    job = JobConfig.of(args)
     derived = {}
-    max_len = getattr(args, "rollout_max_response_len", None)
-    if args.advantage_estimator == "rloo" and getattr(args, "n_samples_per_prompt", 2) < 2:
+    max_len = rollout.rollout_max_response_len
+    if algorithm.advantage_estimator == "rloo" and rollout.n_samples_per_prompt < 2:
         raise ValueError("--advantage-estimator rloo takes each sample's baseline from the other samples of its "
-                         f"group; --n-samples-per-prompt {args.n_samples_per_prompt} must be >= 2")
-    if args.advantage_estimator == "remax" and getattr(args, "rollout_function_path",
-                                                       "vime.rollout.vllm_rollout.generate_rollout") != \
+                         f"group; --n-samples-per-prompt {rollout.n_samples_per_prompt} must be >= 2")
+    if algorithm.advantage_estimator == "remax" and rollout.rollout_function_path != \
             "vime.rollout.vllm_rollout.generate_rollout":
         logger.warning("--advantage-estimator remax: --rollout-function-path %s must write each sample's greedy "
                        "baseline reward into metadata['remax_greedy_reward'] (the default rollout does)",
-                       args.rollout_function_path)
-    if args.disable_grpo_std_normalization and args.advantage_estimator not in STD_NORMALISING_ESTIMATORS:
+                       rollout.rollout_function_path)
+    if algorithm.disable_grpo_std_normalization and algorithm.advantage_estimator not in STD_NORMALISING_ESTIMATORS:
         logger.warning("--disable-grpo-std-normalization only affects --advantage-estimator %s; ignored by %s",
-                       " / ".join(STD_NORMALISING_ESTIMATORS), args.advantage_estimator)
-    if args.loss_agg_mode == "seq_mean_token_sum_norm" and args.advantage_estimator in STD_NORMALISING_ESTIMATORS \
-            and not args.disable_grpo_std_normalization:
+                       " / ".join(STD_NORMALISING_ESTIMATORS), algorithm.advantage_estimator)
+    if algorithm.loss_agg_mode == "seq_mean_token_sum_norm" \
+            and algorithm.advantage_estimator in STD_NORMALISING_ESTIMATORS \
+            and not algorithm.disable_grpo_std_normalization:
         logger.warning("--loss-agg-mode seq_mean_token_sum_norm without --disable-grpo-std-normalization is not "
                        "Dr. GRPO: its advantages are still divided by the group std")
-    if args.overlong_buffer_len is not None:
-        if args.overlong_buffer_len < 1 or (max_len is not None and args.overlong_buffer_len > max_len):
-            raise ValueError(f"--overlong-buffer-len {args.overlong_buffer_len} must lie in [1, "
+    if algorithm.overlong_buffer_len is not None:
+        if algorithm.overlong_buffer_len < 1 or (max_len is not None and algorithm.overlong_buffer_len > max_len):
+            raise ValueError(f"--overlong-buffer-len {algorithm.overlong_buffer_len} must lie in [1, "
                              f"--rollout-max-response-len {max_len}]")
-        if args.overlong_penalty_factor < 0:
-            raise ValueError(f"--overlong-penalty-factor must be >= 0, got {args.overlong_penalty_factor}")
-    elif args.overlong_penalty_factor != 1.0:
+        if algorithm.overlong_penalty_factor < 0:
+            raise ValueError(f"--overlong-penalty-factor must be >= 0, got {algorithm.overlong_penalty_factor}")
+    elif algorithm.overlong_penalty_factor != 1.0:
         raise ValueError("--overlong-penalty-factor needs --overlong-buffer-len (the buffer the penalty grows over)")
-    if args.entropy_top_fraction is not None and not 0.0 < args.entropy_top_fraction <= 1.0:
-        raise ValueError(f"--entropy-top-fraction must lie in (0, 1], got {args.entropy_top_fraction}")
+    if algorithm.entropy_top_fraction is not None and not 0.0 < algorithm.entropy_top_fraction <= 1.0:
+        raise ValueError(f"--entropy-top-fraction must lie in (0, 1], got {algorithm.entropy_top_fraction}")
     if policy_loss in ("clip_cov", "kl_cov"):
         ratio_flag = "--clip-cov-ratio" if policy_loss == "clip_cov" else "--kl-cov-ratio"
-        ratio = args.clip_cov_ratio if policy_loss == "clip_cov" else args.kl_cov_ratio
+        ratio = algorithm.clip_cov_ratio if policy_loss == "clip_cov" else algorithm.kl_cov_ratio
         if not 0.0 < ratio <= 1.0:
             raise ValueError(f"{ratio_flag} must lie in (0, 1], got {ratio}")
-        if args.eps_clip_c is not None:
+        if algorithm.eps_clip_c is not None:
             raise ValueError(f"--policy-loss {policy_loss} has no dual clip; drop --eps-clip-c")
-    if policy_loss == "clip_cov" and not args.clip_cov_lb < args.clip_cov_ub:
-        raise ValueError(f"--clip-cov-lb ({args.clip_cov_lb}) must be < --clip-cov-ub ({args.clip_cov_ub})")
-    if policy_loss == "kl_cov" and args.ppo_kl_coef < 0:
-        raise ValueError(f"--ppo-kl-coef must be >= 0, got {args.ppo_kl_coef}")
-    if args.policy_loss in ("clip_cov", "kl_cov") and args.advantage_estimator in LOSS_SELECTING_ESTIMATORS:
-        raise ValueError(f"--policy-loss {args.policy_loss} and --advantage-estimator {args.advantage_estimator} "
-                         f"(which brings its own {args.advantage_estimator} loss) exclude each other; use "
+    if policy_loss == "clip_cov" and not algorithm.clip_cov_lb < algorithm.clip_cov_ub:
+        raise ValueError(f"--clip-cov-lb ({algorithm.clip_cov_lb}) must be < --clip-cov-ub ({algorithm.clip_cov_ub})")
+    if policy_loss == "kl_cov" and algorithm.ppo_kl_coef < 0:
+        raise ValueError(f"--ppo-kl-coef must be >= 0, got {algorithm.ppo_kl_coef}")
+    if algorithm.policy_loss in ("clip_cov", "kl_cov") and algorithm.advantage_estimator in LOSS_SELECTING_ESTIMATORS:
+        raise ValueError(f"--policy-loss {algorithm.policy_loss} and --advantage-estimator "
+                         f"{algorithm.advantage_estimator} "
+                         f"(which brings its own {algorithm.advantage_estimator} loss) exclude each other; use "
                          "--advantage-estimator grpo with it")
-    if args.entropy_coef_schedule != "constant":
-        decay = args.entropy_coef_decay_rollouts or getattr(args, "num_rollout", None)
+    if algorithm.entropy_coef_schedule != "constant":
+        decay = algorithm.entropy_coef_decay_rollouts or job.num_rollout
         if not decay or decay < 1:
-            raise ValueError(f"--entropy-coef-schedule {args.entropy_coef_schedule} needs "
+            raise ValueError(f"--entropy-coef-schedule {algorithm.entropy_coef_schedule} needs "
                              "--entropy-coef-decay-rollouts N (or --num-rollout) >= 1")
         derived["entropy_coef_decay_rollouts"] = decay
-        if args.entropy_coef == args.entropy_coef_final:
+        if algorithm.entropy_coef == algorithm.entropy_coef_final:
             logger.warning("--entropy-coef-schedule %s from --entropy-coef %s to --entropy-coef-final %s: "
-                           "the coefficient never moves", args.entropy_coef_schedule, args.entropy_coef,
-                           args.entropy_coef_final)
-    elif args.entropy_coef_decay_rollouts is not None:
+                           "the coefficient never moves", algorithm.entropy_coef_schedule, algorithm.entropy_coef,
+                           algorithm.entropy_coef_final)
+    elif algorithm.entropy_coef_decay_rollouts is not None:
         logger.warning("--entropy-coef-decay-rollouts is ignored with --entropy-coef-schedule constant")
     return derived

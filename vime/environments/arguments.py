@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import importlib.util
 
+from vime.config.agents import EnvironmentConfig, JudgeConfig
+from vime.config.rollout import EnginesConfig
 from vime.environments.base import EnvironmentSpec
 from vime.environments.hooks import GENERATE_PATH, REWARD_PATH
 from vime.environments.mixture import environment_specs
@@ -76,18 +78,20 @@ def add_judge_args(parser: argparse.ArgumentParser) -> None:
 
 
 def validate_judge_args(args: argparse.Namespace) -> None:
-    if args.judge_checkpoint is None:
+    judge = JudgeConfig.of(args)
+    engines = EnginesConfig.of(args)
+    if judge.judge_checkpoint is None:
         return
     import os
 
-    if not os.path.isfile(os.path.join(args.judge_checkpoint, "config.json")):
-        raise ValueError(f"--judge-checkpoint {args.judge_checkpoint}: no config.json there; is it an HF checkpoint?")
+    if not os.path.isfile(os.path.join(judge.judge_checkpoint, "config.json")):
+        raise ValueError(f"--judge-checkpoint {judge.judge_checkpoint}: no config.json there; is it an HF checkpoint?")
     for flag in ("judge_num_engines", "judge_max_tokens", "judge_concurrency"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    if not args.judge_timeout > 0:
-        raise ValueError(f"--judge-timeout must be > 0 seconds, got {args.judge_timeout}")
-    if args.rollout_external_engine_addrs:
+    if not judge.judge_timeout > 0:
+        raise ValueError(f"--judge-timeout must be > 0 seconds, got {judge.judge_timeout}")
+    if engines.rollout_external_engine_addrs:
         raise ValueError("--judge-checkpoint starts the judge's engines on this node; it is not yet supported with "
                          "--rollout-external-engine-addrs")
 
@@ -106,6 +110,7 @@ def check_installed(specs: list[EnvironmentSpec]) -> None:
 def validate_environment_args(args: argparse.Namespace) -> argparse.Namespace:
     """Refuse flags that compete with --environment; set the environment hooks as the run's reward (and generate)
     functions. Returns `args` unchanged without --environment."""
+    environments = EnvironmentConfig.of(args)
     validate_judge_args(args)
     specs = environment_specs(args)  # bad kinds, weights, JSON: refused here
     if not specs:
@@ -118,11 +123,11 @@ def validate_environment_args(args: argparse.Namespace) -> argparse.Namespace:
     if competing:
         raise ValueError(f"--environment gives the run its prompts, rewards and generation: drop "
                          f"{', '.join('--' + f.replace('_', '-') for f in competing)}")
-    if args.environment_eval_size < 0:
-        raise ValueError(f"--environment-eval-size must be >= 0, got {args.environment_eval_size}")
-    if args.reasoning_gym_size < 1:
-        raise ValueError(f"--reasoning-gym-size must be >= 1, got {args.reasoning_gym_size}")
-    if args.reasoning_gym_weights and sum(s.kind == "reasoning_gym" for s in specs) != 1:
+    if environments.environment_eval_size < 0:
+        raise ValueError(f"--environment-eval-size must be >= 0, got {environments.environment_eval_size}")
+    if environments.reasoning_gym_size < 1:
+        raise ValueError(f"--reasoning-gym-size must be >= 1, got {environments.reasoning_gym_size}")
+    if environments.reasoning_gym_weights and sum(s.kind == "reasoning_gym" for s in specs) != 1:
         raise ValueError("--reasoning-gym-weights weighs the datasets of one reasoning_gym spec; with several, "
                          "weigh the specs with --environment-weights")
     check_installed(specs)
@@ -130,7 +135,7 @@ def validate_environment_args(args: argparse.Namespace) -> argparse.Namespace:
     if "verifiers" in kinds:
         from vime.environments.verifiers_process import verifiers_python
 
-        verifiers_python(args.verifiers_python)
+        verifiers_python(environments.verifiers_python)
     derived = {"custom_rm_path": REWARD_PATH}
     if kinds & set(MULTI_TURN_KINDS):
         derived["custom_generate_function_path"] = GENERATE_PATH

@@ -9,6 +9,17 @@ import os
 import re
 from pathlib import Path
 
+from vime.config.agents import EnvironmentConfig
+from vime.config.rollout import (
+    DataBufferConfig,
+    EnginesConfig,
+    EvalConfig,
+    FaultToleranceConfig,
+    PromptDataConfig,
+    RewardConfig,
+    RolloutConfig,
+)
+from vime.config.run import DebugConfig, JobConfig
 from vime.rollout.rm_hub import RM_REGISTRY, remote_rm
 from vime.rollout.rm_hub import pool as rm_pool
 from vime.utils.lora_adapters import AdapterSpec, adapter_specs
@@ -237,12 +248,13 @@ def add_all_rollout_args(parser: argparse.ArgumentParser) -> None:
 def validate_adapter_rms(args: argparse.Namespace, adapters: list[AdapterSpec]) -> None:
     """Each adapter's own RM (--lora-adapters NAME=PROMPT_DATA:RM) is an --rm-type name or a function path (loaded
     with the other function paths, `vime.arguments.function_path_flags`); --group-rm takes none of them."""
+    rewards = RewardConfig.of(args)
     with_rm = [s for s in adapters if s.rm]
     for spec in with_rm:
         if spec.rm not in RM_REGISTRY and not _FUNCTION_PATH.match(spec.rm):
             raise ValueError(f"--lora-adapters {spec.name}: RM {spec.rm!r} is neither an --rm-type name "
                              f"({', '.join(sorted(RM_REGISTRY))}) nor a function path pkg.module.fn")
-    if with_rm and args.group_rm:
+    if with_rm and rewards.group_rm:
         raise ValueError(f"--group-rm scores whole groups with --custom-rm-path; --lora-adapters "
                          f"{', '.join(s.name for s in with_rm)} name RMs of their own, which score one sample: drop "
                          "--group-rm or those RMs")
@@ -252,18 +264,28 @@ def validate_rollout_args(args: argparse.Namespace) -> argparse.Namespace:
     """The rollout side's flags (data, sampling, engines, fault tolerance, the data buffer, rewards, eval, debug):
     bad values and combinations rejected with how to fix them; returns a copy of `args` with the derived
     defaults filled in."""
+    debug = DebugConfig.of(args)
+    rollout = RolloutConfig.of(args)
+    prompt_data = PromptDataConfig.of(args)
+    environments = EnvironmentConfig.of(args)
+    rewards = RewardConfig.of(args)
+    evaluation = EvalConfig.of(args)
+    engines = EnginesConfig.of(args)
+    fault_tolerance = FaultToleranceConfig.of(args)
+    data_buffer = DataBufferConfig.of(args)
+    job = JobConfig.of(args)
     derived = {}
-    if args.debug_rollout_only and args.debug_train_only:
+    if debug.debug_rollout_only and debug.debug_train_only:
         raise ValueError("--debug-rollout-only and --debug-train-only exclude each other; pick one")
-    replaying = args.load_debug_rollout_data is not None
-    engine_free_rollout = args.rollout_function_path != DEFAULT_ROLLOUT_FUNCTION  # e.g. sft_rollout
-    if args.debug_train_only and not replaying and not engine_free_rollout:
+    replaying = debug.load_debug_rollout_data is not None
+    engine_free_rollout = rollout.rollout_function_path != DEFAULT_ROLLOUT_FUNCTION  # e.g. sft_rollout
+    if debug.debug_train_only and not replaying and not engine_free_rollout:
         raise ValueError("--debug-train-only needs --load-debug-rollout-data PATH_{rollout_id}, or a "
                          "--rollout-function-path that needs no engines (vime.rollout.sft_rollout.generate_rollout)")
-    if args.debug_rollout_only and replaying:
+    if debug.debug_rollout_only and replaying:
         raise ValueError("--debug-rollout-only generates rollouts; it cannot also --load-debug-rollout-data")
-    if args.save_rollouts_max_mb <= 0:
-        raise ValueError(f"--save-rollouts-max-mb must be > 0, got {args.save_rollouts_max_mb} (turn saving off "
+    if debug.save_rollouts_max_mb <= 0:
+        raise ValueError(f"--save-rollouts-max-mb must be > 0, got {debug.save_rollouts_max_mb} (turn saving off "
                          "with --no-save-rollouts)")
     for flag in ("save_debug_rollout_data", "load_debug_rollout_data"):
         template = getattr(args, flag)
@@ -272,24 +294,24 @@ def validate_rollout_args(args: argparse.Namespace) -> argparse.Namespace:
 
     adapters = adapter_specs(args)
     if not replaying:
-        if not args.prompt_data and not adapters and not getattr(args, "environment", None):
+        if not prompt_data.prompt_data and not adapters and not environments.environment:
             raise ValueError("--prompt-data FILE is required (JSONL or Parquet; with --lora-adapters, each adapter's "
                              "NAME=FILE) unless replaying saved rollouts")
-        if args.prompt_data and not Path(args.prompt_data).is_file():
-            raise ValueError(f"--prompt-data {args.prompt_data}: file not found")
+        if prompt_data.prompt_data and not Path(prompt_data.prompt_data).is_file():
+            raise ValueError(f"--prompt-data {prompt_data.prompt_data}: file not found")
         unscored = [s.name for s in adapters if s.rm is None]
-        if args.rm_type is None and args.custom_rm_path is None and not args.debug_train_only \
+        if rewards.rm_type is None and rewards.custom_rm_path is None and not debug.debug_train_only \
                 and (unscored or not adapters):
             raise ValueError("choose a reward: --rm-type (math, boxed, f1, ...) or --custom-rm-path module.fn"
                              + (f" (for --lora-adapters {', '.join(unscored)}, which name no RM of their own)"
                                 if adapters else ""))
-        if not args.rm_url and "remote_rm" in [args.rm_type] + [s.rm for s in adapters]:
+        if not rewards.rm_url and "remote_rm" in [rewards.rm_type] + [s.rm for s in adapters]:
             raise ValueError("--rm-type remote_rm needs --rm-url http://host:port/path")
     validate_adapter_rms(args, adapters)
-    if args.eval_prompt_data is not None:
-        if len(args.eval_prompt_data) % 2:
+    if evaluation.eval_prompt_data is not None:
+        if len(evaluation.eval_prompt_data) % 2:
             raise ValueError("--eval-prompt-data takes pairs NAME PATH [NAME PATH ...]")
-        for name, path in zip(args.eval_prompt_data[::2], args.eval_prompt_data[1::2]):
+        for name, path in zip(evaluation.eval_prompt_data[::2], evaluation.eval_prompt_data[1::2]):
             if not Path(path).is_file():
                 raise ValueError(f"--eval-prompt-data {name}: file {path} not found")
             if adapters and name not in [s.name for s in adapters]:
@@ -297,62 +319,66 @@ def validate_rollout_args(args: argparse.Namespace) -> argparse.Namespace:
                                  "adapter it is named after; name it after the adapter it evaluates (one of "
                                  f"{', '.join(s.name for s in adapters)})")
 
-    if args.eval_pass_at_k is not None:
-        if args.eval_prompt_data is None and not getattr(args, "environment_eval_size", 0):
+    if evaluation.eval_pass_at_k is not None:
+        if evaluation.eval_prompt_data is None and not environments.environment_eval_size:
             raise ValueError("--eval-pass-at-k needs eval sets: --eval-prompt-data NAME PATH (or "
                              "--environment-eval-size N)")
-        if args.eval_pass_at_k[-1] > args.n_samples_per_eval_prompt:
-            raise ValueError(f"--eval-pass-at-k {','.join(map(str, args.eval_pass_at_k))}: k = "
-                             f"{args.eval_pass_at_k[-1]} needs --n-samples-per-eval-prompt >= {args.eval_pass_at_k[-1]} "
-                             f"(got {args.n_samples_per_eval_prompt})")
+        if evaluation.eval_pass_at_k[-1] > evaluation.n_samples_per_eval_prompt:
+            raise ValueError(f"--eval-pass-at-k {','.join(map(str, evaluation.eval_pass_at_k))}: k = "
+                             f"{evaluation.eval_pass_at_k[-1]} needs --n-samples-per-eval-prompt >= "
+                             f"{evaluation.eval_pass_at_k[-1]} "
+                             f"(got {evaluation.n_samples_per_eval_prompt})")
 
     for flag in ("rollout_batch_size", "n_samples_per_prompt", "rollout_max_response_len", "rollout_concurrency",
                  "rollout_num_gpus", "rollout_num_gpus_per_engine", "n_samples_per_eval_prompt"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    over_sampling = args.rollout_batch_size if args.over_sampling_batch_size is None else args.over_sampling_batch_size
+    over_sampling = rollout.over_sampling_batch_size
+    over_sampling = rollout.rollout_batch_size if over_sampling is None else over_sampling
     derived["over_sampling_batch_size"] = over_sampling
-    if over_sampling < args.rollout_batch_size:
+    if over_sampling < rollout.rollout_batch_size:
         raise ValueError(f"--over-sampling-batch-size ({over_sampling}) must be >= "
-                         f"--rollout-batch-size ({args.rollout_batch_size})")
-    if args.rollout_temperature <= 0:
+                         f"--rollout-batch-size ({rollout.rollout_batch_size})")
+    if rollout.rollout_temperature <= 0:
         raise ValueError("--rollout-temperature must be > 0: RL needs sampled responses and their log-probs")
-    if not 0 < args.rollout_top_p <= 1:
-        raise ValueError(f"--rollout-top-p must be in (0, 1], got {args.rollout_top_p}")
-    if args.rollout_num_gpus % args.rollout_num_gpus_per_engine:
-        raise ValueError(f"--rollout-num-gpus ({args.rollout_num_gpus}) must be a multiple of "
-                         f"--rollout-num-gpus-per-engine ({args.rollout_num_gpus_per_engine})")
-    if args.rollout_external_engine_addrs:
-        for addr in args.rollout_external_engine_addrs:
+    if not 0 < rollout.rollout_top_p <= 1:
+        raise ValueError(f"--rollout-top-p must be in (0, 1], got {rollout.rollout_top_p}")
+    if engines.rollout_num_gpus % engines.rollout_num_gpus_per_engine:
+        raise ValueError(f"--rollout-num-gpus ({engines.rollout_num_gpus}) must be a multiple of "
+                         f"--rollout-num-gpus-per-engine ({engines.rollout_num_gpus_per_engine})")
+    if engines.rollout_external_engine_addrs:
+        for addr in engines.rollout_external_engine_addrs:
             host, _, port = addr.rpartition(":")
             if not host or not port.isdigit():
                 raise ValueError(f"--rollout-external-engine-addrs: {addr!r} is not host:port")
-    if args.mask_offpolicy_in_partial_rollout and not args.partial_rollout:
+    if rollout.mask_offpolicy_in_partial_rollout and not rollout.partial_rollout:
         raise ValueError("--mask-offpolicy-in-partial-rollout needs --partial-rollout")
 
-    if args.use_fault_tolerance and args.rollout_external_engine_addrs:
+    if fault_tolerance.use_fault_tolerance and engines.rollout_external_engine_addrs:
         raise ValueError("--use-fault-tolerance restarts engines vime started; it cannot restart "
                          "--rollout-external-engine-addrs servers (drop one of the two)")
     for flag in ("rollout_health_check_interval", "rollout_health_check_timeout"):
         if getattr(args, flag) <= 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
-    if not 0.0 <= args.max_failed_samples_ratio <= 1.0:
-        raise ValueError(f"--max-failed-samples-ratio must be in [0, 1], got {args.max_failed_samples_ratio}")
-    if args.max_consecutive_failed_rollouts < 1:
-        raise ValueError(f"--max-consecutive-failed-rollouts must be >= 1, got {args.max_consecutive_failed_rollouts}")
-    derived["rollout_data_dir"] = os.path.abspath(args.rollout_data_dir or
-                                                  os.path.join(os.path.abspath(args.output_dir), "rollout_data"))
+    if not 0.0 <= fault_tolerance.max_failed_samples_ratio <= 1.0:
+        raise ValueError("--max-failed-samples-ratio must be in [0, 1], got "
+                         f"{fault_tolerance.max_failed_samples_ratio}")
+    if fault_tolerance.max_consecutive_failed_rollouts < 1:
+        raise ValueError("--max-consecutive-failed-rollouts must be >= 1, got "
+                         f"{fault_tolerance.max_consecutive_failed_rollouts}")
+    derived["rollout_data_dir"] = os.path.abspath(data_buffer.rollout_data_dir or
+                                                  os.path.join(os.path.abspath(job.output_dir), "rollout_data"))
 
-    if args.rollout_seed is None:
-        derived["rollout_seed"] = args.seed
-    if isinstance(args.apply_chat_template_kwargs, str):
+    if rollout.rollout_seed is None:
+        derived["rollout_seed"] = job.seed
+    if isinstance(prompt_data.apply_chat_template_kwargs, str):
         try:
-            derived["apply_chat_template_kwargs"] = json.loads(args.apply_chat_template_kwargs)
+            derived["apply_chat_template_kwargs"] = json.loads(prompt_data.apply_chat_template_kwargs)
         except json.JSONDecodeError as e:
             raise ValueError(f"--apply-chat-template-kwargs is not valid JSON: {e}") from e
-    for name, default in (("eval_temperature", args.rollout_temperature), ("eval_top_p", args.rollout_top_p),
-                          ("eval_top_k", args.rollout_top_k),
-                          ("eval_max_response_len", args.rollout_max_response_len)):
+    for name, default in (("eval_temperature", rollout.rollout_temperature), ("eval_top_p", rollout.rollout_top_p),
+                          ("eval_top_k", rollout.rollout_top_k),
+                          ("eval_max_response_len", rollout.rollout_max_response_len)):
         if getattr(args, name) is None:
             derived[name] = default
     return with_values(args, **derived)

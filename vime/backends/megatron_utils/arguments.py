@@ -16,6 +16,7 @@ import json
 from vime.backends.megatron_utils.hf_architecture import hf_architecture
 from vime.backends.megatron_utils.megatron_flags import (add_generated_megatron_args, check_megatron_lm_architecture,
                                                          warn_once)
+from vime.config.train import MegatronConfig
 from vime.utils.device import use_gpu
 from vime.utils.misc import with_values
 
@@ -194,6 +195,7 @@ def fill_architecture_from_hf(args: argparse.Namespace, hf_config) -> argparse.N
     Raises ValueError naming the flag, the given and the config value when a given flag contradicts the config
     (e.g. `--num-layers 4` for a 2-layer checkpoint).
     """
+    megatron = MegatronConfig.of(args)
     check_megatron_lm_architecture(args)
     filled = {}
     for dest, value in hf_architecture(hf_config).items():
@@ -206,7 +208,7 @@ def fill_architecture_from_hf(args: argparse.Namespace, hf_config) -> argparse.N
             flag = "--" + dest.replace("_", "-")
             raise ValueError(f"{flag}={given!r} contradicts the HF config, which gives {value!r}; "
                              f"drop {flag} to use the config's value")
-    if getattr(args, "moe_aux_loss_coeff", None) is None:  # a training choice: the config's is only the default
+    if megatron.moe_aux_loss_coeff is None:  # a training choice: the config's is only the default
         filled["moe_aux_loss_coeff"] = float(getattr(hf_config, "router_aux_loss_coef", 0.0) or 0.0)
     return with_values(args, **filled)
 
@@ -218,7 +220,8 @@ def validate_megatron_args(args: argparse.Namespace, world_size: int | None = No
     `fill_architecture_from_hf`. Raises ValueError with a suggested fix; returns a copy of `args` with
     --global-batch-size set (one micro-batch per data-parallel rank when not given).
     """
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    megatron = MegatronConfig.of(args)
+    tp, pp = megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size
     if tp < 1 or pp < 1:
         raise ValueError(f"--tensor-model-parallel-size ({tp}) and --pipeline-model-parallel-size ({pp}) must be >= 1")
     world_size = tp * pp if world_size is None else world_size
@@ -226,14 +229,14 @@ def validate_megatron_args(args: argparse.Namespace, world_size: int | None = No
         raise ValueError(f"{world_size} training ranks are not a multiple of tensor x pipeline parallel size "
                          f"({tp} x {pp}); change the number of training GPUs/processes or the parallel sizes")
     dp = world_size // (tp * pp)
-    if args.micro_batch_size < 1:
-        raise ValueError(f"--micro-batch-size must be >= 1, got {args.micro_batch_size}")
-    gbs = args.micro_batch_size * dp if args.global_batch_size is None else args.global_batch_size
-    if gbs % (args.micro_batch_size * dp):
+    if megatron.micro_batch_size < 1:
+        raise ValueError(f"--micro-batch-size must be >= 1, got {megatron.micro_batch_size}")
+    gbs = megatron.micro_batch_size * dp if megatron.global_batch_size is None else megatron.global_batch_size
+    if gbs % (megatron.micro_batch_size * dp):
         raise ValueError(f"--global-batch-size {gbs} must be a multiple of --micro-batch-size "
-                         f"x data-parallel size = {args.micro_batch_size} x {dp}; e.g. use --global-batch-size "
-                         f"{(gbs // (args.micro_batch_size * dp) + 1) * args.micro_batch_size * dp}")
-    if args.bf16 and args.fp16:
+                         f"x data-parallel size = {megatron.micro_batch_size} x {dp}; e.g. use --global-batch-size "
+                         f"{(gbs // (megatron.micro_batch_size * dp) + 1) * megatron.micro_batch_size * dp}")
+    if megatron.bf16 and megatron.fp16:
         raise ValueError("--bf16 and --fp16 are exclusive; pass one of them")
     if getattr(args, "sequence_parallel", None) and tp == 1:
         raise ValueError("--sequence-parallel splits activations over tensor-parallel ranks: it needs "
@@ -241,11 +244,11 @@ def validate_megatron_args(args: argparse.Namespace, world_size: int | None = No
     if (getattr(args, "context_parallel_size", None) or 1) > 1:
         raise ValueError(f"--context-parallel-size {args.context_parallel_size}: context parallelism is not "
                          "supported by vime's trainer yet; use 1 (sequences are split over micro-batches instead)")
-    if (args.bf16 or args.fp16) and not use_gpu():
-        warn_once(f"{'--bf16' if args.bf16 else '--fp16'} on CPU: the trainer computes in float32 (16-bit float "
+    if (megatron.bf16 or megatron.fp16) and not use_gpu():
+        warn_once(f"{'--bf16' if megatron.bf16 else '--fp16'} on CPU: the trainer computes in float32 (16-bit float "
                   "math is several times slower on CPU)")
-    if args.min_lr > args.lr:
-        raise ValueError(f"--min-lr {args.min_lr} is above --lr {args.lr}; lower --min-lr")
+    if megatron.min_lr > megatron.lr:
+        raise ValueError(f"--min-lr {megatron.min_lr} is above --lr {megatron.lr}; lower --min-lr")
 
     missing = [d for d in ARCHITECTURE_FLAGS if getattr(args, d, None) is None]
     if missing:
@@ -256,27 +259,28 @@ def validate_megatron_args(args: argparse.Namespace, world_size: int | None = No
         if value % tp:
             raise ValueError(f"{what} ({value}, --{dest.replace('_', '-')}) is not divisible by "
                              f"--tensor-model-parallel-size {tp}; choose a tensor-parallel size that divides it")
-    groups = args.num_query_groups
+    groups = megatron.num_query_groups
     if groups % tp and tp % groups:
         raise ValueError(f"key/value heads ({groups}) and --tensor-model-parallel-size {tp}: one must divide the "
                          f"other; choose a tensor-parallel size that divides {groups} or is a multiple of it")
-    if args.num_layers % pp:
-        raise ValueError(f"{args.num_layers} layers are not divisible by --pipeline-model-parallel-size {pp}; "
+    if megatron.num_layers % pp:
+        raise ValueError(f"{megatron.num_layers} layers are not divisible by --pipeline-model-parallel-size {pp}; "
                          f"choose a pipeline size that divides the layer count")
     _check_moe(args, world_size)
     return with_values(args, global_batch_size=gbs)
 
 
 def _check_moe(args: argparse.Namespace, world_size: int) -> None:
-    ep = getattr(args, "expert_model_parallel_size", 1)
-    etp = getattr(args, "expert_tensor_parallel_size", None) or args.tensor_model_parallel_size
-    experts = getattr(args, "num_experts", None)
+    megatron = MegatronConfig.of(args)
+    ep = megatron.expert_model_parallel_size
+    etp = megatron.expert_tensor_parallel_size or megatron.tensor_model_parallel_size
+    experts = megatron.num_experts
     if ep < 1 or etp < 1:
         raise ValueError(f"--expert-model-parallel-size ({ep}) and --expert-tensor-parallel-size ({etp}) must be >= 1")
-    if etp != args.tensor_model_parallel_size:
+    if etp != megatron.tensor_model_parallel_size:
         raise ValueError(f"--expert-tensor-parallel-size {etp} differs from --tensor-model-parallel-size "
-                         f"{args.tensor_model_parallel_size}: vime splits experts over tensor parallel like the dense "
-                         "layers; drop --expert-tensor-parallel-size")
+                         f"{megatron.tensor_model_parallel_size}: vime splits experts over tensor parallel like the "
+                         "dense layers; drop --expert-tensor-parallel-size")
     if not experts:
         if ep > 1:
             raise ValueError(f"--expert-model-parallel-size {ep} needs a mixture-of-experts model; this one is dense")
@@ -284,11 +288,11 @@ def _check_moe(args: argparse.Namespace, world_size: int) -> None:
     if experts % ep:
         raise ValueError(f"{experts} experts do not split over --expert-model-parallel-size {ep}; choose a size that "
                          "divides the expert count")
-    per_stage = world_size // args.pipeline_model_parallel_size
+    per_stage = world_size // megatron.pipeline_model_parallel_size
     if per_stage % (ep * etp):
         raise ValueError(f"{per_stage} ranks per pipeline stage are not a multiple of expert-parallel x "
                          f"expert-tensor-parallel size ({ep} x {etp}); add training ranks or lower the sizes")
-    if getattr(args, "moe_grouped_gemm", False):
+    if megatron.moe_grouped_gemm:
         if not use_gpu():
             raise ValueError("--moe-grouped-gemm needs a GPU with TransformerEngine; drop it on CPU (one GEMM per "
                              "expert computes the same)")

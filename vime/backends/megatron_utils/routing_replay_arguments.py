@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 
 from vime.backends.megatron_utils.hf_architecture import hf_moe
+from vime.config.rollout import EnginesConfig
+from vime.config.run import JobConfig
+from vime.config.train import RoutingReplayConfig
 
 
 def add_routing_replay_args(parser: argparse.ArgumentParser) -> None:
@@ -21,6 +24,9 @@ def add_routing_replay_args(parser: argparse.ArgumentParser) -> None:
 
 def validate_routing_replay_args(args: argparse.Namespace, hf_config=None) -> None:
     """Parse-time checks. `hf_config`: the checkpoint's (read from --hf-checkpoint when None and a flag is set)."""
+    job = JobConfig.of(args)
+    routing_replay = RoutingReplayConfig.of(args)
+    engines = EnginesConfig.of(args)
     flags = [f for f in ("use_rollout_routing_replay", "use_routing_replay") if getattr(args, f, False)]
     if not flags:
         return
@@ -28,17 +34,17 @@ def validate_routing_replay_args(args: argparse.Namespace, hf_config=None) -> No
         from transformers import AutoConfig
 
         try:
-            hf_config = AutoConfig.from_pretrained(args.hf_checkpoint)
+            hf_config = AutoConfig.from_pretrained(job.hf_checkpoint)
         except Exception as e:  # transformers' own checks raise KeyError, ValueError, OSError, ...
-            raise ValueError(f"--hf-checkpoint {args.hf_checkpoint}: transformers cannot read its config.json "
+            raise ValueError(f"--hf-checkpoint {job.hf_checkpoint}: transformers cannot read its config.json "
                              f"({type(e).__name__}: {e})") from e
     names = " and ".join("--" + f.replace("_", "-") for f in flags)
     if not hf_moe(hf_config)["num_experts"]:
-        raise ValueError(f"{names}: {args.hf_checkpoint} is a dense model (no routed experts in its config.json); "
+        raise ValueError(f"{names}: {job.hf_checkpoint} is a dense model (no routed experts in its config.json); "
                          "routing replay is for MoE models, drop the flag")
-    if getattr(args, "use_rollout_routing_replay", False):
+    if routing_replay.use_rollout_routing_replay:
         from vime.utils.device import use_gpu
 
-        if not use_gpu() and args.rollout_num_gpus_per_engine != 1:
+        if not use_gpu() and engines.rollout_num_gpus_per_engine != 1:
             raise ValueError("--use-rollout-routing-replay on CPU: vime captures the routing in the engine's "
                              "worker, for engines of one worker; set --rollout-num-gpus-per-engine 1")

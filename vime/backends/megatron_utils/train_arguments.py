@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import argparse
 
+from vime.config.algorithm import AlgorithmConfig
+from vime.config.rollout import EnginesConfig, PromptDataConfig, RolloutConfig
+from vime.config.run import DebugConfig, JobConfig
+from vime.config.train import LoraConfig, MegatronConfig, TrainLoopConfig, WeightSyncConfig
 from vime.utils.lora_adapters import adapter_specs
 from vime.utils.misc import with_values
 
@@ -112,22 +116,23 @@ def lora_targets(names) -> tuple[str, ...]:
 
 def validate_lora_args(args: argparse.Namespace) -> argparse.Namespace:
     """Check the LoRA flags; with --lora-load, returns `args` with the adapter's rank, alpha and targets."""
-    if args.lora_load:
-        args = with_values(args, **_peft_adapter_flags(args.lora_load, args))
-    if args.lora_rank < 0:
-        raise ValueError(f"--lora-rank must be >= 0 (0 = full fine-tuning), got {args.lora_rank}")
+    if LoraConfig.of(args).lora_load:
+        args = with_values(args, **_peft_adapter_flags(LoraConfig.of(args).lora_load, args))
+    lora = LoraConfig.of(args)
+    if lora.lora_rank < 0:
+        raise ValueError(f"--lora-rank must be >= 0 (0 = full fine-tuning), got {lora.lora_rank}")
     specs = adapter_specs(args)
-    if not args.lora_rank:
-        for flag, given in (("--lora-sync", args.lora_sync), ("--lora-adapters", specs)):
+    if not lora.lora_rank:
+        for flag, given in (("--lora-sync", lora.lora_sync), ("--lora-adapters", specs)):
             if given:
                 raise ValueError(f"{flag} needs --lora-rank N (LoRA training)")
         return args
-    lora_targets(args.lora_target_modules)
-    if args.lora_alpha is not None and args.lora_alpha <= 0:
-        raise ValueError(f"--lora-alpha must be > 0, got {args.lora_alpha}")
-    if not 0.0 <= args.lora_dropout < 1.0:
-        raise ValueError(f"--lora-dropout must be in [0, 1), got {args.lora_dropout}")
-    if getattr(args, "sequence_parallel", False):
+    lora_targets(lora.lora_target_modules)
+    if lora.lora_alpha is not None and lora.lora_alpha <= 0:
+        raise ValueError(f"--lora-alpha must be > 0, got {lora.lora_alpha}")
+    if not 0.0 <= lora.lora_dropout < 1.0:
+        raise ValueError(f"--lora-dropout must be in [0, 1), got {lora.lora_dropout}")
+    if args.sequence_parallel:  # megatron-core's flag
         raise ValueError("--lora-rank with --sequence-parallel is not supported yet; drop one of them")
     sync = lora_sync_mode(args)
     if specs:
@@ -137,17 +142,20 @@ def validate_lora_args(args: argparse.Namespace) -> argparse.Namespace:
 
 def _check_adapters(args: argparse.Namespace, specs, sync: str) -> None:
     """--lora-adapters with the flags it needs and excludes."""
+    lora = LoraConfig.of(args)
+    prompt_data = PromptDataConfig.of(args)
+    rollout = RolloutConfig.of(args)
     from pathlib import Path
 
     if sync != "adapter":
         raise ValueError("--lora-adapters needs --lora-sync adapter (engines that serve each adapter by name); merged "
                          "weights hold one adapter")
-    if args.lora_load:
+    if lora.lora_load:
         raise ValueError("--lora-adapters starts every adapter fresh; drop --lora-load")
-    if getattr(args, "prompt_data", None):
+    if prompt_data.prompt_data:
         raise ValueError("--lora-adapters names each adapter's prompts (NAME=PROMPT_DATA); drop --prompt-data")
-    if args.rollout_batch_size % len(specs):
-        raise ValueError(f"--rollout-batch-size {args.rollout_batch_size} must be a multiple of the "
+    if rollout.rollout_batch_size % len(specs):
+        raise ValueError(f"--rollout-batch-size {rollout.rollout_batch_size} must be a multiple of the "
                          f"{len(specs)} --lora-adapters: each rollout takes an equal share of prompts per adapter")
     for spec in specs:
         if not Path(spec.prompt_data).is_file():
@@ -160,28 +168,33 @@ MAX_SERVED_LORA_RANK = 512  # vLLM's largest --max-lora-rank
 def lora_sync_mode(args: argparse.Namespace) -> str:
     """--lora-sync, resolved: adapter unless the engines are external (they may lack LoRA support and vime's
     update route) or are CPU engines of an MoE model; adapter sync refused where it cannot work."""
+    engines = EnginesConfig.of(args)
+    job = JobConfig.of(args)
+    lora = LoraConfig.of(args)
+    weight_sync = WeightSyncConfig.of(args)
     from vime.backends.vllm_utils.engine import is_moe
     from vime.utils.device import use_gpu
 
-    external = bool(getattr(args, "rollout_external_engine_addrs", None))
+    external = bool(engines.rollout_external_engine_addrs)
     # vLLM's CPU engine cannot serve adapters on an MoE model: with LoRA on, its MoE layers take a Triton-only path
-    cpu_moe = not use_gpu() and is_moe(args.hf_checkpoint)
-    mode = args.lora_sync or ("merged" if external or cpu_moe else "adapter")
+    cpu_moe = not use_gpu() and is_moe(job.hf_checkpoint)
+    mode = lora.lora_sync or ("merged" if external or cpu_moe else "adapter")
     if mode == "merged":
         return mode
     if external:
         raise ValueError("--lora-sync adapter needs engines vime starts (their update route loads each adapter); "
                          "external engines get --lora-sync merged")
     if cpu_moe:
-        raise ValueError(f"--lora-sync adapter: {args.hf_checkpoint} is a mixture-of-experts model, and vLLM's CPU "
+        raise ValueError(f"--lora-sync adapter: {job.hf_checkpoint} is a mixture-of-experts model, and vLLM's CPU "
                          "engine serves LoRA adapters on dense models only (its LoRA path for MoE layers needs "
                          "Triton); use --lora-sync merged, the default for MoE models on CPU")
-    if args.update_weight_transport != "disk":
-        raise ValueError(f"--update-weight-transport {args.update_weight_transport} sends full weights; a LoRA run "
+    if weight_sync.update_weight_transport != "disk":
+        raise ValueError(f"--update-weight-transport {weight_sync.update_weight_transport} sends full weights; a LoRA "
+                         "run "
                          "sends only its adapters (--lora-sync adapter, the default): drop the transport flag, or "
                          "pass --lora-sync merged to send the merged weights through it")
-    if args.lora_rank > MAX_SERVED_LORA_RANK:
-        raise ValueError(f"--lora-rank {args.lora_rank}: vLLM serves adapters of rank <= {MAX_SERVED_LORA_RANK}; "
+    if lora.lora_rank > MAX_SERVED_LORA_RANK:
+        raise ValueError(f"--lora-rank {lora.lora_rank}: vLLM serves adapters of rank <= {MAX_SERVED_LORA_RANK}; "
                          "use a smaller rank, or --lora-sync merged")
     return mode
 
@@ -217,62 +230,69 @@ def lr_schedule_problem(args: argparse.Namespace, total_steps: int) -> str | Non
     it with init_lr 0 under warmup (else --lr), max_lr --lr (or --critic-lr), min_lr --min-lr, warmup
     --lr-warmup-iters and decay over the run's `total_steps` optimizer steps (--num-rollout x
     --num-steps-per-rollout). tests/unit/test_arguments.py holds this against Megatron's own constructor."""
-    rates = [("--lr", args.lr)]
-    if getattr(args, "critic_lr", None) is not None and getattr(args, "use_critic", False):
-        rates.append(("--critic-lr", args.critic_lr))
-    if args.min_lr < 0:
-        return f"--min-lr {args.min_lr} is negative; use 0 or more"
+    megatron = MegatronConfig.of(args)
+    train_loop = TrainLoopConfig.of(args)
+    algorithm = AlgorithmConfig.of(args)
+    rates = [("--lr", megatron.lr)]
+    if train_loop.critic_lr is not None and algorithm.use_critic:
+        rates.append(("--critic-lr", train_loop.critic_lr))
+    if megatron.min_lr < 0:
+        return f"--min-lr {megatron.min_lr} is negative; use 0 or more"
     for flag, lr in rates:
-        if lr < args.min_lr:
-            return f"{flag} {lr} is below --min-lr {args.min_lr}; lower --min-lr"
-        if args.lr_warmup_iters and lr < 0:
+        if lr < megatron.min_lr:
+            return f"{flag} {lr} is below --min-lr {megatron.min_lr}; lower --min-lr"
+        if megatron.lr_warmup_iters and lr < 0:
             return f"{flag} {lr} is negative: warmup would start above it; use a positive rate"
     decay_steps = max(total_steps, 1)
-    if args.lr_warmup_iters >= decay_steps:
-        return (f"--lr-warmup-iters {args.lr_warmup_iters} is not below the run's {decay_steps} optimizer step(s) "
-                f"(--num-rollout x --num-steps-per-rollout, {args.num_steps_per_rollout} a rollout): lower "
+    if megatron.lr_warmup_iters >= decay_steps:
+        return (f"--lr-warmup-iters {megatron.lr_warmup_iters} is not below the run's {decay_steps} optimizer step(s) "
+                f"(--num-rollout x --num-steps-per-rollout, {train_loop.num_steps_per_rollout} a rollout): lower "
                 "--lr-warmup-iters, or train longer (--num-rollout, or fewer samples per step with "
                 "--global-batch-size)")
-    if args.weight_decay < 0:
-        return f"--weight-decay {args.weight_decay} is negative; use 0 or more"
+    if megatron.weight_decay < 0:
+        return f"--weight-decay {megatron.weight_decay} is negative; use 0 or more"
     return None
 
 
 def validate_train_args(args: argparse.Namespace) -> argparse.Namespace:
     """Check the training-loop flags; returns a copy of `args` with --global-batch-size and
     --num-steps-per-rollout derived from each other and the rollout's size."""
-    samples = args.rollout_batch_size * args.n_samples_per_prompt
-    if args.num_steps_per_rollout is not None:
-        if samples % args.num_steps_per_rollout:
-            raise ValueError(f"--num-steps-per-rollout {args.num_steps_per_rollout} does not divide the "
+    rollout, train_loop, megatron = RolloutConfig.of(args), TrainLoopConfig.of(args), MegatronConfig.of(args)
+    samples = rollout.rollout_batch_size * rollout.n_samples_per_prompt
+    steps = train_loop.num_steps_per_rollout
+    if steps is not None:
+        if samples % steps:
+            raise ValueError(f"--num-steps-per-rollout {steps} does not divide the "
                              f"{samples} samples of a rollout (rollout-batch-size x n-samples-per-prompt)")
-        gbs = samples // args.num_steps_per_rollout
-        if args.global_batch_size is not None and args.global_batch_size != gbs:
-            raise ValueError(f"--global-batch-size {args.global_batch_size} contradicts --num-steps-per-rollout "
-                             f"{args.num_steps_per_rollout} ({samples} samples per rollout -> {gbs}); give one")
+        gbs = samples // steps
+        if megatron.global_batch_size is not None and megatron.global_batch_size != gbs:
+            raise ValueError(f"--global-batch-size {megatron.global_batch_size} contradicts --num-steps-per-rollout "
+                             f"{steps} ({samples} samples per rollout -> {gbs}); give one")
     else:
-        gbs = samples if args.global_batch_size is None else args.global_batch_size
+        gbs = samples if megatron.global_batch_size is None else megatron.global_batch_size
     if samples % gbs:
         raise ValueError(f"--global-batch-size {gbs} must divide the {samples} samples of a "
                          "rollout (rollout-batch-size x n-samples-per-prompt)")
-    if args.update_weight_buffer_size < 1:
-        raise ValueError(f"--update-weight-buffer-size must be >= 1 byte, got {args.update_weight_buffer_size}")
-    if getattr(args, "use_critic", False) and args.pipeline_model_parallel_size > 1:
+    buffer_size = WeightSyncConfig.of(args).update_weight_buffer_size
+    if buffer_size < 1:
+        raise ValueError(f"--update-weight-buffer-size must be >= 1 byte, got {buffer_size}")
+    if AlgorithmConfig.of(args).use_critic and megatron.pipeline_model_parallel_size > 1:
         raise ValueError("the PPO critic (--advantage-estimator ppo) supports --pipeline-model-parallel-size 1 "
                          "only; use tensor or data parallelism")
-    if args.max_staleness is not None and args.max_staleness < 1:
+    if train_loop.max_staleness is not None and train_loop.max_staleness < 1:
         raise ValueError(f"--max-staleness must be >= 1 (rollouts generated ahead of training), got "
-                         f"{args.max_staleness}; omit it for one rollout ahead")
-    if args.max_staleness is not None and args.update_weights_interval > 1:
+                         f"{train_loop.max_staleness}; omit it for one rollout ahead")
+    if train_loop.max_staleness is not None and train_loop.update_weights_interval > 1:
         raise ValueError("--max-staleness pushes every update in flight: drop --update-weights-interval "
-                         f"{args.update_weights_interval}, or drop --max-staleness")
-    if args.train_num_threads is not None and args.train_num_threads < 1:
-        raise ValueError(f"--train-num-threads must be >= 1, got {args.train_num_threads}")
-    if args.use_dynamic_batch_size and not args.max_tokens_per_gpu:
+                         f"{train_loop.update_weights_interval}, or drop --max-staleness")
+    if train_loop.train_num_threads is not None and train_loop.train_num_threads < 1:
+        raise ValueError(f"--train-num-threads must be >= 1, got {train_loop.train_num_threads}")
+    if train_loop.use_dynamic_batch_size and not train_loop.max_tokens_per_gpu:
         raise ValueError("--use-dynamic-batch-size needs --max-tokens-per-gpu N")
     args = with_values(validate_lora_args(args), global_batch_size=gbs, num_steps_per_rollout=samples // gbs)
-    if args.num_rollout is not None and not args.debug_rollout_only:  # else known once the prompts are counted
-        problem = lr_schedule_problem(args, args.num_rollout * args.num_steps_per_rollout)
+    job = JobConfig.of(args)
+    if job.num_rollout is not None and not DebugConfig.of(args).debug_rollout_only:  # else known once counted
+        problem = lr_schedule_problem(args, job.num_rollout * (samples // gbs))
         if problem:
             raise ValueError(problem)
     return args
