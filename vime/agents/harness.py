@@ -26,10 +26,9 @@ import inspect
 import logging
 from typing import Any, Awaitable, Callable
 
-from vime.agents.arguments import agent_setting
 from vime.agents.chat_session import ChatSession, trajectory_to_sample
-from vime.agents.openai_arguments import agent_flag
 from vime.agents.openai_server import OpenAIServer
+from vime.config.agents import AgentConfig, HarnessConfig
 from vime.config.rollout import PromptDataConfig, RolloutConfig
 from vime.config.router import RouterConfig
 from vime.config.run import JobConfig
@@ -59,15 +58,16 @@ def get_server(args) -> OpenAIServer:
                 logger.warning("--router-policy is %r: a session's calls may land on different engines; "
                                "--router-policy consistent_hash keeps each on one engine (prefix cache)",
                                router.router_policy)
+            harness = HarnessConfig.of(args)
             defaults = {"max_tokens": rollout.rollout_max_response_len, "temperature": rollout.rollout_temperature,
                         "top_p": rollout.rollout_top_p, "top_k": rollout.rollout_top_k}
             context.agent_server = OpenAIServer(
                 router_url(), load_tokenizer(job.hf_checkpoint), template_kwargs=prompt_data.apply_chat_template_kwargs,
-                default_sampling=defaults, host=serving_host(args), port=agent_flag(args, "agent_endpoint_port"),
-                max_request_bytes=int(agent_flag(args, "agent_endpoint_max_request_mb") * 2**20),
+                default_sampling=defaults, host=serving_host(args), port=harness.agent_endpoint_port,
+                max_request_bytes=int(harness.agent_endpoint_max_request_mb * 2**20),
                 request_timeout_s=rollout.rollout_request_timeout, retries=rollout.rollout_request_retries,
                 retry_window_s=retry_window_s(args),
-                tool_call_format=agent_setting(args, "agent_tool_call_format")).start()
+                tool_call_format=AgentConfig.of(args).agent_tool_call_format).start()
         return context.agent_server
 
 
@@ -79,7 +79,7 @@ def forced_sampling(args, sampling_params: dict[str, Any]) -> dict[str, Any]:
     """What the run imposes on every chat call of an episode: the response-length cap and seed, and unless
     --agent-use-request-sampling the rollout temperature/top-p/top-k (the trainer's log-probs use them)."""
     keys = ["max_tokens", "seed", "stop_token_ids"]
-    if not agent_flag(args, "agent_use_request_sampling"):
+    if not HarnessConfig.of(args).agent_use_request_sampling:
         keys += ["temperature", "top_p", "top_k"]
     return {k: sampling_params[k] for k in keys if sampling_params.get(k) is not None}
 
@@ -130,7 +130,7 @@ async def run_episode(args, agent_fn: AgentFn, sample: Sample, sampling_params: 
     episode = server.open_episode(forced_sampling(args, sampling_params), served_model(sample))
     try:
         result = await asyncio.wait_for(agent_fn(server.base_url, episode, sample),
-                                        timeout=agent_flag(args, "agent_timeout"))
+                                        timeout=HarnessConfig.of(args).agent_timeout)
     finally:
         sessions = server.close_episode(episode)
     samples = session_samples(sample, sessions, server.tokenizer)
@@ -166,7 +166,7 @@ def agent_generate(agent_fn: AgentFn):
 
 async def generate(args, sample: Sample, sampling_params: dict[str, Any]) -> Sample:
     """`--custom-generate-function-path vime.agents.harness.generate`: runs `--agent-function-path`."""
-    path = agent_flag(args, "agent_function_path")
+    path = HarnessConfig.of(args).agent_function_path
     if not path:
         raise ValueError("vime.agents.harness.generate needs --agent-function-path pkg.module.fn (the agent), or "
                          "use `generate = agent_generate(fn)` in your module as the generate function")

@@ -20,9 +20,9 @@ import functools
 import logging
 from typing import Any, Awaitable, Callable
 
-from vime.agents.arguments import agent_setting
 from vime.agents.tool_parsing import parse_tool_calls
 from vime.agents.tools import TOOLS, Tool, ToolContext, register_tool, run_tool_call, select_tools
+from vime.config.agents import AgentConfig
 from vime.config.rollout import RolloutConfig
 from vime.config.run import JobConfig
 from vime.rollout.generation import GenerateState, append_choice, post_generate, served_model
@@ -94,7 +94,7 @@ def conversation_to_tokens(tokenizer, messages: list[dict[str, Any]]) -> tuple[l
 # ---- the default environment: tool calls ------------------------------------------------------------------
 
 def _load_tool_paths(args) -> None:
-    for path in agent_setting(args, "agent_tool_paths") or []:
+    for path in AgentConfig.of(args).agent_tool_paths or []:
         tool = load_function(path)
         if not isinstance(tool, Tool):
             raise TypeError(f"--agent-tool-paths {path}: expected a vime.agents.tools.Tool, got {type(tool).__name__}")
@@ -103,8 +103,8 @@ def _load_tool_paths(args) -> None:
 
 
 def _sandbox(args):
-    return _shared_sandbox(agent_setting(args, "agent_sandbox"),
-                           bool(agent_setting(args, "agent_sandbox_allow_weak_isolation")))
+    agent = AgentConfig.of(args)
+    return _shared_sandbox(agent.agent_sandbox, agent.agent_sandbox_allow_weak_isolation)
 
 
 @functools.cache  # one per process and setting: it holds the process's sandbox slots (uids, directories)
@@ -116,14 +116,14 @@ def _shared_sandbox(spec: str | None, allow_weak: bool):
 
 async def tool_environment(args, sample: Sample, model_text: str, turn: int) -> list[dict[str, Any]] | None:
     """Run the tool calls in `model_text`; one tool message per call, None when there is no call (the end)."""
-    calls = parse_tool_calls(model_text, agent_setting(args, "agent_tool_call_format"))
+    agent = AgentConfig.of(args)
+    calls = parse_tool_calls(model_text, agent.agent_tool_call_format)
     if not calls:
         return None
     _load_tool_paths(args)
-    tools = select_tools(sample.tools, agent_setting(args, "agent_tools"))
-    ctx = ToolContext(args=args, sample=sample, sandbox=_sandbox(args),
-                      timeout_s=float(agent_setting(args, "agent_tool_timeout")))
-    limit = int(agent_setting(args, "agent_max_tool_output_chars"))
+    tools = select_tools(sample.tools, agent.agent_tools)
+    ctx = ToolContext(args=args, sample=sample, sandbox=_sandbox(args), timeout_s=float(agent.agent_tool_timeout))
+    limit = int(agent.agent_max_tool_output_chars)
     messages = []
     for call in calls:  # in order: a later call may depend on an earlier one's side effects
         text = await run_tool_call(call, tools, ctx)
@@ -145,9 +145,10 @@ async def generate(args, sample: Sample, sampling_params: dict[str, Any], *, env
     """
     state = GenerateState(args)
     tokenizer = state.tokenizer
-    environment = environment or load_function(agent_setting(args, "agent_environment_path"))
-    max_turns = max_turns or int(agent_setting(args, "agent_max_turns"))
-    max_turn_tokens = max_turn_tokens or agent_setting(args, "agent_max_turn_tokens")
+    agent = AgentConfig.of(args)
+    environment = environment or load_function(agent.agent_environment_path)
+    max_turns = max_turns or int(agent.agent_max_turns)
+    max_turn_tokens = max_turn_tokens or agent.agent_max_turn_tokens
     budget = sampling_params["max_tokens"]
     turns: list[dict[str, Any]] = sample.metadata.setdefault("turns", [])
     sample.loss_mask = sample.loss_mask or []

@@ -183,7 +183,7 @@ def add_algorithm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
 
     g = parser.add_argument_group(
         "rollout correction", "importance weights pi_old / pi_engine for tokens the engine sampled under another "
-        "policy (vime/algorithms/correction.py)")
+        "policy (vime/algorithms/rollout_correction.py)")
     g.add_argument(
         "--use-tis",
         action="store_true",

@@ -9,6 +9,7 @@ mirrored from vLLM's own parser) are opaque sections (`PassThrough`): vime forwa
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 from collections.abc import Iterable
 from typing import Any
@@ -26,7 +27,7 @@ from vime.config.rollout import (
 )
 from vime.config.router import RouterConfig
 from vime.config.run import DebugConfig, JobConfig, PlacementConfig, WandbConfig
-from vime.config.section import Section, check_types
+from vime.config.section import DERIVED, Section, check_types
 from vime.config.train import LoraConfig, MegatronConfig, RoutingReplayConfig, TrainLoopConfig, WeightSyncConfig
 
 
@@ -111,7 +112,12 @@ class RunConfig:
         flat: dict[str, Any] = {}
         for field in dataclasses.fields(self):
             section = getattr(self, field.name)
-            flat.update(section.values if isinstance(section, PassThrough) else dataclasses.asdict(section))
+            if isinstance(section, PassThrough):
+                flat.update(section.values)
+                continue
+            for f in dataclasses.fields(section):  # a derived value no validation set is not on a parsed `args`
+                if not (f.metadata.get(DERIVED) and getattr(section, f.name) is None):
+                    flat[f.name] = copy.deepcopy(getattr(section, f.name))  # the config's lists stay its own
         return argparse.Namespace(**flat, **extra)
 
 

@@ -52,6 +52,10 @@ class Section:
         """The destinations of this section's flags (derived fields left out)."""
         return tuple(f.name for f in dataclasses.fields(cls) if not f.metadata.get(DERIVED))
 
+    def named(self, *fields: str) -> list[tuple[str, Any]]:
+        """(--flag-name, value) of each of `fields`, for a check that loops over several flags."""
+        return [("--" + name.replace("_", "-"), getattr(self, name)) for name in fields]
+
     def replace(self: S, **values: Any) -> S:
         return dataclasses.replace(self, **values)
 

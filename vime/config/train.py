@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
-from vime.config.section import Section
+from vime.config.section import Section, derived
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +91,8 @@ class MegatronConfig(Section):
     add_qkv_bias: bool | None = None
     multi_latent_attention: bool | None = None
     moe_router_enable_expert_bias: bool | None = None
+    # the checkpoint's RoPE scaling (rope_type, factor, ...), no flag: each training rank reads it from the HF config
+    rope_scaling: dict[str, Any] | None = derived()
 
 
 @dataclasses.dataclass(frozen=True)

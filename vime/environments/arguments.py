@@ -12,7 +12,8 @@ import argparse
 import importlib.util
 
 from vime.config.agents import EnvironmentConfig, JudgeConfig
-from vime.config.rollout import EnginesConfig
+from vime.config.rollout import EnginesConfig, PromptDataConfig, RewardConfig, RolloutConfig
+from vime.config.train import LoraConfig
 from vime.environments.base import EnvironmentSpec
 from vime.environments.hooks import GENERATE_PATH, REWARD_PATH
 from vime.environments.mixture import environment_specs
@@ -86,9 +87,9 @@ def validate_judge_args(args: argparse.Namespace) -> None:
 
     if not os.path.isfile(os.path.join(judge.judge_checkpoint, "config.json")):
         raise ValueError(f"--judge-checkpoint {judge.judge_checkpoint}: no config.json there; is it an HF checkpoint?")
-    for flag in ("judge_num_engines", "judge_max_tokens", "judge_concurrency"):
-        if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    for flag, value in judge.named("judge_num_engines", "judge_max_tokens", "judge_concurrency"):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
     if not judge.judge_timeout > 0:
         raise ValueError(f"--judge-timeout must be > 0 seconds, got {judge.judge_timeout}")
     if engines.rollout_external_engine_addrs:
@@ -114,15 +115,20 @@ def validate_environment_args(args: argparse.Namespace) -> argparse.Namespace:
     validate_judge_args(args)
     specs = environment_specs(args)  # bad kinds, weights, JSON: refused here
     if not specs:
-        for flag in ("environment_weights", "environment_args"):
-            if getattr(args, flag):
-                raise ValueError(f"--{flag.replace('_', '-')} needs --environment")
+        for flag, given in (("--environment-weights", environments.environment_weights),
+                            ("--environment-args", environments.environment_args)):
+            if given:
+                raise ValueError(f"{flag} needs --environment")
         return args
-    competing = [flag for flag in ("prompt_data", "custom_rm_path", "rm_type", "lora_adapters",
-                                   "custom_generate_function_path") if getattr(args, flag, None)]
+    rewards = RewardConfig.of(args)
+    competing = [flag for flag, given in (("--prompt-data", PromptDataConfig.of(args).prompt_data),
+                                          ("--custom-rm-path", rewards.custom_rm_path), ("--rm-type", rewards.rm_type),
+                                          ("--lora-adapters", LoraConfig.of(args).lora_adapters),
+                                          ("--custom-generate-function-path",
+                                           RolloutConfig.of(args).custom_generate_function_path)) if given]
     if competing:
-        raise ValueError(f"--environment gives the run its prompts, rewards and generation: drop "
-                         f"{', '.join('--' + f.replace('_', '-') for f in competing)}")
+        raise ValueError("--environment gives the run its prompts, rewards and generation: drop "
+                         + ", ".join(competing))
     if environments.environment_eval_size < 0:
         raise ValueError(f"--environment-eval-size must be >= 0, got {environments.environment_eval_size}")
     if environments.reasoning_gym_size < 1:

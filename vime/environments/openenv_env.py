@@ -34,6 +34,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from vime.config.agents import AgentConfig
 from vime.config.rollout import PromptDataConfig
 from vime.config.run import JobConfig
 from vime.environments.base import (ENVIRONMENT_KEY, Environment, EnvironmentSpec, import_optional, prompt_sample,
@@ -133,8 +134,6 @@ class OpenEnvEnvironment(Environment):
     async def generate(self, args, sample: Sample, sampling_params: dict[str, Any]) -> Sample:
         prompt_data = PromptDataConfig.of(args)
         from openenv.core.generic_client import GenericEnvClient
-
-        from vime.agents.arguments import agent_setting
         from vime.agents.multi_turn import generate as multi_turn_generate
         from vime.rollout.vllm_rollout import GenerateState
 
@@ -160,7 +159,7 @@ class OpenEnvEnvironment(Environment):
                 return None if result.done else [{"role": "user", "content": self._text(result.observation)}]
 
             if not first.done:
-                max_turns = int(self.max_turns or agent_setting(args, "agent_max_turns"))
+                max_turns = int(self.max_turns or AgentConfig.of(args).agent_max_turns)
                 await multi_turn_generate(args, sample, sampling_params, environment=step, max_turns=max_turns)
                 if sample.metadata.get("stop") == "max_turns":  # the last model turn is an action too: its reward
                     last = sample.metadata["turns"][-1]

@@ -34,9 +34,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from vime.agents.openai_arguments import agent_flag
 from vime.agents.openai_requests import public_id
-from vime.config.agents import EnvironmentConfig
+from vime.config.agents import EnvironmentConfig, HarnessConfig
 from vime.config.rollout import PromptDataConfig
 from vime.config.run import JobConfig
 from vime.environments.base import ENVIRONMENT_KEY, Environment, EnvironmentSpec, record_functions
@@ -69,7 +68,7 @@ class VerifiersEnvironment(Environment):
         self.size = None if own["size"] is None else int(own["size"])
         self.eval_size = int(environments.environment_eval_size or 0)
         self.startup_timeout = float(own["startup_timeout"])
-        self.episode_timeout = float(agent_flag(args, "agent_timeout"))  # vime's deadline; the bridge's too
+        self.episode_timeout = float(HarnessConfig.of(args).agent_timeout)  # vime's deadline; the bridge's too
         config = {k: v for k, v in spec.config.items() if k not in VIME_KEYS}
         log_dir = Path(job.output_dir or tempfile.gettempdir()) / "logs"
         take = None if self.size is None else self.size + self.eval_size

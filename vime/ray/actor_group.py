@@ -71,7 +71,8 @@ class TrainActor:
     def _read(self, handle) -> list[list[dict]]:
         """The rollout behind a data-transport handle, as groups of sample dicts."""
         if self.last_rollout is None or self.last_rollout[0] != handle.rollout_id:
-            self.last_rollout = (handle.rollout_id, self.rollouts.get(handle, self.trainer.args.vocab_size)[0])
+            vocab_size = MegatronConfig.of(self.trainer.args).vocab_size
+            self.last_rollout = (handle.rollout_id, self.rollouts.get(handle, vocab_size)[0])
         return self.last_rollout[1]
 
     def train(self, rollout_id: int, handle) -> dict:

@@ -4,6 +4,7 @@ The process around it (flags, Ray's shutdown, the exit) is `vime.ray.entry_point
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -15,6 +16,7 @@ from vime.arguments import (ArgumentsError, build_parser, check_model_args, run_
                             validate_transport_placement)
 from vime.backends.megatron_utils.train_arguments import lr_schedule_problem
 from vime.backends.weight_transport.check import check_weights_equal
+from vime.config import RunConfig
 from vime.data.transport import RolloutRef, make_transport
 from vime.data.transport.replay import append_trained_samples, plan_replay, stored_rollout, truncate_trained_samples
 from vime.ray.actor_group import RayTrainGroup, critic_args
@@ -41,7 +43,6 @@ class TrainingSession:
 
     def __init__(self, args, overlap: bool = False):
         self.args = args  # the slime-style view the actors are started with
-        self.config = run_config(args)
         self.overlap = overlap  # training and generation run at the same time (train_async): they split the CPUs
         self.use_engines = not self.config.debug.debug_train_only
         self.train_enabled = not self.config.debug.debug_rollout_only
@@ -57,6 +58,11 @@ class TrainingSession:
         self.unpublished: int | None = None  # a saved checkpoint waiting for its rollout's metrics line
         self.manager_stuck = False  # a rollout outlived --rollout-timeout: the manager cannot take calls
         self.weight_sync = WeightSync(args) if self.use_engines and self.train_enabled else None
+
+    @functools.cached_property
+    def config(self) -> RunConfig:
+        """The run's typed flags (the same values as `args`)."""
+        return run_config(self.args)
 
     def __enter__(self) -> TrainingSession:
         args = self.args

@@ -287,10 +287,9 @@ def validate_rollout_args(args: argparse.Namespace) -> argparse.Namespace:
     if debug.save_rollouts_max_mb <= 0:
         raise ValueError(f"--save-rollouts-max-mb must be > 0, got {debug.save_rollouts_max_mb} (turn saving off "
                          "with --no-save-rollouts)")
-    for flag in ("save_debug_rollout_data", "load_debug_rollout_data"):
-        template = getattr(args, flag)
+    for flag, template in debug.named("save_debug_rollout_data", "load_debug_rollout_data"):
         if template is not None and "{rollout_id}" not in template:
-            raise ValueError(f"--{flag.replace('_', '-')} {template!r} must contain '{{rollout_id}}'")
+            raise ValueError(f"{flag} {template!r} must contain '{{rollout_id}}'")
 
     adapters = adapter_specs(args)
     if not replaying:
@@ -329,10 +328,13 @@ def validate_rollout_args(args: argparse.Namespace) -> argparse.Namespace:
                              f"{evaluation.eval_pass_at_k[-1]} "
                              f"(got {evaluation.n_samples_per_eval_prompt})")
 
-    for flag in ("rollout_batch_size", "n_samples_per_prompt", "rollout_max_response_len", "rollout_concurrency",
-                 "rollout_num_gpus", "rollout_num_gpus_per_engine", "n_samples_per_eval_prompt"):
-        if getattr(args, flag) is not None and getattr(args, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    counts = [*rollout.named("rollout_batch_size", "n_samples_per_prompt", "rollout_max_response_len",
+                             "rollout_concurrency"),
+              *engines.named("rollout_num_gpus", "rollout_num_gpus_per_engine"),
+              *evaluation.named("n_samples_per_eval_prompt")]
+    for flag, value in counts:
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
     over_sampling = rollout.over_sampling_batch_size
     over_sampling = rollout.rollout_batch_size if over_sampling is None else over_sampling
     derived["over_sampling_batch_size"] = over_sampling
@@ -357,9 +359,9 @@ def validate_rollout_args(args: argparse.Namespace) -> argparse.Namespace:
     if fault_tolerance.use_fault_tolerance and engines.rollout_external_engine_addrs:
         raise ValueError("--use-fault-tolerance restarts engines vime started; it cannot restart "
                          "--rollout-external-engine-addrs servers (drop one of the two)")
-    for flag in ("rollout_health_check_interval", "rollout_health_check_timeout"):
-        if getattr(args, flag) <= 0:
-            raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
+    for flag, seconds in fault_tolerance.named("rollout_health_check_interval", "rollout_health_check_timeout"):
+        if seconds <= 0:
+            raise ValueError(f"{flag} must be > 0, got {seconds}")
     if not 0.0 <= fault_tolerance.max_failed_samples_ratio <= 1.0:
         raise ValueError("--max-failed-samples-ratio must be in [0, 1], got "
                          f"{fault_tolerance.max_failed_samples_ratio}")
@@ -379,6 +381,6 @@ def validate_rollout_args(args: argparse.Namespace) -> argparse.Namespace:
     for name, default in (("eval_temperature", rollout.rollout_temperature), ("eval_top_p", rollout.rollout_top_p),
                           ("eval_top_k", rollout.rollout_top_k),
                           ("eval_max_response_len", rollout.rollout_max_response_len)):
-        if getattr(args, name) is None:
+        if getattr(evaluation, name) is None:
             derived[name] = default
     return with_values(args, **derived)

@@ -39,7 +39,12 @@ class GenerateState:
     `max_tokens` where slime's SGLang says `max_new_tokens`) and `aborted`.
     """
 
-    _KEYS = ("hf_checkpoint", "rollout_concurrency", "custom_generate_function_path")
+    @staticmethod
+    def _identity(args) -> dict:
+        """The flags a generate state is made for: another value needs another state."""
+        rollout = RolloutConfig.of(args)
+        return {"hf_checkpoint": JobConfig.of(args).hf_checkpoint, "rollout_concurrency": rollout.rollout_concurrency,
+                "custom_generate_function_path": rollout.custom_generate_function_path}
 
     def __new__(cls, args):
         context = rollout_context()
@@ -49,13 +54,14 @@ class GenerateState:
             state._init(args)
             context.generate_state = state
         elif state.args is not args:
-            changed = [k for k in cls._KEYS if getattr(args, k, None) != getattr(state.args, k, None)]
+            before, now = cls._identity(state.args), cls._identity(args)
+            changed = [k for k in before if before[k] != now[k]]
             if changed:
                 key = changed[0]
                 raise ValueError(f"GenerateState: this process's generate state was made for another "
-                                 f"--{key.replace('_', '-')} ({getattr(state.args, key, None)!r}, now "
-                                 f"{getattr(args, key, None)!r}); call GenerateState.reset() (or "
-                                 "vime.rollout.context.reset_rollout_context()) before another run in this process")
+                                 f"--{key.replace('_', '-')} ({before[key]!r}, now {now[key]!r}); call "
+                                 "GenerateState.reset() (or vime.rollout.context.reset_rollout_context()) before "
+                                 "another run in this process")
         return state
 
     def _init(self, args) -> None:

@@ -11,11 +11,12 @@ from the HF config, and refuses a given value that contradicts the config.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 from vime.backends.megatron_utils.hf_architecture import hf_architecture
 from vime.backends.megatron_utils.megatron_flags import (add_generated_megatron_args, check_megatron_lm_architecture,
-                                                         warn_once)
+                                                         core_flag, warn_once)
 from vime.config.train import MegatronConfig
 from vime.utils.device import use_gpu
 from vime.utils.misc import with_values
@@ -26,6 +27,9 @@ ARCHITECTURE_FLAGS = (
     "rotary_base", "norm_epsilon", "vocab_size", "untie_embeddings_and_output_weights", "max_position_embeddings",
     "qk_layernorm", "add_qkv_bias",
 )
+
+MEGATRON_FIELDS = frozenset(f.name for f in dataclasses.fields(MegatronConfig))
+
 
 def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the Megatron-LM flags vime uses (parallelism, batch, optimizer, precision, checkpoint, model)."""
@@ -199,7 +203,7 @@ def fill_architecture_from_hf(args: argparse.Namespace, hf_config) -> argparse.N
     check_megatron_lm_architecture(args)
     filled = {}
     for dest, value in hf_architecture(hf_config).items():
-        given = getattr(args, dest, None)
+        given = getattr(megatron, dest) if dest in MEGATRON_FIELDS else core_flag(args, dest)
         if dest == "moe_layer_freq" and isinstance(given, int):  # Megatron-LM's "every N-th layer, from 0"
             given = [int(i % given == 0) for i in range(hf_config.num_hidden_layers)]
         if given is None:
@@ -238,11 +242,12 @@ def validate_megatron_args(args: argparse.Namespace, world_size: int | None = No
                          f"{(gbs // (megatron.micro_batch_size * dp) + 1) * megatron.micro_batch_size * dp}")
     if megatron.bf16 and megatron.fp16:
         raise ValueError("--bf16 and --fp16 are exclusive; pass one of them")
-    if getattr(args, "sequence_parallel", None) and tp == 1:
+    if core_flag(args, "sequence_parallel") and tp == 1:
         raise ValueError("--sequence-parallel splits activations over tensor-parallel ranks: it needs "
                          "--tensor-model-parallel-size > 1; drop it or raise the tensor-parallel size")
-    if (getattr(args, "context_parallel_size", None) or 1) > 1:
-        raise ValueError(f"--context-parallel-size {args.context_parallel_size}: context parallelism is not "
+    if (core_flag(args, "context_parallel_size") or 1) > 1:
+        raise ValueError(f"--context-parallel-size {core_flag(args, 'context_parallel_size')}: context parallelism "
+                         "is not "
                          "supported by vime's trainer yet; use 1 (sequences are split over micro-batches instead)")
     if (megatron.bf16 or megatron.fp16) and not use_gpu():
         warn_once(f"{'--bf16' if megatron.bf16 else '--fp16'} on CPU: the trainer computes in float32 (16-bit float "
@@ -250,12 +255,12 @@ def validate_megatron_args(args: argparse.Namespace, world_size: int | None = No
     if megatron.min_lr > megatron.lr:
         raise ValueError(f"--min-lr {megatron.min_lr} is above --lr {megatron.lr}; lower --min-lr")
 
-    missing = [d for d in ARCHITECTURE_FLAGS if getattr(args, d, None) is None]
+    missing = [d for d in ARCHITECTURE_FLAGS if getattr(megatron, d) is None]
     if missing:
         raise ValueError(f"architecture flags not set: {missing}; call fill_architecture_from_hf first")
     for dest, what in (("num_attention_heads", "attention heads"), ("ffn_hidden_size", "MLP hidden size"),
                        ("vocab_size", "vocabulary size")):
-        value = getattr(args, dest)
+        value = getattr(megatron, dest)
         if value % tp:
             raise ValueError(f"{what} ({value}, --{dest.replace('_', '-')}) is not divisible by "
                              f"--tensor-model-parallel-size {tp}; choose a tensor-parallel size that divides it")

@@ -192,10 +192,10 @@ def _sharded_state(trainer, is_loading: bool) -> dict:
     model_sd = trainer.model[0].module.sharded_state_dict()
     state = {"model": model_sd}
     if trainer.optimizer is not None:
-        if not is_loading or (trainer.args.use_distributed_optimizer and not distrib_optimizer.HAVE_APEX_OR_TE):
+        distributed = MegatronConfig.of(trainer.args).use_distributed_optimizer
+        if not is_loading or (distributed and not distrib_optimizer.HAVE_APEX_OR_TE):
             _init_adam_state(trainer.optimizer)
-        kwargs = {"metadata": {"distrib_optim_sharding_type": "dp_reshardable"}} \
-            if trainer.args.use_distributed_optimizer else {}
+        kwargs = {"metadata": {"distrib_optim_sharding_type": "dp_reshardable"}} if distributed else {}
         state["optimizer"] = trainer.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, **kwargs)
     return state
 

@@ -261,6 +261,15 @@ def add_generated_megatron_args(parser: argparse.ArgumentParser) -> None:
                    help="Megatron-LM's position embedding flag: only rope is supported (default: None = rope).")
 
 
+def core_flag(args: argparse.Namespace, name: str):
+    """The value of megatron-core's generated flag `name` on `args` (None when not given). Those flags pass through
+    untyped (`RunConfig.megatron_core`): this module, which generates them from megatron-core's dataclasses, is
+    where they are read by name."""
+    if name not in generated_dests():
+        raise KeyError(f"{name} is not one of megatron-core's generated flags")
+    return getattr(args, name)
+
+
 def given_fields(args: argparse.Namespace, config_key: str) -> dict:
     """The generated flags a launch script set (not None) that belong to one config class ("transformer",
     "optimizer", "ddp"): applied over vime's own values where that config is built. A field that needs a GPU
@@ -270,9 +279,9 @@ def given_fields(args: argparse.Namespace, config_key: str) -> dict:
     given = {}
     for option in megatron_option_table():
         name = option["field"]
-        if config_key not in option["owners"] or getattr(args, name, None) is None:
-            continue
         value = getattr(args, name)
+        if config_key not in option["owners"] or value is None:
+            continue
         if value and name.startswith(GPU_ONLY_PREFIXES) and not use_gpu():
             warn_once(f"{option['flags'][0]} has no effect on CPU (it needs a GPU build of megatron-core's "
                        "dependencies): ignored")
@@ -296,16 +305,16 @@ def check_megatron_lm_architecture(args: argparse.Namespace) -> None:
     """The architecture flags Megatron-LM scripts carry that describe what vime builds anyway: equal is fine, a
     different value is an error naming both. Flags accepted without effect are named in a warning."""
     for flag, (_, what) in ACCEPTED_WITHOUT_EFFECT.items():
-        if getattr(args, _accepted_dest(flag), None) is not None:
+        if getattr(args, _accepted_dest(flag)) is not None:
             warn_once(f"{flag} has no effect: {what}")
     wrong = []
-    if getattr(args, "gated_linear_unit", None) is False:
+    if args.gated_linear_unit is False:
         wrong.append("a non-gated MLP (no --swiglu), but vime's models are SwiGLU models")
-    if getattr(args, "add_bias_linear", None) is True:
+    if args.add_bias_linear is True:
         wrong.append("biases on the linear layers, but vime's models have none (pass --disable-bias-linear)")
-    if getattr(args, "normalization", None) not in (None, "RMSNorm"):
+    if args.normalization not in (None, "RMSNorm"):
         wrong.append(f"--normalization {args.normalization}, but vime's models use RMSNorm")
-    if getattr(args, "position_embedding_type", None) not in (None, "rope"):
+    if args.position_embedding_type not in (None, "rope"):
         wrong.append(f"--position-embedding-type {args.position_embedding_type}, but vime's models use rope")
     if wrong:
         raise ValueError("the launch script asks for " + "; ".join(wrong) + ": drop those flags or fix their values")

@@ -160,7 +160,7 @@ def _mla_config(args: argparse.Namespace) -> dict:
     mla = dict(q_lora_rank=megatron.q_lora_rank, kv_lora_rank=megatron.kv_lora_rank, qk_head_dim=megatron.qk_head_dim,
                qk_pos_emb_head_dim=megatron.qk_pos_emb_head_dim, v_head_dim=megatron.v_head_dim,
                rotary_base=megatron.rotary_base)
-    yarn = getattr(args, "rope_scaling", None)
+    yarn = megatron.rope_scaling
     if yarn is None:
         return {**mla, "rope_type": "rope", "rotary_scaling_factor": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}
     return {**mla, "rope_type": "yarn", "rotary_scaling_factor": yarn["factor"],
@@ -270,7 +270,7 @@ def build_gpt_model(args: argparse.Namespace, pre_process: bool = True, post_pro
         rotary_base=megatron.rotary_base,
         vp_stage=vp_stage,
     )
-    scaling = getattr(args, "rope_scaling", None)
+    scaling = MegatronConfig.of(args).rope_scaling
     if scaling is not None and not config.multi_latent_attention:  # MLA builds its own (YaRN) rotary embedding
         rope = model.rotary_pos_emb
         rope.inv_freq = scaled_inv_freq(rope, scaling)

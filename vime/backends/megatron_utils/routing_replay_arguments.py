@@ -27,7 +27,8 @@ def validate_routing_replay_args(args: argparse.Namespace, hf_config=None) -> No
     job = JobConfig.of(args)
     routing_replay = RoutingReplayConfig.of(args)
     engines = EnginesConfig.of(args)
-    flags = [f for f in ("use_rollout_routing_replay", "use_routing_replay") if getattr(args, f, False)]
+    flags = [name for name, on in (("use_rollout_routing_replay", routing_replay.use_rollout_routing_replay),
+                                   ("use_routing_replay", routing_replay.use_routing_replay)) if on]
     if not flags:
         return
     if hf_config is None:

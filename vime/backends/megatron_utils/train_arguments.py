@@ -216,8 +216,9 @@ def _peft_adapter_flags(path: str, args: argparse.Namespace) -> dict:
         raise ValueError(f"--lora-load {path}: a plain LoRA adapter is needed (peft_type LORA, no DoRA, no rsLoRA)")
     found = {"lora_rank": int(config["r"]), "lora_alpha": float(config.get("lora_alpha", config["r"])),
              "lora_target_modules": ["all-linear"] if targets == ["all-linear"] else targets}
+    lora = LoraConfig.of(args)
     for flag, value in found.items():
-        given = getattr(args, flag)
+        given = getattr(lora, flag)
         if flag != "lora_target_modules" and given not in (None, 0, value):
             raise ValueError(f"--{flag.replace('_', '-')} {given} contradicts the --lora-load adapter's {value}; "
                              "drop the flag")

@@ -143,13 +143,13 @@ def add_vllm_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def vllm_cli_tokens(args) -> list[str]:
     """The engine command-line options the user gave, in vLLM's own spelling."""
-    return [tok for tokens in (getattr(args, VLLM_RAW_DEST, None) or {}).values() for tok in tokens]
+    return [tok for tokens in getattr(args, VLLM_RAW_DEST).values() for tok in tokens]
 
 
 def validate_vllm_args(args) -> None:
     """Check the forwarded options before any engine starts: from the option table when it can judge every value
     (names and choices argparse already checked), else with vLLM's own parser. Raises ValueError naming them."""
-    given = getattr(args, VLLM_RAW_DEST, None) or {}
+    given = getattr(args, VLLM_RAW_DEST)
     kinds = {"vllm_" + o["dest"]: o["value"] for o in vllm_option_table()}
     if all(_plainly_valid(kinds.get(dest), tokens[1:]) for dest, tokens in given.items()):
         return
@@ -190,7 +190,7 @@ def engine_dtype(args) -> str:
 
 def given_engine_dtype(args) -> str | None:
     """--vllm-dtype in torch's spelling, or None when not given (the engines follow the trainer)."""
-    given = getattr(args, "vllm_dtype", None)
+    given = args.vllm_dtype
     return _DTYPE_ALIASES.get(given, given) if given else None
 
 
