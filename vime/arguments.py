@@ -72,6 +72,7 @@ def add_run_args(parser: argparse.ArgumentParser) -> None:
                    help="On a cluster (--ray-address): the network interface the engines listen on, e.g. eth1; "
                         "the node address Ray uses when unset. Without a cluster everything listens on loopback "
                         "(default: None).")
+    apply_defaults(parser, JobConfig)  # defaults: vime/config
 
 
 def add_wandb_args(parser: argparse.ArgumentParser) -> None:
@@ -88,6 +89,7 @@ def add_wandb_args(parser: argparse.ArgumentParser) -> None:
                         "`wandb sync` later, with no account or network needed (default: online).")
     g.add_argument("--wandb-dir", default=None,
                    help="Directory for wandb's local files (default: <output-dir>/wandb).")
+    apply_defaults(parser, WandbConfig)  # defaults: vime/config
 
 
 def add_placement_args(parser: argparse.ArgumentParser) -> None:
@@ -103,6 +105,7 @@ def add_placement_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--offload-rollout", action="store_true",
                    help="With --colocate: put the engines to sleep (vLLM /sleep, frees GPU memory) while training "
                         "(default: off).")
+    apply_defaults(parser, PlacementConfig)  # defaults: vime/config
 
 
 def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:

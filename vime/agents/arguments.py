@@ -9,6 +9,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from vime.config.agents import AgentConfig
+from vime.config.section import apply_defaults
+
 DEFAULTS: dict[str, Any] = {
     "agent_max_turns": 4,
     "agent_max_turn_tokens": None,
@@ -59,3 +62,4 @@ def add_agent_args(parser: argparse.ArgumentParser) -> None:
                    help="Run model code in a local sandbox even where it lacks network, pid or file-system isolation "
                         "(no unprivileged namespaces or Landlock, e.g. a default container); such runs are logged "
                         "and counted in rollout/sandbox_weak_isolation_runs (default: off = refuse to run).")
+    apply_defaults(parser, AgentConfig)  # defaults: vime/config

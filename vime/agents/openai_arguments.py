@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import argparse
 
+from vime.config.agents import HarnessConfig
+from vime.config.section import apply_defaults
+
 DEFAULTS = {
     "agent_function_path": None,
     "agent_timeout": 600.0,
@@ -38,6 +41,7 @@ def add_agent_harness_args(parser: argparse.ArgumentParser) -> None:
                    help="Use the agent's own temperature/top_p/top_k instead of --rollout-temperature/top-p/top-k. "
                         "Off by default because the trainer computes log-probs at the rollout temperature "
                         "(default: off).")
+    apply_defaults(parser, HarnessConfig)  # defaults: vime/config
 
 
 def agent_flag(args, name: str):

@@ -11,6 +11,7 @@ from vime.algorithms.names import (ADVANTAGE_ESTIMATOR_NAMES, ENTROPY_COEF_SCHED
 from vime.config.algorithm import AlgorithmConfig, DistillationConfig, RolloutCorrectionConfig
 from vime.config.rollout import RolloutConfig
 from vime.config.run import JobConfig
+from vime.config.section import apply_defaults
 from vime.utils.misc import with_values
 
 logger = logging.getLogger(__name__)
@@ -259,6 +260,7 @@ def add_algorithm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         "--opd-kl-type", choices=KL_TYPES, default="k3",
         help="KL estimator of --opd-mode loss (k3: unbiased, low variance, non-negative). Default: k3.",
     )
+    apply_defaults(parser, AlgorithmConfig, RolloutCorrectionConfig, DistillationConfig)  # defaults: vime/config
     return parser
 
 

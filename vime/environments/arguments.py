@@ -13,6 +13,7 @@ import importlib.util
 
 from vime.config.agents import EnvironmentConfig, JudgeConfig
 from vime.config.rollout import EnginesConfig
+from vime.config.section import apply_defaults
 from vime.environments.base import EnvironmentSpec
 from vime.environments.hooks import GENERATE_PATH, REWARD_PATH
 from vime.environments.mixture import environment_specs
@@ -57,6 +58,7 @@ def add_environment_args(parser: argparse.ArgumentParser) -> None:
                         "a verifiers:... environment's bridge process; verifiers cannot share vime's venv "
                         "(default: None = .venv-verifiers/bin/python at the repository root, made by "
                         "scripts/install.sh).")
+    apply_defaults(parser, EnvironmentConfig)  # defaults: vime/config
 
 
 def add_judge_args(parser: argparse.ArgumentParser) -> None:
@@ -75,6 +77,7 @@ def add_judge_args(parser: argparse.ArgumentParser) -> None:
                         "(default: 60).")
     g.add_argument("--judge-concurrency", type=int, default=64,
                    help="Judge calls in flight at once, over its engines, which batch them (default: 64).")
+    apply_defaults(parser, JudgeConfig)  # defaults: vime/config
 
 
 def validate_judge_args(args: argparse.Namespace) -> None:

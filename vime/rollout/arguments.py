@@ -20,6 +20,7 @@ from vime.config.rollout import (
     RolloutConfig,
 )
 from vime.config.run import DebugConfig, JobConfig
+from vime.config.section import apply_defaults
 from vime.rollout.rm_hub import RM_REGISTRY, remote_rm
 from vime.rollout.rm_hub import pool as rm_pool
 from vime.utils.lora_adapters import AdapterSpec, adapter_specs
@@ -54,6 +55,7 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
                    help="Shuffle prompts each epoch, seeded by --rollout-seed and the epoch (default: off).")
     g.add_argument("--num-epoch", type=int, default=None,
                    help="Epochs over the prompt data; sets --num-rollout when that is unset (default: None).")
+    apply_defaults(parser, PromptDataConfig)  # defaults: vime/config
 
 
 def add_rollout_args(parser: argparse.ArgumentParser) -> None:
@@ -108,6 +110,7 @@ def add_rollout_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--custom-reward-post-process-path", default=None,
                    help="post_process(args, samples) -> None, run on each finished group after rewards, "
                         "e.g. to shape rewards (default: None).")
+    apply_defaults(parser, RolloutConfig)  # defaults: vime/config
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -123,6 +126,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="Seconds an engine may take to answer /health after start (default: 600).")
     g.add_argument("--cpu-kv-cache-space", type=int, default=1,
                    help="GiB of KV cache per engine on CPU, VLLM_CPU_KVCACHE_SPACE (default: 1).")
+    apply_defaults(parser, EnginesConfig)  # defaults: vime/config
 
 
 def add_fault_tolerance_args(parser: argparse.ArgumentParser) -> None:
@@ -143,6 +147,7 @@ def add_fault_tolerance_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-consecutive-failed-rollouts", type=int, default=3,
                    help="Stop the run with an error after this many rollouts in a row were skipped for "
                         "--max-failed-samples-ratio (default: 3).")
+    apply_defaults(parser, FaultToleranceConfig)  # defaults: vime/config
 
 
 def add_buffer_args(parser: argparse.ArgumentParser) -> None:
@@ -152,6 +157,7 @@ def add_buffer_args(parser: argparse.ArgumentParser) -> None:
                         "straw queues on a shared directory that survive a crash (default: object-store).")
     g.add_argument("--rollout-data-dir", default=None,
                    help="Shared directory of the straw transport (default: <output-dir>/rollout_data).")
+    apply_defaults(parser, DataBufferConfig)  # defaults: vime/config
 
 
 def add_reward_args(parser: argparse.ArgumentParser) -> None:
@@ -185,6 +191,7 @@ def add_reward_args(parser: argparse.ArgumentParser) -> None:
                    help="Run --custom-rm-path (sync or async) in the reward worker processes, killed at --rm-timeout, "
                         "instead of a thread that cannot be stopped; it must be importable in a fresh process and "
                         "take and return JSON-able values (default: off).")
+    apply_defaults(parser, RewardConfig)  # defaults: vime/config
 
 
 def add_eval_args(parser: argparse.ArgumentParser) -> None:
@@ -207,6 +214,7 @@ def add_eval_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-top-k", type=int, default=None, help="Top-k for eval (default: --rollout-top-k).")
     g.add_argument("--eval-max-response-len", type=int, default=None,
                    help="Max new tokens for eval (default: --rollout-max-response-len).")
+    apply_defaults(parser, EvalConfig)  # defaults: vime/config
 
 
 def _ks(text: str) -> list[int]:
@@ -237,6 +245,7 @@ def add_debug_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--save-rollouts-max-mb", type=float, default=512.0,
                    help="Size cap of <output-dir>/rollouts/ in megabytes: the oldest rollouts there are deleted to "
                         "stay under it (default: 512).")
+    apply_defaults(parser, DebugConfig)  # defaults: vime/config
 
 
 def add_all_rollout_args(parser: argparse.ArgumentParser) -> None:

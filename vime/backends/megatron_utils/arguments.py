@@ -16,6 +16,7 @@ import json
 from vime.backends.megatron_utils.hf_architecture import hf_architecture
 from vime.backends.megatron_utils.megatron_flags import (add_generated_megatron_args, check_megatron_lm_architecture,
                                                          warn_once)
+from vime.config.section import apply_defaults
 from vime.config.train import MegatronConfig
 from vime.utils.device import use_gpu
 from vime.utils.misc import with_values
@@ -174,6 +175,7 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     ):
         g.add_argument(flag, action="store_true", default=None, help=f"{what} (default: None = from the HF config).")
     add_generated_megatron_args(parser)
+    apply_defaults(parser, MegatronConfig)  # defaults: vime/config
     return parser
 
 

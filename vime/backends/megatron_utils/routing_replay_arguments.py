@@ -7,6 +7,7 @@ import argparse
 from vime.backends.megatron_utils.hf_architecture import hf_moe
 from vime.config.rollout import EnginesConfig
 from vime.config.run import JobConfig
+from vime.config.section import apply_defaults
 from vime.config.train import RoutingReplayConfig
 
 
@@ -20,6 +21,7 @@ def add_routing_replay_args(parser: argparse.ArgumentParser) -> None:
                    help="MoE models: record the trainer's routing in the rollout's first forward (old log-probs) and "
                         "replay it in the rollout's optimizer steps (default: off; --use-rollout-routing-replay, "
                         "which replays the engine's routing everywhere, takes precedence).")
+    apply_defaults(parser, RoutingReplayConfig)  # defaults: vime/config
 
 
 def validate_routing_replay_args(args: argparse.Namespace, hf_config=None) -> None:

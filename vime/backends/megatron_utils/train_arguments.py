@@ -7,6 +7,7 @@ import argparse
 from vime.config.algorithm import AlgorithmConfig
 from vime.config.rollout import EnginesConfig, PromptDataConfig, RolloutConfig
 from vime.config.run import DebugConfig, JobConfig
+from vime.config.section import apply_defaults
 from vime.config.train import LoraConfig, MegatronConfig, TrainLoopConfig, WeightSyncConfig
 from vime.utils.lora_adapters import adapter_specs
 from vime.utils.misc import with_values
@@ -96,6 +97,7 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--lora-target-modules", nargs="+", default=["all-linear"], metavar="NAME",
                    help=f"HF projections that get adapters: {', '.join(LORA_TARGETS)}, or all-linear "
                         "(default: all-linear).")
+    apply_defaults(parser, TrainLoopConfig, WeightSyncConfig, LoraConfig)  # defaults: vime/config
 
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -18,6 +18,8 @@ import functools
 import importlib.util
 from pathlib import Path
 
+from vime.config.router import RouterConfig
+from vime.config.section import apply_defaults
 from vime.utils.device import training_dtype
 from vime.utils.option_cache import cache_path, cached_table
 
@@ -228,6 +230,7 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
             if action.nargs is not None:
                 kwargs["nargs"] = action.nargs
         group.add_argument(*action.option_strings, **kwargs)  # vime's own defaults: vime.config.router
+    apply_defaults(parser, RouterConfig)  # defaults: vime/config
 
 
 def router_args_from(args, host: str, port: int, worker_urls: list[str], api_key: str | None = None):
