@@ -46,32 +46,33 @@ from vime.utils.lora_adapters import adapter_specs
 
 def add_run_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("run")
-    g.add_argument("--config", default=None,
-                   help="YAML file of flag: value pairs; flags given on the command line win (default: None).")
-    g.add_argument("--hf-checkpoint", default=None,
+    g.add_argument("--config",
+                   help="YAML file of flag: value pairs; flags given on the command line win (default: %(default)s).")
+    g.add_argument("--hf-checkpoint",
                    help="HF checkpoint directory of the policy: config, weights and tokenizer (required).")
-    g.add_argument("--seed", type=int, default=1234, help="Global random seed (default: 1234).")
-    g.add_argument("--num-rollout", type=int, default=None,
+    g.add_argument("--seed", type=int, help="Global random seed (default: %(default)s).")
+    g.add_argument("--num-rollout", type=int,
                    help="Number of rollouts (generate -> train steps) to run (default: from --num-epoch).")
-    g.add_argument("--output-dir", default="outputs/run",
-                   help="Directory for metrics.jsonl, TensorBoard events and plots (default: outputs/run).")
-    g.add_argument("--ray-address", default=None,
-                   help="Address of an existing Ray cluster; a local one is started when unset (default: None).")
+    g.add_argument("--output-dir",
+                   help="Directory for metrics.jsonl, TensorBoard events and plots (default: %(default)s).")
+    g.add_argument("--ray-address",
+                   help="Address of an existing Ray cluster; a local one is started when unset (default: %(default)s).")
     g.add_argument("--overwrite-output", action="store_true",
                    help="Start over an earlier run's state in --save, --output-dir and --rollout-data-dir (its "
                         "trained-sample ids and stored rollouts are discarded); without it such a run refuses to "
                         "start unless --load resumes it (default: off).")
-    g.add_argument("--train-timeout", type=float, default=7200.0,
+    g.add_argument("--train-timeout", type=float,
                    help="Seconds the trainers may take for one call (building the models, a rollout's steps, a "
                         "checkpoint save, a weight update) before the run stops with an error naming the call: a "
-                        "stuck rank or collective must not hang the run (default: 7200).")
-    g.add_argument("--control-token-file", default=None,
+                        "stuck rank or collective must not hang the run (default: %(default)g).")
+    g.add_argument("--control-token-file",
                    help="File (mode 600) holding the run's control token, which every engine route but /health "
-                        "requires; a fresh random token is made when unset (default: None).")
-    g.add_argument("--serving-interface", default=None,
+                        "requires; a fresh random token is made when unset (default: %(default)s).")
+    g.add_argument("--serving-interface",
                    help="On a cluster (--ray-address): the network interface the engines listen on, e.g. eth1; "
                         "the node address Ray uses when unset. Without a cluster everything listens on loopback "
-                        "(default: None).")
+                        "(default: %(default)s).")
+    apply_defaults(parser, JobConfig)  # defaults: vime/config
 
 
 def add_wandb_args(parser: argparse.ArgumentParser) -> None:
@@ -79,22 +80,21 @@ def add_wandb_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--use-wandb", action="store_true",
                    help="Log each rollout's metrics and the reward curve to wandb (pip install wandb==0.31.0) "
                         "(default: off).")
-    g.add_argument("--wandb-project", help="wandb project of the run (default: vime).")
-    g.add_argument("--wandb-group", default=None, help="wandb group the run belongs to (default: None).")
-    g.add_argument("--wandb-run-name", default=None,
-                   help="wandb run name; wandb makes one up when unset (default: None).")
+    g.add_argument("--wandb-project", help="wandb project of the run (default: %(default)s).")
+    g.add_argument("--wandb-group", help="wandb group the run belongs to (default: %(default)s).")
+    g.add_argument("--wandb-run-name", help="wandb run name; wandb makes one up when unset (default: %(default)s).")
     g.add_argument("--wandb-mode", choices=["online", "offline", "disabled"],
                    help="online uploads as the run goes; offline writes the run under --wandb-dir only, for "
-                        "`wandb sync` later, with no account or network needed (default: online).")
-    g.add_argument("--wandb-dir", default=None,
-                   help="Directory for wandb's local files (default: <output-dir>/wandb).")
+                        "`wandb sync` later, with no account or network needed (default: %(default)s).")
+    g.add_argument("--wandb-dir", help="Directory for wandb's local files (default: <output-dir>/wandb).")
+    apply_defaults(parser, WandbConfig)  # defaults: vime/config
 
 
 def add_placement_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("placement")
-    g.add_argument("--actor-num-nodes", type=int, default=1, help="Nodes for training actors (default: 1).")
-    g.add_argument("--actor-num-gpus-per-node", type=int, default=1,
-                   help="Devices per node for training; on CPU, training processes per node (default: 1).")
+    g.add_argument("--actor-num-nodes", type=int, help="Nodes for training actors (default: %(default)s).")
+    g.add_argument("--actor-num-gpus-per-node", type=int,
+                   help="Devices per node for training; on CPU, training processes per node (default: %(default)s).")
     g.add_argument("--colocate", action="store_true",
                    help="Training and rollout share devices and take turns (default: off).")
     g.add_argument("--offload-train", action="store_true",
@@ -103,6 +103,7 @@ def add_placement_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--offload-rollout", action="store_true",
                    help="With --colocate: put the engines to sleep (vLLM /sleep, frees GPU memory) while training "
                         "(default: off).")
+    apply_defaults(parser, PlacementConfig)  # defaults: vime/config
 
 
 def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:

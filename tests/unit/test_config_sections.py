@@ -5,7 +5,10 @@ wrong value or an unowned entry is refused by name."""
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
+import inspect
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -86,3 +89,101 @@ def test_a_section_of_a_partial_namespace_takes_the_missing_defaults_fresh():
 
     a, b = AgentConfig.of(partial), AgentConfig.of(partial)
     assert a.agent_tools == ["calculator", "python"] and a.agent_tools is not b.agent_tools
+
+
+def _argument_modules():
+    """The modules that declare vime's own flags by hand (not megatron_flags.py's generated ones)."""
+    import vime.agents.arguments
+    import vime.agents.openai_arguments
+    import vime.algorithms.arguments
+    import vime.arguments
+    import vime.backends.megatron_utils.arguments
+    import vime.backends.megatron_utils.routing_replay_arguments
+    import vime.backends.megatron_utils.train_arguments
+    import vime.backends.vllm_utils.arguments
+    import vime.environments.arguments
+    import vime.rollout.arguments
+
+    return (vime.arguments, vime.rollout.arguments, vime.backends.megatron_utils.arguments,
+            vime.backends.megatron_utils.train_arguments, vime.backends.megatron_utils.routing_replay_arguments,
+            vime.algorithms.arguments, vime.agents.arguments, vime.agents.openai_arguments,
+            vime.environments.arguments, vime.backends.vllm_utils.arguments)
+
+
+def _add_argument_calls(tree: ast.AST):
+    """(call, its destinations) of each add_argument call: from a literal dest= or option strings, or a for loop's
+    literal tuple of options; None where the source does not say (options mirrored from another parser)."""
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+
+    def dest(options: list[str]) -> str:
+        return next((o for o in options if o.startswith("--")), options[0]).lstrip("-").replace("-", "_")
+
+    for call in ast.walk(tree):
+        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
+                and call.func.attr == "add_argument"):
+            continue
+        keywords = {k.arg: k.value for k in call.keywords if k.arg}
+        if isinstance(keywords.get("dest"), ast.Constant):
+            yield call, [keywords["dest"].value]
+        elif call.args and all(isinstance(a, ast.Constant) and isinstance(a.value, str) for a in call.args):
+            yield call, [dest([a.value for a in call.args])]
+        elif call.args and isinstance(call.args[0], ast.Name):  # for flag, ... in (("--x", ...), ...): add(flag)
+            loop = parents.get(call)
+            while loop is not None and not isinstance(loop, ast.For):
+                loop = parents.get(loop)
+            names = [] if loop is None else [getattr(t, "id", None) for t in getattr(loop.target, "elts", [])]
+            if call.args[0].id not in names or not isinstance(loop.iter, (ast.Tuple, ast.List)):
+                yield call, None
+                continue
+            i = names.index(call.args[0].id)
+            yield call, [dest([row.elts[i].value]) for row in loop.iter.elts]
+        else:
+            yield call, None
+
+
+def test_no_add_argument_call_of_a_section_flag_repeats_its_default():
+    owned, seen, repeated = set(_owners()), set(), []
+    for module in _argument_modules():
+        path = inspect.getsourcefile(module)
+        for call, dests in _add_argument_calls(ast.parse(Path(path).read_text(encoding="utf-8"))):
+            for dest in set(dests or ()) & owned:
+                seen.add(dest)
+                if any(k.arg == "default" for k in call.keywords):
+                    repeated.append(f"{module.__name__}:{call.lineno} {dest}")
+    assert not repeated, f"a section holds these flags' defaults; drop default= from their add_argument: {repeated}"
+    # the walk sees the call of every section flag but the two add_router_args mirrors from vllm-router's parser
+    assert owned - seen == {"router_policy", "router_prometheus_port"}
+
+
+def test_each_flag_group_alone_takes_its_sections_defaults_and_its_help_shows_them():
+    from vime.agents.arguments import add_agent_args
+    from vime.agents.openai_arguments import add_agent_harness_args
+    from vime.algorithms.arguments import add_algorithm_args
+    from vime.arguments import add_placement_args, add_run_args, add_wandb_args
+    from vime.backends.megatron_utils.arguments import add_megatron_args
+    from vime.backends.megatron_utils.routing_replay_arguments import add_routing_replay_args
+    from vime.backends.megatron_utils.train_arguments import add_train_args
+    from vime.environments.arguments import add_environment_args, add_judge_args
+    from vime.rollout.arguments import add_all_rollout_args
+
+    sections = RunConfig.sections()
+    groups = {add_run_args: ["job"], add_wandb_args: ["wandb"], add_placement_args: ["placement"],
+              add_all_rollout_args: ["prompt_data", "rollout", "engines", "fault_tolerance", "data_buffer", "rewards",
+                                     "eval", "debug"],
+              add_megatron_args: ["megatron"], add_train_args: ["train", "weight_sync", "lora"],
+              add_routing_replay_args: ["routing_replay"],
+              add_algorithm_args: ["algorithm", "rollout_correction", "distillation"], add_router_args: ["router"],
+              add_agent_args: ["agents"], add_agent_harness_args: ["harness"],
+              add_environment_args: ["environments"], add_judge_args: ["judge"]}
+    assert sorted(n for names in groups.values() for n in names) == sorted(sections)
+    for add, names in groups.items():
+        parser = argparse.ArgumentParser(add_help=False)  # as the checkpoint converters and unit tests build one
+        add(parser)
+        parsed = vars(parser.parse_args([]))
+        for name in names:
+            defaults, flags = section_defaults(sections[name]), sections[name].flag_names()
+            assert {f: parsed[f] for f in flags} == {f: defaults[f] for f in flags}, (add.__name__, name)
+    router = {a.dest: a for a in build_parser()._actions}
+    formatter = argparse.HelpFormatter("train.py")
+    assert formatter._expand_help(router["router_policy"]).endswith("(default: round_robin)")  # not vllm-router's
+    assert formatter._expand_help(router["router_prometheus_port"]).endswith("(default: None)")

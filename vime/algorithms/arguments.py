@@ -11,6 +11,7 @@ from vime.algorithms.names import (ADVANTAGE_ESTIMATOR_NAMES, ENTROPY_COEF_SCHED
 from vime.config.algorithm import AlgorithmConfig, DistillationConfig, RolloutCorrectionConfig
 from vime.config.rollout import RolloutConfig
 from vime.config.run import JobConfig
+from vime.config.section import apply_defaults
 from vime.utils.misc import with_values
 
 logger = logging.getLogger(__name__)
@@ -30,16 +31,14 @@ def add_algorithm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     g.add_argument(
         "--advantage-estimator",
         choices=ADVANTAGE_ESTIMATOR_NAMES,
-        default="grpo",
         help="How per-token advantages are computed from rewards; ppo trains a critic (GAE); rloo: leave-one-out "
         "group baseline; remax: a greedy response per prompt as the baseline (the rollout adds one temperature-0 "
-        "request per group). Default: grpo.",
+        "request per group). Default: %(default)s.",
     )
     g.add_argument(
         "--custom-advantage-function-path",
-        default=None,
         help="'pkg.module.function' replacing the estimator; called with the same keywords as the registered "
-        "estimators (see vime/algorithms/advantages.py). Default: None.",
+        "estimators (see vime/algorithms/advantages.py). Default: %(default)s.",
     )
     g.add_argument(
         "--disable-grpo-std-normalization",
@@ -49,16 +48,14 @@ def add_algorithm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     g.add_argument(
         "--advantage-eps",
         type=float,
-        default=1e-6,
         help="Added to the std in grpo normalisation and to the variance in whitening. Default: 1e-6.",
     )
     g.add_argument(
         "--gamma",
         type=float,
-        default=1.0,
-        help="Discount per trainable token (reinforce_plus_plus, ppo). Default: 1.0.",
+        help="Discount per trainable token (reinforce_plus_plus, ppo). Default: %(default)s.",
     )
-    g.add_argument("--lambd", type=float, default=1.0, help="GAE lambda (ppo). Default: 1.0.")
+    g.add_argument("--lambd", type=float, help="GAE lambda (ppo). Default: %(default)s.")
     g.add_argument(
         "--normalize-advantages",
         action="store_true",
@@ -69,116 +66,105 @@ def add_algorithm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     g.add_argument(
         "--loss-type",
         choices=LOSS_TYPES,
-        default="policy_loss",
         help="What the training step minimises; sft_loss is supervised fine-tuning on the loss-masked tokens. "
-        "Default: policy_loss.",
+        "Default: %(default)s.",
     )
     g.add_argument(
         "--policy-loss",
         choices=POLICY_LOSS_NAMES,
-        default="ppo",
         help="Token-level (ppo) or sequence-level (gspo) ratio in the clipped surrogate, or cispo's clipped, "
         "detached IS weight on -A * log-prob; forced to gspo / cispo by --advantage-estimator gspo / cispo. "
         "clip_cov / kl_cov: PPO against entropy collapse (Cui et al. 2025, verl), cutting the gradient of / "
-        "adding a KL penalty to the tokens of highest advantage-log-prob covariance. Default: ppo.",
+        "adding a KL penalty to the tokens of highest advantage-log-prob covariance. Default: %(default)s.",
     )
-    g.add_argument("--clip-cov-ratio", type=float, default=0.0002,
-                   help="clip_cov: fraction of the trainable tokens whose gradient is cut. Default: 0.0002.")
-    g.add_argument("--clip-cov-lb", type=float, default=1.0,
-                   help="clip_cov: only tokens of covariance above this are cut. Default: 1.0.")
-    g.add_argument("--clip-cov-ub", type=float, default=5.0,
-                   help="clip_cov: only tokens of covariance below this are cut. Default: 5.0.")
-    g.add_argument("--kl-cov-ratio", type=float, default=0.0002,
+    g.add_argument("--clip-cov-ratio", type=float,
+                   help="clip_cov: fraction of the trainable tokens whose gradient is cut. Default: %(default)s.")
+    g.add_argument("--clip-cov-lb", type=float,
+                   help="clip_cov: only tokens of covariance above this are cut. Default: %(default)s.")
+    g.add_argument("--clip-cov-ub", type=float,
+                   help="clip_cov: only tokens of covariance below this are cut. Default: %(default)s.")
+    g.add_argument("--kl-cov-ratio", type=float,
                    help="kl_cov: fraction of the trainable tokens (largest covariance) given the KL penalty. "
-                   "Default: 0.0002.")
-    g.add_argument("--ppo-kl-coef", type=float, default=1.0,
-                   help="kl_cov: weight of |logp - old_logp| on the penalised tokens. Default: 1.0.")
+                   "Default: %(default)s.")
+    g.add_argument("--ppo-kl-coef", type=float,
+                   help="kl_cov: weight of |logp - old_logp| on the penalised tokens. Default: %(default)s.")
     g.add_argument(
         "--custom-loss-function-path",
-        default=None,
-        help="'pkg.module.function' replacing the whole training loss. Default: None.",
+        help="'pkg.module.function' replacing the whole training loss. Default: %(default)s.",
     )
     g.add_argument(
-        "--eps-clip", type=float, default=0.2, help="Lower ratio clip: ratio >= 1 - eps_clip. Default: 0.2."
+        "--eps-clip", type=float, help="Lower ratio clip: ratio >= 1 - eps_clip. Default: %(default)s."
     )
     g.add_argument(
         "--eps-clip-high",
         type=float,
-        default=None,
         help="Upper ratio clip: ratio <= 1 + eps_clip_high (DAPO clip-higher). Default: None (= --eps-clip).",
     )
     g.add_argument(
         "--eps-clip-c",
         type=float,
-        default=None,
         help="Dual-clip bound (> 1): for negative advantages the loss is capped at -A * eps_clip_c. "
         "Default: None (off).",
     )
     g.add_argument(
         "--cispo-eps-low",
         type=float,
-        default=None,
         help="cispo: lower clip of the IS weight, weight >= 1 - cispo_eps_low (the upper one is "
         "--eps-clip-high). Default: None (no lower bound, as in MiniMax-M1).",
     )
     g.add_argument(
         "--value-clip",
         type=float,
-        default=0.2,
-        help="Critic update clip: |v - v_old| <= value_clip inside the value loss (ppo). Default: 0.2.",
+        help="Critic update clip: |v - v_old| <= value_clip inside the value loss (ppo). Default: %(default)s.",
     )
 
     g.add_argument(
         "--kl-coef",
         type=float,
-        default=0.0,
-        help="Per-token KL penalty subtracted from the reward (reinforce_plus_plus, ppo). Default: 0.0.",
+        help="Per-token KL penalty subtracted from the reward (reinforce_plus_plus, ppo). Default: %(default)s.",
     )
     g.add_argument(
         "--use-kl-loss", action="store_true", help="Add kl_loss_coef * KL(policy || ref) to the loss. Default: off."
     )
-    g.add_argument("--kl-loss-coef", type=float, default=0.0, help="Weight of the KL loss term. Default: 0.0.")
+    g.add_argument("--kl-loss-coef", type=float, help="Weight of the KL loss term. Default: %(default)s.")
     g.add_argument(
         "--kl-loss-type",
         choices=KL_TYPES,
-        default="k1",
-        help="KL estimator (Schulman's k1/k2/k3; low_var_kl = k3 clamped to [-10, 10]). Default: k1.",
+        help="KL estimator (Schulman's k1/k2/k3; low_var_kl = k3 clamped to [-10, 10]). Default: %(default)s.",
     )
     g.add_argument(
         "--entropy-coef",
         type=float,
-        default=0.0,
         help="Entropy bonus: entropy_coef * entropy is subtracted from the loss (the schedule's start value). "
-        "Default: 0.0.",
+        "Default: %(default)s.",
     )
-    g.add_argument("--entropy-coef-schedule", choices=ENTROPY_COEF_SCHEDULES, default="constant",
+    g.add_argument("--entropy-coef-schedule", choices=ENTROPY_COEF_SCHEDULES,
                    help="How the entropy coefficient moves from --entropy-coef at rollout 0 to --entropy-coef-final "
-                   "at --entropy-coef-decay-rollouts. Default: constant.")
-    g.add_argument("--entropy-coef-final", type=float, default=0.0,
-                   help="The entropy coefficient at the end of a linear / cosine schedule. Default: 0.0.")
-    g.add_argument("--entropy-coef-decay-rollouts", type=int, default=None,
+                   "at --entropy-coef-decay-rollouts. Default: %(default)s.")
+    g.add_argument("--entropy-coef-final", type=float,
+                   help="The entropy coefficient at the end of a linear / cosine schedule. Default: %(default)s.")
+    g.add_argument("--entropy-coef-decay-rollouts", type=int,
                    help="Rollouts over which the schedule moves. Default: None (--num-rollout).")
-    g.add_argument("--entropy-top-fraction", type=float, default=None,
+    g.add_argument("--entropy-top-fraction", type=float,
                    help="Train only on this fraction of each micro-batch's trainable tokens, those of highest "
                    "entropy (Wang et al. 2025's 0.2 forking tokens); the others leave the policy loss, the "
                    "denominators stay the step's. Default: None (every token).")
-    g.add_argument("--overlong-buffer-len", type=int, default=None,
+    g.add_argument("--overlong-buffer-len", type=int,
                    help="DAPO's soft overlong penalty: responses longer than --rollout-max-response-len minus this "
                    "get a reward penalty growing linearly to --overlong-penalty-factor at the maximum. "
                    "Default: None (off).")
-    g.add_argument("--overlong-penalty-factor", type=float, default=1.0,
-                   help="The overlong penalty at the maximum response length. Default: 1.0.")
+    g.add_argument("--overlong-penalty-factor", type=float,
+                   help="The overlong penalty at the maximum response length. Default: %(default)s.")
     g.add_argument("--mask-truncated-samples", action="store_true",
                    help="DAPO's overlong filtering: samples truncated at the length limit are masked out of the loss "
                    "(and of group baselines). Default: off.")
     g.add_argument(
         "--loss-agg-mode",
         choices=LOSS_AGG_MODES,
-        default="token_mean",
         help="How per-token losses become one number: mean over all trainable tokens (token_mean; dapo, TRL's "
         "name for it), per-sequence mean / sum then mean over sequences, seq_mean_token_sum_norm (Dr. GRPO: token "
         "sum / (sequences * --rollout-max-response-len)), or bnpo (TRL: token mean per micro-batch, averaged). "
-        "Default: token_mean.",
+        "Default: %(default)s.",
     )
 
     g = parser.add_argument_group(
@@ -191,20 +177,18 @@ def add_algorithm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         "[--tis-clip-low, --tis-clip]. With PPO's clip this is AReaL's decoupled objective (the trainer's old "
         "log-probs are the proximal policy, the engine's the behaviour policy). Default: off.",
     )
-    g.add_argument("--tis-clip", type=float, default=2.0, help="Upper truncation of the TIS weight. Default: 2.0.")
+    g.add_argument("--tis-clip", type=float, help="Upper truncation of the TIS weight. Default: %(default)s.")
     g.add_argument(
-        "--tis-clip-low", type=float, default=0.0, help="Lower truncation of the TIS weight. Default: 0.0."
+        "--tis-clip-low", type=float, help="Lower truncation of the TIS weight. Default: %(default)s."
     )
     g.add_argument(
         "--tis-level",
         choices=CORRECTION_LEVELS,
-        default="token",
         help="TIS weight per token, per sequence (the product of its tokens' ratios) or per sequence as their "
-        "geometric mean. Default: token.",
+        "geometric mean. Default: %(default)s.",
     )
     g.add_argument(
         "--custom-tis-function-path",
-        default=None,
         help="Replace the built-in TIS (with --use-tis) by fn(args, *, pg_loss, train_log_probs, rollout_log_probs, "
         "loss_masks, total_lengths, response_lengths) -> (pg_loss, loss_masks, metrics), slime's signature: "
         "pg_loss and each metric are per-token tensors over the micro-batch's concatenated responses, the log-probs "
@@ -221,15 +205,14 @@ def add_algorithm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     g.add_argument(
         "--mis-level",
         choices=CORRECTION_LEVELS,
-        default="token",
         help="MIS decision per token, per sequence on the product of its tokens' ratios (the sequence likelihood "
-        "ratio), or per sequence on their geometric mean. Default: token.",
+        "ratio), or per sequence on their geometric mean. Default: %(default)s.",
     )
     g.add_argument(
-        "--mis-threshold-low", type=float, default=0.5, help="Smallest MIS weight kept. Default: 0.5."
+        "--mis-threshold-low", type=float, help="Smallest MIS weight kept. Default: %(default)s."
     )
     g.add_argument(
-        "--mis-threshold-high", type=float, default=2.0, help="Largest MIS weight kept. Default: 2.0."
+        "--mis-threshold-high", type=float, help="Largest MIS weight kept. Default: %(default)s."
     )
     g.add_argument(
         "--use-rollout-logprobs",
@@ -242,7 +225,6 @@ def add_algorithm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     g = parser.add_argument_group("on-policy distillation")
     g.add_argument(
         "--opd-teacher-checkpoint",
-        default=None,
         help="HF checkpoint of a teacher with the student's architecture: the trainer scores the student's sampled "
         "tokens with it (swapping its weights in, as for the KL reference) and pulls the student toward it by the "
         "per-token reverse KL. Combines with any --advantage-estimator. Default: None (off).",
@@ -250,15 +232,15 @@ def add_algorithm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     g.add_argument(
         "--opd-mode",
         choices=OPD_MODES,
-        default="reward",
         help="reward: add -opd_coef * (logp_student - logp_teacher) to each token's advantage; loss: add "
-        "opd_coef * KL(student || teacher) (--opd-kl-type) to the loss. Default: reward.",
+        "opd_coef * KL(student || teacher) (--opd-kl-type) to the loss. Default: %(default)s.",
     )
-    g.add_argument("--opd-coef", type=float, default=1.0, help="Weight of the distillation term. Default: 1.0.")
+    g.add_argument("--opd-coef", type=float, help="Weight of the distillation term. Default: %(default)s.")
     g.add_argument(
-        "--opd-kl-type", choices=KL_TYPES, default="k3",
-        help="KL estimator of --opd-mode loss (k3: unbiased, low variance, non-negative). Default: k3.",
+        "--opd-kl-type", choices=KL_TYPES,
+        help="KL estimator of --opd-mode loss (k3: unbiased, low variance, non-negative). Default: %(default)s.",
     )
+    apply_defaults(parser, AlgorithmConfig, RolloutCorrectionConfig, DistillationConfig)  # defaults: vime/config
     return parser
 
 

@@ -20,8 +20,8 @@ from vime.config.rollout import (
     RolloutConfig,
 )
 from vime.config.run import DebugConfig, JobConfig
-from vime.rollout.rm_hub import RM_REGISTRY, remote_rm
-from vime.rollout.rm_hub import pool as rm_pool
+from vime.config.section import apply_defaults
+from vime.rollout.rm_hub import RM_REGISTRY
 from vime.utils.lora_adapters import AdapterSpec, adapter_specs
 from vime.utils.misc import with_values
 
@@ -32,97 +32,99 @@ _FUNCTION_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")  # pkg.module.fn
 
 def add_data_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("prompt data")
-    g.add_argument("--prompt-data", default=None, help="JSONL or Parquet file of prompts (default: None).")
-    g.add_argument("--input-key", default="prompt",
-                   help="Row field holding the prompt: a string, or a list of chat messages (default: prompt).")
-    g.add_argument("--label-key", default=None, help="Row field holding the reference answer (default: None).")
-    g.add_argument("--metadata-key", default="metadata",
-                   help="Row field (a dict) copied into Sample.metadata when present (default: metadata).")
-    g.add_argument("--tool-key", default=None,
-                   help="Row field with tool schemas passed to the chat template (default: None).")
+    g.add_argument("--prompt-data", help="JSONL or Parquet file of prompts (default: %(default)s).")
+    g.add_argument("--input-key",
+                   help="Row field holding the prompt: a string, or a list of chat messages (default: %(default)s).")
+    g.add_argument("--label-key", help="Row field holding the reference answer (default: %(default)s).")
+    g.add_argument("--metadata-key",
+                   help="Row field (a dict) copied into Sample.metadata when present (default: %(default)s).")
+    g.add_argument("--tool-key", help="Row field with tool schemas passed to the chat template (default: %(default)s).")
     g.add_argument("--apply-chat-template", action="store_true",
                    help="Format prompts with the tokenizer's chat template (default: off).")
-    g.add_argument("--apply-chat-template-kwargs", type=str, default=None,
-                   help="JSON dict of extra keyword arguments for apply_chat_template (default: None).")
-    g.add_argument("--rollout-max-prompt-len", type=int, default=None,
+    g.add_argument("--apply-chat-template-kwargs", type=str,
+                   help="JSON dict of extra keyword arguments for apply_chat_template (default: %(default)s).")
+    g.add_argument("--rollout-max-prompt-len", type=int,
                    help="Drop prompts longer than this many tokens when loading (default: no limit).")
-    g.add_argument("--max-bad-prompt-rows-ratio", type=float, default=0.1,
+    g.add_argument("--max-bad-prompt-rows-ratio", type=float,
                    help="Malformed prompt rows (bad JSON, missing --input-key, bad chat messages) are skipped with "
                         "a warning and counted in data/skipped_rows; loading fails when more than this fraction "
-                        "of the rows, or all of them, are malformed (default: 0.1).")
+                        "of the rows, or all of them, are malformed (default: %(default)s).")
     g.add_argument("--rollout-shuffle", action="store_true",
                    help="Shuffle prompts each epoch, seeded by --rollout-seed and the epoch (default: off).")
-    g.add_argument("--num-epoch", type=int, default=None,
-                   help="Epochs over the prompt data; sets --num-rollout when that is unset (default: None).")
+    g.add_argument("--num-epoch", type=int,
+                   help="Epochs over the prompt data; sets --num-rollout when that is unset (default: %(default)s).")
+    apply_defaults(parser, PromptDataConfig)  # defaults: vime/config
 
 
 def add_rollout_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("rollout")
-    g.add_argument("--rollout-function-path", default=DEFAULT_ROLLOUT_FUNCTION,
-                   help=f"generate_rollout(args, rollout_id, data_source, evaluation=False) (default: "
-                        f"{DEFAULT_ROLLOUT_FUNCTION}).")
-    g.add_argument("--rollout-timeout", type=float, default=3600.0,
+    g.add_argument("--rollout-function-path",
+                   help="generate_rollout(args, rollout_id, data_source, evaluation=False) (default: %(default)s).")
+    g.add_argument("--rollout-timeout", type=float,
                    help="Seconds a whole rollout (or eval) may take before the run stops with an error naming the "
-                        "rollout function; a function that never returns must not hang the run (default: 3600).")
-    g.add_argument("--custom-generate-function-path", default=None,
+                        "rollout function; a function that never returns must not hang the run (default: %(default)g).")
+    g.add_argument("--custom-generate-function-path",
                    help="async generate(args, sample, sampling_params) -> Sample, replacing the single-turn "
-                        "default: multi-turn, tools, agents (default: None).")
-    g.add_argument("--rollout-batch-size", type=int, default=8, help="Prompts (groups) per rollout (default: 8).")
-    g.add_argument("--n-samples-per-prompt", type=int, default=1,
-                   help="Responses sampled per prompt; one group (default: 1).")
-    g.add_argument("--over-sampling-batch-size", type=int, default=None,
+                        "default: multi-turn, tools, agents (default: %(default)s).")
+    g.add_argument("--rollout-batch-size", type=int, help="Prompts (groups) per rollout (default: %(default)s).")
+    g.add_argument("--n-samples-per-prompt", type=int,
+                   help="Responses sampled per prompt; one group (default: %(default)s).")
+    g.add_argument("--over-sampling-batch-size", type=int,
                    help="Groups submitted at a time when dynamic sampling drops some; must be >= "
                         "--rollout-batch-size (default: --rollout-batch-size).")
-    g.add_argument("--dynamic-sampling-filter-path", default=None,
+    g.add_argument("--dynamic-sampling-filter-path",
                    help="filter(args, samples) -> DynamicFilterOutput; groups it rejects are dropped and more "
                         "are generated, e.g. vime.rollout.filter_hub.dynamic_sampling_filters."
-                        "check_reward_nonzero_std (default: None).")
-    g.add_argument("--max-dynamic-sampling-rounds", type=int, default=8,
+                        "check_reward_nonzero_std (default: %(default)s).")
+    g.add_argument("--max-dynamic-sampling-rounds", type=int,
                    help="Give up on dynamic sampling after this many passes over --over-sampling-batch-size "
-                        "groups without filling the batch (default: 8).")
-    g.add_argument("--rollout-temperature", type=float, default=1.0, help="Sampling temperature (default: 1.0).")
-    g.add_argument("--rollout-top-p", type=float, default=1.0, help="Nucleus sampling p (default: 1.0).")
-    g.add_argument("--rollout-top-k", type=int, default=-1, help="Top-k sampling; -1 disables (default: -1).")
-    g.add_argument("--rollout-max-response-len", type=int, default=256,
-                   help="Maximum new tokens per response (default: 256).")
-    g.add_argument("--rollout-stop", nargs="+", default=None, help="Stop strings (default: None).")
-    g.add_argument("--rollout-stop-token-ids", type=int, nargs="+", default=None,
-                   help="Stop token ids in addition to EOS (default: None).")
-    g.add_argument("--rollout-seed", type=int, default=None,
+                        "groups without filling the batch (default: %(default)s).")
+    g.add_argument("--rollout-temperature", type=float, help="Sampling temperature (default: %(default)s).")
+    g.add_argument("--rollout-top-p", type=float, help="Nucleus sampling p (default: %(default)s).")
+    g.add_argument("--rollout-top-k", type=int, help="Top-k sampling; -1 disables (default: %(default)s).")
+    g.add_argument("--rollout-max-response-len", type=int,
+                   help="Maximum new tokens per response (default: %(default)s).")
+    g.add_argument("--rollout-stop", nargs="+", help="Stop strings (default: %(default)s).")
+    g.add_argument("--rollout-stop-token-ids", type=int, nargs="+",
+                   help="Stop token ids in addition to EOS (default: %(default)s).")
+    g.add_argument("--rollout-seed", type=int,
                    help="Seed for data shuffling and per-request sampling seeds (default: --seed).")
-    g.add_argument("--rollout-concurrency", type=int, default=256,
-                   help="Maximum generate requests in flight across all engines (default: 256).")
-    g.add_argument("--rollout-request-timeout", type=float, default=600.0,
-                   help="Seconds before one generate request is abandoned and retried (default: 600).")
-    g.add_argument("--rollout-request-retries", type=int, default=3,
-                   help="Retries of a failed generate request before the sample is marked failed (default: 3).")
+    g.add_argument("--rollout-concurrency", type=int,
+                   help="Maximum generate requests in flight across all engines (default: %(default)s).")
+    g.add_argument("--rollout-request-timeout", type=float,
+                   help="Seconds before one generate request is abandoned and retried (default: %(default)g).")
+    g.add_argument("--rollout-request-retries", type=int,
+                   help="Retries of a failed generate request before the sample is marked failed "
+                        "(default: %(default)s).")
     g.add_argument("--partial-rollout", action="store_true",
                    help="Keep groups cut off when the batch filled (aborted mid-generation) and continue them "
                         "first in the next rollout instead of discarding them (default: off).")
     g.add_argument("--mask-offpolicy-in-partial-rollout", action="store_true",
                    help="With --partial-rollout: do not train on the tokens generated before the abort (older "
                         "weights); only the continuation is trained (default: off).")
-    g.add_argument("--buffer-filter-path", default=None,
+    g.add_argument("--buffer-filter-path",
                    help="filter(args, buffer, num_groups) -> groups: which kept groups are served next "
                         "(default: vime.rollout.filter_hub.buffer_filters.pop_first, oldest first).")
-    g.add_argument("--custom-reward-post-process-path", default=None,
+    g.add_argument("--custom-reward-post-process-path",
                    help="post_process(args, samples) -> None, run on each finished group after rewards, "
-                        "e.g. to shape rewards (default: None).")
+                        "e.g. to shape rewards (default: %(default)s).")
+    apply_defaults(parser, RolloutConfig)  # defaults: vime/config
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("rollout engines")
-    g.add_argument("--rollout-num-gpus", type=int, default=1,
-                   help="Devices for rollout engines; on CPU, the number of engine slots (default: 1).")
-    g.add_argument("--rollout-num-gpus-per-engine", type=int, default=1,
-                   help="Devices per engine (tensor parallel on GPU); 1 on CPU (default: 1).")
-    g.add_argument("--rollout-external-engine-addrs", nargs="+", default=None,
+    g.add_argument("--rollout-num-gpus", type=int,
+                   help="Devices for rollout engines; on CPU, the number of engine slots (default: %(default)s).")
+    g.add_argument("--rollout-num-gpus-per-engine", type=int,
+                   help="Devices per engine (tensor parallel on GPU); 1 on CPU (default: %(default)s).")
+    g.add_argument("--rollout-external-engine-addrs", nargs="+",
                    help="host:port of vLLM servers started elsewhere (with --enable-scale-out, processed "
-                        "log-probs, VLLM_SERVER_DEV_MODE=1); vime then starts no engines (default: None).")
-    g.add_argument("--engine-startup-timeout", type=float, default=600.0,
-                   help="Seconds an engine may take to answer /health after start (default: 600).")
-    g.add_argument("--cpu-kv-cache-space", type=int, default=1,
-                   help="GiB of KV cache per engine on CPU, VLLM_CPU_KVCACHE_SPACE (default: 1).")
+                        "log-probs, VLLM_SERVER_DEV_MODE=1); vime then starts no engines (default: %(default)s).")
+    g.add_argument("--engine-startup-timeout", type=float,
+                   help="Seconds an engine may take to answer /health after start (default: %(default)g).")
+    g.add_argument("--cpu-kv-cache-space", type=int,
+                   help="GiB of KV cache per engine on CPU, VLLM_CPU_KVCACHE_SPACE (default: %(default)s).")
+    apply_defaults(parser, EnginesConfig)  # defaults: vime/config
 
 
 def add_fault_tolerance_args(parser: argparse.ArgumentParser) -> None:
@@ -130,83 +132,84 @@ def add_fault_tolerance_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--use-fault-tolerance", action="store_true",
                    help="Health-check the engines; a dead or hung engine is taken out of the router, restarted, "
                         "given the current weights and registered again (default: off).")
-    g.add_argument("--rollout-health-check-interval", type=float, default=5.0,
-                   help="Seconds between health checks of each engine (default: 5).")
-    g.add_argument("--rollout-health-check-timeout", type=float, default=10.0,
-                   help="Seconds an engine may take to answer /health before it counts as hung (default: 10).")
-    g.add_argument("--rollout-health-check-first-wait", type=float, default=0.0,
-                   help="Seconds after engine start before the first health check (default: 0).")
-    g.add_argument("--max-failed-samples-ratio", type=float, default=0.5,
+    g.add_argument("--rollout-health-check-interval", type=float,
+                   help="Seconds between health checks of each engine (default: %(default)g).")
+    g.add_argument("--rollout-health-check-timeout", type=float,
+                   help="Seconds an engine may take to answer /health before it counts as hung (default: %(default)g).")
+    g.add_argument("--rollout-health-check-first-wait", type=float,
+                   help="Seconds after engine start before the first health check (default: %(default)g).")
+    g.add_argument("--max-failed-samples-ratio", type=float,
                    help="A rollout with a larger fraction of failed samples (engines or router down) is not trained "
                         "on: no optimizer or scheduler step, its metrics row has train/skipped_rollout 1 "
-                        "(default: 0.5).")
-    g.add_argument("--max-consecutive-failed-rollouts", type=int, default=3,
+                        "(default: %(default)s).")
+    g.add_argument("--max-consecutive-failed-rollouts", type=int,
                    help="Stop the run with an error after this many rollouts in a row were skipped for "
-                        "--max-failed-samples-ratio (default: 3).")
+                        "--max-failed-samples-ratio (default: %(default)s).")
+    apply_defaults(parser, FaultToleranceConfig)  # defaults: vime/config
 
 
 def add_buffer_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("data buffer")
-    g.add_argument("--rollout-data-transport", choices=("object-store", "straw"), default="object-store",
+    g.add_argument("--rollout-data-transport", choices=("object-store", "straw"),
                    help="How rollouts travel from the rollout manager to the trainers: Ray's object store, or "
-                        "straw queues on a shared directory that survive a crash (default: object-store).")
-    g.add_argument("--rollout-data-dir", default=None,
+                        "straw queues on a shared directory that survive a crash (default: %(default)s).")
+    g.add_argument("--rollout-data-dir",
                    help="Shared directory of the straw transport (default: <output-dir>/rollout_data).")
+    apply_defaults(parser, DataBufferConfig)  # defaults: vime/config
 
 
 def add_reward_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("rewards")
-    g.add_argument("--rm-type", default=None,
+    g.add_argument("--rm-type",
                    help="Built-in reward: math, boxed, deepscaler, dapo, exact_match, f1, gpqa, remote_rm, "
                         "random (default: None; then --custom-rm-path is required).")
-    g.add_argument("--custom-rm-path", default=None,
+    g.add_argument("--custom-rm-path",
                    help="async reward(args, sample) -> float | dict; with --group-rm, "
-                        "reward(args, samples) -> list (default: None).")
+                        "reward(args, samples) -> list (default: %(default)s).")
     g.add_argument("--group-rm", action="store_true",
                    help="Score each group of samples in one call (default: off).")
-    g.add_argument("--rm-url", default=None, help="URL of a remote reward model, for --rm-type remote_rm.")
-    g.add_argument("--rm-max-retries", type=int, default=remote_rm.MAX_RETRIES,
-                   help=f"Retries of a remote reward call (default: {remote_rm.MAX_RETRIES}).")
-    g.add_argument("--rm-timeout", type=float, default=remote_rm.TIMEOUT_S,
+    g.add_argument("--rm-url", help="URL of a remote reward model, for --rm-type remote_rm.")
+    g.add_argument("--rm-max-retries", type=int, help="Retries of a remote reward call (default: %(default)s).")
+    g.add_argument("--rm-timeout", type=float,
                    help="Seconds before one reward call fails; the sample is then marked failed "
-                        f"(default: {remote_rm.TIMEOUT_S:g}).")
-    g.add_argument("--reward-key", default=None,
-                   help="Field of a dict-valued reward used as the scalar reward (default: None).")
-    g.add_argument("--rm-attempt-timeout", type=float, default=None,
+                        "(default: %(default)g).")
+    g.add_argument("--reward-key",
+                   help="Field of a dict-valued reward used as the scalar reward (default: %(default)s).")
+    g.add_argument("--rm-attempt-timeout", type=float,
                    help="Seconds one remote reward attempt may take at most; all attempts share --rm-timeout "
                         "(default: None, the time left split evenly over the attempts left).")
-    g.add_argument("--rm-num-workers", type=int, default=None,
+    g.add_argument("--rm-num-workers", type=int,
                    help="Reward worker processes, where rewards that can hang run and are killed at --rm-timeout "
                         "(--rm-type math, --custom-rm-in-workers) (default: None, min(4, CPUs of this process)).")
-    g.add_argument("--rm-worker-memory-mb", type=int, default=rm_pool.DEFAULT_MEMORY_MB,
+    g.add_argument("--rm-worker-memory-mb", type=int,
                    help="Address-space cap of each reward worker process in MiB (RLIMIT_AS); a call past it fails "
-                        f"that sample; 0 for none (default: {rm_pool.DEFAULT_MEMORY_MB}).")
+                        "that sample; 0 for none (default: %(default)s).")
     g.add_argument("--custom-rm-in-workers", action="store_true",
                    help="Run --custom-rm-path (sync or async) in the reward worker processes, killed at --rm-timeout, "
                         "instead of a thread that cannot be stopped; it must be importable in a fresh process and "
                         "take and return JSON-able values (default: off).")
+    apply_defaults(parser, RewardConfig)  # defaults: vime/config
 
 
 def add_eval_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("evaluation")
-    g.add_argument("--eval-prompt-data", nargs="+", default=None,
-                   help="Pairs NAME PATH [NAME PATH ...] of eval prompt files (default: None).")
-    g.add_argument("--eval-interval", type=int, default=None,
+    g.add_argument("--eval-prompt-data", nargs="+",
+                   help="Pairs NAME PATH [NAME PATH ...] of eval prompt files (default: %(default)s).")
+    g.add_argument("--eval-interval", type=int,
                    help="Evaluate every this many rollouts, and before the first (default: None = never).")
-    g.add_argument("--eval-function-path", default=None,
-                   help="Rollout function for eval (default: --rollout-function-path).")
-    g.add_argument("--n-samples-per-eval-prompt", type=int, default=1,
-                   help="Responses per eval prompt (default: 1).")
-    g.add_argument("--eval-pass-at-k", type=_ks, default=None,
+    g.add_argument("--eval-function-path", help="Rollout function for eval (default: --rollout-function-path).")
+    g.add_argument("--n-samples-per-eval-prompt", type=int, help="Responses per eval prompt (default: %(default)s).")
+    g.add_argument("--eval-pass-at-k", type=_ks,
                    help="Comma-separated k's, e.g. 1,4: each eval set also reports pass@k (unbiased estimator), "
                         "mean@k and maj@k over its --n-samples-per-eval-prompt samples per prompt, as "
-                        "eval/<name>/pass@k etc.; a sample is correct when its reward is > 0 (default: None).")
-    g.add_argument("--eval-temperature", type=float, default=None,
+                        "eval/<name>/pass@k etc.; a sample is correct when its reward is > 0 (default: %(default)s).")
+    g.add_argument("--eval-temperature", type=float,
                    help="Sampling temperature for eval (default: --rollout-temperature).")
-    g.add_argument("--eval-top-p", type=float, default=None, help="Top-p for eval (default: --rollout-top-p).")
-    g.add_argument("--eval-top-k", type=int, default=None, help="Top-k for eval (default: --rollout-top-k).")
-    g.add_argument("--eval-max-response-len", type=int, default=None,
+    g.add_argument("--eval-top-p", type=float, help="Top-p for eval (default: --rollout-top-p).")
+    g.add_argument("--eval-top-k", type=int, help="Top-k for eval (default: --rollout-top-k).")
+    g.add_argument("--eval-max-response-len", type=int,
                    help="Max new tokens for eval (default: --rollout-max-response-len).")
+    apply_defaults(parser, EvalConfig)  # defaults: vime/config
 
 
 def _ks(text: str) -> list[int]:
@@ -225,18 +228,19 @@ def add_debug_args(parser: argparse.ArgumentParser) -> None:
                    help="Generate and score rollouts without training (default: off).")
     g.add_argument("--debug-train-only", action="store_true",
                    help="Train from --load-debug-rollout-data without starting engines (default: off).")
-    g.add_argument("--save-debug-rollout-data", default=None,
+    g.add_argument("--save-debug-rollout-data",
                    help="Path template with {rollout_id}; each rollout's samples are written there as JSON "
-                        "lines, one Sample.to_dict() per line (default: None).")
-    g.add_argument("--load-debug-rollout-data", default=None,
+                        "lines, one Sample.to_dict() per line (default: %(default)s).")
+    g.add_argument("--load-debug-rollout-data",
                    help="Path template with {rollout_id}: replay saved rollouts instead of generating "
-                        "(default: None).")
-    g.add_argument("--save-rollouts", action=argparse.BooleanOptionalAction, default=True,
+                        "(default: %(default)s).")
+    g.add_argument("--save-rollouts", action=argparse.BooleanOptionalAction,
                    help="Keep a compact copy of each rollout (and eval) in <output-dir>/rollouts/, which "
                         "`python -m vime.inspect <output-dir>` renders; --no-save-rollouts turns it off (default: on).")
-    g.add_argument("--save-rollouts-max-mb", type=float, default=512.0,
+    g.add_argument("--save-rollouts-max-mb", type=float,
                    help="Size cap of <output-dir>/rollouts/ in megabytes: the oldest rollouts there are deleted to "
-                        "stay under it (default: 512).")
+                        "stay under it (default: %(default)g).")
+    apply_defaults(parser, DebugConfig)  # defaults: vime/config
 
 
 def add_all_rollout_args(parser: argparse.ArgumentParser) -> None:

@@ -17,6 +17,7 @@ import json
 from vime.backends.megatron_utils.hf_architecture import hf_architecture
 from vime.backends.megatron_utils.megatron_flags import (add_generated_megatron_args, check_megatron_lm_architecture,
                                                          core_flag, warn_once)
+from vime.config.section import apply_defaults
 from vime.config.train import MegatronConfig
 from vime.utils.device import use_gpu
 from vime.utils.misc import with_values
@@ -34,92 +35,88 @@ MEGATRON_FIELDS = frozenset(f.name for f in dataclasses.fields(MegatronConfig))
 def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the Megatron-LM flags vime uses (parallelism, batch, optimizer, precision, checkpoint, model)."""
     g = parser.add_argument_group("Megatron parallelism and batch")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1,
-                   help="Tensor-parallel size: ranks that split each layer's matrices (default: 1).")
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
-                   help="Pipeline-parallel size: ranks that split the layers into stages (default: 1).")
-    g.add_argument("--micro-batch-size", type=int, default=1,
-                   help="Sequences per micro-batch per data-parallel rank (default: 1).")
-    g.add_argument("--global-batch-size", type=int, default=None,
+    g.add_argument("--tensor-model-parallel-size", type=int,
+                   help="Tensor-parallel size: ranks that split each layer's matrices (default: %(default)s).")
+    g.add_argument("--pipeline-model-parallel-size", type=int,
+                   help="Pipeline-parallel size: ranks that split the layers into stages (default: %(default)s).")
+    g.add_argument("--micro-batch-size", type=int,
+                   help="Sequences per micro-batch per data-parallel rank (default: %(default)s).")
+    g.add_argument("--global-batch-size", type=int,
                    help="Sequences per optimizer step over all data-parallel ranks; a multiple of "
                         "micro-batch-size x data-parallel size (default: None = micro-batch-size x DP size).")
 
-    g.add_argument("--expert-model-parallel-size", type=int, default=1,
+    g.add_argument("--expert-model-parallel-size", type=int,
                    help="Expert-parallel size (MoE): ranks that split each MoE layer's experts, carved from the "
-                        "data-parallel ranks (default: 1).")
-    g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                        "data-parallel ranks (default: %(default)s).")
+    g.add_argument("--expert-tensor-parallel-size", type=int,
                    help="Tensor-parallel size inside each expert (default: None = --tensor-model-parallel-size).")
 
-    g.add_argument("--qkv-format", default="thd", choices=["thd", "bshd"],
+    g.add_argument("--qkv-format", choices=["thd", "bshd"],
                    help="Micro-batch layout: thd = the sequences packed one after another without padding (each "
-                        "attends only to itself); bshd = right-padded to the longest (default: thd).")
+                        "attends only to itself); bshd = right-padded to the longest (default: %(default)s).")
 
     g = parser.add_argument_group("Megatron optimizer")
-    g.add_argument("--lr", type=float, default=1e-6, help="Peak learning rate (default: 1e-6).")
-    g.add_argument("--min-lr", type=float, default=0.0,
-                   help="Learning rate at the end of decay (default: 0.0).")
-    g.add_argument("--lr-decay-style", default="constant", choices=["constant", "linear", "cosine"],
-                   help="Learning-rate decay after warmup (default: constant).")
-    g.add_argument("--lr-warmup-iters", type=int, default=0,
-                   help="Optimizer steps of linear warmup from 0 to --lr (default: 0).")
-    g.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (default: 0.01).")
-    g.add_argument("--adam-beta1", type=float, default=0.9, help="Adam beta1 (default: 0.9).")
-    g.add_argument("--adam-beta2", type=float, default=0.999, help="Adam beta2 (default: 0.999).")
-    g.add_argument("--adam-eps", type=float, default=1e-8, help="Adam epsilon (default: 1e-8).")
-    g.add_argument("--clip-grad", type=float, default=1.0,
-                   help="Clip the global gradient L2 norm to this value; 0 disables (default: 1.0).")
-    g.add_argument("--use-distributed-optimizer", action="store_true", default=False,
+    g.add_argument("--lr", type=float, help="Peak learning rate (default: 1e-6).")
+    g.add_argument("--min-lr", type=float, help="Learning rate at the end of decay (default: %(default)s).")
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"],
+                   help="Learning-rate decay after warmup (default: %(default)s).")
+    g.add_argument("--lr-warmup-iters", type=int,
+                   help="Optimizer steps of linear warmup from 0 to --lr (default: %(default)s).")
+    g.add_argument("--weight-decay", type=float, help="AdamW weight decay (default: %(default)s).")
+    g.add_argument("--adam-beta1", type=float, help="Adam beta1 (default: %(default)s).")
+    g.add_argument("--adam-beta2", type=float, help="Adam beta2 (default: %(default)s).")
+    g.add_argument("--adam-eps", type=float, help="Adam epsilon (default: 1e-8).")
+    g.add_argument("--clip-grad", type=float,
+                   help="Clip the global gradient L2 norm to this value; 0 disables (default: %(default)s).")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="Shard optimizer states over data-parallel ranks (default: off).")
 
     g = parser.add_argument_group("Megatron precision and regularisation")
-    g.add_argument("--bf16", action="store_true", default=False,
+    g.add_argument("--bf16", action="store_true",
                    help="bfloat16 parameters and compute on GPU; ignored on CPU, which trains in float32 "
                         "(default: off).")
-    g.add_argument("--fp16", action="store_true", default=False,
+    g.add_argument("--fp16", action="store_true",
                    help="float16 parameters and compute on GPU; ignored on CPU (default: off).")
-    g.add_argument("--attention-dropout", type=float, default=0.0,
+    g.add_argument("--attention-dropout", type=float,
                    help="Dropout on attention probabilities (default: 0.0; Megatron-LM's is 0.1, but RL needs "
                         "the trainer's log-probs to match the rollout engine's).")
-    g.add_argument("--hidden-dropout", type=float, default=0.0,
+    g.add_argument("--hidden-dropout", type=float,
                    help="Dropout on hidden states (default: 0.0; Megatron-LM's is 0.1).")
 
     g = parser.add_argument_group("Megatron mixture of experts")
-    g.add_argument("--moe-router-load-balancing-type", default="aux_loss",
+    g.add_argument("--moe-router-load-balancing-type",
                    choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "none"],
                    help="Load-balancing loss of the router (default: aux_loss, weighted by --moe-aux-loss-coeff).")
-    g.add_argument("--moe-aux-loss-coeff", type=float, default=None,
+    g.add_argument("--moe-aux-loss-coeff", type=float,
                    help="Weight of the load-balancing loss (default: None = the HF config's router_aux_loss_coef, "
                         "else 0).")
-    g.add_argument("--moe-z-loss-coeff", type=float, default=None,
-                   help="Weight of the router z-loss (default: None = off).")
-    g.add_argument("--moe-token-dispatcher-type", default="alltoall", choices=["alltoall"],
+    g.add_argument("--moe-z-loss-coeff", type=float, help="Weight of the router z-loss (default: None = off).")
+    g.add_argument("--moe-token-dispatcher-type", choices=["alltoall"],
                    help="How tokens reach their experts (default: alltoall, the dispatcher that takes RL's "
                         "variable-length micro-batches).")
-    g.add_argument("--moe-grouped-gemm", action="store_true", default=False,
+    g.add_argument("--moe-grouped-gemm", action="store_true",
                    help="Grouped GEMM for the experts (GPU with TransformerEngine; default: off = one GEMM per "
                         "expert).")
-    g.add_argument("--moe-router-dtype", default="fp32", choices=["fp32", "fp64"],
-                   help="Precision of the router's logits and probabilities (default: fp32).")
-    g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3,
+    g.add_argument("--moe-router-dtype", choices=["fp32", "fp64"],
+                   help="Precision of the router's logits and probabilities (default: %(default)s).")
+    g.add_argument("--moe-router-bias-update-rate", type=float,
                    help="Step of the expert-bias update after each optimizer step (aux-loss-free load balancing, "
                         "models with an expert bias such as DeepSeek-V3; the bias goes to the engines with the "
                         "weights; 0 freezes it; default: 1e-3, Megatron-LM's).")
 
     g = parser.add_argument_group("Megatron checkpoints")
-    g.add_argument("--load", default=None,
+    g.add_argument("--load",
                    help="torch_dist checkpoint directory to resume from (default: None = start from "
                         "--hf-checkpoint).")
-    g.add_argument("--save", default=None, help="Directory for torch_dist checkpoints (default: None = no saving).")
-    g.add_argument("--save-interval", type=int, default=None,
-                   help="Save every this many rollouts (default: None = only at the end).")
-    g.add_argument("--save-retain", type=int, default=None,
+    g.add_argument("--save", help="Directory for torch_dist checkpoints (default: None = no saving).")
+    g.add_argument("--save-interval", type=int, help="Save every this many rollouts (default: None = only at the end).")
+    g.add_argument("--save-retain", type=int,
                    help="Keep only the newest this many checkpoints in --save, never the one a resume starts "
                         "from (default: None = keep all).")
-    g.add_argument("--no-load-optim", action="store_true", default=False,
+    g.add_argument("--no-load-optim", action="store_true",
                    help="Do not load optimizer state from --load (default: off).")
-    g.add_argument("--no-load-rng", action="store_true", default=False,
-                   help="Do not load RNG state from --load (default: off).")
-    g.add_argument("--finetune", action="store_true", default=False,
+    g.add_argument("--no-load-rng", action="store_true", help="Do not load RNG state from --load (default: off).")
+    g.add_argument("--finetune", action="store_true",
                    help="Load only the weights from --load and restart the iteration count at 0 (default: off).")
 
     g = parser.add_argument_group(
@@ -137,16 +134,16 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         ("--vocab-size", int, "Vocabulary size of the embedding and output layer (vocab_size)"),
         ("--max-position-embeddings", int, "Longest sequence for position embeddings (max_position_embeddings)"),
     ):
-        g.add_argument(flag, type=kind, default=None, help=f"{what} (default: None = from the HF config).")
-    g.add_argument("--num-experts", type=int, default=None,
+        g.add_argument(flag, type=kind, help=f"{what} (default: None = from the HF config).")
+    g.add_argument("--num-experts", type=int,
                    help="Routed experts per MoE layer (num_experts; default: None = from the HF config, none for "
                         "dense models).")
-    g.add_argument("--moe-router-topk", type=int, default=None,
+    g.add_argument("--moe-router-topk", type=int,
                    help="Experts each token is routed to (num_experts_per_tok; default: None = from the HF config).")
-    g.add_argument("--moe-ffn-hidden-size", type=int, default=None,
+    g.add_argument("--moe-ffn-hidden-size", type=int,
                    help="Hidden size of each expert's MLP (moe_intermediate_size; default: None = from the HF "
                         "config).")
-    g.add_argument("--moe-layer-freq", type=_layer_pattern, default=None,
+    g.add_argument("--moe-layer-freq", type=_layer_pattern,
                    help="Which layers are MoE: N (layers 0, N, 2N, ...) or a JSON list of 0/1 per layer "
                         "(decoder_sparse_step and mlp_only_layers; default: None = from the HF config).")
     for flag, kind, what in (
@@ -163,8 +160,8 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                                        "(qk_rope_head_dim)"),
         ("--v-head-dim", int, "Multi-latent attention: value head size (v_head_dim)"),
     ):
-        g.add_argument(flag, type=kind, default=None, help=f"{what} (default: None = from the HF config).")
-    g.add_argument("--rope-scaling-factor", type=float, default=None,
+        g.add_argument(flag, type=kind, help=f"{what} (default: None = from the HF config).")
+    g.add_argument("--rope-scaling-factor", type=float,
                    help="Llama 3.x RoPE scaling factor (rope_scaling.factor; default: None = from the HF config).")
     for flag, what in (
         ("--use-rope-scaling", "Llama 3.x RoPE frequency scaling (rope_scaling.rope_type llama3)"),
@@ -176,8 +173,9 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         ("--moe-router-enable-expert-bias", "Expert bias in the routing choice (e_score_correction_bias, "
                                             "DeepSeek-V3's topk_method noaux_tc)"),
     ):
-        g.add_argument(flag, action="store_true", default=None, help=f"{what} (default: None = from the HF config).")
+        g.add_argument(flag, action="store_true", help=f"{what} (default: None = from the HF config).")
     add_generated_megatron_args(parser)
+    apply_defaults(parser, MegatronConfig)  # defaults: vime/config
     return parser
 
 

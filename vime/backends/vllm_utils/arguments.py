@@ -18,6 +18,8 @@ import functools
 import importlib.util
 from pathlib import Path
 
+from vime.config.router import RouterConfig
+from vime.config.section import apply_defaults
 from vime.utils.device import training_dtype
 from vime.utils.option_cache import cache_path, cached_table
 
@@ -208,17 +210,22 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     from vllm_router.router_args import RouterArgs
 
     group = parser.add_argument_group("vllm-router", "vllm-router options, prefixed with --router-.")
-    group.add_argument("--vllm-router-ip", default=None,
-                       help="Address of an already running vllm-router; vime starts one when unset (default: None).")
-    group.add_argument("--vllm-router-port", type=int, default=None,
-                       help="Port of the router (started or external); a free port when unset (default: None).")
+    group.add_argument("--vllm-router-ip",
+                       help="Address of an already running vllm-router; vime starts one when unset "
+                            "(default: %(default)s).")
+    group.add_argument("--vllm-router-port", type=int,
+                       help="Port of the router (started or external); a free port when unset (default: %(default)s).")
     sub = argparse.ArgumentParser(add_help=False)
     RouterArgs.add_cli_args(sub, use_router_prefix=True, exclude_host_port=True)
+    vime_owned = set(RouterConfig.flag_names())
     for action in sub._actions:
         if action.dest in {"router_worker_urls", "router_api_key"}:
             continue  # vime registers its engines itself, and gives the router the run's serving key
         help_text = (action.help or f"vllm-router's --{action.option_strings[0][len('--router-'):]}").replace("%", "%%")
-        kwargs = dict(dest=action.dest, default=action.default, help=f"{help_text} (default: {action.default})")
+        if action.dest in vime_owned:  # vime's default, from its section, not vllm-router's
+            kwargs = dict(dest=action.dest, help=f"{help_text} (default: %(default)s)")
+        else:
+            kwargs = dict(dest=action.dest, default=action.default, help=f"{help_text} (default: {action.default})")
         if isinstance(action, argparse._StoreTrueAction):
             kwargs["action"] = "store_true"
         elif isinstance(action, argparse._StoreAction):
@@ -228,6 +235,7 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
             if action.nargs is not None:
                 kwargs["nargs"] = action.nargs
         group.add_argument(*action.option_strings, **kwargs)  # vime's own defaults: vime.config.router
+    apply_defaults(parser, RouterConfig)  # defaults: vime/config
 
 
 def router_args_from(args, host: str, port: int, worker_urls: list[str], api_key: str | None = None):
