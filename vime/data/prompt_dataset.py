@@ -18,8 +18,6 @@ from vime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_BAD_ROWS_RATIO = 0.1
-
 
 class DataFormatError(ValueError):
     """A row of a prompt file is malformed; the message names the file and line."""

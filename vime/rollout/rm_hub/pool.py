@@ -18,8 +18,6 @@ from vime.utils.cpus import allowed_cpus
 from vime.utils.types import Sample
 from vime.utils.worker_pool import CALL_WITH_SAMPLE, WorkerPool
 
-DEFAULT_MEMORY_MB = 4096  # the default of --rm-worker-memory-mb
-DEFAULT_TIMEOUT_S = 60.0  # when args has no rm_timeout (the flag's own default lives in remote_rm)
 REPLACED_COUNTER = "rollout/reward_workers_replaced"
 
 
@@ -66,8 +64,7 @@ def close_reward_pool() -> None:
 
 
 def reward_timeout(args) -> float:
-    rewards = RewardConfig.of(args)
-    return rewards.rm_timeout or DEFAULT_TIMEOUT_S
+    return RewardConfig.of(args).rm_timeout or RewardConfig().rm_timeout  # an explicit None: the flag's default
 
 
 def _jsonable_args(args) -> dict[str, Any]:

@@ -20,8 +20,6 @@ from vime.config.rollout import RewardConfig
 from .registry import register_rm
 
 BACKOFF_BASE_S = 0.5  # waits 0.5 s, 1 s, 2 s, ... between attempts (never past the deadline)
-MAX_RETRIES = 3  # the defaults of --rm-max-retries and --rm-timeout
-TIMEOUT_S = 60.0
 
 
 class NonFiniteRewardError(ValueError):
@@ -52,7 +50,7 @@ async def remote_rm(args, sample) -> float | dict:
     if not url:
         raise ValueError("--rm-type remote_rm needs --rm-url")
     attempts = 1 + rewards.rm_max_retries
-    timeout = rewards.rm_timeout or TIMEOUT_S
+    timeout = rewards.rm_timeout or RewardConfig().rm_timeout  # an explicit None: the flag's default
     attempt_cap = rewards.rm_attempt_timeout or timeout
     deadline = time.monotonic() + timeout
     payload = {"prompt": sample.prompt, "response": sample.response, "label": sample.label, "metadata": sample.metadata}
