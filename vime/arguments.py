@@ -16,7 +16,6 @@ Everything is checked before any process starts (`validate_args`).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import json
 import os
@@ -34,7 +33,7 @@ from vime.backends.megatron_utils.routing_replay_arguments import add_routing_re
 from vime.backends.megatron_utils.train_arguments import add_train_args, validate_train_args
 from vime.backends.vllm_utils.arguments import VLLM_RAW_DEST, add_router_args, add_vllm_engine_args, validate_vllm_args
 from vime.config import RunConfig
-from vime.config.rollout import EnginesConfig, RolloutConfig
+from vime.config.rollout import EnginesConfig
 from vime.config.run import DebugConfig, JobConfig, PlacementConfig, WandbConfig
 from vime.config.section import apply_defaults
 from vime.config.train import WeightSyncConfig
@@ -282,12 +281,8 @@ def validate_wandb_args(args: argparse.Namespace) -> argparse.Namespace:
     from vime.utils.misc import with_values
 
     wandb, job = WandbConfig.of(args), JobConfig.of(args)
+    wandb.check()
     if not wandb.use_wandb:
-        unset = WandbConfig(use_wandb=False)
-        given = [f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(wandb)
-                 if getattr(wandb, f.name) != getattr(unset, f.name)]
-        if given:
-            raise ValueError(f"{' '.join(given)} only take effect with --use-wandb: add it, or drop them")
         return args
     return with_values(args, wandb_dir=os.path.abspath(wandb.wandb_dir or os.path.join(job.output_dir, "wandb")))
 
@@ -309,16 +304,9 @@ def validate_args(args: argparse.Namespace, check_model: bool = True) -> argpars
         from vime.utils.auth import read_token_file
 
         read_token_file(job.control_token_file)  # unreadable, short or readable by others: say so now
+    job.check()
+    PlacementConfig.of(args).check()
     args = validate_wandb_args(args)
-    placement = PlacementConfig.of(args)
-    for flag, on in (("--offload-rollout", placement.offload_rollout), ("--offload-train", placement.offload_train)):
-        if on and not placement.colocate:
-            raise ValueError(f"{flag} only makes sense with --colocate (engines and trainer share devices)")
-    for flag, seconds in (("--train-timeout", job.train_timeout),
-                          ("--rollout-timeout", RolloutConfig.of(args).rollout_timeout),
-                          ("--engine-startup-timeout", EnginesConfig.of(args).engine_startup_timeout)):
-        if not seconds > 0:
-            raise ValueError(f"{flag} must be a positive number of seconds, got {seconds}")
     validate_transport_placement(args)
     args = validate_environment_args(args)  # sets the reward (and generate) hooks the rollout side checks
     args = validate_rollout_args(args)

@@ -187,3 +187,26 @@ def test_each_flag_group_alone_takes_its_sections_defaults_and_its_help_shows_th
     formatter = argparse.HelpFormatter("train.py")
     assert formatter._expand_help(router["router_policy"]).endswith("(default: round_robin)")  # not vllm-router's
     assert formatter._expand_help(router["router_prometheus_port"]).endswith("(default: None)")
+
+
+@pytest.mark.parametrize("section, values, message", [
+    ("JobConfig", {"train_timeout": 0}, r"--train-timeout must be a positive number of seconds, got 0"),
+    ("PlacementConfig", {"offload_train": True}, r"--offload-train only makes sense with --colocate"),
+    ("WandbConfig", {"wandb_mode": "offline"}, r"--wandb-mode only take effect with --use-wandb"),
+    ("DebugConfig", {"save_debug_rollout_data": "x.pt"}, r"--save-debug-rollout-data 'x.pt' must contain"),
+    ("RolloutConfig", {"n_samples_per_prompt": 0}, r"--n-samples-per-prompt must be >= 1, got 0"),
+    ("EnginesConfig", {"engine_startup_timeout": -1.0}, r"--engine-startup-timeout must be a positive number"),
+    ("FaultToleranceConfig", {"max_failed_samples_ratio": 1.5}, r"--max-failed-samples-ratio must be in \[0, 1\]"),
+    ("EvalConfig", {"eval_pass_at_k": [4]}, r"k = 4 needs --n-samples-per-eval-prompt >= 4 \(got 1\)"),
+    ("TrainLoopConfig", {"use_dynamic_batch_size": True}, r"--use-dynamic-batch-size needs --max-tokens-per-gpu"),
+    ("WeightSyncConfig", {"update_weight_buffer_size": 0}, r"--update-weight-buffer-size must be >= 1 byte"),
+    ("LoraConfig", {"lora_dropout": 1.0}, r"--lora-dropout must be in \[0, 1\), got 1.0"),
+    ("JudgeConfig", {"judge_checkpoint": "j", "judge_concurrency": 0}, r"--judge-concurrency must be >= 1, got 0"),
+])
+def test_each_section_refuses_its_own_bad_values_by_flag_name(section, values, message):
+    from vime.config.run_config import SECTIONS
+
+    cls = SECTIONS[section]
+    cls().check()  # the defaults pass
+    with pytest.raises(ValueError, match=message):
+        cls(**values).check()

@@ -60,3 +60,12 @@ class JudgeConfig(Section):
     judge_temperature: float = 0.0
     judge_timeout: float = 60.0
     judge_concurrency: int = 64
+
+    def check(self) -> None:
+        if self.judge_checkpoint is None:
+            return
+        for flag, value in self.named("judge_num_engines", "judge_max_tokens", "judge_concurrency"):
+            if value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+        if not self.judge_timeout > 0:
+            raise ValueError(f"--judge-timeout must be > 0 seconds, got {self.judge_timeout}")

@@ -53,6 +53,12 @@ class RolloutConfig(Section):
     buffer_filter_path: str | None = None
     custom_reward_post_process_path: str | None = None
 
+    def check(self) -> None:
+        if not self.rollout_timeout > 0:
+            raise ValueError(f"--rollout-timeout must be a positive number of seconds, got {self.rollout_timeout}")
+        at_least_one(self.named("rollout_batch_size", "n_samples_per_prompt", "rollout_max_response_len",
+                                "rollout_concurrency"))
+
 
 @dataclasses.dataclass(frozen=True)
 class EnginesConfig(Section):
@@ -63,6 +69,12 @@ class EnginesConfig(Section):
     rollout_external_engine_addrs: list[str] | None = None
     engine_startup_timeout: float = 600.0
     cpu_kv_cache_space: int = 1
+
+    def check(self) -> None:
+        if not self.engine_startup_timeout > 0:
+            raise ValueError("--engine-startup-timeout must be a positive number of seconds, got "
+                             f"{self.engine_startup_timeout}")
+        at_least_one(self.named("rollout_num_gpus", "rollout_num_gpus_per_engine"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +87,16 @@ class FaultToleranceConfig(Section):
     rollout_health_check_first_wait: float = 0.0
     max_failed_samples_ratio: float = 0.5
     max_consecutive_failed_rollouts: int = 3
+
+    def check(self) -> None:
+        for flag, seconds in self.named("rollout_health_check_interval", "rollout_health_check_timeout"):
+            if seconds <= 0:
+                raise ValueError(f"{flag} must be > 0, got {seconds}")
+        if not 0.0 <= self.max_failed_samples_ratio <= 1.0:
+            raise ValueError(f"--max-failed-samples-ratio must be in [0, 1], got {self.max_failed_samples_ratio}")
+        if self.max_consecutive_failed_rollouts < 1:
+            raise ValueError("--max-consecutive-failed-rollouts must be >= 1, got "
+                             f"{self.max_consecutive_failed_rollouts}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,3 +137,17 @@ class EvalConfig(Section):
     eval_top_p: float | None = None
     eval_top_k: int | None = None
     eval_max_response_len: int | None = None
+
+    def check(self) -> None:
+        at_least_one(self.named("n_samples_per_eval_prompt"))
+        if self.eval_pass_at_k and self.eval_pass_at_k[-1] > self.n_samples_per_eval_prompt:
+            raise ValueError(f"--eval-pass-at-k {','.join(map(str, self.eval_pass_at_k))}: k = "
+                             f"{self.eval_pass_at_k[-1]} needs --n-samples-per-eval-prompt >= "
+                             f"{self.eval_pass_at_k[-1]} (got {self.n_samples_per_eval_prompt})")
+
+
+def at_least_one(counts: list[tuple[str, int | None]]) -> None:
+    """Refuse a count flag given below 1 (None: not given)."""
+    for flag, value in counts:
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")

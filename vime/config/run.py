@@ -23,6 +23,10 @@ class JobConfig(Section):
     control_token_file: str | None = None
     serving_interface: str | None = None
 
+    def check(self) -> None:
+        if not self.train_timeout > 0:
+            raise ValueError(f"--train-timeout must be a positive number of seconds, got {self.train_timeout}")
+
 
 @dataclasses.dataclass(frozen=True)
 class WandbConfig(Section):
@@ -35,6 +39,15 @@ class WandbConfig(Section):
     wandb_mode: Literal['online', 'offline', 'disabled'] = 'online'
     wandb_dir: str | None = None
 
+    def check(self) -> None:
+        if self.use_wandb:
+            return
+        unset = WandbConfig()
+        given = [flag for flag, value in self.named(*(f.name for f in dataclasses.fields(self)))
+                 if value != getattr(unset, flag[2:].replace("-", "_"))]
+        if given:
+            raise ValueError(f"{' '.join(given)} only take effect with --use-wandb: add it, or drop them")
+
 
 @dataclasses.dataclass(frozen=True)
 class PlacementConfig(Section):
@@ -45,6 +58,11 @@ class PlacementConfig(Section):
     colocate: bool = False
     offload_train: bool = False
     offload_rollout: bool = False
+
+    def check(self) -> None:
+        for flag, on in self.named("offload_rollout", "offload_train"):
+            if on and not self.colocate:
+                raise ValueError(f"{flag} only makes sense with --colocate (engines and trainer share devices)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,3 +75,15 @@ class DebugConfig(Section):
     load_debug_rollout_data: str | None = None
     save_rollouts: bool = True
     save_rollouts_max_mb: float = 512.0
+
+    def check(self) -> None:
+        if self.debug_rollout_only and self.debug_train_only:
+            raise ValueError("--debug-rollout-only and --debug-train-only exclude each other; pick one")
+        if self.debug_rollout_only and self.load_debug_rollout_data is not None:
+            raise ValueError("--debug-rollout-only generates rollouts; it cannot also --load-debug-rollout-data")
+        if self.save_rollouts_max_mb <= 0:
+            raise ValueError(f"--save-rollouts-max-mb must be > 0, got {self.save_rollouts_max_mb} (turn saving off "
+                             "with --no-save-rollouts)")
+        for flag, template in self.named("save_debug_rollout_data", "load_debug_rollout_data"):
+            if template is not None and "{rollout_id}" not in template:
+                raise ValueError(f"{flag} {template!r} must contain '{{rollout_id}}'")

@@ -52,6 +52,11 @@ class Section:
         """The destinations of this section's flags (derived fields left out)."""
         return tuple(f.name for f in dataclasses.fields(cls) if not f.metadata.get(DERIVED))
 
+    def check(self) -> None:
+        """Refuse values of this section's flags that are wrong on their own, with a ValueError naming the flag
+        and how to fix it. Rules that tie flags of several sections together stay with the validation of the
+        package that owns the flags (`vime/*/arguments.py`)."""
+
     def named(self, *fields: str) -> list[tuple[str, Any]]:
         """(--flag-name, value) of each of `fields`, for a check that loops over several flags."""
         return [("--" + name.replace("_", "-"), getattr(self, name)) for name in fields]

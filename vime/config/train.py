@@ -110,6 +110,18 @@ class TrainLoopConfig(Section):
     critic_lr: float | None = None
     save_hf: str | None = None
 
+    def check(self) -> None:
+        if self.max_staleness is not None and self.max_staleness < 1:
+            raise ValueError(f"--max-staleness must be >= 1 (rollouts generated ahead of training), got "
+                             f"{self.max_staleness}; omit it for one rollout ahead")
+        if self.max_staleness is not None and self.update_weights_interval > 1:
+            raise ValueError("--max-staleness pushes every update in flight: drop --update-weights-interval "
+                             f"{self.update_weights_interval}, or drop --max-staleness")
+        if self.train_num_threads is not None and self.train_num_threads < 1:
+            raise ValueError(f"--train-num-threads must be >= 1, got {self.train_num_threads}")
+        if self.use_dynamic_batch_size and not self.max_tokens_per_gpu:
+            raise ValueError("--use-dynamic-batch-size needs --max-tokens-per-gpu N")
+
 
 @dataclasses.dataclass(frozen=True)
 class WeightSyncConfig(Section):
@@ -119,6 +131,10 @@ class WeightSyncConfig(Section):
     update_weight_dir: str | None = None
     update_weight_buffer_size: int = 536870912
     check_weight_update_equal: bool = False
+
+    def check(self) -> None:
+        if self.update_weight_buffer_size < 1:
+            raise ValueError(f"--update-weight-buffer-size must be >= 1 byte, got {self.update_weight_buffer_size}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +148,14 @@ class LoraConfig(Section):
     lora_sync: Literal['adapter', 'merged'] | None = None
     lora_adapters: list[str] | None = None
     lora_target_modules: list[str] = dataclasses.field(default_factory=lambda: ['all-linear'])
+
+    def check(self) -> None:
+        if self.lora_rank < 0:
+            raise ValueError(f"--lora-rank must be >= 0 (0 = full fine-tuning), got {self.lora_rank}")
+        if self.lora_alpha is not None and self.lora_alpha <= 0:
+            raise ValueError(f"--lora-alpha must be > 0, got {self.lora_alpha}")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ValueError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
 
 
 @dataclasses.dataclass(frozen=True)

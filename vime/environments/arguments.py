@@ -89,11 +89,7 @@ def validate_judge_args(args: argparse.Namespace) -> None:
 
     if not os.path.isfile(os.path.join(judge.judge_checkpoint, "config.json")):
         raise ValueError(f"--judge-checkpoint {judge.judge_checkpoint}: no config.json there; is it an HF checkpoint?")
-    for flag, value in judge.named("judge_num_engines", "judge_max_tokens", "judge_concurrency"):
-        if value < 1:
-            raise ValueError(f"{flag} must be >= 1, got {value}")
-    if not judge.judge_timeout > 0:
-        raise ValueError(f"--judge-timeout must be > 0 seconds, got {judge.judge_timeout}")
+    judge.check()
     if engines.rollout_external_engine_addrs:
         raise ValueError("--judge-checkpoint starts the judge's engines on this node; it is not yet supported with "
                          "--rollout-external-engine-addrs")

@@ -278,22 +278,14 @@ def validate_rollout_args(args: argparse.Namespace) -> argparse.Namespace:
     fault_tolerance = FaultToleranceConfig.of(args)
     data_buffer = DataBufferConfig.of(args)
     job = JobConfig.of(args)
+    for section in (debug, rollout, engines, fault_tolerance, evaluation):
+        section.check()
     derived = {}
-    if debug.debug_rollout_only and debug.debug_train_only:
-        raise ValueError("--debug-rollout-only and --debug-train-only exclude each other; pick one")
     replaying = debug.load_debug_rollout_data is not None
     engine_free_rollout = rollout.rollout_function_path != DEFAULT_ROLLOUT_FUNCTION  # e.g. sft_rollout
     if debug.debug_train_only and not replaying and not engine_free_rollout:
         raise ValueError("--debug-train-only needs --load-debug-rollout-data PATH_{rollout_id}, or a "
                          "--rollout-function-path that needs no engines (vime.rollout.sft_rollout.generate_rollout)")
-    if debug.debug_rollout_only and replaying:
-        raise ValueError("--debug-rollout-only generates rollouts; it cannot also --load-debug-rollout-data")
-    if debug.save_rollouts_max_mb <= 0:
-        raise ValueError(f"--save-rollouts-max-mb must be > 0, got {debug.save_rollouts_max_mb} (turn saving off "
-                         "with --no-save-rollouts)")
-    for flag, template in debug.named("save_debug_rollout_data", "load_debug_rollout_data"):
-        if template is not None and "{rollout_id}" not in template:
-            raise ValueError(f"{flag} {template!r} must contain '{{rollout_id}}'")
 
     adapters = adapter_specs(args)
     if not replaying:
@@ -326,19 +318,7 @@ def validate_rollout_args(args: argparse.Namespace) -> argparse.Namespace:
         if evaluation.eval_prompt_data is None and not environments.environment_eval_size:
             raise ValueError("--eval-pass-at-k needs eval sets: --eval-prompt-data NAME PATH (or "
                              "--environment-eval-size N)")
-        if evaluation.eval_pass_at_k[-1] > evaluation.n_samples_per_eval_prompt:
-            raise ValueError(f"--eval-pass-at-k {','.join(map(str, evaluation.eval_pass_at_k))}: k = "
-                             f"{evaluation.eval_pass_at_k[-1]} needs --n-samples-per-eval-prompt >= "
-                             f"{evaluation.eval_pass_at_k[-1]} "
-                             f"(got {evaluation.n_samples_per_eval_prompt})")
 
-    counts = [*rollout.named("rollout_batch_size", "n_samples_per_prompt", "rollout_max_response_len",
-                             "rollout_concurrency"),
-              *engines.named("rollout_num_gpus", "rollout_num_gpus_per_engine"),
-              *evaluation.named("n_samples_per_eval_prompt")]
-    for flag, value in counts:
-        if value is not None and value < 1:
-            raise ValueError(f"{flag} must be >= 1, got {value}")
     over_sampling = rollout.over_sampling_batch_size
     over_sampling = rollout.rollout_batch_size if over_sampling is None else over_sampling
     derived["over_sampling_batch_size"] = over_sampling
@@ -363,15 +343,6 @@ def validate_rollout_args(args: argparse.Namespace) -> argparse.Namespace:
     if fault_tolerance.use_fault_tolerance and engines.rollout_external_engine_addrs:
         raise ValueError("--use-fault-tolerance restarts engines vime started; it cannot restart "
                          "--rollout-external-engine-addrs servers (drop one of the two)")
-    for flag, seconds in fault_tolerance.named("rollout_health_check_interval", "rollout_health_check_timeout"):
-        if seconds <= 0:
-            raise ValueError(f"{flag} must be > 0, got {seconds}")
-    if not 0.0 <= fault_tolerance.max_failed_samples_ratio <= 1.0:
-        raise ValueError("--max-failed-samples-ratio must be in [0, 1], got "
-                         f"{fault_tolerance.max_failed_samples_ratio}")
-    if fault_tolerance.max_consecutive_failed_rollouts < 1:
-        raise ValueError("--max-consecutive-failed-rollouts must be >= 1, got "
-                         f"{fault_tolerance.max_consecutive_failed_rollouts}")
     derived["rollout_data_dir"] = os.path.abspath(data_buffer.rollout_data_dir or
                                                   os.path.join(os.path.abspath(job.output_dir), "rollout_data"))
 

@@ -121,8 +121,7 @@ def validate_lora_args(args: argparse.Namespace) -> argparse.Namespace:
     if LoraConfig.of(args).lora_load:
         args = with_values(args, **_peft_adapter_flags(LoraConfig.of(args).lora_load, args))
     lora = LoraConfig.of(args)
-    if lora.lora_rank < 0:
-        raise ValueError(f"--lora-rank must be >= 0 (0 = full fine-tuning), got {lora.lora_rank}")
+    lora.check()
     specs = adapter_specs(args)
     if not lora.lora_rank:
         for flag, given in (("--lora-sync", lora.lora_sync), ("--lora-adapters", specs)):
@@ -130,10 +129,6 @@ def validate_lora_args(args: argparse.Namespace) -> argparse.Namespace:
                 raise ValueError(f"{flag} needs --lora-rank N (LoRA training)")
         return args
     lora_targets(lora.lora_target_modules)
-    if lora.lora_alpha is not None and lora.lora_alpha <= 0:
-        raise ValueError(f"--lora-alpha must be > 0, got {lora.lora_alpha}")
-    if not 0.0 <= lora.lora_dropout < 1.0:
-        raise ValueError(f"--lora-dropout must be in [0, 1), got {lora.lora_dropout}")
     if args.sequence_parallel:  # megatron-core's flag
         raise ValueError("--lora-rank with --sequence-parallel is not supported yet; drop one of them")
     sync = lora_sync_mode(args)
@@ -276,22 +271,11 @@ def validate_train_args(args: argparse.Namespace) -> argparse.Namespace:
     if samples % gbs:
         raise ValueError(f"--global-batch-size {gbs} must divide the {samples} samples of a "
                          "rollout (rollout-batch-size x n-samples-per-prompt)")
-    buffer_size = WeightSyncConfig.of(args).update_weight_buffer_size
-    if buffer_size < 1:
-        raise ValueError(f"--update-weight-buffer-size must be >= 1 byte, got {buffer_size}")
+    WeightSyncConfig.of(args).check()
     if AlgorithmConfig.of(args).use_critic and megatron.pipeline_model_parallel_size > 1:
         raise ValueError("the PPO critic (--advantage-estimator ppo) supports --pipeline-model-parallel-size 1 "
                          "only; use tensor or data parallelism")
-    if train_loop.max_staleness is not None and train_loop.max_staleness < 1:
-        raise ValueError(f"--max-staleness must be >= 1 (rollouts generated ahead of training), got "
-                         f"{train_loop.max_staleness}; omit it for one rollout ahead")
-    if train_loop.max_staleness is not None and train_loop.update_weights_interval > 1:
-        raise ValueError("--max-staleness pushes every update in flight: drop --update-weights-interval "
-                         f"{train_loop.update_weights_interval}, or drop --max-staleness")
-    if train_loop.train_num_threads is not None and train_loop.train_num_threads < 1:
-        raise ValueError(f"--train-num-threads must be >= 1, got {train_loop.train_num_threads}")
-    if train_loop.use_dynamic_batch_size and not train_loop.max_tokens_per_gpu:
-        raise ValueError("--use-dynamic-batch-size needs --max-tokens-per-gpu N")
+    train_loop.check()
     args = with_values(validate_lora_args(args), global_batch_size=gbs, num_steps_per_rollout=samples // gbs)
     job = JobConfig.of(args)
     if job.num_rollout is not None and not DebugConfig.of(args).debug_rollout_only:  # else known once counted
