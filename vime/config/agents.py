@@ -14,13 +14,13 @@ class AgentConfig(Section):
 
     agent_max_turns: int = 4
     agent_max_turn_tokens: int | None = None
-    agent_tools: list[str] = dataclasses.field(default_factory=lambda: ['calculator', 'python'])
+    agent_tools: list[str] = dataclasses.field(default_factory=lambda: ["calculator", "python"])
     agent_tool_paths: list[str] | None = None
-    agent_tool_call_format: Literal['auto', 'qwen', 'json'] = 'auto'
+    agent_tool_call_format: Literal["auto", "qwen", "json"] = "auto"
     agent_tool_timeout: float = 10.0
     agent_max_tool_output_chars: int = 2000
-    agent_environment_path: str = 'vime.agents.multi_turn.tool_environment'
-    agent_sandbox: str = 'local'
+    agent_environment_path: str = "vime.agents.multi_turn.tool_environment"
+    agent_sandbox: str = "local"
     agent_sandbox_allow_weak_isolation: bool = False
 
 
@@ -46,7 +46,7 @@ class EnvironmentConfig(Section):
     reasoning_gym_size: int = 1000
     reasoning_gym_seed: int | None = None
     reasoning_gym_weights: list[float] | None = None
-    reasoning_gym_system_prompt: str = 'default'
+    reasoning_gym_system_prompt: str = "default"
     verifiers_python: str | None = None
 
 

@@ -12,15 +12,15 @@ from vime.config.section import Section, derived
 class AlgorithmConfig(Section):
     """The RL algorithm: advantages, losses, KL, entropy (`--advantage-estimator`, `--policy-loss`, ...)."""
 
-    advantage_estimator: Literal['grpo', 'gspo', 'cispo', 'reinforce_plus_plus', 'reinforce_plus_plus_baseline', 'ppo', 'rloo', 'remax'] = 'grpo'
+    advantage_estimator: str = "grpo"  # a name of vime.algorithms' registry (the flag's choices)
     custom_advantage_function_path: str | None = None
     disable_grpo_std_normalization: bool = False
     advantage_eps: float = 1e-06
     gamma: float = 1.0
     lambd: float = 1.0
     normalize_advantages: bool = False
-    loss_type: Literal['policy_loss', 'sft_loss', 'value_loss'] = 'policy_loss'
-    policy_loss: Literal['ppo', 'gspo', 'cispo', 'clip_cov', 'kl_cov'] = 'ppo'
+    loss_type: Literal["policy_loss", "sft_loss", "value_loss"] = "policy_loss"
+    policy_loss: str = "ppo"  # a name of vime.algorithms' registry (the flag's choices)
     clip_cov_ratio: float = 0.0002
     clip_cov_lb: float = 1.0
     clip_cov_ub: float = 5.0
@@ -35,9 +35,9 @@ class AlgorithmConfig(Section):
     kl_coef: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.0
-    kl_loss_type: Literal['k1', 'k2', 'k3', 'low_var_kl'] = 'k1'
+    kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = "k1"
     entropy_coef: float = 0.0
-    entropy_coef_schedule: Literal['constant', 'linear', 'cosine'] = 'constant'
+    entropy_coef_schedule: Literal["constant", "linear", "cosine"] = "constant"
     entropy_coef_final: float = 0.0
     entropy_coef_decay_rollouts: int | None = None
     entropy_top_fraction: float | None = None
@@ -45,7 +45,7 @@ class AlgorithmConfig(Section):
     overlong_penalty_factor: float = 1.0
     mask_truncated_samples: bool = False
     use_critic: bool = derived(False)  # PPO trains a critic: set by validation from --advantage-estimator
-    loss_agg_mode: Literal['token_mean', 'seq_mean_token_mean', 'seq_mean_token_sum', 'seq_mean_token_sum_norm', 'bnpo', 'dapo'] = 'token_mean'
+    loss_agg_mode: str = "token_mean"  # one of vime.algorithms' LOSS_AGG_MODES (the flag's choices)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,10 +55,10 @@ class RolloutCorrectionConfig(Section):
     use_tis: bool = False
     tis_clip: float = 2.0
     tis_clip_low: float = 0.0
-    tis_level: Literal['token', 'sequence', 'geometric'] = 'token'
+    tis_level: Literal["token", "sequence", "geometric"] = "token"
     custom_tis_function_path: str | None = None
     use_mis: bool = False
-    mis_level: Literal['token', 'sequence', 'geometric'] = 'token'
+    mis_level: Literal["token", "sequence", "geometric"] = "token"
     mis_threshold_low: float = 0.5
     mis_threshold_high: float = 2.0
     use_rollout_logprobs: bool = False
@@ -69,6 +69,6 @@ class DistillationConfig(Section):
     """On-policy distillation from a teacher (`--opd-*`)."""
 
     opd_teacher_checkpoint: str | None = None
-    opd_mode: Literal['reward', 'loss'] = 'reward'
+    opd_mode: Literal["reward", "loss"] = "reward"
     opd_coef: float = 1.0
-    opd_kl_type: Literal['k1', 'k2', 'k3', 'low_var_kl'] = 'k3'
+    opd_kl_type: Literal["k1", "k2", "k3", "low_var_kl"] = "k3"

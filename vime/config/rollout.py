@@ -14,12 +14,12 @@ class PromptDataConfig(Section):
     """The prompt dataset and how rows become prompts (`--prompt-data`, `--input-key`, ...)."""
 
     prompt_data: str | None = None
-    input_key: str = 'prompt'
+    input_key: str = "prompt"
     label_key: str | None = None
-    metadata_key: str = 'metadata'
+    metadata_key: str = "metadata"
     tool_key: str | None = None
     apply_chat_template: bool = False
-    apply_chat_template_kwargs: dict[str, Any] | str | None = None  # JSON text on the command line, a dict once validated
+    apply_chat_template_kwargs: dict[str, Any] | str | None = None  # JSON text given, a dict once validated
     rollout_max_prompt_len: int | None = None
     max_bad_prompt_rows_ratio: float = 0.1
     rollout_shuffle: bool = False
@@ -30,7 +30,7 @@ class PromptDataConfig(Section):
 class RolloutConfig(Section):
     """Generation: batch, sampling, hooks and request limits (`--rollout-*`, `--n-samples-per-prompt`, ...)."""
 
-    rollout_function_path: str = 'vime.rollout.vllm_rollout.generate_rollout'
+    rollout_function_path: str = "vime.rollout.vllm_rollout.generate_rollout"
     rollout_timeout: float = 3600.0
     custom_generate_function_path: str | None = None
     rollout_batch_size: int = 8
@@ -103,7 +103,7 @@ class FaultToleranceConfig(Section):
 class DataBufferConfig(Section):
     """Where rollouts are kept between generation and training (`--rollout-data-*`)."""
 
-    rollout_data_transport: Literal['object-store', 'straw'] = 'object-store'
+    rollout_data_transport: Literal["object-store", "straw"] = "object-store"
     rollout_data_dir: str | None = None
 
 

@@ -16,7 +16,7 @@ class JobConfig(Section):
     hf_checkpoint: str | None = None
     seed: int = 1234
     num_rollout: int | None = None
-    output_dir: str = 'outputs/run'
+    output_dir: str = "outputs/run"
     ray_address: str | None = None
     overwrite_output: bool = False
     train_timeout: float = 7200.0
@@ -33,10 +33,10 @@ class WandbConfig(Section):
     """Weights & Biases logging (`--use-wandb`, `--wandb-*`)."""
 
     use_wandb: bool = False
-    wandb_project: str = 'vime'
+    wandb_project: str = "vime"
     wandb_group: str | None = None
     wandb_run_name: str | None = None
-    wandb_mode: Literal['online', 'offline', 'disabled'] = 'online'
+    wandb_mode: Literal["online", "offline", "disabled"] = "online"
     wandb_dir: str | None = None
 
     def check(self) -> None:

@@ -21,12 +21,12 @@ class MegatronConfig(Section):
     global_batch_size: int | None = None
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: int | None = None
-    qkv_format: Literal['thd', 'bshd'] = 'thd'
+    qkv_format: Literal["thd", "bshd"] = "thd"
 
     # optimizer
     lr: float = 1e-06
     min_lr: float = 0.0
-    lr_decay_style: Literal['constant', 'linear', 'cosine'] = 'constant'
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
     lr_warmup_iters: int = 0
     weight_decay: float = 0.01
     adam_beta1: float = 0.9
@@ -42,12 +42,12 @@ class MegatronConfig(Section):
     hidden_dropout: float = 0.0
 
     # mixture of experts
-    moe_router_load_balancing_type: Literal['aux_loss', 'seq_aux_loss', 'global_aux_loss', 'none'] = 'aux_loss'
+    moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "none"] = "aux_loss"
     moe_aux_loss_coeff: float | None = None
     moe_z_loss_coeff: float | None = None
-    moe_token_dispatcher_type: Literal['alltoall'] = 'alltoall'
+    moe_token_dispatcher_type: Literal["alltoall"] = "alltoall"
     moe_grouped_gemm: bool = False
-    moe_router_dtype: Literal['fp32', 'fp64'] = 'fp32'
+    moe_router_dtype: Literal["fp32", "fp64"] = "fp32"
     moe_router_bias_update_rate: float = 0.001
 
     # checkpoints
@@ -127,7 +127,7 @@ class TrainLoopConfig(Section):
 class WeightSyncConfig(Section):
     """How trained weights reach the engines (`--update-weight-*`, `--check-weight-update-equal`)."""
 
-    update_weight_transport: Literal['disk', 'broadcast', 'delta', 'cuda_ipc'] = 'disk'
+    update_weight_transport: Literal["disk", "broadcast", "delta", "cuda_ipc"] = "disk"
     update_weight_dir: str | None = None
     update_weight_buffer_size: int = 536870912
     check_weight_update_equal: bool = False
@@ -145,9 +145,9 @@ class LoraConfig(Section):
     lora_alpha: float | None = None
     lora_dropout: float = 0.0
     lora_load: str | None = None
-    lora_sync: Literal['adapter', 'merged'] | None = None
+    lora_sync: Literal["adapter", "merged"] | None = None
     lora_adapters: list[str] | None = None
-    lora_target_modules: list[str] = dataclasses.field(default_factory=lambda: ['all-linear'])
+    lora_target_modules: list[str] = dataclasses.field(default_factory=lambda: ["all-linear"])
 
     def check(self) -> None:
         if self.lora_rank < 0:
