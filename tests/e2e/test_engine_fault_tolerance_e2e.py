@@ -70,9 +70,11 @@ def _rollout(manager, args, rollout_id: int):
     """(groups of sample dicts, metrics) of one rollout, through the data transport as the training loop gets it."""
     import ray
 
+    from vime.config.rollout import DataBufferConfig
     from vime.data.transport import make_transport
 
-    groups, extra = make_transport(args).get(ray.get(manager.generate.remote(rollout_id), timeout=600).handle)
+    rollout = ray.get(manager.generate.remote(rollout_id), timeout=600)
+    groups, extra = make_transport(DataBufferConfig.of(args)).get(rollout.handle)
     return groups, extra["metrics"]
 
 
@@ -254,9 +256,10 @@ def test_sigkilled_engine_is_replaced_with_the_current_weights(stack, tiny_qwen3
     os.kill(victim, signal.SIGKILL)
     killed = time.monotonic()
 
+    from vime.config.rollout import DataBufferConfig
     from vime.data.transport import make_transport
 
-    groups, extra = make_transport(args).get(ray.get(rollout, timeout=600).handle)
+    groups, extra = make_transport(DataBufferConfig.of(args)).get(ray.get(rollout, timeout=600).handle)
     metrics = extra["metrics"]
     print(f"rollout with a SIGKILL: done {time.monotonic() - killed:.1f}s after the kill, "
           f"{metrics['rollout/request_retries']} requests retried")

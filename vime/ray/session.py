@@ -48,7 +48,7 @@ class TrainingSession:
         self.manager = self.trainers = self.metrics = None
         self.engines: list = []  # the engine actors made for the manager (`new_engines`)
         self.weight_version = 0
-        self.transport = make_transport(args)  # stored rollouts: replay after a crash, and letting them go
+        self.transport = make_transport(self.config.data_buffer)  # stored rollouts: replayed after a crash, then let go
         self.replay: dict[int, RolloutRef] = {}  # rollout id -> a stored rollout to train instead of generating
         self.replayed: set[int] = set()
         self.data_state_after: dict[int, dict | None] = {}  # rollout id -> data-source state right after it
