@@ -27,7 +27,7 @@ from vime.utils.deadline import control, gather
 from vime.utils.logging_utils import MetricsLogger
 from vime.utils.misc import with_values
 from vime.utils.plot import save_reward_curve
-from vime.utils.run_config import write_resolved_config
+from vime.utils.run_config import plain_values, write_resolved_config
 from vime.utils.run_lock import RunLock
 
 logger = logging.getLogger(__name__)
@@ -59,15 +59,15 @@ class TrainingSession:
         self.weight_sync = WeightSync(args) if self.use_engines and self.train_enabled else None
 
     def __enter__(self) -> TrainingSession:
-        args = self.args
+        args, config = self.args, self.config
         # first: a second run on the same directories stops here, before it touches anything of the first's
-        buffer = self.config.data_buffer
-        stores = [self.config.job.output_dir, self.config.megatron.save,
+        buffer = config.data_buffer
+        stores = [config.job.output_dir, config.megatron.save,
                   buffer.rollout_data_dir if buffer.rollout_data_transport == "straw" else None]
         self.run_lock = RunLock(stores).__enter__()
         if self.train_enabled:  # before anything starts: refuse to take over an earlier run's state
             check_start(args, len(self.transport.stored()))
-        write_resolved_config(args, f"{self.config.job.output_dir}/config.yaml", build_parser())
+        write_resolved_config(args, f"{config.job.output_dir}/config.yaml", build_parser())
         self._start_ray_checking_the_model()
         validate_transport_placement(args, gpus=cluster_has_gpus())  # what only the cluster's devices decide
         self.placement = Placement(args, with_engines=self.use_engines, with_trainers=self.train_enabled,
@@ -82,7 +82,7 @@ class TrainingSession:
         self.critic = None
         if self.train_enabled:
             self._create_trainers()
-        self.metrics = MetricsLogger(args)
+        self.metrics = MetricsLogger(config.job.output_dir, config.wandb, plain_values(args))
         return self
 
     def _start_ray_checking_the_model(self) -> None:
