@@ -93,7 +93,8 @@ def _check_groups(groups: list[list[dict]], n_groups: int, versions: list[int] |
 def stack(tiny_qwen3, arithmetic_data, tmp_path_factory):
     import ray
 
-    from vime.ray.placement import Placement, init_ray, shutdown_ray
+    from tests.helpers.run_sections import init_ray_of, placement_of
+    from vime.ray.placement import shutdown_ray
     from vime.ray.rollout_manager import RolloutManager
     from vime.arguments import parse_args
 
@@ -113,8 +114,8 @@ def stack(tiny_qwen3, arithmetic_data, tmp_path_factory):
         "--output-dir", str(out / "run"), "--vllm-enforce-eager", "--vllm-dtype", "float32",
         "--vllm-max-model-len", "256", "--vllm-max-num-seqs", "32", "--control-token-file", str(token_file),
     ])
-    init_ray(args)
-    manager = RolloutManager.remote(args, Placement(args, with_trainers=False))
+    init_ray_of(args)
+    manager = RolloutManager.remote(args, placement_of(args, with_trainers=False))
     try:
         ray.get(manager.start.remote())
         yield args, manager, out

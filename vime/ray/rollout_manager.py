@@ -25,7 +25,8 @@ from vime.environments.judge import JudgeGroup, judge_engine_args
 from vime.environments.mixture import environment_eval_sources, environment_source, load_environments
 from vime.backends.weight_transport.check import probe_tokens
 from vime.config.agents import EnvironmentConfig, JudgeConfig
-from vime.config.rollout import DataBufferConfig, EvalConfig, FaultToleranceConfig, PromptDataConfig, RolloutConfig
+from vime.config.rollout import (DataBufferConfig, EnginesConfig, EvalConfig, FaultToleranceConfig, PromptDataConfig,
+                                 RolloutConfig)
 from vime.config.run import DebugConfig, JobConfig
 from vime.data.transport import RolloutRef, make_transport, rollout_summary
 from vime.ray.engine_fleet import EngineFleet, new_engine
@@ -176,7 +177,7 @@ class RolloutManager:
         has_length = job.num_rollout is not None or prompt_data.num_epoch is not None
         self.context.plugin_args = plugin_view(
             args, self.fleet.plugin_router_url(),
-            resolve_num_rollout(args, self.num_prompts()) if has_length else None, num_engines(args))
+            resolve_num_rollout(args, self.num_prompts()) if has_length else None, num_engines(EnginesConfig.of(args)))
 
     @property
     def plugin_args(self):

@@ -70,8 +70,9 @@ class TrainingSession:
         write_resolved_config(args, f"{config.job.output_dir}/config.yaml", build_parser())
         self._start_ray_checking_the_model()
         validate_transport_placement(args, gpus=cluster_has_gpus())  # what only the cluster's devices decide
-        self.placement = Placement(args, with_engines=self.use_engines, with_trainers=self.train_enabled,
-                                   overlap=self.overlap)
+        self.placement = Placement(config.placement, config.engines, config.judge,
+                                   use_critic=config.algorithm.use_critic, with_engines=self.use_engines,
+                                   with_trainers=self.train_enabled, overlap=self.overlap)
         if len(set(self.placement.bundle_nodes)) > 1:
             logger.info("placement over %d nodes: %s", len(set(self.placement.bundle_nodes)),
                         self.placement.describe())
@@ -91,7 +92,7 @@ class TrainingSession:
         check passes."""
         with ThreadPoolExecutor(1, thread_name_prefix="model-check") as pool:
             checked = pool.submit(check_model_args, self.args)
-            init_ray(self.args)
+            init_ray(self.config.job, self.config.placement, self.config.engines, self.config.judge)
             try:
                 checked.result()
             except ValueError as e:
