@@ -237,11 +237,12 @@ def _perturbed_weights(model_dir: Path, out: Path) -> Path:
 def test_sigkilled_engine_is_replaced_with_the_current_weights(stack, tiny_qwen3):
     import ray
 
+    from vime.backends.weight_transport.base import DriverSetup
     from vime.backends.weight_transport.disk.driver import DiskDriver
 
     args, manager, out = stack
     weights = _perturbed_weights(tiny_qwen3, out)
-    ray.get(manager.apply_weights.remote(DiskDriver(args), str(weights), 1, str(weights)))
+    ray.get(manager.apply_weights.remote(DiskDriver(DriverSetup.of(args)), str(weights), 1, str(weights)))
     probe = list(range(100, 140))
     before = ray.get(manager.probe_log_probs.remote(probe))
     assert max(abs(a - b) for a, b in zip(*before)) < 1e-5

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from vime.config.agents import JudgeConfig
 from vime.config.algorithm import AlgorithmConfig
-from vime.config.rollout import EnginesConfig
+from vime.config.rollout import EnginesConfig, FaultToleranceConfig, RolloutConfig
 from vime.config.run import JobConfig, PlacementConfig
+from vime.config.train import LoraConfig
 
 
 def placement_of(args, **options):
@@ -22,3 +23,13 @@ def init_ray_of(args) -> None:
 
     init_ray(JobConfig.of(args), PlacementConfig.of(args), EnginesConfig.of(args), JudgeConfig.of(args))
 
+
+def weight_sync_of(args):
+    """The driver-side `WeightSync` of `args`, as the session makes it."""
+    from vime.backends.weight_transport.base import DriverSetup
+    from vime.ray.weight_sync import WeightSync
+
+    return WeightSync(DriverSetup.of(args), LoraConfig.of(args),
+                      recovery_copies=FaultToleranceConfig.of(args).use_fault_tolerance,
+                      rollout_timeout=RolloutConfig.of(args).rollout_timeout,
+                      train_timeout=JobConfig.of(args).train_timeout)

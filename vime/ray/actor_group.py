@@ -116,7 +116,7 @@ class TrainActor:
         from vime.backends.weight_transport import make_sender
 
         if kind not in self.weight_transports:
-            self.weight_transports[kind] = make_sender(kind, self.args)
+            self.weight_transports[kind] = make_sender(kind)
         return self.trainer.send_weights(self.weight_transports[kind], handle)
 
 

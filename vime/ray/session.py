@@ -11,9 +11,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import ray
 
-from vime.arguments import (ArgumentsError, build_parser, check_model_args, run_config,
-                            validate_transport_placement)
+from vime.arguments import ArgumentsError, build_parser, check_model_args, run_config, validate_transport_placement
 from vime.backends.megatron_utils.train_arguments import lr_schedule_problem
+from vime.backends.vllm_utils.engine import has_vime_worker_extension
+from vime.backends.weight_transport.base import DriverSetup
 from vime.backends.weight_transport.check import check_weights_equal
 from vime.data.transport import RolloutRef, make_transport
 from vime.data.transport.replay import append_trained_samples, plan_replay, stored_rollout, truncate_trained_samples
@@ -56,7 +57,7 @@ class TrainingSession:
         self.total_steps = 0
         self.unpublished: int | None = None  # a saved checkpoint waiting for its rollout's metrics line
         self.manager_stuck = False  # a rollout outlived --rollout-timeout: the manager cannot take calls
-        self.weight_sync = WeightSync(args) if self.use_engines and self.train_enabled else None
+        self.weight_sync = self._new_weight_sync() if self.use_engines and self.train_enabled else None
 
     def __enter__(self) -> TrainingSession:
         args, config = self.args, self.config
@@ -104,6 +105,12 @@ class TrainingSession:
         self.trainers = RayTrainGroup(args, placement)
         if self.config.algorithm.use_critic:
             self.critic = RayTrainGroup(critic_args(args), placement, role="critic")
+
+    def _new_weight_sync(self) -> WeightSync:
+        c = self.config
+        return WeightSync(DriverSetup(c.weight_sync, c.megatron, c.engines, has_vime_worker_extension(self.args)),
+                          c.lora, recovery_copies=c.fault_tolerance.use_fault_tolerance,
+                          rollout_timeout=c.rollout.rollout_timeout, train_timeout=c.job.train_timeout)
 
     def _train_groups(self) -> list:
         """The training actor groups this run has: the actor's, and PPO's critic's."""
@@ -304,7 +311,6 @@ class TrainingSession:
         """New training actors from the last checkpoint, retrained on the stored rollouts after it up to
         `trained_through`, so they hold what the dead ones did. Needs straw and --save; else the run stops with an
         error that says how to resume."""
-        args = self.args
         if not (self.transport.durable and self.config.megatron.save):
             resume = (f"start the run again with --load {self.config.megatron.save} to resume from its last checkpoint"
                       if self.config.megatron.save
@@ -317,8 +323,8 @@ class TrainingSession:
         for group in self._train_groups():
             group.shutdown()
         self.critic = None
-        self._create_trainers(with_values(args, load=self.config.megatron.save))  # its own last checkpoint
-        self.weight_sync = WeightSync(args)  # new writers: a collective transport builds a new group with them
+        self._create_trainers(with_values(self.args, load=self.config.megatron.save))  # its own last checkpoint
+        self.weight_sync = self._new_weight_sync()  # new writers: a collective transport builds a new group with them
         resumed = self._init_trainers()
         first = resumed["rollout_id"] + 1 if resumed else 0
         stored = self.transport.stored()
