@@ -146,7 +146,12 @@ def _loop_events(monkeypatch, fleet, **flags) -> list:
 
     class Session(TrainingSession):
         def __init__(self, args):
+            from vime.config.run import PlacementConfig
+            from vime.config.train import WeightSyncConfig
+
             self.args, self.use_engines, self.critic, self.trainers = args, True, None, Trainers()
+            # the sections its offload / onload methods read (the real session holds the run's RunConfig)
+            self.config = SimpleNamespace(placement=PlacementConfig.of(args), weight_sync=WeightSyncConfig.of(args))
             self.manager = SimpleNamespace(sleep=_Remote(fleet.sleep), wake_up=_Remote(fleet.wake_up))
             self.metrics = SimpleNamespace(log=lambda *a: None)
 
