@@ -18,7 +18,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -39,10 +38,10 @@ def make_rollout(rollout_id: int, n: int, tokens: int) -> list[list[dict]]:
 class Producer:
     """Builds the rollouts ahead of time (not timed), then pushes them through a transport when asked."""
 
-    def __init__(self, transport_args, num_rollouts: int, per_rollout: int, tokens: int):
+    def __init__(self, data_buffer, num_rollouts: int, per_rollout: int, tokens: int):
         from vime.data.transport import make_transport
 
-        self.transport = make_transport(transport_args)
+        self.transport = make_transport(data_buffer)
         self.rollouts = [make_rollout(i, per_rollout, tokens) for i in range(num_rollouts)]
 
     def push(self) -> tuple[list, float, int]:
@@ -57,15 +56,15 @@ class Producer:
         self.transport.close()
 
 
-def bench(transport_args, a) -> dict[str, float]:
+def bench(data_buffer, a) -> dict[str, float]:
     import ray
 
     from vime.data.transport import make_transport
 
     num_rollouts = a.samples // a.per_rollout
-    producer = ray.remote(Producer).options(num_cpus=0).remote(transport_args, num_rollouts, a.per_rollout, a.tokens)
+    producer = ray.remote(Producer).options(num_cpus=0).remote(data_buffer, num_rollouts, a.per_rollout, a.tokens)
     handles, push_s, nbytes = ray.get(producer.push.remote())
-    consumer = make_transport(transport_args)
+    consumer = make_transport(data_buffer)
     start = time.perf_counter()
     pulled = sum(len(g) for h in handles for g in consumer.get(h)[0])
     pull_s = time.perf_counter() - start
@@ -87,14 +86,15 @@ def main() -> None:
     a = p.parse_args()
     import ray
 
+    from vime.config.rollout import DataBufferConfig
+
     straw_dir = Path(a.dir) if a.dir else Path(tempfile.mkdtemp(prefix="vime-buffer-bench-"))
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
     try:
         results = {
-            "object-store": bench(SimpleNamespace(rollout_data_transport="object-store"), a),
-            "straw": bench(SimpleNamespace(rollout_data_transport="straw", rollout_data_dir=str(straw_dir)),
-                           a),
+            "object-store": bench(DataBufferConfig(rollout_data_transport="object-store"), a),
+            "straw": bench(DataBufferConfig(rollout_data_transport="straw", rollout_data_dir=str(straw_dir)), a),
         }
     finally:
         ray.shutdown()

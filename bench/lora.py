@@ -49,6 +49,8 @@ def bench_mode(label: str, argv: list[str], groups, work: Path, repeats: int) ->
     from vime.trainer.trainer import MegatronTrainer
     from vime.backends.vllm_utils.engine import VLLMEngine
     from vime.backends.weight_transport import make_driver, make_sender
+    from vime.backends.weight_transport.base import DriverSetup
+    from vime.config.train import LoraConfig, WeightSyncConfig
     from vime.ray.weight_sync import sync_kind
 
     args = parse_args(argv + ["--output-dir", str(work / label)])
@@ -64,8 +66,8 @@ def bench_mode(label: str, argv: list[str], groups, work: Path, repeats: int) ->
                 trainer.train(r + 1, groups)
                 steps.append(time.perf_counter() - t0)
             url = booting.result()
-            kind = sync_kind(args)
-            driver, sender = make_driver(kind, args), make_sender(kind, args)
+            kind = sync_kind(WeightSyncConfig.of(args), LoraConfig.of(args))
+            driver, sender = make_driver(kind, DriverSetup.of(args)), make_sender(kind)
             updates = [update_once(driver, sender, trainer, url, version) for version in range(1, repeats + 2)][1:]
             adapters = sum(p.numel() * p.element_size() for _, _, m in adapted_linears(_unwrap(trainer.model[0]))
                            for p in m.lora.parameters())

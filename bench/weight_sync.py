@@ -90,6 +90,7 @@ def bench_size(label: str, shape: dict, work: Path, repeats: int) -> dict:
     from vime.trainer.trainer import MegatronTrainer
     from vime.backends.vllm_utils.engine import VLLMEngine
     from vime.backends.weight_transport import make_driver, make_sender
+    from vime.backends.weight_transport.base import DriverSetup
     from vime.synthetic.tiny_model import build_tiny_model
     from vime.arguments import parse_args
 
@@ -107,7 +108,8 @@ def bench_size(label: str, shape: dict, work: Path, repeats: int) -> dict:
             params = sum(t.numel() for _, t in trainer.hf_weights())
             url = booting.result()
             times = {"copy": []}
-            halves = {name: (make_driver(name, args), make_sender(name, args)) for name in ("disk", "broadcast")}
+            setup = DriverSetup.of(args)
+            halves = {name: (make_driver(name, setup), make_sender(name)) for name in ("disk", "broadcast")}
             version = 0
             for round_ in range(repeats + 1):  # the first round warms up (and builds the broadcast group)
                 for name in ("disk", "broadcast"):

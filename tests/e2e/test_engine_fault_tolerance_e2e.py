@@ -70,9 +70,11 @@ def _rollout(manager, args, rollout_id: int):
     """(groups of sample dicts, metrics) of one rollout, through the data transport as the training loop gets it."""
     import ray
 
+    from vime.config.rollout import DataBufferConfig
     from vime.data.transport import make_transport
 
-    groups, extra = make_transport(args).get(ray.get(manager.generate.remote(rollout_id), timeout=600).handle)
+    rollout = ray.get(manager.generate.remote(rollout_id), timeout=600)
+    groups, extra = make_transport(DataBufferConfig.of(args)).get(rollout.handle)
     return groups, extra["metrics"]
 
 
@@ -91,7 +93,8 @@ def _check_groups(groups: list[list[dict]], n_groups: int, versions: list[int] |
 def stack(tiny_qwen3, arithmetic_data, tmp_path_factory):
     import ray
 
-    from vime.ray.placement import Placement, init_ray, shutdown_ray
+    from tests.helpers.run_sections import init_ray_of, placement_of
+    from vime.ray.placement import shutdown_ray
     from vime.ray.rollout_manager import RolloutManager
     from vime.arguments import parse_args
 
@@ -111,8 +114,8 @@ def stack(tiny_qwen3, arithmetic_data, tmp_path_factory):
         "--output-dir", str(out / "run"), "--vllm-enforce-eager", "--vllm-dtype", "float32",
         "--vllm-max-model-len", "256", "--vllm-max-num-seqs", "32", "--control-token-file", str(token_file),
     ])
-    init_ray(args)
-    manager = RolloutManager.remote(args, Placement(args, with_trainers=False))
+    init_ray_of(args)
+    manager = RolloutManager.remote(args, placement_of(args, with_trainers=False))
     try:
         ray.get(manager.start.remote())
         yield args, manager, out
@@ -234,11 +237,12 @@ def _perturbed_weights(model_dir: Path, out: Path) -> Path:
 def test_sigkilled_engine_is_replaced_with_the_current_weights(stack, tiny_qwen3):
     import ray
 
+    from vime.backends.weight_transport.base import DriverSetup
     from vime.backends.weight_transport.disk.driver import DiskDriver
 
     args, manager, out = stack
     weights = _perturbed_weights(tiny_qwen3, out)
-    ray.get(manager.apply_weights.remote(DiskDriver(args), str(weights), 1, str(weights)))
+    ray.get(manager.apply_weights.remote(DiskDriver(DriverSetup.of(args)), str(weights), 1, str(weights)))
     probe = list(range(100, 140))
     before = ray.get(manager.probe_log_probs.remote(probe))
     assert max(abs(a - b) for a, b in zip(*before)) < 1e-5
@@ -254,9 +258,10 @@ def test_sigkilled_engine_is_replaced_with_the_current_weights(stack, tiny_qwen3
     os.kill(victim, signal.SIGKILL)
     killed = time.monotonic()
 
+    from vime.config.rollout import DataBufferConfig
     from vime.data.transport import make_transport
 
-    groups, extra = make_transport(args).get(ray.get(rollout, timeout=600).handle)
+    groups, extra = make_transport(DataBufferConfig.of(args)).get(ray.get(rollout, timeout=600).handle)
     metrics = extra["metrics"]
     print(f"rollout with a SIGKILL: done {time.monotonic() - killed:.1f}s after the kill, "
           f"{metrics['rollout/request_retries']} requests retried")

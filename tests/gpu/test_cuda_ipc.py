@@ -9,7 +9,6 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,14 +20,16 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_ipc_handles_open_in_another_process(tmp_path):
     from vime.engine_protocol.weight_files import WEIGHT_ROOT_ENV
+    from vime.backends.weight_transport.base import DriverSetup
     from vime.backends.weight_transport.cuda_ipc.driver import CudaIpcDriver
     from vime.backends.weight_transport.cuda_ipc.rank import CudaIpcSender
+    from vime.config.train import WeightSyncConfig
 
     weights = {"model.embed_tokens.weight": torch.randn(64, 32, device="cuda"),
                "lm_head.weight": torch.randn(16, 32, device="cuda"),
                "model.norm.weight": torch.randn(32, device="cuda").bfloat16()}
     root = tmp_path / "root"
-    driver, writer = CudaIpcDriver(SimpleNamespace(update_weight_dir=str(root))), CudaIpcSender(SimpleNamespace())
+    driver, writer = CudaIpcDriver(DriverSetup(WeightSyncConfig(update_weight_dir=str(root)))), CudaIpcSender()
     handle = driver.prepare(version=1)
     writer.send(list(weights.items()), 0, handle)  # what a training writer does: stage_0.json in `handle`
     assert [p.name for p in Path(handle).iterdir()] == ["stage_0.json"]

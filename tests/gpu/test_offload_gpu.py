@@ -61,13 +61,15 @@ def test_cuda_ipc_exports_are_freed_once_the_engines_loaded_them(tmp_path):
     """Two engines (processes here) map the writer's exports and let them go; the writer's `release` then
     returns the memory. One export mapped by both would keep it in torch's limbo for good."""
     from vime.engine_protocol.weight_files import WEIGHT_ROOT_ENV
+    from vime.backends.weight_transport.base import DriverSetup
     from vime.backends.weight_transport.cuda_ipc.driver import CudaIpcDriver
     from vime.backends.weight_transport.cuda_ipc.rank import CudaIpcSender
+    from vime.config.train import WeightSyncConfig
 
     root = tmp_path / "root"
-    driver = CudaIpcDriver(SimpleNamespace(update_weight_dir=str(root)))
+    driver = CudaIpcDriver(DriverSetup(WeightSyncConfig(update_weight_dir=str(root))))
     driver.connect(["http://e0", "http://e1"], lambda: None)
-    writer = CudaIpcSender(SimpleNamespace())
+    writer = CudaIpcSender()
     handle = driver.prepare(version=1)
     torch.cuda.synchronize()
     baseline = torch.cuda.memory_allocated()

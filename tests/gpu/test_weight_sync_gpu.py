@@ -22,7 +22,6 @@ import sys
 import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -176,13 +175,15 @@ def sender_side(t, tmp_path: Path) -> tuple[dict, list, list, torch.dtype]:
 @pytest.mark.parametrize("config", CONFIGS)
 def test_cuda_ipc_transport_gives_the_receiver_the_trainers_log_probs(tiny_qwen3, tmp_path, config):
     from vime.engine_protocol.weight_files import WEIGHT_ROOT_ENV
+    from vime.backends.weight_transport.base import DriverSetup
     from vime.backends.weight_transport.cuda_ipc.driver import CudaIpcDriver
     from vime.backends.weight_transport.cuda_ipc.rank import CudaIpcSender
+    from vime.config.train import WeightSyncConfig
 
     root = tmp_path / "root"
     with trained_trainer(tiny_qwen3, config) as t:
         sent, tokens, own, dtype = sender_side(t, tmp_path)
-        driver, writer = CudaIpcDriver(SimpleNamespace(update_weight_dir=str(root))), CudaIpcSender(t.args)
+        driver, writer = CudaIpcDriver(DriverSetup(WeightSyncConfig(update_weight_dir=str(root)))), CudaIpcSender()
         handle = driver.prepare(version=1)
         t.send_weights(writer, handle)  # the writer keeps the tensors alive until the next update
         assert sorted(p.name for p in Path(handle).iterdir()) == ["stage_0.json"]
@@ -199,15 +200,19 @@ def test_cuda_ipc_transport_gives_the_receiver_the_trainers_log_probs(tiny_qwen3
 @pytest.mark.skipif(not _installed("vllm"), reason="needs vLLM: vime's broadcast group is vLLM's stateless group")
 @pytest.mark.parametrize("config", CONFIGS)
 def test_nccl_broadcast_gives_the_receiver_the_trainers_log_probs(tiny_qwen3, tmp_path, config):
+    from vime.backends.weight_transport.base import DriverSetup
     from vime.backends.weight_transport.broadcast.driver import BroadcastDriver
     from vime.backends.weight_transport.broadcast.rank import BroadcastSender
+    from vime.config.rollout import EnginesConfig
+    from vime.config.train import MegatronConfig, WeightSyncConfig
     from vime.utils.misc import find_free_port
 
     url = "http://engine"
     # 64 KiB buckets: the norms travel packed, the matrices (64 KiB or more) each on their own
     with trained_trainer(tiny_qwen3, config, "--update-weight-buffer-size", str(64 * 1024)) as t:
         sent, tokens, own, dtype = sender_side(t, tmp_path)
-        driver, writer = BroadcastDriver(t.args), BroadcastSender(t.args)
+        setup = DriverSetup(WeightSyncConfig.of(t.args), MegatronConfig.of(t.args), EnginesConfig.of(t.args))
+        driver, writer = BroadcastDriver(setup), BroadcastSender()
         driver.connect([url], lambda: ("127.0.0.1", find_free_port()))
         handle = driver.prepare(version=1)
         assert "backend" not in handle and handle["world_size"] == 2  # each member picks NCCL for its GPU

@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 from safetensors import safe_open
 
+from tests.helpers.run_sections import weight_sync_of
 from vime.backends.weight_transport.check import engine_prompt_log_probs, probe_tokens
-from vime.ray.weight_sync import WeightSync
 
 EXTENSION = "vime.in_vllm.worker_extension.WeightReceiver"  # spelled out: what vLLM is given
 ARGV = ["--debug-train-only", "--load-debug-rollout-data", "unused_{rollout_id}.jsonl", "--rm-type", "math",
@@ -88,7 +88,7 @@ class Manager:
 
 def update_weights(args, group, manager, version: int, after=None) -> dict:
     """One update through a new driver-side `WeightSync` (what a run holds for its whole length)."""
-    return WeightSync(args).update(group, manager, version, after=after)
+    return weight_sync_of(args).update(group, manager, version, after=after)
 
 
 def driver(trainer, urls: list[str], pool):

@@ -334,11 +334,12 @@ def test_broadcast_backend_is_picked_by_each_member_for_its_own_device(tiny_qwen
     """Before: the driver wrote "nccl" or "gloo" into the handle from its own `use_gpu()`, so a driver on a
     CPU-only head node told GPU trainers and engines to broadcast CUDA tensors over gloo."""
     import vime.utils.device
+    from vime.backends.weight_transport.base import DriverSetup
     from vime.backends.weight_transport.broadcast.driver import BroadcastDriver
     from vime.engine_protocol.weight_broadcast import group_backend
 
     monkeypatch.setattr(vime.utils.device, "use_gpu", lambda: False)  # the driver: a CPU-only head node
-    transport = BroadcastDriver(_args(tiny_qwen3, "--update-weight-transport", "broadcast"))
+    transport = BroadcastDriver(DriverSetup.of(_args(tiny_qwen3, "--update-weight-transport", "broadcast")))
     transport.connect(["http://engine"], lambda: ("127.0.0.1", 29500))
     handle = transport.prepare(version=1)
     method, kwargs = transport.load_calls(["http://engine"], handle)["http://engine"]

@@ -176,6 +176,7 @@ def test_failed_rollout_flags_are_checked(tiny_qwen3, arithmetic_data, capsys):
 def test_the_session_does_not_train_on_a_skipped_rollout_and_lets_it_go():
     from types import SimpleNamespace
 
+    from vime.config.train import MegatronConfig
     from vime.data.transport import RolloutRef
     from vime.ray.session import TrainingSession
 
@@ -186,6 +187,7 @@ def test_the_session_does_not_train_on_a_skipped_rollout_and_lets_it_go():
     trimmed = []
     session = TrainingSession.__new__(TrainingSession)  # no Ray, no actors: only what train() reads
     session.args, session.trainers, session.critic = SimpleNamespace(save=None), Trainers(), None
+    session.config = SimpleNamespace(megatron=MegatronConfig(save=None))  # the section train() reads: no --save
     session.transport = SimpleNamespace(trim=trimmed.extend)
     session.data_state_after = {7: {"epoch": 0}}
     skipped = RolloutRef("handle", {"rollout_id": 7, "skip_reason": "rollout 7: 256 of 256 samples failed"})

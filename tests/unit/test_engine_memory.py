@@ -146,7 +146,12 @@ def _loop_events(monkeypatch, fleet, **flags) -> list:
 
     class Session(TrainingSession):
         def __init__(self, args):
+            from vime.config.run import PlacementConfig
+            from vime.config.train import WeightSyncConfig
+
             self.args, self.use_engines, self.critic, self.trainers = args, True, None, Trainers()
+            # the sections its offload / onload methods read (the real session holds the run's RunConfig)
+            self.config = SimpleNamespace(placement=PlacementConfig.of(args), weight_sync=WeightSyncConfig.of(args))
             self.manager = SimpleNamespace(sleep=_Remote(fleet.sleep), wake_up=_Remote(fleet.wake_up))
             self.metrics = SimpleNamespace(log=lambda *a: None)
 
@@ -252,9 +257,11 @@ def fake_cuda(monkeypatch):
 
 
 def _driver(tmp_path, engines: int):
+    from vime.backends.weight_transport.base import DriverSetup
     from vime.backends.weight_transport.cuda_ipc.driver import CudaIpcDriver
+    from vime.config.train import WeightSyncConfig
 
-    t = CudaIpcDriver(SimpleNamespace(update_weight_dir=str(tmp_path / "root")))
+    t = CudaIpcDriver(DriverSetup(WeightSyncConfig(update_weight_dir=str(tmp_path / "root"))))
     t.connect([f"http://e{i}" for i in range(engines)], lambda: None)
     return t
 
@@ -262,7 +269,7 @@ def _driver(tmp_path, engines: int):
 def _writer():
     from vime.backends.weight_transport.cuda_ipc.rank import CudaIpcSender
 
-    return CudaIpcSender(SimpleNamespace())  # a rank's own half knows no engines
+    return CudaIpcSender()  # a rank's own half knows no engines
 
 
 def test_each_engine_maps_exports_of_its_own(tmp_path, fake_cuda):
@@ -321,7 +328,7 @@ def test_the_trainers_offload_releases_the_transports_first(tmp_path, fake_cuda)
     actor.rank, actor.role = 0, "actor"
     from vime.backends.weight_transport.disk.rank import DiskSender
 
-    disk = DiskSender(SimpleNamespace())  # one without anything to release
+    disk = DiskSender()  # one without anything to release
     actor.weight_transports = {"cuda_ipc": writer, "disk": disk}
     actor.trainer = SimpleNamespace(offload=lambda: seen.append(list(writer.keepalive)) or 123)
     assert actor.offload() == 123

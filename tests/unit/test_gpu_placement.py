@@ -11,7 +11,8 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from vime.ray.placement import Placement, device_order
+from tests.helpers.run_sections import placement_of
+from vime.ray.placement import device_order
 
 GPUS_PER_NODE = 4
 
@@ -91,7 +92,7 @@ def _gpus(seen: dict) -> set[tuple[str, str]]:
 def test_disaggregated_engines_own_their_tensor_parallel_gpus(gpu_cluster, tp):
     # 4 training ranks (DP) and 4 engine GPUs over two 4-GPU nodes
     args = _args(actor_num_gpus_per_node=4, rollout_num_gpus=4, rollout_num_gpus_per_engine=tp)
-    p = Placement(args)
+    p = placement_of(args)
     try:
         ranks, engines = _ranks(p), _engines(p)
     finally:
@@ -118,7 +119,7 @@ def test_the_judges_engines_get_gpus_of_their_own(gpu_cluster, colocate):
     whether the policy's engines share the trainers' GPUs or not."""
     args = _args(actor_num_gpus_per_node=2, rollout_num_gpus=2, colocate=colocate, judge_checkpoint="judge",
                  judge_num_engines=2)
-    p = Placement(args)
+    p = placement_of(args)
     try:
         assert p.ranks["judge"] == 2 and len(p.pg.bundle_specs) == (2 if colocate else 4) + 2
         ranks, engines, judges = _ranks(p), _engines(p), _engines(p, "judge")
@@ -135,7 +136,7 @@ def test_the_judges_engines_get_gpus_of_their_own(gpu_cluster, colocate):
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_colocated_engines_use_the_training_ranks_gpus(gpu_cluster, tp):
     args = _args(actor_num_gpus_per_node=4, rollout_num_gpus=4, rollout_num_gpus_per_engine=tp, colocate=True)
-    p = Placement(args)
+    p = placement_of(args)
     try:
         assert len(p.pg.bundle_specs) == 4 and p.share == 0.5
         ranks, engines = _ranks(p), _engines(p)
@@ -151,7 +152,7 @@ def test_colocated_engines_use_the_training_ranks_gpus(gpu_cluster, tp):
 def test_two_node_trainer_and_ppo_critic_each_get_their_own_gpus(gpu_cluster):
     # 2 nodes x 2 ranks for the actor, as many for the critic, on 8 GPUs: every rank its own GPU
     args = _args(actor_num_nodes=2, actor_num_gpus_per_node=2, rollout_num_gpus=0, use_critic=True)
-    p = Placement(args, with_engines=False)
+    p = placement_of(args, with_engines=False)
     try:
         actors, critics = _trainers(p, args), _trainers(p, args, role="critic")
     finally:
@@ -168,7 +169,7 @@ def test_an_engine_cannot_span_nodes(gpu_cluster):
     # 3 trainers take 3 GPUs of the first node; a 2-GPU engine on the last GPU of one node and the first of the
     # next would be a vLLM server across nodes: refused while placing, with what to do
     with pytest.raises(ValueError, match="on different nodes.*multiple of --rollout-num-gpus-per-engine"):
-        Placement(_args(actor_num_gpus_per_node=3, rollout_num_gpus=4, rollout_num_gpus_per_engine=2))
+        placement_of(_args(actor_num_gpus_per_node=3, rollout_num_gpus=4, rollout_num_gpus_per_engine=2))
     # the refused placement gave its GPUs back
     assert not [g for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED"]
 

@@ -281,7 +281,9 @@ def test_adapter_sync_engine_side(tmp_path, monkeypatch):
     from vime.engine_protocol.names import LOAD_ADAPTER
     from vime.engine_protocol.weight_files import WEIGHT_ROOT_ENV
     from vime.in_vllm.lora_serving import load_adapter
+    from vime.backends.weight_transport.base import DriverSetup
     from vime.backends.weight_transport.lora_adapter.driver import LoraAdapterDriver
+    from vime.config.train import LoraConfig, WeightSyncConfig
     from vime.ray.fleet_recovery import recovery_load_call
     from vime.ray.weight_sync import sync_kind
 
@@ -294,8 +296,9 @@ def test_adapter_sync_engine_side(tmp_path, monkeypatch):
     assert lora_engine_options(args, ["--max-lora-rank", "64"]) == ["--enable-lora", "--max-loras", "1",
                                                                     "--max-cpu-loras", "1"]
     assert lora_engine_options(SimpleNamespace(lora_rank=12, lora_sync="merged"), []) == []
-    assert sync_kind(args) == "lora_adapter"
-    assert sync_kind(SimpleNamespace(lora_rank=12, lora_sync="merged", update_weight_transport="delta")) == "delta"
+    assert sync_kind(WeightSyncConfig.of(args), LoraConfig.of(args)) == "lora_adapter"
+    merged = SimpleNamespace(lora_rank=12, lora_sync="merged", update_weight_transport="delta")
+    assert sync_kind(WeightSyncConfig.of(merged), LoraConfig.of(merged)) == "delta"
 
     root = tmp_path / "root"
     monkeypatch.setenv(WEIGHT_ROOT_ENV, str(root))
@@ -307,10 +310,10 @@ def test_adapter_sync_engine_side(tmp_path, monkeypatch):
         (d / "adapter_model.safetensors").write_bytes(b"")
         versions.append(str(d))
     assert recovery_load_call(args, str(root / "vime_lora_1_x")) == (LOAD_ADAPTER, {"policy": versions[0]})
-    assert LoraAdapterDriver(args).load_calls(["http://e:1"], str(root / "vime_lora_2_x")) == {
+    assert LoraAdapterDriver(DriverSetup.of(args)).load_calls(["http://e:1"], str(root / "vime_lora_2_x")) == {
         "http://e:1": (LOAD_ADAPTER, {"policy": versions[1]})}
     with pytest.raises(FileNotFoundError, match="wrote no adapter"):
-        LoraAdapterDriver(args).load_calls(["http://e:1"], str(root))
+        LoraAdapterDriver(DriverSetup.of(args)).load_calls(["http://e:1"], str(root))
 
     class Counter:
         n = 0

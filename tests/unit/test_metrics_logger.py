@@ -4,7 +4,6 @@ does again, keeps the earlier ones, and appends after them."""
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 from vime.utils.logging_utils import MetricsLogger
 
@@ -14,12 +13,11 @@ def _rows(path):
 
 
 def test_rows_from_the_resumed_rollout_on_are_replaced(tmp_path):
-    args = SimpleNamespace(output_dir=str(tmp_path), use_wandb=False)
-    first = MetricsLogger(args)
+    first = MetricsLogger(str(tmp_path))
     for r in range(4):
         first.log(r, {"rollout/reward_mean": r / 10})
     first.jsonl.close()
-    second = MetricsLogger(args)
+    second = MetricsLogger(str(tmp_path))
     assert second.drop_rows_from(2) == 2 and second.drop_rows_from(2) == 0
     second.log(2, {"rollout/reward_mean": 0.9})
     second.jsonl.close()
@@ -27,8 +25,8 @@ def test_rows_from_the_resumed_rollout_on_are_replaced(tmp_path):
         (0, 0.0), (1, 0.1), (2, 0.9)]
     with open(tmp_path / "metrics.jsonl", "a") as f:  # a run killed mid-write leaves half a row
         f.write('{"rollout_id": 3, "rollout/rew')
-    resumed = MetricsLogger(args)
+    resumed = MetricsLogger(str(tmp_path))
     assert resumed.drop_rows_from(3) == 1 and len(_rows(tmp_path / "metrics.jsonl")) == 3
     resumed.jsonl.close()
-    third = MetricsLogger(args)
+    third = MetricsLogger(str(tmp_path))
     assert third.drop_rows_from(0) == 3 and _rows(tmp_path / "metrics.jsonl") == []  # --overwrite-output

@@ -104,7 +104,7 @@ def test_two_adapters_route_train_and_export_apart(tiny_qwen3, tmp_path):
 
         update = tmp_path / "update"
         update.mkdir()
-        t.send_weights(LoraAdapterSender(t.args), str(update))
+        t.send_weights(LoraAdapterSender(), str(update))
         final = {name: adapter(name) for name in ("math", "code")}
         t.save(1, {})
         publish(save, 1)

@@ -10,6 +10,7 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
+from tests.helpers.run_sections import placement_of
 from vime.ray.placement import Placement
 from vime.utils.cpus import CpuShare
 
@@ -48,7 +49,7 @@ def _nodes(placement: Placement, bundles: list[int]) -> list[str]:
 
 
 def test_disaggregated_spans_nodes(cluster):
-    p = Placement(_args())
+    p = placement_of(_args())
     assert (p.actor_offset, p.rollout_offset, p.share) == (0, 2, 1.0)
     assert len(p.pg.bundle_specs) == 4
     nodes = _nodes(p, [0, 1, 2, 3])  # 2 trainers + 2 engines, 1 CPU each: more than one 2-CPU node holds
@@ -57,7 +58,7 @@ def test_disaggregated_spans_nodes(cluster):
 
 
 def test_colocated_shares_bundles(cluster):
-    p = Placement(_args(colocate=True))
+    p = placement_of(_args(colocate=True))
     assert (p.actor_offset, p.rollout_offset, p.share) == (0, 0, 0.5)
     assert len(p.pg.bundle_specs) == 2
     trainer_nodes = _nodes(p, [0, 1])
@@ -71,16 +72,16 @@ def test_colocated_shares_bundles(cluster):
 
 
 def test_ppo_critic_gets_its_own_bundles(cluster):
-    p = Placement(_args(use_critic=True, actor_num_nodes=1))
+    p = placement_of(_args(use_critic=True, actor_num_nodes=1))
     assert (p.critic_offset, p.rollout_offset, len(p.pg.bundle_specs)) == (1, 2, 4)
     ray.util.remove_placement_group(p.pg)
-    p = Placement(_args(use_critic=True, colocate=True))
+    p = placement_of(_args(use_critic=True, colocate=True))
     assert (p.critic_offset, p.rollout_offset, p.share) == (0, 0, pytest.approx(1 / 3))
     ray.util.remove_placement_group(p.pg)
 
 
 def test_external_engines_take_no_bundles(cluster):
-    p = Placement(_args(rollout_external_engine_addrs=["127.0.0.1:1"]))
+    p = placement_of(_args(rollout_external_engine_addrs=["127.0.0.1:1"]))
     assert len(p.pg.bundle_specs) == 2
     ray.util.remove_placement_group(p.pg)
 
@@ -88,7 +89,7 @@ def test_external_engines_take_no_bundles(cluster):
 def test_engines_on_one_node_split_its_cpus(cluster):
     from vime.backends.vllm_utils.engine import engine_env, omp_bind_value
 
-    p = Placement(_args(actor_num_nodes=1, rollout_num_gpus=4))  # 1 trainer + 4 engines on 2-CPU nodes
+    p = placement_of(_args(actor_num_nodes=1, rollout_num_gpus=4))  # 1 trainer + 4 engines on 2-CPU nodes
     nodes = _nodes(p, [p.bundle_of("engine", r) for r in range(4)])
     for rank in range(4):  # an equal share among the engines that really share its node
         share = p.cpu_share("engine", rank)
@@ -134,7 +135,7 @@ def _rank_threads(placement, args) -> tuple[int, list[int]]:
 def test_training_ranks_compute_on_the_cpus_the_placement_gives_them(cluster):
     every = sorted(os.sched_getaffinity(0))
     # synchronous loop, one node: training and generation take turns, so the training rank gets every CPU
-    sync = Placement(_train_args())
+    sync = placement_of(_train_args())
     assert sync.cpu_share("actor", 0) == CpuShare(0, 1, 1) == sync.cpu_share("engine", 0)
     assert _rank_threads(sync, _train_args()) == (len(every), every)
     # --train-num-threads overrides the count (and pins nothing)
@@ -142,7 +143,7 @@ def test_training_ranks_compute_on_the_cpus_the_placement_gives_them(cluster):
     ray.util.remove_placement_group(sync.pg)
 
     # train_async: the phases overlap, so the training side and the engines split the node
-    overlap = Placement(_train_args(), overlap=True)
+    overlap = placement_of(_train_args(), overlap=True)
     mine, engine = overlap.cpu_share("actor", 0), overlap.cpu_share("engine", 0)
     assert (mine, engine) == (CpuShare(0, 1, 1, 0, 1, 2), CpuShare(0, 1, 1, 1, 1, 2))
     assert _rank_threads(overlap, _train_args()) == (len(mine.cpus(every)), mine.cpus(every))

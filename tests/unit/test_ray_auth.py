@@ -45,15 +45,16 @@ def no_ray_auth_settings():
 def test_the_runs_cluster_admits_only_the_runs_token(no_ray_auth_settings):
     import ray
 
-    from vime.ray.placement import init_ray, shutdown_ray
+    from tests.helpers.run_sections import init_ray_of
+    from vime.ray.placement import shutdown_ray
     from vime.ray.ray_auth import MODE_ENV, TOKEN_PATH_ENV
 
     home_token = os.path.expanduser("~/.ray/auth_token")
     before = os.stat(home_token).st_mtime if os.path.exists(home_token) else None
     if ray.is_initialized():
         ray.shutdown()
-    init_ray(SimpleNamespace(ray_address=None, rollout_num_gpus=1, actor_num_nodes=1, actor_num_gpus_per_node=1,
-                             judge_checkpoint=None, judge_num_engines=1))
+    init_ray_of(SimpleNamespace(ray_address=None, rollout_num_gpus=1, actor_num_nodes=1, actor_num_gpus_per_node=1,
+                                judge_checkpoint=None, judge_num_engines=1))
     try:
         path = os.environ[TOKEN_PATH_ENV]
         assert os.environ[MODE_ENV] == "token"

@@ -7,10 +7,10 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
+from vime.config.rollout import DataBufferConfig
 from vime.data.sample_codec import SampleCodecError
 from vime.data.transport import make_transport
 from vime.data.transport.straw_store import StrawTransport
@@ -85,10 +85,10 @@ def test_index_is_plain_json(tmp_path):
 
 
 def test_make_transport_picks_by_flag(tmp_path):
-    assert isinstance(make_transport(SimpleNamespace(rollout_data_transport="straw", rollout_data_dir=str(tmp_path))),
+    assert isinstance(make_transport(DataBufferConfig(rollout_data_transport="straw", rollout_data_dir=str(tmp_path))),
                       StrawTransport)
     with pytest.raises(ValueError, match="object-store or straw"):
-        make_transport(SimpleNamespace(rollout_data_transport="carrier-pigeon"))
+        make_transport(DataBufferConfig(rollout_data_transport="carrier-pigeon"))
 
 
 def test_object_store_round_trip_across_an_actor():
@@ -100,13 +100,13 @@ def test_object_store_round_trip_across_an_actor():
         @ray.remote
         class Producer:
             def __init__(self):
-                self.transport = make_transport(SimpleNamespace(rollout_data_transport="object-store"))
+                self.transport = make_transport(DataBufferConfig(rollout_data_transport="object-store"))
 
             def put(self, i):
                 return self.transport.put(i, _groups(i), {"rollout_id": i})
 
         producer = Producer.remote()
-        transport = make_transport(SimpleNamespace(rollout_data_transport="object-store"))
+        transport = make_transport(DataBufferConfig(rollout_data_transport="object-store"))
         handle = ray.get(producer.put.remote(5))
         assert transport.get(handle) == (_groups(5), {"rollout_id": 5})
         assert transport.stored() == {}

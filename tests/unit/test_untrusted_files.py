@@ -18,7 +18,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.helpers.run_sections import weight_sync_of
 from vime.backends.weight_transport import staging
+from vime.backends.weight_transport.base import DriverSetup
 from vime.backends.weight_transport.cuda_ipc.driver import CudaIpcDriver
 from vime.backends.weight_transport.disk.rank import write_stage_file
 from vime.backends.weight_transport.staging import stage_dir, write_new_file
@@ -154,16 +156,14 @@ def test_a_checkpoints_pickles_run_no_code(tmp_path, marker, monkeypatch):
 
 # ---- staging: new private directories and files, no link followed ---------------------------------------------
 def test_staging_reuses_nothing_and_follows_no_link(tmp_path, root):
-    from vime.ray.weight_sync import WeightSync
-
     for kind in ("weights", "recovery"):  # the names update directories used to have, made by someone else first
         planted = root / f"vime_{kind}_{os.getpid()}_1"
         planted.mkdir(parents=True)
         (planted / "model-pp1.safetensors").write_bytes(b"planted")
     args = SimpleNamespace(update_weight_dir=str(root), update_weight_transport="disk", use_fault_tolerance=True,
                            rollout_external_engine_addrs=["http://elsewhere:1"], train_timeout=60.0)
-    sync = WeightSync(args)
-    made = [sync.transport.prepare(1), CudaIpcDriver(args).prepare(1),
+    sync = weight_sync_of(args)
+    made = [sync.transport.prepare(1), CudaIpcDriver(DriverSetup.of(args)).prepare(1),
             sync._write_recovery_copy(SimpleNamespace(actors=[]), 1)]
     for staged in map(Path, made):
         assert staged.parent == root and not any(staged.iterdir()), staged  # new and empty, never the planted one

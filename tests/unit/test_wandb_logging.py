@@ -13,7 +13,9 @@ import pytest
 from google.protobuf.message import DecodeError
 
 from vime.arguments import parse_args
+from vime.config.run import WandbConfig
 from vime.utils.logging_utils import MetricsLogger
+from vime.utils.run_config import plain_values
 
 wandb = pytest.importorskip("wandb")
 
@@ -74,7 +76,7 @@ def test_offline_run_holds_the_metrics_and_reward_curve(tmp_path, monkeypatch):
     args = parse_args([], validate=False)
     args.output_dir, args.use_wandb, args.wandb_mode = str(tmp_path / "out"), True, "offline"
     args.wandb_dir, args.wandb_group, args.wandb_run_name = str(tmp_path / "wandb"), "unit", "two-rollouts"
-    logger = MetricsLogger(args)
+    logger = MetricsLogger(args.output_dir, WandbConfig.of(args), plain_values(args))
     for rollout_id, metrics in enumerate(ROLLOUTS):
         logger.log(rollout_id, metrics)
     logger.close()
@@ -96,7 +98,7 @@ def test_missing_wandb_says_how_to_install(tmp_path, monkeypatch):
     args = parse_args([], validate=False)
     args.output_dir, args.use_wandb = str(tmp_path), True
     with pytest.raises(ImportError, match=r"pip install wandb==0\.31\.0"):
-        MetricsLogger(args)
+        MetricsLogger(args.output_dir, WandbConfig.of(args), plain_values(args))
 
 
 def test_wandb_flags_need_use_wandb(tiny_qwen3, arithmetic_data, capsys, tmp_path):

@@ -21,7 +21,7 @@ from tests.helpers.weight_sync_driver import ARGV, EXTENSION, driver, fake_ray, 
 
 pytest.importorskip("megatron.core")
 
-from vime.backends.weight_transport.base import WeightTransport  # noqa: E402
+from vime.backends.weight_transport.base import DriverSetup, WeightTransport  # noqa: E402
 from vime.backends.weight_transport.broadcast.driver import engine_set_key  # noqa: E402
 from vime.backends.weight_transport.check import (FLOAT32_TOLERANCE, WeightUpdateMismatchError,  # noqa: E402
                                                   compare_log_probs, tolerance_for)
@@ -126,14 +126,14 @@ def test_engine_command_adds_the_worker_extension(tiny_qwen3):
     disk = base[:base.index("broadcast")] + ["disk"] + base[base.index("broadcast") + 1:]
     cmd = engine_command(parse_args(disk), "127.0.0.1", 8000, 0)  # every transport loads through it
     assert cmd[cmd.index("--worker-extension-cls") + 1] == EXTENSION
-    assert DiskDriver(parse_args(disk)).load_call("/d") == ("vime_load_weights", {"path": "/d"})
+    assert DiskDriver(DriverSetup.of(parse_args(disk))).load_call("/d") == ("vime_load_weights", {"path": "/d"})
     mine = parse_args(base + ["--vllm-worker-extension-cls", "my.Ext"])
     cmd = engine_command(mine, "127.0.0.1", 8000, 0)
     assert cmd.count("--worker-extension-cls") == 1 and cmd[cmd.index("--worker-extension-cls") + 1] == "my.Ext"
     # engines without vime's methods (another extension, or started elsewhere) reload with vLLM's own method
     external = parse_args(disk + ["--rollout-external-engine-addrs", "127.0.0.1:1"])
     for args in (mine, external):
-        assert DiskDriver(args).load_call("/d") == ("reload_weights", {"weights_path": "/d"})
+        assert DiskDriver(DriverSetup.of(args)).load_call("/d") == ("reload_weights", {"weights_path": "/d"})
 
 
 def test_compare_log_probs_and_tolerance(tiny_qwen3):
@@ -169,9 +169,6 @@ def test_update_weights_runs_send_and_apply_together_for_a_collective(fake_ray, 
 
     class Collective(WeightTransport):
         concurrent = True
-
-        def __init__(self, args):
-            pass
 
         def prepare(self, version):
             return version
@@ -225,9 +222,6 @@ def test_staged_update_writes_weights_while_the_rollout_still_generates(fake_ray
     class Files(WeightTransport):
         concurrent = False
 
-        def __init__(self, args):
-            pass
-
         def prepare(self, version):
             return version
 
@@ -274,9 +268,6 @@ def test_fault_tolerance_leaves_a_recovery_copy_for_restarted_engines(fake_ray, 
     cleaned = []
 
     class Memory(WeightTransport):
-        def __init__(self, args):
-            pass
-
         def prepare(self, version):
             return {"version": version}
 

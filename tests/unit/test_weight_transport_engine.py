@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from tests.helpers.run_sections import weight_sync_of
 from tests.helpers.weight_sync_driver import ARGV, driver, fake_ray, probe_for  # noqa: F401
 
 pytest.importorskip("megatron.core")
@@ -58,7 +59,7 @@ def sync(stack, fake_ray):
     def push(name: str, version: int, in_flight: bool = False) -> list[str]:
         state.written = []
         if name not in syncs:
-            syncs[name] = WeightSync(argparse.Namespace(**{**vars(args), "update_weight_transport": name}))
+            syncs[name] = weight_sync_of(argparse.Namespace(**{**vars(args), "update_weight_transport": name}))
         syncs[name].update(group, manager, version, in_flight=in_flight)
         return state.written
 

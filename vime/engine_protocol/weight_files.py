@@ -10,7 +10,6 @@ import os
 import re
 import tempfile
 
-from vime.config.train import WeightSyncConfig
 
 WEIGHT_ROOT_ENV = "VIME_WEIGHT_ROOT"  # the engine's weight root (`engine.engine_env`)
 STAGE_FILE = re.compile(r"model-pp(\d+)\.safetensors")  # disk, delta: HF tensors of one pipeline stage
@@ -39,8 +38,8 @@ def default_weight_root() -> str:
     return os.path.join(base, f"vime-{os.getuid()}")
 
 
-def weight_root(args) -> str:
-    """The one directory weight updates are staged under and engines load from: --update-weight-dir, else
-    `default_weight_root()`; absolute, since the engines do not share the driver's working directory."""
-    weight_sync = WeightSyncConfig.of(args)
-    return os.path.abspath(weight_sync.update_weight_dir or default_weight_root())
+def weight_root(update_weight_dir: str | None) -> str:
+    """The one directory weight updates are staged under and engines load from: `update_weight_dir`
+    (--update-weight-dir), else `default_weight_root()`; absolute, since the engines do not share the driver's
+    working directory."""
+    return os.path.abspath(update_weight_dir or default_weight_root())

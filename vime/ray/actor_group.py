@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import ray
 
+from vime.config.rollout import DataBufferConfig
 from vime.config.run import JobConfig, PlacementConfig
 from vime.config.train import MegatronConfig, TrainLoopConfig
 from vime.data.transport import make_transport
@@ -38,7 +39,7 @@ class TrainActor:
         self.local_rank = local_rank  # its index among its group's ranks on this node (`Placement.local_rank`)
         self.trainer = None
         self.weight_transports = {}  # kind -> this rank's half of it (a WeightSender, kept for the run)
-        self.rollouts = make_transport(args)  # where this rank reads the rollouts it trains on
+        self.rollouts = make_transport(DataBufferConfig.of(args))  # where this rank reads the rollouts it trains on
         self.last_rollout: tuple[int, list] | None = None  # (id, groups): PPO's critic reads one rollout twice
         # Ray gives an actor of one logical CPU one OpenMP thread; the placement's share is what it computes on
         share = cpu_share or CpuShare()
@@ -116,7 +117,7 @@ class TrainActor:
         from vime.backends.weight_transport import make_sender
 
         if kind not in self.weight_transports:
-            self.weight_transports[kind] = make_sender(kind, self.args)
+            self.weight_transports[kind] = make_sender(kind)
         return self.trainer.send_weights(self.weight_transports[kind], handle)
 
 

@@ -77,7 +77,7 @@ def new_engines(args, placement, log_dir: Path, token: str) -> list:
     debug = DebugConfig.of(args)
     if engines.rollout_external_engine_addrs or debug.debug_train_only:
         return []
-    return [new_engine(args, placement, rank, log_dir, token) for rank in range(num_engines(args))]
+    return [new_engine(args, placement, rank, log_dir, token) for rank in range(num_engines(engines))]
 
 
 class EngineFleet(FleetRecovery):
@@ -143,7 +143,7 @@ class EngineFleet(FleetRecovery):
             return
         if engine_dtype_warning(args):
             logger.warning(engine_dtype_warning(args))
-        self.engines = self._given or [self._new_engine(rank) for rank in range(num_engines(args))]
+        self.engines = self._given or [self._new_engine(rank) for rank in range(num_engines(engines))]
         self._launched = [e.start.remote() for e in self.engines]
         if not router.vllm_router_ip:  # our router boots beside them (1-2 s); they join it once they serve
             self.router = self._own_router(router.vllm_router_port or find_free_port(), [])

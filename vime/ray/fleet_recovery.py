@@ -18,7 +18,7 @@ from pathlib import Path
 import ray
 
 from vime.backends.vllm_utils import client
-from vime.backends.vllm_utils.engine import http_ok
+from vime.backends.vllm_utils.engine import has_vime_worker_extension, http_ok
 from vime.backends.vllm_utils.router import post_worker, post_workers, router_ok
 from vime.config.rollout import EnginesConfig, FaultToleranceConfig
 from vime.ray.health import EngineHealthMonitor, probe_each
@@ -232,6 +232,6 @@ def recovery_load_call(args, weights_dir: str):
     adapters = adapter_dirs(weights_dir)
     if adapters:
         return adapter_load_call(adapters)
-    from vime.backends.weight_transport.disk.driver import DiskDriver
+    from vime.backends.weight_transport.disk.driver import load_call
 
-    return DiskDriver(args).load_call(weights_dir)
+    return load_call(weights_dir, has_vime_worker_extension(args))

@@ -19,7 +19,6 @@ from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from vime.config.agents import JudgeConfig
-from vime.config.algorithm import AlgorithmConfig
 from vime.config.rollout import EnginesConfig
 from vime.config.run import JobConfig, PlacementConfig
 from vime.ray.ray_auth import drop_run_token, use_run_token, warn_if_unauthenticated
@@ -29,11 +28,9 @@ from vime.utils.cpus import CpuShare
 WORKER_ENV = {"TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
 
 
-def init_ray(args) -> None:
-    job = JobConfig.of(args)
-    judge = JudgeConfig.of(args)
-    engines = EnginesConfig.of(args)
-    placement = PlacementConfig.of(args)
+def init_ray(job: JobConfig, placement: PlacementConfig, engines: EnginesConfig, judge: JudgeConfig) -> None:
+    """Join --ray-address's cluster (`job`), else start the run's own on this machine, with logical CPUs enough for
+    the ranks `placement`, `engines` and `judge` ask for."""
     if ray.is_initialized():
         return
     if job.ray_address:
@@ -63,8 +60,7 @@ def shutdown_ray() -> None:
     drop_run_token()
 
 
-def num_engines(args) -> int:
-    engines = EnginesConfig.of(args)
+def num_engines(engines: EnginesConfig) -> int:
     if engines.rollout_external_engine_addrs:
         return len(engines.rollout_external_engine_addrs)
     return engines.rollout_num_gpus // engines.rollout_num_gpus_per_engine
@@ -80,15 +76,14 @@ class Placement:
     CPUs: `overlap` says whether training and generation run at the same time (train_async.py). If not, the
     phase that runs gets all of a node's CPUs: its training ranks split them, and so do its engines. If so,
     each node's CPUs are split between all of them (an engine counting one share per worker).
+
+    `use_critic` (PPO, `AlgorithmConfig.use_critic`): the trainers include a critic's ranks.
     """
 
-    def __init__(self, args, with_engines: bool = True, with_trainers: bool = True, overlap: bool = False):
-        placement = PlacementConfig.of(args)
-        algorithm = AlgorithmConfig.of(args)
-        engines = EnginesConfig.of(args)
-        judge = JudgeConfig.of(args)
+    def __init__(self, placement: PlacementConfig, engines: EnginesConfig, judge: JudgeConfig, *, use_critic: bool,
+                 with_engines: bool = True, with_trainers: bool = True, overlap: bool = False):
         actors = placement.actor_num_nodes * placement.actor_num_gpus_per_node if with_trainers else 0
-        critic = with_trainers and algorithm.use_critic  # PPO: as many critic ranks as actor ranks
+        critic = with_trainers and use_critic  # PPO: as many critic ranks as actor ranks
         trainers = actors * (2 if critic else 1)
         engine_slots = 0 if (not with_engines or engines.rollout_external_engine_addrs) else engines.rollout_num_gpus
         # --judge-checkpoint: the judge's engines, one device each, of their own (never shared with the training)

@@ -25,7 +25,8 @@ from vime.environments.judge import JudgeGroup, judge_engine_args
 from vime.environments.mixture import environment_eval_sources, environment_source, load_environments
 from vime.backends.weight_transport.check import probe_tokens
 from vime.config.agents import EnvironmentConfig, JudgeConfig
-from vime.config.rollout import EvalConfig, FaultToleranceConfig, PromptDataConfig, RolloutConfig
+from vime.config.rollout import (DataBufferConfig, EnginesConfig, EvalConfig, FaultToleranceConfig, PromptDataConfig,
+                                 RolloutConfig)
 from vime.config.run import DebugConfig, JobConfig
 from vime.data.transport import RolloutRef, make_transport, rollout_summary
 from vime.ray.engine_fleet import EngineFleet, new_engine
@@ -169,14 +170,14 @@ class RolloutManager:
                              **environment_eval_sources(environments, self.tokenizer, args)}
         self.rollout_fn = load_function(rollout.rollout_function_path)
         self.eval_fn = load_function(evaluation.eval_function_path or rollout.rollout_function_path)
-        self.transport = make_transport(args)  # how generate() hands rollouts to the trainer side
+        self.transport = make_transport(DataBufferConfig.of(args))  # how generate() hands rollouts to the trainer side
         self.failures = FailedRollouts(fault_tolerance.max_failed_samples_ratio,
                                        fault_tolerance.max_consecutive_failed_rollouts)
         # what every custom function receives as `args`: the flags and the run's values (vime.utils.plugin_args)
         has_length = job.num_rollout is not None or prompt_data.num_epoch is not None
         self.context.plugin_args = plugin_view(
             args, self.fleet.plugin_router_url(),
-            resolve_num_rollout(args, self.num_prompts()) if has_length else None, num_engines(args))
+            resolve_num_rollout(args, self.num_prompts()) if has_length else None, num_engines(EnginesConfig.of(args)))
 
     @property
     def plugin_args(self):

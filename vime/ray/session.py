@@ -12,9 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import ray
 
-from vime.arguments import (ArgumentsError, build_parser, check_model_args, run_config,
-                            validate_transport_placement)
+from vime.arguments import ArgumentsError, build_parser, check_model_args, run_config, validate_transport_placement
 from vime.backends.megatron_utils.train_arguments import lr_schedule_problem
+from vime.backends.vllm_utils.engine import has_vime_worker_extension
+from vime.backends.weight_transport.base import DriverSetup
 from vime.backends.weight_transport.check import check_weights_equal
 from vime.config import RunConfig
 from vime.data.transport import RolloutRef, make_transport
@@ -29,7 +30,7 @@ from vime.utils.deadline import control, gather
 from vime.utils.logging_utils import MetricsLogger
 from vime.utils.misc import with_values
 from vime.utils.plot import save_reward_curve
-from vime.utils.run_config import write_resolved_config
+from vime.utils.run_config import plain_values, write_resolved_config
 from vime.utils.run_lock import RunLock
 
 logger = logging.getLogger(__name__)
@@ -49,7 +50,7 @@ class TrainingSession:
         self.manager = self.trainers = self.metrics = None
         self.engines: list = []  # the engine actors made for the manager (`new_engines`)
         self.weight_version = 0
-        self.transport = make_transport(args)  # stored rollouts: replay after a crash, and letting them go
+        self.transport = make_transport(self.config.data_buffer)  # stored rollouts: replayed after a crash, then let go
         self.replay: dict[int, RolloutRef] = {}  # rollout id -> a stored rollout to train instead of generating
         self.replayed: set[int] = set()
         self.data_state_after: dict[int, dict | None] = {}  # rollout id -> data-source state right after it
@@ -57,7 +58,7 @@ class TrainingSession:
         self.total_steps = 0
         self.unpublished: int | None = None  # a saved checkpoint waiting for its rollout's metrics line
         self.manager_stuck = False  # a rollout outlived --rollout-timeout: the manager cannot take calls
-        self.weight_sync = WeightSync(args) if self.use_engines and self.train_enabled else None
+        self.weight_sync = self._new_weight_sync() if self.use_engines and self.train_enabled else None
 
     @functools.cached_property
     def config(self) -> RunConfig:
@@ -65,19 +66,20 @@ class TrainingSession:
         return run_config(self.args)
 
     def __enter__(self) -> TrainingSession:
-        args = self.args
+        args, config = self.args, self.config
         # first: a second run on the same directories stops here, before it touches anything of the first's
-        buffer = self.config.data_buffer
-        stores = [self.config.job.output_dir, self.config.megatron.save,
+        buffer = config.data_buffer
+        stores = [config.job.output_dir, config.megatron.save,
                   buffer.rollout_data_dir if buffer.rollout_data_transport == "straw" else None]
         self.run_lock = RunLock(stores).__enter__()
         if self.train_enabled:  # before anything starts: refuse to take over an earlier run's state
             check_start(args, len(self.transport.stored()))
-        write_resolved_config(args, f"{self.config.job.output_dir}/config.yaml", build_parser())
+        write_resolved_config(args, f"{config.job.output_dir}/config.yaml", build_parser())
         self._start_ray_checking_the_model()
         validate_transport_placement(args, gpus=cluster_has_gpus())  # what only the cluster's devices decide
-        self.placement = Placement(args, with_engines=self.use_engines, with_trainers=self.train_enabled,
-                                   overlap=self.overlap)
+        self.placement = Placement(config.placement, config.engines, config.judge,
+                                   use_critic=config.algorithm.use_critic, with_engines=self.use_engines,
+                                   with_trainers=self.train_enabled, overlap=self.overlap)
         if len(set(self.placement.bundle_nodes)) > 1:
             logger.info("placement over %d nodes: %s", len(set(self.placement.bundle_nodes)),
                         self.placement.describe())
@@ -88,7 +90,7 @@ class TrainingSession:
         self.critic = None
         if self.train_enabled:
             self._create_trainers()
-        self.metrics = MetricsLogger(args)
+        self.metrics = MetricsLogger(config.job.output_dir, config.wandb, plain_values(args))
         return self
 
     def _start_ray_checking_the_model(self) -> None:
@@ -97,7 +99,7 @@ class TrainingSession:
         check passes."""
         with ThreadPoolExecutor(1, thread_name_prefix="model-check") as pool:
             checked = pool.submit(check_model_args, self.args)
-            init_ray(self.args)
+            init_ray(self.config.job, self.config.placement, self.config.engines, self.config.judge)
             try:
                 checked.result()
             except ValueError as e:
@@ -109,6 +111,12 @@ class TrainingSession:
         self.trainers = RayTrainGroup(args, placement)
         if self.config.algorithm.use_critic:
             self.critic = RayTrainGroup(critic_args(args), placement, role="critic")
+
+    def _new_weight_sync(self) -> WeightSync:
+        c = self.config
+        return WeightSync(DriverSetup(c.weight_sync, c.megatron, c.engines, has_vime_worker_extension(self.args)),
+                          c.lora, recovery_copies=c.fault_tolerance.use_fault_tolerance,
+                          rollout_timeout=c.rollout.rollout_timeout, train_timeout=c.job.train_timeout)
 
     def _train_groups(self) -> list:
         """The training actor groups this run has: the actor's, and PPO's critic's."""
@@ -309,7 +317,6 @@ class TrainingSession:
         """New training actors from the last checkpoint, retrained on the stored rollouts after it up to
         `trained_through`, so they hold what the dead ones did. Needs straw and --save; else the run stops with an
         error that says how to resume."""
-        args = self.args
         if not (self.transport.durable and self.config.megatron.save):
             resume = (f"start the run again with --load {self.config.megatron.save} to resume from its last checkpoint"
                       if self.config.megatron.save
@@ -322,8 +329,8 @@ class TrainingSession:
         for group in self._train_groups():
             group.shutdown()
         self.critic = None
-        self._create_trainers(with_values(args, load=self.config.megatron.save))  # its own last checkpoint
-        self.weight_sync = WeightSync(args)  # new writers: a collective transport builds a new group with them
+        self._create_trainers(with_values(self.args, load=self.config.megatron.save))  # its own last checkpoint
+        self.weight_sync = self._new_weight_sync()  # new writers: a collective transport builds a new group with them
         resumed = self._init_trainers()
         first = resumed["rollout_id"] + 1 if resumed else 0
         stored = self.transport.stored()

@@ -1,6 +1,6 @@
 """One weight update, driven from the driver: the trainers send, every engine loads, the version moves on.
 
-    sync = WeightSync(args)                      # one for the run: it holds the transport's driver half
+    sync = WeightSync(setup, lora, recovery_copies=..., rollout_timeout=..., train_timeout=...)  # one for the run
     metrics = sync.update(trainers, manager, version, after=[rollout_ref])
 
 An update has two halves. `stage` (the trainers write the new weights where the engines will load them from;
@@ -24,9 +24,8 @@ from typing import Any
 import ray
 
 from vime.backends.weight_transport import make_driver
+from vime.backends.weight_transport.base import DriverSetup
 from vime.backends.weight_transport.staging import stage_dir
-from vime.config.rollout import FaultToleranceConfig, RolloutConfig
-from vime.config.run import JobConfig
 from vime.config.train import LoraConfig, WeightSyncConfig
 from vime.utils.deadline import DeadlineExceeded, control, gather
 
@@ -43,23 +42,25 @@ class StagedUpdate:
     stage_time: float
 
 
-def sync_kind(args) -> str:
+def sync_kind(weight_sync: WeightSyncConfig, lora: LoraConfig) -> str:
     """The transport of the run's weight updates: --update-weight-transport, or a LoRA run's adapter sync (the flags'
     validation resolves --lora-sync for LoRA runs only)."""
-    lora = LoraConfig.of(args)
-    weight_sync = WeightSyncConfig.of(args)
     if lora.lora_sync == "adapter":
         return "lora_adapter"
     return weight_sync.update_weight_transport
 
 
 class WeightSync:
-    def __init__(self, args):
-        fault_tolerance = FaultToleranceConfig.of(args)
-        self.args = args
-        self.kind = sync_kind(args)
-        self.transport = make_driver(self.kind, args)
-        self.recovery_writer = make_driver(RECOVERY, args) if fault_tolerance.use_fault_tolerance else None
+    """The driver's side of the run's weight updates. `setup`: what the transports' driver halves are made with;
+    `lora`: a LoRA run syncs its adapters; `recovery_copies` (--use-fault-tolerance): every update leaves one;
+    `rollout_timeout`, `train_timeout`: how long an update waits for a rollout, and for the trainers."""
+
+    def __init__(self, setup: DriverSetup, lora: LoraConfig, *, recovery_copies: bool, rollout_timeout: float,
+                 train_timeout: float):
+        self.kind = sync_kind(setup.weight_sync, lora)
+        self.transport = make_driver(self.kind, setup)
+        self.recovery_writer = make_driver(RECOVERY, setup) if recovery_copies else None
+        self.rollout_timeout, self.train_timeout = rollout_timeout, train_timeout
 
     @property
     def keeps_handle(self) -> bool:
@@ -72,15 +73,14 @@ class WeightSync:
         wait for between the trainer half and the engine half, so that writing the weights overlaps them.
         `in_flight`: do not wait; the engines load between decode steps of the requests they are running, which
         continue under the new weights (`apply`'s pause mode "keep")."""
-        rollout = RolloutConfig.of(self.args)
         staged = self.stage(train_group, rollout_manager, version)
         if in_flight:
             return self.apply(train_group, rollout_manager, staged, pause_mode="keep")
         if after:
-            _, unfinished = ray.wait(list(after), num_returns=len(after), timeout=rollout.rollout_timeout)
+            _, unfinished = ray.wait(list(after), num_returns=len(after), timeout=self.rollout_timeout)
             if unfinished:
                 raise DeadlineExceeded(f"the rollout weight update {version} waits for did not finish within "
-                                       f"--rollout-timeout {rollout.rollout_timeout:g}s")
+                                       f"--rollout-timeout {self.rollout_timeout:g}s")
         return self.apply(train_group, rollout_manager, staged)
 
     def stage(self, train_group, rollout_manager, version: int) -> StagedUpdate:
@@ -128,6 +128,5 @@ class WeightSync:
         return path
 
     def _wait(self, refs, version: int, what: str):
-        job = JobConfig.of(self.args)
-        return gather(refs, f"the {what} of weight update {version} ({self.kind})", job.train_timeout,
+        return gather(refs, f"the {what} of weight update {version} ({self.kind})", self.train_timeout,
                       "--train-timeout")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from vime.config.run import JobConfig, WandbConfig
+from vime.config.run import WandbConfig
 
 
 # HTTP clients that log every request at INFO: thousands of lines a rollout on the console
@@ -28,20 +28,18 @@ def progress(iterable, desc: str, **kwargs):
                 os.environ.get("VIME_PROGRESS") != "1", **kwargs)
 
 
-def start_wandb(args):
-    """A wandb run for --use-wandb: the --wandb-* flags, and the resolved flags (secrets left out) as its config."""
-    wandb_flags = WandbConfig.of(args)
-    job = JobConfig.of(args)
+def start_wandb(wandb_flags: WandbConfig, output_dir: str, run_flags: dict):
+    """A wandb run for --use-wandb: the --wandb-* flags, under `output_dir`/wandb unless --wandb-dir says
+    elsewhere, with `run_flags` (the resolved flags, secrets left out: `run_config.plain_values`) as its config."""
     try:
         import wandb
     except ImportError as e:
         raise ImportError(f"--use-wandb needs wandb ({e}): pip install wandb==0.31.0") from e
-    from vime.utils.run_config import plain_values
 
-    wandb_dir = Path(wandb_flags.wandb_dir or Path(job.output_dir) / "wandb")
+    wandb_dir = Path(wandb_flags.wandb_dir or Path(output_dir) / "wandb")
     wandb_dir.mkdir(parents=True, exist_ok=True)
     return wandb.init(project=wandb_flags.wandb_project, group=wandb_flags.wandb_group, name=wandb_flags.wandb_run_name,
-                      mode=wandb_flags.wandb_mode, dir=str(wandb_dir), config=plain_values(args))
+                      mode=wandb_flags.wandb_mode, dir=str(wandb_dir), config=run_flags)
 
 
 def _row_rollout(line: str) -> int | None:
@@ -53,13 +51,12 @@ def _row_rollout(line: str) -> int | None:
 
 
 class MetricsLogger:
-    """One JSON object per log call in `<output_dir>/metrics.jsonl`, plus TensorBoard scalars and, with --use-wandb,
-    the same metrics in wandb at step=rollout_id (and the reward curve when it closes)."""
+    """One JSON object per log call in `<output_dir>/metrics.jsonl`, plus TensorBoard scalars and, with --use-wandb
+    (`wandb`), the same metrics in wandb at step=rollout_id (and the reward curve when it closes); `run_flags` is
+    the wandb run's config (`start_wandb`)."""
 
-    def __init__(self, args):
-        job = JobConfig.of(args)
-        wandb = WandbConfig.of(args)
-        self.dir = Path(job.output_dir)
+    def __init__(self, output_dir: str, wandb: WandbConfig = WandbConfig(), run_flags: dict | None = None):
+        self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.jsonl = open(self.dir / "metrics.jsonl", "a", encoding="utf-8")
         self.tb = None
@@ -69,7 +66,7 @@ class MetricsLogger:
             self.tb = SummaryWriter(log_dir=str(self.dir / "tensorboard"))
         except ImportError:  # tensorboard is optional at run time
             logging.getLogger(__name__).warning("tensorboard not installed; metrics go to metrics.jsonl only")
-        self.wandb = start_wandb(args) if wandb.use_wandb else None
+        self.wandb = start_wandb(wandb, output_dir, run_flags or {}) if wandb.use_wandb else None
         self.log_text = logging.getLogger("vime.metrics")
 
     def drop_rows_from(self, rollout_id: int) -> int:

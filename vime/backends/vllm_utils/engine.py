@@ -21,7 +21,7 @@ from vime.backends.vllm_utils.client import SERVED_MODEL
 from vime.config.algorithm import AlgorithmConfig
 from vime.config.rollout import EnginesConfig
 from vime.config.run import DebugConfig, JobConfig, PlacementConfig
-from vime.config.train import LoraConfig, RoutingReplayConfig
+from vime.config.train import LoraConfig, RoutingReplayConfig, WeightSyncConfig
 from vime.utils.lora_adapters import adapter_names
 from vime.engine_protocol.names import CAPTURE_ENV, CORE_FORK_ENV, IDLE_SPIN_ENV, PLUGIN_NAME, WORKER_EXTENSION
 from vime.engine_protocol.weight_files import WEIGHT_ROOT_ENV, weight_root
@@ -202,7 +202,8 @@ def engine_env(args, cpu_share: CpuShare | None = None, gpus: list[str] | None =
     env["VLLM_SERVER_DEV_MODE"] = "1"
     env[CONTROL_TOKEN_ENV] = control_token()
     env["VLLM_PLUGINS"] = plugin_allowlist(os.environ.get("VLLM_PLUGINS"))
-    env[WEIGHT_ROOT_ENV] = weight_root(args)  # the one directory its workers load weight files from
+    # the one directory its workers load weight files from
+    env[WEIGHT_ROOT_ENV] = weight_root(WeightSyncConfig.of(args).update_weight_dir)
     if gpus:  # a tensor-parallel engine's workers take one each (vLLM refuses more workers than visible GPUs)
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
     if not use_gpu():

@@ -19,7 +19,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from vime.backends.weight_transport.base import TransportDriver, WeightSender
+    from vime.backends.weight_transport.base import DriverSetup, TransportDriver, WeightSender
 
 # kind -> ("module:class" of its driver half, of its rank half), imported when a run makes one; or one class for
 # both (registered by a plugin or test). The package itself stays free of torch, so a process that only reads
@@ -52,11 +52,11 @@ def sender_class(kind: str) -> type[WeightSender]:
     return _half(kind, 1)
 
 
-def make_driver(kind: str, args) -> TransportDriver:
-    """The driver's half of `kind` (one for the run: `WeightSync`)."""
-    return driver_class(kind)(args)
+def make_driver(kind: str, setup: DriverSetup) -> TransportDriver:
+    """The driver's half of `kind` (one for the run: `WeightSync`), made with the run's `setup`."""
+    return driver_class(kind)(setup)
 
 
-def make_sender(kind: str, args) -> WeightSender:
+def make_sender(kind: str) -> WeightSender:
     """A training rank's half of `kind` (one per kind for the run: `TrainActor.send_weights`)."""
-    return sender_class(kind)(args)
+    return sender_class(kind)()

@@ -1,8 +1,8 @@
 """Where the writers of a weight update put it: a fresh private directory under the weight root, files created
 new and renamed into place.
 
-    path = stage_dir(weight_root(args), "vime_weights_3_")           # driver: mkdtemp, mode 0700
-    write_new_file(Path(path), "model-pp0.safetensors", write)       # a training writer
+    path = stage_dir(weight_root(update_weight_dir), "vime_weights_3_")  # driver: mkdtemp, mode 0700
+    write_new_file(Path(path), "model-pp0.safetensors", write)          # a training writer
 
 The default root (/dev/shm/vime-<uid>, `weight_files.default_weight_root`) sits in a directory every user can
 write to, so it must be this user's own and private, or nothing is staged there: someone else could otherwise

@@ -1,6 +1,6 @@
 """The data buffer's transports: how a rollout travels from the rollout manager to the trainer side.
 
-    transport = make_transport(args)
+    transport = make_transport(data_buffer)             # the run's DataBufferConfig
     handle = transport.put(rollout_id, groups, extra)   # rollout manager; groups of Sample dicts, JSON `extra`
     groups, extra = transport.get(handle)               # the training ranks, in other processes
 
@@ -17,8 +17,8 @@ from vime.config.rollout import DataBufferConfig
 from vime.data.transport.base import RolloutRef, RolloutTransport, rollout_summary
 
 
-def make_transport(args) -> RolloutTransport:
-    data_buffer = DataBufferConfig.of(args)
+def make_transport(data_buffer: DataBufferConfig) -> RolloutTransport:
+    """The transport --rollout-data-transport names (`data_buffer`), over --rollout-data-dir for straw."""
     kind = data_buffer.rollout_data_transport
     if kind == "object-store":
         from vime.data.transport.object_store import ObjectStoreTransport

@@ -6,9 +6,7 @@ from __future__ import annotations
 import uuid
 from typing import Callable
 
-from vime.backends.weight_transport.base import TransportDriver
-from vime.config.rollout import EnginesConfig
-from vime.config.train import MegatronConfig, WeightSyncConfig
+from vime.backends.weight_transport.base import DriverSetup, TransportDriver
 
 
 def engine_set_key(state: dict, engine_urls: list[str], trainer_address: Callable[[], tuple[str, int]] | None = None):
@@ -28,14 +26,10 @@ def engine_set_key(state: dict, engine_urls: list[str], trainer_address: Callabl
 class BroadcastDriver(TransportDriver):
     concurrent = True  # send and apply join the same collective: the driver starts both, then waits for both
 
-    def __init__(self, args):
-        weight_sync = WeightSyncConfig.of(args)
-        megatron = MegatronConfig.of(args)
-        engines = EnginesConfig.of(args)
-        super().__init__(args)
-        self.bucket_bytes = int(weight_sync.update_weight_buffer_size)
-        self.num_senders = int(megatron.pipeline_model_parallel_size)
-        self.workers_per_engine = int(engines.rollout_num_gpus_per_engine)
+    def __init__(self, setup: DriverSetup = DriverSetup()):
+        self.bucket_bytes = int(setup.weight_sync.update_weight_buffer_size)
+        self.num_senders = int(setup.megatron.pipeline_model_parallel_size)
+        self.workers_per_engine = int(setup.engines.rollout_num_gpus_per_engine)
         self.engine_set: dict = {}  # the engine set, its group key and rendezvous address
         self.engine_urls: list[str] | None = None
 

@@ -8,8 +8,7 @@ from vime.engine_protocol.weight_broadcast import broadcast_weights, group_backe
 
 
 class BroadcastSender(WeightSender):
-    def __init__(self, args):
-        super().__init__(args)
+    def __init__(self) -> None:
         self.group: dict = {}  # the group this writer joined, {"key", "pg"}
 
     def send(self, weights: Weights, stage: int | None, handle: dict) -> None:

@@ -7,15 +7,14 @@ import os
 import shutil
 from pathlib import Path
 
-from vime.backends.weight_transport.base import TransportDriver
+from vime.backends.weight_transport.base import DriverSetup, TransportDriver
 from vime.backends.weight_transport.staging import stage_dir
 from vime.engine_protocol.weight_files import engine_dir, weight_root
 
 
 class CudaIpcDriver(TransportDriver):
-    def __init__(self, args):
-        super().__init__(args)
-        self.root = weight_root(args)
+    def __init__(self, setup: DriverSetup = DriverSetup()):
+        self.root = weight_root(setup.weight_sync.update_weight_dir)
         self.engine_urls: list[str] = []  # the engines the next update is for (`connect`)
 
     def connect(self, engine_urls: list[str], trainer_address) -> None:

@@ -16,8 +16,7 @@ from vime.engine_protocol.weight_files import ENGINE_DIR, manifest
 
 
 class CudaIpcSender(WeightSender):
-    def __init__(self, args):
-        super().__init__(args)
+    def __init__(self) -> None:
         self.keepalive: Weights = []  # the tensors engines map, until `release`
 
     def send(self, weights: Weights, stage: int | None, handle: str) -> None:

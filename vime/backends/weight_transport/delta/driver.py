@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
+from vime.backends.weight_transport.base import DriverSetup
 from vime.backends.weight_transport.broadcast.driver import engine_set_key
 from vime.backends.weight_transport.disk.driver import DiskDriver
 
@@ -13,8 +14,8 @@ from vime.backends.weight_transport.disk.driver import DiskDriver
 class DeltaDriver(DiskDriver):
     update_is_recovery_copy = False  # a handle holds only what changed
 
-    def __init__(self, args):
-        super().__init__(args)
+    def __init__(self, setup: DriverSetup = DriverSetup()):
+        super().__init__(setup)
         self.engine_set: dict = {}  # the engine set of the coming update and its key
 
     def connect(self, engine_urls: list[str], trainer_address: Callable[[], tuple[str, int]] | None = None) -> None:

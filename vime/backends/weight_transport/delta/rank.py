@@ -40,8 +40,7 @@ def changed_tensors(weights: list[tuple[str, torch.Tensor]], previous: dict[str,
 
 
 class DeltaSender(WeightSender):
-    def __init__(self, args):
-        super().__init__(args)
+    def __init__(self) -> None:
         self.sent = {"key": None, "digests": {}}  # what the engine set of key "key" holds, from this writer
 
     def send(self, weights: Weights, stage: int | None, handle: dict) -> None:

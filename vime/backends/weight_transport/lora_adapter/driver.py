@@ -6,7 +6,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from vime.backends.weight_transport.base import TransportDriver
+from vime.backends.weight_transport.base import DriverSetup, TransportDriver
 from vime.backends.weight_transport.staging import stage_dir
 from vime.engine_protocol.names import LOAD_ADAPTER
 from vime.engine_protocol.weight_files import ADAPTER_FILES, weight_root
@@ -29,9 +29,8 @@ def adapter_dirs(root: str | Path) -> dict[str, str]:
 class LoraAdapterDriver(TransportDriver):
     update_is_recovery_copy = True  # a restarted engine loads the base from its checkpoint, then this adapter
 
-    def __init__(self, args):
-        super().__init__(args)
-        self.root = weight_root(args)
+    def __init__(self, setup: DriverSetup = DriverSetup()):
+        self.root = weight_root(setup.weight_sync.update_weight_dir)
 
     def prepare(self, version: int) -> str:
         return stage_dir(self.root, f"{PREFIX}{version}_")
