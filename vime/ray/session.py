@@ -14,8 +14,6 @@ import ray
 
 from vime.arguments import ArgumentsError, build_parser, check_model_args, run_config, validate_transport_placement
 from vime.backends.megatron_utils.train_arguments import lr_schedule_problem
-from vime.backends.vllm_utils.engine import has_vime_worker_extension
-from vime.backends.weight_transport.base import DriverSetup
 from vime.backends.weight_transport.check import check_weights_equal
 from vime.config import RunConfig
 from vime.data.transport import RolloutRef, make_transport
@@ -58,7 +56,8 @@ class TrainingSession:
         self.total_steps = 0
         self.unpublished: int | None = None  # a saved checkpoint waiting for its rollout's metrics line
         self.manager_stuck = False  # a rollout outlived --rollout-timeout: the manager cannot take calls
-        self.weight_sync = self._new_weight_sync() if self.use_engines and self.train_enabled else None
+        both = self.use_engines and self.train_enabled
+        self.weight_sync = WeightSync.for_run(self.config, self.args) if both else None
 
     @functools.cached_property
     def config(self) -> RunConfig:
@@ -111,12 +110,6 @@ class TrainingSession:
         self.trainers = RayTrainGroup(args, placement)
         if self.config.algorithm.use_critic:
             self.critic = RayTrainGroup(critic_args(args), placement, role="critic")
-
-    def _new_weight_sync(self) -> WeightSync:
-        c = self.config
-        return WeightSync(DriverSetup(c.weight_sync, c.megatron, c.engines, has_vime_worker_extension(self.args)),
-                          c.lora, recovery_copies=c.fault_tolerance.use_fault_tolerance,
-                          rollout_timeout=c.rollout.rollout_timeout, train_timeout=c.job.train_timeout)
 
     def _train_groups(self) -> list:
         """The training actor groups this run has: the actor's, and PPO's critic's."""
@@ -231,7 +224,7 @@ class TrainingSession:
         except ray.exceptions.GetTimeoutError:
             self.manager_stuck = True
             rollout = self.config.rollout
-            function = (self.config.eval.eval_function_path if what == "eval" else None) or rollout.rollout_function_path
+            function = (what == "eval" and self.config.eval.eval_function_path) or rollout.rollout_function_path
             raise TimeoutError(f"the {what} did not finish within --rollout-timeout {rollout.rollout_timeout:g}s: "
                                f"the rollout function {function} (or a call it waits on) never returned. Fix the "
                                "function, or raise --rollout-timeout for longer rollouts") from None
@@ -330,7 +323,7 @@ class TrainingSession:
             group.shutdown()
         self.critic = None
         self._create_trainers(with_values(self.args, load=self.config.megatron.save))  # its own last checkpoint
-        self.weight_sync = self._new_weight_sync()  # new writers: a collective transport builds a new group with them
+        self.weight_sync = WeightSync.for_run(self.config, self.args)  # new writers: a new collective group
         resumed = self._init_trainers()
         first = resumed["rollout_id"] + 1 if resumed else 0
         stored = self.transport.stored()

@@ -23,9 +23,11 @@ from typing import Any
 
 import ray
 
+from vime.backends.vllm_utils.engine import has_vime_worker_extension
 from vime.backends.weight_transport import make_driver
 from vime.backends.weight_transport.base import DriverSetup
 from vime.backends.weight_transport.staging import stage_dir
+from vime.config import RunConfig
 from vime.config.train import LoraConfig, WeightSyncConfig
 from vime.utils.deadline import DeadlineExceeded, control, gather
 
@@ -61,6 +63,13 @@ class WeightSync:
         self.transport = make_driver(self.kind, setup)
         self.recovery_writer = make_driver(RECOVERY, setup) if recovery_copies else None
         self.rollout_timeout, self.train_timeout = rollout_timeout, train_timeout
+
+    @classmethod
+    def for_run(cls, config: RunConfig, args) -> WeightSync:
+        """The run's, from its sections (and its engines' flags: whether they run vime's worker methods)."""
+        setup = DriverSetup(config.weight_sync, config.megatron, config.engines, has_vime_worker_extension(args))
+        return cls(setup, config.lora, recovery_copies=config.fault_tolerance.use_fault_tolerance,
+                   rollout_timeout=config.rollout.rollout_timeout, train_timeout=config.job.train_timeout)
 
     @property
     def keeps_handle(self) -> bool:
