@@ -18,7 +18,7 @@ from vime.inspect.load import (group_advantages, load_rollout_view, marked_token
 from vime.inspect.render import rollout_page
 from vime.rollout.arguments import validate_rollout_args
 from vime.rollout.debug_data import compact_rollout_path, read_compact_rollout, save_compact_rollout
-from vime.utils.run_config import write_resolved_config
+from vime.utils.resolved_config import write_resolved_config
 from vime.utils.types import Sample
 
 

@@ -15,7 +15,7 @@ from google.protobuf.message import DecodeError
 from vime.arguments import parse_args
 from vime.config.run import WandbConfig
 from vime.utils.logging_utils import MetricsLogger
-from vime.utils.run_config import plain_values
+from vime.utils.resolved_config import plain_values
 
 wandb = pytest.importorskip("wandb")
 

@@ -28,7 +28,7 @@ from vime.utils.deadline import control, gather
 from vime.utils.logging_utils import MetricsLogger
 from vime.utils.misc import with_values
 from vime.utils.plot import save_reward_curve
-from vime.utils.run_config import plain_values, write_resolved_config
+from vime.utils.resolved_config import plain_values, write_resolved_config
 from vime.utils.run_lock import RunLock
 
 logger = logging.getLogger(__name__)

@@ -30,7 +30,7 @@ def progress(iterable, desc: str, **kwargs):
 
 def start_wandb(wandb_flags: WandbConfig, output_dir: str, run_flags: dict):
     """A wandb run for --use-wandb: the --wandb-* flags, under `output_dir`/wandb unless --wandb-dir says
-    elsewhere, with `run_flags` (the resolved flags, secrets left out: `run_config.plain_values`) as its config."""
+    elsewhere, with `run_flags` (the resolved flags, secrets left out: `resolved_config.plain_values`) as its config."""
     try:
         import wandb
     except ImportError as e:

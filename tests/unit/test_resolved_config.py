@@ -7,7 +7,7 @@ import os
 import yaml
 
 from vime.arguments import build_parser, parse_args
-from vime.utils.run_config import write_resolved_config
+from vime.utils.resolved_config import write_resolved_config
 
 
 def test_resolved_config_round_trips(tiny_qwen3, arithmetic_data, tmp_path):
@@ -42,7 +42,7 @@ def test_flags_that_only_negate_round_trip(tmp_path, tiny_qwen3, arithmetic_data
     """Megatron-LM's --no-masked-softmax-fusion and --disable-bias-linear store False into a field no positive flag
     sets: config.yaml writes the negating flag itself."""
     from vime.arguments import build_parser, parse_args
-    from vime.utils.run_config import write_resolved_config
+    from vime.utils.resolved_config import write_resolved_config
 
     argv = ["--hf-checkpoint", str(tiny_qwen3), "--prompt-data", str(arithmetic_data[0]), "--rm-type", "math",
             "--no-masked-softmax-fusion", "--disable-bias-linear"]
