@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,13 +38,24 @@ def codec(samples: int, tokens: int, repeats: int) -> None:
 
     from bench.buffer import make_rollout
     from vime.data.sample_codec import decode_rollout, encode_rollout
+    from vime.utils.types import check_sample_dict
 
     groups = make_rollout(0, samples, tokens)
     ours = best_of(lambda: decode_rollout(encode_rollout(groups)), repeats)
     packed = msgspec.msgpack.encode(groups)
     theirs = best_of(lambda: msgspec.msgpack.decode(msgspec.msgpack.encode(groups)), repeats)
-    print(f"codec  vime sample_codec {ours * 1e3:8.1f} ms   msgspec msgpack {theirs * 1e3:8.1f} ms   "
-          f"ratio vime/msgspec {ours / theirs:.2f}   sizes {len(encode_rollout(groups)) / 1e6:.1f} MB / "
+
+    def msgspec_checked():  # what the codec also does: a CRC of the payload and the Sample contract on decode
+        data = msgspec.msgpack.encode(groups)
+        zlib.crc32(data)
+        for group in msgspec.msgpack.decode(data):
+            for sample in group:
+                check_sample_dict(sample)
+
+    checked = best_of(msgspec_checked, repeats)
+    print(f"codec  vime sample_codec {ours * 1e3:7.1f} ms   msgspec msgpack {theirs * 1e3:7.1f} ms "
+          f"(+ CRC and Sample checks {checked * 1e3:7.1f} ms)   ratio vime/msgspec {ours / theirs:.2f} "
+          f"({ours / checked:.2f} checked)   sizes {len(encode_rollout(groups)) / 1e6:.1f} MB / "
           f"{len(packed) / 1e6:.1f} MB")
 
 
