@@ -1,7 +1,8 @@
 """Hand-written code against the libraries that could replace it, side by side in one process:
 
-- the rollout wire codec (`vime.data.sample_codec`, no pickle) against msgspec's MessagePack of the same sample
-  dicts (also no pickle), encode + decode of one rollout;
+- the rollout wire codec (`vime.data.sample_codec`: msgspec MessagePack, a CRC32 and the Sample checks; no pickle)
+  against bare msgspec MessagePack of the same sample dicts, and against that plus a CRC32 and `check_sample_dict`
+  per sample (the lower bound of a codec with the same checks), encode + decode of one rollout;
 - building and type-checking the run's typed config (`RunConfig.build`, dataclasses) against a pydantic model
   of the same typed fields, validating the same parsed flags; and the import time of each library.
 

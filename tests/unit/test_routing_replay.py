@@ -78,7 +78,7 @@ def test_codec_round_trip_packs_routed_experts_compactly():
     assert decode_rollout(only_small)[0][0][0]["rollout_routed_experts"].dtype == np.uint8
     assert len(only_small) < small.size + 3000  # one byte an expert id
     without = encode_rollout([[Sample(index=0, tokens=[1]).to_dict()]])
-    assert int.from_bytes(without[8:10], "little") == 1  # rollouts without tensors keep format version 1
+    assert int.from_bytes(without[8:10], "little") == int.from_bytes(data[8:10], "little") == 3  # one format
 
 
 def test_codec_refuses_non_integer_routing_and_damaged_shapes():

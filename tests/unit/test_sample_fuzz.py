@@ -2,6 +2,8 @@
 their own error (SampleCodecError, InvalidSampleError), never a KeyError / TypeError / numpy error from inside.
 
 Damaged bytes get a recomputed CRC32 so that they reach the decoder's checks instead of stopping at the checksum.
+Rollouts in format versions 1 and 2 (what earlier runs stored; `tests/helpers/legacy_rollout.py` writes them) are
+fuzzed like those of the current version 3.
 """
 
 from __future__ import annotations
@@ -11,20 +13,29 @@ import math
 import struct
 import zlib
 
+import msgspec
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.helpers.legacy_rollout import encode_v1_v2
 from vime.data.sample_codec import SampleCodecError, decode_rollout, encode_rollout
 from vime.utils.types import InvalidSampleError, Sample, check_sample_dict
 
 FUZZ = settings(max_examples=150, deadline=2000, database=None, suppress_health_check=[HealthCheck.too_slow])
-PREFIX = struct.Struct("<8sHHII")  # the codec's: magic, version, reserved, header length, crc32 of the body
+PREFIX = struct.Struct("<8sHHII")  # the codec's: magic, version, reserved, header (v3: body) length, body crc32
 VOCAB = 1000
 
 # numbers and JSON values, including the ones a sample must not hold (NaN, inf, bools, huge and negative ints)
 numbers = st.one_of(st.integers(-2**70, 2**70), st.floats(allow_nan=True, allow_infinity=True), st.booleans())
 json_values = st.recursive(st.none() | numbers | st.text(max_size=5),
+                           lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=5), inner,
+                                                                                        max_size=4),
+                           max_leaves=12)
+# what a MessagePack body holds: ints within 64 bits, and bytes (a tensor's data)
+wire_values = st.recursive(st.none() | st.integers(-2**63, 2**64 - 1) | st.floats() | st.booleans()
+                           | st.text(max_size=5) | st.binary(max_size=8),
                            lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=5), inner,
                                                                                         max_size=4),
                            max_leaves=12)
@@ -35,11 +46,14 @@ def valid_samples(draw) -> dict:
     tokens = draw(st.lists(st.integers(0, VOCAB - 1), max_size=12))
     n = draw(st.integers(0, len(tokens)))
     log_probs = st.floats(-50, 0, allow_nan=False)
+    routing = draw(st.none() | st.lists(st.lists(st.integers(0, 300), min_size=2, max_size=2), max_size=3))
     return Sample(index=draw(st.integers(0, 10**6)), tokens=tokens, response_length=n,
                   loss_mask=draw(st.none() | st.lists(st.integers(0, 1), min_size=n, max_size=n)),
                   rollout_log_probs=draw(st.none() | st.lists(log_probs, min_size=n, max_size=n)),
                   reward=draw(st.none() | st.floats(-1, 1)), status=draw(st.sampled_from(Sample.Status)),
-                  metadata=draw(st.dictionaries(st.text(max_size=4), st.integers(), max_size=2))).to_dict()
+                  metadata=draw(st.dictionaries(st.text(max_size=4), st.integers(), max_size=2)),
+                  rollout_routed_experts=None if routing is None else np.array(routing, dtype=np.int64).reshape(
+                      -1, 1, 2)).to_dict()
 
 
 rollouts = st.lists(st.lists(valid_samples(), min_size=1, max_size=3), min_size=1, max_size=3)
@@ -58,13 +72,16 @@ def _decode_or_codec_error(data: bytes) -> None:
     assert isinstance(extra, dict)
     for sample in (s for g in groups for s in g):
         check_sample_dict(sample, vocab_size=VOCAB)
+        routing = sample.get("rollout_routed_experts")
+        assert routing is None or (isinstance(routing, np.ndarray) and routing.dtype.kind in "iu")
 
 
+@pytest.mark.parametrize("encode", [encode_rollout, encode_v1_v2], ids=["v3", "v1-v2"])
 @FUZZ
 @given(rollouts, st.lists(st.tuples(st.integers(0, 2**32), st.integers(0, 255), st.sampled_from("sid")),
                           min_size=1, max_size=4))
-def test_mutated_bytes_with_a_valid_crc_raise_only_codec_errors(groups, edits):
-    data = encode_rollout(groups, {"rollout_id": 1})
+def test_mutated_bytes_with_a_valid_crc_raise_only_codec_errors(encode, groups, edits):
+    data = encode(groups, {"rollout_id": 1})
     _, version, _, header_len, _ = PREFIX.unpack_from(data)
     body = bytearray(data[PREFIX.size:])
     for pos, byte, kind in edits:  # (s)et, (i)nsert or (d)elete one byte
@@ -89,20 +106,35 @@ def _paths(value, path=()):
             yield from _paths(v, (*path, i))
 
 
+def _rewrite_one_value(table, data, values) -> None:
+    """Replace one value of a decoded table (a sample field, a length, a dtype, a shape, ...) with one of `values`."""
+    path, _ = data.draw(st.sampled_from(list(_paths(table))[1:]))
+    target = table
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = data.draw(values)
+
+
 @FUZZ
 @given(rollouts, st.data())
-def test_rewritten_headers_with_a_valid_crc_raise_only_codec_errors(groups, data):
-    """Replace one value of the JSON header (a sample field, a length, a dtype, ...) with any JSON value: this
-    reaches the array-table and sample checks that byte flips mostly stop short of."""
-    encoded = encode_rollout(groups, {"rollout_id": 1})
+def test_rewritten_bodies_with_a_valid_crc_raise_only_codec_errors(groups, data):
+    """Version 3: rewrite one value of the MessagePack body; this reaches the structure, tensor-map and sample
+    checks that byte flips mostly stop short of."""
+    body = msgspec.msgpack.decode(encode_rollout(groups, {"rollout_id": 1})[PREFIX.size:])  # big ints stay Ext
+    _rewrite_one_value(body, data, wire_values)
+    new_body = msgspec.msgpack.encode(body)
+    _decode_or_codec_error(_with_crc(new_body, 3, len(new_body)))
+
+
+@FUZZ
+@given(rollouts, st.data())
+def test_rewritten_legacy_headers_with_a_valid_crc_raise_only_codec_errors(groups, data):
+    """Versions 1 and 2: rewrite one value of the JSON header: this reaches the array-table and sample checks."""
+    encoded = encode_v1_v2(groups, {"rollout_id": 1})
     _, version, _, header_len, _ = PREFIX.unpack_from(encoded)
     header = json.loads(encoded[PREFIX.size:PREFIX.size + header_len])
     arrays = encoded[PREFIX.size + header_len:]
-    path, _ = data.draw(st.sampled_from(list(_paths(header))[1:]))
-    target = header
-    for key in path[:-1]:
-        target = target[key]
-    target[path[-1]] = data.draw(json_values)
+    _rewrite_one_value(header, data, json_values)
     new_header = json.dumps(header).encode()
     _decode_or_codec_error(_with_crc(new_header + arrays, version, len(new_header)))
 

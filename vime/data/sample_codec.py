@@ -1,22 +1,26 @@
-"""A versioned binary codec for rollouts: groups of `Sample` dicts (+ a JSON dict of extra state) <-> bytes.
+"""A versioned binary codec for rollouts: groups of `Sample` dicts (+ a dict of extra state) <-> bytes.
 
-What the data buffer stores and sends. Nothing is ever unpickled: the numeric per-token fields are packed
-little-endian arrays, everything else is JSON.
+What the data buffer stores and sends. Nothing is ever unpickled: the body is MessagePack (msgspec), whose decoder
+builds only plain values and never runs code.
 
-Layout (format version 1; 2 when a rollout holds integer tensors), all integers little-endian:
+Layout (format version 3), all prefix integers little-endian:
 
-    magic b"VIMEROLL" | version u16 | reserved u16 | header_len u32 | body_crc32 u32 | header | arrays
+    magic b"VIMEROLL" | version u16 | reserved u16 | body_len u32 | body_crc32 u32 | body
 
-`header` is UTF-8 JSON: {"groups": [[sample, ...], ...], "extra": {...}, "arrays": {field: {dtype, lengths}}}
-where each packed field is left out of its sample dict; a sample whose value was None keeps it in the JSON
-(and has length -1). `arrays` are each field's values of all samples concatenated, in the order of `arrays`.
-The CRC32 covers header + arrays, so a truncated or bit-flipped payload is refused instead of mis-decoded.
-Floats round-trip bit-exactly (float64); ints are stored as int32 when they fit, else int64.
+`body` is one MessagePack map {"groups": [[sample, ...], ...], "extra": {...}}, each sample the `Sample.to_dict()`
+map with its values as they are: tokens, loss_mask and rollout_log_probs stay arrays of ints / floats (msgspec
+writes and reads them faster than packing them, measured; floats are float64, so they round-trip bit-exactly).
+The n-dimensional integer fields (`TENSOR_FIELDS`: the routed experts of MoE routing replay, [tokens - 1, layers,
+top-k] per sample) are maps {"dtype", "shape", "data"}: `data` the C-ordered bytes in the narrowest of uint8 /
+uint16 / int32 / int64 that holds the whole rollout's values; they decode as numpy arrays. An int beyond 64 bits
+(which JSON carried) is MessagePack extension type 1 holding its decimal digits. The CRC32 covers the body, so a
+truncated or bit-flipped payload is refused instead of mis-decoded.
 
-Version 2 adds `tensors`: {field: {dtype, shapes}} for the n-dimensional integer fields (`TENSOR_FIELDS`: the
-routed experts of MoE routing replay, [tokens - 1, layers, top-k] per sample), each sample's array stored
-C-ordered in the narrowest of uint8 / uint16 / int32 / int64 that holds it, after the version-1 arrays; they
-decode as numpy arrays. A sample without one has shape None.
+Versions 1 and 2 (written by vime before version 3) stay readable, so that rollouts stored by earlier runs (straw's
+files, for crash resume) still load. Their body is header | arrays: `header` (header_len bytes) is UTF-8 JSON
+{"groups", "extra", "arrays": {field: {dtype, lengths}}, "tensors": {field: {dtype, shapes}}} (tensors: version 2)
+with each packed field left out of its sample dict; the arrays are each field's values of all samples concatenated
+("<i4", "<i8" or "<f8"; length -1 for None), then each sample's tensor C-ordered (shape None: no tensor).
 
 Decoding also checks every sample against the `Sample` contract (`vime.utils.types.check_sample_dict`: field
 types, tokens / response_length / loss_mask / rollout_log_probs lengths, finite log-probs, and token ids below the
@@ -31,20 +35,20 @@ import struct
 import zlib
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from vime.utils.types import InvalidSampleError, check_sample_dict
 
 MAGIC = b"VIMEROLL"
-FORMAT_VERSION = 2
-_READABLE_VERSIONS = (1, 2)
-_PREFIX = struct.Struct("<8sHHII")  # magic, version, reserved, header length, crc32 of everything after
-# Sample fields packed as binary arrays, and the kind of number each holds.
-PACKED_FIELDS = {"tokens": "int", "loss_mask": "int", "rollout_log_probs": "float"}
-_ARRAY_DTYPES = ("<i4", "<i8", "<f8")
-# Sample fields holding integer arrays of any shape (numpy, or nested lists after JSON)
+FORMAT_VERSION = 3
+_READABLE_VERSIONS = (1, 2, 3)
+_PREFIX = struct.Struct("<8sHHII")  # magic, version, reserved, header (v3: body) length, crc32 of the body
+# Sample fields holding integer arrays of any shape (numpy, or nested lists after JSON), and their wire dtypes
 TENSOR_FIELDS = ("rollout_routed_experts",)
 _TENSOR_DTYPES = ("|u1", "<u2", "<i4", "<i8")
+_ARRAY_DTYPES = ("<i4", "<i8", "<f8")  # versions 1 and 2: the packed tokens, loss_mask and rollout_log_probs
+_TENSOR_KEYS = {"dtype", "shape", "data"}
 
 
 class SampleCodecError(ValueError):
@@ -56,40 +60,61 @@ class SampleCodecError(ValueError):
         self.field, self.sample_index = field, sample_index
 
 
+class _Body(msgspec.Struct, forbid_unknown_fields=True):
+    """The version-3 body: decoding into it checks the structure (msgspec's errors say where it breaks)."""
+    groups: list[list[dict]]
+    extra: dict
+
+
+_BIG_INT = 1  # MessagePack extension code: an int beyond 64 bits, as its decimal digits (JSON held any int)
+
+
+def _enc_hook(obj: Any) -> Any:
+    if isinstance(obj, np.generic):  # a numpy scalar, e.g. a token id taken from an array
+        return obj.item()
+    raise TypeError(f"objects of type {type(obj).__name__} are not JSON-like values")
+
+
+def _ext_hook(code: int, data: memoryview) -> int:
+    if code != _BIG_INT:
+        raise ValueError(f"unknown MessagePack extension type {code}")
+    return int(bytes(data).decode("ascii"))
+
+
+def _big_ints(value: Any) -> Any:
+    """`value` with each int that MessagePack cannot hold as a `_BIG_INT` extension (a rare, slower path)."""
+    if isinstance(value, int) and not isinstance(value, bool) and not -2**63 <= value < 2**64:
+        return msgspec.msgpack.Ext(_BIG_INT, str(value).encode())
+    if isinstance(value, dict):
+        return {k: _big_ints(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_big_ints(v) for v in value]
+    return value
+
+
+_ENCODER = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+_DECODER = msgspec.msgpack.Decoder(_Body, ext_hook=_ext_hook)
+
+
 def encode_rollout(groups: list[list[dict]], extra: dict[str, Any] | None = None) -> bytes:
-    """Groups of sample dicts (`Sample.to_dict()`) and a JSON-able `extra` dict -> bytes."""
+    """Groups of sample dicts (`Sample.to_dict()`) and a JSON-like `extra` dict -> bytes."""
     if not isinstance(groups, list) or not all(isinstance(g, list) and all(isinstance(s, dict) for s in g)
                                                for g in groups):
         raise SampleCodecError("a rollout is a list of groups, each a list of sample dicts (Sample.to_dict())")
-    plain_groups = [[dict(s) for s in g] for g in groups]
-    samples = [s for g in plain_groups for s in g]
-    arrays, blobs = {}, []
-    for name, kind in PACKED_FIELDS.items():
-        values = [s.get(name) for s in samples]
-        if not all(v is None or isinstance(v, (list, tuple)) for v in values):
-            continue  # not a sequence: left in the JSON, where the decoder's sample check names it
-        lengths = [-1 if v is None else len(v) for v in values]
-        flat = [x for v in values if v is not None for x in v]
-        packed = _pack(flat, kind)
-        if packed is None:  # not plain numbers (e.g. bools or strings): leave this field in the JSON
-            continue
-        dtype, blob = packed
-        for s, v in zip(samples, values):
-            if v is not None:
-                del s[name]
-        arrays[name] = {"dtype": dtype, "lengths": lengths}
-        blobs.append(blob)
-    tensors = _pack_tensors(samples, blobs)
-    table = {"groups": plain_groups, "extra": extra or {}, "arrays": arrays}
-    if tensors:
-        table["tensors"] = tensors
+    if extra is not None and not isinstance(extra, dict):
+        raise SampleCodecError(f"a rollout's extra state is a dict, got {type(extra).__name__}")
+    wire = _pack_tensors([s for g in groups for s in g])  # copies of the samples with tensors: callers' dicts stay
+    if wire:
+        groups = [[wire.get(id(s), s) for s in g] for g in groups]
+    table = {"groups": groups, "extra": extra or {}}
     try:
-        header = json.dumps(table, separators=(",", ":")).encode()
-    except (TypeError, ValueError, RecursionError) as e:  # a non-JSON type, a circular reference
-        raise SampleCodecError(f"a rollout must hold JSON values outside {sorted(PACKED_FIELDS)}: {e}") from e
-    body = b"".join([header, *blobs])
-    version = FORMAT_VERSION if tensors else 1  # version-1 readers still read rollouts without tensors
-    return _PREFIX.pack(MAGIC, version, 0, len(header), zlib.crc32(body)) + body
+        try:
+            body = _ENCODER.encode(table)
+        except OverflowError:
+            body = _ENCODER.encode(_big_ints(table))
+    except (TypeError, ValueError, OverflowError, RecursionError) as e:  # an object, a too large key, a cycle
+        raise SampleCodecError(f"a rollout must hold JSON values: {e}") from e
+    return _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(body), zlib.crc32(body)) + body
 
 
 def json_ready(sample: dict) -> dict:
@@ -101,28 +126,26 @@ def json_ready(sample: dict) -> dict:
     return out
 
 
-def _pack_tensors(samples: list[dict], blobs: list[bytes]) -> dict:
-    tensors = {}
+def _pack_tensors(samples: list[dict]) -> dict[int, dict]:
+    """{id(sample): a copy of the sample with each tensor field as {dtype, shape, data}} for the samples that have
+    one; a field's dtype is the narrowest that holds all of the rollout's values (as versions 1 and 2 did)."""
+    wire: dict[int, dict] = {}
     for name in TENSOR_FIELDS:
         try:
-            values = [None if s.get(name) is None else np.asarray(s[name]) for s in samples]
+            values = {id(s): (s, np.asarray(s[name])) for s in samples if s.get(name) is not None}
         except (TypeError, ValueError) as e:  # ragged nested lists
             raise SampleCodecError(f"field {name!r} must hold rectangular integer arrays: {e}") from e
-        if all(v is None for v in values):
-            continue
-        filled = [v for v in values if v is not None and v.size]
+        filled = [v for _, v in values.values() if v.size]
         bad = next((v for v in filled if v.dtype.kind not in "iu"), None)
         if bad is not None:
             raise SampleCodecError(f"field {name!r} must hold integers, got an array of {bad.dtype}")
         lo = min((int(v.min()) for v in filled), default=0)
         hi = max((int(v.max()) for v in filled), default=0)
         dtype = next(d for d in _TENSOR_DTYPES if np.iinfo(np.dtype(d)).min <= lo and hi <= np.iinfo(np.dtype(d)).max)
-        for s, v in zip(samples, values):
-            if v is not None:
-                blobs.append(np.ascontiguousarray(v, dtype=dtype).tobytes())
-                del s[name]
-        tensors[name] = {"dtype": dtype, "shapes": [None if v is None else list(v.shape) for v in values]}
-    return tensors
+        for key, (s, v) in values.items():
+            wire.setdefault(key, dict(s))[name] = {
+                "dtype": dtype, "shape": list(v.shape), "data": np.ascontiguousarray(v, dtype=dtype).tobytes()}
+    return wire
 
 
 def decode_rollout(data: bytes | bytearray | memoryview,
@@ -142,6 +165,51 @@ def decode_rollout(data: bytes | bytearray | memoryview,
     body = data[_PREFIX.size:]
     if zlib.crc32(body) != crc:
         raise SampleCodecError("rollout payload is corrupt: CRC32 mismatch (truncated or modified bytes)")
+    groups, extra = (_read_body if version >= 3 else _read_v2_body)(body, header_len)
+    for i, sample in enumerate(s for g in groups for s in g):
+        try:
+            _tensors_from_wire(sample, version)
+            check_sample_dict(sample, vocab_size)
+        except InvalidSampleError as e:
+            raise SampleCodecError(f"rollout sample {i} (index {sample.get('index')!r}) is invalid: {e}",
+                                   field=e.field, sample_index=i) from e
+    return groups, extra
+
+
+def _read_body(body: memoryview, body_len: int) -> tuple[list[list[dict]], dict]:
+    if body_len != len(body):
+        raise SampleCodecError(f"rollout body length {body_len} does not match the payload ({len(body)} bytes)")
+    try:
+        decoded = _DECODER.decode(body)
+    except (msgspec.DecodeError, TypeError, ValueError, RecursionError) as e:  # ValidationError is a DecodeError
+        raise SampleCodecError(f"rollout body is not valid: {e}") from e
+    return decoded.groups, decoded.extra
+
+
+def _tensors_from_wire(sample: dict, version: int) -> None:
+    """Each tensor field's {dtype, shape, data} -> a numpy array, in place; InvalidSampleError names what is wrong."""
+    for name in TENSOR_FIELDS:
+        spec = sample.get(name)
+        if spec is None or (version < 3 and isinstance(spec, np.ndarray)):  # v1/v2: the arrays were read already
+            continue
+        if not (version >= 3 and isinstance(spec, dict) and spec.keys() == _TENSOR_KEYS):
+            raise InvalidSampleError(name, f"expected an integer array (on the wire a map of {sorted(_TENSOR_KEYS)}), "
+                                           f"got {type(spec).__name__}")
+        dtype, shape, data = spec["dtype"], spec["shape"], spec["data"]
+        if not (isinstance(dtype, str) and dtype in _TENSOR_DTYPES):
+            raise InvalidSampleError(name, f"dtype {dtype!r} is not one of {_TENSOR_DTYPES}")
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+            raise InvalidSampleError(name, f"bad shape {shape!r}")
+        if not isinstance(data, bytes) or len(data) != math.prod(shape) * np.dtype(dtype).itemsize:
+            size = len(data) if isinstance(data, bytes) else type(data).__name__
+            raise InvalidSampleError(name, f"data ({size}) is not {math.prod(shape)} values of {dtype}")
+        sample[name] = np.frombuffer(data, dtype=dtype).reshape(shape).copy()  # writable, owns its memory
+
+
+# ---- versions 1 and 2: read only ------------------------------------------------------------------------------------
+
+def _read_v2_body(body: memoryview, header_len: int) -> tuple[list[list[dict]], dict]:
+    """A version-1 or -2 body (CRC already checked) -> (groups, extra), tensors as numpy arrays."""
     if header_len > len(body):
         raise SampleCodecError(f"rollout header length {header_len} exceeds the payload ({len(body)} bytes)")
     try:
@@ -158,20 +226,14 @@ def decode_rollout(data: bytes | bytearray | memoryview,
         raise SampleCodecError("rollout header is not valid: extra, arrays and tensors must be objects")
     samples = [s for g in groups for s in g]
     try:
-        offset = _unpack_arrays(body, header_len, samples, arrays)
-        offset = _unpack_tensors(body, offset, samples, tensors)
+        offset = _unpack_arrays_v2(body, header_len, samples, arrays)
+        offset = _unpack_tensors_v2(body, offset, samples, tensors)
     except (KeyError, TypeError, ValueError, OverflowError) as e:
         if isinstance(e, SampleCodecError):
             raise
         raise SampleCodecError(f"rollout array table is not valid: {e!r}") from e
     if offset != len(body):
         raise SampleCodecError(f"rollout payload has {len(body) - offset} unexpected trailing bytes")
-    for i, sample in enumerate(samples):
-        try:
-            check_sample_dict(sample, vocab_size)
-        except InvalidSampleError as e:
-            raise SampleCodecError(f"rollout sample {i} (index {sample.get('index')!r}) is invalid: {e}",
-                                   field=e.field, sample_index=i) from e
     return groups, extra
 
 
@@ -190,7 +252,7 @@ def _field_end(name: str, body: memoryview, offset: int, nbytes: int) -> int:
     return offset + nbytes
 
 
-def _unpack_arrays(body: memoryview, offset: int, samples: list[dict], arrays: dict) -> int:
+def _unpack_arrays_v2(body: memoryview, offset: int, samples: list[dict], arrays: dict) -> int:
     for name, spec in arrays.items():
         lengths = spec["lengths"]
         dtype = _field_dtype(name, spec, "lengths", len(samples), _ARRAY_DTYPES)
@@ -205,7 +267,7 @@ def _unpack_arrays(body: memoryview, offset: int, samples: list[dict], arrays: d
     return offset
 
 
-def _unpack_tensors(body: memoryview, offset: int, samples: list[dict], tensors: dict) -> int:
+def _unpack_tensors_v2(body: memoryview, offset: int, samples: list[dict], tensors: dict) -> int:
     for name, spec in tensors.items():
         dtype = _field_dtype(name, spec, "shapes", len(samples), _TENSOR_DTYPES)
         for s, shape in zip(samples, spec["shapes"]):
@@ -217,22 +279,3 @@ def _unpack_tensors(body: memoryview, offset: int, samples: list[dict], tensors:
             s[name] = np.frombuffer(body[offset:end], dtype=dtype).reshape(shape).copy()
             offset = end
     return offset
-
-
-def _pack(flat: list, kind: str) -> tuple[str, bytes] | None:
-    """(dtype, bytes) of a flat list of numbers, or None when the values are not plain ints / floats."""
-    if flat and type(flat[0]) is bool:  # a mask of bools stays JSON so that it decodes as bools
-        return None
-    if not set(map(type, flat)) <= {int, float} and not all(  # the common case first, checked in C
-            isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool) for x in flat):
-        return None  # strings, nested lists, ...: JSON
-    arr = np.asarray(flat)
-    if not flat:
-        arr = np.zeros(0, dtype=np.int32 if kind == "int" else np.float64)
-    if kind == "int" and arr.dtype.kind == "i":
-        if arr.size and (arr.min() < np.iinfo(np.int32).min or arr.max() > np.iinfo(np.int32).max):
-            return "<i8", arr.astype("<i8").tobytes()
-        return "<i4", arr.astype("<i4").tobytes()
-    if kind == "float" and arr.dtype.kind == "f":
-        return "<f8", arr.astype("<f8").tobytes()
-    return None
