@@ -181,7 +181,7 @@ def median_of(samples: list[dict]) -> dict:
 
 
 # ---- one N, in its own process ---------------------------------------------------------------------------------
-def build_fleet(n: int, hosts: list[StandInHost], log_dir: Path, token: str):
+def build_fleet(n: int, hosts: list[StandInHost], log_dir: Path, token):
     """vime's fleet over `n` stand-in engines (fault tolerance on: the path a large run takes), its router
     launched with no worker yet, as `EngineFleet.launch` leaves it."""
     from vime.arguments import parse_args
@@ -191,7 +191,7 @@ def build_fleet(n: int, hosts: list[StandInHost], log_dir: Path, token: str):
 
     engine_fleet.ray = fleet_recovery.ray = RayStandIn
     args = parse_args(["--use-fault-tolerance"], validate=False)
-    fleet = engine_fleet.EngineFleet(args, None, log_dir, RolloutContext(), engines=[], token=token)
+    fleet = engine_fleet.EngineFleet(args, None, log_dir, RolloutContext(token=token), engines=[])
     fleet.gate = None  # the custom functions' front: not part of the control plane measured here
     per_host = [n // len(hosts) + (i < n % len(hosts)) for i in range(len(hosts))]
     fleet.engines = [StandInEngine(h, url) for h, count in zip(hosts, per_host) for url in h.open(count)]
@@ -211,39 +211,35 @@ def deregister_all(fleet) -> None:
 
 def check_served(fleet, n: int) -> None:
     """The router serves all n stand-ins and forwards a generate request to one."""
-    from vime.utils.auth import serving_headers
-
     workers = fleet.router.workers()
     assert len(workers) == n, f"the router serves {len(workers)} workers, not {n}"
     req = urllib.request.Request(fleet.router_url + "/inference/v1/generate", method="POST",
                                  data=json.dumps({"token_ids": [1], "sampling_params": {"max_tokens": 1}}).encode(),
-                                 headers={**serving_headers(), "Content-Type": "application/json"})
+                                 headers={**fleet.token.serving_headers(), "Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=30) as r:
         assert json.loads(r.read())["choices"][0]["token_ids"] == [0]
 
 
-def raw_posts(urls: list[str], concurrency: int) -> None:
+def raw_posts(urls: list[str], concurrency: int, headers: dict[str, str]) -> None:
     from vime.backends.vllm_utils import client
 
     def one(url):
-        client.http().post(url + "/abort_requests", json={}, timeout=300).raise_for_status()
+        client.http().post(url + "/abort_requests", json={}, timeout=300, headers=headers).raise_for_status()
 
     with ThreadPoolExecutor(concurrency) as pool:
         list(pool.map(one, urls))
 
 
-def raw_posts_asyncio(urls: list[str], concurrency: int) -> None:
+def raw_posts_asyncio(urls: list[str], concurrency: int, headers: dict[str, str]) -> None:
     import asyncio
 
     import aiohttp
-
-    from vime.utils.auth import control_headers
 
     async def all_posts():
         limit = asyncio.Semaphore(concurrency)
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as session:
             async def one(url):
-                async with limit, session.post(url + "/abort_requests", json={}, headers=control_headers()) as r:
+                async with limit, session.post(url + "/abort_requests", json={}, headers=headers) as r:
                     r.raise_for_status()
                     await r.read()
 
@@ -271,24 +267,27 @@ def run_operations(fleet, n: int, repeats: int) -> dict[str, dict]:
         samples["health sweep"].append(measure(fleet.monitor.check_once))
         samples["weight update"].append(measure(lambda: fleet.apply_weights(StandInTransport(), "/w", i + 1)))
         samples["pause/resume"].append(measure(lambda: (fleet.sleep(), fleet.wake_up())))
-        samples["abort"].append(measure(lambda: client.post_each(list(fleet.engine_urls), "/abort_requests", {})))
+        samples["abort"].append(measure(lambda: client.post_each(fleet.token, list(fleet.engine_urls),
+                                                                 "/abort_requests", {})))
         samples["restart one"].append(measure(lambda: fleet._restart_engine(i, "benchmark")))
-        samples["raw"].append(measure(lambda: raw_posts(list(fleet.engine_urls), fanout_limit(n))))
-        samples["raw asyncio"].append(measure(lambda: raw_posts_asyncio(list(fleet.engine_urls), fanout_limit(n))))
+        control = fleet.token.control_headers()
+        samples["raw"].append(measure(lambda: raw_posts(list(fleet.engine_urls), fanout_limit(n), control)))
+        samples["raw asyncio"].append(measure(lambda: raw_posts_asyncio(list(fleet.engine_urls), fanout_limit(n),
+                                                                        control)))
     check_served(fleet, n)
     return {op: median_of(s) for op, s in samples.items()}
 
 
 def one_n(n: int, latency_s: float, repeats: int) -> dict[str, dict]:
-    from vime.utils.auth import control_token
+    from vime.utils.auth import RunToken
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # a connection per engine, the router's too
-    token = control_token()
+    token = RunToken.new()
     hosts, fleet = [], None
     with tempfile.TemporaryDirectory(prefix="vime_control_plane_") as log_dir:
         try:
-            hosts = [StandInHost(token, latency_s) for _ in range(STANDIN_HOSTS)]
+            hosts = [StandInHost(token.control, latency_s) for _ in range(STANDIN_HOSTS)]
             fleet = build_fleet(n, hosts, Path(log_dir), token)
             return run_operations(fleet, n, repeats)
         finally:

@@ -52,9 +52,11 @@ def bench_mode(label: str, argv: list[str], groups, work: Path, repeats: int) ->
     from vime.backends.weight_transport.base import DriverSetup
     from vime.config.train import LoraConfig, WeightSyncConfig
     from vime.ray.weight_sync import sync_kind
+    from vime.utils.auth import RunToken
 
     args = parse_args(argv + ["--output-dir", str(work / label)])
-    engine = VLLMEngine(args, 0, str(work))
+    token = RunToken.new()
+    engine = VLLMEngine(args, 0, str(work), token)
     with ThreadPoolExecutor(1) as pool:
         booting = pool.submit(engine.start)
         try:
@@ -68,7 +70,8 @@ def bench_mode(label: str, argv: list[str], groups, work: Path, repeats: int) ->
             url = booting.result()
             kind = sync_kind(WeightSyncConfig.of(args), LoraConfig.of(args))
             driver, sender = make_driver(kind, DriverSetup.of(args)), make_sender(kind)
-            updates = [update_once(driver, sender, trainer, url, version) for version in range(1, repeats + 2)][1:]
+            updates = [update_once(driver, sender, trainer, url, token, version)
+                       for version in range(1, repeats + 2)][1:]
             adapters = sum(p.numel() * p.element_size() for _, _, m in adapted_linears(_unwrap(trainer.model[0]))
                            for p in m.lora.parameters())
             model_bytes = sum(t.numel() * t.element_size() for _, t in trainer.hf_weights())

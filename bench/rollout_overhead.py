@@ -34,17 +34,16 @@ def build_args(model: Path, data: Path, out: Path, a) -> argparse.Namespace:
     ])
 
 
-async def raw_rollout(args, engine_url: str, groups) -> int:
-    """What a hand-written client would do: one POST per sample straight to the engine."""
+async def raw_rollout(args, engine_url: str, groups, token) -> int:
+    """What a hand-written client would do: one POST per sample straight to the engine (with `token`'s key)."""
     from vime.rollout.generation import sampling_params_for
-    from vime.utils.auth import serving_headers
 
     params = sampling_params_for(args)
     sem = asyncio.Semaphore(args.rollout_concurrency)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         async def one(sample) -> int:
             p = {**params, "seed": (args.rollout_seed * 1_000_003 + sample.index) % 2**31}
-            async with sem, session.post(engine_url + "/inference/v1/generate", headers=serving_headers(),
+            async with sem, session.post(engine_url + "/inference/v1/generate", headers=token.serving_headers(),
                                          json={"token_ids": sample.tokens, "sampling_params": p}) as r:
                 body = await r.json()
             return len(body["choices"][0]["token_ids"])
@@ -74,6 +73,7 @@ def main() -> None:
     from vime.synthetic.arithmetic_data import write_arithmetic_data
     from vime.synthetic.tiny_model import build_tiny_model
     from vime.utils.async_utils import run
+    from vime.utils.auth import RunToken
     from vime.utils.misc import find_free_port
 
     work = Path(tempfile.mkdtemp(prefix="vime_bench_"))
@@ -81,25 +81,27 @@ def main() -> None:
                              intermediate_size=4 * a.hidden_size, num_heads=a.hidden_size // 64, num_kv_heads=2)
     train, _ = write_arithmetic_data(work / "data", n_train=a.prompts, n_eval=8)
     args = build_args(model, train, work / "out", a)
-    engine = VLLMEngine(args, 0, str(work / "logs"))
+    token = RunToken.new()
+    engine = VLLMEngine(args, 0, str(work / "logs"), token)
     router = None
     try:
         engine_url = engine.start()
         port = find_free_port()
-        router = Router(router_args_from(args, "127.0.0.1", port, [engine_url]), str(work / "logs"))
-        reset_rollout_context(router_url=router.start(), engine_urls=[engine_url])  # what the manager sets up
+        router = Router(router_args_from(args, "127.0.0.1", port, [engine_url]), str(work / "logs"), token)
+        # what the manager sets up
+        reset_rollout_context(router_url=router.start(), engine_urls=[engine_url], token=token)
         tokenizer = GenerateState(args).tokenizer
         prompts = load_prompt_samples(train, tokenizer, args)
 
         def fresh_groups():
             return RolloutDataSource(prompts, a.samples, seed=0, shuffle=False)
 
-        run(raw_rollout(args, engine_url, fresh_groups().get_samples(8)))  # warm-up both paths
+        run(raw_rollout(args, engine_url, fresh_groups().get_samples(8), token))  # warm-up both paths
         run(generate_rollout_async(args, 0, fresh_groups()))
         results = {"raw engine": [], "vime rollout + router": []}
         for _ in range(a.repeats):
             start = time.perf_counter()
-            tokens = run(raw_rollout(args, engine_url, fresh_groups().get_samples(a.prompts)))
+            tokens = run(raw_rollout(args, engine_url, fresh_groups().get_samples(a.prompts), token))
             results["raw engine"].append(tokens / (time.perf_counter() - start))
             start = time.perf_counter()
             groups, _ = run(generate_rollout_async(args, 0, fresh_groups()))

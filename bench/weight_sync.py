@@ -34,11 +34,11 @@ SIZES = {
 }
 
 
-def update_once(driver, sender, trainer, url: str, version: int) -> dict[str, float]:
+def update_once(driver, sender, trainer, url: str, token, version: int) -> dict[str, float]:
     """One update as `WeightSync.update` runs it, without Ray (`driver` and `sender`: the transport's driver and
-    training-rank halves, both kept for the run): seconds of the whole update, of the trainer's send, and of the
-    engine's load and of its control steps (pause, cache reset, version, resume) as the engine timed them; the
-    bytes of the update directory (NaN for a transport that writes none)."""
+    training-rank halves, both kept for the run; `token`: the engine's `RunToken`): seconds of the whole update,
+    of the trainer's send, and of the engine's load and of its control steps (pause, cache reset, version, resume)
+    as the engine timed them; the bytes of the update directory (NaN for a transport that writes none)."""
     from vime.backends.vllm_utils import client
     from vime.utils.misc import find_free_port
 
@@ -47,7 +47,7 @@ def update_once(driver, sender, trainer, url: str, version: int) -> dict[str, fl
     handle = driver.prepare(version)
 
     def load() -> dict:
-        return client.update_weights_all([url], driver.load_calls([url], handle), version)[0]["timings"]
+        return client.update_weights_all(token, [url], driver.load_calls([url], handle), version)[0]["timings"]
 
     if driver.concurrent:  # one collective: the send and the load overlap
         with ThreadPoolExecutor(1) as pool:
@@ -93,6 +93,7 @@ def bench_size(label: str, shape: dict, work: Path, repeats: int) -> dict:
     from vime.backends.weight_transport.base import DriverSetup
     from vime.synthetic.tiny_model import build_tiny_model
     from vime.arguments import parse_args
+    from vime.utils.auth import RunToken
 
     model = build_tiny_model(work / label, arch="qwen3", **shape)
     args = parse_args([
@@ -100,7 +101,8 @@ def bench_size(label: str, shape: dict, work: Path, repeats: int) -> dict:
         "--rm-type", "math", "--rollout-batch-size", "2", "--n-samples-per-prompt", "1",
         "--update-weight-transport", "broadcast", "--output-dir", str(work / f"{label}_out"),
         "--vllm-enforce-eager", "--vllm-dtype", "float32", "--vllm-max-model-len", "256"])
-    engine = VLLMEngine(args, 0, str(work))
+    token = RunToken.new()
+    engine = VLLMEngine(args, 0, str(work), token)
     with ThreadPoolExecutor(1) as pool:
         booting = pool.submit(engine.start)
         try:
@@ -115,7 +117,7 @@ def bench_size(label: str, shape: dict, work: Path, repeats: int) -> dict:
                 for name in ("disk", "broadcast"):
                     elapsed, nbytes = plain_copy(trainer)  # interleaved: the copy sees the same machine state
                     version += 1
-                    update = update_once(*halves[name], trainer, url, version)
+                    update = update_once(*halves[name], trainer, url, token, version)
                     if round_ == 0:
                         continue
                     times["copy"].append(elapsed)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import shutil
 import signal
 import socket
@@ -34,24 +33,26 @@ import pytest
 
 from tests.e2e.processes import stack_pids
 from tests.helpers.http_calls import http_status
-from vime.utils.auth import control_headers, serving_headers, use_control_token
+from vime.utils.auth import RunToken
 
 pytestmark = pytest.mark.e2e
 
 CONCURRENCY = 256
 HEALTH_INTERVAL, HEALTH_TIMEOUT = 2.0, 5.0
+TOKEN = RunToken.new()  # the run's (--control-token-file): this test process calls the engines as the run does
 
 
 def _in_engine(url: str) -> float:
     """Requests an engine holds now (running + waiting), from its Prometheus /metrics."""
-    with urllib.request.urlopen(urllib.request.Request(url + "/metrics", headers=control_headers()), timeout=5) as r:
+    request = urllib.request.Request(url + "/metrics", headers=TOKEN.control_headers())
+    with urllib.request.urlopen(request, timeout=5) as r:
         text = r.read().decode()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith(("vllm:num_requests_running{", "vllm:num_requests_waiting{")))
 
 
 def _router_workers(router_url: str) -> list[str]:
-    with urllib.request.urlopen(urllib.request.Request(router_url + "/workers", headers=serving_headers()),
+    with urllib.request.urlopen(urllib.request.Request(router_url + "/workers", headers=TOKEN.serving_headers()),
                                 timeout=10) as r:
         data = json.loads(r.read())
     return sorted(w["url"] if isinstance(w, dict) else w for w in data.get("workers", data.get("urls", [])))
@@ -101,9 +102,8 @@ def stack(tiny_qwen3, arithmetic_data, tmp_path_factory):
     assert not stack_pids(), "engine or router processes are already running"
     out = tmp_path_factory.mktemp("fault_tolerance")
     token_file = out / "control_token"
-    token_file.write_text(secrets.token_hex(32))
+    token_file.write_text(TOKEN.control)
     token_file.chmod(0o600)
-    use_control_token(token_file.read_text())  # this test process calls the engines as the run does
     args = parse_args([
         "--hf-checkpoint", str(tiny_qwen3), "--prompt-data", str(arithmetic_data[0]), "--label-key", "label",
         "--apply-chat-template", "--rm-type", "math", "--debug-rollout-only",
@@ -188,19 +188,19 @@ def test_control_routes_answer_only_to_the_run_token(stack, tiny_qwen3):
     wrong = {"Authorization": "Bearer " + "0" * 64}
     for url in urls:
         for method, route in CONTROL_ROUTES:
-            seen = [http_status(url + route, method, h) for h in (None, wrong, serving_headers())]
+            seen = [http_status(url + route, method, h) for h in (None, wrong, TOKEN.serving_headers())]
             assert seen == [401, 401, 401], (url, route, seen)
         assert http_status(url + "/health") == 200
-        assert http_status(url + "/is_paused", headers=control_headers()) == 200
+        assert http_status(url + "/is_paused", headers=TOKEN.control_headers()) == 200
         generate = {"token_ids": [100, 101, 102], "sampling_params": {"max_tokens": 2}, "model": "policy"}
         assert http_status(url + "/inference/v1/generate", "POST", None, generate) == 401
-        assert http_status(url + "/inference/v1/generate", "POST", serving_headers(), generate) == 200
+        assert http_status(url + "/inference/v1/generate", "POST", TOKEN.serving_headers(), generate) == 200
         # a weight load from outside the run's weight root (--update-weight-dir) is refused, token or not
         load = {"method": "vime_load_weights", "kwargs": {"path": str(tiny_qwen3)}}
-        assert http_status(url + "/collective_rpc", "POST", control_headers(), load) >= 400
+        assert http_status(url + "/collective_rpc", "POST", TOKEN.control_headers(), load) >= 400
     # through the router, which sends its own (serving) key with every control call it forwards: refused
     for route in ("/pause", "/sleep", "/collective_rpc", "/vime/update_weights"):
-        for headers in (None, control_headers()):
+        for headers in (None, TOKEN.control_headers()):
             assert http_status(router_url + route, "POST", headers, {"method": "vime_load_weights"}) != 200, route
     # the router's own routes, its admin ones included, open to the serving key only (`router_door`)
     admin = [("POST", "/add_worker?url=http://127.0.0.1:1"), ("POST", f"/remove_worker?url={urls[0]}"),
@@ -208,13 +208,14 @@ def test_control_routes_answer_only_to_the_run_token(stack, tiny_qwen3):
              ("GET", "/get_server_info"), ("POST", "/inference/v1/generate")]
     generate = {"token_ids": [100, 101, 102], "sampling_params": {"max_tokens": 2}, "model": "policy"}
     for method, route in admin:
-        seen = [http_status(router_url + route, method, h, generate) for h in (None, wrong, control_headers())]
+        seen = [http_status(router_url + route, method, h, generate)
+                for h in (None, wrong, TOKEN.control_headers())]
         assert seen == [401, 401, 401], (route, seen)
-    assert http_status(router_url + "/health", headers=serving_headers()) == 200
+    assert http_status(router_url + "/health", headers=TOKEN.serving_headers()) == 200
     assert _router_workers(router_url) == sorted(urls)  # nothing above changed the router
     for url in urls:  # nothing above changed an engine
         state = json.loads(urllib.request.urlopen(urllib.request.Request(url + "/is_paused",
-                                                                         headers=control_headers())).read())
+                                                                         headers=TOKEN.control_headers())).read())
         assert state["is_paused"] is False, (url, state)
 
 
@@ -284,7 +285,7 @@ def test_sigkilled_engine_is_replaced_with_the_current_weights(stack, tiny_qwen3
     assert max(abs(a - b) for a, b in zip(*after)) < 1e-5 and max(abs(a - b) for a, b in zip(after[0], before[0])) < 1e-5
     body = json.dumps({"token_ids": probe, "sampling_params": {"max_tokens": 2}, "model": "policy"}).encode()
     req = urllib.request.Request(new_url + "/inference/v1/generate", data=body,
-                                 headers={"Content-Type": "application/json", **serving_headers()})
+                                 headers={"Content-Type": "application/json", **TOKEN.serving_headers()})
     with urllib.request.urlopen(req, timeout=60) as r:
         answer = json.loads(r.read())
     assert [str(v["version"]) if isinstance(v, dict) else str(v) for v in answer["choices"][0]["weight_versions"]] \
@@ -341,7 +342,7 @@ def test_sigkilled_router_fails_the_rollout_which_is_not_trained_and_is_restarte
     print(f"router back {time.monotonic() - killed:.1f}s after the SIGKILL")
     new_router = ray.get(manager.get_router_url.remote())
     assert new_router != old_router and new_router.startswith("http://127.0.0.1:")
-    assert http_status(new_router + "/health", headers=serving_headers()) == 200
+    assert http_status(new_router + "/health", headers=TOKEN.serving_headers()) == 200
     assert http_status(new_router + "/add_worker?url=http://127.0.0.1:1", "POST") == 401
     assert _router_workers(new_router) == sorted(ray.get(manager.get_engine_urls.remote())) == sorted(urls)
 

@@ -13,22 +13,23 @@ import pytest
 
 from tests.e2e.processes import stack_pids
 from vime.agents.openai_server import OpenAIServer
-from vime.utils.auth import control_headers, serving_headers
+from vime.utils.auth import RunToken
 
 pytestmark = pytest.mark.e2e
 SEED = 1234
+TOKEN = RunToken.new()  # the engines', which this test process sends as a run's rollout manager does
 
 
 def _post(url: str, payload: dict) -> dict:
     req = urllib.request.Request(url, data=json.dumps(payload).encode(),
-                                 headers={"Content-Type": "application/json", **serving_headers()})
+                                 headers={"Content-Type": "application/json", **TOKEN.serving_headers()})
     with urllib.request.urlopen(req, timeout=120) as r:
         return json.loads(r.read())
 
 
 def _served(engine_url: str) -> float:
     """Requests this engine finished (vLLM's Prometheus counter)."""
-    with urllib.request.urlopen(urllib.request.Request(engine_url + "/metrics", headers=control_headers()),
+    with urllib.request.urlopen(urllib.request.Request(engine_url + "/metrics", headers=TOKEN.control_headers()),
                                 timeout=30) as r:
         text = r.read().decode()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
@@ -54,7 +55,7 @@ def stack(tiny_qwen3, tmp_path_factory):
                        # spends its tokens on the whitespace JSON allows
                        "--vllm-structured-outputs-config",
                        '{"backend": "xgrammar", "disable_any_whitespace": true}'], validate=False)
-    engines = [VLLMEngine(args, rank, log_dir) for rank in range(2)]
+    engines = [VLLMEngine(args, rank, log_dir, TOKEN) for rank in range(2)]
     router = server = None
     try:
         errors = []
@@ -70,9 +71,9 @@ def stack(tiny_qwen3, tmp_path_factory):
         [t.join() for t in threads]
         assert not errors, errors
         urls = [e.url for e in engines]
-        router = Router(router_args_from(args, "127.0.0.1", find_free_port(), urls), log_dir)
+        router = Router(router_args_from(args, "127.0.0.1", find_free_port(), urls), log_dir, TOKEN)
         router_url = router.start()
-        server = OpenAIServer(router_url, AutoTokenizer.from_pretrained(tiny_qwen3)).start()
+        server = OpenAIServer(router_url, AutoTokenizer.from_pretrained(tiny_qwen3), TOKEN).start()
         yield server, urls
     finally:
         if server is not None:

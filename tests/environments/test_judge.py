@@ -14,7 +14,7 @@ from aiohttp import web
 from vime.environments.judge import JudgeGroup, JudgeTimeout, run_judge
 from vime.rollout.context import reset_rollout_context
 from vime.rollout.metrics import take_counters
-from vime.utils.auth import serving_key
+from vime.utils.auth import RunToken
 
 
 class _FakeJudge:
@@ -55,8 +55,9 @@ def test_judge_calls_are_bounded_timed_and_counted():
     group = JudgeGroup.__new__(JudgeGroup)  # the client half: engines are the e2e test's
     group.args = argparse.Namespace(judge_concurrency=3, judge_timeout=1.0, judge_max_tokens=5, judge_temperature=0.0)
     group.engines, group.urls, group.semaphore, group._next, group._session = [], [url], None, 0, None
+    group.token = RunToken.new()  # the run's, which its engines were started with
     reset_rollout_context(judge=group)
-    assert run_judge() is group and group.base_url == f"{url}/v1" and group.api_key == serving_key()
+    assert run_judge() is group and group.base_url == f"{url}/v1" and group.api_key == group.token.serving_key()
 
     async def calls():
         replies = await asyncio.gather(*(group.chat([{"role": "user", "content": f"q{i}"}]) for i in range(7)))
@@ -68,7 +69,7 @@ def test_judge_calls_are_bounded_timed_and_counted():
     replies = asyncio.run(calls())
     assert replies[0] == {"text": "yes", "token_ids": [7, 8], "prompt_token_ids": [1, 2, 3], "logprobs": [-0.1, -0.2]}
     assert fake.peak == 3  # --judge-concurrency: the other calls waited
-    assert all(h == f"Bearer {serving_key()}" for h in fake.headers)
+    assert all(h == f"Bearer {group.token.serving_key()}" for h in fake.headers)
     body = fake.bodies[0]
     assert body["max_tokens"] == 5 and body["temperature"] == 0.0 and body["return_token_ids"] and body["logprobs"]
     assert fake.bodies[-1]["temperature"] == 0.5

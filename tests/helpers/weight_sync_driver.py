@@ -14,6 +14,7 @@ from safetensors import safe_open
 
 from tests.helpers.run_sections import weight_sync_of
 from vime.backends.weight_transport.check import engine_prompt_log_probs, probe_tokens
+from vime.utils.auth import RunToken
 
 EXTENSION = "vime.in_vllm.worker_extension.WeightReceiver"  # spelled out: what vLLM is given
 ARGV = ["--debug-train-only", "--load-debug-rollout-data", "unused_{rollout_id}.jsonl", "--rm-type", "math",
@@ -60,8 +61,9 @@ def probe_for(hf_checkpoint: str) -> list[int]:
 class Manager:
     """The rollout manager's weight-related methods (as in RolloutManager), for one engine list."""
 
-    def __init__(self, urls: list[str], hf_checkpoint: str):
+    def __init__(self, urls: list[str], hf_checkpoint: str, token: RunToken):
         self.urls, self.written, self.hf_checkpoint = urls, [], hf_checkpoint
+        self.token = token  # the engines' (as the rollout manager holds the run's)
 
     def get_engine_urls(self):
         return list(self.urls)
@@ -78,12 +80,13 @@ class Manager:
             for f in sorted(Path(handle["dir"]).glob("*.safetensors")):
                 with safe_open(str(f), "pt") as st:
                     self.written += list(st.keys())
-        answers = client.update_weights_all(self.urls, transport.load_calls(self.urls, handle), version, pause_mode)
+        answers = client.update_weights_all(self.token, self.urls, transport.load_calls(self.urls, handle), version,
+                                            pause_mode)
         self.answers = answers
         return answers[0]["timings"] if answers else {}
 
     def probe_log_probs(self, tokens, model):
-        return engine_prompt_log_probs(self.urls, tokens, model=model)
+        return engine_prompt_log_probs(self.token, self.urls, tokens, model=model)
 
 
 def update_weights(args, group, manager, version: int, after=None) -> dict:
@@ -91,8 +94,8 @@ def update_weights(args, group, manager, version: int, after=None) -> dict:
     return weight_sync_of(args).update(group, manager, version, after=after)
 
 
-def driver(trainer, urls: list[str], pool):
-    """(train group, rollout manager) as the driver sees them."""
+def driver(trainer, urls: list[str], pool, token: RunToken | None = None):
+    """(train group, rollout manager) as the driver sees them; `token`: the engines' (None: no engines)."""
     from vime.ray.actor_group import TrainActor
 
     actor = TrainActor(trainer.args, 0, 1)
@@ -100,5 +103,5 @@ def driver(trainer, urls: list[str], pool):
     group = SimpleNamespace(actors=[Handle(actor, pool)],
                             probe_log_probs=lambda *a, **k: [actor.probe_log_probs(*a, **k)],
                             compute_kind=actor.compute_kind)
-    manager = Manager(urls, trainer.args.hf_checkpoint)
+    manager = Manager(urls, trainer.args.hf_checkpoint, token or RunToken.new())
     return group, Handle(manager, pool), manager

@@ -13,6 +13,9 @@ import pytest
 
 from vime.backends.vllm_utils import client, router
 from vime.ray import health
+from vime.utils.auth import RunToken
+
+TOKEN = RunToken.new()
 
 
 class InFlight:
@@ -72,7 +75,7 @@ def test_control_calls_to_the_engines_are_bounded(monkeypatch):
 
     server = serve(handle)
     try:
-        answers, errors = client.post_each(engine_urls(server, 24), "/abort_requests", body={})
+        answers, errors = client.post_each(TOKEN, engine_urls(server, 24), "/abort_requests", body={})
     finally:
         server.shutdown()
     assert len(answers) == 24 and not errors
@@ -84,7 +87,7 @@ def test_a_collective_update_has_every_engine_in_flight_past_httpx_default_pool(
     collective = threading.Barrier(receivers, timeout=5)  # no receiver returns before all have joined
     server = serve(collective.wait)
     try:
-        answers, errors = client.update_weights_each(engine_urls(server, receivers), {}, 1, all_at_once=True,
+        answers, errors = client.update_weights_each(TOKEN, engine_urls(server, receivers), {}, 1, all_at_once=True,
                                                      timeout=10)
     finally:
         server.shutdown()
@@ -116,22 +119,22 @@ def test_router_registrations_are_bounded(monkeypatch):
     monkeypatch.setattr(router, "REGISTER_FANOUT", 3)
     in_flight, added = InFlight(), []
 
-    def post_worker(router_url, route, url):
+    def post_worker(token, router_url, route, url):
         with in_flight:
             time.sleep(0.01)
             added.append((route, url))
 
     monkeypatch.setattr(router, "post_worker", post_worker)
-    router.post_workers("http://router", "add_worker", [f"http://e{i}" for i in range(12)])
+    router.post_workers(TOKEN, "http://router", "add_worker", [f"http://e{i}" for i in range(12)])
     assert sorted(added) == sorted(("add_worker", f"http://e{i}") for i in range(12))
     assert in_flight.most == 3
 
 
 def test_a_failed_registration_raises(monkeypatch):
-    def post_worker(router_url, route, url):
+    def post_worker(token, router_url, route, url):
         if url == "http://bad":
             raise OSError("refused")
 
     monkeypatch.setattr(router, "post_worker", post_worker)
     with pytest.raises(OSError, match="refused"):
-        router.post_workers("http://router", "add_worker", ["http://ok", "http://bad"])
+        router.post_workers(TOKEN, "http://router", "add_worker", ["http://ok", "http://bad"])

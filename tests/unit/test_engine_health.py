@@ -121,7 +121,7 @@ def test_a_collective_update_leaves_out_the_engines_that_fail_their_probe_now(mo
     from vime.rollout.context import RolloutContext
 
     router = []
-    monkeypatch.setattr(fleet_recovery, "post_worker", lambda url, verb, worker: router.append((verb, worker)))
+    monkeypatch.setattr(fleet_recovery, "post_worker", lambda token, url, verb, worker: router.append((verb, worker)))
     fleet = engine_fleet.EngineFleet(SimpleNamespace(control_token_file=None, debug_train_only=False), None,
                                      tmp_path, RolloutContext())
     fleet.engines = [object()] * 3

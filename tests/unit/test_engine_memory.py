@@ -87,19 +87,20 @@ def test_cpu_engines_start_as_before(argv):
 @pytest.fixture
 def fleet(monkeypatch, tmp_path):
     """A fleet of two engines with no Ray behind it: its control calls are recorded, not sent."""
-    sent = []
+    sent, tokens = [], []
 
-    def post_each(urls, route, body=None, params=None, timeout=300.0):
+    def post_each(token, urls, route, body=None, params=None, timeout=300.0):
         sent.append((route, params, list(urls)))
+        tokens.append(token)
         return {}, {}
 
     monkeypatch.setattr(engine_fleet.client, "post_each", post_each)  # with a health monitor
     monkeypatch.setattr(engine_fleet.client, "post_all", post_each)  # without
-    monkeypatch.setattr(fleet_recovery, "post_worker", lambda *a: sent.append(("router", a[1], [a[2]])))
+    monkeypatch.setattr(fleet_recovery, "post_worker", lambda *a: sent.append(("router", a[2], [a[3]])))
     f = EngineFleet(SimpleNamespace(control_token_file=None, debug_train_only=False), None, tmp_path, RolloutContext())
     f.engine_urls = ["http://e0", "http://e1"]
     f.rank_urls = list(f.engine_urls)
-    f.sent = sent
+    f.sent, f.tokens = sent, tokens
     return f
 
 
@@ -112,6 +113,7 @@ def test_wake_up_brings_back_only_what_sleeps_in_the_asked_order(fleet):
     urls = ["http://e0", "http://e1"]
     assert fleet.sent == [("/sleep", {"level": 1}, urls), ("/wake_up", {"tags": ["weights"]}, urls),
                           ("/wake_up", {"tags": ["kv_cache"]}, urls)]
+    assert all(token is fleet.context.token for token in fleet.tokens)  # the run's, which its rollouts send too
     with pytest.raises(ValueError, match="none of vLLM's sleep tags"):
         fleet.wake_up(["weigths"])
 

@@ -12,6 +12,7 @@ import sys
 import textwrap
 from types import SimpleNamespace
 
+from vime.utils.auth import RunToken
 from vime.utils.misc import find_free_port
 
 SERVER = textwrap.dedent('''
@@ -52,10 +53,10 @@ def test_an_engine_whose_port_is_taken_relaunches_on_a_new_one(tmp_path, monkeyp
     monkeypatch.setattr(engine, "engine_command", lambda args, host, port, rank: [sys.executable,
                                                                                   str(tmp_path / "server.py"), str(port)])
     monkeypatch.setattr(engine, "engine_env", lambda *a: dict(os.environ))
-    monkeypatch.setattr(engine, "control_routes_locked", lambda url: None)  # the stand-in has no vime plugin
+    monkeypatch.setattr(engine, "control_routes_locked", lambda url, token: None)  # the stand-in has no vime plugin
     monkeypatch.setattr("vime.utils.device.serving_host", lambda a: "127.0.0.1")
     args = SimpleNamespace(engine_startup_timeout=30, vllm_host=None, rollout_external_engine_addrs=None)
-    e = engine.VLLMEngine(args, 0, str(tmp_path))
+    e = engine.VLLMEngine(args, 0, str(tmp_path), RunToken.new())
     try:
         assert e.start() == f"http://127.0.0.1:{chosen[1]}"
         log = (tmp_path / "engine_0.log").read_text()
@@ -74,7 +75,7 @@ def test_an_engine_that_fails_for_another_reason_is_not_relaunched(tmp_path, mon
     monkeypatch.setattr(engine, "engine_env", lambda *a: dict(os.environ))
     monkeypatch.setattr("vime.utils.device.serving_host", lambda a: "127.0.0.1")
     args = SimpleNamespace(engine_startup_timeout=30, vllm_host=None, rollout_external_engine_addrs=None)
-    e = engine.VLLMEngine(args, 0, str(tmp_path))
+    e = engine.VLLMEngine(args, 0, str(tmp_path), RunToken.new())
     try:
         e.start()
         raise AssertionError("start() returned")

@@ -91,17 +91,16 @@ def test_foreign_listener_names_the_holder(impostor):
 
 def test_engine_start_sends_no_token_to_an_impostor(impostor, tmp_path, monkeypatch):
     from vime.backends.vllm_utils import engine
-    from vime.utils.auth import use_control_token
+    from vime.utils.auth import RunToken
 
     port, received = impostor
-    use_control_token("t" * 64)
     monkeypatch.setattr(engine, "find_free_port", lambda *a: port)
     # the real engine would fail to bind the held port; a process that never binds stands in for it
     monkeypatch.setattr(engine, "engine_command", lambda *a: [sys.executable, "-c", "import time; time.sleep(60)"])
     monkeypatch.setattr(engine, "engine_env", lambda *a: dict(os.environ))
     args = SimpleNamespace(engine_startup_timeout=30, vllm_host=None, rollout_external_engine_addrs=None)
     monkeypatch.setattr("vime.utils.device.serving_host", lambda a: "127.0.0.1")
-    e = engine.VLLMEngine(args, 0, str(tmp_path))
+    e = engine.VLLMEngine(args, 0, str(tmp_path), RunToken("t" * 64))
     with pytest.raises(RuntimeError, match=f"port {port} is held by a process that vime did not start"):
         e.start()
     assert e.proc is None  # its own process was stopped
@@ -113,10 +112,13 @@ def test_router_start_sends_nothing_to_an_impostor(impostor, tmp_path):
     from vime.arguments import build_parser
     from vime.backends.vllm_utils.arguments import router_args_from
     from vime.backends.vllm_utils.router import Router
+    from vime.utils.auth import RunToken
 
     port, received = impostor
     flags = build_parser().parse_args(["--hf-checkpoint", "x"])
-    router = Router(router_args_from(flags, "127.0.0.1", port, [], api_key="serving-key"), str(tmp_path))
+    token = RunToken.new()
+    router = Router(router_args_from(flags, "127.0.0.1", port, [], api_key=token.serving_key()), str(tmp_path),
+                    token)
     with pytest.raises(RuntimeError, match=str(port)):
         router.start(timeout_s=30)
     assert router.proc is None
@@ -153,7 +155,6 @@ def test_another_user_cannot_steer_the_router_and_a_stranger_worker_is_removed(t
     from vime.backends.vllm_utils.router import Router, post_worker
     from vime.ray.engine_fleet import EngineFleet
     from vime.rollout.context import reset_rollout_context
-    from vime.utils.auth import serving_key
 
     (tmp_path / "worker.py").write_text(IMPOSTOR)  # a server that answers 200 (the router checks /health)
     ports = (_free_port(), _free_port())
@@ -165,8 +166,10 @@ def test_another_user_cannot_steer_the_router_and_a_stranger_worker_is_removed(t
         while not listeners(port) and time.monotonic() < deadline:
             time.sleep(0.05)
     flags = build_parser().parse_args(["--hf-checkpoint", "x"])
-    router = Router(router_args_from(flags, "127.0.0.1", _free_port(), [], api_key=serving_key()), str(tmp_path))
-    context = reset_rollout_context()  # the manager's: where the fleet counts
+    context = reset_rollout_context()  # the manager's: where the fleet counts, holding the run's token
+    token = context.token
+    router = Router(router_args_from(flags, "127.0.0.1", _free_port(), [], api_key=token.serving_key()),
+                    str(tmp_path), token)
     fleet = EngineFleet(SimpleNamespace(control_token_file=None, debug_train_only=True), None, tmp_path, context)
     try:
         fleet.router, fleet.router_url = router, router.start()
@@ -178,7 +181,7 @@ def test_another_user_cannot_steer_the_router_and_a_stranger_worker_is_removed(t
         seen = json.loads(proc.stdout)
         assert len(seen) == 14 and set(seen.values()) == {401}, seen
         assert router.workers() == [ours]  # nothing they sent changed it
-        post_worker(fleet.router_url, "add_worker", theirs)
+        post_worker(token, fleet.router_url, "add_worker", theirs)
         assert sorted(router.workers()) == sorted([ours, theirs])
         assert fleet.reconcile_router() == [theirs]
         assert router.workers() == [ours]

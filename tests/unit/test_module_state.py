@@ -27,8 +27,6 @@ ALLOWED = {
     ("algorithms/losses.py", "POLICY_LOSSES"): "the policy-loss registry",
     ("rollout/rm_hub/registry.py", "RM_REGISTRY"): "the --rm-type registry",
     # the process's own
-    ("utils/auth.py", "_token"): "the process's copy of the run's secret, kept out of its environment so that the "
-                                 "programs it starts do not inherit it",
     ("ray/ray_auth.py", "_held_locks"): "the flock this process holds on its Ray token directory while it lives",
 }
 

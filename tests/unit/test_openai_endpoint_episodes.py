@@ -22,6 +22,7 @@ from aiohttp import web
 from vime.agents.chat_session import ChatSession
 from vime.agents.openai_requests import parse_body
 from vime.agents.openai_server import OpenAIServer
+from vime.utils.auth import RunToken
 
 USER = [{"role": "user", "content": "hi"}]
 
@@ -32,6 +33,7 @@ class FakeRouter:
 
     def __init__(self):
         self.calls = 0
+        self.authorizations = set()  # the Authorization headers the engines were sent
         self.arrived = threading.Event()
         self.go = threading.Event()
         self.go.set()
@@ -51,6 +53,7 @@ class FakeRouter:
     async def _generate(self, request):
         await request.read()
         self.calls += 1
+        self.authorizations.add(request.headers.get("Authorization"))
         self.arrived.set()
         while not self.go.is_set():
             await asyncio.sleep(0.005)
@@ -79,7 +82,7 @@ def tokenizer(tiny_qwen3):
 @pytest.fixture
 def endpoint(tokenizer):
     router = FakeRouter()
-    server = OpenAIServer(router.url, tokenizer, retries=0).start()
+    server = OpenAIServer(router.url, tokenizer, RunToken.new(), retries=0).start()
     try:
         yield server, router
     finally:
@@ -134,6 +137,7 @@ def test_only_open_episodes_tokens_are_served(endpoint):
             _chat(_client(server, key))
     assert server.close_episode(token) == {}
     assert router.calls == calls + 2 and server.episodes == {}
+    assert router.authorizations == {f"Bearer {server.run_token.serving_key()}"}  # the run's key, not the episode's
 
 
 def test_a_relay_names_sessions_by_public_id_and_proves_itself_with_its_key(endpoint):
@@ -242,7 +246,7 @@ def test_ten_thousand_episodes_leave_no_sessions_locks_or_memory(endpoint):
 
 def test_request_body_cap_answers_413(endpoint, tokenizer):
     _, router = endpoint
-    server = OpenAIServer(router.url, tokenizer, max_request_bytes=2**20).start()
+    server = OpenAIServer(router.url, tokenizer, RunToken.new(), max_request_bytes=2**20).start()
     try:
         token = server.open_episode()
         big = json.dumps({"messages": [{"role": "user", "content": "x" * (2 * 2**20)}]}).encode()
@@ -259,7 +263,7 @@ def test_request_body_cap_answers_413(endpoint, tokenizer):
     finally:
         server.stop()
     with pytest.raises(ValueError, match="max-request-mb"):
-        OpenAIServer(router.url, tokenizer, max_request_bytes=0)
+        OpenAIServer(router.url, tokenizer, RunToken.new(), max_request_bytes=0)
 
 
 def _health_during(server, body: bytes, token: str) -> tuple[int, dict, list[float], float]:

@@ -19,6 +19,21 @@ from vime.utils import auth
 TOKEN = "t" * 64
 
 
+def test_a_run_token_carries_its_keys_and_hides_its_secret():
+    token = auth.RunToken(TOKEN)
+    assert token.control_headers() == {"Authorization": f"Bearer {TOKEN}"}
+    assert token.serving_key() == auth.serving_key(TOKEN)
+    assert token.serving_headers() == {"Authorization": f"Bearer {auth.serving_key(TOKEN)}"}
+    for shown in (repr(token), str(token), f"{token}", repr(SimpleNamespace(token=token))):
+        assert TOKEN not in shown and token.serving_key() not in shown, shown
+    fresh = {auth.RunToken.new().control for _ in range(4)}
+    assert len(fresh) == 4 and all(len(t) == 64 and set(t) <= set("0123456789abcdef") for t in fresh)  # 256 bits
+    with pytest.raises(ValueError, match="empty"):
+        auth.RunToken("")
+    with pytest.raises(AttributeError):  # immutable: a holder hands it on, nobody changes it
+        token.control = "x" * 64
+
+
 def test_each_route_opens_with_its_keys():
     serve = auth.serving_key(TOKEN)
     assert serve != TOKEN and serve == auth.serving_key(TOKEN) and len(serve) == 64
@@ -73,6 +88,7 @@ def test_token_file_must_be_private_and_long(tmp_path):
         auth.read_token_file(str(path))
     path.chmod(0o600)
     assert auth.read_token_file(str(path)) == TOKEN
+    assert auth.RunToken.read(str(path)) == auth.RunToken(TOKEN)
     path.write_text("short")
     with pytest.raises(ValueError, match="at least 32"):
         auth.read_token_file(str(path))
@@ -80,19 +96,19 @@ def test_token_file_must_be_private_and_long(tmp_path):
         auth.read_token_file(str(tmp_path / "missing"))
 
 
-def test_the_token_reaches_the_engine_server_and_no_other_child(monkeypatch):
+def test_the_token_reaches_the_engine_server_and_no_other_child():
     from vime.backends.vllm_utils.arguments import router_args_from
     from vime.backends.vllm_utils.engine import engine_env
 
-    monkeypatch.setattr(auth, "_token", TOKEN)
+    token = auth.RunToken(TOKEN)
     args = SimpleNamespace(rollout_num_gpus_per_engine=1, cpu_kv_cache_space=1)
-    assert engine_env(args)[auth.CONTROL_TOKEN_ENV] == TOKEN
+    assert engine_env(args, token)[auth.CONTROL_TOKEN_ENV] == TOKEN
     assert auth.CONTROL_TOKEN_ENV not in os.environ  # a reward server or sandbox this process starts never gets it
     from vime.arguments import parse_args
 
     parsed = parse_args(["--hf-checkpoint", "x"], validate=False)
     assert not hasattr(parsed, "router_api_key")  # vime gives the router its key; a flag for it would be ignored
-    assert router_args_from(parsed, "127.0.0.1", 1, [], api_key=auth.serving_key()).api_key == auth.serving_key()
+    assert router_args_from(parsed, "127.0.0.1", 1, [], api_key=token.serving_key()).api_key == token.serving_key()
 
 
 class _Recorder(BaseHTTPRequestHandler):
@@ -112,26 +128,30 @@ class _Recorder(BaseHTTPRequestHandler):
         pass
 
 
-def test_clients_send_the_control_token_and_the_serving_key(monkeypatch):
+def test_clients_send_the_control_token_and_the_serving_key():
+    """Each call carries the token its caller passed: two runs in one process each send their own."""
     import aiohttp
 
     from vime.backends.vllm_utils import client
     from vime.backends.vllm_utils.generate_request import request_generate
 
-    monkeypatch.setattr(auth, "_token", TOKEN)
+    token, other = auth.RunToken(TOKEN), auth.RunToken("o" * 64)
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_address[1]}"
     try:
-        client.reset_prefix_cache([url])
+        for run in (token, other):
+            client.reset_prefix_cache(run, [url])
 
-        async def generate():
-            async with aiohttp.ClientSession() as http:
-                await request_generate(http, url, {"token_ids": [1]}, timeout=aiohttp.ClientTimeout(total=10),
-                                       retries=0)
+            async def generate():
+                async with aiohttp.ClientSession() as http:
+                    await request_generate(http, url, {"token_ids": [1]}, token=run,
+                                           timeout=aiohttp.ClientTimeout(total=10), retries=0)
 
-        asyncio.run(generate())
+            asyncio.run(generate())
     finally:
         server.shutdown()
     assert _Recorder.seen == [("/reset_prefix_cache", f"Bearer {TOKEN}"),
-                              ("/inference/v1/generate", f"Bearer {auth.serving_key(TOKEN)}")]
+                              ("/inference/v1/generate", f"Bearer {auth.serving_key(TOKEN)}"),
+                              ("/reset_prefix_cache", f"Bearer {'o' * 64}"),
+                              ("/inference/v1/generate", f"Bearer {auth.serving_key('o' * 64)}")]

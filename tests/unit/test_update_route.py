@@ -18,6 +18,9 @@ from vime.backends.vllm_utils import client
 from vime.engine_protocol.names import UPDATE_ROUTE as ROUTE
 from vime.in_vllm.endpoint_plugin import _parse
 from vime.backends.vllm_utils.engine import plugin_allowlist
+from vime.utils.auth import RunToken
+
+TOKEN = RunToken.new()
 
 
 def test_parse_names_what_is_wrong():
@@ -85,7 +88,7 @@ def old_engine():
 
 def test_engine_without_the_route_gets_the_same_steps_as_separate_calls(old_engine):
     call = ("reload_weights", {"weights_path": "/dev/shm/w"})
-    answer = client.update_weights_all([old_engine], {old_engine: call}, 7, pause_mode="keep")[0]
+    answer = client.update_weights_all(TOKEN, [old_engine], {old_engine: call}, 7, pause_mode="keep")[0]
     assert answer["results"] == ["loaded"] and set(answer["timings"]) == {"pause_s", "load_s", "finish_s"}
     assert [(path, query) for path, query, _ in _Engine.calls] == [
         # kept requests are preempted at the reset: their KV is recomputed under the new weights
@@ -97,17 +100,17 @@ def test_engine_without_the_route_gets_the_same_steps_as_separate_calls(old_engi
     # Nothing remembered between updates (no process state): the route is asked again, one 404; with nothing to
     # load, no RPC.
     _Engine.calls.clear()
-    client.update_weights_all([old_engine], {}, 8)
+    client.update_weights_all(TOKEN, [old_engine], {}, 8)
     assert [path for path, _, _ in _Engine.calls] == [ROUTE, "/pause", "/reset_prefix_cache",
                                                        "/update_weight_version", "/resume"]
 
 
 def test_a_failed_engine_is_named_and_the_others_still_update(old_engine):
     dead = "http://127.0.0.1:9"  # discard port: nothing listens
-    answers, errors = client.update_weights_each([old_engine, dead], {}, 2)
+    answers, errors = client.update_weights_each(TOKEN, [old_engine, dead], {}, 2)
     assert list(answers) == [old_engine] and list(errors) == [dead] and dead in errors[dead]
     with pytest.raises(client.EngineControlError, match="127.0.0.1:9"):
-        client.update_weights_all([old_engine, dead], {}, 3)
+        client.update_weights_all(TOKEN, [old_engine, dead], {}, 3)
 
 
 def test_idle_spin_cap_applies_to_readers_only():
@@ -139,8 +142,8 @@ def test_engine_core_fork_patch(monkeypatch):
 
 def test_a_prefix_cache_the_engine_could_not_reset_fails_the_update(monkeypatch):
     sent = []
-    monkeypatch.setattr(client, "post_all", lambda urls, route, body=None, params=None: sent.append(params) or
+    monkeypatch.setattr(client, "post_all", lambda token, urls, route, body=None, params=None: sent.append(params) or
                         [{"success": True}, {"success": False}])
     with pytest.raises(client.EngineControlError, match=r"\['http://b'\]: the prefix cache could not be reset"):
-        client.reset_prefix_cache(["http://a", "http://b"], running_requests=True)
+        client.reset_prefix_cache(TOKEN, ["http://a", "http://b"], running_requests=True)
     assert sent == [{"reset_running_requests": "true"}]

@@ -25,6 +25,9 @@ from vime.backends.weight_transport.broadcast.driver import engine_set_key  # no
 from vime.backends.weight_transport.check import (FLOAT32_TOLERANCE, WeightUpdateMismatchError,  # noqa: E402
                                                   check_weights_equal, compare_log_probs, engine_prompt_log_probs)
 from vime.ray.weight_sync import WeightSync  # noqa: E402
+from vime.utils.auth import RunToken  # noqa: E402
+
+TOKEN = RunToken.new()  # the engine's, which every call to it carries
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +43,7 @@ def stack(tiny_qwen3, tmp_path_factory):
     args = parse_args(["--hf-checkpoint", str(tiny_qwen3), *ARGV, "--output-dir", str(out),
                        "--update-weight-dir", str(out)])
     trainer = MegatronTrainer(args)
-    engine = VLLMEngine(args, 0, str(out))
+    engine = VLLMEngine(args, 0, str(out), TOKEN)
     try:
         yield args, trainer, engine.start()
     finally:
@@ -53,7 +56,7 @@ def sync(stack, fake_ray):
     """sync(transport name, version) -> what delta wrote; runs the real `WeightSync.update`, one driver-side
     `WeightSync` per transport as a run keeps it."""
     args, trainer, url = stack
-    group, manager, state = driver(trainer, [url], fake_ray)
+    group, manager, state = driver(trainer, [url], fake_ray, TOKEN)
     syncs: dict[str, WeightSync] = {}
 
     def push(name: str, version: int, in_flight: bool = False) -> list[str]:
@@ -91,7 +94,7 @@ def _perturb(trainer, only: dict[str, slice] | None = None, scale: float = 0.02)
 
 def _max_diff(trainer, url: str, tokens: list[int]) -> float:
     ours = trainer.probe_log_probs(tokens, len(tokens) - 1, temperature=1.0)
-    theirs = engine_prompt_log_probs([url], tokens)[0]
+    theirs = engine_prompt_log_probs(TOKEN, [url], tokens)[0]
     return compare_log_probs(ours, [theirs], [url], float("inf"))["weight_check/max_abs_logprob_diff"]
 
 
@@ -152,27 +155,28 @@ def test_one_call_update_on_the_engine_and_its_fallback(stack, monkeypatch):
     reload = {url: ("reload_weights", {"weights_path": args.hf_checkpoint})}
 
     def state() -> tuple[bool, str]:
-        return (client.http().get(url + "/is_paused").json()["is_paused"],
-                client.http().get(url + "/weight_info").json()["weight_version"])
+        control = TOKEN.control_headers()
+        return (client.http().get(url + "/is_paused", headers=control).json()["is_paused"],
+                client.http().get(url + "/weight_info", headers=control).json()["weight_version"])
 
     try:
         with pytest.raises(client.EngineControlError, match=f"{ROUTE}.*vime_no_such_method"):
-            client.update_weights_all([url], {url: ("vime_no_such_method", {})}, 41)
+            client.update_weights_all(TOKEN, [url], {url: ("vime_no_such_method", {})}, 41)
         assert state()[0] is True  # not resumed after a failed load
-        answer = client.update_weights_all([url], reload, 42)[0]
+        answer = client.update_weights_all(TOKEN, [url], reload, 42)[0]
         assert state() == (False, "42") and answer["timings"]["load_s"] > 0
         assert set(answer["timings"]) == {"pause_s", "load_s", "finish_s"}
-        served = engine_prompt_log_probs([url], tokens)[0]  # generation runs again: the checkpoint's weights
+        served = engine_prompt_log_probs(TOKEN, [url], tokens)[0]  # generation runs again: the checkpoint's weights
 
         monkeypatch.setattr(names, "UPDATE_ROUTE", "/vime_route_of_another_version")  # 404: the separate steps
         _perturb(trainer)  # nothing pushed: only the version moves, then the checkpoint again
-        client.update_weights_all([url], {}, 43)
+        client.update_weights_all(TOKEN, [url], {}, 43)
         assert state() == (False, "43")
-        client.update_weights_all([url], reload, 44)
+        client.update_weights_all(TOKEN, [url], reload, 44)
         assert state() == (False, "44")
-        assert engine_prompt_log_probs([url], tokens)[0] == pytest.approx(served, abs=FLOAT32_TOLERANCE)
+        assert engine_prompt_log_probs(TOKEN, [url], tokens)[0] == pytest.approx(served, abs=FLOAT32_TOLERANCE)
     finally:
-        client.resume([url])
+        client.resume(TOKEN, [url])
 
 
 def test_engine_worker_sleeps_soon_after_a_call(stack):
@@ -191,7 +195,7 @@ def test_engine_worker_sleeps_soon_after_a_call(stack):
         t = workers[0].cpu_times()
         return t.user + t.system
 
-    client.update_weights_all([url], {}, 50)
+    client.update_weights_all(TOKEN, [url], {}, 50)
     before = busy()
     time.sleep(1.0)
     assert busy() - before < 0.4  # vLLM's own 1 s spin costs a whole CPU-second here
@@ -211,7 +215,8 @@ def test_an_in_flight_update_switches_a_running_request_to_the_new_weights(stack
     body = {"token_ids": prompt, "model": "policy",
             "sampling_params": {"max_tokens": 1500, "ignore_eos": True, "temperature": 1.0, "logprobs": 0}}
     with ThreadPoolExecutor(1) as pool:
-        pending = pool.submit(lambda: client.http().post(url + "/inference/v1/generate", json=body, timeout=300))
+        pending = pool.submit(lambda: client.http().post(url + "/inference/v1/generate", json=body, timeout=300,
+                                                         headers=TOKEN.serving_headers()))
         time.sleep(0.5)  # a few hundred of its 1500 decode steps
         _perturb(trainer, scale=0.05)
         sync("disk", version=51, in_flight=True)

@@ -62,7 +62,8 @@ def get_server(args) -> OpenAIServer:
             defaults = {"max_tokens": rollout.rollout_max_response_len, "temperature": rollout.rollout_temperature,
                         "top_p": rollout.rollout_top_p, "top_k": rollout.rollout_top_k}
             context.agent_server = OpenAIServer(
-                router_url(), load_tokenizer(job.hf_checkpoint), template_kwargs=prompt_data.apply_chat_template_kwargs,
+                router_url(), load_tokenizer(job.hf_checkpoint), context.token,
+                template_kwargs=prompt_data.apply_chat_template_kwargs,
                 default_sampling=defaults, host=serving_host(args), port=harness.agent_endpoint_port,
                 max_request_bytes=int(harness.agent_endpoint_max_request_mb * 2**20),
                 request_timeout_s=rollout.rollout_request_timeout, retries=rollout.rollout_request_retries,

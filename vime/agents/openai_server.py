@@ -4,7 +4,7 @@ An existing agent harness points the `openai` client at it and chats; vime recor
 token ids the engines saw and sampled, the loss mask, log-probs and weight versions (`chat_session.py`). What a call
 brings (session id, body, sampling) is read in `openai_requests.py`; what it gets back is made in `openai_replies.py`.
 
-    server = OpenAIServer(router_url, tokenizer).start()     # -> "http://127.0.0.1:PORT/v1"
+    server = OpenAIServer(router_url, tokenizer, run_token).start()  # -> "http://127.0.0.1:PORT/v1"
     token = server.open_episode()                              # 128 random bits, e.g. "3f9c...e1"
     client = openai.AsyncOpenAI(base_url=server.base_url, api_key=f"{token}/solver")
     await client.chat.completions.create(model="policy", messages=[...], max_tokens=64)
@@ -28,9 +28,10 @@ flight when its episode closes is answered 401 too and leaves no state behind. A
 live in its `_Episode`, dropped on close, so memory follows the open episodes only.
 
 Each call goes token-in/token-out to `/inference/v1/generate` through vllm-router (`request_choices`, retried
-like the rollout's own requests) with the header `X-Session-ID: <routing key>`, a digest of the session id (the
-router never sees the token). vllm-router 0.1.17's `consistent_hash` policy hashes that header first (then
-X-User-ID, ..., the body's session_params.session_id / user, else the whole body), so with
+like the rollout's own requests, with the serving key of the run's `RunToken`) with the header
+`X-Session-ID: <routing key>`, a digest of the session id (the router never sees the episode's token).
+vllm-router 0.1.17's `consistent_hash` policy hashes that header first (then X-User-ID, ..., the body's
+session_params.session_id / user, else the whole body), so with
 `--router-policy consistent_hash` every call of a session reaches the same engine and reuses its prefix cache.
 
 The server runs on its own event loop in a daemon thread, so a harness may use the sync or the async client
@@ -67,6 +68,7 @@ from vime.agents.tool_parsing import forced_call_schema
 from vime.backends.vllm_utils.client import SERVED_MODEL
 from vime.backends.vllm_utils.generate_request import (EngineRejectedError, EngineUnavailableError, RequestCounters,
                                                        request_choices)
+from vime.utils.auth import RunToken
 
 logger = logging.getLogger(__name__)
 MODEL_NAME = SERVED_MODEL
@@ -100,12 +102,13 @@ class _Episode:
 
 
 class OpenAIServer:
-    def __init__(self, router_url: str, tokenizer, template_kwargs: dict | None = None,
+    def __init__(self, router_url: str, tokenizer, run_token: RunToken, template_kwargs: dict | None = None,
                  default_sampling: dict[str, Any] | None = None, host: str = "127.0.0.1", port: int = 0,
                  request_timeout_s: float = 600.0, retries: int = 2, retry_window_s: float = 0.0,
                  max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, prepare_threads: int = 4,
                  tool_call_format: str = "auto"):
         self.router_url = router_url.rstrip("/")
+        self.run_token = run_token  # the run's secret: generate requests carry its serving key
         self.tokenizer = tokenizer
         self.template = ChatTemplate(tokenizer, template_kwargs)
         self.tool_call_format = tool_call_format  # how tool calls are parsed out of replies (tool_parsing)
@@ -381,8 +384,9 @@ class OpenAIServer:
         choice per answer asked for (n)."""
         payload = {"token_ids": prompt_ids, "sampling_params": params, "model": model}
         try:
-            return await request_choices(self._http, self.router_url, payload, timeout=self.timeout,
-                                          retries=self.retries, retry_window_s=self.retry_window_s,
+            return await request_choices(self._http, self.router_url, payload, token=self.run_token,
+                                          timeout=self.timeout, retries=self.retries,
+                                          retry_window_s=self.retry_window_s,
                                           headers={SESSION_HEADER: routing_key(session_id)}, counters=self.counters)
         except EngineRejectedError as e:
             raise EngineError(400, str(e)) from e

@@ -31,7 +31,7 @@ from vime.config.rollout import EnginesConfig
 from vime.config.run import JobConfig
 from vime.rollout.context import rollout_context
 from vime.rollout.metrics import add_counter
-from vime.utils.auth import serving_key
+from vime.utils.auth import RunToken
 from vime.utils.misc import with_values
 
 logger = logging.getLogger(__name__)
@@ -53,11 +53,13 @@ def judge_engine_args(args):
 
 class JudgeGroup:
     """The judge's engines (`VLLMEngine` actors on the judge's own placement bundles, launched by whoever made
-    them: the rollout manager, with `judge_engine_args`) and the client reward functions use."""
+    them: the rollout manager, with `judge_engine_args`) and the client reward functions use. `token`: the run's,
+    which its engines were started with."""
 
-    def __init__(self, args, engines: list):
+    def __init__(self, args, engines: list, token: RunToken):
         self.args = args
         self.engines = engines
+        self.token = token
         self.urls: list[str] = []
         self.semaphore: asyncio.Semaphore | None = None
         self._next = 0
@@ -78,7 +80,7 @@ class JudgeGroup:
     @property
     def api_key(self) -> str:
         """The key its generation routes take (the run's serving key, derived from the run's secret)."""
-        return serving_key()
+        return self.token.serving_key()
 
     async def chat(self, messages: list[dict[str, Any]], *, max_tokens: int | None = None,
                    temperature: float | None = None, **extra: Any) -> dict[str, Any]:

@@ -8,10 +8,11 @@ a dead router (`_restart_router`: a new one on a new loopback port, the engines 
 control calls skip an engine found dead, which the monitor restarts with the current weights
 (`recovery_weights`, an HF directory the weight sync leaves with every update): `fleet_recovery.py`.
 
-It also holds the run's control token (`vime.utils.auth`; made here, or read from --control-token-file), which
-its engines require on their routes. The router listens on this node's loopback only and admits only callers
-with the serving key (`router_door`); it holds that key, which opens the engines' generation routes and none of
-their control routes.
+It sends the run's control token (`vime.utils.auth.RunToken`, which its engines require on their routes) from the
+rollout context it was given, where the rollout manager put it (`run_control_token`: made, or read from
+--control-token-file): rollouts, the fleet and its engines carry the same one. The router listens on this node's
+loopback only and admits only callers with the serving key (`router_door`); it holds that key, which opens the
+engines' generation routes and none of their control routes.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from vime.ray.fleet_recovery import FleetRecovery, recovery_load_call
 from vime.ray.health import EngineHealthMonitor
 from vime.ray.placement import num_engines
 from vime.rollout.context import RolloutContext
-from vime.utils.auth import control_token, read_token_file, serving_headers, serving_key, use_control_token
+from vime.utils.auth import RunToken
 from vime.utils.deadline import control, gather
 from vime.utils.misc import find_free_port
 from vime.utils.process import wait_until
@@ -44,18 +45,17 @@ logger = logging.getLogger(__name__)
 SLEEP_TAGS = ("weights", "kv_cache")  # what vLLM's sleep frees and /wake_up?tags= brings back, in wake-up order
 
 
-def run_control_token(args) -> str:
-    """This process's copy of the run's control token (--control-token-file's, else made here)."""
+def run_control_token(args) -> RunToken:
+    """The run's control token: --control-token-file's, else a new one. Its maker hands it on (the driver to its
+    engines and the rollout manager, which puts it in its rollout context)."""
     job = JobConfig.of(args)
-    if job.control_token_file:
-        use_control_token(read_token_file(job.control_token_file))
-    return control_token()
+    return RunToken.read(job.control_token_file) if job.control_token_file else RunToken.new()
 
 
 JUDGE_RANKS = 1000  # the judge's engine i is engine 1000 + i in logs (engine_1000.log)
 
 
-def new_engine(args, placement, rank: int, log_dir: Path, token: str, role: str = "engine"):
+def new_engine(args, placement, rank: int, log_dir: Path, token: RunToken, role: str = "engine"):
     """An engine actor for `role` ("engine", or "judge": --judge-checkpoint's) rank `rank` in its placement
     bundle, not started (`VLLMEngine.start`)."""
     options, share, gpus = {"num_cpus": 1}, None, None
@@ -65,10 +65,10 @@ def new_engine(args, placement, rank: int, log_dir: Path, token: str, role: str 
         # all of its tensor-parallel bundles' GPUs
         gpus = placement.engine_gpus(rank) if role == "engine" else placement.judge_gpus(rank)
     engine_rank = rank if role == "engine" else JUDGE_RANKS + rank
-    return ray.remote(VLLMEngine).options(**options).remote(args, engine_rank, str(log_dir), share, token, gpus)
+    return ray.remote(VLLMEngine).options(**options).remote(args, engine_rank, str(log_dir), token, share, gpus)
 
 
-def new_engines(args, placement, log_dir: Path, token: str) -> list:
+def new_engines(args, placement, log_dir: Path, token: RunToken) -> list:
     """vime's engine actors for a run (none with external engines). Made by the run's driver, their processes
     boot beside the rollout manager's instead of after it (about 3 s of every run's start-up); that manager's
     fleet runs them from then on (`EngineFleet(engines=...)`), while Ray counts the driver as their owner: they
@@ -84,13 +84,13 @@ class EngineFleet(FleetRecovery):
     """The engines and the router in front of them, for one run (see the module docstring); what keeps them
     serving under --use-fault-tolerance is `FleetRecovery`'s."""
 
-    def __init__(self, args, placement, log_dir: Path, context: RolloutContext, engines: list | None = None,
-                 token: str | None = None):
+    def __init__(self, args, placement, log_dir: Path, context: RolloutContext, engines: list | None = None):
         debug = DebugConfig.of(args)
         self.args = args
         self.placement = placement
         self.log_dir = log_dir
-        self.context = context  # the router URL and the engines in service, as rollouts read them
+        # the router URL and the engines in service, as rollouts read them, and the run's token
+        self.context = context
         self.engines: list = []
         self.router: Router | None = None
         self.rank_urls: list[str] = []  # engine rank -> its current URL (in service or being restarted)
@@ -102,12 +102,16 @@ class EngineFleet(FleetRecovery):
         self._launched: list = []  # the engines' start calls in flight (`launch`)
         self.asleep: set[str] = set()  # which of SLEEP_TAGS the engines hold in host memory or not at all (`sleep`)
         self._deferred: set[int] = set()  # dead engines whose restart waits for the engines to wake
-        # what rollouts and control calls send: the run's, from the driver that made `engines`, or made here
-        self.token = token if token is not None else run_control_token(args)
-        use_control_token(self.token)
         # the router's front for custom functions (`plugin_router_url`), bound now: its address is fixed for the run
-        self.gate = None if debug.debug_train_only else RouterGate(lambda: self.context.router_url, serving_headers)
+        self.gate = None if debug.debug_train_only else RouterGate(lambda: self.context.router_url,
+                                                                    self.token.serving_headers)
         self._given = list(engines or [])  # engine actors made for this fleet, not started yet
+
+    @property
+    def token(self) -> RunToken:
+        """The run's: what control calls, the router and the engines it starts carry (its context's, so that
+        rollouts send the same one)."""
+        return self.context.token
 
     @property
     def engine_urls(self) -> list[str]:
@@ -195,7 +199,7 @@ class EngineFleet(FleetRecovery):
         router = RouterConfig.of(args)
         if router.vllm_router_ip:  # an external router: register our engines with it
             self.router_url = f"http://{router.vllm_router_ip}:{router.vllm_router_port}"
-            post_workers(self.router_url, "add_worker", self.engine_urls)
+            post_workers(self.token, self.router_url, "add_worker", self.engine_urls)
             return  # not ours to stop
         if self.router is not None:  # launched with the engines, before their URLs were known
             self.router_url = self.router.wait_ready()
@@ -205,8 +209,8 @@ class EngineFleet(FleetRecovery):
 
     def _own_router(self, port: int, worker_urls: list[str]) -> Router:
         # loopback, and every route asks for the serving key (`router_door`); rollouts run in this process
-        router_args = router_args_from(self.args, "127.0.0.1", port, worker_urls, api_key=serving_key(self.token))
-        return Router(router_args, str(self.log_dir))
+        router_args = router_args_from(self.args, "127.0.0.1", port, worker_urls, api_key=self.token.serving_key())
+        return Router(router_args, str(self.log_dir), self.token)
 
     def _start_own_router(self, port: int) -> None:
         """vime's router on loopback `port`, every engine in service registered, holding the serving key."""
@@ -245,9 +249,9 @@ class EngineFleet(FleetRecovery):
         probe is taken out of service (the monitor restarts it); otherwise any failure raises."""
         with self._engines_lock:
             if self.monitor is None:
-                client.post_all(self.engine_urls, route, body, params)
+                client.post_all(self.token, self.engine_urls, route, body, params)
                 return
-            _, errors = client.post_each(list(self.engine_urls), route, body, params)
+            _, errors = client.post_each(self.token, list(self.engine_urls), route, body, params)
             self._settle(errors)
 
     def sleep(self) -> None:
@@ -280,10 +284,10 @@ class EngineFleet(FleetRecovery):
         """A (restarted) engine joining the fleet sleeps as much as the others do."""
         if not self.asleep:
             return
-        client.post_all([url], "/sleep", params={"level": 1})
+        client.post_all(self.token, [url], "/sleep", params={"level": 1})
         awake = [t for t in SLEEP_TAGS if t not in self.asleep]
         if awake:
-            client.post_all([url], "/wake_up", params={"tags": awake})
+            client.post_all(self.token, [url], "/wake_up", params={"tags": awake})
 
     def apply_weights(self, transport, handle, version: int, recovery_dir: str | None = None,
                       pause_mode: str = "wait") -> dict[str, float]:
@@ -301,7 +305,7 @@ class EngineFleet(FleetRecovery):
                 recovery_call = recovery_load_call(self.args, recovery_dir)
                 calls = {u: recovery_call for u in targets if u not in connected}
             calls.update(transport.load_calls([u for u in targets if u not in calls], handle))
-            answers, errors = client.update_weights_each(targets, calls, version, pause_mode,
+            answers, errors = client.update_weights_each(self.token, targets, calls, version, pause_mode,
                                                          all_at_once=transport.concurrent)
             self._settle(errors)  # a dead engine gets these weights when it is restarted
             if recovery_dir is not None:
@@ -317,4 +321,4 @@ class EngineFleet(FleetRecovery):
         """Every engine's prompt log-probs of `tokens` under served model `model` (--check-weight-update-equal)."""
         from vime.backends.weight_transport.check import engine_prompt_log_probs
 
-        return engine_prompt_log_probs(self.engine_urls, tokens, model=model)
+        return engine_prompt_log_probs(self.token, self.engine_urls, tokens, model=model)

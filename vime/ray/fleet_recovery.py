@@ -94,7 +94,7 @@ class FleetRecovery:
             if url in self.engine_urls:
                 self.engine_urls.remove(url)
         try:
-            post_worker(self.router_url, "remove_worker", url)
+            post_worker(self.token, self.router_url, "remove_worker", url)
         except OSError as e:  # already removed
             logger.info("router: remove_worker %s: %s", url, e)
 
@@ -120,8 +120,8 @@ class FleetRecovery:
         with self._engines_lock:  # the engine set does not change meanwhile (restarts register under it)
             served, ours = set(self.router.workers()), set(self.engine_urls)
             strangers = sorted(served - ours)
-            post_workers(self.router_url, "remove_worker", strangers)
-            post_workers(self.router_url, "add_worker", sorted(ours - served))
+            post_workers(self.token, self.router_url, "remove_worker", strangers)
+            post_workers(self.token, self.router_url, "add_worker", sorted(ours - served))
         if strangers:
             add_counter("rollout/router_unknown_workers_removed", len(strangers))
             logger.error("the router served workers vime did not start, removed: %s (someone on this node added them "
@@ -135,7 +135,7 @@ class FleetRecovery:
         timeout = fault_tolerance.rollout_health_check_timeout
         if self.router.proc is None or self.router.proc.poll() is not None:
             return "its process exited"
-        if not router_ok(self.router_url, timeout=timeout):
+        if not router_ok(self.token, self.router_url, timeout=timeout):
             return f"/health did not answer within --rollout-health-check-timeout {timeout}s"
         return None
 
@@ -186,12 +186,12 @@ class FleetRecovery:
             with self._engines_lock:  # no weight update in between: the engine joins with the current weights
                 if self.served_version is not None:  # weights were pushed since the start: load the latest
                     call = recovery_load_call(args, self.recovery_weights) if self.recovery_weights else None
-                    client.update_weights_all([url], {url: call}, self.served_version)
+                    client.update_weights_all(self.token, [url], {url: call}, self.served_version)
                 self._match_sleep(url)  # the fleet fell asleep while it started
                 self.engines[rank] = new
                 self.rank_urls[rank] = url
                 self.engine_urls.append(url)
-                post_worker(self.router_url, "add_worker", url)
+                post_worker(self.token, self.router_url, "add_worker", url)
         except BaseException:
             ray.kill(new)
             raise

@@ -29,12 +29,13 @@ from vime.config.rollout import (DataBufferConfig, EnginesConfig, EvalConfig, Fa
                                  RolloutConfig)
 from vime.config.run import DebugConfig, JobConfig
 from vime.data.transport import RolloutRef, make_transport, rollout_summary
-from vime.ray.engine_fleet import EngineFleet, new_engine
+from vime.ray.engine_fleet import EngineFleet, new_engine, run_control_token
 from vime.ray.health import FailedRollouts
 from vime.ray.placement import num_engines
 from vime.rollout.context import RolloutContext, in_rollout_context, rollout_context, use_rollout_context
 from vime.rollout.debug_data import load_rollout, save_compact_rollout, save_rollout
 from vime.rollout.metrics import eval_at_k, record_counters, rollout_metrics
+from vime.utils.auth import RunToken
 from vime.utils.logging_utils import configure_logging
 from vime.utils.lora_adapters import ADAPTER_KEY, adapter_names, adapter_specs
 from vime.utils.misc import load_function
@@ -131,18 +132,19 @@ def log_dir(args) -> Path:
 @ray.remote(num_cpus=0, concurrency_groups={"weights": 1})
 @in_rollout_context
 class RolloutManager:
-    def __init__(self, args, placement=None, engines: list | None = None, token: str | None = None):
+    def __init__(self, args, placement=None, engines: list | None = None, token: RunToken | None = None):
         """`engines`: actors made for it by `engine_fleet.new_engines` with the run's control `token`; without
-        them its fleet makes its own."""
+        them its fleet makes its own. Without `token` it makes the run's (`run_control_token`)."""
         configure_logging()  # an actor process: its log lines reach the driver's console through Ray
         self.args = args
         self.log_dir = log_dir(args)
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.context = RolloutContext()  # router URL, engines in service, counters: what rollouts read
+        # router URL, engines in service, the run's token, counters: what rollouts read
+        self.context = RolloutContext(token=token if token is not None else run_control_token(args))
         with use_rollout_context(self.context):
-            self._set_up(args, placement, engines, token)
+            self._set_up(args, placement, engines)
 
-    def _set_up(self, args, placement, engines: list | None, token: str | None) -> None:
+    def _set_up(self, args, placement, engines: list | None) -> None:
         debug = DebugConfig.of(args)
         judge = JudgeConfig.of(args)
         job = JobConfig.of(args)
@@ -151,14 +153,16 @@ class RolloutManager:
         evaluation = EvalConfig.of(args)
         fault_tolerance = FaultToleranceConfig.of(args)
         prompt_data = PromptDataConfig.of(args)
-        self.fleet = EngineFleet(args, placement, self.log_dir, self.context, engines, token)
+        self.fleet = EngineFleet(args, placement, self.log_dir, self.context, engines)
         if not debug.debug_train_only:
             self.fleet.launch()  # the engines boot while the tokenizer, data and functions load
         # --judge-checkpoint: the judge's own engines, never in the fleet (no weight update reaches them)
         if judge.judge_checkpoint and not debug.debug_train_only:
             judge_args = judge_engine_args(args)
-            self.context.judge = JudgeGroup(args, [new_engine(judge_args, placement, i, self.log_dir, self.fleet.token,
-                                                              role="judge") for i in range(judge.judge_num_engines)])
+            token = self.context.token
+            judge_engines = [new_engine(judge_args, placement, i, self.log_dir, token, role="judge")
+                             for i in range(judge.judge_num_engines)]
+            self.context.judge = JudgeGroup(args, judge_engines, token)
         from vime.utils.hf_tokenizer import load_tokenizer
 
         self.tokenizer = load_tokenizer(job.hf_checkpoint)

@@ -1,13 +1,14 @@
 """What rollout code needs from the running system rather than from the flags: where the router listens, which
-engines are in service, the run's counters, and what every generate call of the run shares (the generate state:
-tokenizer, HTTP session, concurrency limit; the reward workers; the agents' OpenAI-compatible endpoint).
+engines are in service, the run's secret (`RunToken`: generate requests carry its serving key), the run's counters,
+and what every generate call of the run shares (the generate state: tokenizer, HTTP session, concurrency limit; the
+reward workers; the agents' OpenAI-compatible endpoint).
 
-The rollout manager owns one `RolloutContext` per run. It fills it in as it starts the router and the engines (and
-as the health monitor takes engines out and puts restarted ones back), makes it current around each of its calls
-(`use_rollout_context`), and closes what it holds at shutdown. Rollout code, and custom rollout, generate and reward
-functions with slime's signatures, reach it through `rollout_context()`: a context variable, so that it follows a
-call into the asyncio tasks and threads it starts (`asyncio.to_thread`, `vime.utils.async_utils.run`), and two
-runs in one process (tests) never see each other's.
+The rollout manager owns one `RolloutContext` per run, made with the run's token. It fills it in as it starts the
+router and the engines (and as the health monitor takes engines out and puts restarted ones back), makes it current
+around each of its calls (`use_rollout_context`), and closes what it holds at shutdown. Rollout code, and custom
+rollout, generate and reward functions with slime's signatures, reach it through `rollout_context()`: a context
+variable, so that it follows a call into the asyncio tasks and threads it starts (`asyncio.to_thread`,
+`vime.utils.async_utils.run`), and two runs in one process (tests) never see each other's.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from vime.utils.auth import RunToken
+
 logger = logging.getLogger(__name__)
 
 
@@ -28,6 +31,9 @@ logger = logging.getLogger(__name__)
 class RolloutContext:
     router_url: str | None = None  # "http://host:port" of the router every generate request goes through
     engine_urls: list[str] = field(default_factory=list)  # the engines in service now
+    # the run's secret (the rollout manager's); a context made outside a run has one of its own, which no run's
+    # engines accept
+    token: RunToken = field(default_factory=RunToken.new)
     counters: dict[str, float] = field(default_factory=dict)  # running totals, reported with every rollout
     counters_once: dict[str, float] = field(default_factory=dict)  # reported with the next rollout only
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # the health monitor's thread writes

@@ -168,7 +168,7 @@ async def post_generate_choices(args, token_ids: list[int], sampling_params: dic
     rollout = RolloutConfig.of(args)
     state = GenerateState(args)
     payload = {"token_ids": token_ids, "sampling_params": sampling_params, "model": model}
-    return await request_choices(state.http(), router_url(), payload,
+    return await request_choices(state.http(), router_url(), payload, token=rollout_context().token,
                                  timeout=aiohttp.ClientTimeout(total=rollout.rollout_request_timeout),
                                  retries=rollout.rollout_request_retries, retry_window_s=retry_window_s(args),
                                  counters=state)

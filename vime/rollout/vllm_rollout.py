@@ -304,12 +304,13 @@ async def generate_rollout_async(args, rollout_id: int, data_source) -> tuple[li
 
     if pending:
         state.aborted = True
-        engines = list(rollout_context().engine_urls)
+        context = rollout_context()
+        engines = list(context.engine_urls)
         if fault_tolerance.use_fault_tolerance:  # an engine may be dead: it has nothing left to abort
-            for url, error in client.post_each(engines, "/abort_requests", body={})[1].items():
+            for url, error in client.post_each(context.token, engines, "/abort_requests", body={})[1].items():
                 logger.warning("abort on %s failed: %s", url, error)
         else:
-            client.abort_all(engines)
+            client.abort_all(context.token, engines)
         leftovers = await asyncio.gather(*pending)
         stats["aborted_groups"] = len(leftovers)
         if rollout.partial_rollout:  # continue the cut-off groups first next rollout

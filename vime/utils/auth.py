@@ -8,9 +8,11 @@ Two keys come from one secret (the *control token*):
   generation routes: vllm-router replaces a caller's credentials with its own key on every control call it
   forwards, so a control call sent through the router is refused by the engine even when the router lets it in.
 
-A process holds its copy in this module, never in its environment, so that the programs it starts (a reward
-server, a sandboxed program) do not inherit it; the servers vime starts are given it explicitly. The engine
-fleet makes the run's token (or reads --control-token-file) and hands it to its engines.
+The secret is a `RunToken` value that its owners hold and pass on: the engine fleet and the rollout context of the
+rollout manager (which makes it, or reads --control-token-file), each engine actor, the router handle, the judge.
+Nothing looks it up: two runs in one process (tests) each send their own. It is never in a process's argv or
+environment, so that the programs a process starts (a reward server, a sandboxed program) do not inherit it; the
+servers vime starts are given it explicitly, in their own environment only (`CONTROL_TOKEN_ENV`).
 """
 
 from __future__ import annotations
@@ -20,40 +22,52 @@ import hmac
 import os
 import secrets
 import stat
+from dataclasses import dataclass
 from pathlib import Path
 
 CONTROL_TOKEN_ENV = "VIME_CONTROL_TOKEN"  # how a server vime starts receives the token (its environment only)
 _SERVING_LABEL = b"vime serving key"
-_token: str | None = None
 
 
-def control_token() -> str:
-    """This process's copy of the run's control token, made here (256 random bits) if it has none yet."""
-    global _token
-    if _token is None:
-        _token = secrets.token_hex(32)
-    return _token
+@dataclass(frozen=True)
+class RunToken:
+    """The run's control token and the keys made from it. Immutable, so a holder can hand it on without
+    copying; its repr hides the secret (it shows up in logs, tracebacks and Ray's task descriptions)."""
+
+    control: str
+
+    def __post_init__(self):
+        if not self.control:
+            raise ValueError("an empty control token would let anyone in")
+
+    @classmethod
+    def new(cls) -> RunToken:
+        """A fresh token: 256 random bits."""
+        return cls(secrets.token_hex(32))
+
+    @classmethod
+    def read(cls, path: str) -> RunToken:
+        """The token in `path` (--control-token-file), checked by `read_token_file`."""
+        return cls(read_token_file(path))
+
+    def __repr__(self) -> str:
+        return "RunToken(<secret>)"
+
+    def serving_key(self) -> str:
+        return serving_key(self.control)
+
+    def control_headers(self) -> dict[str, str]:
+        """What control calls to the engines carry."""
+        return {"Authorization": f"Bearer {self.control}"}
+
+    def serving_headers(self) -> dict[str, str]:
+        """What generation requests and calls to the router carry."""
+        return {"Authorization": f"Bearer {self.serving_key()}"}
 
 
-def use_control_token(token: str) -> None:
-    """Adopt the run's token (an actor given it, a process that read --control-token-file)."""
-    global _token
-    if not token:
-        raise ValueError("an empty control token would let anyone in")
-    _token = token
-
-
-def serving_key(token: str | None = None) -> str:
-    """The key generation requests carry (through the router) to the engines."""
-    return hmac.new((token or control_token()).encode(), _SERVING_LABEL, hashlib.sha256).hexdigest()
-
-
-def control_headers() -> dict[str, str]:
-    return {"Authorization": f"Bearer {control_token()}"}
-
-
-def serving_headers() -> dict[str, str]:
-    return {"Authorization": f"Bearer {serving_key()}"}
+def serving_key(token: str) -> str:
+    """The key generation requests carry (through the router) to the engines, made from control token `token`."""
+    return hmac.new(token.encode(), _SERVING_LABEL, hashlib.sha256).hexdigest()
 
 
 def bearer_matches(authorization: str | None, accepted: tuple[str, ...]) -> bool:

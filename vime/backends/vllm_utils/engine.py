@@ -25,7 +25,7 @@ from vime.config.train import LoraConfig, RoutingReplayConfig, WeightSyncConfig
 from vime.utils.lora_adapters import adapter_names
 from vime.engine_protocol.names import CAPTURE_ENV, CORE_FORK_ENV, IDLE_SPIN_ENV, PLUGIN_NAME, WORKER_EXTENSION
 from vime.engine_protocol.weight_files import WEIGHT_ROOT_ENV, weight_root
-from vime.utils.auth import CONTROL_TOKEN_ENV, control_headers, control_token, use_control_token
+from vime.utils.auth import CONTROL_TOKEN_ENV, RunToken
 from vime.utils.cpus import CpuShare, allowed_cpus, raise_priority
 from vime.utils.logging_utils import configure_logging
 from vime.utils.misc import find_free_port
@@ -190,17 +190,19 @@ def has_vime_worker_extension(args) -> bool:
     return not engines.rollout_external_engine_addrs and "--worker-extension-cls" not in vllm_cli_tokens(args)
 
 
-def engine_env(args, cpu_share: CpuShare | None = None, gpus: list[str] | None = None) -> dict[str, str]:
-    """The server's environment, with this process's copy of the run's control token. `cpu_share`: the share of
-    its node's CPUs this engine computes on (`Placement.cpu_share`; all of them when None). `gpus`: the GPU ids of
-    its bundles (`Placement.engine_gpus`), which its server sees whatever single GPU Ray showed the actor."""
+def engine_env(args, token: RunToken, cpu_share: CpuShare | None = None,
+               gpus: list[str] | None = None) -> dict[str, str]:
+    """The server's environment, with the run's control `token` (there only: never in this process's own
+    environment, which every program it starts would inherit). `cpu_share`: the share of its node's CPUs this
+    engine computes on (`Placement.cpu_share`; all of them when None). `gpus`: the GPU ids of its bundles
+    (`Placement.engine_gpus`), which its server sees whatever single GPU Ray showed the actor."""
     engines = EnginesConfig.of(args)
     routing_replay = RoutingReplayConfig.of(args)
     from vime.utils.device import use_gpu
 
     env = dict(os.environ)
     env["VLLM_SERVER_DEV_MODE"] = "1"
-    env[CONTROL_TOKEN_ENV] = control_token()
+    env[CONTROL_TOKEN_ENV] = token.control
     env["VLLM_PLUGINS"] = plugin_allowlist(os.environ.get("VLLM_PLUGINS"))
     # the one directory its workers load weight files from
     env[WEIGHT_ROOT_ENV] = weight_root(WeightSyncConfig.of(args).update_weight_dir)
@@ -275,11 +277,11 @@ def http_status(url: str, headers: dict[str, str] | None = None, timeout: float 
         return None
 
 
-def control_routes_locked(url: str) -> str | None:
+def control_routes_locked(url: str, token: RunToken) -> str | None:
     """None when the engine at `url` refuses a control route without the run's token and opens it with it; else
     what is wrong (vime's plugin, which guards the routes, did not load in its server)."""
     probe = url + "/is_paused"
-    without, with_token = http_status(probe), http_status(probe, control_headers())
+    without, with_token = http_status(probe), http_status(probe, token.control_headers())
     if without == 401 and with_token == 200:
         return None
     return (f"GET {probe} answered {without} without the run's token and {with_token} with it (expected 401 and "
@@ -303,15 +305,14 @@ def lost_port_race(proc, log_path: Path, log_offset: int) -> bool:
 class VLLMEngine:
     """Wrapped as a Ray actor by the rollout manager: `ray.remote(VLLMEngine)`."""
 
-    def __init__(self, args, engine_rank: int, log_dir: str, cpu_share: CpuShare | None = None,
-                 token: str | None = None, gpus: list[str] | None = None):
+    def __init__(self, args, engine_rank: int, log_dir: str, token: RunToken, cpu_share: CpuShare | None = None,
+                 gpus: list[str] | None = None):
         configure_logging()  # an actor process: its log lines reach the driver's console through Ray
         self.args = args
         self.engine_rank = engine_rank
         self.cpu_share = cpu_share  # the CPUs of this node its workers compute on (CPU engines)
         self.gpus = gpus  # the GPUs of all its bundles (GPU engines; None: the ones Ray gave this actor)
-        if token is not None:  # the run's control token (the fleet's); else this process's own
-            use_control_token(token)
+        self.token = token  # the run's (the fleet's): its server requires it, and `start` checks that it does
         self.log_path = Path(log_dir) / f"engine_{engine_rank}.log"
         self.proc = None
         self.url = None
@@ -324,7 +325,7 @@ class VLLMEngine:
         port = find_free_port()
         self.url = f"http://{host}:{port}"
         cmd = engine_command(self.args, host, port, self.engine_rank)
-        env = engine_env(self.args, self.cpu_share, self.gpus)
+        env = engine_env(self.args, self.token, self.cpu_share, self.gpus)
         raise_priority()  # the server inherits this process's priority, which Ray lowered
         self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         logger.info("engine %d: workers on %s", self.engine_rank, f"GPUs {env['CUDA_VISIBLE_DEVICES']}" if self.gpus
@@ -360,7 +361,7 @@ class VLLMEngine:
             raise RuntimeError(f"vLLM engine {self.engine_rank} at {self.url}: {stranger}; nothing was sent to it. "
                                "Another user may be trying to impersonate the engine: start the run again (a new "
                                "port is chosen) and tell the node's administrator")
-        problem = control_routes_locked(self.url)
+        problem = control_routes_locked(self.url, self.token)
         if problem is not None:  # an engine anyone could control must not serve the run
             self.stop()
             raise RuntimeError(f"vLLM engine {self.engine_rank}: {problem}")

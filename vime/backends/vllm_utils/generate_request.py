@@ -21,7 +21,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from vime.utils.auth import serving_headers
+from vime.utils.auth import RunToken
 
 logger = logging.getLogger(__name__)
 
@@ -72,12 +72,13 @@ async def request_generate(http: aiohttp.ClientSession, router_url: str, payload
 
 
 async def request_choices(http: aiohttp.ClientSession, router_url: str, payload: dict[str, Any], *,
-                          timeout: aiohttp.ClientTimeout, retries: int, retry_window_s: float = 0.0,
+                          token: RunToken, timeout: aiohttp.ClientTimeout, retries: int, retry_window_s: float = 0.0,
                           headers: dict[str, str] | None = None,
                           counters: RequestCounters | None = None) -> list[dict[str, Any]]:
     """POST `payload` to the router's generate route; returns the answer's choices, one per sequence asked for
-    (`sampling_params.n`, which also counts as that many requests in flight). The request carries the run's
-    serving key, which the router passes on to the engine (`vime.utils.auth`)."""
+    (`sampling_params.n`, which also counts as that many requests in flight). The request carries the serving
+    key of the caller's `token` (never the control token: the router sees it), which the router passes on to the
+    engine (`vime.utils.auth`)."""
     counters = counters if counters is not None else RequestCounters()
     payload = tokens_only(payload)
     sequences = int(payload.get("sampling_params", {}).get("n") or 1)
@@ -89,7 +90,7 @@ async def request_choices(http: aiohttp.ClientSession, router_url: str, payload:
         try:
             counters.in_flight += sequences
             counters.max_in_flight = max(counters.max_in_flight, counters.in_flight)
-            async with http.post(url, json=payload, headers={**serving_headers(), **(headers or {})},
+            async with http.post(url, json=payload, headers={**token.serving_headers(), **(headers or {})},
                                  timeout=timeout) as r:
                 text = await r.text()
                 if r.status >= 400:

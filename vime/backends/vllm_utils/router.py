@@ -3,7 +3,7 @@
 The router spreads generate requests over engines. Control calls (pause, weight updates, ...) must not go
 through it: it forwards them to one worker only. See `vime.backends.vllm_utils.client`.
 Every route of vime's router, its admin routes included, admits only callers that carry the run's serving key
-(`router_door`): `router_ok`, `post_worker` and `Router.workers` send it.
+(`router_door`): `router_ok`, `post_worker` and `Router.workers` send it, made from the `RunToken` they are given.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from vime.backends.vllm_utils.engine import http_status
-from vime.utils.auth import serving_headers
+from vime.utils.auth import RunToken
 from vime.utils.listeners import foreign_listener, listeners
 from vime.utils.process import kill_tree, spawn, tail, wait_until
 
@@ -28,8 +28,11 @@ REGISTER_FANOUT = 16
 
 
 class Router:
-    def __init__(self, router_args, log_dir: str):
+    """`router_args.api_key`, when set, is `token.serving_key()`: the key every caller of the router needs."""
+
+    def __init__(self, router_args, log_dir: str, token: RunToken):
         self.router_args = router_args
+        self.token = token  # what this handle's own calls (/health, /workers, worker registration) carry
         self.url = f"http://{router_args.host}:{router_args.port}"
         self.log_path = Path(log_dir) / "router.log"
         self.proc = None
@@ -57,25 +60,26 @@ class Router:
                 self.stop()
                 raise RuntimeError(f"vllm-router at {self.url}: {stranger}; nothing was sent to it. Another user may "
                                    "be trying to impersonate the router: start the run again on another port")
-            if wait_until(lambda: router_ok(self.url), max(deadline - time.monotonic(), 0.0), 0.1, alive=alive):
+            healthy = lambda: router_ok(self.token, self.url)  # noqa: E731
+            if wait_until(healthy, max(deadline - time.monotonic(), 0.0), 0.1, alive=alive):
                 return self.url
         self.stop()
         raise RuntimeError(f"vllm-router did not start on {self.url}. Log {self.log_path}:\n{tail(self.log_path)}")
 
     def workers(self) -> list[str]:
-        with urllib.request.urlopen(urllib.request.Request(self.url + "/workers", headers=serving_headers()),
-                                    timeout=10) as r:
+        request = urllib.request.Request(self.url + "/workers", headers=self.token.serving_headers())
+        with urllib.request.urlopen(request, timeout=10) as r:
             data = json.loads(r.read())
         return [w["url"] if isinstance(w, dict) else w for w in data.get("workers", data.get("urls", []))]
 
     def add_worker(self, url: str) -> None:
-        post_worker(self.url, "add_worker", url)
+        post_worker(self.token, self.url, "add_worker", url)
 
     def add_workers(self, urls: list[str]) -> None:
-        post_workers(self.url, "add_worker", urls)
+        post_workers(self.token, self.url, "add_worker", urls)
 
     def remove_worker(self, url: str) -> None:
-        post_worker(self.url, "remove_worker", url)
+        post_worker(self.token, self.url, "remove_worker", url)
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -83,25 +87,26 @@ class Router:
             self.proc = None
 
 
-def router_ok(router_url: str, timeout: float = 2.0) -> bool:
+def router_ok(token: RunToken, router_url: str, timeout: float = 2.0) -> bool:
     """Whether the router at `router_url` answers /health (asked with the serving key, which it requires)."""
-    return http_status(router_url + "/health", headers=serving_headers(), timeout=timeout) == 200
+    return http_status(router_url + "/health", headers=token.serving_headers(), timeout=timeout) == 200
 
 
-def post_worker(router_url: str, route: str, worker_url: str) -> None:
+def post_worker(token: RunToken, router_url: str, route: str, worker_url: str) -> None:
     """Register (add_worker) or drop (remove_worker) an engine at any running vllm-router, ours or not."""
     query = urllib.parse.quote(worker_url, safe="")
-    req = urllib.request.Request(f"{router_url}/{route}?url={query}", method="POST", headers=serving_headers())
+    req = urllib.request.Request(f"{router_url}/{route}?url={query}", method="POST",
+                                 headers=token.serving_headers())
     with urllib.request.urlopen(req, timeout=30) as r:
         r.read()
 
 
-def post_workers(router_url: str, route: str, worker_urls: list[str]) -> None:
+def post_workers(token: RunToken, router_url: str, route: str, worker_urls: list[str]) -> None:
     """`post_worker` for each of `worker_urls`, `REGISTER_FANOUT` at a time; raises the first failure."""
     if not worker_urls:
         return
     with ThreadPoolExecutor(min(len(worker_urls), REGISTER_FANOUT), thread_name_prefix="vime-router-workers") as pool:
-        list(pool.map(lambda url: post_worker(router_url, route, url), worker_urls))
+        list(pool.map(lambda url: post_worker(token, router_url, route, url), worker_urls))
 
 
 def _main() -> None:

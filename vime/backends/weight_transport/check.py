@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from vime.backends.vllm_utils import client
 from vime.utils import tolerances
+from vime.utils.auth import RunToken
 
 PROBE_LENGTH = 64
 # CPU float32 / 16-bit values, kept as names for callers and tests; the check itself asks `tolerance_for(args, trainer)`
@@ -36,7 +37,7 @@ def probe_tokens(vocab_size: int, length: int = PROBE_LENGTH) -> list[int]:
     return [(17 + 7919 * i) % vocab_size for i in range(length)]
 
 
-def engine_prompt_log_probs(engine_urls: list[str], tokens: list[int], timeout: float = 120.0,
+def engine_prompt_log_probs(token: RunToken, engine_urls: list[str], tokens: list[int], timeout: float = 120.0,
                             model: str = client.SERVED_MODEL) -> list[list[float]]:
     """Per engine: log p(tokens[i] | tokens[:i]) for i >= 1, from `/v1/completions` prompt log-probs of `model`
     (the served policy: a LoRA run's current adapter; or one of --lora-adapters by name).
@@ -45,7 +46,7 @@ def engine_prompt_log_probs(engine_urls: list[str], tokens: list[int], timeout: 
     body = {"model": model, "prompt": list(tokens), "max_tokens": 1, "prompt_logprobs": 0, "temperature": 1.0}
     out = []
     for url in engine_urls:
-        r = client.http().post(f"{url}/v1/completions", json=body, timeout=timeout)
+        r = client.http().post(f"{url}/v1/completions", json=body, timeout=timeout, headers=token.control_headers())
         if r.status_code >= 400:
             raise WeightUpdateMismatchError(f"engine {url}: prompt log-probs failed: HTTP {r.status_code} "
                                             f"{r.text[:300]}")
@@ -104,7 +105,7 @@ def check_weights_equal(args, train_group, rollout_manager) -> dict[str, float]:
     each adapter of a multi-LoRA run (requested by its name, computed by the trainer through it).
 
     Needs `RolloutManager.probe_tokens()` (the probe for its tokenizer: the driver does not load one) and
-    `RolloutManager.probe_log_probs(tokens, model)` (-> `engine_prompt_log_probs(self.engine_urls, tokens)`)."""
+    `RolloutManager.probe_log_probs(tokens, model)` (-> `engine_prompt_log_probs(token, engine_urls, tokens)`)."""
     from vime.utils.deadline import control
     from vime.utils.lora_adapters import adapter_names
 
