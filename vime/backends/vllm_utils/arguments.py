@@ -145,13 +145,19 @@ def add_vllm_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def vllm_cli_tokens(args) -> list[str]:
     """The engine command-line options the user gave, in vLLM's own spelling."""
-    return [tok for tokens in getattr(args, VLLM_RAW_DEST).values() for tok in tokens]
+    return [tok for tokens in given_vllm_tokens(args).values() for tok in tokens]
+
+
+def given_vllm_tokens(args) -> dict[str, list[str]]:
+    """{dest: the tokens given} of the --vllm-* flags; none on a namespace built without vLLM's flags (a test's, a
+    slime-style script's), which starts engines with vLLM's defaults."""
+    return vars(args).get(VLLM_RAW_DEST) or {}
 
 
 def validate_vllm_args(args) -> None:
     """Check the forwarded options before any engine starts: from the option table when it can judge every value
     (names and choices argparse already checked), else with vLLM's own parser. Raises ValueError naming them."""
-    given = getattr(args, VLLM_RAW_DEST)
+    given = given_vllm_tokens(args)
     kinds = {"vllm_" + o["dest"]: o["value"] for o in vllm_option_table()}
     if all(_plainly_valid(kinds.get(dest), tokens[1:]) for dest, tokens in given.items()):
         return
