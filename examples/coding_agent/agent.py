@@ -14,8 +14,8 @@ import re
 
 from examples.coding_agent.grading import grade
 from vime.agents import multi_turn
-from vime.agents.arguments import agent_setting
 from vime.agents.sandbox import Sandbox, SandboxLimits, make_sandbox
+from vime.config.agents import AgentConfig
 from vime.rollout.vllm_rollout import GenerateState
 
 CODE_BLOCK = re.compile(r"```(?:python)?\n(.*?)```", re.DOTALL)
@@ -24,7 +24,8 @@ _sandboxes: dict[tuple[str, bool], Sandbox] = {}
 
 def _sandbox(args) -> Sandbox:
     """The --agent-sandbox (local by default), refusing weak isolation unless --agent-sandbox-allow-weak-isolation."""
-    key = (agent_setting(args, "agent_sandbox"), bool(agent_setting(args, "agent_sandbox_allow_weak_isolation")))
+    agent = AgentConfig.of(args)
+    key = (agent.agent_sandbox, agent.agent_sandbox_allow_weak_isolation)
     if key not in _sandboxes:
         _sandboxes[key] = make_sandbox(key[0], allow_weak_isolation=key[1])
     return _sandboxes[key]
