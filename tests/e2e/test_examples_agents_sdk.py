@@ -59,10 +59,12 @@ def test_agents_sdk_example(tiny_qwen3, tmp_path):
         between = tokenizer.decode(s.tokens[first_end:turns[1]["prompt_tokens"]], skip_special_tokens=False)
         assert f"<|im_start|>tool\n{s.metadata['prices'][call['arguments']['item']]}<|im_end|>" in between
         assert between.endswith("<|im_start|>assistant\n")
-        # the reward: 1 exactly when the call asked for the asked item and the answer's last number is its price
+        # the reward: 1 exactly when the call asked for the asked item and the answer's last number is its price;
+        # an answer cut off at the length limit fails the SDK's episode (`agent.run`: reward 0) whatever it says
         answer = tokenizer.decode(s.tokens[turns[-1]["prompt_tokens"]:][:turns[-1]["completion_tokens"]],
                                   skip_special_tokens=True)
-        right = call["arguments"]["item"] == s.metadata["item"] and last_number(answer) == s.label
+        finished = turns[-1]["finish_reason"] != "length"
+        right = finished and call["arguments"]["item"] == s.metadata["item"] and last_number(answer) == s.label
         assert s.reward == float(right), (call, answer, s.label)
     train = [r for r in records if "train/steps" in r]
     assert len(train) == 1
