@@ -61,9 +61,6 @@ class Section:
         """(--flag-name, value) of each of `fields`, for a check that loops over several flags."""
         return [("--" + name.replace("_", "-"), getattr(self, name)) for name in fields]
 
-    def replace(self: S, **values: Any) -> S:
-        return dataclasses.replace(self, **values)
-
 
 def section_defaults(cls: type[Section]) -> dict[str, Any]:
     """{field: default} of a section (a fresh copy of each list a field's default factory makes)."""
@@ -82,11 +79,12 @@ def apply_defaults(parser: argparse.ArgumentParser, *sections: type[Section]) ->
     parser lacks is a mistake in one of them."""
     actions = {a.dest: a for a in parser._actions}
     for cls in sections:
+        defaults = section_defaults(cls)
         for name in cls.flag_names():
             if name not in actions:
                 raise TypeError(f"{cls.__name__}.{name}: no flag has that destination; declare the flag, or mark "
                                 "the field derived()")
-            actions[name].default = section_defaults(cls)[name]
+            actions[name].default = defaults[name]
 
 
 @functools.cache
@@ -97,8 +95,7 @@ def _hints(cls: type) -> dict[str, Any]:
 def check_types(section: Section) -> None:
     """Raise TypeError naming each field whose value does not have the field's declared type."""
     wrong = [f"{name}={getattr(section, name)!r} is not {_name(hint)}"
-             for name, hint in _hints(type(section)).items()
-             if name in {f.name for f in dataclasses.fields(section)} and not _is(getattr(section, name), hint)]
+             for name, hint in _hints(type(section)).items() if not _is(getattr(section, name), hint)]
     if wrong:
         raise TypeError(f"{type(section).__name__}: " + "; ".join(wrong))
 

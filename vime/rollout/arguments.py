@@ -25,7 +25,6 @@ from vime.rollout.rm_hub import RM_REGISTRY
 from vime.utils.lora_adapters import AdapterSpec, adapter_specs
 from vime.utils.misc import with_values
 
-DEFAULT_ROLLOUT_FUNCTION = "vime.rollout.vllm_rollout.generate_rollout"
 DEFAULT_GENERATE_FUNCTION = "vime.rollout.vllm_rollout.generate"
 _FUNCTION_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")  # pkg.module.fn
 
@@ -282,7 +281,7 @@ def validate_rollout_args(args: argparse.Namespace) -> argparse.Namespace:
         section.check()
     derived = {}
     replaying = debug.load_debug_rollout_data is not None
-    engine_free_rollout = rollout.rollout_function_path != DEFAULT_ROLLOUT_FUNCTION  # e.g. sft_rollout
+    engine_free_rollout = rollout.rollout_function_path != RolloutConfig().rollout_function_path  # e.g. sft_rollout
     if debug.debug_train_only and not replaying and not engine_free_rollout:
         raise ValueError("--debug-train-only needs --load-debug-rollout-data PATH_{rollout_id}, or a "
                          "--rollout-function-path that needs no engines (vime.rollout.sft_rollout.generate_rollout)")

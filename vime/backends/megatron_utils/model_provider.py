@@ -270,7 +270,7 @@ def build_gpt_model(args: argparse.Namespace, pre_process: bool = True, post_pro
         rotary_base=megatron.rotary_base,
         vp_stage=vp_stage,
     )
-    scaling = MegatronConfig.of(args).rope_scaling
+    scaling = megatron.rope_scaling
     if scaling is not None and not config.multi_latent_attention:  # MLA builds its own (YaRN) rotary embedding
         rope = model.rotary_pos_emb
         rope.inv_freq = scaled_inv_freq(rope, scaling)

@@ -118,8 +118,9 @@ def lora_targets(names) -> tuple[str, ...]:
 
 def validate_lora_args(args: argparse.Namespace) -> argparse.Namespace:
     """Check the LoRA flags; with --lora-load, returns `args` with the adapter's rank, alpha and targets."""
-    if LoraConfig.of(args).lora_load:
-        args = with_values(args, **_peft_adapter_flags(LoraConfig.of(args).lora_load, args))
+    adapter = LoraConfig.of(args).lora_load
+    if adapter:
+        args = with_values(args, **_peft_adapter_flags(adapter, args))
     lora = LoraConfig.of(args)
     lora.check()
     specs = adapter_specs(args)
