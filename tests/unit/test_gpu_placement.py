@@ -12,7 +12,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 from tests.helpers.run_sections import placement_of
-from vime.ray.placement import device_order
+from vime.ray.placement import Placement, device_order
 
 GPUS_PER_NODE = 4
 
