@@ -1,6 +1,6 @@
-"""Ports for vime's servers: chosen where outgoing connections do not take them, and an engine whose port was
-taken between choosing and binding it relaunches on a new one instead of failing the run (seen in CI: a
-connection elsewhere on the node took the port during the engine's ~10 s start-up). The engine stands in for vLLM
+"""Ports for vime's servers: chosen where outgoing connections do not take them, and an engine or the router whose
+port was taken between choosing and binding it relaunches on a new one instead of failing the run (seen in CI: a
+connection elsewhere on the node took the port during the engine's ~10 s start-up, and the router's). The engine stands in for vLLM
 with a small HTTP server that binds like vLLM's (no SO_REUSEPORT) and prints the same error; this tests the code
 around it."""
 
@@ -82,3 +82,35 @@ def test_an_engine_that_fails_for_another_reason_is_not_relaunched(tmp_path, mon
     except RuntimeError as err:
         assert "exited with code 1" in str(err) and "bad model" in str(err)
     assert len(launches) == 1
+
+
+def test_the_router_whose_port_is_taken_relaunches_on_a_new_one(tmp_path):
+    """The real vllm-router, its port held by a bound socket that is not listening, as an outgoing connection
+    holds its port (seen in CI: "Error starting router: Address already in use"). With `relaunch_args` it starts
+    again on the next port; without them (a port the user gave) it fails, and the error carries the router's log."""
+    import pytest
+
+    from vime.arguments import build_parser
+    from vime.backends.vllm_utils.arguments import router_args_from
+    from vime.backends.vllm_utils.router import Router, router_ok
+
+    flags = build_parser().parse_args(["--hf-checkpoint", "x"])
+    token = RunToken.new()
+    taken = socket.socket()  # no SO_REUSEADDR, not listening: what a connection's local port looks like
+    taken.bind(("127.0.0.1", find_free_port()))
+    held, fresh = taken.getsockname()[1], find_free_port()
+    on = lambda port: router_args_from(flags, "127.0.0.1", port, [], api_key=token.serving_key())  # noqa: E731
+    relaunches = []
+    router = Router(on(held), str(tmp_path / "a"), token, relaunch_args=lambda: relaunches.append(1) or on(fresh))
+    fixed = Router(on(held), str(tmp_path / "b"), token)
+    try:
+        assert router.start(timeout_s=60) == f"http://127.0.0.1:{fresh}" and relaunches == [1]
+        assert router_ok(token, router.url)
+        assert "Address already in use" in (tmp_path / "a" / "router.log").read_text()
+        with pytest.raises(RuntimeError, match=f"did not start on http://127.0.0.1:{held}(.|\n)*Address already in use"):
+            fixed.start(timeout_s=60)
+        assert fixed.proc is None
+    finally:
+        router.stop()
+        fixed.stop()
+        taken.close()

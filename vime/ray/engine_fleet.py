@@ -209,8 +209,13 @@ class EngineFleet(FleetRecovery):
 
     def _own_router(self, port: int, worker_urls: list[str]) -> Router:
         # loopback, and every route asks for the serving key (`router_door`); rollouts run in this process
-        router_args = router_args_from(self.args, "127.0.0.1", port, worker_urls, api_key=self.token.serving_key())
-        return Router(router_args, str(self.log_dir), self.token)
+        def args_on(port: int):
+            return router_args_from(self.args, "127.0.0.1", port, worker_urls, api_key=self.token.serving_key())
+
+        given_port = RouterConfig.of(self.args).vllm_router_port
+        # a port vime chose may be taken before the router binds it: then the router starts again on a new one
+        relaunch = None if given_port else lambda: args_on(find_free_port())
+        return Router(args_on(port), str(self.log_dir), self.token, relaunch_args=relaunch)
 
     def _start_own_router(self, port: int) -> None:
         """vime's router on loopback `port`, every engine in service registered, holding the serving key."""

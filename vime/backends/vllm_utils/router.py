@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import sys
 import time
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from vime.backends.vllm_utils.engine import http_status
+from vime.backends.vllm_utils.engine import PORT_ATTEMPTS, http_status, lost_port_race
 from vime.utils.auth import RunToken
 from vime.utils.listeners import foreign_listener, listeners
 from vime.utils.process import kill_tree, spawn, tail, wait_until
@@ -26,16 +28,24 @@ from vime.utils.process import kill_tree, spawn, tail, wait_until
 # before it answers, so one at a time costs a fleet of 1,000 engines 1,000 of those round trips in a row
 REGISTER_FANOUT = 16
 
+logger = logging.getLogger(__name__)
+
 
 class Router:
-    """`router_args.api_key`, when set, is `token.serving_key()`: the key every caller of the router needs."""
+    """`router_args.api_key`, when set, is `token.serving_key()`: the key every caller of the router needs.
 
-    def __init__(self, router_args, log_dir: str, token: RunToken):
+    `relaunch_args`, when given, makes the router's arguments again on freshly chosen ports: a router that exits
+    because another process bound its port first (chosen free, taken before the router bound it) starts again on
+    new ones, as an engine does."""
+
+    def __init__(self, router_args, log_dir: str, token: RunToken, relaunch_args: Callable[[], object] | None = None):
         self.router_args = router_args
         self.token = token  # what this handle's own calls (/health, /workers, worker registration) carry
+        self.relaunch_args = relaunch_args
         self.url = f"http://{router_args.host}:{router_args.port}"
         self.log_path = Path(log_dir) / "router.log"
         self.proc = None
+        self._log_offset = 0  # where this launch's output begins in the log
 
     def start(self, timeout_s: float = 60.0) -> str:
         self.launch()
@@ -43,28 +53,45 @@ class Router:
 
     def launch(self) -> None:
         """Start the router's process without waiting for it to serve."""
+        self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         # on standard input, not argv: the arguments hold the serving key (api_key)
         payload = json.dumps(dataclasses.asdict(self.router_args)).encode()
         self.proc = spawn([sys.executable, "-m", "vime.backends.vllm_utils.router"], self.log_path,
                           stdin_data=payload)
 
     def wait_ready(self, timeout_s: float = 60.0) -> str:
-        """Wait until the launched router answers /health; its URL. The key goes only to a listener that is the
-        router's own: first its port must be listening, and by the router's process."""
+        """Wait until the launched router answers /health; its URL. A router that lost its port to another
+        process is launched again on new ports (`relaunch_args`), up to `PORT_ATTEMPTS` launches in all."""
         deadline = time.monotonic() + timeout_s
-        alive = lambda: self.proc.poll() is None  # noqa: E731
-        port = self.router_args.port
-        if wait_until(lambda: bool(listeners(port)), timeout_s, 0.05, alive=alive):
-            stranger = foreign_listener(port, self.proc.pid)
-            if stranger is not None:  # /health and generate requests carry the serving key: none goes to a stranger
-                self.stop()
-                raise RuntimeError(f"vllm-router at {self.url}: {stranger}; nothing was sent to it. Another user may "
-                                   "be trying to impersonate the router: start the run again on another port")
-            healthy = lambda: router_ok(self.token, self.url)  # noqa: E731
-            if wait_until(healthy, max(deadline - time.monotonic(), 0.0), 0.1, alive=alive):
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            if self._serving(deadline):
                 return self.url
+            if (self.relaunch_args is None or attempt == PORT_ATTEMPTS
+                    or not lost_port_race(self.proc, self.log_path, self._log_offset)):
+                break
+            logger.warning("vllm-router: %s was taken before the router bound it; relaunching on a new port "
+                           "(attempt %d of %d)", self.url, attempt + 1, PORT_ATTEMPTS)
+            self.stop()
+            self.router_args = self.relaunch_args()
+            self.url = f"http://{self.router_args.host}:{self.router_args.port}"
+            self.launch()
         self.stop()
         raise RuntimeError(f"vllm-router did not start on {self.url}. Log {self.log_path}:\n{tail(self.log_path)}")
+
+    def _serving(self, deadline: float) -> bool:
+        """Whether the launched router answers /health before `deadline`. The key goes only to a listener that is
+        the router's own: first its port must be listening, and by the router's process."""
+        alive = lambda: self.proc.poll() is None  # noqa: E731
+        port = self.router_args.port
+        if not wait_until(lambda: bool(listeners(port)), max(deadline - time.monotonic(), 0.0), 0.05, alive=alive):
+            return False
+        stranger = foreign_listener(port, self.proc.pid)
+        if stranger is not None:  # /health and generate requests carry the serving key: none goes to a stranger
+            self.stop()
+            raise RuntimeError(f"vllm-router at {self.url}: {stranger}; nothing was sent to it. Another user may "
+                               "be trying to impersonate the router: start the run again on another port")
+        healthy = lambda: router_ok(self.token, self.url)  # noqa: E731
+        return wait_until(healthy, max(deadline - time.monotonic(), 0.0), 0.1, alive=alive)
 
     def workers(self) -> list[str]:
         request = urllib.request.Request(self.url + "/workers", headers=self.token.serving_headers())
