@@ -202,6 +202,12 @@ def test_each_flag_group_alone_takes_its_sections_defaults_and_its_help_shows_th
     ("WeightSyncConfig", {"update_weight_buffer_size": 0}, r"--update-weight-buffer-size must be >= 1 byte"),
     ("LoraConfig", {"lora_dropout": 1.0}, r"--lora-dropout must be in \[0, 1\), got 1.0"),
     ("JudgeConfig", {"judge_checkpoint": "j", "judge_concurrency": 0}, r"--judge-concurrency must be >= 1, got 0"),
+    ("AlgorithmConfig", {"eps_clip_c": 1.0}, r"--eps-clip-c must be > 1.0"),
+    ("AlgorithmConfig", {"overlong_penalty_factor": 0.5}, r"--overlong-penalty-factor needs --overlong-buffer-len"),
+    ("AlgorithmConfig", {"entropy_top_fraction": 0.0}, r"--entropy-top-fraction must lie in \(0, 1\], got 0.0"),
+    ("RolloutCorrectionConfig", {"use_tis": True, "use_mis": True}, r"--use-mis and --use-tis are mutually exclusive"),
+    ("RolloutCorrectionConfig", {"mis_threshold_low": 2.0}, r"0 <= --mis-threshold-low \(2.0\) < --mis-threshold-high"),
+    ("DistillationConfig", {"opd_teacher_checkpoint": "t", "opd_coef": 0.0}, r"--opd-coef must be > 0, got 0.0"),
 ])
 def test_each_section_refuses_its_own_bad_values_by_flag_name(section, values, message):
     from vime.config.run_config import SECTIONS

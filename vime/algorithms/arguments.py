@@ -250,38 +250,11 @@ def validate_algorithm_args(args: argparse.Namespace) -> argparse.Namespace:
     algorithm = AlgorithmConfig.of(args)
     correction = RolloutCorrectionConfig.of(args)
     distillation = DistillationConfig.of(args)
+    for section in (algorithm, correction, distillation):
+        section.check()
     derived = {}
-    if algorithm.eps_clip <= 0:
-        raise ValueError(f"--eps-clip must be > 0, got {algorithm.eps_clip}")
     if algorithm.eps_clip_high is None:
         derived["eps_clip_high"] = algorithm.eps_clip
-    elif algorithm.eps_clip_high <= 0:
-        raise ValueError(f"--eps-clip-high must be > 0, got {algorithm.eps_clip_high}; omit it to use --eps-clip")
-    if algorithm.eps_clip_c is not None and algorithm.eps_clip_c <= 1.0:
-        raise ValueError(
-            f"--eps-clip-c must be > 1.0 (it caps the loss of negative advantages at -A * eps_clip_c), "
-            f"got {algorithm.eps_clip_c}; pass a value such as 3.0 or omit the flag to disable dual clip"
-        )
-    if correction.tis_clip_low > correction.tis_clip:
-        raise ValueError(
-            f"--tis-clip-low ({correction.tis_clip_low}) must be <= --tis-clip ({correction.tis_clip}); "
-            f"lower --tis-clip-low or raise --tis-clip"
-        )
-    if algorithm.cispo_eps_low is not None and algorithm.cispo_eps_low <= 0:
-        raise ValueError(f"--cispo-eps-low must be > 0, got {algorithm.cispo_eps_low}; omit it for no lower bound")
-    if correction.use_rollout_logprobs and (correction.use_tis or correction.use_mis):
-        raise ValueError("--use-rollout-logprobs makes the engine's log-probs the old policy, so every TIS / MIS "
-                         "weight would be exactly 1: drop --use-tis / --use-mis, or drop --use-rollout-logprobs")
-    if correction.custom_tis_function_path and not correction.use_tis:
-        raise ValueError("--custom-tis-function-path replaces the built-in TIS: add --use-tis")
-    if correction.use_mis and correction.use_tis:
-        raise ValueError("--use-mis and --use-tis are mutually exclusive (both reweight the policy loss by "
-                         "exp(old_logp - rollout_logp)); pass one of them")
-    if not 0 <= correction.mis_threshold_low < correction.mis_threshold_high:
-        raise ValueError(
-            f"MIS thresholds must satisfy 0 <= --mis-threshold-low ({correction.mis_threshold_low}) < "
-            f"--mis-threshold-high ({correction.mis_threshold_high})"
-        )
     if algorithm.use_kl_loss and algorithm.kl_loss_coef == 0.0:
         logger.warning("--use-kl-loss is set but --kl-loss-coef is 0.0: the KL loss is logged but has no effect")
     if algorithm.kl_coef != 0.0 and algorithm.advantage_estimator not in KL_REWARD_ESTIMATORS:
@@ -305,9 +278,6 @@ def validate_algorithm_args(args: argparse.Namespace) -> argparse.Namespace:
         if not (Path(distillation.opd_teacher_checkpoint) / "config.json").is_file():
             raise ValueError(f"--opd-teacher-checkpoint {distillation.opd_teacher_checkpoint}: no HF checkpoint there "
                              "(config.json missing)")
-        if distillation.opd_coef <= 0:
-            raise ValueError(f"--opd-coef must be > 0, got {distillation.opd_coef}; omit --opd-teacher-checkpoint "
-                             "for no distillation")
     derived.update(_validate_estimator_shaping_entropy_flags(args, derived.get("policy_loss", algorithm.policy_loss)))
     derived["use_critic"] = algorithm.advantage_estimator == "ppo" or algorithm.use_critic
     return with_values(args, **derived)
@@ -337,16 +307,9 @@ def _validate_estimator_shaping_entropy_flags(args: argparse.Namespace, policy_l
             and not algorithm.disable_grpo_std_normalization:
         logger.warning("--loss-agg-mode seq_mean_token_sum_norm without --disable-grpo-std-normalization is not "
                        "Dr. GRPO: its advantages are still divided by the group std")
-    if algorithm.overlong_buffer_len is not None:
-        if algorithm.overlong_buffer_len < 1 or (max_len is not None and algorithm.overlong_buffer_len > max_len):
-            raise ValueError(f"--overlong-buffer-len {algorithm.overlong_buffer_len} must lie in [1, "
-                             f"--rollout-max-response-len {max_len}]")
-        if algorithm.overlong_penalty_factor < 0:
-            raise ValueError(f"--overlong-penalty-factor must be >= 0, got {algorithm.overlong_penalty_factor}")
-    elif algorithm.overlong_penalty_factor != 1.0:
-        raise ValueError("--overlong-penalty-factor needs --overlong-buffer-len (the buffer the penalty grows over)")
-    if algorithm.entropy_top_fraction is not None and not 0.0 < algorithm.entropy_top_fraction <= 1.0:
-        raise ValueError(f"--entropy-top-fraction must lie in (0, 1], got {algorithm.entropy_top_fraction}")
+    buffer_len = algorithm.overlong_buffer_len
+    if buffer_len is not None and (buffer_len < 1 or (max_len is not None and buffer_len > max_len)):
+        raise ValueError(f"--overlong-buffer-len {buffer_len} must lie in [1, --rollout-max-response-len {max_len}]")
     if policy_loss in ("clip_cov", "kl_cov"):
         ratio_flag = "--clip-cov-ratio" if policy_loss == "clip_cov" else "--kl-cov-ratio"
         ratio = algorithm.clip_cov_ratio if policy_loss == "clip_cov" else algorithm.kl_cov_ratio

@@ -47,6 +47,26 @@ class AlgorithmConfig(Section):
     use_critic: bool = derived(False)  # PPO trains a critic: set by validation from --advantage-estimator
     loss_agg_mode: str = "token_mean"  # one of vime.algorithms' LOSS_AGG_MODES (the flag's choices)
 
+    def check(self) -> None:
+        """This section's own bounds; the rules that involve the estimator's registry, the effective policy loss
+        or other sections are `vime.algorithms.arguments.validate_algorithm_args`'s."""
+        if self.eps_clip <= 0:
+            raise ValueError(f"--eps-clip must be > 0, got {self.eps_clip}")
+        if self.eps_clip_high is not None and self.eps_clip_high <= 0:
+            raise ValueError(f"--eps-clip-high must be > 0, got {self.eps_clip_high}; omit it to use --eps-clip")
+        if self.eps_clip_c is not None and self.eps_clip_c <= 1.0:
+            raise ValueError(
+                f"--eps-clip-c must be > 1.0 (it caps the loss of negative advantages at -A * eps_clip_c), "
+                f"got {self.eps_clip_c}; pass a value such as 3.0 or omit the flag to disable dual clip")
+        if self.cispo_eps_low is not None and self.cispo_eps_low <= 0:
+            raise ValueError(f"--cispo-eps-low must be > 0, got {self.cispo_eps_low}; omit it for no lower bound")
+        if self.overlong_buffer_len is None and self.overlong_penalty_factor != 1.0:
+            raise ValueError("--overlong-penalty-factor needs --overlong-buffer-len (the buffer the penalty grows over)")
+        if self.overlong_buffer_len is not None and self.overlong_penalty_factor < 0:
+            raise ValueError(f"--overlong-penalty-factor must be >= 0, got {self.overlong_penalty_factor}")
+        if self.entropy_top_fraction is not None and not 0.0 < self.entropy_top_fraction <= 1.0:
+            raise ValueError(f"--entropy-top-fraction must lie in (0, 1], got {self.entropy_top_fraction}")
+
 
 @dataclasses.dataclass(frozen=True)
 class RolloutCorrectionConfig(Section):
@@ -63,6 +83,22 @@ class RolloutCorrectionConfig(Section):
     mis_threshold_high: float = 2.0
     use_rollout_logprobs: bool = False
 
+    def check(self) -> None:
+        if self.tis_clip_low > self.tis_clip:
+            raise ValueError(f"--tis-clip-low ({self.tis_clip_low}) must be <= --tis-clip ({self.tis_clip}); "
+                             "lower --tis-clip-low or raise --tis-clip")
+        if self.use_rollout_logprobs and (self.use_tis or self.use_mis):
+            raise ValueError("--use-rollout-logprobs makes the engine's log-probs the old policy, so every TIS / MIS "
+                             "weight would be exactly 1: drop --use-tis / --use-mis, or drop --use-rollout-logprobs")
+        if self.custom_tis_function_path and not self.use_tis:
+            raise ValueError("--custom-tis-function-path replaces the built-in TIS: add --use-tis")
+        if self.use_mis and self.use_tis:
+            raise ValueError("--use-mis and --use-tis are mutually exclusive (both reweight the policy loss by "
+                             "exp(old_logp - rollout_logp)); pass one of them")
+        if not 0 <= self.mis_threshold_low < self.mis_threshold_high:
+            raise ValueError(f"MIS thresholds must satisfy 0 <= --mis-threshold-low ({self.mis_threshold_low}) < "
+                             f"--mis-threshold-high ({self.mis_threshold_high})")
+
 
 @dataclasses.dataclass(frozen=True)
 class DistillationConfig(Section):
@@ -72,3 +108,8 @@ class DistillationConfig(Section):
     opd_mode: Literal["reward", "loss"] = "reward"
     opd_coef: float = 1.0
     opd_kl_type: Literal["k1", "k2", "k3", "low_var_kl"] = "k3"
+
+    def check(self) -> None:
+        if self.opd_teacher_checkpoint is not None and self.opd_coef <= 0:
+            raise ValueError(f"--opd-coef must be > 0, got {self.opd_coef}; omit --opd-teacher-checkpoint "
+                             "for no distillation")
