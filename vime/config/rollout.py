@@ -58,6 +58,15 @@ class RolloutConfig(Section):
             raise ValueError(f"--rollout-timeout must be a positive number of seconds, got {self.rollout_timeout}")
         at_least_one(self.named("rollout_batch_size", "n_samples_per_prompt", "rollout_max_response_len",
                                 "rollout_concurrency"))
+        if self.over_sampling_batch_size is not None and self.over_sampling_batch_size < self.rollout_batch_size:
+            raise ValueError(f"--over-sampling-batch-size ({self.over_sampling_batch_size}) must be >= "
+                             f"--rollout-batch-size ({self.rollout_batch_size})")
+        if self.rollout_temperature <= 0:
+            raise ValueError("--rollout-temperature must be > 0: RL needs sampled responses and their log-probs")
+        if not 0 < self.rollout_top_p <= 1:
+            raise ValueError(f"--rollout-top-p must be in (0, 1], got {self.rollout_top_p}")
+        if self.mask_offpolicy_in_partial_rollout and not self.partial_rollout:
+            raise ValueError("--mask-offpolicy-in-partial-rollout needs --partial-rollout")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +84,13 @@ class EnginesConfig(Section):
             raise ValueError("--engine-startup-timeout must be a positive number of seconds, got "
                              f"{self.engine_startup_timeout}")
         at_least_one(self.named("rollout_num_gpus", "rollout_num_gpus_per_engine"))
+        if self.rollout_num_gpus % self.rollout_num_gpus_per_engine:
+            raise ValueError(f"--rollout-num-gpus ({self.rollout_num_gpus}) must be a multiple of "
+                             f"--rollout-num-gpus-per-engine ({self.rollout_num_gpus_per_engine})")
+        for addr in self.rollout_external_engine_addrs or []:
+            host, _, port = addr.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"--rollout-external-engine-addrs: {addr!r} is not host:port")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +156,8 @@ class EvalConfig(Section):
 
     def check(self) -> None:
         at_least_one(self.named("n_samples_per_eval_prompt"))
+        if self.eval_prompt_data is not None and len(self.eval_prompt_data) % 2:
+            raise ValueError("--eval-prompt-data takes pairs NAME PATH [NAME PATH ...]")
         if self.eval_pass_at_k and self.eval_pass_at_k[-1] > self.n_samples_per_eval_prompt:
             raise ValueError(f"--eval-pass-at-k {','.join(map(str, self.eval_pass_at_k))}: k = "
                              f"{self.eval_pass_at_k[-1]} needs --n-samples-per-eval-prompt >= "

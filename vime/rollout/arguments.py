@@ -303,8 +303,6 @@ def validate_rollout_args(args: argparse.Namespace) -> argparse.Namespace:
             raise ValueError("--rm-type remote_rm needs --rm-url http://host:port/path")
     validate_adapter_rms(args, adapters)
     if evaluation.eval_prompt_data is not None:
-        if len(evaluation.eval_prompt_data) % 2:
-            raise ValueError("--eval-prompt-data takes pairs NAME PATH [NAME PATH ...]")
         for name, path in zip(evaluation.eval_prompt_data[::2], evaluation.eval_prompt_data[1::2]):
             if not Path(path).is_file():
                 raise ValueError(f"--eval-prompt-data {name}: file {path} not found")
@@ -318,27 +316,8 @@ def validate_rollout_args(args: argparse.Namespace) -> argparse.Namespace:
             raise ValueError("--eval-pass-at-k needs eval sets: --eval-prompt-data NAME PATH (or "
                              "--environment-eval-size N)")
 
-    over_sampling = rollout.over_sampling_batch_size
-    over_sampling = rollout.rollout_batch_size if over_sampling is None else over_sampling
-    derived["over_sampling_batch_size"] = over_sampling
-    if over_sampling < rollout.rollout_batch_size:
-        raise ValueError(f"--over-sampling-batch-size ({over_sampling}) must be >= "
-                         f"--rollout-batch-size ({rollout.rollout_batch_size})")
-    if rollout.rollout_temperature <= 0:
-        raise ValueError("--rollout-temperature must be > 0: RL needs sampled responses and their log-probs")
-    if not 0 < rollout.rollout_top_p <= 1:
-        raise ValueError(f"--rollout-top-p must be in (0, 1], got {rollout.rollout_top_p}")
-    if engines.rollout_num_gpus % engines.rollout_num_gpus_per_engine:
-        raise ValueError(f"--rollout-num-gpus ({engines.rollout_num_gpus}) must be a multiple of "
-                         f"--rollout-num-gpus-per-engine ({engines.rollout_num_gpus_per_engine})")
-    if engines.rollout_external_engine_addrs:
-        for addr in engines.rollout_external_engine_addrs:
-            host, _, port = addr.rpartition(":")
-            if not host or not port.isdigit():
-                raise ValueError(f"--rollout-external-engine-addrs: {addr!r} is not host:port")
-    if rollout.mask_offpolicy_in_partial_rollout and not rollout.partial_rollout:
-        raise ValueError("--mask-offpolicy-in-partial-rollout needs --partial-rollout")
-
+    if rollout.over_sampling_batch_size is None:
+        derived["over_sampling_batch_size"] = rollout.rollout_batch_size
     if fault_tolerance.use_fault_tolerance and engines.rollout_external_engine_addrs:
         raise ValueError("--use-fault-tolerance restarts engines vime started; it cannot restart "
                          "--rollout-external-engine-addrs servers (drop one of the two)")
