@@ -84,3 +84,18 @@ def wait_until(predicate, timeout_s: float, interval_s: float = 0.5, alive=None)
             return False
         time.sleep(interval_s)
     return False
+
+
+# a server on a port vime chose (an engine, the router): launches on fresh ports when another process binds the
+# chosen one first
+PORT_ATTEMPTS = 3
+
+
+def lost_port_race(proc, log_path: Path, log_offset: int) -> bool:
+    """Whether the server exited because its port was taken between choosing and binding it (its log from
+    `log_offset`, where this launch's output begins, says so)."""
+    if proc.poll() is None:
+        return False
+    with open(log_path, "rb") as f:
+        f.seek(log_offset)
+        return b"Address already in use" in f.read()

@@ -30,7 +30,7 @@ from vime.utils.cpus import CpuShare, allowed_cpus, raise_priority
 from vime.utils.logging_utils import configure_logging
 from vime.utils.misc import find_free_port
 from vime.utils.listeners import foreign_listener
-from vime.utils.process import kill_tree, spawn, tail, wait_until
+from vime.utils.process import PORT_ATTEMPTS, kill_tree, lost_port_race, spawn, tail, wait_until
 
 
 logger = logging.getLogger(__name__)
@@ -287,19 +287,6 @@ def control_routes_locked(url: str, token: RunToken) -> str | None:
     return (f"GET {probe} answered {without} without the run's token and {with_token} with it (expected 401 and "
             "200): vime's vLLM plugin did not guard the server's routes; check that VLLM_PLUGINS names 'vime' and "
             "that vime is installed in the engine's environment")
-
-
-PORT_ATTEMPTS = 3  # launches on fresh ports when another process binds the chosen one first
-
-
-def lost_port_race(proc, log_path: Path, log_offset: int) -> bool:
-    """Whether the server exited because its port was taken between choosing and binding it (its log from
-    `log_offset`, where this launch's output begins, says so)."""
-    if proc.poll() is None:
-        return False
-    with open(log_path, "rb") as f:
-        f.seek(log_offset)
-        return b"Address already in use" in f.read()
 
 
 class VLLMEngine:

@@ -19,10 +19,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from vime.backends.vllm_utils.engine import PORT_ATTEMPTS, http_status, lost_port_race
+from vime.backends.vllm_utils.engine import http_status
 from vime.utils.auth import RunToken
 from vime.utils.listeners import foreign_listener, listeners
-from vime.utils.process import kill_tree, spawn, tail, wait_until
+from vime.utils.process import PORT_ATTEMPTS, kill_tree, lost_port_race, spawn, tail, wait_until
 
 # add_worker / remove_worker calls in flight to the router at once: the router checks a new worker's /health
 # before it answers, so one at a time costs a fleet of 1,000 engines 1,000 of those round trips in a row
