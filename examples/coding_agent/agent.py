@@ -16,6 +16,7 @@ from examples.coding_agent.grading import grade
 from vime.agents import multi_turn
 from vime.agents.sandbox import Sandbox, SandboxLimits, make_sandbox
 from vime.config.agents import AgentConfig
+from vime.rollout.sandbox_runs import record_sandbox_run
 from vime.rollout.vllm_rollout import GenerateState
 
 CODE_BLOCK = re.compile(r"```(?:python)?\n(.*?)```", re.DOTALL)
@@ -48,4 +49,5 @@ async def reward(args, sample) -> float:
     if code is None:
         return 0.0
     score, sample.metadata["grading"] = await grade(_sandbox(args), code, sample.label, SandboxLimits(wall_time_s=5))
+    record_sandbox_run(sample, "grading", sample.metadata["grading"]["sandbox_error"])  # counted in the rollout
     return score

@@ -137,5 +137,5 @@ async def grade(sandbox: Sandbox, code: str, tests: str,
                                limits=limits or SandboxLimits(wall_time_s=5))
     ok = passed(result.stdout, result.exit_code, result.stopped_reason, [expected for _, expected in cases])
     details = {"passed": ok, "exit_code": result.exit_code, "stopped_reason": result.stopped_reason,
-               "stderr": result.stderr[-500:]}
+               "stderr": result.stderr[-500:], "sandbox_error": result.sandbox_error}
     return float(ok), details

@@ -82,3 +82,13 @@ def test_coding_agent_example(tmp_path):
         grading = s.metadata["grading"]
         assert s.reward == float(grading["passed"])
         assert not grading["passed"] or (grading["exit_code"] == 0 and grading["stopped_reason"] is None)
+        assert grading["sandbox_error"] is None, grading  # the sandbox itself never failed a grading
+    # every sandboxed run is counted, on its sample and in the rollout's metrics; none failed in the sandbox itself
+    # (under /home or /tmp, all of them once did: "isolation failed", trained on without a word)
+    runs = {kind: sum(s.metadata.get("sandbox", {}).get(kind, {}).get("runs", 0) for s in samples)
+            for kind in ("tool", "grading")}
+    assert runs["tool"] > 0 and runs["grading"] == len(graded)
+    assert not any("isolation failed" in s.response for s in samples)
+    record = json.loads((tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()[0])
+    assert record["rollout/sandbox/tool_runs"] == runs["tool"] and record["rollout/sandbox/tool_errors"] == 0
+    assert record["rollout/sandbox/grading_runs"] == runs["grading"] and record["rollout/sandbox/grading_errors"] == 0

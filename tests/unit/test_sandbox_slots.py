@@ -28,10 +28,9 @@ def test_uids_of_accounts_are_refused():
 def test_slots_are_exclusive_across_processes_and_emptied_on_release():
     base = 2**30 + 7000  # a range of its own: sandboxes of tests running beside this one are not disturbed
     pool = UidPool(base=base, count=2)
-    python = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else "python3"
 
     async def main():
-        first = await pool.acquire(python)
+        first = await pool.acquire()
         # another process takes the other slot: flock is held across processes
         holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time\n"
                                    f"fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\n"
@@ -40,18 +39,18 @@ def test_slots_are_exclusive_across_processes_and_emptied_on_release():
         assert holder.stdout.readline() == "held\n"
         try:
             with pytest.raises(asyncio.TimeoutError):  # both slots taken: a third sandbox waits
-                await asyncio.wait_for(pool.acquire(python), timeout=0.3)
+                await asyncio.wait_for(pool.acquire(), timeout=0.3)
         finally:
             holder.kill()
             holder.wait()
-        second = await asyncio.wait_for(pool.acquire(python), timeout=5)
+        second = await asyncio.wait_for(pool.acquire(), timeout=5)
         assert {first.uid, second.uid} == {base, base + 1}
         # a process of the slot's uid that escaped its run (setsid, reparented) dies when the slot is released
         stray = subprocess.Popen(["sleep", "60"], user=second.uid, group=second.gid, extra_groups=[],
                                  start_new_session=True)
         assert uid_processes(second.uid) == [stray.pid]
-        await pool.release(second, python)
+        await pool.release(second)
         assert stray.wait(timeout=5) == -9 and uid_processes(second.uid) == []
-        await pool.release(first, python)
+        await pool.release(first)
 
     asyncio.run(main())

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 from vime.agents.tool_parsing import ToolCall, ToolCallError
+from vime.rollout.sandbox_runs import record_sandbox_run
 
 
 @dataclass
@@ -134,9 +135,14 @@ async def _python(arguments: dict[str, Any], ctx: ToolContext) -> str:
     code = arguments.get("code")
     if not isinstance(code, str) or not code.strip():
         raise ValueError('python needs "code" (a string)')
-    sandbox = ctx.sandbox or LocalSandbox()
-    # the sandbox's own wall limit sits inside the call's timeout, so the process tree is always reaped
-    result = await sandbox.run(code=code, limits=SandboxLimits(wall_time_s=max(0.5, ctx.timeout_s - 1.0)))
+    try:
+        sandbox = ctx.sandbox or LocalSandbox()
+        # the sandbox's own wall limit sits inside the call's timeout, so the process tree is always reaped
+        result = await sandbox.run(code=code, limits=SandboxLimits(wall_time_s=max(0.5, ctx.timeout_s - 1.0)))
+    except Exception as e:  # the sandbox could not run it (refused, unreachable): its failure, not the model's
+        record_sandbox_run(ctx.sample, "tool", f"{type(e).__name__}: {e}")
+        raise
+    record_sandbox_run(ctx.sample, "tool", result.sandbox_error)
     return format_run_output(result) or "[no output]"
 
 

@@ -35,6 +35,7 @@ from vime.ray.placement import num_engines
 from vime.rollout.context import RolloutContext, in_rollout_context, rollout_context, use_rollout_context
 from vime.rollout.debug_data import load_rollout, save_compact_rollout, save_rollout
 from vime.rollout.metrics import eval_at_k, record_counters, rollout_metrics
+from vime.rollout.sandbox_runs import check_sandbox_runs
 from vime.utils.auth import RunToken
 from vime.utils.logging_utils import configure_logging
 from vime.utils.lora_adapters import ADAPTER_KEY, adapter_names, adapter_specs
@@ -256,6 +257,7 @@ class RolloutManager:
         skip_reason = self._judge(rollout_id, metrics)
         dicts = [[s.to_dict() for s in g] for g in groups]
         self._keep_for_inspection(f"rollout_{rollout_id}", dicts)
+        check_sandbox_runs(samples, f"rollout {rollout_id}")  # all its sandboxed runs failed: stop, kept to inspect
         extra = {"rollout_id": rollout_id, "metrics": metrics, "data_source": self.data_source_state(),
                  **rollout_summary(dicts)}
         if skip_reason is not None:
@@ -291,6 +293,7 @@ class RolloutManager:
                 template = debug.save_debug_rollout_data.replace("{rollout_id}", f"eval_{name}_{{rollout_id}}")
                 save_rollout(template, rollout_id, [samples])
             self._keep_for_inspection(f"eval_{name}_{rollout_id}", [samples])
+            check_sandbox_runs(samples, f"eval {name!r} at rollout {rollout_id}")
         return metrics
 
     def _keep_for_inspection(self, name: str, groups) -> None:

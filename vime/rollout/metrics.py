@@ -11,6 +11,7 @@ import math
 
 from vime.algorithms.eval_metrics import eval_at_k_metrics
 from vime.rollout.context import rollout_context
+from vime.rollout.sandbox_runs import sandbox_metrics
 from vime.utils.lora_adapters import ADAPTER_KEY, adapter_names
 from vime.utils.types import Sample
 
@@ -72,7 +73,8 @@ def rollout_metrics(samples: list[Sample], args=None, prefix: str = "rollout") -
     `<prefix>/failed/<stage>_<reason>`); a training rollout (prefix "rollout") also reports the counters and, in a
     multi-LoRA run, the same statistics of each adapter's samples (`rollout/adapter/<name>/reward_mean`, ...; an
     eval set is one adapter's already). Reward statistics cover the scored samples' finite rewards;
-    `<prefix>/non_finite_rewards` counts the others."""
+    `<prefix>/non_finite_rewards` counts the others. Sandboxed runs (tool calls, gradings) and the sandbox's own
+    failures among them: `<prefix>/sandbox/...` (sandbox_runs.py)."""
     rewards, non_finite = _reward_values(samples, args)
     lengths = [s.response_length for s in samples]
     m = {
@@ -92,6 +94,7 @@ def rollout_metrics(samples: list[Sample], args=None, prefix: str = "rollout") -
             key = f"{prefix}/failed/{failure_key(s)}"
             m[key] = m.get(key, 0.0) + 1.0
     m.update(environment_metrics(samples, args, prefix))
+    m.update(sandbox_metrics(samples, prefix))
     if prefix == "rollout" and args is not None:
         m.update(take_counters())
         for name in adapter_names(args):

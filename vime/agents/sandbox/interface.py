@@ -73,6 +73,15 @@ class SandboxResult:
     def ok(self) -> bool:
         return self.exit_code == 0 and self.stopped_reason is None
 
+    @property
+    def sandbox_error(self) -> str | None:
+        """What failed in the sandbox itself (the program never ran, or its end was never observed), or None:
+        the infrastructure's failure, not the program's."""
+        if self.stopped_reason != "sandbox_error":
+            return None
+        details = [v.get("detail") for v in self.violations if v.get("reason") == "sandbox_error" and v.get("detail")]
+        return details[0] if details else (self.stderr.strip() or "sandbox_error")
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

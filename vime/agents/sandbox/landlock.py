@@ -94,11 +94,24 @@ def restrict(read: list[str], write: list[str], deny_tcp: bool) -> str:
     return describe(version, deny_tcp)
 
 
+def _blocked_at(path: str) -> str:
+    """The first directory on the way to `path` that this process may not search."""
+    directory = "/"
+    for part in path.strip("/").split("/")[:-1]:
+        directory = os.path.join(directory, part)
+        if not os.access(directory, os.X_OK):
+            return f"{directory} (mode {os.stat(directory).st_mode & 0o7777:o}, uid {os.stat(directory).st_uid})"
+    return path
+
+
 def _add_rule(libc, ruleset: int, path: str, rights: int) -> None:
     try:
         fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
     except FileNotFoundError:
         return
+    except PermissionError as e:
+        raise PermissionError(e.errno, f"{path} is out of reach of uid {os.getuid()}: {_blocked_at(path)} may not "
+                                       "be searched by it") from None
     try:
         if not os.path.isdir(path):
             rights &= _FILE_RIGHTS

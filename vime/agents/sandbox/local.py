@@ -20,6 +20,7 @@ from vime.agents.sandbox.cgroup import cgroup_pool
 from vime.agents.sandbox.events import parse_jail_events, parse_program_events
 from vime.agents.sandbox.service import HTTPSandbox
 from vime.agents.sandbox.isolation import Isolation, note_weak_run, probe_isolation, refusal
+from vime.agents.sandbox.paths import default_python, hidden_dirs, python_prefixes
 from vime.agents.sandbox.slots import DEFAULT_SLOTS, DEFAULT_UID_BASE, Slot, UidPool, kill_uid
 from vime.agents.sandbox.interface import Sandbox, SandboxLimits, SandboxResult
 from vime.agents.sandbox.verdict import run_result
@@ -27,14 +28,11 @@ from vime.agents.sandbox.verdict import run_result
 logger = logging.getLogger(__name__)
 _HERE = Path(__file__).resolve().parent
 _JAIL = _HERE / "jail.py"
-_SITE = _HERE / "site_hooks"
+_SITE_HOOKS = _HERE / "site_hooks" / "sitecustomize.py"
 # what any program may read (and execute): the system, never /tmp, /home, /root or /run
 SYSTEM_READ_PATHS = ("/bin", "/sbin", "/usr", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt", "/proc", "/sys",
                      "/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
 _SCRATCH_CHECK_S = 0.2
-# hidden behind an empty tmpfs where a mount namespace allows (masking.py): where other processes keep sockets,
-# shared memory and secrets
-MASKED_DIRS = ("/tmp", "/var/tmp", "/run", "/var/run", "/dev/shm", "/home", "/root")
 
 
 def _safe_relative(name: str) -> Path:
@@ -79,26 +77,6 @@ def _drain(fd: int) -> bytes:
     return b"".join(chunks)
 
 
-def _world_executable(path: str) -> bool:
-    """Whether any user may run `path` (every directory on the way searchable, the file executable)."""
-    real = Path(os.path.realpath(path))
-    try:
-        return all(p.stat().st_mode & 0o001 for p in [real, *real.parents])
-    except OSError:
-        return False
-
-
-def _default_python(is_root: bool) -> str:
-    """This interpreter, unless the unprivileged sandbox user cannot run it (e.g. it lives under /root)."""
-    if not is_root or _world_executable(sys.executable):
-        return sys.executable
-    for candidate in ("/usr/bin/python3", "/usr/local/bin/python3"):
-        if os.path.exists(candidate) and _world_executable(candidate):
-            return candidate
-    raise RuntimeError(f"no Python the sandbox users may run: {sys.executable} is not world-executable; "
-                       "pass LocalSandbox(python=...) of an interpreter every user can run")
-
-
 def _dir_usage(path: Path, cap: int) -> int:
     """Bytes the files under `path` take (stops counting past `cap`)."""
     total, stack = 0, [str(path)]
@@ -137,7 +115,7 @@ class LocalSandbox(Sandbox):
                  allow_weak_isolation: bool = False, namespaces: bool = True, cgroups: bool = True,
                  uid_base: int = DEFAULT_UID_BASE, slots: int = DEFAULT_SLOTS, read_paths: tuple[str, ...] = ()):
         self.is_root = hasattr(os, "geteuid") and os.geteuid() == 0
-        self.python = python or _default_python(self.is_root)
+        self._python = python
         self.base_dir = base_dir
         self.landlock, self.namespaces, self.cgroups = landlock, namespaces, cgroups
         self.allow_weak_isolation = allow_weak_isolation
@@ -150,6 +128,18 @@ class LocalSandbox(Sandbox):
         iso = probe_isolation(self.is_root, self.namespaces, self.cgroups, self.uid_range)
         return iso if self.landlock else dataclasses.replace(iso, landlock_abi=0)
 
+    def _hidden(self) -> list[str]:
+        """What the jail hides here (none without masking)."""
+        return hidden_dirs() if self._isolation().masking else []
+
+    @property
+    def python(self) -> str:
+        """The programs' interpreter: the one given, else this one where the sandbox's uid can run it inside the
+        jail, else a system one (`paths.default_python`)."""
+        if self._python is None:
+            self._python = default_python(self.is_root, self._hidden())
+        return self._python
+
     @property
     def isolation(self) -> dict[str, Any]:
         """What runs get here: see Isolation.report (strong, missing, namespaces, Landlock ABI, seccomp, ...)."""
@@ -160,6 +150,7 @@ class LocalSandbox(Sandbox):
         report = self.isolation
         if report["missing"] and not self.allow_weak_isolation:
             raise refusal(report["missing"])
+        self.python  # noqa: B018  (an interpreter the sandbox's uid cannot run is refused now, not at the first run)
         if not self._reported:
             self._reported = True
             log = logger.warning if report["missing"] else logger.info
@@ -195,13 +186,13 @@ class LocalSandbox(Sandbox):
         slot = None
         if self.uid_range:
             self._uids = self._uids or UidPool(*self.uid_range)
-            slot = await self._uids.acquire(self.python)
+            slot = await self._uids.acquire()
         root = Path(tempfile.mkdtemp(prefix="vime-sandbox-", dir=self.base_dir))
         try:
             result = await self._run_in(root, iso, slot, code, command, files or {}, limits)
         finally:
             if slot is not None:
-                await self._uids.release(slot, self.python)
+                await self._uids.release(slot)
             shutil.rmtree(root, ignore_errors=True)
         result.weak_isolation = missing
         return result
@@ -210,24 +201,25 @@ class LocalSandbox(Sandbox):
         """All the program sees of an environment: nothing of the trainer's (tokens, keys, paths)."""
         return {
             "PATH": f"{os.path.dirname(self.python)}:/usr/local/bin:/usr/bin:/bin", "HOME": str(work),
-            "TMPDIR": str(work), "LANG": "C.UTF-8", "PYTHONPATH": str(_SITE), "PYTHONNOUSERSITE": "1",
+            "TMPDIR": str(work), "LANG": "C.UTF-8", "PYTHONPATH": str(work.parent / "site"), "PYTHONNOUSERSITE": "1",
             "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1", "VIME_SANDBOX_ROOT": str(work),
             "VIME_SANDBOX_EVENTS": str(hints), "VIME_SANDBOX_ALLOW_NETWORK": "1" if limits.allow_network else "0",
             "VIME_SANDBOX_ID": run_id, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
         }
 
     def _read_paths(self, root: Path) -> list[str]:
-        pythons = {self.python, os.path.realpath(self.python)}
-        prefixes = {os.path.dirname(os.path.dirname(p)) for p in pythons}
-        if self.python == sys.executable:
-            prefixes |= {sys.prefix, sys.base_prefix, sys.exec_prefix}
-        return [*SYSTEM_READ_PATHS, *sorted(prefixes), str(_SITE), str(root), *self.read_paths]
+        return [*SYSTEM_READ_PATHS, *python_prefixes(self.python), str(root), *self.read_paths]
 
     def _prepare(self, root: Path, iso: Isolation, slot: Slot | None, code, command, files, limits) -> dict:
         """The run's directory (program, files, the program's event log, scratch) and the jail's config."""
-        work, events = root / "work", root / "program_events.jsonl"
+        work, events, site = root / "work", root / "program_events.jsonl", root / "site"
         stage = root / "files" if iso.tmpfs else work  # with a tmpfs the jail copies the files into it
         work.mkdir()
+        # the site hooks travel with the run: the package's own copy may lie where the sandbox's uid cannot reach
+        site.mkdir()
+        shutil.copyfile(_SITE_HOOKS, site / "sitecustomize.py")
+        os.chmod(site, 0o755)
+        os.chmod(site / "sitecustomize.py", 0o644)
         stage.mkdir(exist_ok=True)
         for name, content in files.items():
             path = stage / _safe_relative(name)
@@ -248,8 +240,7 @@ class LocalSandbox(Sandbox):
             "program_events": str(events),
             "parent_mnt_ns": os.stat("/proc/self/ns/mnt").st_ino,
             "tmpfs": {"size_mb": limits.max_scratch_mb, "nr_inodes": 16384} if iso.tmpfs else None,
-            "mask": ({"dirs": [*MASKED_DIRS, os.path.expanduser("~"), tempfile.gettempdir()],
-                      "keep": [str(root), *self._read_paths(root)]} if iso.masking else None),
+            "mask": ({"dirs": hidden_dirs(), "keep": [str(root), *self._read_paths(root)]} if iso.masking else None),
             "stage": str(stage),
             "uid": slot.uid if slot else None, "gid": slot.gid if slot else None,
             "nproc_shared": slot is None and not iso.user_namespace,
@@ -316,7 +307,7 @@ class LocalSandbox(Sandbox):
             if pool is not None:
                 await pool.end_run(config["cgroup"])
             if slot is not None and not iso.pid_namespace:  # a setsid child would hold the output pipes open
-                await kill_uid(slot.uid, slot.gid, self.python)
+                await kill_uid(slot.uid, slot.gid)
         try:
             (out, out_cut), (err, err_cut) = await asyncio.wait_for(readers, timeout=5)
             await proc.wait()  # asyncio's wait() also waits for the pipes to close: only once they did

@@ -46,12 +46,25 @@ def plan(masked: list[str], keep: list[str]) -> list[tuple[str, list[str]]]:
     return steps
 
 
+def _searchable_dirs(path: str) -> None:
+    """`path` and its missing parents made inside the tmpfs, each 0755 whatever the umask: a run creates everything
+    under umask 077 (`private_umask`), and a 0700 root-owned directory on the way would keep the sandbox's own uid
+    from every path bound back beneath it. They hold nothing but the names of the paths bound back."""
+    parent = os.path.dirname(path)
+    if parent != path and not os.path.isdir(parent):
+        _searchable_dirs(parent)
+    if not os.path.isdir(path):
+        os.mkdir(path)
+        os.chmod(path, 0o755)
+
+
 def _bind_back(fd: int, path: str) -> None:
-    """`path` (now inside the empty tmpfs) made a mount point again, with what `fd` held bound onto it."""
+    """`path` (now inside the empty tmpfs) made a mount point again, with what `fd` held bound onto it; the
+    directories on the way are the tmpfs's own, searchable by every uid (what is bound keeps its own modes)."""
     if stat.S_ISDIR(os.fstat(fd).st_mode):
-        os.makedirs(path, exist_ok=True)
+        _searchable_dirs(path)
     else:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        _searchable_dirs(os.path.dirname(path))
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
     _mount(f"/proc/self/fd/{fd}", path, None, _MS_BIND | _MS_REC)
 

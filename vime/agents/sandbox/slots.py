@@ -1,9 +1,9 @@
 """Uids for sandboxes when vime runs as root: one unprivileged uid of its own per running sandbox (a slot).
 
     pool = UidPool(base=DEFAULT_UID_BASE, count=256)
-    slot = await pool.acquire()      # a uid no other sandbox on this machine holds now, emptied of processes
+    slot = await pool.acquire()  # a uid no other sandbox on this machine holds now, emptied of processes
     ... run the program as slot.uid ...
-    await pool.release(slot, python)  # every process of slot.uid killed, then the slot is free again
+    await pool.release(slot)     # every process of slot.uid killed, then the slot is free again
 
 Why: RLIMIT_NPROC counts processes per uid, so sandboxes sharing one uid share one limit (one fork bomb fails
 its neighbours), may signal each other and read each other's files. With a uid per slot the limit is per
@@ -21,6 +21,7 @@ import os
 import pwd
 import signal
 import stat
+import sys
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -67,15 +68,21 @@ def uid_processes(uid: int) -> list[int]:
     return pids
 
 
-async def kill_uid(uid: int, gid: int, python: str) -> None:
+def _kill_as(uid: int, gid: int) -> str:
+    """A program that drops to `uid` and sends SIGKILL to every process it may signal: exactly that uid's."""
+    return (f"import os\nos.setgroups([])\nos.setgid({int(gid)})\nos.setuid({int(uid)})\n"
+            f"try:\n    os.kill(-1, {int(signal.SIGKILL)})\nexcept OSError:\n    pass")
+
+
+async def kill_uid(uid: int, gid: int) -> None:
     """SIGKILL every process of `uid`: kill(-1) sent *as* that uid reaches exactly its processes, atomically
-    with respect to fork (a process cannot slip out between listing and killing)."""
+    with respect to fork (a process cannot slip out between listing and killing). This interpreter starts as
+    root and drops to the uid itself: the uid may not be able to reach it (a venv under /root or /home)."""
     for _ in range(3):
         if not uid_processes(uid):
             return
         proc = await asyncio.create_subprocess_exec(
-            python, "-S", "-c", f"import os\ntry:\n    os.kill(-1, {int(signal.SIGKILL)})\nexcept OSError:\n    pass",
-            user=uid, group=gid, extra_groups=[], env={}, cwd="/", stdin=asyncio.subprocess.DEVNULL,
+            sys.executable, "-S", "-c", _kill_as(uid, gid), env={}, cwd="/", stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
         await proc.wait()
         await asyncio.sleep(0.01)  # SIGKILL is delivered asynchronously; exiting takes a moment
@@ -114,7 +121,7 @@ class UidPool:
             return None
         return Slot(uid=uid, gid=uid, fd=fd)
 
-    async def acquire(self, python: str, poll_s: float = 0.05) -> Slot:
+    async def acquire(self, poll_s: float = 0.05) -> Slot:
         """A free slot, waiting while all are taken; its uid is emptied of leftovers (a crashed earlier run)."""
         while True:
             for i in range(self.count):
@@ -122,12 +129,12 @@ class UidPool:
                 slot = self._try(uid)
                 if slot is not None:
                     self._next = (uid - self.base + 1) % self.count
-                    await kill_uid(slot.uid, slot.gid, python)
+                    await kill_uid(slot.uid, slot.gid)
                     return slot
             await asyncio.sleep(poll_s)
 
-    async def release(self, slot: Slot, python: str) -> None:
+    async def release(self, slot: Slot) -> None:
         try:
-            await kill_uid(slot.uid, slot.gid, python)
+            await kill_uid(slot.uid, slot.gid)
         finally:
             os.close(slot.fd)  # closing the last descriptor drops the flock
