@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -32,6 +33,7 @@ from vime.backends.megatron_utils.megatron_flags import add_generated_megatron_a
 from vime.backends.megatron_utils.routing_replay_arguments import add_routing_replay_args, validate_routing_replay_args
 from vime.backends.megatron_utils.train_arguments import add_train_args, validate_train_args
 from vime.backends.vllm_utils.arguments import VLLM_RAW_DEST, add_router_args, add_vllm_engine_args, validate_vllm_args
+from vime.backends.vllm_utils.sglang_flags import SGLangFlagError, translate_sglang_flags
 from vime.config import RunConfig
 from vime.config.rollout import EnginesConfig
 from vime.config.run import DebugConfig, JobConfig, PlacementConfig, WandbConfig
@@ -41,6 +43,8 @@ from vime.environments.arguments import add_environment_args, add_judge_args, va
 from vime.rollout.arguments import add_all_rollout_args, validate_rollout_args
 from vime.rollout.rm_hub import RM_REGISTRY
 from vime.utils.lora_adapters import adapter_specs
+
+logger = logging.getLogger(__name__)
 
 
 def add_run_args(parser: argparse.ArgumentParser) -> None:
@@ -86,6 +90,10 @@ def add_wandb_args(parser: argparse.ArgumentParser) -> None:
                    help="online uploads as the run goes; offline writes the run under --wandb-dir only, for "
                         "`wandb sync` later, with no account or network needed (default: %(default)s).")
     g.add_argument("--wandb-dir", help="Directory for wandb's local files (default: <output-dir>/wandb).")
+    g.add_argument("--wandb-key",
+                   help="slime's: the wandb API key, given to wandb in this process only (never written to disk or "
+                        "to the run's config). A command line is readable by every user of the node: prefer "
+                        "WANDB_API_KEY in the environment, or `wandb login` (default: None).")
     apply_defaults(parser, WandbConfig)  # defaults: vime/config
 
 
@@ -197,6 +205,12 @@ def parse_args(argv: list[str] | None = None, extra_args_provider=None, validate
             argv = config_to_argv(config, parser) + argv
         except ValueError as e:
             parser.error(str(e))
+    try:  # a slime script's SGLang engine flags: vLLM's equivalents, or a refusal naming them
+        argv, notices = translate_sglang_flags(argv)
+    except SGLangFlagError as e:
+        parser.error(str(e))
+    for notice in notices:
+        logger.warning("slime's SGLang flag: %s", notice)
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         parser.error(unknown_flags_message(unknown, parser))
@@ -284,6 +298,10 @@ def validate_wandb_args(args: argparse.Namespace) -> argparse.Namespace:
     wandb.check()
     if not wandb.use_wandb:
         return args
+    if wandb.wandb_key:
+        logger.warning("--wandb-key: the key is on the command line, which every user of this node can read (ps); "
+                       "vime hands it to wandb in this process only and never writes it, but prefer WANDB_API_KEY "
+                       "in the environment or `wandb login`")
     return with_values(args, wandb_dir=os.path.abspath(wandb.wandb_dir or os.path.join(job.output_dir, "wandb")))
 
 

@@ -71,3 +71,104 @@ def loss(args, micro_batch, log_probs, entropy, aggregate):
     terms = [-lp * adv.to(lp.device) for lp, adv in zip(log_probs, micro_batch["advantages"])]
     value = aggregate(terms, micro_batch["loss_masks"])
     return value, {"plugin_router_port": torch.tensor(float(args.vllm_router_port or -1))}
+
+
+# ---- slime's other hooks: each records its call in <output-dir>/hook_calls.jsonl (every process appends) ----------
+
+def _record(args, hook: str, **fields) -> None:
+    import json
+    import os
+    from pathlib import Path
+
+    with open(Path(args.output_dir) / "hook_calls.jsonl", "a") as f:
+        f.write(json.dumps({"hook": hook, "pid": os.getpid(), **fields}) + "\n")
+
+
+class DataSource:
+    """--data-source-path: slime's DataSource contract (cls(args), get_samples, add_samples, save, load, len) over
+    the --prompt-data file, read by the class itself."""
+
+    def __init__(self, args):
+        import json
+
+        self.args = args
+        with open(args.prompt_data) as f:
+            self.rows = [json.loads(line) for line in f if line.strip()]
+        self.offset = 0
+        self.next_index = 0
+        _record(args, "data_source.init", rows=len(self.rows))
+
+    def get_samples(self, num_samples: int) -> list[list[Sample]]:
+        groups = []
+        for g in range(num_samples):
+            row = self.rows[self.offset % len(self.rows)]
+            self.offset += 1
+            group = []
+            for _ in range(self.args.n_samples_per_prompt):
+                group.append(Sample(group_index=self.offset - 1, index=self.next_index, prompt=row["prompt"],
+                                    label=row["label"], metadata={"from_slime_data_source": True}))
+                self.next_index += 1
+            groups.append(group)
+        return groups
+
+    def add_samples(self, samples: list[list[Sample]]) -> None:
+        _record(self.args, "data_source.add_samples", groups=len(samples))
+
+    def save(self, rollout_id: int) -> None:
+        _record(self.args, "data_source.save", rollout_id=rollout_id, offset=self.offset)
+
+    def load(self, rollout_id=None) -> None:
+        _record(self.args, "data_source.load", rollout_id=rollout_id)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+def convert_samples_to_train_data(args, samples: list[Sample]) -> dict:
+    """--custom-convert-samples-to-train-data-path: slime's default conversion, with every sample's first response
+    token masked out of the loss (what the trainer-side postprocess hook then sees)."""
+    _record(args, "convert", samples=len(samples))
+    return {
+        "tokens": [s.tokens for s in samples],
+        "response_lengths": [s.response_length for s in samples],
+        "rewards": [s.get_reward_value(args) for s in samples],
+        "raw_reward": [s.reward for s in samples],
+        "truncated": [1 if s.status == Sample.Status.TRUNCATED else 0 for s in samples],
+        "sample_indices": [s.index for s in samples],
+        "loss_masks": [[0] + (s.loss_mask or [1] * s.response_length)[1:] for s in samples],
+        "rollout_log_probs": [s.rollout_log_probs for s in samples],
+    }
+
+
+def log_rollout_data(rollout_id, args, samples, rollout_extra_metrics, rollout_time) -> bool:
+    _record(args, "log_rollout", rollout_id=rollout_id, samples=len(samples), rollout_time=rollout_time,
+            from_data_source=all(s.metadata.get("from_slime_data_source") for s in samples))
+    return False  # vime's own rollout metrics are logged as well
+
+
+def log_eval_rollout_data(rollout_id, args, data, extra_metrics) -> bool:
+    _record(args, "log_eval", rollout_id=rollout_id, sets={name: len(d["rewards"]) for name, d in data.items()},
+            samples={name: len(d["samples"]) for name, d in data.items()})
+    return True  # logged here: vime skips its own eval metrics
+
+
+def megatron_init(args) -> None:
+    import torch.distributed as dist
+
+    _record(args, "megatron_init", rank=dist.get_rank(), world=dist.get_world_size())
+
+
+def before_log_prob(args, model, store_prefix: str) -> None:
+    _record(args, "before_log_prob", store_prefix=store_prefix, chunks=len(model))
+
+
+def before_train_step(args, rollout_id, step_id, model, optimizer, opt_param_scheduler) -> None:
+    _record(args, "before_train_step", rollout_id=rollout_id, step_id=step_id, lr=optimizer.param_groups[0]["lr"],
+            scheduler=type(opt_param_scheduler).__name__)
+
+
+def rollout_data_postprocess(args, rollout_id, rollout_data) -> None:
+    masks = rollout_data["loss_masks"]
+    _record(args, "postprocess", rollout_id=rollout_id, keys=sorted(rollout_data),
+            first_masked=all(float(m[0]) == 0.0 for m in masks),
+            advantages=len(rollout_data["advantages"]))

@@ -2,7 +2,10 @@
 functions in slime_style_plugins.py, written as slime's examples write them, in `train.py`, `train_async.py` and
 `--debug-rollout-only`. The generate function finds the router that vime started through `args` and every sample
 completes (and, with a trainer, is trained); the reward function lists the router's workers; the filter and the
-loss read run-time values (the router, the rollout count resolved from --num-epoch). One run per entry point."""
+loss read run-time values (the router, the rollout count resolved from --num-epoch). The training runs also plug in
+slime's other hooks (data source class, train-data conversion, rollout and eval log functions, Megatron init,
+before-log-prob and before-train-step hooks, rollout-data postprocess): each records its calls, checked against
+where and when slime calls it. One run per entry point."""
 
 from __future__ import annotations
 
@@ -76,11 +79,59 @@ def _epoch_data(arithmetic_data, tmp_path) -> Path:
     return path
 
 
+SLIME_HOOKS = [
+    "--data-source-path", f"{PLUGINS}.DataSource",
+    "--custom-convert-samples-to-train-data-path", f"{PLUGINS}.convert_samples_to_train_data",
+    "--custom-rollout-log-function-path", f"{PLUGINS}.log_rollout_data",
+    "--custom-eval-rollout-log-function-path", f"{PLUGINS}.log_eval_rollout_data",
+    "--custom-megatron-init-path", f"{PLUGINS}.megatron_init",
+    "--custom-megatron-before-log-prob-hook-path", f"{PLUGINS}.before_log_prob",
+    "--custom-megatron-before-train-step-hook-path", f"{PLUGINS}.before_train_step",
+    "--rollout-data-postprocess-path", f"{PLUGINS}.rollout_data_postprocess",
+]
+
+
+def _hook_calls(out: Path) -> dict[str, list[dict]]:
+    calls: dict[str, list[dict]] = {}
+    for line in (out / "run" / "hook_calls.jsonl").read_text().splitlines():
+        call = json.loads(line)
+        calls.setdefault(call["hook"], []).append(call)
+    return calls
+
+
+def _check_hooks(out: Path, records: list[dict]) -> None:
+    """Each of slime's hooks was called where and when slime calls it, with slime's arguments."""
+    calls = _hook_calls(out)
+    assert len(calls["data_source.init"]) == 1 and calls["data_source.init"][0]["rows"] == BATCH * NUM_ROLLOUT
+    assert [c["rollout_id"] for c in calls["data_source.save"]] == list(range(NUM_ROLLOUT))  # with --save
+    assert [c["samples"] for c in calls["convert"]] == [BATCH * N] * NUM_ROLLOUT
+    logged = calls["log_rollout"]
+    assert [c["rollout_id"] for c in logged] == list(range(NUM_ROLLOUT))
+    assert all(c["samples"] == BATCH * N and c["rollout_time"] > 0 and c["from_data_source"] for c in logged)
+    assert {c["rollout_id"] for c in calls["log_eval"]} >= {0} and all(
+        c["sets"] == {"arith": BATCH * NUM_ROLLOUT} == c["samples"] for c in calls["log_eval"])
+    assert not any(k.startswith("eval/arith") for r in records for k in r)  # the eval hook logged it: True
+    assert [c["rank"] for c in calls["megatron_init"]] == [0]
+    # per rollout: the KL reference's pass, then the old policy's (two optimizer steps)
+    assert [c["store_prefix"] for c in calls["before_log_prob"]] == ["ref_", ""] * NUM_ROLLOUT
+    assert [(c["rollout_id"], c["step_id"]) for c in calls["before_train_step"]] == [
+        (r, s) for r in range(NUM_ROLLOUT) for s in range(2)]
+    post = calls["postprocess"]
+    assert [c["rollout_id"] for c in post] == list(range(NUM_ROLLOUT))
+    assert all(c["first_masked"] and c["advantages"] == BATCH * N for c in post)  # the converter's masks arrived
+    assert {"tokens", "loss_masks", "log_probs", "ref_log_probs", "advantages", "rewards"} <= set(post[0]["keys"])
+
+
 @pytest.mark.parametrize("entry", ["train.py", "train_async.py"])
 def test_slime_plugins_train(entry, tiny_qwen3, arithmetic_data, tmp_path):
-    records = _run(entry, tiny_qwen3, _epoch_data(arithmetic_data, tmp_path), tmp_path, "--num-epoch", "1",
-                   "--custom-loss-function-path", f"{PLUGINS}.loss")
+    data = _epoch_data(arithmetic_data, tmp_path)
+    records = _run(entry, tiny_qwen3, data, tmp_path, "--num-epoch", "1",
+                   "--custom-loss-function-path", f"{PLUGINS}.loss", *SLIME_HOOKS,
+                   "--use-kl-loss", "--kl-loss-coef", "0.001", "--num-steps-per-rollout", "2", "--micro-batch-size", "2",
+                   "--eval-prompt-data", "arith", str(data), "--eval-interval", "1",
+                   "--save", str(tmp_path / "ckpt"), "--save-interval", "1")
     _check_trained(records, NUM_ROLLOUT, _check_rollouts(tmp_path, NUM_ROLLOUT))
+    _check_hooks(tmp_path, records)
 
 
 def test_slime_plugins_rollout_only(tiny_qwen3, arithmetic_data, tmp_path):

@@ -132,6 +132,9 @@ def add_algorithm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         choices=KL_TYPES,
         help="KL estimator (Schulman's k1/k2/k3; low_var_kl = k3 clamped to [-10, 10]). Default: %(default)s.",
     )
+    g.add_argument("--ref-update-interval", type=int,
+                   help="Refresh the KL reference from the actor after every this many rollouts (slime's). "
+                        "Default: None = the reference stays the --ref-load / starting weights.")
     g.add_argument(
         "--entropy-coef",
         type=float,
@@ -265,6 +268,9 @@ def validate_algorithm_args(args: argparse.Namespace) -> argparse.Namespace:
             algorithm.advantage_estimator,
             ", ".join(KL_REWARD_ESTIMATORS),
         )
+    if algorithm.ref_update_interval is not None and not (algorithm.use_kl_loss or algorithm.kl_coef):
+        logger.warning("--ref-update-interval %s has no effect: no KL reference without --use-kl-loss or --kl-coef",
+                       algorithm.ref_update_interval)
     if algorithm.normalize_advantages and algorithm.advantage_estimator != "ppo":
         logger.warning("--normalize-advantages only affects --advantage-estimator ppo; it is ignored here")
     estimator = algorithm.advantage_estimator

@@ -36,6 +36,7 @@ class AlgorithmConfig(Section):
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.0
     kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = "k1"
+    ref_update_interval: int | None = None
     entropy_coef: float = 0.0
     entropy_coef_schedule: Literal["constant", "linear", "cosine"] = "constant"
     entropy_coef_final: float = 0.0
@@ -52,6 +53,9 @@ class AlgorithmConfig(Section):
         or other sections are `vime.algorithms.arguments.validate_algorithm_args`'s."""
         if self.eps_clip <= 0:
             raise ValueError(f"--eps-clip must be > 0, got {self.eps_clip}")
+        if self.ref_update_interval is not None and self.ref_update_interval < 1:
+            raise ValueError(f"--ref-update-interval must be >= 1 rollout, got {self.ref_update_interval}; omit it "
+                             "to keep the reference fixed")
         if self.eps_clip_high is not None and self.eps_clip_high <= 0:
             raise ValueError(f"--eps-clip-high must be > 0, got {self.eps_clip_high}; omit it to use --eps-clip")
         if self.eps_clip_c is not None and self.eps_clip_c <= 1.0:

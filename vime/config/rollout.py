@@ -52,6 +52,10 @@ class RolloutConfig(Section):
     mask_offpolicy_in_partial_rollout: bool = False
     buffer_filter_path: str | None = None
     custom_reward_post_process_path: str | None = None
+    # slime's rollout-side hooks (function paths)
+    data_source_path: str | None = None
+    custom_convert_samples_to_train_data_path: str | None = None
+    custom_rollout_log_function_path: str | None = None
 
     def check(self) -> None:
         if not self.rollout_timeout > 0:
@@ -147,6 +151,7 @@ class EvalConfig(Section):
     eval_prompt_data: list[str] | None = None
     eval_interval: int | None = None
     eval_function_path: str | None = None
+    custom_eval_rollout_log_function_path: str | None = None
     n_samples_per_eval_prompt: int = 1
     eval_pass_at_k: list[int] | None = None
     eval_temperature: float | None = None

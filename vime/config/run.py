@@ -38,6 +38,7 @@ class WandbConfig(Section):
     wandb_run_name: str | None = None
     wandb_mode: Literal["online", "offline", "disabled"] = "online"
     wandb_dir: str | None = None
+    wandb_key: str | None = None  # slime's; a secret: never written (resolved_config.SECRET_FLAG)
 
     def check(self) -> None:
         if self.use_wandb:

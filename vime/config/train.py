@@ -52,6 +52,7 @@ class MegatronConfig(Section):
 
     # checkpoints
     load: str | None = None
+    ref_load: str | None = None  # slime's: the KL reference, and the actor's start when --load holds none
     save: str | None = None
     save_interval: int | None = None
     save_retain: int | None = None
@@ -109,6 +110,12 @@ class TrainLoopConfig(Section):
     update_weights_in_flight: bool = False
     critic_lr: float | None = None
     save_hf: str | None = None
+    keep_old_actor: bool = False
+    # slime's trainer hooks (function paths)
+    custom_megatron_init_path: str | None = None
+    custom_megatron_before_log_prob_hook_path: str | None = None
+    custom_megatron_before_train_step_hook_path: str | None = None
+    rollout_data_postprocess_path: str | None = None
 
     def check(self) -> None:
         if self.max_staleness is not None and self.max_staleness < 1:

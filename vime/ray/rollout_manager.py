@@ -21,6 +21,7 @@ import ray
 from vime.data.adapter_mix import AdapterMixSource
 from vime.data.data_source import RolloutDataSource
 from vime.data.prompt_dataset import load_prompt_file, load_prompt_samples
+from vime.data.slime_data_source import SlimeDataSource
 from vime.environments.judge import JudgeGroup, judge_engine_args
 from vime.environments.mixture import environment_eval_sources, environment_source, load_environments
 from vime.backends.weight_transport.check import probe_tokens
@@ -28,6 +29,7 @@ from vime.config.agents import EnvironmentConfig, JudgeConfig
 from vime.config.rollout import (DataBufferConfig, EnginesConfig, EvalConfig, FaultToleranceConfig, PromptDataConfig,
                                  RolloutConfig)
 from vime.config.run import DebugConfig, JobConfig
+from vime.config.train import MegatronConfig
 from vime.data.transport import RolloutRef, make_transport, rollout_summary
 from vime.ray.engine_fleet import EngineFleet, new_engine, run_control_token
 from vime.ray.health import FailedRollouts
@@ -36,12 +38,13 @@ from vime.rollout.context import RolloutContext, in_rollout_context, rollout_con
 from vime.rollout.debug_data import load_rollout, save_compact_rollout, save_rollout
 from vime.rollout.metrics import eval_at_k, record_counters, rollout_metrics
 from vime.rollout.sandbox_runs import check_sandbox_runs
+from vime.rollout.train_data import apply_train_data
 from vime.utils.auth import RunToken
 from vime.utils.logging_utils import configure_logging
 from vime.utils.lora_adapters import ADAPTER_KEY, adapter_names, adapter_specs
 from vime.utils.misc import load_function
 from vime.utils.plugin_args import plugin_view, runtime_values
-from vime.utils.types import RolloutFnTrainOutput, as_rollout_output
+from vime.utils.types import RolloutFnTrainOutput, Sample, as_rollout_output
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +68,9 @@ def make_data_source(args, tokenizer, environments: list | None = None) -> Rollo
     data/too_long_prompts)."""
     prompt_data = PromptDataConfig.of(args)
     rollout = RolloutConfig.of(args)
+    if rollout.data_source_path:  # slime's data source class, made as slime makes it
+        return SlimeDataSource(load_function(rollout.data_source_path)(args), rollout.data_source_path,
+                               saves=bool(MegatronConfig.of(args).save))
     if environments:
         return environment_source(environments, tokenizer, args, _buffer_filter(args))
     specs = adapter_specs(args)
@@ -175,6 +181,11 @@ class RolloutManager:
                              **environment_eval_sources(environments, self.tokenizer, args)}
         self.rollout_fn = load_function(rollout.rollout_function_path)
         self.eval_fn = load_function(evaluation.eval_function_path or rollout.rollout_function_path)
+        # slime's hooks around them: the conversion to training data, the rollout's and the eval's logging
+        self.hooks = {name: load_function(path) if path else None for name, path in (
+            ("convert", rollout.custom_convert_samples_to_train_data_path),
+            ("log_rollout", rollout.custom_rollout_log_function_path),
+            ("log_eval", evaluation.custom_eval_rollout_log_function_path))}
         self.transport = make_transport(DataBufferConfig.of(args))  # how generate() hands rollouts to the trainer side
         self.failures = FailedRollouts(fault_tolerance.max_failed_samples_ratio,
                                        fault_tolerance.max_consecutive_failed_rollouts)
@@ -250,11 +261,20 @@ class RolloutManager:
         if debug.save_debug_rollout_data:
             save_rollout(debug.save_debug_rollout_data, rollout_id, groups)
         samples = [s for g in groups for s in g]
+        if self.hooks["convert"] is not None:  # slime's conversion in place of the default one
+            apply_train_data(samples, self.hooks["convert"](self.plugin_args, samples),
+                             RolloutConfig.of(args).custom_convert_samples_to_train_data_path)
         metrics = rollout_metrics(samples, args)
         metrics["rollout/time"] = elapsed
         metrics["rollout/tokens_per_s"] = metrics["rollout/response_tokens"] / max(elapsed, 1e-9)
         metrics.update(output.metrics or {})
         skip_reason = self._judge(rollout_id, metrics)
+        if self.hooks["log_rollout"] is not None and self.hooks["log_rollout"](
+                rollout_id, self.plugin_args, samples, output.metrics, elapsed):
+            # True: the function logged the rollout itself; vime keeps only what its own loop reads
+            metrics = {k: v for k, v in metrics.items() if not k.startswith("rollout/") or k == "rollout/time"}
+        if isinstance(self.data_source, SlimeDataSource):
+            self.data_source.after_rollout(rollout_id)
         dicts = [[s.to_dict() for s in g] for g in groups]
         self._keep_for_inspection(f"rollout_{rollout_id}", dicts)
         check_sandbox_runs(samples, f"rollout {rollout_id}")  # all its sandboxed runs failed: stop, kept to inspect
@@ -285,6 +305,11 @@ class RolloutManager:
         output = as_rollout_output(self.eval_fn(self.plugin_args, rollout_id, self.eval_sources, evaluation=True),
                                    evaluation=True)
         metrics = dict(output.metrics or {})
+        log_eval = self.hooks["log_eval"]
+        logged = log_eval is not None and log_eval(rollout_id, self.plugin_args, {name: {
+            "rewards": [s.get_reward_value(self.plugin_args) if s.reward is not None else 0.0 for s in samples],
+            "truncated": [s.status == Sample.Status.TRUNCATED for s in samples], "samples": samples}
+            for name, samples in output.data.items()}, output.metrics)
         for name, samples in output.data.items():
             metrics.update(rollout_metrics(samples, self.args, prefix=f"eval/{name}"))
             if evaluation.eval_pass_at_k:
@@ -294,7 +319,7 @@ class RolloutManager:
                 save_rollout(template, rollout_id, [samples])
             self._keep_for_inspection(f"eval_{name}_{rollout_id}", [samples])
             check_sandbox_runs(samples, f"eval {name!r} at rollout {rollout_id}")
-        return metrics
+        return dict(output.metrics or {}) if logged else metrics  # True: the function logged it (slime's)
 
     def _keep_for_inspection(self, name: str, groups) -> None:
         """The compact copy in <output-dir>/rollouts/ (`python -m vime.inspect`), unless --no-save-rollouts."""

@@ -107,6 +107,18 @@ def add_rollout_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--custom-reward-post-process-path",
                    help="post_process(args, samples) -> None, run on each finished group after rewards, "
                         "e.g. to shape rewards (default: %(default)s).")
+    g.add_argument("--data-source-path",
+                   help="slime's data source class, made as cls(args): get_samples(num_groups) -> "
+                        "list[list[Sample]], add_samples(groups), save(rollout_id) and load(rollout_id) at "
+                        "checkpoints, len() (default: None = vime's, over --prompt-data).")
+    g.add_argument("--custom-convert-samples-to-train-data-path",
+                   help="convert(args, samples) -> dict of per-sample lists (slime's train data: tokens, "
+                        "response_lengths, rewards, loss_masks, rollout_log_probs, truncated, ...) in place of the "
+                        "default conversion; what it returns is what the trainer trains on (default: %(default)s).")
+    g.add_argument("--custom-rollout-log-function-path",
+                   help="log(rollout_id, args, samples, rollout_extra_metrics, rollout_time) -> bool, called "
+                        "with each rollout's samples; True skips vime's own rollout metrics for it "
+                        "(default: %(default)s).")
     apply_defaults(parser, RolloutConfig)  # defaults: vime/config
 
 
@@ -197,6 +209,10 @@ def add_eval_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-interval", type=int,
                    help="Evaluate every this many rollouts, and before the first (default: None = never).")
     g.add_argument("--eval-function-path", help="Rollout function for eval (default: --rollout-function-path).")
+    g.add_argument("--custom-eval-rollout-log-function-path",
+                   help="log(rollout_id, args, data, extra_metrics) -> bool, called with each eval's "
+                        "{name: {'rewards', 'truncated', 'samples'}}; True skips vime's own eval metrics "
+                        "(default: %(default)s).")
     g.add_argument("--n-samples-per-eval-prompt", type=int, help="Responses per eval prompt (default: %(default)s).")
     g.add_argument("--eval-pass-at-k", type=_ks,
                    help="Comma-separated k's, e.g. 1,4: each eval set also reports pass@k (unbiased estimator), "

@@ -206,3 +206,34 @@ def shared_prompt_inputs(token_lists: list[list[int]], response_lengths: list[in
     return MicroBatchInputs(row.unsqueeze(0), positions.unsqueeze(0), torch.tensor(starts, dtype=torch.int32),
                             max(p + n for p, n in zip(first_position, lengths)), torch.tensor(rows, dtype=torch.long),
                             torch.tensor(targets, dtype=torch.long), list(response_lengths), prefix)
+
+
+@dataclass(frozen=True)
+class SplitRule:
+    """How a rollout is cut for training: its optimizer steps, data-parallel shares and micro-batches."""
+
+    dp_size: int
+    global_batch_size: int
+    micro_batch_size: int
+    max_tokens: int | None = None  # --use-dynamic-batch-size: tokens per micro-batch instead of samples
+    packed: bool = True  # thd: real tokens count; bshd: padded ones
+
+
+def rank_share(rule: SplitRule, loss_masks: list, step, lengths: list[int], dp_rank: int,
+               every_sample: bool = False) -> tuple[list[int], list[list[int]]]:
+    """Data-parallel rank `dp_rank`'s samples of `step` and its micro-batches (every rank derives every rank's).
+    A sample with no trainable token (failed, aborted, fully masked) adds nothing to the loss, so it is left out of
+    the micro-batches and never computed (`every_sample` keeps it: the critic's values cover every sample); a rank
+    whose share is all such samples still runs one micro-batch, of zero loss, to take part in the step."""
+    local = balanced_partition(list(step), lengths, rule.dp_size)[dp_rank]
+    computed = local if every_sample else [i for i in local if loss_masks[i].any()] or local[:1]
+    if rule.max_tokens is not None:
+        return local, micro_batches(computed, lengths, max_tokens=rule.max_tokens, packed=rule.packed)
+    return local, micro_batches(computed, lengths, micro_batch_size=rule.micro_batch_size)
+
+
+def split_rollout(rule: SplitRule, loss_masks: list, lengths: list[int], dp_rank: int,
+                  every_sample: bool = False) -> list[tuple[range, list[int], list[list[int]]]]:
+    """Per optimizer step: (the step's sample positions, this rank's share, its micro-batches)."""
+    return [(step, *rank_share(rule, loss_masks, step, lengths, dp_rank, every_sample))
+            for step in step_slices(len(lengths), rule.global_batch_size)]

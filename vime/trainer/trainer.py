@@ -33,13 +33,16 @@ from vime.config.algorithm import AlgorithmConfig, DistillationConfig, RolloutCo
 from vime.config.run import JobConfig
 from vime.config.train import LoraConfig, MegatronConfig, TrainLoopConfig
 from vime.trainer.advantages import PER_TOKEN_ESTIMATORS, add_opd_rewards, compute_advantages
-from vime.trainer.batching import balanced_partition, micro_batches, step_slices
+from vime.trainer.batching import SplitRule, rank_share, split_rollout
 from vime.trainer.critic import attach_value_head, make_value_loss_fn
 from vime.trainer.loss import make_loss_fn, step_denominators
 from vime.trainer.moe_metrics import ExpertLoad, take_moe_losses
 from vime.trainer.non_finite import FiniteStepGuard, check_finite_parameters
+from vime.trainer.old_actor import OldActor, old_log_probs_by_version, sample_versions
 from vime.trainer.offload import TrainStateOffloader
 from vime.trainer.passes import OnHost, forward_log_probs, forward_values, is_packed, prompt_sharing, train_step
+from vime.trainer.hooks import TrainerHooks, apply_rollout_data, rollout_data_view
+from vime.trainer.reference import reference_state, refresh_due
 from vime.trainer.routing_replay import rollout_routing
 from vime.trainer.step_metrics import read_metrics, reduce_step_metrics, reports_metrics
 from vime.trainer.train_batch import TrainBatch
@@ -49,6 +52,7 @@ from vime.utils.misc import with_values
 from vime.utils.plugin_args import plugin_view_from
 
 logger = logging.getLogger(__name__)
+STORE_PREFIX = {"reference": "ref_", "teacher": "teacher_"}  # slime's names of the log-prob passes
 
 
 class MegatronTrainer:
@@ -74,6 +78,9 @@ class MegatronTrainer:
         self.args = args
         self.plugin_args = plugin_view_from(args, None)  # what custom functions get (`set_plugin_values`)
         self.role = role
+        self.hooks = TrainerHooks.of(TrainLoopConfig.of(args))  # slime's trainer hooks
+        if self.hooks.init is not None:
+            self.hooks.init(self.plugin_args)
 
         lora = LoraSetup.from_args(args) if role == "actor" else None  # the critic trains in full
 
@@ -99,13 +106,15 @@ class MegatronTrainer:
         self.offloader = TrainStateOffloader()  # --offload-train
         self.loaded_state = None
         self.last_returns = None
-        # The reference policy for KL is the starting point: the HF checkpoint (or a converted `release`). With
-        # LoRA the base is frozen, so the reference is the starting adapters alone (not a copy of the model).
-        self.ref_state = snapshot(self.model, adapters_only=lora is not None) if self._needs_ref() else None
+        # The KL reference: --ref-load, else the starting point (the HF checkpoint or a converted `release`; with
+        # LoRA the starting adapters alone). An empty --load starts the actor from --ref-load (slime's rule).
+        self.ref_state = reference_state(self.model, self.optimizer, megatron, self._needs_ref(),
+                                         lora is not None) if role == "actor" else None
         teacher = DistillationConfig.of(args).opd_teacher_checkpoint
         self.teacher_state = teacher_snapshot(self.model, teacher) if self._needs_teacher() else None
         if megatron.load:
             self.loaded_state = load_checkpoint(self, megatron.load)
+        self.old_actor = OldActor.for_run(TrainLoopConfig.of(args), lora is not None) if role == "actor" else None
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.saves_train_records = saves_train_records(args, role)  # its share of each rollout, for the inspector
@@ -131,35 +140,22 @@ class MegatronTrainer:
 
     # ---- data ------------------------------------------------------------------------------------------------
     def _split(self, batch: TrainBatch, every_sample: bool = False) -> list[tuple[range, list[int], list]]:
-        """Per optimizer step: (the step's sample positions, this rank's share, its micro-batches). A sample with
-        no trainable token (failed, aborted, fully masked) adds nothing to the loss, so it is left out of the
-        micro-batches and never computed (`every_sample` keeps it: the critic's values cover every sample); a rank
-        whose share is all such samples still runs one micro-batch, of zero loss, to take part in the step."""
-        args = self.args
-        megatron = MegatronConfig.of(args)
-        lengths = [len(t) for t in batch.tokens]
-        plan = []
-        for step in step_slices(len(lengths), megatron.global_batch_size):
-            local, mbs = self._rank_share(batch, step, lengths, self.dp_rank, every_sample)
-            plan.append((step, local, mbs))
-        return plan
+        """Per optimizer step: (the step's sample positions, this rank's share, its micro-batches); see
+        `batching.split_rollout`."""
+        return split_rollout(self._split_rule(), batch.loss_masks, [len(t) for t in batch.tokens], self.dp_rank,
+                             every_sample)
 
-    def _rank_share(self, batch: TrainBatch, step, lengths: list[int], dp_rank: int, every_sample: bool = False):
-        """Data-parallel rank `dp_rank`'s samples of `step` and its micro-batches (every rank derives every rank's)."""
-        args = self.args
-        train_loop = TrainLoopConfig.of(args)
-        megatron = MegatronConfig.of(args)
-        local = balanced_partition(list(step), lengths, self.dp_size)[dp_rank]
-        computed = local if every_sample else [i for i in local if batch.loss_masks[i].any()] or local[:1]
-        if train_loop.use_dynamic_batch_size:
-            return local, micro_batches(computed, lengths, max_tokens=train_loop.max_tokens_per_gpu,
-                                        packed=is_packed(args))
-        return local, micro_batches(computed, lengths, micro_batch_size=megatron.micro_batch_size)
+    def _split_rule(self) -> SplitRule:
+        train_loop, megatron = TrainLoopConfig.of(self.args), MegatronConfig.of(self.args)
+        return SplitRule(self.dp_size, megatron.global_batch_size, megatron.micro_batch_size,
+                         train_loop.max_tokens_per_gpu if train_loop.use_dynamic_batch_size else None,
+                         is_packed(self.args))
 
     def _step_micro_batches(self, batch: TrainBatch, step) -> int:
         """The micro-batches of `step` over all data-parallel ranks (--loss-agg-mode bnpo averages over them)."""
         lengths = [len(t) for t in batch.tokens]
-        return sum(len(self._rank_share(batch, step, lengths, r)[1]) for r in range(self.dp_size))
+        return sum(len(rank_share(self._split_rule(), batch.loss_masks, step, lengths, r)[1])
+                   for r in range(self.dp_size))
 
     # ---- one rollout -----------------------------------------------------------------------------------------
     def train(self, rollout_id: int, groups: list[list[dict]], values: dict | None = None) -> dict[str, float]:
@@ -186,8 +182,12 @@ class MegatronTrainer:
         # --use-rollout-logprobs: the engine's log-probs are the old policy; no forward pass for it
         bypass = RolloutCorrectionConfig.of(args).use_rollout_logprobs and all(
             r is not None for r in batch.rollout_log_probs)
+        versions, older = sample_versions(groups), {}
+        if self.old_actor is not None and not sft:  # --keep-old-actor: the weights each sample was generated with
+            self.old_actor.keep(self.model, rollout_id)
+            older = self.old_actor.states_for(versions, rollout_id)
         needs_old = not sft and (
-            (len(plan) > 1 and not bypass)
+            bool(older) or (len(plan) > 1 and not bypass)
             or (algorithm.kl_coef and algorithm.advantage_estimator in PER_TOKEN_ESTIMATORS)
             or (self.teacher_state is not None and any(lp is None for lp in batch.rollout_log_probs)))
         routing = rollout_routing(args, self.model, batch, first_pass=needs_old)
@@ -196,12 +196,19 @@ class MegatronTrainer:
         states = {k: v for k, v in states.items() if v is not None}
         swapped = log_probs_under(args, self.model, states, batch, all_local_mbs, routing, phase,
                                   adapters_only=self.lora is not None and all(v is self.ref_state
-                                                                              for v in states.values()))
+                                                                              for v in states.values()),
+                                  before=lambda name: self.hooks.log_prob_pass(self.plugin_args, self.model,
+                                                                               STORE_PREFIX[name]))
         batch.ref_log_probs, batch.teacher_log_probs = swapped.get("reference"), swapped.get("teacher")
         if needs_old:  # --use-routing-replay records this first pass's routing for the optimizer steps
+            self.hooks.log_prob_pass(self.plugin_args, self.model, "")
             with phase("first_pass"):
                 old = forward_log_probs(args, self.model, batch, all_local_mbs, routing=routing)
             batch.old_log_probs = dense(old, len(batch.tokens))
+        if older:
+            metrics["train/old_actor_samples"] = float(old_log_probs_by_version(
+                args, self.model, older, versions, batch, all_local_mbs, routing, phase, self.lora is not None,
+                before=lambda _: self.hooks.log_prob_pass(self.plugin_args, self.model, "")))
         if not sft:
             metrics.update(compute_advantages(args, batch))
             self.last_returns = [r.tolist() for r in batch.returns] if batch.values is not None else None
@@ -212,6 +219,10 @@ class MegatronTrainer:
                 metrics["train/return_mean"] = masked_mean_std(batch.returns, batch.loss_masks)[0]
             if self.teacher_state is not None and distillation.opd_mode == "reward":
                 add_opd_rewards(batch, distillation.opd_coef)
+        if self.hooks.postprocess is not None:  # slime's: e.g. change the loss masks before training
+            rollout_data = rollout_data_view(batch)
+            self.hooks.postprocess(self.plugin_args, rollout_id, rollout_data)
+            apply_rollout_data(batch, rollout_data, train_loop.rollout_data_postprocess_path)
 
         # the inspector's trainer log-probs: those of the first step's forward, under the rollout's weights, unless
         # the old log-probs were computed for all of them already
@@ -223,6 +234,9 @@ class MegatronTrainer:
             loss_fn = make_loss_fn(args, batch, denominators, scale=len(mbs) * self.dp_size,
                                    step_index=step_index, plugin_args=self.plugin_args,
                                    keep_log_probs=first_step_log_probs if step_index == 0 else None)
+            if self.hooks.before_train_step is not None:
+                self.hooks.before_train_step(self.plugin_args, rollout_id, step_index, self.model, self.optimizer,
+                                             self.scheduler)
             with phase("steps"):
                 mb_metrics, grad_norm, lr, skipped = self._train_step(batch, mbs, loss_fn, metrics, routing=routing)
             self.step += 1
@@ -240,6 +254,9 @@ class MegatronTrainer:
         if train_loop.max_staleness is not None:
             metrics["async/stale_samples_dropped"] = float(batch.stale)
         metrics["train/steps"] = float(len(plan))
+        if self.ref_state is not None and refresh_due(rollout_id, algorithm.ref_update_interval):
+            self.ref_state = snapshot(self.model, adapters_only=self.lora is not None)  # --ref-update-interval
+            metrics["train/ref_updated"] = 1.0
         if self.saves_train_records:  # for the inspector
             write_train_records(args, rollout_id, groups, batch, [i for _, local, _ in plan for i in local],
                                 first_step_log_probs)

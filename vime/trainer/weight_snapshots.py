@@ -42,17 +42,20 @@ def teacher_snapshot(model, checkpoint: str) -> list[dict[str, torch.Tensor]]:
 
 
 def log_probs_under(args, model, states: dict, batch: TrainBatch, mbs: list, routing, phase,
-                    adapters_only: bool) -> dict:
+                    adapters_only: bool, before=None) -> dict:
     """{name: log-probs of `batch`} under each of `states` ({name: weights}: reference, teacher), the policy's
     own weights put back after each. A state may hold only part of the model (a LoRA reference: the adapters;
     a teacher is whole): it is laid over the policy's own weights, never over another state's. `adapters_only`:
-    every state holds adapters only, so only the policy's adapters need keeping."""
+    every state holds adapters only, so only the policy's adapters need keeping. `before(name)` runs with the
+    state's weights in place, before its pass (slime's before-log-prob hook)."""
     if not states:
         return {}
     current = snapshot(model, adapters_only=adapters_only)
     out = {}
     for name, state in states.items():
         restore(model, state)
+        if before is not None:
+            before(name)
         with phase(name):
             out[name] = dense(forward_log_probs(args, model, batch, mbs, routing=routing), len(batch.tokens))
         restore(model, current)

@@ -38,8 +38,10 @@ def start_wandb(wandb_flags: WandbConfig, output_dir: str, run_flags: dict):
 
     wandb_dir = Path(wandb_flags.wandb_dir or Path(output_dir) / "wandb")
     wandb_dir.mkdir(parents=True, exist_ok=True)
+    # --wandb-key (slime's): to this process's wandb alone; never the environment, which every child inherits
+    settings = wandb.Settings(api_key=wandb_flags.wandb_key) if wandb_flags.wandb_key else None
     return wandb.init(project=wandb_flags.wandb_project, group=wandb_flags.wandb_group, name=wandb_flags.wandb_run_name,
-                      mode=wandb_flags.wandb_mode, dir=str(wandb_dir), config=run_flags)
+                      mode=wandb_flags.wandb_mode, dir=str(wandb_dir), config=run_flags, settings=settings)
 
 
 def _row_rollout(line: str) -> int | None:

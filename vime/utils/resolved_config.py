@@ -16,7 +16,7 @@ import yaml
 
 # Flags whose value is a secret: never written (a reproduced run gives them again). The control token is read
 # from --control-token-file, whose path (not its contents) is written like any flag.
-SECRET_FLAG = re.compile(r"(api_key|hf_token|password|secret)$")
+SECRET_FLAG = re.compile(r"(api_key|hf_token|password|secret|wandb_key)$")
 
 # Namespace entries that are not flags of their own: --config names the file this one replaces, and
 # vllm_raw_cli is the --vllm-* tokens, rebuilt from the vllm_* flags when they are parsed again.

@@ -108,6 +108,11 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--load",
                    help="torch_dist checkpoint directory to resume from (default: None = start from "
                         "--hf-checkpoint).")
+    g.add_argument("--ref-load",
+                   help="slime's reference checkpoint (torch_dist, as scripts/convert_hf_to_torch_dist.py writes it, "
+                        "or an HF directory): the KL reference of --use-kl-loss / --kl-coef, and the actor's first "
+                        "weights when --load holds no checkpoint (default: None = the reference is the actor's "
+                        "first weights).")
     g.add_argument("--save", help="Directory for torch_dist checkpoints (default: None = no saving).")
     g.add_argument("--save-interval", type=int, help="Save every this many rollouts (default: None = only at the end).")
     g.add_argument("--save-retain", type=int,

@@ -40,8 +40,8 @@ from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.optimizer import distrib_optimizer
 from torch.distributed.checkpoint import filesystem as dcp_filesystem
 
-from vime.backends.megatron_utils.checkpoint_files import (STATE_FILE, fresh_partial, part_dir, partial_dir,
-                                                           resolve_checkpoint)
+from vime.backends.megatron_utils.checkpoint_files import (MARKER_FILE, STATE_FILE, fresh_partial, part_dir,
+                                                           partial_dir, resolve_checkpoint)
 from vime.backends.megatron_utils.model import use_fused_adam
 from vime.config.train import MegatronConfig
 
@@ -260,6 +260,21 @@ def save_checkpoint(trainer, root: str, rollout_id: int, extra_state: dict | Non
         (path / STATE_FILE).write_text(json.dumps(state))
     dist.barrier()
     return path
+
+
+def load_model_weights(model, root: str) -> Path:
+    """The model weights of the checkpoint a resume would start from under `root` (a --save directory or a
+    converted one, "release"), loaded into `model` in this rank's layout: no optimizer, scheduler or RNG. Returns
+    the iteration's directory; ValueError when `root` holds none. Collective."""
+    iteration = resolve_checkpoint(root)
+    if iteration is None:
+        raise ValueError(f"{root} holds no torch_dist checkpoint (no {MARKER_FILE} and no iter_* directory); "
+                         "convert an HF checkpoint with scripts/convert_hf_to_torch_dist.py, or pass the HF directory")
+    with no_code_from_files():
+        loaded = dist_checkpointing.load({"model": model[0].module.sharded_state_dict()}, str(part_dir(iteration,
+                                                                                                       "actor")))
+    model[0].module.load_state_dict(loaded["model"])
+    return iteration
 
 
 def load_checkpoint(trainer, root: str) -> dict | None:
