@@ -197,3 +197,26 @@ def test_old_actor_keeps_the_weights_of_recent_versions():
     assert list(states) == [3] and states[3][0]["w"].tolist() == [3.0, 3.0]
     with pytest.raises(ValueError, match=r"version\(s\) \[1\]"):
         old.states_for([1, 4], current=4)
+
+
+def test_routed_experts_split_over_expert_tensor_parallel_when_it_differs(tmp_path):
+    """slime's MoE scripts: --tensor-model-parallel-size 4 beside --expert-tensor-parallel-size 1. The routed
+    experts are whole on each rank (split over ETP), attention and the router's weights still split over TP."""
+    from transformers import AutoConfig
+
+    from vime.backends.megatron_utils.hf_checkpoint import _SafetensorsDir
+    from vime.backends.megatron_utils.hf_conversion import Arch, hf_to_chunk, is_routed_expert
+    from vime.synthetic.tiny_model import build_tiny_model
+
+    path = build_tiny_model(tmp_path / "moe", arch="qwen3_moe", seed=0, config={"mlp_only_layers": []})
+    arch = Arch.from_hf(AutoConfig.from_pretrained(path))
+    hf = _SafetensorsDir(path)
+    whole = hf_to_chunk(hf, arch, 0, 1, 0, arch.num_layers, True, True)
+    folded = hf_to_chunk(hf, arch, 1, 2, 0, arch.num_layers, True, True, ep_rank=0, ep_size=2, etp=(0, 1))
+    tp_only = hf_to_chunk(hf, arch, 1, 2, 0, arch.num_layers, True, True, ep_rank=0, ep_size=2)
+    experts = [n for n in folded if is_routed_expert(n)]
+    assert experts and all(torch.equal(folded[n], whole[n]) for n in experts)  # EP rank 0 holds experts 0..E/2-1
+    assert all(tp_only[n].shape[0] * 2 == whole[n].shape[0] or tp_only[n].shape[-1] * 2 == whole[n].shape[-1]
+               for n in experts)
+    qkv = next(n for n in folded if n.endswith("linear_qkv.weight"))
+    assert folded[qkv].shape[0] * 2 == whole[qkv].shape[0]  # attention: still TP rank 1 of 2

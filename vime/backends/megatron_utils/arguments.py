@@ -285,11 +285,7 @@ def _check_moe(args: argparse.Namespace, world_size: int) -> None:
     experts = megatron.num_experts
     if ep < 1 or etp < 1:
         raise ValueError(f"--expert-model-parallel-size ({ep}) and --expert-tensor-parallel-size ({etp}) must be >= 1")
-    if etp != megatron.tensor_model_parallel_size:
-        raise ValueError(f"--expert-tensor-parallel-size {etp} differs from --tensor-model-parallel-size "
-                         f"{megatron.tensor_model_parallel_size}: vime splits experts over tensor parallel like the "
-                         "dense layers; drop --expert-tensor-parallel-size")
-    if not experts:
+    if not experts:  # no experts to split: --expert-tensor-parallel-size (slime's dense scripts set 1) is moot
         if ep > 1:
             raise ValueError(f"--expert-model-parallel-size {ep} needs a mixture-of-experts model; this one is dense")
         return
@@ -301,6 +297,6 @@ def _check_moe(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError(f"{per_stage} ranks per pipeline stage are not a multiple of expert-parallel x "
                          f"expert-tensor-parallel size ({ep} x {etp}); add training ranks or lower the sizes")
     if megatron.moe_grouped_gemm:
-        if not use_gpu():
-            raise ValueError("--moe-grouped-gemm needs a GPU with TransformerEngine; drop it on CPU (one GEMM per "
-                             "expert computes the same)")
+        if not use_gpu():  # slime's MoE scripts set it: the same math, one GEMM per expert (model_provider)
+            warn_once("--moe-grouped-gemm on CPU: one GEMM per expert instead (the same result); grouped GEMM needs "
+                      "a GPU with TransformerEngine")

@@ -188,10 +188,13 @@ def place_adam_steps(optimizer) -> None:
                     inner.state[p]["step"] = step.to(adam_step_device(group, p), torch.float32)
 
 
-def _sharded_state(trainer, is_loading: bool) -> dict:
+def _sharded_state(trainer, is_loading: bool, with_optimizer: bool = True) -> dict:
+    """The template dist_checkpointing saves or fills. Without `with_optimizer` the optimizer is left untouched:
+    building its sharded state (even to load) fills Adam's state with moments but no `step`, which torch's Adam
+    then fails on at the first step ("KeyError: 'step'")."""
     model_sd = trainer.model[0].module.sharded_state_dict()
     state = {"model": model_sd}
-    if trainer.optimizer is not None:
+    if trainer.optimizer is not None and with_optimizer:
         distributed = MegatronConfig.of(trainer.args).use_distributed_optimizer
         if not is_loading or (distributed and not distrib_optimizer.HAVE_APEX_OR_TE):
             _init_adam_state(trainer.optimizer)
@@ -289,10 +292,9 @@ def load_checkpoint(trainer, root: str) -> dict | None:
         return None
     args = trainer.args
     megatron = MegatronConfig.of(args)
-    state_template = _sharded_state(trainer, is_loading=True)
     release = iteration.name == "release"
-    if release or megatron.no_load_optim or megatron.finetune:
-        state_template.pop("optimizer", None)
+    state_template = _sharded_state(trainer, is_loading=True,
+                                    with_optimizer=not (release or megatron.no_load_optim or megatron.finetune))
     with no_code_from_files():
         loaded = dist_checkpointing.load(state_template, str(path))
     trainer.model[0].module.load_state_dict(loaded["model"])

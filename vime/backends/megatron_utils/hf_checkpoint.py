@@ -26,6 +26,7 @@ from vime.backends.megatron_utils.hf_conversion import (
     Arch,
     from_full_megatron,
     hf_to_chunk,
+    is_routed_expert,
     param_for,
     tp_merge,
 )
@@ -76,6 +77,13 @@ def _ep_rank_size() -> tuple[int, int]:
     return parallel_state.get_expert_model_parallel_rank(), parallel_state.get_expert_model_parallel_world_size()
 
 
+def _etp_rank_size() -> tuple[int, int]:
+    if not parallel_state.model_parallel_is_initialized():
+        return 0, 1
+    return (parallel_state.get_expert_tensor_parallel_rank(),
+            parallel_state.get_expert_tensor_parallel_world_size())
+
+
 def _all_gather(tensor: torch.Tensor, size: int, group) -> list[torch.Tensor]:
     if size == 1:
         return [tensor]
@@ -113,12 +121,16 @@ def iter_hf_weights(model_chunks: list[torch.nn.Module], hf_config) -> Iterator[
         offset = _layer_offset(model)
         for name, param in _policy_weights(model):
             # an expert's parameter: every EP rank holds its own experts under the same local names
-            per_ep = _gather_ep(param.detach()) if ".local_experts." in name else [param.detach()]
+            expert = is_routed_expert(name)
+            per_ep = _gather_ep(param.detach()) if expert else [param.detach()]
             for ep_rank, tensor in enumerate(per_ep):
                 p = param_for(name, arch, offset, ep_rank * local_experts)
                 if p is None:
                     continue
-                shards = [tensor] if p.split_dim is None else gather_tp_shards(tensor)
+                # routed experts are split over expert tensor parallel, the rest over tensor parallel
+                shards = [tensor] if p.split_dim is None else (
+                    _all_gather(tensor, _etp_rank_size()[1], parallel_state.get_expert_tensor_parallel_group)
+                    if expert else gather_tp_shards(tensor))
                 yield from from_full_megatron(p, tp_merge(p, shards), arch)
 
 
@@ -173,7 +185,7 @@ def load_hf_checkpoint_into_model(model_chunks: list[torch.nn.Module], hf_dir: s
         model = _unwrap(chunk)
         params = dict(_named_weights(model))
         expected = hf_to_chunk(hf, arch, tp_rank, tp_size, _layer_offset(model), len(model.decoder.layers),
-                                model.pre_process, model.post_process, ep_rank, ep_size)
+                                model.pre_process, model.post_process, ep_rank, ep_size, _etp_rank_size())
         for name, local in TE_FUSED_NORMS.items():  # TE spec: norms live inside the linear layers
             for key in [k for k in expected if k.endswith(name)]:
                 fused = key[: -len(name)] + local

@@ -230,15 +230,23 @@ def _layer_range(arch: Arch, pp_rank: int, pp_size: int) -> tuple[int, int]:
 
 def hf_to_chunk(hf: Mapping[str, torch.Tensor], arch: Arch, tp_rank: int, tp_size: int, layer_offset: int,
                  num_local_layers: int, pre_process: bool, post_process: bool, ep_rank: int = 0,
-                 ep_size: int = 1) -> dict[str, torch.Tensor]:
+                 ep_size: int = 1, etp: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
+    """`etp`: (rank, size) of expert tensor parallel where it differs from tensor parallel (Megatron's MoE parallel
+    folding, slime's --expert-tensor-parallel-size 1 beside a larger TP): the routed experts split over it."""
     out = {}
     local_experts = arch.num_experts // ep_size
     for name in _chunk_param_names(arch, num_local_layers, pre_process, post_process, layer_offset, local_experts):
         p = param_for(name, arch, layer_offset, ep_rank * local_experts)
         if p is None:  # last stage's copy of the tied embedding
             p = _Param("copy", ("model.embed_tokens.weight",), 0)
-        out[name] = _tp_split(p, _to_full_megatron(p, hf, arch), tp_rank, tp_size)
+        rank, size = etp if etp is not None and is_routed_expert(name) else (tp_rank, tp_size)
+        out[name] = _tp_split(p, _to_full_megatron(p, hf, arch), rank, size)
     return out
+
+
+def is_routed_expert(name: str) -> bool:
+    """A routed expert's parameter (split over expert tensor parallel), not a shared expert's or the router's."""
+    return ".local_experts." in name
 
 
 def hf_to_megatron_state_dict(hf_state_dict: Mapping[str, torch.Tensor], hf_config, tp_rank: int = 0,

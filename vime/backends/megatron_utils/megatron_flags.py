@@ -292,7 +292,11 @@ def given_fields(args: argparse.Namespace, config_key: str) -> dict:
 
 GPU_ONLY_PREFIXES = ("fp8", "fp4", "tp_comm", "cuda_graph", "enable_cuda_graph", "external_cuda_graph",
                      "use_te_", "moe_enable_deepep", "moe_flex_dispatcher", "nccl_ub", "fsdp_double_buffer",
-                     "cpu_offloading", "use_kitchen")
+                     "cpu_offloading", "use_kitchen",
+                     # what slime's MoE scripts set: TransformerEngine's fused kernels and optimizer, and moving
+                     # optimizer state off a GPU the CPU run does not have
+                     "moe_permute_fusion", "moe_router_fusion", "use_precision_aware_optimizer",
+                     "optimizer_cpu_offload", "overlap_cpu_optimizer")
 
 
 @functools.cache

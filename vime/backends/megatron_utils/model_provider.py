@@ -35,7 +35,7 @@ from vime.backends.megatron_utils.device import training_device
 from vime.backends.megatron_utils.megatron_flags import given_fields, warn_once
 from vime.backends.megatron_utils.packed_rope import use_packed_rope
 from vime.config.train import MegatronConfig, RoutingReplayConfig
-from vime.utils.device import training_dtype
+from vime.utils.device import training_dtype, use_gpu
 
 
 def use_transformer_engine() -> bool:
@@ -141,7 +141,7 @@ def _moe_config(args: argparse.Namespace) -> dict:
         moe_aux_loss_coeff=megatron.moe_aux_loss_coeff or 0.0,
         moe_z_loss_coeff=megatron.moe_z_loss_coeff,
         moe_token_dispatcher_type=megatron.moe_token_dispatcher_type,
-        moe_grouped_gemm=bool(megatron.moe_grouped_gemm),
+        moe_grouped_gemm=bool(megatron.moe_grouped_gemm) and use_gpu(),  # on CPU one GEMM per expert (warned)
         moe_router_dtype=megatron.moe_router_dtype,
         expert_model_parallel_size=megatron.expert_model_parallel_size,
         expert_tensor_parallel_size=megatron.expert_tensor_parallel_size or megatron.tensor_model_parallel_size,
