@@ -40,6 +40,9 @@ async def generate(args, sample: Sample, sampling_params: dict) -> Sample:
     sample.response = (sample.response or "") + state.tokenizer.decode(new_tokens)
     sample.loss_mask = (sample.loss_mask or []) + [1] * len(new_tokens)
     sample.rollout_log_probs = (sample.rollout_log_probs or []) + [t["logprob"] for t in choice["logprobs"]["content"]]
+    # the engine's weight version, as slime's generate records it (vLLM answers spans: {"version", "start", "end"})
+    sample.weight_versions = (sample.weight_versions or []) + [span["version"] for span in
+                                                               choice.get("weight_versions") or []]
     sample.status = Sample.Status.TRUNCATED if choice["finish_reason"] == "length" else Sample.Status.COMPLETED
     sample.metadata["seen_by_generate"] = {
         "router": [args.vllm_router_ip, args.vllm_router_port],

@@ -12,11 +12,24 @@ Weights are labelled as the engines label them: the number of rollouts trained (
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 
 from vime.config.train import TrainLoopConfig
 from vime.data.weight_versions import oldest_version
 from vime.trainer.weight_snapshots import log_probs_under, snapshot
+
+
+logger = logging.getLogger(__name__)
+
+
+@functools.cache  # once per process
+def _warn_unversioned(count: int) -> None:
+    logger.warning("--keep-old-actor: %d samples report no weight version (a custom generate function that does not "
+                   "record the engine's `weight_versions`, as slime's does); their old log-probs come from the current "
+                   "weights", count)
 
 
 class OldActor:
@@ -43,6 +56,8 @@ class OldActor:
     def states_for(self, versions: list[int | None], current: int) -> dict[int, list[dict[str, torch.Tensor]]]:
         """{version: weights} of every version in `versions` other than `current` (None: a sample that reports none,
         taken as current); ValueError when one is no longer kept."""
+        if None in versions:
+            _warn_unversioned(versions.count(None))
         older = sorted({v for v in versions if v is not None and v != current})
         missing = [v for v in older if v not in self.states]
         if missing:
