@@ -9,11 +9,13 @@ the loss, backward and the optimizer step), in tokens/s and MFU, for the shapes 
 - tiny: 2 layers of 128, for a smoke run on CPU (float32).
 Each shape runs with shared prompts off and on (`--share-group-prompts`), side by side in one process.
 
-MFU = FLOPs of the step's tokens / seconds / peak. FLOPs per token = 6N (forward + backward of the N weights that
-multiply, embeddings excluded, output layer included) + 6 L s h for causal attention (s: the token's sequence
-length; score and value products, forward and backward, half the square), plus 2N + 2 L s h for the no-grad
-old-log-prob forward, which GRPO runs every step. Peak: --peak-tflops (default 989, an H100 / H200 SXM dense
-bf16). The raw limit printed next to it: a bf16 matmul of the model's widest shape on the same device.
+MFU = counted FLOPs / seconds / peak (--peak-tflops, default 989, an H100 / H200 SXM dense bf16). The FLOPs are
+`vime.trainer.flops`'s count of what the step runs (checked against torch's FlopCounterMode in tests/unit/test_flops.py):
+the passes that run (no old-log-prob forward with one step a rollout and no KL), the output layer over response rows
+only, a shared prompt once, attention as its kernels are called; `mfu` uses the useful part (no padding, causal
+attention's lower triangle), `mfu_executed` all of it. The raw limit printed next to it: a matmul of the model's
+widest shape on the same device. Each row is written to --json as it finishes; an out-of-memory row says so and the
+next one runs.
 """
 
 from __future__ import annotations
@@ -30,32 +32,35 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-SHAPES = {
-    "qwen3-0.6b-1k": dict(hidden=1024, layers=28, heads=16, kv_heads=8, mlp=3072, vocab=151936, prompt=256,
-                          response=768),
-    "qwen3-0.6b-4k": dict(hidden=1024, layers=28, heads=16, kv_heads=8, mlp=3072, vocab=151936, prompt=1024,
-                          response=3072),
+SHAPES = {  # Qwen3-0.6B as published: head_dim 128 (16 x 128 = 2048 > hidden), tied embeddings
+    "qwen3-0.6b-1k": dict(hidden=1024, layers=28, heads=16, kv_heads=8, head_dim=128, mlp=3072, vocab=151936,
+                          prompt=256, response=768, tied=True),
+    "qwen3-0.6b-4k": dict(hidden=1024, layers=28, heads=16, kv_heads=8, head_dim=128, mlp=3072, vocab=151936,
+                          prompt=1024, response=3072, tied=True),
     "218m": dict(hidden=1024, layers=16, heads=16, kv_heads=8, mlp=3072, vocab=8192, prompt=256, response=768),
     "tiny": dict(hidden=128, layers=2, heads=4, kv_heads=2, mlp=256, vocab=512, prompt=16, response=48),
 }
 
 
-def matmul_params(s: dict) -> int:
-    """Weights that multiply per token: attention (q, k, v, o), the SwiGLU MLP, the output layer."""
-    head = s["hidden"] // s["heads"]
-    attention = s["hidden"] * head * (s["heads"] * 2 + s["kv_heads"] * 2)
-    mlp = 3 * s["hidden"] * s["mlp"]
-    return s["layers"] * (attention + mlp) + s["hidden"] * s["vocab"]
+def counted_flops(trainer, data: list[list[dict]], share: bool) -> dict[str, float]:
+    """`vime.trainer.flops`'s count of one `trainer.train(..., data)`: the passes it runs over its micro-batches."""
+    from transformers import AutoConfig
 
+    from vime.config.algorithm import AlgorithmConfig
+    from vime.trainer.batching import micro_batch_inputs
+    from vime.trainer.flops import FlopShape, micro_batch_work, rollout_flops
+    from vime.trainer.train_batch import TrainBatch
 
-def step_flops(s: dict, samples: int) -> float:
-    """Training FLOPs (forward + backward) plus the old-log-prob forward of one GRPO step."""
-    seq = s["prompt"] + s["response"]
-    tokens = samples * seq
-    per_token_attention = 2 * s["layers"] * seq * s["hidden"]  # causal: half of 2 s h for QK^T and AV, forward
-    train = 6 * matmul_params(s) * tokens + 3 * per_token_attention * tokens
-    old_forward = 2 * matmul_params(s) * tokens + per_token_attention * tokens
-    return float(train + old_forward)
+    batch = TrainBatch.from_samples(data, trainer.args)
+    varlen = trainer.device.type == "cuda" and torch.cuda.is_bf16_supported()
+    steps = [[micro_batch_work(micro_batch_inputs([batch.tokens[i] for i in mb], [batch.response_lengths[i] for i in mb],
+                                                  packed=True, share_prompts=share),
+                               [len(batch.tokens[i]) for i in mb], varlen=varlen and not share) for mb in mbs]
+             for _, _, mbs in trainer._split(batch)]
+    algorithm = AlgorithmConfig.of(trainer.args)
+    forward_passes = int(len(steps) > 1) + int(bool(algorithm.use_kl_loss or algorithm.kl_coef))
+    return rollout_flops(FlopShape.from_hf(AutoConfig.from_pretrained(trainer.args.hf_checkpoint)), steps,
+                         forward_passes)
 
 
 def build_checkpoint(s: dict, out: Path) -> Path:
@@ -63,7 +68,9 @@ def build_checkpoint(s: dict, out: Path) -> Path:
 
     return build_tiny_model(out, arch="qwen3", seed=0, vocab_size=s["vocab"], hidden_size=s["hidden"],
                             num_layers=s["layers"], num_heads=s["heads"], num_kv_heads=s["kv_heads"],
-                            intermediate_size=s["mlp"], max_position_embeddings=s["prompt"] + s["response"] + 64)
+                            intermediate_size=s["mlp"], max_position_embeddings=s["prompt"] + s["response"] + 64,
+                            tie_word_embeddings=s.get("tied", False),
+                            config={"head_dim": s["head_dim"]} if "head_dim" in s else None)
 
 
 def rollout(s: dict, prompts: int, group: int, seed: int = 0) -> list[list[dict]]:
@@ -115,6 +122,7 @@ def measure(shape: str, ckpt: Path, share: bool, steps: int, micro_batch: int, p
     trainer = MegatronTrainer(parse_args(argv))  # one per measurement: Megatron's groups and memory start fresh
     try:
         data = rollout(s, prompts, group)
+        flops = counted_flops(trainer, data, share)
         trainer.train(0, data)  # warm-up: kernels chosen, memory pools grown
         sync("cuda" if gpu else "cpu")
         times = []
@@ -131,10 +139,12 @@ def measure(shape: str, ckpt: Path, share: bool, steps: int, micro_batch: int, p
     best = min(times)
     samples = prompts * group
     tokens = samples * (s["prompt"] + s["response"])
-    flops = step_flops(s, samples)
     row = {"shape": shape, "shared_prompts": share, "micro_batch": micro_batch, "step_s": round(best, 4),
-           "tokens_per_s": round(tokens / best), "tflops": round(flops / best / 1e12, 2),
-           "mfu": round(flops / best / (peak * 1e12), 4), "device": torch.cuda.get_device_name(0) if gpu else "cpu"}
+           "tokens_per_s": round(tokens / best), "tflops": round(flops["useful"] / best / 1e12, 2),
+           "mfu": round(flops["useful"] / best / (peak * 1e12), 4),
+           "mfu_executed": round(flops["total"] / best / (peak * 1e12), 4),
+           "gflop_per_token": round(flops["useful"] / tokens / 1e9, 3),
+           "device": torch.cuda.get_device_name(0) if gpu else "cpu"}
     if gpu:
         row["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
         torch.cuda.reset_peak_memory_stats()
@@ -165,16 +175,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
         with tempfile.TemporaryDirectory() as tmp:
             ckpt = build_checkpoint(s, Path(tmp) / "model")
             for share in (False, True):
-                row = measure(shape, ckpt, share, a.steps, a.micro_batch_size, a.prompts, a.group, a.peak_tflops)
+                try:
+                    row = measure(shape, ckpt, share, a.steps, a.micro_batch_size, a.prompts, a.group,
+                                  a.peak_tflops)
+                except torch.OutOfMemoryError as e:  # a row of its own; the next shape still runs
+                    row = {"shape": shape, "shared_prompts": share, "micro_batch": a.micro_batch_size,
+                           "error": f"out of memory: {str(e).splitlines()[0]}"}
+                    torch.cuda.empty_cache()
                 row["raw_matmul_tflops"] = round(raw, 1)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+                if a.json:  # as each row finishes: a later crash or timeout loses nothing measured
+                    Path(a.json).write_text(json.dumps(rows, indent=2))
         off, on = rows[-2], rows[-1]
-        print(f"{shape}: {off['tokens_per_s']} tok/s, MFU {off['mfu']:.1%} without shared prompts; shared / not: "
-              f"{off['step_s'] / on['step_s']:.2f}x the speed; matmul limit {raw:.0f} TFLOP/s "
-              f"({raw / a.peak_tflops:.0%} of peak)", flush=True)
-    if a.json:
-        Path(a.json).write_text(json.dumps(rows, indent=2))
+        if "error" not in off and "error" not in on:
+            print(f"{shape}: {off['tokens_per_s']} tok/s, MFU {off['mfu']:.1%} without shared prompts; shared / not: "
+                  f"{off['step_s'] / on['step_s']:.2f}x the speed; matmul limit {raw:.0f} TFLOP/s "
+                  f"({raw / a.peak_tflops:.0%} of peak)", flush=True)
     return rows
 
 

@@ -1,0 +1,150 @@
+"""FLOPs of a rollout's training, counted from what the trainer runs rather than estimated from the token count.
+
+    shape = FlopShape.from_hf(hf_config, lora_rank=0)
+    work = [micro_batch_work(inputs, varlen=False) for inputs in step_inputs]   # batching.micro_batch_inputs
+    flops = pass_flops(shape, work, train=True)     # {"matmul", "attention", "logits", "total"}
+
+What is counted is what the kernels compute, as `torch.utils.flop_counter` counts them (2 FLOPs a multiply-add):
+- the linear layers over every row the layers see: real tokens when packed, padding too when padded, a shared
+  prompt once per micro-batch (`batching.shared_prompt_inputs`);
+- the output layer over the response rows only (the trainer asks for no other logits);
+- each attention call as the kernel is given it: the padded [batch, heads, q, k] calls of `SDPAttention` (causal or
+  masked: the whole rectangle), or one [s, s] call per sequence where the varlen kernel runs (CUDA, 16-bit);
+- MoE: the router for every token, `experts_per_token` routed experts (dropless), the shared experts;
+- training: a linear layer's backward is twice its forward (input and weight gradients; a frozen LoRA base only
+  the input gradient), attention's 2.5 times (the scores recomputed, then dQ, dK, dV and dP).
+`useful` is the part an MFU counts as work: causal attention's lower triangle and no padding rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ATTENTION_BACKWARD = 2.5  # backward / forward of scaled-dot-product attention, as torch's flop counter has it
+
+
+@dataclass(frozen=True)
+class FlopShape:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int  # the dense MLP's intermediate size
+    vocab: int
+    moe_layers: int = 0  # how many of the layers are MoE
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_ffn: int = 0
+    shared_expert_ffn: int = 0
+    lora_rank: int = 0  # adapters on every linear layer of attention and MLP; the base frozen
+
+    @classmethod
+    def from_hf(cls, config, lora_rank: int = 0) -> FlopShape:
+        """The shape of an HF config (Qwen2/3, Llama 3, Qwen3-MoE)."""
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
+        layers = config.num_hidden_layers
+        moe_layers = 0
+        if experts:
+            dense = set(getattr(config, "mlp_only_layers", None) or [])
+            step = getattr(config, "decoder_sparse_step", 1) or 1
+            moe_layers = sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)
+        return cls(hidden=config.hidden_size, layers=layers, heads=heads,
+                   kv_heads=getattr(config, "num_key_value_heads", None) or heads, head_dim=head_dim,
+                   ffn=config.intermediate_size, vocab=config.vocab_size, moe_layers=moe_layers, num_experts=experts,
+                   experts_per_token=getattr(config, "num_experts_per_tok", 0) if experts else 0,
+                   moe_ffn=getattr(config, "moe_intermediate_size", 0) if experts else 0,
+                   shared_expert_ffn=getattr(config, "shared_expert_intermediate_size", 0) or 0,
+                   lora_rank=lora_rank)
+
+    def _linears(self, moe: bool) -> list[tuple[int, int, float]]:
+        """(in, out, times per token) of a layer's linear maps."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        attention = [(self.hidden, q + 2 * kv, 1.0), (q, self.hidden, 1.0)]
+        if not moe:
+            return attention + [(self.hidden, 2 * self.ffn, 1.0), (self.ffn, self.hidden, 1.0)]
+        routed = [(self.hidden, 2 * self.moe_ffn, self.experts_per_token),
+                  (self.moe_ffn, self.hidden, self.experts_per_token)]
+        shared = [(self.hidden, 2 * self.shared_expert_ffn, 1.0), (self.shared_expert_ffn, self.hidden, 1.0)] \
+            if self.shared_expert_ffn else []
+        return attention + [(self.hidden, self.num_experts, 1.0)] + routed + shared
+
+    def layer_flops_per_token(self) -> tuple[float, float]:
+        """Forward FLOPs of one token through every layer's linear maps: (the base weights, the LoRA adapters)."""
+        base = adapters = 0.0
+        for moe in (False, True):
+            count = self.moe_layers if moe else self.layers - self.moe_layers
+            for n_in, n_out, times in self._linears(moe):
+                base += count * times * 2 * n_in * n_out
+                if self.lora_rank and n_out != self.num_experts:  # no adapter on the router
+                    adapters += count * times * 2 * self.lora_rank * (n_in + n_out)
+        return base, adapters
+
+
+@dataclass(frozen=True)
+class MicroBatchWork:
+    rows: int  # rows the layers compute (with padding)
+    real_rows: int  # of which real tokens
+    logit_rows: int  # rows the output layer computes
+    attention: tuple[tuple[int, int, int], ...]  # (batch, queries, keys) of each attention call
+    causal: tuple[bool, ...]  # per call: causal (the useful part is the lower triangle) or masked
+
+
+def micro_batch_work(inputs, lengths: list[int], varlen: bool = False) -> MicroBatchWork:
+    """What the layers compute for `inputs` (a `batching.MicroBatchInputs` of samples of `lengths` tokens), as
+    `attention.SDPAttention` calls its kernels: `varlen` where it takes the varlen kernel (CUDA, 16-bit)."""
+    rows, real, logit_rows = inputs.tokens.numel(), sum(lengths), len(inputs.logit_rows)
+    if inputs.cu_seqlens is None:  # padded: [b, longest], one causal call over the batch
+        batch, longest = inputs.tokens.shape
+        return MicroBatchWork(rows, real, logit_rows, ((batch, longest, longest),), (True,))
+    cu = inputs.cu_seqlens.tolist()
+    segments = [b - a for a, b in zip(cu, cu[1:])]
+    if inputs.segment_prefix is not None:  # shared prompts: the prompts and whole samples, then the responses
+        prefix = inputs.segment_prefix + [-1] * (len(segments) - len(inputs.segment_prefix))
+        alone = [n for n, p in zip(segments, prefix) if p < 0]
+        continuing = [(n, segments[p]) for n, p in zip(segments, prefix) if p >= 0]
+        calls, causal = [(len(alone), max(alone), max(alone))], [True]
+        if continuing:
+            calls.append((len(continuing), max(n for n, _ in continuing), max(n + m for n, m in continuing)))
+            causal.append(False)
+        shared_real = sum(segments[:len(inputs.segment_prefix)])  # the prompts once, the responses; no pad
+        return MicroBatchWork(rows, shared_real, logit_rows, tuple(calls), tuple(causal))
+    if varlen:
+        return MicroBatchWork(rows, real, logit_rows, tuple((1, n, n) for n in segments), (True,) * len(segments))
+    longest = max(segments)
+    return MicroBatchWork(rows, real, logit_rows, ((len(segments), longest, longest),), (True,))
+
+
+def pass_flops(shape: FlopShape, work: list[MicroBatchWork], train: bool) -> dict[str, float]:
+    """FLOPs of one pass over micro-batches `work`: a training step's forward and backward (`train`), or a
+    forward-only pass (old log-probs, the reference's, the teacher's). {"matmul", "attention", "logits", "total",
+    "useful"}."""
+    base, adapters = shape.layer_flops_per_token()
+    matmul = attention = logits = useful = 0.0
+    frozen = shape.lora_rank > 0
+    linear_factor = (2.0 if frozen else 3.0) if train else 1.0  # a frozen base: no weight gradient
+    attention_factor = 1.0 + ATTENTION_BACKWARD if train else 1.0
+    for w in work:
+        matmul += linear_factor * base * w.rows + (3.0 if train else 1.0) * adapters * w.rows
+        useful += linear_factor * base * w.real_rows + (3.0 if train else 1.0) * adapters * w.real_rows
+        for (batch, queries, keys), causal in zip(w.attention, w.causal):
+            computed = 2 * 2 * batch * shape.heads * shape.head_dim * queries * keys * shape.layers
+            attention += attention_factor * computed
+            useful += attention_factor * computed * (0.5 if causal else 1.0)
+        head = 2 * shape.hidden * shape.vocab * w.logit_rows
+        logits += (3.0 if train else 1.0) * head
+        useful += (3.0 if train else 1.0) * head
+    return {"matmul": matmul, "attention": attention, "logits": logits, "total": matmul + attention + logits,
+            "useful": useful}
+
+
+def rollout_flops(shape: FlopShape, steps: list[list[MicroBatchWork]], forward_passes: int) -> dict[str, float]:
+    """FLOPs of training one rollout: `forward_passes` forward-only passes over all its micro-batches (the old
+    log-probs, the reference's and the teacher's, as the trainer runs them), then each optimizer step's forward
+    and backward over its own (`steps`: the micro-batches of each step)."""
+    every = [w for step in steps for w in step]
+    parts = [pass_flops(shape, every, train=False)] * forward_passes + [pass_flops(shape, s, train=True)
+                                                                        for s in steps]
+    return {key: sum(p[key] for p in parts) for key in ("matmul", "attention", "logits", "total", "useful")}
