@@ -42,27 +42,6 @@ SHAPES = {  # Qwen3-0.6B as published: head_dim 128 (16 x 128 = 2048 > hidden), 
 }
 
 
-def counted_flops(trainer, data: list[list[dict]], share: bool) -> dict[str, float]:
-    """`vime.trainer.flops`'s count of one `trainer.train(..., data)`: the passes it runs over its micro-batches."""
-    from transformers import AutoConfig
-
-    from vime.config.algorithm import AlgorithmConfig
-    from vime.trainer.batching import micro_batch_inputs
-    from vime.trainer.flops import FlopShape, micro_batch_work, rollout_flops
-    from vime.trainer.train_batch import TrainBatch
-
-    batch = TrainBatch.from_samples(data, trainer.args)
-    varlen = trainer.device.type == "cuda" and torch.cuda.is_bf16_supported()
-    steps = [[micro_batch_work(micro_batch_inputs([batch.tokens[i] for i in mb], [batch.response_lengths[i] for i in mb],
-                                                  packed=True, share_prompts=share),
-                               [len(batch.tokens[i]) for i in mb], varlen=varlen and not share) for mb in mbs]
-             for _, _, mbs in trainer._split(batch)]
-    algorithm = AlgorithmConfig.of(trainer.args)
-    forward_passes = int(len(steps) > 1) + int(bool(algorithm.use_kl_loss or algorithm.kl_coef))
-    return rollout_flops(FlopShape.from_hf(AutoConfig.from_pretrained(trainer.args.hf_checkpoint)), steps,
-                         forward_passes)
-
-
 def build_checkpoint(s: dict, out: Path) -> Path:
     from vime.synthetic.tiny_model import build_tiny_model
 
@@ -110,6 +89,7 @@ def measure(shape: str, ckpt: Path, share: bool, steps: int, micro_batch: int, p
             peak: float) -> dict:
     from vime.arguments import parse_args
     from vime.backends.megatron_utils.parallel import destroy_parallel
+    from vime.trainer.flops import trainer_rollout_flops
     from vime.trainer.trainer import MegatronTrainer
 
     s = SHAPES[shape]
@@ -122,8 +102,8 @@ def measure(shape: str, ckpt: Path, share: bool, steps: int, micro_batch: int, p
     trainer = MegatronTrainer(parse_args(argv))  # one per measurement: Megatron's groups and memory start fresh
     try:
         data = rollout(s, prompts, group)
-        flops = counted_flops(trainer, data, share)
         trainer.train(0, data)  # warm-up: kernels chosen, memory pools grown
+        flops = trainer_rollout_flops(trainer, data)  # the passes it ran, over its micro-batches
         sync("cuda" if gpu else "cpu")
         times = []
         for step in range(steps):

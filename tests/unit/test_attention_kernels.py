@@ -51,3 +51,43 @@ def test_varlen_causal_plumbing(monkeypatch, spelling):
 def test_the_varlen_kernel_only_for_cuda_16_bit():
     assert not uses_varlen_kernel(torch.zeros(2, 2, 2, dtype=torch.bfloat16))  # CPU
     assert not uses_varlen_kernel(torch.zeros(2, 2, 2, device="meta"))
+
+
+def test_varlen_causal_folds_the_scale_into_the_queries_where_torch_takes_none(monkeypatch):
+    """torch releases whose varlen_attn has no `scale` keyword (it scales by 1/sqrt(d)): the queries carry ours."""
+    import math
+
+    def varlen(query, key, value, cu_q, cu_k, max_q, max_k, *, is_causal=False):  # the oldest spelling
+        assert is_causal
+        return _reference(query, key, value, cu_q, 1.0 / math.sqrt(query.shape[-1]))
+
+    monkeypatch.setattr(attention, "_varlen_attn", lambda: varlen)
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(9, 4, 16, generator=g) for _ in range(3))
+    cu = torch.tensor([0, 3, 4, 9])
+    assert torch.allclose(varlen_causal(q, k, v, cu, 5, 0.05), _reference(q, k, v, cu, 0.05), atol=1e-6)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_repeated_grouped_heads_give_what_enable_gqa_gives(monkeypatch, masked):
+    """On CUDA `_attend` repeats grouped K/V heads where enable_gqa would send the call to the math kernel (a mask,
+    or float32): the same output and gradients, checked here by forcing that branch on CPU."""
+    from vime.backends.megatron_utils.attention import SDPAttention, expands_grouped_heads
+
+    assert not expands_grouped_heads(torch.zeros(1, 4, 2, 8), torch.ones(1, 1, 2, 2, dtype=torch.bool))  # CPU
+    assert not expands_grouped_heads(torch.zeros(1, 4, 2, 8, device="meta"), None)
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 8, 6, 16, generator=g, requires_grad=True)
+    k, v = (torch.randn(2, 2, 6, 16, generator=g, requires_grad=True) for _ in range(2))
+    mask = torch.ones(6, 6, dtype=torch.bool).tril().view(1, 1, 6, 6).expand(2, 1, 6, 6) if masked else None
+    layer = SDPAttention.__new__(SDPAttention)  # `_attend` reads only the scale
+    layer.softmax_scale = 0.3
+    results = []
+    for expand in (False, True):
+        monkeypatch.setattr(attention, "expands_grouped_heads", lambda query, m, e=expand: e)
+        out = layer._attend(q, k, v, 0.0, mask)
+        grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+        results.append((out, grads))
+    (out_gqa, grads_gqa), (out_rep, grads_rep) = results
+    assert torch.allclose(out_gqa, out_rep, atol=1e-6)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(grads_gqa, grads_rep))

@@ -15,7 +15,8 @@ from vime.arguments import parse_args
 from vime.backends.megatron_utils.parallel import destroy_parallel
 from vime.synthetic.tiny_model import build_tiny_model
 from vime.trainer.batching import micro_batch_inputs
-from vime.trainer.flops import FlopShape, micro_batch_work, pass_flops, rollout_flops
+from vime.trainer.flops import (FlopShape, flop_metrics, micro_batch_work, pass_flops, peak_tflops,
+                                rollout_flops, trainer_rollout_flops)
 from vime.trainer.train_batch import TrainBatch
 from vime.utils.types import Sample
 
@@ -73,18 +74,21 @@ def test_counted_flops_match_torchs_count_of_the_training_step(checkpoints, arch
         data = _rollout()
         with FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION) as counter:
             trainer.train(0, data)
+        model = trainer_rollout_flops(trainer, data)  # what the run's perf/* metrics count
+        assert trainer.forward_passes == int(steps > 1) + int(kl)  # the old log-probs, the reference's
         batch = TrainBatch.from_samples(data, trainer.args)
-        step_work = []
-        for _, _, mbs in trainer._split(batch):
-            step_work.append([micro_batch_work(micro_batch_inputs(
-                [batch.tokens[i] for i in mb], [batch.response_lengths[i] for i in mb], packed=True,
-                share_prompts=share), [len(batch.tokens[i]) for i in mb]) for mb in mbs])
+        by_hand = rollout_flops(FlopShape.from_hf(AutoConfig.from_pretrained(ckpt)), [
+            [micro_batch_work(micro_batch_inputs([batch.tokens[i] for i in mb], [batch.response_lengths[i] for i in mb],
+                                                 packed=True, share_prompts=share), [len(batch.tokens[i]) for i in mb])
+             for mb in mbs] for _, _, mbs in trainer._split(batch)], int(steps > 1) + int(kl))
+        metrics = flop_metrics(trainer, data, seconds=2.0)
     finally:
         del trainer
         destroy_parallel()
-    forward_passes = int(steps > 1) + int(kl)  # the old log-probs, the reference's
-    model = rollout_flops(FlopShape.from_hf(AutoConfig.from_pretrained(ckpt)), step_work, forward_passes)
     counted = counter.get_total_flops()
+    assert model == by_hand
+    assert metrics["perf/train_tflop"] == pytest.approx(model["useful"] / 1e12)
+    assert metrics["perf/train_tflops_per_s"] == pytest.approx(model["useful"] / 2e12) and "perf/mfu" not in metrics
     assert model["total"] == pytest.approx(counted, rel=0.03), (model, counter.get_flop_counts()["Global"])
     assert model["useful"] < model["total"]  # causal attention's upper triangle is not work
 
@@ -105,3 +109,8 @@ def test_shared_prompts_count_the_prompt_once_and_the_logits_only_for_responses(
     assert train["matmul"] == 3 * forward["matmul"] and train["attention"] == 3.5 * forward["attention"]
     lora = pass_flops(FlopShape(**{**shape.__dict__, "lora_rank": 8}), [plain], train=True)
     assert lora["matmul"] < train["matmul"]  # a frozen base computes no weight gradients; the adapters are small
+
+
+def test_mfu_peaks_by_device_name():
+    assert peak_tflops("NVIDIA H100 80GB HBM3") == peak_tflops("NVIDIA H200") == 989.0
+    assert peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0 and peak_tflops("Some GPU") is None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 from typing import Any, Callable
 
 import ray
@@ -77,7 +78,14 @@ class TrainActor:
         return self.last_rollout[1]
 
     def train(self, rollout_id: int, handle) -> dict:
-        return self.trainer.train(rollout_id, self._read(handle))
+        groups = self._read(handle)
+        start = time.perf_counter()
+        metrics = self.trainer.train(rollout_id, groups)
+        if metrics:  # the rank that reports: the FLOPs it ran, per second, and their share of its device's peak
+            from vime.trainer.flops import flop_metrics
+
+            metrics.update(flop_metrics(self.trainer, groups, time.perf_counter() - start))
+        return metrics
 
     # PPO: the critic's values for the actor, the actor's returns for the critic. Values arrive as one dict per
     # critic rank ({sample index: per-token values}); Ray resolves the refs the driver passes on.

@@ -148,3 +148,48 @@ def rollout_flops(shape: FlopShape, steps: list[list[MicroBatchWork]], forward_p
     parts = [pass_flops(shape, every, train=False)] * forward_passes + [pass_flops(shape, s, train=True)
                                                                         for s in steps]
     return {key: sum(p[key] for p in parts) for key in ("matmul", "attention", "logits", "total", "useful")}
+
+
+# dense 16-bit tensor-core peak of one GPU, TFLOP/s, by a piece of its name (vendors' data sheets, SXM parts)
+PEAK_TFLOPS_16BIT = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0,
+                     "B200": 2250.0, "GB200": 2500.0}
+
+
+def peak_tflops(device_name: str) -> float | None:
+    """This GPU's dense bf16 peak, or None for one the table does not know (then no MFU is reported)."""
+    return next((peak for key, peak in PEAK_TFLOPS_16BIT.items() if key in device_name), None)
+
+
+def trainer_rollout_flops(trainer, groups: list[list[dict]]) -> dict[str, float]:
+    """The FLOPs this rank spent on `trainer.train(..., groups)`, just run: its own micro-batches of every step and
+    the forward-only passes the trainer counted (`MegatronTrainer.forward_passes`)."""
+    from vime.backends.megatron_utils.attention import uses_varlen_kernel
+    from vime.config.train import LoraConfig
+    from vime.trainer.batching import micro_batch_inputs
+    from vime.trainer.passes import is_packed, prompt_sharing
+    from vime.trainer.train_batch import TrainBatch
+
+    batch = TrainBatch.from_samples(groups, trainer.args)
+    packed, share = is_packed(trainer.args), prompt_sharing(trainer.args, trainer.model) is None
+    probe = next(p for m in trainer.model for p in m.parameters())
+    varlen = packed and not share and uses_varlen_kernel(probe)
+    steps = [[micro_batch_work(micro_batch_inputs([batch.tokens[i] for i in mb], [batch.response_lengths[i] for i in mb],
+                                                  packed=packed, share_prompts=share),
+                               [len(batch.tokens[i]) for i in mb], varlen) for mb in mbs]
+             for _, _, mbs in trainer._split(batch)]
+    shape = FlopShape.from_hf(trainer.hf_config, LoraConfig.of(trainer.args).lora_rank)
+    return rollout_flops(shape, steps, trainer.forward_passes)
+
+
+def flop_metrics(trainer, groups: list[list[dict]], seconds: float) -> dict[str, float]:
+    """`perf/train_tflop` (this rank's useful FLOPs of the rollout), `perf/train_tflops_per_s` and, on a GPU the
+    peak table knows, `perf/mfu` (of this rank's device)."""
+    flops = trainer_rollout_flops(trainer, groups)["useful"]
+    metrics = {"perf/train_tflop": flops / 1e12, "perf/train_tflops_per_s": flops / max(seconds, 1e-9) / 1e12}
+    if trainer.device.type == "cuda":
+        import torch
+
+        peak = peak_tflops(torch.cuda.get_device_name(trainer.device))
+        if peak:
+            metrics["perf/mfu"] = flops / max(seconds, 1e-9) / (peak * 1e12)
+    return metrics

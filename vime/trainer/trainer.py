@@ -104,8 +104,8 @@ class MegatronTrainer:
             else None
         self.step = 0
         self.offloader = TrainStateOffloader()  # --offload-train
-        self.loaded_state = None
-        self.last_returns = None
+        self.loaded_state = self.last_returns = None
+        self.forward_passes = 0  # forward-only passes over the last rollout (old log-probs, reference, teacher)
         # The KL reference: --ref-load, else the starting point (the HF checkpoint or a converted `release`; with
         # LoRA the starting adapters alone). An empty --load starts the actor from --ref-load (slime's rule).
         self.ref_state = reference_state(self.model, self.optimizer, megatron, self._needs_ref(),
@@ -135,8 +135,7 @@ class MegatronTrainer:
         return self.role == "actor" and bool(algorithm.use_kl_loss or algorithm.kl_coef)
 
     def _needs_teacher(self) -> bool:
-        distillation = DistillationConfig.of(self.args)
-        return self.role == "actor" and distillation.opd_teacher_checkpoint is not None
+        return self.role == "actor" and DistillationConfig.of(self.args).opd_teacher_checkpoint is not None
 
     # ---- data ------------------------------------------------------------------------------------------------
     def _split(self, batch: TrainBatch, every_sample: bool = False) -> list[tuple[range, list[int], list]]:
@@ -192,8 +191,9 @@ class MegatronTrainer:
             or (self.teacher_state is not None and any(lp is None for lp in batch.rollout_log_probs)))
         routing = rollout_routing(args, self.model, batch, first_pass=needs_old)
         phase = routing.phase if routing is not None else (lambda name: contextlib.nullcontext())
-        states = {"reference": self.ref_state, "teacher": self.teacher_state} if not sft else {}
-        states = {k: v for k, v in states.items() if v is not None}
+        states = {k: v for k, v in (("reference", self.ref_state), ("teacher", self.teacher_state)) if v is not None
+                  and not sft}
+        self.forward_passes = int(needs_old) + len(states) + len(older)  # what `flops.trainer_rollout_flops` counts
         swapped = log_probs_under(args, self.model, states, batch, all_local_mbs, routing, phase,
                                   adapters_only=self.lora is not None and all(v is self.ref_state
                                                                               for v in states.values()),

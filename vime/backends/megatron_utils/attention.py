@@ -15,6 +15,7 @@ GPUs has its own fused attention with `thd` support.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +52,8 @@ class SDPAttention(DotProductAttention):
     def _attend(self, q, k, v, dropout: float, mask: torch.Tensor | None = None):
         """[batch, heads, s, d] with key/value heads possibly fewer than query heads (grouped-query); causal, or
         where `mask` (True: attend) says."""
+        if k.shape[1] != q.shape[1] and expands_grouped_heads(q, mask):
+            k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None,
                                               scale=self.softmax_scale, enable_gqa=k.shape[1] != q.shape[1])
 
@@ -97,6 +100,14 @@ class SDPAttention(DotProductAttention):
         return out.index_select(0, padded_rows(cu, query.shape[0], longest))  # [t, heads x d], packed order
 
 
+def expands_grouped_heads(query: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether `_attend` repeats grouped key/value heads up to the query heads itself. On CUDA only the flash kernel
+    takes `enable_gqa`, and it takes no mask and no float32: a masked call (shared prompts) or a float32 one would
+    fall back to the math kernel, which materialises every score matrix (at 4k tokens, 8 x 16 x 3072 x 4096 a
+    layer). Repeated heads keep the memory-efficient kernel, for a copy of K and V. The CPU kernel takes both."""
+    return query.is_cuda and (mask is not None or query.dtype == torch.float32)
+
+
 def padded_rows(cu: torch.Tensor, total: int, longest: int) -> torch.Tensor:
     """For each of the `total` packed rows, its row in the right-padded [sequences x longest] layout, computed on
     the device without a host read (a boolean mask's `nonzero` would wait for the device)."""
@@ -126,7 +137,11 @@ def varlen_causal(query, key, value, cu: torch.Tensor, longest: int, scale: floa
 
     attn = _varlen_attn()
     params = inspect.signature(attn).parameters
-    kwargs = {"scale": scale}
+    kwargs = {}
+    if scale is not None and "scale" in params:
+        kwargs["scale"] = scale
+    elif scale is not None:  # a release whose varlen_attn has no scale (1/sqrt(d) always): fold ours into the queries
+        query = query * (scale * math.sqrt(query.shape[-1]))
     kwargs.update({"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True})
     if key.shape[1] != query.shape[1]:
         if "enable_gqa" in params:
