@@ -24,8 +24,12 @@ def vocab_parallel_log_probs(logits: torch.Tensor, targets: torch.Tensor, temper
     """logits: [..., V/TP] (this rank's vocab slice), targets: [...] full-vocab ids.
     Returns (log p(target) [...], entropy [...] or None). `entropy_grad=False`: the entropy is only reported,
     so it is computed without keeping a graph (a [tokens x vocab] product less to store and differentiate)."""
-    z = logits.float() / temperature if temperature != 1.0 else logits.float()
     tp_rank, tp_size = _vocab_range()
+    if tp_size == 1 and (logits.dtype != torch.float32 or logits.numel() >= CHUNKED_FROM_ELEMENTS):
+        # 16-bit or large logits: row chunks in float32, nothing of [tokens x vocab] kept but the logits themselves
+        rows = max(1, CHUNK_ELEMENTS // max(logits.shape[-1], 1))
+        return _ChunkedTargetLogProbs.apply(logits, targets, temperature, with_entropy, entropy_grad, rows)
+    z = logits.float() / temperature if temperature != 1.0 else logits.float()
     if tp_size == 1:  # the whole vocabulary on this rank: one fused function, few passes over [tokens x vocab]
         log_probs, entropy = _TargetLogProbs.apply(z, targets, with_entropy, entropy_grad)
         return log_probs, entropy
@@ -99,6 +103,66 @@ class _TargetLogProbs(torch.autograd.Function):
         if entropy_part is not None:
             grad.add_(entropy_part)
         return grad, None, None, None
+
+
+# float32 logits of fewer elements take `_TargetLogProbs` (one [tokens x vocab] buffer, the fastest on CPU); 16-bit
+# ones, or more, take `_ChunkedTargetLogProbs`, which never holds a float32 copy of them (at 24,576 rows x 151,936
+# a copy is 15 GB): chunks of about CHUNK_ELEMENTS, the softmax recomputed per chunk in the backward
+CHUNKED_FROM_ELEMENTS = 2**28
+CHUNK_ELEMENTS = 2**23
+
+
+class _ChunkedTargetLogProbs(torch.autograd.Function):
+    """log softmax(logits / T)[target] and the entropy, row chunk by row chunk in float32, for logits of any dtype.
+
+    Saves the logits (alive for the output layer's backward anyway), the targets and one float per row (log Z, and
+    E_p[z] with entropy): the backward recomputes each chunk's softmax and writes the gradient in the logits' dtype,
+    the one [tokens x vocab] tensor it makes."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, temperature: float, with_entropy: bool, entropy_grad: bool, rows: int):
+        n = logits.shape[0]
+        log_probs = torch.empty(n, dtype=torch.float32, device=logits.device)
+        log_z = torch.empty_like(log_probs)
+        expected = torch.empty_like(log_probs) if with_entropy else None
+        for start in range(0, n, rows):
+            z = _scaled(logits[start:start + rows], temperature)
+            lz = torch.logsumexp(z, dim=-1)
+            log_z[start:start + rows] = lz
+            log_probs[start:start + rows] = z.gather(-1, targets[start:start + rows].unsqueeze(-1)).squeeze(-1) - lz
+            if with_entropy:
+                expected[start:start + rows] = ((z - lz.unsqueeze(-1)).exp_() * z).sum(dim=-1)
+        entropy = log_z - expected if with_entropy else None
+        ctx.temperature, ctx.rows = temperature, rows
+        ctx.entropy_grad = with_entropy and entropy_grad
+        ctx.save_for_backward(logits, targets, log_z, *((expected,) if ctx.entropy_grad else ()))
+        if entropy is not None and not ctx.entropy_grad:
+            ctx.mark_non_differentiable(entropy)
+        return log_probs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_log_probs, grad_entropy):
+        logits, targets, log_z, *rest = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        entropy_grad = ctx.entropy_grad and grad_entropy is not None
+        for start in range(0, logits.shape[0], ctx.rows):
+            end = start + ctx.rows
+            z = _scaled(logits[start:end], ctx.temperature)
+            p = (z - log_z[start:end].unsqueeze(-1)).exp_()
+            g = p * (-grad_log_probs[start:end].unsqueeze(-1)) if grad_log_probs is not None else torch.zeros_like(p)
+            if grad_log_probs is not None:
+                g.scatter_add_(-1, targets[start:end].unsqueeze(-1), grad_log_probs[start:end].unsqueeze(-1))
+            if entropy_grad:  # d H / dz = p * (E_p[z] - z)
+                g.add_(p * (rest[0][start:end].unsqueeze(-1) - z) * grad_entropy[start:end].unsqueeze(-1))
+            if ctx.temperature != 1.0:  # z = logits / T
+                g.div_(ctx.temperature)
+            grad[start:end] = g
+        return grad, None, None, None, None, None
+
+
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """A chunk of logits in float32, divided by the temperature (may be the chunk itself: never written)."""
+    return logits.float() / temperature if temperature != 1.0 else logits.float()
 
 
 def _entropy(exp_shifted, shifted, sum_exp, log_z):
