@@ -190,13 +190,17 @@ def test_replay_flags_on_a_dense_model_are_a_parse_time_error(flag, tiny_qwen3, 
     assert f"{flag}: {tiny_qwen3} is a dense model" in capsys.readouterr().err
 
 
-def test_rollout_replay_on_cpu_needs_one_worker_engines(tiny_moe, capsys):
-    from vime.arguments import parse_args
+def test_rollout_replay_on_cpu_needs_one_worker_engines(tiny_moe):
+    """Refused where the cluster's devices say CPU (the session, once Ray is up), not by the driver's own devices: a
+    CPU-only head node may drive GPU engines."""
+    from vime.arguments import parse_args, validate_transport_placement
 
-    with pytest.raises(SystemExit):
-        parse_args(["--hf-checkpoint", str(tiny_moe), *BASE, "--use-rollout-routing-replay",
-                    "--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "2"])
-    assert "--rollout-num-gpus-per-engine 1" in capsys.readouterr().err
+    args = parse_args(["--hf-checkpoint", str(tiny_moe), *BASE, "--use-rollout-routing-replay",
+                       "--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "2"])
+    with pytest.raises(ValueError, match="--rollout-num-gpus-per-engine 1"):
+        validate_transport_placement(args, gpus=False)
+    validate_transport_placement(args, gpus=True)  # GPU engines capture routing across their workers
+    validate_transport_placement(args, gpus=None)  # while parsing: the devices are not known yet
 
 
 def test_engines_are_started_to_return_routing(tiny_moe):

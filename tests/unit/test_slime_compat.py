@@ -6,7 +6,6 @@ class behind vime's interface; the old actor's weights by version."""
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import pytest
 import torch

@@ -8,8 +8,8 @@ each packed sequence attends only to itself, all of them in one batched call. Wi
 (`SharedPromptSeqParams`, `vime.trainer.batching.shared_prompt_inputs`) a packed response segment attends to its
 prompt segment and to itself.
 
-Who uses it: `model_provider.build_gpt_model` puts it into the local layer spec. The TransformerEngine spec on
-GPUs has its own fused attention with `thd` support.
+Who uses it: `model_provider.build_gpt_model` puts it into the local layer spec, which vime builds on every device
+(TransformerEngine's spec is not used: `model_provider.use_transformer_engine`).
 """
 
 from __future__ import annotations

@@ -212,9 +212,25 @@ def _rng_state() -> dict:
 def _set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    if compatible_tracker_states(tracker.get_states(), state["tracker"]):
+        tracker.set_states(state["tracker"])
+    else:  # saved on another kind of device: a CPU generator's state in a CUDA tracker fails at its next fork
+        logger.warning("the checkpoint's model-parallel RNG states were saved on another kind of device (sizes %s, "
+                       "this one's %s): they keep this run's seed instead", _sizes(state["tracker"]),
+                       _sizes(tracker.get_states()))
     if state.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+def compatible_tracker_states(current: dict, saved: dict) -> bool:
+    """Whether `saved` tracker states fit this process's tracker: the same names, each state of the same size (a
+    CPU generator's state is 5,056 bytes, a CUDA Philox state 16)."""
+    return set(current) == set(saved) and all(current[k].numel() == saved[k].numel() for k in current)
+
+
+def _sizes(states: dict) -> dict:
+    return {name: int(state.numel()) for name, state in states.items()}
 
 
 def _exit_with_parent(parent: int) -> None:

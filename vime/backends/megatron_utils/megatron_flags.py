@@ -94,7 +94,7 @@ FIXED = {
     "use_cpu_initialization": "by device: CPU initialisation on CPU, on the GPU otherwise",
     "variable_seq_lengths": "always on: RL micro-batches differ in length, so pipeline stages exchange shapes",
     "activation_func": "SiLU, with --swiglu (the HF models vime loads are SwiGLU models)",
-    "transformer_impl": "by device: local layers on CPU, TransformerEngine's on GPU when installed "
+    "transformer_impl": "local layers on every device; TransformerEngine's spec is not supported yet "
                         "(--transformer-impl is accepted without effect)",
     # Python objects Megatron's training loop wires up
     "timers": _OBJECT, "finalize_model_grads_func": _OBJECT + " (vime sets finalize_model_grads)",
@@ -125,9 +125,11 @@ ARCHITECTURE_ALIASES = {
 # Flags of Megatron-LM and slime launch scripts that ask for what vime does anyway: accepted with a warning
 ACCEPTED_WITHOUT_EFFECT = {
     "--attention-backend": (["flash", "fused", "unfused", "local", "auto"],
-                            "vime picks the attention kernel: torch's SDPA on CPU, TransformerEngine's on GPU"),
+                            "vime picks the attention kernel: torch's SDPA (flash, memory-efficient or varlen on a "
+                            "GPU)"),
     "--transformer-impl": (["local", "transformer_engine"],
-                           "vime picks the layers: local on CPU, TransformerEngine's on GPU when installed"),
+                           "vime builds the local spec (torch layers) on every device; TransformerEngine's spec is "
+                           "not supported yet"),
     "--use-mcore-models": (None, "vime always builds megatron-core models"),
     "--balance-data": (None, "vime always balances data-parallel ranks by tokens"),
 }

@@ -28,7 +28,6 @@ def validate_routing_replay_args(args: argparse.Namespace, hf_config=None) -> No
     """Parse-time checks. `hf_config`: the checkpoint's (read from --hf-checkpoint when None and a flag is set)."""
     job = JobConfig.of(args)
     routing_replay = RoutingReplayConfig.of(args)
-    engines = EnginesConfig.of(args)
     flags = [name for name, on in (("use_rollout_routing_replay", routing_replay.use_rollout_routing_replay),
                                    ("use_routing_replay", routing_replay.use_routing_replay)) if on]
     if not flags:
@@ -45,9 +44,14 @@ def validate_routing_replay_args(args: argparse.Namespace, hf_config=None) -> No
     if not hf_moe(hf_config)["num_experts"]:
         raise ValueError(f"{names}: {job.hf_checkpoint} is a dense model (no routed experts in its config.json); "
                          "routing replay is for MoE models, drop the flag")
-    if routing_replay.use_rollout_routing_replay:
-        from vime.utils.device import use_gpu
+    # on CPU rollout routing replay needs one-worker engines: checked once Ray knows the cluster's devices
+    # (`rollout_replay_on_devices`, from the session), not by the driver's own, which may be a CPU-only head node
 
-        if not use_gpu() and engines.rollout_num_gpus_per_engine != 1:
-            raise ValueError("--use-rollout-routing-replay on CPU: vime captures the routing in the engine's "
-                             "worker, for engines of one worker; set --rollout-num-gpus-per-engine 1")
+
+def rollout_replay_on_devices(args, gpus: bool | None) -> None:
+    """--use-rollout-routing-replay on CPU engines (`gpus` False): vime captures the routing in the engine's
+    worker, so engines of one worker only. None (devices unknown yet): nothing to refuse."""
+    if gpus is False and RoutingReplayConfig.of(args).use_rollout_routing_replay \
+            and EnginesConfig.of(args).rollout_num_gpus_per_engine != 1:
+        raise ValueError("--use-rollout-routing-replay on CPU: vime captures the routing in the engine's worker, for "
+                         "engines of one worker; set --rollout-num-gpus-per-engine 1")
