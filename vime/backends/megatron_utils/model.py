@@ -11,6 +11,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from vime.backends.megatron_utils.foreach_kernels import use_foreach_kernels
 from vime.backends.megatron_utils.megatron_flags import given_fields
 from vime.backends.megatron_utils.model_provider import build_model_chunks, params_dtype
 from vime.config.train import MegatronConfig
@@ -36,6 +37,7 @@ def setup_model_and_optimizer(args, total_steps: int, prepare_chunks: Callable |
         "adam_eps": megatron.adam_eps, "clip_grad": megatron.clip_grad,
         "use_distributed_optimizer": megatron.use_distributed_optimizer, "params_dtype": dtype,
         "bf16": dtype == torch.bfloat16, "fp16": dtype == torch.float16})
+    use_foreach_kernels()  # without apex / TransformerEngine: no host read per gradient tensor in clipping
     optimizer = get_megatron_optimizer(opt_config, model)
     use_fused_adam(optimizer)
     scheduler = OptimizerParamScheduler(
