@@ -1,8 +1,8 @@
 """FLOPs of a rollout's training, counted from what the trainer runs rather than estimated from the token count.
 
     shape = FlopShape.from_hf(hf_config, lora_rank=0)
-    work = [micro_batch_work(inputs, varlen=False) for inputs in step_inputs]   # batching.micro_batch_inputs
-    flops = pass_flops(shape, work, train=True)     # {"matmul", "attention", "logits", "total"}
+    work = [micro_batch_work(inputs, lengths) for inputs, lengths in step]   # batching.micro_batch_inputs
+    flops = pass_flops(shape, work, train=True)     # {"matmul", "attention", "logits", "total", "useful"}
 
 What is counted is what the kernels compute, as `torch.utils.flop_counter` counts them (2 FLOPs a multiply-add):
 - the linear layers over every row the layers see: real tokens when packed, padding too when padded, a shared
@@ -41,23 +41,18 @@ class FlopShape:
 
     @classmethod
     def from_hf(cls, config, lora_rank: int = 0) -> FlopShape:
-        """The shape of an HF config (Qwen2/3, Llama 3, Qwen3-MoE)."""
+        """The shape of an HF config; its MoE layout as the model is built from it (`hf_architecture.hf_moe`)."""
+        from vime.backends.megatron_utils.hf_architecture import hf_moe
+
         heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
-        layers = config.num_hidden_layers
-        moe_layers = 0
-        if experts:
-            dense = set(getattr(config, "mlp_only_layers", None) or [])
-            step = getattr(config, "decoder_sparse_step", 1) or 1
-            moe_layers = sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)
-        return cls(hidden=config.hidden_size, layers=layers, heads=heads,
-                   kv_heads=getattr(config, "num_key_value_heads", None) or heads, head_dim=head_dim,
-                   ffn=config.intermediate_size, vocab=config.vocab_size, moe_layers=moe_layers, num_experts=experts,
-                   experts_per_token=getattr(config, "num_experts_per_tok", 0) if experts else 0,
-                   moe_ffn=getattr(config, "moe_intermediate_size", 0) if experts else 0,
-                   shared_expert_ffn=getattr(config, "shared_expert_intermediate_size", 0) or 0,
-                   lora_rank=lora_rank)
+        moe = hf_moe(config)
+        return cls(hidden=config.hidden_size, layers=config.num_hidden_layers, heads=heads,
+                   kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+                   head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+                   ffn=config.intermediate_size, vocab=config.vocab_size,
+                   moe_layers=sum(moe["moe_layer_freq"] or []), num_experts=moe["num_experts"] or 0,
+                   experts_per_token=moe["moe_router_topk"] or 0, moe_ffn=moe["moe_ffn_hidden_size"] or 0,
+                   shared_expert_ffn=moe["moe_shared_expert_intermediate_size"] or 0, lora_rank=lora_rank)
 
     def _linears(self, moe: bool) -> list[tuple[int, int, float]]:
         """(in, out, times per token) of a layer's linear maps."""
@@ -102,15 +97,14 @@ def micro_batch_work(inputs, lengths: list[int], varlen: bool = False) -> MicroB
     cu = inputs.cu_seqlens.tolist()
     segments = [b - a for a, b in zip(cu, cu[1:])]
     if inputs.segment_prefix is not None:  # shared prompts: the prompts and whole samples, then the responses
-        prefix = inputs.segment_prefix + [-1] * (len(segments) - len(inputs.segment_prefix))
+        prefix = inputs.segment_prefix  # one entry per packed segment (a sequence-parallel pad segment included)
         alone = [n for n, p in zip(segments, prefix) if p < 0]
         continuing = [(n, segments[p]) for n, p in zip(segments, prefix) if p >= 0]
         calls, causal = [(len(alone), max(alone), max(alone))], [True]
         if continuing:
             calls.append((len(continuing), max(n for n, _ in continuing), max(n + m for n, m in continuing)))
             causal.append(False)
-        shared_real = sum(segments[:len(inputs.segment_prefix)])  # the prompts once, the responses; no pad
-        return MicroBatchWork(rows, shared_real, logit_rows, tuple(calls), tuple(causal))
+        return MicroBatchWork(rows, rows, logit_rows, tuple(calls), tuple(causal))  # a prompt counts once
     if varlen:
         return MicroBatchWork(rows, real, logit_rows, tuple((1, n, n) for n in segments), (True,) * len(segments))
     longest = max(segments)
