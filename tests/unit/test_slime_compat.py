@@ -158,7 +158,7 @@ class _SlimeStyleSource:
 
 def test_a_slime_data_source_saves_after_each_rollout_and_loads_on_resume():
     source = SlimeDataSource(_SlimeStyleSource(None), "my.Source", saves=True)
-    assert len(source.prompts) == 5 and len(source.get_samples(3)) == 3
+    assert len(source) == 5 and len(source.get_samples(3)) == 3
     source.after_rollout(0)
     source.after_rollout(1)
     state = source.state_dict()

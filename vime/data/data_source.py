@@ -37,6 +37,10 @@ class RolloutDataSource:
             random.Random(self.seed + epoch).shuffle(order)
         return order
 
+    def __len__(self) -> int:
+        """The number of prompts (what --num-epoch counts)."""
+        return len(self.prompts)
+
     def get_samples(self, num_groups: int) -> list[list[Sample]]:
         """`num_groups` groups: those given back first, then `n_samples_per_prompt` fresh copies of the next
         prompts."""

@@ -26,11 +26,10 @@ class SlimeDataSource:
         self.source, self.path, self.saves = source, path, saves
         self.saved_at: int | None = None
 
-    @property
-    def prompts(self) -> list:
+    def __len__(self) -> int:
         """What vime counts for --num-epoch: `len(source)` prompts (slime's DataSource defines __len__)."""
         try:
-            return [None] * len(self.source)
+            return len(self.source)
         except TypeError:
             raise TypeError(f"--data-source-path {self.path}: {type(self.source).__name__} has no len(); --num-epoch "
                             "needs the number of prompts (or give --num-rollout)") from None

@@ -332,11 +332,11 @@ class RolloutManager:
                            debug.save_rollouts_max_mb, job.output_dir)
 
     def data_source_state(self) -> dict | None:
-        return self.data_source.state_dict() if self.data_source else None
+        return self.data_source.state_dict() if self.data_source is not None else None
 
     def load_data_source_state(self, state: dict) -> None:
         if self.data_source is not None and state:
             self.data_source.load_state_dict(state)
 
     def num_prompts(self) -> int:
-        return len(self.data_source.prompts) if self.data_source else 0
+        return len(self.data_source) if self.data_source is not None else 0
