@@ -103,8 +103,8 @@ def test_training_step_matches_transformers_and_moves_weights(tiny_qwen3, config
             assert dtype == (torch.bfloat16 if "--bf16" in CONFIGS[config] else torch.float32)
         params = [p for m in t.model for p in m.parameters()]
         assert all(p.device.type == _device().type for p in params)
-        # the matrices compute in the trainer's dtype (vime's local-spec norms keep float32 weights)
-        assert all(p.dtype == dtype for p in params if p.dim() == 2)
+        # every weight in the trainer's dtype, the norms' too (their fused kernel needs the input's dtype)
+        assert all(p.dtype == dtype for p in params)
         assert_log_probs_close(probe(t, samples), reference, dtype, "probe_log_probs vs transformers")
         for s, lp in zip(samples, reference):  # the reference as the rollout's log-probs: the step measures the gap
             s["rollout_log_probs"] = lp.tolist()

@@ -346,3 +346,30 @@ def test_deepseek_v3_architecture_and_mtp_layers(tiny_models, megatron_world, ca
     with caplog.at_level(logging.INFO):
         load_hf_checkpoint_into_model(model, with_mtp)
     assert "1 multi-token-prediction layer(s) (num_nextn_predict_layers) are not loaded" in caplog.text
+
+
+@pytest.mark.parametrize("normalization", ["RMSNorm", "LayerNorm"])
+def test_local_norm_is_built_in_the_models_dtype_and_takes_the_fused_kernel(normalization):
+    """Before: the local spec's norms kept float32 weights under bf16 activations; torch then warned "Mismatch dtype
+    ... Cannot dispatch to fused implementation" and ran five norms a layer unfused (GPU only: the CPU trainer is
+    float32). Same values as the float32 weight: torch's kernel accumulates in float32 either way."""
+    import types
+    import warnings
+
+    from vime.backends.megatron_utils.model_provider import LocalNorm
+
+    config = types.SimpleNamespace(normalization=normalization, sequence_parallel=True, params_dtype=torch.bfloat16)
+    norm = LocalNorm(config, 64, eps=1e-6)
+    assert all(p.dtype == torch.bfloat16 and p.sequence_parallel for p in norm.parameters())
+    x = torch.randn(8, 64, dtype=torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the unfused path's warning fails the test
+        out = norm(x)
+    wide = LocalNorm(types.SimpleNamespace(normalization=normalization, sequence_parallel=False,
+                                           params_dtype=torch.float32), 64, eps=1e-6)
+    wide.load_state_dict({k: v.float() for k, v in norm.state_dict().items()})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = wide(x)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected.float(), rtol=0, atol=0)

@@ -194,11 +194,12 @@ class LocalNorm:
     sequence parallel too. Under sequence parallel each TP rank normalises its own slice of the sequence, so the
     norm weights' gradients are partial sums: their parameters are marked `sequence_parallel`, which
     `finalize_model_grads` all-reduces over the TP group (as Megatron's Apex and TE norms mark theirs).
-    `WrappedTorchNorm` refuses sequence parallel outright instead."""
+    `WrappedTorchNorm` refuses sequence parallel outright instead. Its weight is in the model's dtype: a float32
+    weight under bf16 inputs takes torch's unfused path ("Mismatch dtype ... Cannot dispatch to fused")."""
 
     def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_unused):
         norm_class = {"RMSNorm": torch.nn.RMSNorm, "LayerNorm": torch.nn.LayerNorm}[config.normalization]
-        norm = norm_class(normalized_shape=hidden_size, eps=eps)
+        norm = norm_class(normalized_shape=hidden_size, eps=eps, dtype=config.params_dtype)
         for param in norm.parameters():
             param.sequence_parallel = config.sequence_parallel
         return norm
