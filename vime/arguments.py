@@ -111,6 +111,9 @@ def add_placement_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--offload-rollout", action="store_true",
                    help="With --colocate: put the engines to sleep (vLLM /sleep, frees GPU memory) while training "
                         "(default: off).")
+    g.add_argument("--gpu-memory-gib", type=float,
+                   help="Memory of one GPU, GiB, for the memory plan a GPU run checks before it starts (`python -m "
+                        "vime.plan`); default: that of the cluster's GPU model as Ray names it (default: %(default)s).")
     apply_defaults(parser, PlacementConfig)  # defaults: vime/config
 
 

@@ -30,6 +30,7 @@ LAYERS = [
     "agents",
     "environments",  # --environment: reasoning-gym, verifiers, OpenEnv (over rollout and agents)
     "arguments",  # vime/arguments.py: every package's flags in one parser (the ray layer's session parses them)
+    "plan",  # python -m vime.plan: each role's memory and the step's FLOPs from the flags (the session checks it)
     "ray",
     "synthetic",  # builders of tiny models and task data (tests, examples, benches): nothing in vime imports them
     "inspect",  # python -m vime.inspect: reads what a run saved; nothing in vime imports it

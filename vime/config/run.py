@@ -59,8 +59,11 @@ class PlacementConfig(Section):
     colocate: bool = False
     offload_train: bool = False
     offload_rollout: bool = False
+    gpu_memory_gib: float | None = None  # the memory plan's device size; default: the cluster's GPU model's
 
     def check(self) -> None:
+        if self.gpu_memory_gib is not None and self.gpu_memory_gib <= 0:
+            raise ValueError(f"--gpu-memory-gib {self.gpu_memory_gib}: give one device's memory in GiB, e.g. 80")
         for flag, on in self.named("offload_rollout", "offload_train"):
             if on and not self.colocate:
                 raise ValueError(f"{flag} only makes sense with --colocate (engines and trainer share devices)")

@@ -221,6 +221,31 @@ def cluster_has_gpus() -> bool:
     return ray.cluster_resources().get("GPU", 0) > 0
 
 
+# memory of a GPU model, GiB, by Ray's accelerator type (ray.util.accelerators names)
+GPU_MEMORY_GIB = {"H200": 141.0, "H100": 80.0, "H800": 80.0, "H20": 96.0, "A100-80G": 80.0, "A100-40G": 40.0,
+                  "A800": 80.0, "L40S": 48.0, "L4": 24.0, "A10G": 24.0, "B200": 180.0, "GB200": 186.0}
+
+
+def cluster_gpu_memory_gib() -> float | None:
+    """The memory of the cluster's smallest GPU model that Ray names (its `accelerator_type:*` resources), or None
+    where none is known."""
+    types = [key.split(":", 1)[1] for key in ray.cluster_resources() if key.startswith("accelerator_type:")]
+    known = [GPU_MEMORY_GIB[t] for t in types if t in GPU_MEMORY_GIB]
+    return min(known) if known else None
+
+
+def check_on_cluster_devices(args, train: bool) -> None:
+    """What only the cluster's devices decide, before any trainer or engine starts: the transports' placement
+    rules, and on GPUs the memory plan (a layout that cannot fit is refused, naming the flags that would fit)."""
+    from vime.arguments import validate_transport_placement
+    from vime.plan.run_plan import check_memory_plan
+
+    gpus = cluster_has_gpus()
+    validate_transport_placement(args, gpus=gpus)
+    if gpus and train:
+        check_memory_plan(args, PlacementConfig.of(args).gpu_memory_gib or cluster_gpu_memory_gib())
+
+
 def bundle_gpu_ids(pg, n_bundles: int) -> list[str]:
     """The GPU id of every bundle of `pg`, as its node numbers them: a sliver of each bundle's GPU is asked for,
     and Ray hands out that bundle's GPU (a bundle keeps its GPU for the placement group's life)."""

@@ -12,14 +12,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import ray
 
-from vime.arguments import ArgumentsError, build_parser, check_model_args, run_config, validate_transport_placement
+from vime.arguments import ArgumentsError, build_parser, check_model_args, run_config
 from vime.backends.megatron_utils.train_arguments import lr_schedule_problem
 from vime.backends.weight_transport.check import check_weights_equal
 from vime.config import RunConfig
 from vime.data.transport import RolloutRef, make_transport
 from vime.data.transport.replay import append_trained_samples, plan_replay, stored_rollout, truncate_trained_samples
 from vime.ray.actor_group import RayTrainGroup, critic_args
-from vime.ray.placement import Placement, cluster_has_gpus, init_ray, on_this_node
+from vime.ray.placement import Placement, check_on_cluster_devices, init_ray, on_this_node
 from vime.ray.previous_run import check_start
 from vime.ray.engine_fleet import new_engines, run_control_token
 from vime.ray.rollout_manager import RolloutManager, log_dir, resolve_num_rollout
@@ -75,7 +75,7 @@ class TrainingSession:
             check_start(args, len(self.transport.stored()))
         write_resolved_config(args, f"{config.job.output_dir}/config.yaml", build_parser())
         self._start_ray_checking_the_model()
-        validate_transport_placement(args, gpus=cluster_has_gpus())  # what only the cluster's devices decide
+        check_on_cluster_devices(args, self.train_enabled)  # what only the cluster's devices decide
         self.placement = Placement(config.placement, config.engines, config.judge,
                                    use_critic=config.algorithm.use_critic, with_engines=self.use_engines,
                                    with_trainers=self.train_enabled, overlap=self.overlap)

@@ -29,7 +29,7 @@ class FlopShape:
     layers: int
     heads: int
     kv_heads: int
-    head_dim: int
+    head_dim: float
     ffn: int  # the dense MLP's intermediate size
     vocab: int
     moe_layers: int = 0  # how many of the layers are MoE
@@ -38,6 +38,12 @@ class FlopShape:
     moe_ffn: int = 0
     shared_expert_ffn: int = 0
     lora_rank: int = 0  # adapters on every linear layer of attention and MLP; the base frozen
+    # multi-latent attention (DeepSeek-V3): head_dim is then the mean of the query-key and value widths
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_dim: int = 0
+    qk_rope_dim: int = 0
+    v_head_dim: int = 0
 
     @classmethod
     def from_hf(cls, config, lora_rank: int = 0) -> FlopShape:
@@ -46,9 +52,13 @@ class FlopShape:
 
         heads = config.num_attention_heads
         moe = hf_moe(config)
+        mla = {"q_lora_rank": getattr(config, "q_lora_rank", None) or 0, "kv_lora_rank": config.kv_lora_rank,
+               "qk_nope_dim": config.qk_nope_head_dim, "qk_rope_dim": config.qk_rope_head_dim,
+               "v_head_dim": config.v_head_dim} if getattr(config, "kv_lora_rank", None) else {}
+        head_dim = (mla["qk_nope_dim"] + mla["qk_rope_dim"] + mla["v_head_dim"]) / 2 if mla else \
+            getattr(config, "head_dim", None) or config.hidden_size // heads
         return cls(hidden=config.hidden_size, layers=config.num_hidden_layers, heads=heads,
-                   kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-                   head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+                   kv_heads=getattr(config, "num_key_value_heads", None) or heads, head_dim=head_dim, **mla,
                    ffn=config.intermediate_size, vocab=config.vocab_size,
                    moe_layers=sum(moe["moe_layer_freq"] or []), num_experts=moe["num_experts"] or 0,
                    experts_per_token=moe["moe_router_topk"] or 0, moe_ffn=moe["moe_ffn_hidden_size"] or 0,
@@ -58,6 +68,13 @@ class FlopShape:
         """(in, out, times per token) of a layer's linear maps."""
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
         attention = [(self.hidden, q + 2 * kv, 1.0), (q, self.hidden, 1.0)]
+        if self.kv_lora_rank:
+            qk = self.heads * (self.qk_nope_dim + self.qk_rope_dim)
+            queries = [(self.hidden, self.q_lora_rank, 1.0), (self.q_lora_rank, qk, 1.0)] if self.q_lora_rank \
+                else [(self.hidden, qk, 1.0)]
+            attention = queries + [(self.hidden, self.kv_lora_rank + self.qk_rope_dim, 1.0),
+                                   (self.kv_lora_rank, self.heads * (self.qk_nope_dim + self.v_head_dim), 1.0),
+                                   (self.heads * self.v_head_dim, self.hidden, 1.0)]
         if not moe:
             return attention + [(self.hidden, 2 * self.ffn, 1.0), (self.ffn, self.hidden, 1.0)]
         routed = [(self.hidden, 2 * self.moe_ffn, self.experts_per_token),
