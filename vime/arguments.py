@@ -32,7 +32,7 @@ from vime.backends.megatron_utils.arguments import add_megatron_args
 from vime.backends.megatron_utils.megatron_flags import add_generated_megatron_args
 from vime.backends.megatron_utils.routing_replay_arguments import (add_routing_replay_args, rollout_replay_on_devices,
                                                                    validate_routing_replay_args)
-from vime.backends.megatron_utils.train_arguments import add_train_args, validate_train_args
+from vime.backends.megatron_utils.train_arguments import add_train_args, lora_sync_on_devices, validate_train_args
 from vime.backends.vllm_utils.arguments import VLLM_RAW_DEST, add_router_args, add_vllm_engine_args, validate_vllm_args
 from vime.backends.vllm_utils.sglang_flags import SGLangFlagError, translate_sglang_flags
 from vime.config import RunConfig
@@ -279,6 +279,7 @@ def validate_transport_placement(args: argparse.Namespace, gpus: bool | None = N
     placement = PlacementConfig.of(args)
     engines = EnginesConfig.of(args)
     rollout_replay_on_devices(args, gpus)
+    lora_sync_on_devices(args, gpus)
     kind = weight_sync.update_weight_transport
     if kind == "cuda_ipc":
         if gpus is False:

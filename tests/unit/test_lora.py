@@ -257,16 +257,24 @@ def test_lora_flags_are_checked(tmp_path):
         argv = ["--hf-checkpoint", "x", "--lora-rank", "4", *flags]
         assert validate_lora_args(parse_args(argv, validate=False)).lora_sync == sync, flags
     assert parse_args(["--hf-checkpoint", "x"], validate=False).lora_sync is None  # full fine-tuning
-    # vLLM's CPU engine cannot serve adapters on an MoE model: merged weights by default, adapter sync refused
+    # vLLM's CPU engine cannot serve adapters on an MoE model: merged weights by default where this process sees
+    # no GPU; adapter sync refused on CPU engines, decided by the cluster's devices (a CPU-only head node may drive
+    # GPU engines, where adapter sync works)
+    from vime.arguments import validate_transport_placement
+
     moe = tmp_path / "moe"
     moe.mkdir()
     (moe / "config.json").write_text('{"num_experts": 4}')
     assert validate_lora_args(parse_args(["--hf-checkpoint", str(moe), "--lora-rank", "4"],
                                          validate=False)).lora_sync == "merged"
+    adapter = validate_lora_args(parse_args(["--hf-checkpoint", str(moe), "--lora-rank", "4", "--lora-sync",
+                                             "adapter"], validate=False))
+    assert adapter.lora_sync == "adapter"  # parsed on this CPU-only driver: its engines may be GPUs
     with pytest.raises(ValueError, match="mixture-of-experts model, and vLLM's CPU engine serves LoRA adapters on "
                                          "dense models only"):
-        validate_lora_args(parse_args(["--hf-checkpoint", str(moe), "--lora-rank", "4", "--lora-sync", "adapter"],
-                                      validate=False))
+        validate_transport_placement(adapter, gpus=False)
+    validate_transport_placement(adapter, gpus=True)
+    validate_transport_placement(adapter, gpus=None)
 
 
 def test_adapter_sync_engine_side(tmp_path, monkeypatch):

@@ -189,7 +189,10 @@ MAX_SERVED_LORA_RANK = 512  # vLLM's largest --max-lora-rank
 
 def lora_sync_mode(args: argparse.Namespace) -> str:
     """--lora-sync, resolved: adapter unless the engines are external (they may lack LoRA support and vime's
-    update route) or are CPU engines of an MoE model; adapter sync refused where it cannot work."""
+    update route), or the model is an MoE and this process sees no GPU (vLLM's CPU engine cannot serve adapters on
+    an MoE; merged works on any engine, so it is the safe default where the engines' devices are not known yet:
+    a CPU-only head node). Adapter sync refused where it cannot work; on CPU engines of an MoE once the cluster's
+    devices are known (`lora_sync_on_devices`)."""
     engines = EnginesConfig.of(args)
     job = JobConfig.of(args)
     lora = LoraConfig.of(args)
@@ -198,18 +201,12 @@ def lora_sync_mode(args: argparse.Namespace) -> str:
     from vime.utils.device import use_gpu
 
     external = bool(engines.rollout_external_engine_addrs)
-    # vLLM's CPU engine cannot serve adapters on an MoE model: with LoRA on, its MoE layers take a Triton-only path
-    cpu_moe = not use_gpu() and is_moe(job.hf_checkpoint)
-    mode = lora.lora_sync or ("merged" if external or cpu_moe else "adapter")
+    mode = lora.lora_sync or ("merged" if external or (not use_gpu() and is_moe(job.hf_checkpoint)) else "adapter")
     if mode == "merged":
         return mode
     if external:
         raise ValueError("--lora-sync adapter needs engines vime starts (their update route loads each adapter); "
                          "external engines get --lora-sync merged")
-    if cpu_moe:
-        raise ValueError(f"--lora-sync adapter: {job.hf_checkpoint} is a mixture-of-experts model, and vLLM's CPU "
-                         "engine serves LoRA adapters on dense models only (its LoRA path for MoE layers needs "
-                         "Triton); use --lora-sync merged, the default for MoE models on CPU")
     if weight_sync.update_weight_transport != "disk":
         raise ValueError(f"--update-weight-transport {weight_sync.update_weight_transport} sends full weights; a LoRA "
                          "run "
@@ -219,6 +216,18 @@ def lora_sync_mode(args: argparse.Namespace) -> str:
         raise ValueError(f"--lora-rank {lora.lora_rank}: vLLM serves adapters of rank <= {MAX_SERVED_LORA_RANK}; "
                          "use a smaller rank, or --lora-sync merged")
     return mode
+
+
+def lora_sync_on_devices(args: argparse.Namespace, gpus: bool | None) -> None:
+    """--lora-sync adapter on CPU engines (`gpus` False) of an MoE model: vLLM's CPU engine serves LoRA adapters on
+    dense models only (its LoRA path for MoE layers needs Triton). None (devices unknown yet): nothing to refuse."""
+    from vime.backends.vllm_utils.engine import is_moe
+
+    job, lora = JobConfig.of(args), LoraConfig.of(args)
+    if gpus is False and lora.lora_rank and lora.lora_sync == "adapter" and is_moe(job.hf_checkpoint):
+        raise ValueError(f"--lora-sync adapter: {job.hf_checkpoint} is a mixture-of-experts model, and vLLM's CPU "
+                         "engine serves LoRA adapters on dense models only (its LoRA path for MoE layers needs "
+                         "Triton); use --lora-sync merged, the default for MoE models on CPU")
 
 
 def _peft_adapter_flags(path: str, args: argparse.Namespace) -> dict:
