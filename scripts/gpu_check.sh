@@ -131,15 +131,16 @@ else
   done
 fi
 
-# The trainer benchmark (bench/trainer_mfu.py: tokens/s and MFU of the Qwen3-0.6B shape at 1k and 4k tokens a
-# sample and of the 218M shape, shared prompts off and on): its rows go into the summary's "bench" as each finishes;
+# The trainer benchmark (bench/trainer_mfu.py: tokens/s, counted MFU and peak memory next to the memory planner's, of
+# Qwen3-1.7B's shape at 4k tokens a sample (the 35% target), Qwen3-0.6B's at 1k and 4k and the 218M shape,
+# shared prompts off and on, 8 prompts x 8 samples a step): its rows go into the summary's "bench" as each finishes;
 # it does not decide pass or fail. It gets what is left of $GPU_CHECK_TOTAL_S (at most $GPU_CHECK_BENCH_S if set).
 if [ "$gpus" != 0 ]; then
   bench_s=$(( total - ($(date +%s) - start) - 15 ))
   [ -n "${GPU_CHECK_BENCH_S:-}" ] && [ "$GPU_CHECK_BENCH_S" -lt "$bench_s" ] && bench_s=$GPU_CHECK_BENCH_S
   [ "$bench_s" -lt 30 ] && bench_s=30
   say "bench/trainer_mfu.py (limit $bench_s s)"
-  timeout -k 15 "$bench_s" "$py" bench/trainer_mfu.py --json "$work/bench.json" 2>&1 \
+  timeout -k 15 "$bench_s" "$py" bench/trainer_mfu.py --prompts 8 --steps 2 --json "$work/bench.json" 2>&1 \
     | tee "$work/bench.log" | tee -a "$log" | grep -v -i warn | tail -n 12
   echo "${PIPESTATUS[0]}" > "$work/bench.rc"
 fi
