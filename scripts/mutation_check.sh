@@ -10,10 +10,14 @@
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 py="${VIME_PYTHON:-$repo/.venv/bin/python}"
-scratch="$(mktemp -d "${TMPDIR:-/tmp}/vime-mutation.XXXXXX")"
-trap 'rm -rf "$scratch"' EXIT
-(cd "$repo" && git ls-files -co --exclude-standard -z | xargs -0 cp --parents -t "$scratch" 2>/dev/null || true)
-cd "$scratch"
+if [ "${1:-}" = "--targets" ]; then
+  cd "$repo"  # reads only
+else
+  scratch="$(mktemp -d "${TMPDIR:-/tmp}/vime-mutation.XXXXXX")"
+  trap 'rm -rf "$scratch"' EXIT
+  (cd "$repo" && git ls-files -co --exclude-standard -z | xargs -0 cp --parents -t "$scratch" 2>/dev/null || true)
+  cd "$scratch"
+fi
 exec "$py" - "$@" <<'PY'
 """Each mutation: a file, the exact text it replaces (which must occur exactly once), its replacement, and the
 tests that should fail with it."""
