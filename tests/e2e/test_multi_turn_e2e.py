@@ -32,6 +32,7 @@ from tests.helpers.browser import dump_dom, parse_page
 from tests.helpers.trainer_runs import BASE_ARGV, launch
 from vime.data.saved_rollouts import match_train_records, read_train_records
 from vime.inspect.load import group_advantages, marked_tokens
+from vime.inspect.render import inline_hash
 from vime.rollout.debug_data import load_rollout, read_compact_rollout
 
 pytestmark = pytest.mark.e2e
@@ -200,11 +201,14 @@ def test_inspector_page_in_a_browser_shows_the_saved_rollout(episodes, tiny_qwen
         assert json.loads(section.attrs["data-spans"]) == d["weight_version_spans"] != []
         assert section.facts["weight"] == ", ".join(map(str, d["weight_versions"]))
 
-    # hovering a token shows its log-prob and weight version (the page's script writes the title on mouseover)
+    # hovering a token shows its log-prob and weight version (the page's script writes the title on mouseover); the
+    # page's Content-Security-Policy runs only scripts it names by hash, so the hovering script goes in with its own
     hover = run / "inspect" / "hover.html"
-    hover.write_text((run / "inspect" / "rollout_0.html").read_text().replace("</body>", (
-        "<script>for (const t of document.querySelectorAll('span.tok[data-i]')) "
-        "t.dispatchEvent(new MouseEvent('mouseover', {bubbles: true}));</script></body>")))
+    hovering = ("for (const t of document.querySelectorAll('span.tok[data-i]')) "
+                "t.dispatchEvent(new MouseEvent('mouseover', {bubbles: true}));")
+    hover.write_text((run / "inspect" / "rollout_0.html").read_text()
+                     .replace("script-src ", f"script-src {inline_hash(hovering)} ", 1)
+                     .replace("</body>", f"<script>{hovering}</script></body>"))
     hovered = parse_page(dump_dom(hover))
     for section, d in zip(hovered.samples, saved):
         for i, t in enumerate(section.tokens):

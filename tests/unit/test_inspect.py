@@ -132,7 +132,7 @@ def test_page_escapes_model_text_and_carries_the_numbers(tmp_path):
     first = toks[:len(evil)]
     assert [("trained" in a["class"].split()) for a in first] == [True] * 10 + [False] * (len(evil) - 10)
     assert [float(a["data-lp"]) for a in first] == read_compact_rollout(path)[0]["rollout_log_probs"]
-    assert "failed at reward: <b>timeout</b>" in page
+    assert "failed at <bdi>reward</bdi>: <b>timeout</b>" in page
 
 
 def test_cli_writes_index_and_one_page_per_rollout(tmp_path, monkeypatch):

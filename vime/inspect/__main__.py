@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 from vime.config.run import JobConfig
-from vime.inspect.load import RolloutView, load_rollout_view, page_chunks, rollout_files, run_config, run_metrics
+from vime.inspect.load import (RolloutFileError, RolloutView, load_rollout_view, page_chunks, rollout_files, run_config,
+                               run_metrics)
 from vime.inspect.render import index_page, rollout_page
 
 DEFAULT_MAX_PAGE_TOKENS = 200_000  # ~18 MB of HTML: a browser still opens it in seconds
@@ -39,6 +42,30 @@ def split_pages(view: RolloutView, max_tokens: int) -> list[RolloutView]:
     return [dataclasses.replace(view, samples=view.samples[c.start:c.stop], page=k) for k, c in enumerate(chunks)]
 
 
+def make_private_dirs(path: Path) -> None:
+    """Create `path` and its missing parents 0700 (the pages show a run's prompts and responses). A folder that
+    exists is left as it is: --out may name a shared one."""
+    missing = []
+    while not path.exists():
+        missing.append(path)
+        path = path.parent
+    for folder in reversed(missing):
+        folder.mkdir(mode=0o700, exist_ok=True)
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write `path` readable by its owner only (0600): a new file beside it, renamed over it, so that an older
+    page's mode, or a link planted in its place, does not carry over."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")  # mkstemp: 0600, whatever the umask
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     job = JobConfig.of(args)
@@ -59,20 +86,25 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = load_tokenizer(tokenizer_path)
     metrics = run_metrics(output_dir)
     out = args.out or output_dir / "inspect"
-    out.mkdir(parents=True, exist_ok=True)
-    views = []
+    make_private_dirs(out)
+    views, skipped = [], 0
     for path in files:
-        view = load_rollout_view(path, tokenizer, config.get("reward-key"), None)
+        try:
+            view = load_rollout_view(path, tokenizer, config.get("reward-key"), None)
+        except RolloutFileError as e:  # a file vime did not write as it writes them: named, the others still shown
+            print(f"vime.inspect: skipped {e}", file=sys.stderr)  # names the file, the line and the field
+            skipped += 1
+            continue
         row = metrics.get(view.rollout_id, {})
         view.metrics = row if view.eval_set is None else {k: v for k, v in row.items()
                                                           if k.startswith(f"eval/{view.eval_set}/")}
         for page in split_pages(view, args.max_page_tokens):
-            (out / f"{page.pages[page.page] if page.pages else view.name}.html").write_text(rollout_page(page),
-                                                                                            encoding="utf-8")
+            write_private(out / f"{page.pages[page.page] if page.pages else view.name}.html", rollout_page(page))
         views.append(view)
-    (out / "index.html").write_text(index_page(str(output_dir), views), encoding="utf-8")
-    print(f"vime.inspect: {len(views)} rollout pages and {out / 'index.html'}")
-    return 0
+    write_private(out / "index.html", index_page(str(output_dir), views))
+    print(f"vime.inspect: {len(views)} rollout pages and {out / 'index.html'}"
+          + (f"; {skipped} rollout files skipped (above)" if skipped else ""))
+    return 1 if skipped else 0
 
 
 if __name__ == "__main__":

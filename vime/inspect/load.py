@@ -135,10 +135,107 @@ def marked_tokens(engine: list[float], trainer: list[float] | None, mask: list[i
 
 def _floats(values: list | None, n: int) -> list[float] | None:
     """A saved per-token list of length `n` as floats (None entries, non-finite numbers the writer dropped, as
-    NaN), or None when there is none of that length."""
+    NaN), or None when there is none of that length. Its entries were checked (`sample_problem`, `record_problem`)."""
     if not isinstance(values, list) or len(values) != n:
         return None
     return [math.nan if v is None else float(v) for v in values]
+
+
+# ---- checking what a file holds ---------------------------------------------------------------------------------
+# The page puts these fields into HTML attributes and arithmetic. vime writes them as numbers; a file made or edited
+# by hand may hold anything, so each is checked before it is used and a wrong one is named in the error.
+
+class RolloutFileError(ValueError):
+    """A saved rollout, or the trainer's record of it, holding a field that is not what vime writes there."""
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _numbers(v, nullable: bool = False) -> bool:
+    return isinstance(v, list) and all(_is_number(x) or (nullable and x is None) for x in v)
+
+
+def _spans(v) -> bool:
+    return isinstance(v, list) and all(isinstance(s, list) and len(s) == 3 and _is_int(s[1]) and _is_int(s[2])
+                                       for s in v)
+
+
+# (key, check, what it should be): a sample's fields the page uses, each when present and not null
+_SAMPLE_FIELDS = [
+    ("index", _is_int, "an integer"),
+    ("group_index", _is_int, "an integer"),
+    ("response_length", lambda v: _is_int(v) and v >= 0, "a count"),
+    ("tokens", lambda v: isinstance(v, list) and all(_is_int(t) for t in v), "a list of token ids"),
+    ("rollout_log_probs", _numbers, "a list of numbers"),
+    ("loss_mask", lambda v: isinstance(v, list) and all(isinstance(m, int) for m in v), "a list of integers"),
+    ("status", lambda v: isinstance(v, str), "a string"),
+    ("metadata", lambda v: isinstance(v, dict), "an object"),
+    ("weight_versions", lambda v: isinstance(v, list), "a list"),
+    ("weight_version_spans", _spans, "a list of [version, start, end]"),
+]
+_RECORD_FIELDS = [
+    ("position", _is_int, "an integer"),
+    ("index", _is_int, "an integer"),
+    ("group_index", _is_int, "an integer"),
+    ("response_length", _is_int, "an integer"),
+    ("log_probs", lambda v: _numbers(v, nullable=True), "a list of numbers"),
+    ("advantages", lambda v: _numbers(v, nullable=True), "a list of numbers"),
+]
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _field_problem(row, fields: list) -> str | None:
+    if not isinstance(row, dict):
+        return f"a JSON object was expected, not {_short(row)}"
+    for key, check, what in fields:
+        if row.get(key) is not None and not check(row[key]):
+            return f"{key} is {_short(row[key])}, not {what}"
+    return None
+
+
+def sample_problem(raw) -> str | None:
+    """What makes a saved sample unfit to show (a field not of the type vime writes, per-token lists that do not
+    match the response), or None."""
+    problem = _field_problem(raw, _SAMPLE_FIELDS)
+    if problem:
+        return problem
+    n, tokens = raw.get("response_length") or 0, raw.get("tokens") or []
+    if n > len(tokens):
+        return f"response_length {n} is more than its {len(tokens)} tokens"
+    for key in ("rollout_log_probs", "loss_mask"):
+        if raw.get(key) and len(raw[key]) != n:  # empty: the page shows zeros, ones
+            return f"{key} has {len(raw[key])} entries for a response of {n} tokens"
+    metadata = raw.get("metadata") or {}
+    if metadata.get("failure") is not None and not isinstance(metadata["failure"], dict):
+        return f"metadata.failure is {_short(metadata['failure'])}, not an object"
+    own = metadata.get(TRAIN_LOG_PROBS_KEY)
+    if isinstance(own, list) and not _numbers(own, nullable=True):
+        return f"metadata.{TRAIN_LOG_PROBS_KEY} is {_short(own)}, not a list of numbers"
+    return None
+
+
+def record_problem(record) -> str | None:
+    """What makes one of the trainer's records unfit to show, or None."""
+    return _field_problem(record, _RECORD_FIELDS)
+
+
+def check_rows(rows: list, problem_of, where: str, row_name: str) -> None:
+    """Raise RolloutFileError naming the first row that `problem_of` finds wrong: `where`, then `row_name` and
+    its number, counted from 1 (a file's line; the trainer's records over its files in rank order)."""
+    for number, row in enumerate(rows, start=1):
+        problem = problem_of(row)
+        if problem:
+            raise RolloutFileError(f"{where}: {row_name} {number}: {problem}")
 
 
 def trainer_figures(raw: dict, record: dict | None) -> tuple[list[float] | None, list[float] | None]:
@@ -179,6 +276,7 @@ def data_source(sample: dict, eval_set: str | None) -> str:
 def load_rollout_view(path: Path, tokenizer, reward_key: str | None, metrics: dict | None = None) -> RolloutView:
     m = _NAME.match(path.name)
     raws = read_compact_rollout(path)
+    check_rows(raws, sample_problem, str(path), "line")
     rewards = [scalar_reward(s.get("reward"), reward_key) for s in raws]
     advantages: list[float | None] = [None] * len(raws)
     groups: dict[object, list[int]] = {}
@@ -187,7 +285,10 @@ def load_rollout_view(path: Path, tokenizer, reward_key: str | None, metrics: di
     for members in groups.values():
         for i, a in zip(members, group_advantages([rewards[i] for i in members])):
             advantages[i] = a
-    records = match_train_records(raws, read_train_records(path.parent, int(m["id"])) if m["eval"] is None else [])
+    saved_records = read_train_records(path.parent, int(m["id"])) if m["eval"] is None else []
+    check_rows(saved_records, record_problem, str(path.parent / f"rollout_{m['id']}.train.*.jsonl.gz"),
+               "record")
+    records = match_train_records(raws, saved_records)
     samples = []
     for raw, reward, advantage, record in zip(raws, rewards, advantages, records):
         tokens, n = raw.get("tokens") or [], raw.get("response_length") or 0

@@ -1,5 +1,12 @@
-"""Static HTML for the inspector: one page per rollout and an index. Everything the model or a user wrote goes
-through `html.escape`; the pages carry their own CSS and JavaScript (no network, no server) and open from disk.
+"""Static HTML for the inspector: one page per rollout and an index. The pages carry their own CSS and JavaScript
+(no network, no server) and open from disk.
+
+A saved rollout is untrusted input (a file anyone may have made or edited), so: every attribute value and every
+text goes through `html.escape`, numbers included (`_attr`, `_text`, `_plain`); each page carries a
+Content-Security-Policy that runs only its own script and style, allowed by their sha256 hashes, and loads nothing
+(`content_security_policy`); the page has no inline event handlers; bidi control characters (U+202A..U+202E,
+U+2066..U+2069, U+200E, U+200F, U+061C), which would reorder the text around them, are shown as marked `\\u202e`
+and the model's text sits in isolating elements (`<bdi>`, `dir="auto"`, `unicode-bidi: isolate`).
 
 The page's structure is what tests and scripts read: each sample is a `section.sample` with data-index,
 data-group, data-status, data-source, data-reward and data-spans (its weight_version_spans as JSON); each response
@@ -13,8 +20,12 @@ none.
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
+import re
 from html import escape
+from urllib.parse import quote
 
 from vime.inspect.load import RolloutView, SampleView
 
@@ -30,6 +41,8 @@ table { border-collapse: collapse; margin: .4em 0; } td, th { border: 1px solid 
 .tok.trained { background: #d7f5d7; } .tok.untrained { background: #e4e4e4; color: #666; }
 .tok.marked { outline: 2px solid #d40; } .failure { color: #c00; } .note { color: #666; font-size: 12px; }
 .legend span { padding: 0 .4em; margin-right: .5em; }
+b, td, th, option { unicode-bidi: isolate; }
+.ctl { color: #a0a; border: 1px dotted #a0a; font-family: ui-monospace, monospace; font-size: 11px; }
 """
 
 JS = """
@@ -66,8 +79,8 @@ JS = """
   $('f-source').value = initial.get('source') || '';
   for (const id of ['f-min', 'f-max', 'f-status', 'f-source']) $(id).addEventListener('input', apply);
   document.addEventListener('mouseover', (e) => {
-    const t = e.target;
-    if (!t.classList || !t.classList.contains('tok') || t.title) return;
+    const t = e.target.closest && e.target.closest('span.tok[data-i]');  // the token, also over a marker in it
+    if (!t || t.title) return;
     const i = parseInt(t.dataset.i), section = t.closest('section.sample');
     let title = 'token ' + i + ' \u00b7 engine log-prob ' + parseFloat(t.dataset.lp).toFixed(5);
     if (t.dataset.trainLp !== undefined) title += ' \u00b7 trainer ' + parseFloat(t.dataset.trainLp).toFixed(5);
@@ -81,8 +94,64 @@ JS = """
 """
 
 
+BIDI_CONTROLS = "\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069"
+_BIDI_CONTROL = re.compile(f"[{BIDI_CONTROLS}]")
+
+
+def _spelled(match: re.Match) -> str:
+    return f"\\u{ord(match[0]):04x}"
+
+
+def _marked(match: re.Match) -> str:
+    return f'<span class="ctl">{_spelled(match)}</span>'
+
+
+def _plain(value) -> str:
+    """`value` for an attribute, <title> or <option>: escaped, quotes included, each bidi control character spelled
+    out as `\\u202e` (raw, it would reorder the text around it)."""
+    text = str(value)
+    if not text.isascii():  # the controls are not ASCII: most values (numbers, ids) skip the search
+        text = _BIDI_CONTROL.sub(_spelled, text)
+    return escape(text)
+
+
+def _text(value) -> str:
+    """`value` as page text: escaped, each bidi control character shown as a marked `\\u202e`."""
+    text = escape(str(value))
+    return text if text.isascii() else _BIDI_CONTROL.sub(_marked, text)
+
+
+def _isolated(value) -> str:
+    """Text set among the page's own words: in a <bdi>, so that right-to-left text cannot reorder them."""
+    return f"<bdi>{_text(value)}</bdi>"
+
+
+def _attr(name: str, value) -> str:
+    return f' {name}="{_plain(value)}"'
+
+
+def _link(page_name: str) -> str:
+    """The href of the page written as <page_name>.html: percent-encoded, so that any file name links to itself."""
+    return _attr("href", quote(f"{page_name}.html"))
+
+
+def inline_hash(source: str) -> str:
+    """The CSP source that allows the inline <script> or <style> whose text is exactly `source`."""
+    return "'sha256-" + base64.b64encode(hashlib.sha256(source.encode("utf-8")).digest()).decode("ascii") + "'"
+
+
+def content_security_policy(style: str, script: str) -> str:
+    """Nothing loads and nothing runs but the page's own style and script (a page without one runs none): text a
+    rollout smuggled past the escaping still could not run or fetch anything."""
+    scripts = inline_hash(script) if script else "'none'"
+    return (f"default-src 'none'; style-src {inline_hash(style)}; script-src {scripts}; base-uri 'none'; "
+            "form-action 'none'")
+
+
 def _page(title: str, body: str, script: str = "") -> str:
-    return (f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>{escape(title)}</title>"
+    csp = _attr("content", content_security_policy(CSS, script))
+    return (f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+            f"<meta http-equiv=\"Content-Security-Policy\"{csp}><title>{_plain(title)}</title>"
             f"<style>{CSS}</style></head>\n<body>\n{body}\n"
             + (f"<script>{script}</script>\n" if script else "") + "</body></html>\n")
 
@@ -92,7 +161,7 @@ def _num(x: float | None, digits: int = 4) -> str:
 
 
 def _kv_table(items: dict) -> str:
-    rows = "".join(f"<tr><th>{escape(str(k))}</th><td>{escape(json.dumps(v, ensure_ascii=False))}</td></tr>"
+    rows = "".join(f"<tr><th>{_text(k)}</th><td>{_text(json.dumps(v, ensure_ascii=False))}</td></tr>"
                    for k, v in items.items())
     return f"<table>{rows}</table>"
 
@@ -110,9 +179,10 @@ def _tokens(view: SampleView) -> str:
     out = []
     for i, piece in enumerate(view.pieces):
         cls = "tok " + ("trained" if mask[i] else "untrained") + (" marked" if i in marked else "")
-        train = "" if view.train_log_probs is None else f' data-train-lp="{view.train_log_probs[i]!r}"'
-        adv = "" if per_token_advantages is None else f' data-adv="{per_token_advantages[i]!r}"'
-        out.append(f'<span class="{cls}" data-i="{i}" data-lp="{engine[i]!r}"{train}{adv}>{escape(piece)}</span>')
+        train = "" if view.train_log_probs is None else _attr("data-train-lp", repr(view.train_log_probs[i]))
+        adv = "" if per_token_advantages is None else _attr("data-adv", repr(per_token_advantages[i]))
+        out.append(f'<span{_attr("class", cls)}{_attr("data-i", i)}{_attr("data-lp", repr(engine[i]))}{train}{adv}>'
+                   f"{_text(piece)}</span>")
     return "".join(out)
 
 
@@ -147,7 +217,7 @@ def _marked_table(view: SampleView) -> str:
         "<th>trainer log-prob</th><th>gap</th>" if trainer else "") + "</tr>"
     rows = []
     for i in view.marked:
-        cells = f"<td>{i}</td><td class=\"text\">{escape(view.pieces[i])}</td><td>{engine[i]:.5f}</td>"
+        cells = f"<td>{i}</td><td class=\"text\">{_text(view.pieces[i])}</td><td>{engine[i]:.5f}</td>"
         if trainer:
             cells += f"<td>{trainer[i]:.5f}</td><td>{trainer[i] - engine[i]:+.5f}</td>"
         rows.append(f"<tr class=\"marked-row\">{cells}</tr>")
@@ -168,32 +238,33 @@ def _sample(view: SampleView) -> str:
         "response tokens": raw.get("response_length"), "trained tokens": sum(raw.get("loss_mask") or []),
         "weight versions": ", ".join(map(str, raw.get("weight_versions") or [])),
     }
-    head = " · ".join(f"{k}: <b class=\"f-{k.split()[0]}\">{escape(str(v))}</b>" for k, v in facts.items())
+    head = " · ".join(f"{k}: <b class=\"f-{k.split()[0]}\">{_text(v)}</b>" for k, v in facts.items())
     parts = f"<details open><summary>reward parts</summary>{_kv_table(reward)}</details>" \
         if isinstance(reward, dict) else ""
     spans = raw.get("weight_version_spans") or []
     spans_html = ("<div class=\"note\">weight version spans (response tokens [start, end)): "
-                  + escape(", ".join(f"{v}: [{a}, {b})" for v, a, b in spans)) + "</div>") if spans else ""
-    fail_html = (f"<div class=\"failure\">failed at {escape(str(failure.get('stage')))}: "
-                 f"<b>{escape(str(failure.get('reason')))}</b> — {escape(str(failure.get('error')))}</div>"
+                  + _isolated(", ".join(f"{v}: [{a}, {b})" for v, a, b in spans)) + "</div>") if spans else ""
+    fail_html = (f"<div class=\"failure\">failed at {_isolated(failure.get('stage'))}: "
+                 f"<b>{_text(failure.get('reason'))}</b> — {_isolated(failure.get('error'))}</div>"
                  if failure else "")
     metadata = {k: v for k, v in (raw.get("metadata") or {}).items() if k != "failure"}
     reward_attr = "" if view.reward is None else repr(view.reward)
-    return (f'<section class="sample{" failed" if status == "failed" else ""}" data-index="{raw.get("index")}" '
-            f'data-group="{raw.get("group_index")}" data-status="{escape(status)}" '
-            f'data-source="{escape(view.source)}" data-reward="{reward_attr}" '
-            f'data-spans="{escape(json.dumps(spans))}">\n'
+    attrs = (_attr("class", "sample failed" if status == "failed" else "sample") + _attr("data-index", raw.get("index"))
+             + _attr("data-group", raw.get("group_index")) + _attr("data-status", status)
+             + _attr("data-source", view.source) + _attr("data-reward", reward_attr)
+             + _attr("data-spans", json.dumps(spans)))
+    return (f"<section{attrs}>\n"
             f"<h2>{head}</h2>{fail_html}{parts}{spans_html}\n"
             f"<details><summary>prompt ({len(raw.get('tokens') or []) - (raw.get('response_length') or 0)} "
-            f"tokens)</summary><div class=\"text prompt\">{escape(view.prompt_text)}</div></details>\n"
-            f"<div class=\"text response\">{_tokens(view)}</div>\n{_marked_table(view)}"
+            f"tokens)</summary><div class=\"text prompt\" dir=\"auto\">{_text(view.prompt_text)}</div></details>\n"
+            f"<div class=\"text response\" dir=\"auto\">{_tokens(view)}</div>\n{_marked_table(view)}"
             + (f"<details><summary>metadata</summary>{_kv_table(metadata)}</details>" if metadata else "")
             + "</section>")
 
 
 def rollout_page(view: RolloutView) -> str:
     sources = sorted({s.source for s in view.samples})
-    options = "".join(f'<option value="{escape(s)}">{escape(s)}</option>' for s in sources)
+    options = "".join(f'<option{_attr("value", s)}>{_plain(s)}</option>' for s in sources)
     filters = (
         '<div class="filters">reward from <input id="f-min" type="number" step="any" size="6"> to '
         '<input id="f-max" type="number" step="any" size="6"> · status <select id="f-status">'
@@ -204,17 +275,17 @@ def rollout_page(view: RolloutView) -> str:
               '<span class="tok untrained">not trained (loss_mask 0)</span>'
               '<span class="tok marked">marked</span> hover a token for its log-probs (engine, trainer), advantage '
               'and weight version</p>')
-    title = f"{view.name} ({len(view.samples)} samples)" if not view.pages else \
-        f"{view.name}, page {view.page + 1} of {len(view.pages)} ({len(view.samples)} samples)"
+    where = f" ({len(view.samples)} samples)" if not view.pages else \
+        f", page {view.page + 1} of {len(view.pages)} ({len(view.samples)} samples)"
     metrics = (f"<details><summary>rollout metrics (metrics.jsonl)</summary>{_kv_table(view.metrics)}</details>"
                if view.metrics else "")
     pages = "" if not view.pages else " · pages: " + " ".join(
-        f'<b>{k + 1}</b>' if k == view.page else f'<a class="page" href="{escape(name)}.html">{k + 1}</a>'
+        f'<b>{k + 1}</b>' if k == view.page else f'<a class="page"{_link(name)}>{k + 1}</a>'
         for k, name in enumerate(view.pages)) + " (the filters act on this page)"
-    body = (f'<p><a href="index.html">all rollouts</a>{pages}</p><h1>{escape(title)}</h1>{filters}{legend}'
-            f'<p class="note advantages-note">{escape(view.advantages_note)}</p>{metrics}\n'
+    body = (f'<p><a href="index.html">all rollouts</a>{pages}</p><h1>{_isolated(view.name)}{where}</h1>{filters}'
+            f'{legend}<p class="note advantages-note">{_text(view.advantages_note)}</p>{metrics}\n'
             + "\n".join(_sample(s) for s in view.samples))
-    return _page(title, body, JS)
+    return _page(view.name + where, body, JS)
 
 
 def index_page(run: str, views: list[RolloutView]) -> str:
@@ -223,9 +294,9 @@ def index_page(run: str, views: list[RolloutView]) -> str:
         rewards = [s.reward for s in v.samples if s.reward is not None]
         failed = sum(s.raw.get("status") == "failed" for s in v.samples)
         mean = _num(sum(rewards) / len(rewards)) if rewards else ""
-        rows.append(f'<tr class="rollout"><td><a href="{escape(v.name)}.html">{escape(v.name)}</a></td>'
+        rows.append(f'<tr class="rollout"><td><a{_link(v.name)}>{_text(v.name)}</a></td>'
                     f"<td>{len(v.samples)}</td><td>{failed}</td><td>{mean}</td><td>{len(v.pages) or 1}</td></tr>")
-    body = (f"<h1>Rollouts of {escape(run)}</h1><table><tr><th>rollout</th><th>samples</th><th>failed</th>"
+    body = (f"<h1>Rollouts of {_isolated(run)}</h1><table><tr><th>rollout</th><th>samples</th><th>failed</th>"
             f"<th>reward mean</th><th>pages</th></tr>{''.join(rows)}</table>"
             + ("" if views else "<p>No rollouts saved (a run keeps them in OUTPUT_DIR/rollouts unless "
                                 "--no-save-rollouts).</p>"))
