@@ -2,7 +2,8 @@
 a prompt file with malformed rows, a prompt over --rollout-max-prompt-len, a prompt the engine rejects (longer than
 --vllm-max-model-len) and a --custom-rm-path reward that raises on some samples, sleeps past
 --rm-timeout on others, returns a string, NaN or inf on others, and hands others to vime's remote_rm against a
-reward server that answers NaN and Infinity. The run finishes; metrics.jsonl counts the skipped
+reward server that answers NaN and Infinity; one sample in eight is scored by remote_rm against a working reward
+server (the success path: its score is the sample's reward). The run finishes; metrics.jsonl counts the skipped
 rows, the over-long prompt and every failure by reason; the saved rollouts carry status failed with the reasons; no
 NaN reaches a metric or a weight (the saved HF weights are finite and trained)."""
 
@@ -37,7 +38,8 @@ PLUGIN = textwrap.dedent('''
 
     def reward(args, sample):
         """By sample index: 0 raises, 1 hangs past --rm-timeout, 2 returns a string, 3 NaN, 4 inf, 5 is scored by
-        remote_rm against the test's reward server (NaN, Infinity), the rest are scored."""
+        remote_rm against the test's reward server (NaN, Infinity), 6 by remote_rm against its working route, the
+        rest are scored here."""
         kind = sample.index % 8
         if kind == 0:
             raise ValueError(f"cannot score sample {sample.index}")
@@ -52,6 +54,8 @@ PLUGIN = textwrap.dedent('''
             return asyncio.run(remote_rm(with_values(args, rm_url=os.environ["BAD_RM_SERVER_URL"]), sample))
         if kind == 4:
             return float("inf")
+        if kind == 6:
+            return asyncio.run(remote_rm(with_values(args, rm_url=os.environ["GOOD_RM_SERVER_URL"]), sample))
         return float(len(sample.response) % 3 == 0)
 ''')
 
@@ -81,15 +85,26 @@ def _long_prompt(tokenizer, low: int, high: int) -> str:
     raise AssertionError("no prompt length in the window")
 
 
+def served_score(response: str) -> float:
+    """What the working route scores a response (any number the trainer would not compute itself)."""
+    return round(len(response) / 64 + 0.125, 6)
+
+
 class _NonFiniteRewardServer(http.server.BaseHTTPRequestHandler):
-    """A reward server gone wrong: its answers alternate between the JSON texts NaN and Infinity."""
+    """A reward server: /score works (`served_score` of the response, as {"reward": x}); elsewhere it has gone
+    wrong and its answers alternate between the JSON texts NaN and Infinity."""
 
     answered: list[str] = []
+    scored: list[dict] = []
 
     def do_POST(self):
-        self.rfile.read(int(self.headers["Content-Length"]))
-        body = ("NaN", "Infinity")[len(self.answered) % 2]
-        self.answered.append(body)
+        request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path == "/score":
+            self.scored.append(request)
+            body = json.dumps({"reward": served_score(request["response"])})
+        else:
+            body = ("NaN", "Infinity")[len(self.answered) % 2]
+            self.answered.append(body)
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
@@ -131,7 +146,7 @@ def bad_run(tiny_qwen3, arithmetic_data, tmp_path_factory):
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_address[1]}/reward"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(out), str(REPO), os.environ.get("PYTHONPATH", "")]),
-           "BAD_RM_SERVER_URL": url}
+           "BAD_RM_SERVER_URL": url, "GOOD_RM_SERVER_URL": url.replace("/reward", "/score")}
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO, env=env)
     finally:
@@ -161,7 +176,7 @@ def test_malformed_and_too_long_rows_are_counted_once_and_named(bad_run):
 
 def test_failures_are_recorded_per_sample_and_counted_by_reason(bad_run):
     out, rejected, records, _, _ = bad_run
-    seen = {}
+    seen, remote_scored = {}, 0
     for rollout_id, record in zip((0, 1), records):
         groups = load_rollout(str(out / "rollout_{rollout_id}.jsonl"), rollout_id)
         assert len(groups) == 4 and all(len(g) == 4 for g in groups)
@@ -170,6 +185,11 @@ def test_failures_are_recorded_per_sample_and_counted_by_reason(bad_run):
             reason = expected_failure(s, rejected)
             if reason is None:
                 assert s["status"] in ("completed", "truncated") and isinstance(s["reward"], float), s
+                if s["index"] % 8 == 6:  # remote_rm's success path: the server's score is the reward
+                    assert s["reward"] == pytest.approx(served_score(s["response"])), s
+                    assert any(r["response"] == s["response"] and r["label"] == s["label"]
+                               for r in _NonFiniteRewardServer.scored), s
+                    remote_scored = remote_scored + 1
                 continue
             failure = s["metadata"]["failure"]
             assert s["status"] == "failed" and f"{failure['stage']}_{failure['reason']}" == reason, (reason, s)
@@ -178,6 +198,7 @@ def test_failures_are_recorded_per_sample_and_counted_by_reason(bad_run):
             seen.setdefault(reason, []).append(failure["error"])
         failed = {k.removeprefix("rollout/failed/"): v for k, v in record.items() if k.startswith("rollout/failed/")}
         assert failed == counts and record["rollout/failed_samples"] == sum(counts.values())
+    assert remote_scored > 0 and len(_NonFiniteRewardServer.scored) >= remote_scored
     assert set(seen) == {"generate_engine_rejected", "reward_error", "reward_timeout", "reward_bad_return_type",
                          "reward_non_finite"}
     assert all("ValueError: cannot score sample" in e for e in seen["reward_error"])

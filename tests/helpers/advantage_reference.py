@@ -26,6 +26,21 @@ def grpo_token_stats(groups, eps: float = 1e-6) -> tuple[float, float]:
     return _token_stats(values)
 
 
+def on_policy_grpo_pg_loss(groups, eps: float = 1e-6) -> float:
+    """One optimizer step on the rollout's own weights, token-mean aggregation: every ratio is 1 and nothing is
+    clipped, so the policy loss is -sum_i A_i * T_i / sum_i T_i (T_i: sample i's trainable tokens)."""
+    total, tokens = 0.0, 0
+    for group in groups:
+        members = [s for s in group if sum(s.loss_mask or []) > 0]
+        rewards = [s.reward for s in members]
+        mean = sum(rewards) / len(rewards)
+        std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / (len(rewards) - 1))
+        for s in members:
+            total -= (s.reward - mean) / (std + eps) * sum(s.loss_mask)
+            tokens += sum(s.loss_mask)
+    return total / tokens
+
+
 def check_grpo_stats(record: dict, groups) -> None:
     mean, std = grpo_token_stats(groups)
     assert record["train/advantage_mean"] == pytest.approx(mean, abs=1e-5), record
