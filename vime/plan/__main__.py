@@ -36,11 +36,12 @@ def render(plan) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from vime.arguments import parse_args
+    from vime.config.run import PlacementConfig
     from vime.plan.run_plan import how_to_fit, plan_run
 
     own, rest = _own_flags(list(sys.argv[1:] if argv is None else argv))
     args = parse_args(rest)
-    plan = plan_run(args, args.gpu_memory_gib or DEFAULT_GPU_GIB, device=own.plan_device)
+    plan = plan_run(args, PlacementConfig.of(args).gpu_memory_gib or DEFAULT_GPU_GIB, device=own.plan_device)
     print(json.dumps(plan.as_json(), indent=1) if own.json else render(plan))
     if plan.unfit():
         print(f"does not fit: {how_to_fit(plan)}", file=sys.stderr)

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 from vime.config.algorithm import AlgorithmConfig, DistillationConfig
 from vime.config.rollout import EnginesConfig, PromptDataConfig, RolloutConfig
-from vime.config.run import PlacementConfig
+from vime.backends.megatron_utils.megatron_flags import core_flag
+from vime.config.run import JobConfig, PlacementConfig
 from vime.config.train import LoraConfig, MegatronConfig, TrainLoopConfig
 from vime.plan.memory import GIB, EngineLayout, TrainerLayout, engine_memory, trainer_memory
 from vime.trainer.flops import FlopShape, rollout_flops
@@ -41,11 +42,11 @@ class Plan:
 def _hf_config(args):
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(args.hf_checkpoint)
+    return AutoConfig.from_pretrained(JobConfig.of(args).hf_checkpoint)
 
 
 def _recompute(args) -> str:
-    granularity = getattr(args, "recompute_granularity", None)
+    granularity = core_flag(args, "recompute_granularity")
     return granularity if granularity in ("full", "selective") else "none"
 
 
@@ -93,7 +94,7 @@ def trainer_layout(args, shape: FlopShape, device: str = "cuda", critic: bool = 
         int(distillation.opd_teacher_checkpoint is not None)
     return TrainerLayout(tp=tp, pp=pp, dp=dp, ep=megatron.expert_model_parallel_size,
                          etp=megatron.expert_tensor_parallel_size or tp,
-                         sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
+                         sequence_parallel=bool(core_flag(args, "sequence_parallel")),
                          distributed_optimizer=megatron.use_distributed_optimizer,
                          weight_bytes=_dtype_bytes(megatron, device), micro_batch_tokens=rows,
                          logit_rows=logit_rows, micro_batches=max(step_samples // max(dp * samples, 1), 1),
