@@ -132,10 +132,10 @@ def _split(x: torch.Tensor, like: Tensors) -> Tensors:
 
 
 def _seq_ids(xs: Tensors) -> torch.Tensor:
-    """For the concatenation of `xs`, the index of the sequence each element came from."""
-    device = xs[0].device
-    lengths = torch.tensor([len(t) for t in xs], device=device)
-    return torch.repeat_interleave(torch.arange(len(xs), device=device), lengths)
+    """For the concatenation of `xs`, the index of the sequence each element came from. Built on the host from the
+    lengths (on a GPU a repeat by device counts would wait for the device) and copied without blocking."""
+    ids = torch.repeat_interleave(torch.arange(len(xs)), torch.tensor([len(t) for t in xs], dtype=torch.long))
+    return ids.to(xs[0].device, non_blocking=True)
 
 
 def _seq_sum(flat: torch.Tensor, seq_ids: torch.Tensor, n_seqs: int) -> torch.Tensor:

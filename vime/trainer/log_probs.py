@@ -177,6 +177,7 @@ def response_log_probs(logits: torch.Tensor, targets: torch.Tensor, response_len
     logits: [R, V/TP], the logits of each response token's predecessor position (`MicroBatchInputs.logit_rows`),
     targets: [R] the response tokens, in sample order. Returns lists of 1-D tensors of length response_lengths[i].
     """
-    lp, ent = vocab_parallel_log_probs(logits, targets.to(logits.device), temperature, with_entropy, entropy_grad)
+    targets = targets.to(logits.device, non_blocking=True)  # from the host: the host does not wait for the copy
+    lp, ent = vocab_parallel_log_probs(logits, targets, temperature, with_entropy, entropy_grad)
     split = list(response_lengths)
     return list(lp.split(split)), (list(ent.split(split)) if ent is not None else None)

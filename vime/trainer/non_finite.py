@@ -47,10 +47,23 @@ def _has_loss_scaler(optimizer) -> bool:
 def _any_rank(flags: list, device) -> list[bool]:
     """Each flag (a bool, or a 0-dim tensor on `device`) OR-ed over every rank (all ranks must agree to skip or
     stop, or the next collective hangs); read with one host sync."""
-    t = torch.stack([torch.as_tensor(f, device=device).reshape(()).float() for f in flags])
+    return [bool(x) for x in _on_any_rank(flags, device).tolist()]
+
+
+def _on_any_rank(flags: list, device) -> torch.Tensor:
+    """`_any_rank`'s flags as a float tensor on `device`, not read: 1.0 where some rank raised the flag."""
+    t = torch.stack([_flag(f, device) for f in flags])
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return [bool(x) for x in t.tolist()]
+    return t
+
+
+def _flag(flag, device) -> torch.Tensor:
+    """A 0-dim float flag on `device`: a tensor as it is, a bool filled in there (a copy from the host would make
+    the host wait)."""
+    if isinstance(flag, torch.Tensor):
+        return flag.to(device, non_blocking=True).reshape(()).float()
+    return torch.full((), float(flag), device=device)
 
 
 def _device(model) -> torch.device:
@@ -70,9 +83,11 @@ def check_finite_parameters(model, step: int) -> None:
     """Raise if a parameter holds NaN or inf after optimizer step `step`: stop before such weights are sent to the
     engines or saved. Collective (every rank raises together)."""
     named = [(name, p) for m in model for name, p in m.named_parameters()]
-    finite = torch.stack([torch.isfinite(p).all() for _, p in named]).tolist()  # one device sync, not one a tensor
-    bad = next((name for (name, _), ok in zip(named, finite) if not ok), None)
-    if _any_rank([bad is not None], _device(model))[0]:
+    non_finite = torch.stack([~torch.isfinite(p).all() for _, p in named]).float()
+    # this rank's parameters, then whether any rank holds one: one device sync, not one a tensor
+    *here, anywhere = torch.cat([non_finite, _on_any_rank([non_finite.amax()], _device(model))]).tolist()
+    if anywhere:
+        bad = next((name for (name, _), flag in zip(named, here) if flag), None)
         where = f"parameter {bad}" if bad else "a parameter on another rank"
         raise RuntimeError(f"optimizer step {step} left {where} non-finite (NaN or inf) although its loss and "
                            "gradients were finite; the run stops before these weights reach the engines or a "

@@ -46,7 +46,7 @@ def only_rows(chunk, rows: torch.Tensor):
     sequence_parallel = getattr(layer, "sequence_parallel", False)
 
     def select(hidden: torch.Tensor) -> torch.Tensor:
-        return hidden.reshape(-1, 1, hidden.shape[-1]).index_select(0, rows.to(hidden.device))
+        return hidden.reshape(-1, 1, hidden.shape[-1]).index_select(0, rows.to(hidden.device, non_blocking=True))
 
     if sequence_parallel:  # the layer gathers the sequence itself: pick the rows from its full output
         handle = layer.register_forward_hook(lambda mod, args, output: (select(output[0]), *output[1:]))
@@ -120,7 +120,7 @@ def per_token_rope(chunk, positions: torch.Tensor):
     gpt = _gpt_model(chunk)
     rows = positions.reshape(-1)
     handle = gpt.rotary_pos_emb.register_forward_hook(
-        lambda mod, args, emb: emb.index_select(0, rows.to(emb.device)))
+        lambda mod, args, emb: emb.index_select(0, rows.to(emb.device, non_blocking=True)))
     try:
         yield
     finally:

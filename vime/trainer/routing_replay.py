@@ -31,6 +31,7 @@ class RouterSlot:
     layer: int  # 0-based layer of the whole model (vLLM's layer_id, Megatron's layer_number - 1)
     replay: object  # megatron.core.transformer.moe.router_replay.RouterReplay
     topk: int
+    num_experts: int
 
 
 def model_routers(model) -> list[RouterSlot]:
@@ -44,7 +45,8 @@ def model_routers(model) -> list[RouterSlot]:
                 if module.router_replay is None:
                     raise RuntimeError("routing replay: this model's routers were built without "
                                        "moe_enable_routing_replay (model_provider._moe_config sets it with the flags)")
-                slots.append(RouterSlot(module.layer_number - 1, module.router_replay, module.topk))
+                slots.append(RouterSlot(module.layer_number - 1, module.router_replay, module.topk,
+                                        module.num_experts))
     return slots
 
 
@@ -93,8 +95,9 @@ class RoutingReplay:
     """What the forwards of one rollout do with this rank's routers: replay per-sample routing, or record it.
 
     `routing` holds per sample [tokens, all layers, top-k] indices (None where unknown); `recording()` fills it
-    from the routers' own choices, `replaying()` feeds it back. Used by `passes.run_schedule` around each
-    micro-batch."""
+    from the routers' own choices (kept on the device, one byte an expert id where ids fit, until the recording
+    ends, then copied to the host at once: a copy per micro-batch and layer would wait for the device each time),
+    `replaying()` feeds it back. Used by `passes.run_schedule` around each micro-batch."""
 
     def __init__(self, model, num_layers: int, num_samples: int, given: bool = False):
         self.slots = model_routers(model)
@@ -102,6 +105,9 @@ class RoutingReplay:
         self.routing: list[torch.Tensor | None] = [None] * num_samples
         self.given = given  # True: `routing` is the engine's, filled by the caller; False: recorded here
         self.mode: str | None = None  # "record", "replay" or None (the routers' own top-k)
+        # recorded, not yet on the host: (indices, lengths, packed, [tokens, top-k] per router) per micro-batch
+        self._recorded: list[tuple[list[int], list[int], bool, list[torch.Tensor]]] = []
+        self._recorded_dtype = torch.uint8 if all(s.num_experts <= 256 for s in self.slots) else torch.int32
 
     def phase(self, name: str):
         """The context for the forwards of one phase of a rollout: "reference" (the KL reference policy),
@@ -115,6 +121,7 @@ class RoutingReplay:
     def recording(self):
         with self._mode("record"):
             yield
+            self._store_recorded()
 
     @contextlib.contextmanager
     def replaying(self):
@@ -143,7 +150,7 @@ class RoutingReplay:
             targets = micro_batch_routing([self.routing[i] for i in indices], layers, packed)
             for slot, target in zip(self.slots, targets):
                 slot.replay.clear_indices()
-                slot.replay.set_target_indices(target.to(_device()))
+                slot.replay.set_target_indices(target.to(_device(), non_blocking=True))
                 slot.replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
         else:
             for slot in self.slots:
@@ -152,9 +159,22 @@ class RoutingReplay:
             yield
         finally:
             if self.mode == "record":
-                self._store([s.replay.get_recorded_indices() for s in self.slots], indices, lengths, packed)
+                self._recorded.append((list(indices), list(lengths), packed,
+                                       [s.replay.get_recorded_indices().detach().to(self._recorded_dtype)
+                                        for s in self.slots]))
             for slot in self.slots:
                 slot.replay.clear_router_replay_action()
+
+    def _store_recorded(self) -> None:
+        """The routing recorded since the recording began, copied to the host in one transfer, into `routing`."""
+        if not self._recorded:
+            return
+        parts = [rows for *_, per_router in self._recorded for rows in per_router]
+        on_host = torch.cat([rows.reshape(-1) for rows in parts]).cpu().to(torch.int32)
+        pieces = iter(on_host.split([rows.numel() for rows in parts]))
+        for indices, lengths, packed, per_router in self._recorded:
+            self._store([next(pieces).view(rows.shape) for rows in per_router], indices, lengths, packed)
+        self._recorded.clear()
 
     def _store(self, recorded: list[torch.Tensor], indices: list[int], lengths: list[int], packed: bool) -> None:
         topk = self.slots[0].topk
@@ -163,7 +183,6 @@ class RoutingReplay:
                 self.routing[i] = torch.arange(topk, dtype=torch.int32).expand(n, self.num_layers, topk).clone()
         batch = len(indices)
         for slot, rows in zip(self.slots, recorded):
-            rows = rows.detach().cpu().to(torch.int32)
             if packed:
                 for i, part in zip(indices, rows.split(lengths)):
                     self.routing[i][:, slot.layer] = part
@@ -173,6 +192,7 @@ class RoutingReplay:
                     self.routing[i][:, slot.layer] = grid[:n, b]
 
     def _clear(self) -> None:
+        self._recorded.clear()  # what a failed recording left
         for slot in self.slots:
             slot.replay.clear_indices()
             slot.replay.clear_router_replay_action()

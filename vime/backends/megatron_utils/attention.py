@@ -171,13 +171,11 @@ class PromptSharingPlan:
     restore: torch.Tensor
 
     def to(self, device) -> PromptSharingPlan:
-        """On `device`; to a GPU from pinned memory without blocking the host."""
+        """On `device`, without blocking the host (to a GPU from pinned memory)."""
         device = torch.device(device)
 
         def moved(t: torch.Tensor) -> torch.Tensor:
-            if device.type == "cuda":
-                return t.pin_memory().to(device, non_blocking=True)
-            return t.to(device)
+            return (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)
 
         return PromptSharingPlan(self.alone_segments, *(moved(getattr(self, f)) for f in
                                                          ("alone_rows", "query_rows", "key_rows", "mask", "restore")))

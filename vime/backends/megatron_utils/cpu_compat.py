@@ -42,8 +42,11 @@ def _is_cuda_device(device) -> bool:
 
 
 def _called_from_megatron() -> bool:
+    """Whether the torch call being handled was made by megatron-core's code (torch's own frames, and those of
+    other torch-function modes stacked above this one, e.g. a test's, are not the caller)."""
     frame = sys._getframe(2)
-    while frame is not None and frame.f_globals.get("__name__", "").startswith("torch"):
+    while frame is not None and (frame.f_globals.get("__name__", "").startswith("torch")
+                                 or frame.f_code.co_name == "__torch_function__"):
         frame = frame.f_back
     return frame is not None and frame.f_globals.get("__name__", "").startswith("megatron")
 
