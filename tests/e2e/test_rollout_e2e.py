@@ -239,7 +239,18 @@ def test_metrics_written(rollout_run):
     records = [json.loads(line) for line in served["metrics"].splitlines()]
     assert [r["rollout_id"] for r in records] == [0, 1]
     assert all(r["rollout/num_samples"] == 32 for r in records)
-    assert list((out / "run" / "tensorboard").glob("events.*"))
+    # TensorBoard holds every scalar of metrics.jsonl, at its rollout's step, with its value
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(out / "run" / "tensorboard"), size_guidance={"scalars": 0})
+    board.Reload()
+    for r in records:
+        for key, value in r.items():
+            if key == "rollout_id":
+                continue
+            logged = {e.step: e.value for e in board.Scalars(key)}
+            assert logged.get(r["rollout_id"]) == pytest.approx(value, rel=1e-6, abs=1e-6), (key, logged)
+    assert len(board.Tags()["scalars"]) == len({k for r in records for k in r} - {"rollout_id"})
 
 
 def test_each_group_is_one_request_to_the_engines(rollout_run):
