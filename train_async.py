@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
+from vime.config.run import PlacementConfig
 from vime.ray.entry_point import engine_idle_fraction, exit_after_run, run_entry_point
 from vime.ray.session import TrainingSession
 from vime.data.weight_versions import staleness_metrics
@@ -23,16 +24,17 @@ from vime.utils.logging_utils import progress
 
 
 def train(args) -> None:
-    if args.colocate:
+    if PlacementConfig.of(args).colocate:
         raise ValueError("train_async.py overlaps generation and training, so they need separate devices: "
                          "drop --colocate or use train.py")
     with TrainingSession(args, overlap=True) as run:
+        loop, evaluation = run.config.train, run.config.eval
         start, num_rollout = run.start()
         run.maybe_eval(start)
         # rollouts generated ahead of training: one, or --max-staleness K back to back (the manager runs them in
         # order, so the engines never wait for the trainer)
-        ahead = args.max_staleness or 1
-        in_flight = bool(args.update_weights_in_flight or args.max_staleness)
+        ahead = loop.max_staleness or 1
+        in_flight = bool(loop.update_weights_in_flight or loop.max_staleness)
         pending = deque(run.generate(i) for i in range(start, min(start + ahead, num_rollout)))
         for rollout_id in progress(range(start, num_rollout), desc="rollouts", initial=start, total=num_rollout):
             step_start = time.perf_counter()
@@ -43,14 +45,14 @@ def train(args) -> None:
             metrics.update(staleness_metrics(rollout.extra.get("version_tokens", []), run.weight_version))
             metrics.update(run.train(rollout))
             run.maybe_save(rollout_id, num_rollout)
-            if (rollout_id + 1) % args.update_weights_interval == 0 or rollout_id + 1 == num_rollout:
+            if (rollout_id + 1) % loop.update_weights_interval == 0 or rollout_id + 1 == num_rollout:
                 # the trainers write the new weights while rollout N+1 generates; the engines load them once it is
                 # done, or in flight (--update-weights-in-flight, --max-staleness), between its decode steps
                 now = in_flight and bool(pending)
                 after = [pending[0]] if pending and not now else None
                 metrics.update(run.update_weights(version=rollout_id + 1, after=after, in_flight=now))
                 metrics["async/in_flight_updates"] = float(now)
-                if args.eval_interval and (rollout_id + 1) % args.eval_interval == 0:
+                if evaluation.eval_interval and (rollout_id + 1) % evaluation.eval_interval == 0:
                     run.maybe_eval(rollout_id + 1, force=True)
             metrics["perf/step_time"] = time.perf_counter() - step_start
             metrics["perf/trainer_idle_fraction"] = waited / metrics["perf/step_time"]

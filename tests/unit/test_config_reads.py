@@ -12,6 +12,7 @@ from pathlib import Path
 from vime.config import RunConfig
 
 VIME = Path(__file__).resolve().parents[2] / "vime"
+ENTRY_POINTS = [VIME.parent / "train.py", VIME.parent / "train_async.py"]  # the loops: they read flags too
 # where a flag is read by a name computed at run time: the modules that forward a library's flags as they are
 PASS_THROUGH_READERS = {
     "backends/megatron_utils/megatron_flags.py": "megatron-core's generated flags, by the names of its dataclasses",
@@ -63,5 +64,7 @@ def test_no_flag_is_read_off_the_namespace_and_no_getattr_repeats_a_default():
         relative = path.relative_to(VIME).as_posix()
         reads = namespace_reads(path.read_text(), pass_through=relative in PASS_THROUGH_READERS)
         problems += [f"vime/{relative}:{line}: {what}" for line, what in reads]
+    for path in ENTRY_POINTS:
+        problems += [f"{path.name}:{line}: {what}" for line, what in namespace_reads(path.read_text())]
     assert not problems, ("read each flag through its section (e.g. RolloutConfig.of(args).rollout_batch_size), "
                           "whose field holds the default:\n" + "\n".join(problems))
