@@ -16,6 +16,7 @@ import math
 import pytest
 
 from tests.e2e.test_examples_openai_agents import GROUP_SIZE, GROUPS, _check_trajectory, _run
+from tests.helpers.advantage_reference import check_grpo_stats, on_policy_grpo_pg_loss
 from vime.rollout.debug_data import load_rollout
 
 pytestmark = pytest.mark.e2e
@@ -68,5 +69,10 @@ def test_agents_sdk_example(tiny_qwen3, tmp_path):
         assert s.reward == float(right), (call, answer, s.label)
     train = [r for r in records if "train/steps" in r]
     assert len(train) == 1
-    for r in train:
+    for r in train:  # the trajectories' math, from the saved rollout: GRPO's advantages, the on-policy loss
         assert all(math.isfinite(r[k]) for k in ("train/loss", "train/pg_loss", "train/grad_norm")), r
+        check_grpo_stats(r, groups)
+        assert r["train/pg_loss"] == pytest.approx(on_policy_grpo_pg_loss(groups), abs=1e-5), r
+        assert r["train/pg_clipfrac"] == 0.0, r  # on policy: no ratio leaves the clip range
+        # no train/rollout log-prob equality here: the forced first call is sampled under a grammar, and the engine
+        # reports the log-probs of that constrained distribution (a forced token near 0), the trainer the model's
