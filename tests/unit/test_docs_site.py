@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -73,11 +74,18 @@ def scratch(tmp_path, tiny_qwen3):
 
 def test_runnable_bash_blocks_run(scratch):
     runnable = [(page, body) for page, body in bash_blocks() if body.startswith("# runnable")]
+    home = scratch / "home"  # what the blocks write under ~ stays in the scratch directory
+    home.mkdir()
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), "HOME": str(home)}
+    for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_TOKEN"):  # the blocks set Ray's themselves
+        env.pop(name, None)
     for page, body in runnable:
         proc = subprocess.run(["bash", "-euo", "pipefail", "-c", body], capture_output=True, text=True, timeout=300,
                               cwd=scratch, env=env)
         assert proc.returncode == 0, f"{page}:\n{body}\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}"
     assert (scratch / "outputs" / "my_run" / "inspect" / "rollout_0.html").is_file()
     assert (scratch / "outputs" / "tiny_model" / "config.json").is_file()
+    token = home / ".vime" / "ray_token"  # clusters.md: Ray's token, made as a new user would make it
+    assert stat.S_IMODE(token.stat().st_mode) == 0o600 and stat.S_IMODE(token.parent.stat().st_mode) == 0o700
+    assert re.fullmatch(r"[0-9a-f]{64}\n", token.read_text())

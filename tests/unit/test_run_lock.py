@@ -84,3 +84,43 @@ def test_private_umask_in_a_child():
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=cwd,
                              env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60)
     assert out.stdout.split() == ["0o600", "0o700"], out.stderr
+
+
+EARLIER_HOLDER = '{"host": "node-1", "pid": 4242, "started": "2026-01-01 00:00:00"}'
+
+
+def _earlier_runs_directory(path: Path) -> Path:
+    """A directory an earlier run used and left (its lock file still naming it)."""
+    path.mkdir(mode=0o700)
+    (path / LOCK_NAME).write_text(EARLIER_HOLDER)
+    return path
+
+
+def test_a_refused_run_leaves_the_earlier_runs_lock_file_as_it_was(held, tmp_path):
+    """Refused by a held directory after locking a free one, or by its admission check: the lock file of the
+    directory it did lock still names the run before it."""
+    earlier = _earlier_runs_directory(tmp_path / "earlier")
+    with pytest.raises(RunInUseError):
+        with RunLock([earlier, held[0]]):
+            pass
+    assert (earlier / LOCK_NAME).read_text() == EARLIER_HOLDER
+
+    def refuse():
+        raise ValueError("this run's directories hold an earlier run's state")
+
+    with pytest.raises(ValueError, match="earlier run's state"):
+        with RunLock([earlier], admit=refuse):
+            pass
+    assert (earlier / LOCK_NAME).read_text() == EARLIER_HOLDER
+    with RunLock([earlier], admit=lambda: None):  # admitted: now it names this run
+        assert f'"pid": {os.getpid()}' in (earlier / LOCK_NAME).read_text()
+
+
+def test_train_py_refused_over_an_earlier_runs_state_leaves_its_lock_file(tmp_path, tiny_qwen3, arithmetic_data):
+    earlier = _earlier_runs_directory(tmp_path / "out")
+    (earlier / "trained_samples.jsonl").write_text('{"rollout_id": 3, "sample_ids": [1]}\n')
+    run = subprocess.run([sys.executable, str(REPO / "train.py"), "--hf-checkpoint", str(tiny_qwen3), "--prompt-data",
+                          str(arithmetic_data[0]), "--rm-type", "math", "--num-rollout", "1", "--output-dir",
+                          str(earlier)], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert run.returncode == 1 and "earlier run's state" in run.stderr, run.stderr[-3000:]
+    assert (earlier / LOCK_NAME).read_text() == EARLIER_HOLDER

@@ -71,6 +71,36 @@ def test_broadcast_protocol_with_two_senders():
     assert [n for n, _ in got[0]] == ["w1", "i1"] and [n for n, _ in got[1]] == ["w0", "n0"]
 
 
+def test_the_weight_groups_store_listens_on_the_master_address_alone():
+    """Rank 0 (the first training writer) serves the group's store on master_addr only, on the socket it reserved
+    when it gave out the address; torch's own store would listen on every interface ([::]) for the whole run."""
+    from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
+
+    from vime.utils.listeners import hex_address, tcp_sockets
+    from vime.utils.rendezvous import reserve_rendezvous
+
+    def listening(port):
+        return {local for local, _, state, _, _ in tcp_sockets() if state == "0A" and local.endswith(f":{port:04X}")}
+
+    groups = {}
+    joined = threading.Barrier(3)
+
+    def member(host, port, rank):
+        groups[rank] = join_group({}, "t", host, port, rank, 3, "gloo")
+        joined.wait(timeout=60)
+
+    # a port chosen free, then one reserved as the trainer reserves it
+    for host, port in (("127.0.0.1", find_free_port()), reserve_rendezvous("127.0.0.1")):
+        with ThreadPoolExecutor(3) as pool:
+            for f in [pool.submit(member, host, port, r) for r in range(3)]:
+                f.result(timeout=60)
+        try:
+            assert listening(port) == {hex_address("127.0.0.1", port)}
+        finally:
+            for pg in groups.values():
+                stateless_destroy_torch_distributed_process_group(pg)
+
+
 def test_delta_sends_whole_vllm_layers():
     assert load_unit("model.layers.3.self_attn.k_proj.weight") == "model.layers.3.self_attn.qkv_proj"
     assert load_unit("model.layers.3.self_attn.q_proj.bias") == "model.layers.3.self_attn.qkv_proj"

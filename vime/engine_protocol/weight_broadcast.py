@@ -4,7 +4,8 @@ pipeline stage) sends, every engine worker (`vime.in_vllm.worker_extension`) rec
 Group: rank s = the writer of pipeline stage s (DP rank 0, TP rank 0), then every engine worker
 (`len(stages) + engine_index * workers_per_engine + worker_rank`). It is built with vLLM's
 `stateless_init_torch_distributed_process_group` (gloo on CPU, nccl on GPU) on the first update, kept by every
-member, and rebuilt when the engine set changes (the driver hands out a new group key).
+member, and rebuilt when the engine set changes (the driver hands out a new group key). Its store is served by
+rank 0 on the master address alone (`vime.utils.rendezvous`), not on every interface.
 
 Wire protocol, once per writer (in stage order; every member takes part in every broadcast): a JSON list of
 [name, dtype, shape] (its length, then its bytes), then the tensors, in order, as flat uint8 broadcasts: small
@@ -103,12 +104,18 @@ def join_group(cache: dict, key: str, master_addr: str, master_port: int, rank: 
     from vllm.distributed.utils import (stateless_destroy_torch_distributed_process_group,
                                         stateless_init_torch_distributed_process_group)
 
+    from vime.utils.rendezvous import take_reserved
+
     if cache.get("key") == key:
         return cache["pg"]
     if cache.get("pg") is not None:
         stateless_destroy_torch_distributed_process_group(cache["pg"])
         cache.clear()
+    # rank 0 serves the group's store on the socket it reserved for master_addr (`reserve_rendezvous`): torch's own
+    # would listen on every interface, to anyone
+    listen_socket = take_reserved(master_addr, master_port) if rank == 0 else None
     pg = stateless_init_torch_distributed_process_group(master_addr, master_port, rank, world_size, backend,
+                                                        listen_socket=listen_socket,
                                                         timeout=timedelta(seconds=GROUP_TIMEOUT_S))
     cache.update(key=key, pg=pg)
     return pg

@@ -24,7 +24,8 @@ from vime.utils.deadline import control, gather
 from vime.utils.cpus import CpuShare, allowed_cpus, use_cpus
 from vime.utils.device import serving_host
 from vime.utils.logging_utils import configure_logging
-from vime.utils.misc import find_free_port, with_values
+from vime.utils.misc import with_values
+from vime.utils.rendezvous import reserve_rendezvous
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,9 @@ class TrainActor:
         return {"visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "local_rank": self.local_rank}
 
     def address(self) -> tuple[str, int]:
-        return serving_host(self.args), find_free_port()
+        """Where a group this rank serves the store of meets (the training group, the weight-broadcast group): a
+        port on this node's serving address, bound now and kept until the store takes it (`reserve_rendezvous`)."""
+        return reserve_rendezvous(serving_host(self.args))
 
     def init(self, master_addr: str, master_port: int, total_steps: int) -> None:
         from vime.trainer.trainer import MegatronTrainer

@@ -70,9 +70,9 @@ class TrainingSession:
         buffer = config.data_buffer
         stores = [config.job.output_dir, config.megatron.save,
                   buffer.rollout_data_dir if buffer.rollout_data_transport == "straw" else None]
-        self.run_lock = RunLock(stores).__enter__()
-        if self.train_enabled:  # before anything starts: refuse to take over an earlier run's state
-            check_start(args, len(self.transport.stored()))
+        # before anything starts, and before the lock files name this run: refuse to take over an earlier run's state
+        admit = (lambda: check_start(args, len(self.transport.stored()))) if self.train_enabled else None
+        self.run_lock = RunLock(stores, admit=admit).__enter__()
         write_resolved_config(args, f"{config.job.output_dir}/config.yaml", build_parser())
         self._start_ray_checking_the_model()
         check_on_cluster_devices(args, self.train_enabled)  # what only the cluster's devices decide

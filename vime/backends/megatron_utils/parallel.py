@@ -2,7 +2,8 @@
 
 Who calls it: each Megatron training process (one per rank) before building its model, the convert tools,
 and the tests. Rendezvous follows torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
-MASTER_PORT); without WORLD_SIZE it starts a one-process group on a free local port.
+MASTER_PORT); rank 0's store listens on MASTER_ADDR alone, not on every interface as torch's own would
+(`vime.utils.rendezvous`). Without WORLD_SIZE it starts a one-process group, whose store is in memory.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
 from vime.backends.megatron_utils.cpu_compat import apply_cpu_compat
-from vime.utils.misc import find_free_port
+from vime.utils.rendezvous import master_store
 
 
 def init_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1, seed: int = 1234,
@@ -38,10 +39,10 @@ def init_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_s
         if "WORLD_SIZE" in os.environ:
             if on_gpu:
                 torch.cuda.set_device(device_index(int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()))
-            dist.init_process_group("nccl" if on_gpu else "gloo", timeout=timeout)
-        else:
-            dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"tcp://127.0.0.1:{find_free_port()}",
-                                    rank=0, world_size=1, timeout=timeout)
+            dist.init_process_group("nccl" if on_gpu else "gloo", timeout=timeout, **_rendezvous_from_env(timeout))
+        else:  # no other process to meet: no socket either
+            dist.init_process_group("nccl" if on_gpu else "gloo", store=dist.HashStore(), rank=0, world_size=1,
+                                    timeout=timeout)
     world_size = dist.get_world_size()
     if world_size % (tensor_model_parallel_size * pipeline_model_parallel_size):
         raise ValueError(f"world size {world_size} is not a multiple of tensor x pipeline parallel size "
@@ -50,6 +51,26 @@ def init_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_s
                                              expert_model_parallel_size=expert_model_parallel_size,
                                              expert_tensor_parallel_size=expert_tensor_parallel_size)
     set_seed(seed)
+
+
+def _rendezvous_from_env(timeout: timedelta) -> dict:
+    """`init_process_group`'s store, rank and world size from torchrun's environment: rank 0 serves the store on
+    MASTER_ADDR:MASTER_PORT alone, the others connect to it. Under torchrun's agent (which serves the store itself)
+    nothing: torch joins the agent's."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return {}
+    rank, world_size = int(_required_env("RANK")), int(os.environ["WORLD_SIZE"])
+    host, port = _required_env("MASTER_ADDR"), int(_required_env("MASTER_PORT"))
+    store = master_store(host, port, world_size, timeout) if rank == 0 else \
+        dist.TCPStore(host, port, world_size, False, timeout)
+    return {"store": store, "rank": rank, "world_size": world_size}
+
+
+def _required_env(name: str) -> str:
+    if name not in os.environ:
+        raise ValueError(f"WORLD_SIZE is set but {name} is not: a multi-process group needs RANK, MASTER_ADDR and "
+                         "MASTER_PORT too (torchrun sets them all); unset WORLD_SIZE for a one-process group")
+    return os.environ[name]
 
 
 def device_index(local_rank: int, visible: int) -> int:
@@ -72,7 +93,12 @@ def set_seed(seed: int) -> None:
 
 
 def destroy_parallel() -> None:
-    """Tear down Megatron's groups and the process group (the trainer's and tests' last call)."""
+    """Tear down Megatron's groups and the process group (the trainer's and tests' last call), and Megatron's
+    per-layer MoE loss tracker: it is sized by the torn-down model's layers, and a next model with more MoE layers
+    in the same process would index past it."""
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    get_moe_layer_wise_logging_tracker().clear()
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
