@@ -1,18 +1,28 @@
-"""OpenEnv environments: vime starts the app's server (a real uvicorn process) and stops it, or uses one running;
-an episode is driven turn by turn over a WebSocket session through vime's multi-turn loop. The engine is scripted
-here (the rest is real); the e2e test runs it on the real stack."""
+"""OpenEnv environments: vime starts the app's server (a real uvicorn process, behind a token of its own) and
+stops it, or uses one running; an episode is driven turn by turn over a WebSocket session through vime's multi-turn
+loop. The engine is scripted here (the rest is real); the e2e test runs it on the real stack. Also what another user
+on the node gets: no session without the server's token, and no episode from a port they took first."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import os
+import shutil
+import subprocess
+import sys
+import urllib.error
+import urllib.request
 
 import pytest
 
+from tests.unit.test_impersonation import impostor  # noqa: F401 - a fixture: uid 65534 holding a free port
 from vime.environments.mixture import load_environments
 from vime.rollout.context import reset_rollout_context
 from vime.rollout.vllm_rollout import GenerateState
+from vime.utils.listeners import process_tree
+from vime.utils.misc import find_free_port
+from vime.utils.process import wait_until
 from vime.utils.types import Sample
 
 pytest.importorskip("openenv.core.generic_client")
@@ -34,7 +44,25 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_episode_turn_by_turn_rewards_and_server_lifetime(tiny_qwen3, tmp_path, monkeypatch):
+@pytest.fixture()
+def running_server():
+    """The URL of the digits app served by a plain uvicorn process of the test's own (no token): a server the
+    user started, as `openenv:http://...` expects."""
+    from vime.environments.openenv_env import _healthy
+
+    port = find_free_port("127.0.0.1")
+    proc = subprocess.Popen([sys.executable, "-m", "uvicorn", f"{APP}:app", "--host", "127.0.0.1", "--port", str(port),
+                             "--log-level", "warning"])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        assert wait_until(lambda: _healthy(url), 60, 0.3, alive=lambda: proc.poll() is None), "uvicorn did not start"
+        yield url
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_episode_turn_by_turn_rewards_and_server_lifetime(tiny_qwen3, tmp_path, monkeypatch, running_server):
     from transformers import AutoTokenizer
 
     import vime.agents.multi_turn as multi_turn
@@ -74,8 +102,8 @@ def test_episode_turn_by_turn_rewards_and_server_lifetime(tiny_qwen3, tmp_path, 
         assert asyncio.run(env.score(args, sample)) == 1.0
         assert sample.metadata["reward_functions"] == {"episode_return": 1.0, "terminated": 1.0}
 
-        # a second environment object on the running server (no process of its own)
-        other = load_environments(_args(tiny_qwen3, tmp_path, environment=f"openenv:{env.url}",
+        # an environment object on a server already running (no process of its own)
+        other = load_environments(_args(tiny_qwen3, tmp_path, environment=f"openenv:{running_server}",
                                         config='{"name": "running"}', weight=2.5))[0]
         assert other.server is None and other.name == "running" and other.weight == 2.5
         second = asyncio.run(other.generate(args, Sample(index=1, metadata={"environment": "running",
@@ -84,7 +112,7 @@ def test_episode_turn_by_turn_rewards_and_server_lifetime(tiny_qwen3, tmp_path, 
         assert second.metadata["openenv"]["rewards"] == [1.0]
 
         # at --agent-max-turns the last model turn is still an action: stepped for its reward
-        one = load_environments(_args(tiny_qwen3, tmp_path, environment=f"openenv:{env.url}",
+        one = load_environments(_args(tiny_qwen3, tmp_path, environment=f"openenv:{running_server}",
                                       config='{"name": "one", "max_turns": 1}'))[0]
         answers = iter(["x"])
         last = asyncio.run(one.generate(args, Sample(index=3, metadata={"environment": "one",
@@ -111,3 +139,73 @@ def test_unservable_app_and_dead_url_are_clear_errors(tiny_qwen3, tmp_path):
         load_environments(_args(tiny_qwen3, tmp_path, environment="openenv:http://127.0.0.1:9", config="{}"))
     with pytest.raises(ValueError, match="unknown keys bogus"):
         load_environments(_args(tiny_qwen3, tmp_path, config='{"bogus": 1}'))
+
+
+def _status(url: str, method: str = "GET") -> int:
+    request = urllib.request.Request(url, method=method, data=b"{}" if method == "POST" else None,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_the_server_vime_starts_answers_only_its_token(tiny_qwen3, tmp_path):
+    """Without the server's token nobody opens a session or steps (another user has no way to it: it is in no
+    argv or environment); the run's own episodes carry it; once the server has exited, nothing more goes to its
+    port, which anyone could bind next."""
+    from openenv.core.generic_client import GenericEnvClient
+
+    env = load_environments(_args(tiny_qwen3, tmp_path))[0]
+    try:
+        for path, method in (("/health", "GET"), ("/reset", "POST"), ("/step", "POST"), ("/state", "GET")):
+            assert _status(env.url + path, method) == 401, path
+
+        async def session_without_token():
+            client = GenericEnvClient(base_url=env.url, connect_timeout_s=10)
+            try:
+                await client.connect()
+            finally:
+                await client.close()
+
+        with pytest.raises(ConnectionError, match="HTTP 403"):
+            asyncio.run(session_without_token())
+        token = env.server.headers["Authorization"].split()[1].encode()
+        for pid in process_tree(env.server.pid):
+            with open(f"/proc/{pid}/cmdline", "rb") as cmdline, open(f"/proc/{pid}/environ", "rb") as environ:
+                assert token not in cmdline.read() and token not in environ.read(), pid
+
+        async def run_reset():  # what each episode does first, with the token
+            client = env._client(10.0)
+            try:
+                await client.connect()
+                return (await client.reset(seed=4)).observation
+            finally:
+                await client.close()
+
+        assert asyncio.run(run_reset())["prompt"] == "Say the digit 4."
+        for pid in process_tree(env.server.pid) - {env.server.pid}:  # the server dies; its watchdog then exits
+            os.kill(pid, 9)
+        assert wait_until(lambda: env.server.proc.poll() is not None, 30, 0.1)
+        sample = Sample(index=0, metadata={"environment": env.name, "openenv": {"seed": 1}})
+        with pytest.raises(RuntimeError, match="the server vime started exited"):
+            asyncio.run(env.generate(_args(tiny_qwen3, tmp_path), sample, {"max_tokens": 8}))
+    finally:
+        env.close()
+
+
+@pytest.mark.skipif(os.getuid() != 0 or not shutil.which("setpriv"),
+                    reason="needs root and setpriv to run the impostor as another user")
+def test_a_port_another_user_took_first_gets_nothing(impostor, tmp_path, monkeypatch):  # noqa: F811
+    """Another user binds the port chosen for the environment server before it does, and answers everything with
+    200: the start fails naming the port and that user, and the impostor saw no request at all (no token, no
+    episode, not even /health)."""
+    from vime.environments import openenv_env
+
+    port, received = impostor
+    monkeypatch.setattr("vime.utils.misc.find_free_port", lambda *a: port)
+    with pytest.raises(RuntimeError, match=f"port {port} is held by a process that vime did not start "
+                                           r"\(uid 65534\); nothing was sent to it"):
+        openenv_env.OpenEnvServer(APP, 60.0, tmp_path)
+    assert received() == []

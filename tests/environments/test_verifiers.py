@@ -93,7 +93,7 @@ def test_a_module_that_is_no_v1_taskset_is_a_clear_error(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def stack(tiny_qwen3, tmp_path_factory):
-    """The endpoint over a scripted router, and bridges for the three test environments (started together)."""
+    """The endpoint over a scripted router, and bridges for the four test environments (started together)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3)
@@ -102,7 +102,8 @@ def stack(tiny_qwen3, tmp_path_factory):
     args = _args(tmp, tiny_qwen3, router.url)  # a fresh rollout context: the endpoint will be its own
     envs = {"arith": _env("tests.environments.vf_arithmetic", tmp, {"taskset": {"num_tasks": 6}, "size": 3}),
             "lookup": _env("tests.environments.vf_lookup", tmp, LOOKUP_ARGS),
-            "broken": _env("tests.environments.vf_broken", tmp)}
+            "broken": _env("tests.environments.vf_broken", tmp),
+            "environ": _env("tests.environments.vf_environ", tmp, LOOKUP_ARGS)}
     yield SimpleNamespace(args=args, tokenizer=tokenizer, router=router, envs=envs)
     for env in envs.values():
         env.close()
@@ -165,6 +166,18 @@ def test_tool_episode_masks_the_tool_result(stack):
     assert sample.loss_mask == [1] * len(call) + [0] * (len(response) - 2 * len(call)) + [1] * len(call)
     assert "facts_lookup" in tokenizer.decode(sample.tokens[:sample.prompt_length])  # the tools are in the prompt
     assert sample.metadata["reward_functions"] == {"used_tool": 1.0, "answered": 0.0} and reward == 0.5
+
+
+@needs_venv
+def test_programs_verifiers_launches_never_see_the_relay_key(stack):
+    """The relay key opens the bridge's episodes at vime's endpoint; a program verifiers launches while an episode
+    runs (here the episode's own tool server; in general the harness, which runs the policy's commands) must not
+    inherit it. The tool reports every relay-key-like value in its environment."""
+    env, tokenizer = stack.envs["environ"], stack.tokenizer
+    sample, reward = _run(stack, env, env.train_prompts(tokenizer, stack.args)[0])
+    assert reward == 1.0  # the tool answered: its server ran during the episode
+    tool_turn = tokenizer.decode(sample.tokens).split("<|im_start|>tool\n", 1)[1].split("<|im_end|>", 1)[0]
+    assert env.relay_key and env.relay_key not in tool_turn, tool_turn
 
 
 @needs_venv

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import tracemalloc
 from types import SimpleNamespace
 
 import pytest
 
+from vime.data import prompt_dataset
 from vime.data.data_source import RolloutDataSource
 from vime.data.prompt_dataset import DataFormatError, load_prompt_file, load_prompt_samples
 from vime.rollout.debug_data import load_rollout, save_rollout
@@ -61,6 +63,7 @@ BAD_ROWS = [
     ('{"prompt": "a", "label": "1", "metadata": [1]}', "p.jsonl:2: 'metadata' must be a dict"),
     ('{"prompt": [{"content": "x"}], "label": "1"}', "p.jsonl:2: each chat message needs 'role'"),
     ('{"prompt": [], "label": "1"}', "p.jsonl:2: prompt must be a string or a non-empty list"),
+    ("[" * 5000 + "]" * 5000, "p.jsonl:2: JSON nested too deep to parse"),  # json.loads: RecursionError
 ]
 
 
@@ -98,6 +101,67 @@ def test_max_prompt_len_filters_and_counts(tmp_path, tokenizer):
     assert [s.label for s in loaded.samples] == ["1"] and loaded.too_long == 1 and loaded.skipped == []
     with pytest.raises(DataFormatError, match="no usable prompts"):
         load_prompt_samples(path, tokenizer, _args(rollout_max_prompt_len=1))
+
+
+def test_an_over_long_line_is_a_bad_row_and_never_read_whole(tmp_path, tokenizer, monkeypatch):
+    monkeypatch.setattr(prompt_dataset, "MAX_ROW_BYTES", 2**20)
+    good = [json.dumps({"prompt": f"ok {i}", "label": str(i)}) for i in range(9)]
+    huge = json.dumps({"prompt": "x" * (16 * 2**20), "label": "9"})  # valid JSON: only its length is wrong
+    path = _write(tmp_path, good[:4] + [huge] + good[4:])
+    tracemalloc.start()
+    try:
+        rows = list(prompt_dataset.read_rows(path))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    # a few times the 1 MiB limit (read buffers); reading the 16 MiB line whole holds it as bytes, text and JSON
+    assert peak < 8 * 2**20, f"reading held {peak} bytes at once"
+    assert [n for n, row in rows if isinstance(row, DataFormatError)] == [5] and len(rows) == 10
+    loaded = load_prompt_file(path, tokenizer, _args())  # 1 bad row of 10: within the 0.1 tolerance
+    assert [s.label for s in loaded.samples] == [str(i) for i in range(9)]
+    assert loaded.skipped == [f"{path}:5: the line is over {2**20} bytes, far more than a prompt row; not read "
+                              "(a wrong file, or rows that lost their newlines?)"]
+    path = _write(tmp_path, good[:1] + [huge], name="q.jsonl")
+    with pytest.raises(DataFormatError, match="1 of 2 rows are malformed, more than --max-bad-prompt-rows-ratio"):
+        load_prompt_file(path, tokenizer, _args())
+
+
+def test_a_line_of_exactly_the_limit_is_read(tmp_path, monkeypatch):
+    row = json.dumps({"prompt": "p", "label": "1"})
+    monkeypatch.setattr(prompt_dataset, "MAX_ROW_BYTES", len(row))
+    path = tmp_path / "p.jsonl"
+    path.write_text(f"{row}\n{row}")  # the last line without its newline
+    assert [row for _, row in prompt_dataset.read_rows(path)] == [{"prompt": "p", "label": "1"}] * 2
+
+
+class TokenizerSpy:
+    """The real tokenizer, recording the length of each text it tokenizes."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.lengths = tokenizer, []
+
+    def __call__(self, text, **kwargs):
+        self.lengths.append(len(text))
+        return self.tokenizer(text, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
+def test_an_over_long_prompt_is_dropped_before_it_is_tokenized(tmp_path, tokenizer):
+    spy = TokenizerSpy(tokenizer)
+    path = _write(tmp_path, ['{"prompt": "short", "label": "1"}', json.dumps({"prompt": "long " * 100_000,
+                                                                             "label": "2"})])
+    loaded = load_prompt_file(path, spy, _args(rollout_max_prompt_len=10))
+    assert [s.label for s in loaded.samples] == ["1"] and loaded.too_long == 1 and loaded.skipped == []
+    assert spy.lengths == [len("short")]  # the long one never reached the tokenizer
+
+
+@pytest.mark.parametrize("text", ["short", "long " * 300, " " * 5000, "\u00e9\u4e2d" * 500, "<|im_start|>" * 200,
+                                  "".join(chr(c) for c in range(32, 3000))])
+def test_the_character_bound_never_drops_a_prompt_that_fits(tokenizer, text):
+    tokens = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    assert len(text) <= prompt_dataset.prompt_char_bound(tokenizer, tokens)
 
 
 def test_parquet(tmp_path, tokenizer):

@@ -32,12 +32,11 @@ def engine_sees(gpus: list[str]) -> dict:
     import os
 
     from vime.backends.vllm_utils.engine import engine_env
-    from vime.utils.auth import RunToken
 
     args = SimpleNamespace(rollout_num_gpus_per_engine=len(gpus), cpu_kv_cache_space=1, update_weight_dir=None,
                            save=None)
     return {"node": ray.get_runtime_context().get_node_id(), "actor": os.environ.get("CUDA_VISIBLE_DEVICES"),
-            "server": engine_env(args, RunToken.new(), gpus=gpus)["CUDA_VISIBLE_DEVICES"]}
+            "server": engine_env(args, "token", gpus=gpus)["CUDA_VISIBLE_DEVICES"]}
 
 
 @pytest.fixture(scope="module")

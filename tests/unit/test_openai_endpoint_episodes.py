@@ -9,6 +9,7 @@ import asyncio
 import gc
 import http.client
 import json
+import socket
 import threading
 import time
 import tracemalloc
@@ -149,6 +150,7 @@ def test_a_relay_names_sessions_by_public_id_and_proves_itself_with_its_key(endp
     server, router = endpoint
     calls = router.calls
     token, key = server.open_episode(), server.relay_key()
+    server.bind_relay(token, key)
     public = public_id(token)
     assert public != token and token not in public and key != token
     body = json.dumps({"messages": USER}).encode()
@@ -163,6 +165,31 @@ def test_a_relay_names_sessions_by_public_id_and_proves_itself_with_its_key(endp
     assert list(server.close_episode(token)) == [token, f"{token}/solver"]
     assert _post(server, body, {"X-Session-ID": public, "Authorization": f"Bearer {key}"})[0] == 401  # closed
     assert server.episodes == {} and router.calls == calls + 2
+
+
+def test_a_relay_key_opens_only_the_episodes_bound_to_it(endpoint):
+    """Two relays (two verifiers bridges), each with its own key and episodes: a program that read one relay's key
+    and another relay's public ids (from `ps`) still cannot call into that relay's episodes, nor into an episode
+    bound to no relay; each relay reaches its own."""
+    from vime.agents.openai_requests import public_id
+
+    server, router = endpoint
+    calls = router.calls
+    mine, theirs, unbound = server.open_episode(), server.open_episode(), server.open_episode()
+    my_key, their_key = server.relay_key(), server.relay_key()
+    server.bind_relay(mine, my_key)
+    server.bind_relay(theirs, their_key)
+    body = json.dumps({"messages": USER}).encode()
+    for episode in (theirs, unbound):
+        for session in (public_id(episode), f"{public_id(episode)}/solver"):
+            assert _post(server, body, {"X-Session-ID": session, "Authorization": f"Bearer {my_key}"})[0] == 401
+    assert router.calls == calls
+    assert _post(server, body, {"X-Session-ID": public_id(mine), "Authorization": f"Bearer {my_key}"})[0] == 200
+    assert _post(server, body, {"X-Session-ID": public_id(theirs), "Authorization": f"Bearer {their_key}"})[0] == 200
+    assert [list(server.close_episode(t)) for t in (mine, theirs, unbound)] == [[mine], [theirs], []]
+    with pytest.raises(KeyError):  # a closed episode cannot be bound again
+        server.bind_relay(mine, my_key)
+    assert router.calls == calls + 2
 
 
 def test_a_call_in_flight_when_its_episode_closes_is_refused_and_leaves_nothing(endpoint):
@@ -324,3 +351,80 @@ def test_parse_body_says_what_is_wrong():
         parse_body(["{"])
     with pytest.raises(ValueError, match="not JSON"):
         parse_body(["[" * 200_000])
+
+
+def _answer_to_headers(server, headers: dict[str, str], timeout_s: float = 10.0) -> bytes:
+    """The status line and headers the endpoint answers to a POST whose headers alone were sent (its body never
+    is): raises socket.timeout when the endpoint waits for the body instead."""
+    lines = ["POST /v1/chat/completions HTTP/1.1", f"Host: {server.host}", "Content-Type: application/json",
+             *(f"{k}: {v}" for k, v in headers.items())]
+    with socket.create_connection((server.host, server.port), timeout=timeout_s) as sock:
+        sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            answer += chunk
+        return answer
+
+
+def test_a_caller_without_a_credential_is_refused_before_its_body_is_read(endpoint):
+    """No session id in the headers: the body (where `user` could name one) is not read past 64 KiB, whatever
+    its Content-Length; a wrong key is refused before any of it; an open episode's key over the cap gets 413
+    before it is read. Each answer comes while the body is still unsent."""
+    server, router = endpoint
+    token = server.open_episode()
+    calls = router.calls
+    for length in (8 * 2**20, 2**40):  # under the endpoint's cap, and far over it
+        answer = _answer_to_headers(server, {"Content-Length": str(length)})
+        assert answer.startswith(b"HTTP/1.1 401"), (length, answer[:200])
+    answer = _answer_to_headers(server, {"Content-Length": str(8 * 2**20), "Authorization": "Bearer guess"})
+    assert answer.startswith(b"HTTP/1.1 401")
+    answer = _answer_to_headers(server, {"Content-Length": str(2**40), "Authorization": f"Bearer {token}"})
+    assert answer.startswith(b"HTTP/1.1 413")
+
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=60)  # no Content-Length: chunked
+    conn.request("POST", "/v1/chat/completions", body=iter([b" " * 2**15] * 8), encode_chunked=True,
+                 headers={"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 401 and "API key" in json.loads(response.read())["error"]["message"]
+    conn.close()
+    assert router.calls == calls and server.close_episode(token) == {}
+
+
+def test_calls_beyond_max_in_flight_are_answered_503_at_once(endpoint, tokenizer):
+    _, router = endpoint
+    server = OpenAIServer(router.url, tokenizer, RunToken.new(), retries=0, max_in_flight=2).start()
+    token = server.open_episode()
+    body = json.dumps({"messages": USER}).encode()
+    statuses = []
+
+    def call(role: str):
+        statuses.append(_post(server, body, {"Authorization": f"Bearer {token}/{role}"})[0])
+
+    calls = router.calls
+    router.hold()
+    held = [threading.Thread(target=call, args=(role,)) for role in ("a", "b")]
+    try:
+        for caller in held:
+            caller.start()
+        deadline = time.monotonic() + 30
+        while router.calls < calls + 2 and time.monotonic() < deadline:  # both wait at the engine
+            time.sleep(0.01)
+        assert router.calls == calls + 2
+        for headers in ({"Authorization": f"Bearer {token}/c"}, {}):  # served or not, nothing is read
+            answer = _answer_to_headers(server, {"Content-Length": str(len(body)), **headers})
+            assert answer.startswith(b"HTTP/1.1 503") and b"Retry-After: 1" in answer, answer[:300]
+    finally:
+        router.release()
+        for caller in held:
+            caller.join(30)
+    try:
+        assert statuses == [200, 200]
+        assert _post(server, body, {"Authorization": f"Bearer {token}/c"})[0] == 200  # room again
+        assert server.slots.taken == 0 and router.calls == calls + 3
+    finally:
+        server.stop()
+    with pytest.raises(ValueError, match="max_in_flight"):
+        OpenAIServer(router.url, tokenizer, RunToken.new(), max_in_flight=0)

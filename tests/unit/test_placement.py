@@ -88,7 +88,6 @@ def test_external_engines_take_no_bundles(cluster):
 
 def test_engines_on_one_node_split_its_cpus(cluster):
     from vime.backends.vllm_utils.engine import engine_env, omp_bind_value
-    from vime.utils.auth import RunToken
 
     p = placement_of(_args(actor_num_nodes=1, rollout_num_gpus=4))  # 1 trainer + 4 engines on 2-CPU nodes
     nodes = _nodes(p, [p.bundle_of("engine", r) for r in range(4)])
@@ -103,18 +102,18 @@ def test_engines_on_one_node_split_its_cpus(cluster):
     assert CpuShare(1, 2, 3).cpus(list(range(6))) == [2, 3, 4, 5]  # a 2-worker engine's run of two units
     assert omp_bind_value([0, 1, 2, 3], 2) == "0,1|2,3" and omp_bind_value([6], 2) == "6|6"
     args = SimpleNamespace(rollout_num_gpus_per_engine=1, cpu_kv_cache_space=1)
-    token = RunToken.new()
+    token_file = "token"  # where a server would read the run's token: only named here
     every = sorted(os.sched_getaffinity(0))
     # alone on its node: all of it (vLLM's own binding would keep a core for its front end)
-    assert engine_env(args, token, CpuShare(0, 1, 1))["VLLM_CPU_OMP_THREADS_BIND"] == omp_bind_value(every, 1)
-    bound = engine_env(args, token, CpuShare(1, 1, 2))
+    assert engine_env(args, token_file, CpuShare(0, 1, 1))["VLLM_CPU_OMP_THREADS_BIND"] == omp_bind_value(every, 1)
+    bound = engine_env(args, token_file, CpuShare(1, 1, 2))
     assert bound["VLLM_CPU_OMP_THREADS_BIND"] == omp_bind_value(CpuShare(1, 1, 2).cpus(every), 1)
     # one worker: inside the engine core, its OpenMP team bound to the share (whatever OMP_NUM_THREADS Ray set)
     mine = CpuShare(1, 1, 2).cpus(every)
     assert bound["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and bound["OMP_PROC_BIND"] == "true"
     assert bound["OMP_NUM_THREADS"] == str(len(mine)) and bound["OMP_PLACES"] == "{%s}" % ",".join(map(str, mine))
     assert bound["VIME_ENGINE_CORE_FORK"] == "1"  # its engine core forked from the API server, not spawned
-    two = engine_env(SimpleNamespace(rollout_num_gpus_per_engine=2, cpu_kv_cache_space=1), token)
+    two = engine_env(SimpleNamespace(rollout_num_gpus_per_engine=2, cpu_kv_cache_space=1), token_file)
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in two and two["VLLM_CPU_OMP_THREADS_BIND"] == omp_bind_value(every, 2)
     assert "VIME_ENGINE_CORE_FORK" not in two  # worker processes keep the spawn vLLM's CPU platform wants
 

@@ -171,3 +171,43 @@ def test_gate_sync_client_from_many_threads(upstream):
     finally:
         gate.stop()
     assert results == [200] * 8
+
+
+def _answer_to_headers(url: str, head: str, sent_body: bytes = b"", timeout_s: float = 10.0) -> bytes:
+    """The status line the gate answers to a request of which only `head` (and `sent_body`) was sent."""
+    import socket
+    from urllib.parse import urlsplit
+
+    address = urlsplit(url)
+    with socket.create_connection((address.hostname, address.port), timeout=timeout_s) as sock:
+        sock.sendall(head.encode() + b"\r\n\r\n" + sent_body)
+        return sock.recv(4096).split(b"\r\n", 1)[0]
+
+
+def test_gate_refuses_a_body_over_its_cap_with_413(upstream):
+    """Over `max_body_bytes`: refused before a byte of it is read when the Content-Length says so, and once the
+    limit is passed when it is sent chunked."""
+    gate = RouterGate(lambda: upstream, lambda: {"Authorization": "Bearer k"}, max_body_bytes=2**16)
+    gate.start()
+    try:
+        head = "POST /inference/v1/generate HTTP/1.1\r\nHost: gate\r\nContent-Type: application/json"
+        assert _answer_to_headers(gate.url, f"{head}\r\nContent-Length: {2**40}") == (
+            b"HTTP/1.1 413 Request Entity Too Large")
+        status, body = _get(gate.url + "/inference/v1/generate", "POST", iter([b" " * 2**15] * 4),
+                            {"Content-Type": "application/json", "Transfer-Encoding": "chunked"})
+        assert status == 413 and f"limit of {2**16} bytes".encode() in body
+        status, body = _get(gate.url + "/inference/v1/generate", "POST", b"x" * 2**16)  # at the limit: served
+        assert status == 200 and len(json.loads(body)["body"]) == 2**16
+    finally:
+        gate.stop()
+    assert RouterGate(lambda: upstream, lambda: {}).max_body_bytes == 64 * 2**20  # not the 1 GiB it was
+
+
+def test_gate_answers_408_to_a_body_that_does_not_come(upstream):
+    gate = RouterGate(lambda: upstream, lambda: {"Authorization": "Bearer k"}, body_timeout_s=0.5)
+    gate.start()
+    try:
+        head = "POST /inference/v1/generate HTTP/1.1\r\nHost: gate\r\nContent-Length: 100"
+        assert _answer_to_headers(gate.url, head, sent_body=b"{") == b"HTTP/1.1 408 Request Timeout"
+    finally:
+        gate.stop()

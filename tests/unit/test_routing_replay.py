@@ -207,15 +207,14 @@ def test_engines_are_started_to_return_routing(tiny_moe):
     from vime.arguments import parse_args
     from vime.backends.vllm_utils.engine import engine_command, engine_env
     from vime.engine_protocol.names import CAPTURE_ENV
-    from vime.utils.auth import RunToken
 
     args = parse_args(["--hf-checkpoint", str(tiny_moe), *BASE, "--use-rollout-routing-replay"])
     cmd = engine_command(args, "127.0.0.1", 1234, 0)
     assert "--no-enable-prefix-caching" in cmd  # cached prompt tokens would not be routed
-    assert engine_env(args, RunToken.new())[CAPTURE_ENV] == "1"
+    assert engine_env(args, "token")[CAPTURE_ENV] == "1"
     plain = parse_args(["--hf-checkpoint", str(tiny_moe), *BASE])
     assert "--no-enable-prefix-caching" not in engine_command(plain, "127.0.0.1", 1234, 0)
-    assert CAPTURE_ENV not in engine_env(plain, RunToken.new())
+    assert CAPTURE_ENV not in engine_env(plain, "token")
 
 
 def test_a_sample_without_routing_is_named():

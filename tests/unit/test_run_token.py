@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
@@ -96,19 +97,91 @@ def test_token_file_must_be_private_and_long(tmp_path):
         auth.read_token_file(str(tmp_path / "missing"))
 
 
-def test_the_token_reaches_the_engine_server_and_no_other_child():
+def test_the_token_reaches_the_engine_server_and_no_other_child(monkeypatch, tmp_path):
     from vime.backends.vllm_utils.arguments import router_args_from
     from vime.backends.vllm_utils.engine import engine_env
 
     token = auth.RunToken(TOKEN)
     args = SimpleNamespace(rollout_num_gpus_per_engine=1, cpu_kv_cache_space=1)
-    assert engine_env(args, token)[auth.CONTROL_TOKEN_ENV] == TOKEN
-    assert auth.CONTROL_TOKEN_ENV not in os.environ  # a reward server or sandbox this process starts never gets it
+    monkeypatch.setenv(auth.CONTROL_TOKEN_ENV, "a token the user's shell exported")
+    env = engine_env(args, tmp_path / "token")
+    assert env[auth.CONTROL_TOKEN_FILE_ENV] == str(tmp_path / "token")  # the server's environment names the file
+    assert auth.CONTROL_TOKEN_ENV not in env and not any(TOKEN in value for value in env.values())
+    monkeypatch.delenv(auth.CONTROL_TOKEN_ENV)
+    for name in (auth.CONTROL_TOKEN_ENV, auth.CONTROL_TOKEN_FILE_ENV):  # a reward server or sandbox this process
+        assert name not in os.environ  # starts never gets it
     from vime.arguments import parse_args
 
     parsed = parse_args(["--hf-checkpoint", "x"], validate=False)
     assert not hasattr(parsed, "router_api_key")  # vime gives the router its key; a flag for it would be ignored
     assert router_args_from(parsed, "127.0.0.1", 1, [], api_key=token.serving_key()).api_key == token.serving_key()
+
+
+def test_a_server_reads_its_token_from_a_private_file(monkeypatch, tmp_path):
+    """`write_token_file` makes a 600 file in a fresh 700 directory; a server reads it (`token_from_environment`),
+    and refuses to start unguarded from a file it cannot read safely; the variable holding the token itself is for
+    engines a user starts by hand."""
+    path = auth.write_token_file(auth.RunToken(TOKEN))
+    try:
+        assert path.read_text() == TOKEN
+        assert oct(path.stat().st_mode & 0o777) == oct(0o600) and oct(path.parent.stat().st_mode & 0o777) == oct(0o700)
+        monkeypatch.setenv(auth.CONTROL_TOKEN_FILE_ENV, str(path))
+        monkeypatch.setenv(auth.CONTROL_TOKEN_ENV, "f" * 64)  # the file wins
+        assert auth.token_from_environment() == TOKEN
+        path.chmod(0o640)
+        with pytest.raises(ValueError, match=f"{auth.CONTROL_TOKEN_FILE_ENV} {path}: readable by other users"):
+            auth.token_from_environment()
+    finally:
+        auth.remove_token_file(path)
+    assert not path.parent.exists()
+    auth.remove_token_file(path)  # twice: nothing to do
+    with pytest.raises(ValueError, match="cannot read it"):
+        auth.token_from_environment()
+    monkeypatch.delenv(auth.CONTROL_TOKEN_FILE_ENV)
+    assert auth.token_from_environment() == "f" * 64
+    monkeypatch.delenv(auth.CONTROL_TOKEN_ENV)
+    assert auth.token_from_environment() is None
+
+
+STAND_IN_ENGINE = """
+import sys, uvicorn
+from fastapi import FastAPI
+from vime.in_vllm.endpoint_plugin import require_run_token
+app = FastAPI()
+app.get("/health")(lambda: {})
+app.get("/is_paused")(lambda: {"is_paused": False})
+require_run_token(app)  # what vime's plugin does in a vLLM server
+uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
+"""
+
+
+def test_an_engine_server_holds_the_token_in_no_environment(monkeypatch, tmp_path):
+    """The server of an engine vime starts gets the token from a file, guards its routes with it (`start` checks),
+    and neither it nor anything it starts has the token in /proc/<pid>/environ, which any process of this user may
+    read (a sandboxed program without Landlock included). The file is gone once the engine serves. The server
+    stands in for vLLM: the real `engine_env`, the real plugin function, a small FastAPI app."""
+    from vime.backends.vllm_utils import engine
+    from vime.utils.listeners import process_tree
+
+    (tmp_path / "server.py").write_text(STAND_IN_ENGINE)
+    server = [sys.executable, str(tmp_path / "server.py")]
+    monkeypatch.setattr(engine, "engine_command", lambda args, host, port, rank: [*server, str(port)])
+    monkeypatch.setattr("vime.utils.device.serving_host", lambda a: "127.0.0.1")
+    args = SimpleNamespace(engine_startup_timeout=60, vllm_host=None, rollout_external_engine_addrs=None,
+                           rollout_num_gpus_per_engine=1, cpu_kv_cache_space=1)
+    e = engine.VLLMEngine(args, 0, str(tmp_path), auth.RunToken(TOKEN))
+    try:
+        e.start()  # refuses an engine whose routes open without the token
+        environments = {}
+        for pid in process_tree(e.pid()):
+            with open(f"/proc/{pid}/environ", "rb") as environ, open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+                environments[pid] = environ.read()
+                assert TOKEN.encode() not in environments[pid] + cmdline.read(), pid
+        named = {v.split(b"=", 1)[1] for env in environments.values() for v in env.split(b"\0")
+                 if v.startswith(auth.CONTROL_TOKEN_FILE_ENV.encode() + b"=")}
+        assert len(named) == 1 and not os.path.exists(named.pop())  # read by the server, then removed
+    finally:
+        e.stop()
 
 
 class _Recorder(BaseHTTPRequestHandler):

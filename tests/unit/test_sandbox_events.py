@@ -50,6 +50,12 @@ def test_malformed_events_are_recorded_not_raised():
     assert jail.exit_status is None and len(jail.problems) == 3
 
 
+def test_a_deeply_nested_line_is_tampering_not_a_recursion_error():
+    deep = "[" * 5000 + "]" * 5000  # json.loads gives up near 1,000 levels with RecursionError
+    assert parse_program_events(deep) == [{"reason": "tampering", "detail": f"not a sandbox event: {deep[:200]}"}]
+    assert parse_jail_events(deep.encode() + b'\n{"event": "exit", "status": 0}\n').exit_status == 0
+
+
 def test_a_program_hint_names_the_cause():
     hint = '{"event": "violation", "reason": "forbidden_write", "detail": "/etc/x"}\n'
     r = _run_result(b'{"event": "exit", "status": %d}\n' % _wait_status(1), hint, returncode=1)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -105,3 +107,26 @@ def test_clamp_and_authorization_rules():
     assert (got.wall_time_s, got.cpu_time_s, got.memory_mb, got.max_processes) == (2, 2, 128, 4)
     assert SandboxLimits(wall_time_s=1).clamped_to(SandboxLimits(wall_time_s=5)).cpu_time_s == 1
     assert authorized(f"Bearer {TOKEN}", TOKEN) and not authorized(None, TOKEN) and not authorized("Bearer ", TOKEN)
+
+
+@pytest.mark.parametrize("options, address", [([], "127.0.0.1"), (["--host", "0.0.0.0"], "0.0.0.0")])
+def test_the_service_listens_on_this_machine_only_unless_exposed(options, address):
+    """`python -m vime.agents.sandbox` runs code for whoever holds the token: it listens on loopback unless
+    --host names the address to expose it on."""
+    from vime.utils.listeners import hex_address, tcp_sockets
+    from vime.utils.misc import find_free_port
+
+    port = find_free_port()
+    env = {**os.environ, "VIME_SANDBOX_TOKEN": TOKEN}
+    proc = subprocess.Popen([sys.executable, "-m", "vime.agents.sandbox", "--port", str(port), *options], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline, bound = time.monotonic() + 60, set()
+        while not bound and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+            bound = {local for local, _, state, _, _ in tcp_sockets()
+                     if state == "0A" and local.endswith(f":{port:04X}")}  # 0A: listening
+        assert bound == {hex_address(address, port)}, proc.stderr.read().decode() if proc.poll() is not None else ""
+    finally:
+        proc.terminate()
+        proc.wait(30)

@@ -221,6 +221,35 @@ def test_network_runs_do_not_count_as_weak():
     assert r.ok and r.stdout == "socket\n" and "network" not in r.weak_isolation, r
 
 
+NETWORK_WARNING = r'''
+import asyncio, json, logging
+from vime.agents.sandbox import LocalSandbox, SandboxLimits
+
+warned = []
+handler = logging.Handler()
+handler.emit = lambda record: warned.append(record.getMessage())
+logging.getLogger("vime.agents.sandbox").addHandler(handler)
+sandbox = LocalSandbox(allow_weak_isolation=True)
+network = SandboxLimits(wall_time_s=5, allow_network=True)
+results = [asyncio.run(sandbox.run(code="print(1)", limits=limits))
+           for limits in (network, network, SandboxLimits(wall_time_s=5))]
+print(json.dumps({"ok": all(r.ok for r in results), "own_uid": bool(sandbox.isolation["drops_to_uid"]),
+                  "warned": [m for m in warned if "allow_network=True" in m]}))
+'''
+
+
+@pytest.mark.parametrize("as_user", [False, True], ids=["root", "user"])
+def test_network_runs_are_warned_about_what_they_reach(as_user):
+    """allow_network=True shares the host's network namespace: the log says so, once, and whether the router front
+    refuses the program (as root: a uid of its own) or admits it (as a user: its sockets are the trainer's uid's)."""
+    out = run_script(NETWORK_WARNING, [], as_user)
+    assert out["ok"] and len(out["warned"]) == 1, out
+    warned = out["warned"][0]
+    assert "shares this host's network namespace" in warned and out["own_uid"] == (os.geteuid() == 0 and not as_user)
+    assert ("router front (this user's processes only) refuses it" in warned) == out["own_uid"], warned
+    assert ("lets it generate with the policy" in warned) == (not out["own_uid"]), warned
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="uid slots are for root")
 def test_setsid_child_of_a_timed_out_run_is_killed_without_namespaces():
     """At the wall time the jail itself is killed; the slot's uid still finds the child that left its session."""

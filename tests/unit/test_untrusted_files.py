@@ -79,11 +79,10 @@ def test_a_load_path_outside_the_weight_root_is_refused(tmp_path, root):
 
 def test_the_engine_is_given_the_runs_weight_root(tmp_path):
     from vime.backends.vllm_utils.engine import engine_env
-    from vime.utils.auth import RunToken
 
     args = SimpleNamespace(update_weight_dir=str(tmp_path / "w"), rollout_num_gpus_per_engine=1,
                            cpu_kv_cache_space=1)
-    assert engine_env(args, RunToken.new())[WEIGHT_ROOT_ENV] == str(tmp_path / "w")
+    assert engine_env(args, tmp_path / "token")[WEIGHT_ROOT_ENV] == str(tmp_path / "w")
 
 
 # ---- planted pickles run nothing ------------------------------------------------------------------------------

@@ -10,12 +10,12 @@ harness rewrote history) a new trajectory starts from a fresh rendering of the w
 from __future__ import annotations
 
 import copy
-import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from vime.agents.api.completion import canonical_arguments
+from vime.agents.tool_parsing import loads_bounded
 from vime.data.weight_versions import add_spans, add_versions, shift_spans
 from vime.utils.types import Sample
 
@@ -60,8 +60,8 @@ def _canonical_tool_call(call: Any) -> dict[str, Any]:
     arguments = call["function"].get("arguments")
     if isinstance(arguments, str):
         try:
-            parsed = json.loads(arguments)
-        except ValueError:
+            parsed = loads_bounded(arguments)
+        except ValueError:  # not JSON, or nested too deep to re-serialize: kept as the string it is
             parsed = None
         arguments = canonical_arguments(parsed) if isinstance(parsed, dict) else arguments
     elif isinstance(arguments, dict):

@@ -27,6 +27,7 @@ import logging
 from typing import Any, Awaitable, Callable
 
 from vime.agents.chat_session import ChatSession, trajectory_to_sample
+from vime.agents.openai_requests import DEFAULT_MAX_IN_FLIGHT
 from vime.agents.openai_server import OpenAIServer
 from vime.config.agents import AgentConfig, HarnessConfig
 from vime.config.rollout import PromptDataConfig, RolloutConfig
@@ -68,8 +69,15 @@ def get_server(args) -> OpenAIServer:
                 max_request_bytes=int(harness.agent_endpoint_max_request_mb * 2**20),
                 request_timeout_s=rollout.rollout_request_timeout, retries=rollout.rollout_request_retries,
                 retry_window_s=retry_window_s(args),
-                tool_call_format=AgentConfig.of(args).agent_tool_call_format).start()
+                tool_call_format=AgentConfig.of(args).agent_tool_call_format,
+                max_in_flight=max_endpoint_calls(rollout.rollout_concurrency)).start()
         return context.agent_server
+
+
+def max_endpoint_calls(rollout_concurrency: int) -> int:
+    """How many calls the endpoint serves at once (503 beyond): episodes run --rollout-concurrency at a time and
+    each agent of one makes one call at a time; room for 8 agents an episode, and never under the default."""
+    return max(DEFAULT_MAX_IN_FLIGHT, 8 * int(rollout_concurrency))
 
 
 def role_of(session_id: str) -> str:

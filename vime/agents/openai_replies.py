@@ -6,6 +6,7 @@ The trained tokens are the ones the engine sampled, whatever is shown: nothing h
 
 from __future__ import annotations
 
+import functools
 import json
 import uuid
 from typing import Any
@@ -13,6 +14,7 @@ from typing import Any
 from aiohttp import web
 
 from vime.agents.api.completion import ChoiceOut, ToolCallOut, canonical_arguments
+from vime.agents.openai_requests import SESSION_HEADER
 from vime.agents.tool_parsing import split_tool_calls
 
 
@@ -87,6 +89,42 @@ def unauthorized(error=None) -> web.Response:
     return (error or error_response)(401, "no open episode for this session id: use the session id the harness gave "
                                           "this episode's agent (or it + '/ROLE'), and only until the episode ends",
                                      "invalid_api_key")
+
+
+def no_session_id(error=None, unread_over: int | None = None) -> web.Response:
+    """401 for a call that names no session: in the headers, nor in a body's `user` (`unread_over`: in the headers,
+    and its body was too long to read without one)."""
+    unread = f" in the headers, and a body over {unread_over} bytes is not read without one" if unread_over else ""
+    return (error or error_response)(401, f"no session id{unread}: set the API key to the episode's session id "
+                                          f"(openai.OpenAI(base_url=..., api_key=SESSION_ID)) or the {SESSION_HEADER} "
+                                          "header", "invalid_api_key")
+
+
+def too_large(error, limit: int) -> web.Response:
+    return (error or error_response)(413, f"the request body is over the endpoint's limit of {limit} bytes; raise "
+                                          "--agent-endpoint-max-request-mb or send less")
+
+
+def busy(error, limit: int) -> web.Response:
+    """503 while the endpoint serves its limit of calls; the openai client retries it after Retry-After."""
+    response = (error or error_response)(503, f"the endpoint is serving its limit of {limit} calls at once; retry")
+    response.headers["Retry-After"] = "1"
+    return response
+
+
+def within_slots(route):
+    """An API route method, `route(self, request, run, error)`, served while `self.slots` (a `CallSlots`) has
+    room and answered `busy` beyond it, before anything of the request is read."""
+    @functools.wraps(route)
+    async def bounded(self, request: web.Request, run, error) -> web.StreamResponse:
+        if not self.slots.take():
+            return busy(error, self.slots.limit)
+        try:
+            return await route(self, request, run, error)
+        finally:
+            self.slots.give_back()
+
+    return bounded
 
 
 async def send_events(request: web.Request, events: list[tuple[str | None, dict[str, Any]]],

@@ -18,6 +18,12 @@ MAX_SESSION_ID_CHARS = 256  # a token (32 hex digits), "/" and a role name
 # json.loads holds the GIL (every thread of the rollout process waits) ~1.5 ms per MiB; a text-only policy's
 # longest useful request, a full context window, is well under 1 MiB.
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20
+# A call whose headers carry no session id may name it in the body's `user`: that body is read before anything
+# vouches for the caller, so only this much of it (a first call's messages; long conversations use the API key).
+ANONYMOUS_MAX_REQUEST_BYTES = 64 * 2**10
+# Calls served at once (reading, waiting on the engines, answering); more are answered 503 at once (the openai
+# client retries it) rather than each holding a handler and a body.
+DEFAULT_MAX_IN_FLIGHT = 1024
 MAX_CHOICES = 64  # n: each answer is an engine sequence and a trained sample
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 
@@ -56,6 +62,14 @@ def public_id(token: str) -> str:
     return token_key(token).hex()
 
 
+def filed_under(public: str) -> bytes | None:
+    """The digest (`token_key`) an episode's public id names; None for what is no public id."""
+    try:
+        return bytes.fromhex(public)
+    except ValueError:
+        return None
+
+
 def routing_key(session_id: str) -> str:
     """The router's affinity key for a session: stable per session, and no use as a credential."""
     return hashlib.sha256(session_id.encode("utf-8", "surrogatepass")).hexdigest()[:32]
@@ -63,6 +77,24 @@ def routing_key(session_id: str) -> str:
 
 class BodyTooLarge(Exception):
     pass
+
+
+class CallSlots:
+    """Calls served at once, up to `limit` (`take` is False beyond it). Used on the server's event loop only."""
+
+    def __init__(self, limit: int):
+        if limit <= 0:
+            raise ValueError(f"max_in_flight is {limit}; give a positive number of calls served at once")
+        self.limit, self.taken = int(limit), 0
+
+    def take(self) -> bool:
+        if self.taken >= self.limit:
+            return False
+        self.taken += 1
+        return True
+
+    def give_back(self) -> None:
+        self.taken -= 1
 
 
 async def read_text(request: web.Request, max_bytes: int) -> list[str]:

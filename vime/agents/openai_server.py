@@ -24,8 +24,9 @@ never re-tokenized. A streamed answer is sent once the engine has finished it, w
 
 Only open episodes are served: the token is the episode's credential (the endpoint may listen on the node's
 address on a cluster), so a call with an unknown or closed token gets 401 and records nothing; a call still in
-flight when its episode closes is answered 401 too and leaves no state behind. An episode's sessions and locks
-live in its `_Episode`, dropped on close, so memory follows the open episodes only.
+flight when its episode closes is answered 401 too and leaves no state behind. The headers' credential is checked
+before the body is read (ANONYMOUS_MAX_REQUEST_BYTES of it without one); 503 beyond `max_in_flight` calls. An
+episode's sessions and locks live in its `_Episode`, dropped on close, so memory follows the open episodes only.
 
 Each call goes token-in/token-out to `/inference/v1/generate` through vllm-router (`request_choices`, retried
 like the rollout's own requests, with the serving key of the run's `RunToken`) with the header
@@ -60,9 +61,11 @@ from aiohttp import web
 from vime.agents.api import anthropic_api, chat_api, responses_api
 from vime.agents.api.completion import ChoiceOut, Completion
 from vime.agents.chat_session import ChatSession, ChatTemplate, branch
-from vime.agents.openai_replies import client_answers, error_response, send_events, unauthorized
-from vime.agents.openai_requests import (DEFAULT_MAX_REQUEST_BYTES, MAX_SESSION_ID_CHARS, SESSION_HEADER, BodyTooLarge,
-                                         api_key_of, call_seed, engine_sampling_params, episode_of, parse_body,
+from vime.agents.openai_replies import (client_answers, error_response, no_session_id, send_events, too_large,
+                                        unauthorized, within_slots)
+from vime.agents.openai_requests import (ANONYMOUS_MAX_REQUEST_BYTES, DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_REQUEST_BYTES,
+                                         MAX_SESSION_ID_CHARS, SESSION_HEADER, BodyTooLarge, CallSlots, api_key_of,
+                                         call_seed, engine_sampling_params, episode_of, filed_under, parse_body,
                                          read_text, routing_key, session_id_of, token_key)
 from vime.agents.tool_parsing import forced_call_schema
 from vime.backends.vllm_utils.client import SERVED_MODEL
@@ -93,6 +96,7 @@ class _Episode:
     token: str  # its credential, which its sessions are named after ("TOKEN" or "TOKEN/ROLE")
     forced: dict[str, Any]
     model: str = MODEL_NAME  # a multi-LoRA run's episode: its sample's adapter, whatever model the agent names
+    relay: bytes | None = None  # token_key of the one relay key that may name it by public id (`bind_relay`)
     sessions: dict[str, ChatSession] = field(default_factory=dict)
     locks: dict[str, asyncio.Lock] = field(default_factory=dict)
     # Responses API: response id -> its conversation in chat form (request messages + answer), for the
@@ -106,7 +110,7 @@ class OpenAIServer:
                  default_sampling: dict[str, Any] | None = None, host: str = "127.0.0.1", port: int = 0,
                  request_timeout_s: float = 600.0, retries: int = 2, retry_window_s: float = 0.0,
                  max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, prepare_threads: int = 4,
-                 tool_call_format: str = "auto"):
+                 tool_call_format: str = "auto", max_in_flight: int = DEFAULT_MAX_IN_FLIGHT):
         self.router_url = router_url.rstrip("/")
         self.run_token = run_token  # the run's secret: generate requests carry its serving key
         self.tokenizer = tokenizer
@@ -120,9 +124,9 @@ class OpenAIServer:
             raise ValueError(f"max_request_bytes is {max_request_bytes}; give a positive limit "
                              "(--agent-endpoint-max-request-mb)")
         self.max_request_bytes = int(max_request_bytes)
+        self.slots = CallSlots(max_in_flight)  # the calls being served
         self.counters = RequestCounters()  # in flight and retried through this endpoint
         self.episodes: dict[bytes, _Episode] = {}  # open episodes by token_key(token)
-        self.relay_keys: set[bytes] = set()  # token_key of each key a relay proves itself with (`relay_key`)
         self._guard = threading.Lock()  # episodes and their sessions: the harness opens/closes from its thread
         self._pool = ThreadPoolExecutor(prepare_threads, thread_name_prefix="vime-openai-prepare")
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -194,26 +198,25 @@ class OpenAIServer:
     def relay_key(self) -> str:
         """A key for a relay that names sessions by their public id (`public_id(token)`, "/ROLE" after it) in the
         X-Session-ID header and proves itself with this key as its API key: a harness that writes the session id
-        where others can read it (a command line) then gives away nothing. Valid while the server runs."""
-        key = secrets.token_hex(16)
+        where others can read it (a command line) then gives away nothing. It opens only the episodes bound to it
+        (`bind_relay`): a relay's key, leaked, reaches no other relay's episodes."""
+        return secrets.token_hex(16)
+
+    def bind_relay(self, token: str, key: str) -> None:
+        """Let the relay holding `key` (`relay_key`) name open episode `token` by its public id; no other key can."""
         with self._guard:
-            self.relay_keys.add(token_key(key))
-        return key
+            self.episodes[token_key(token)].relay = token_key(key)  # KeyError: not open (closed, or never opened)
 
     def _session_of(self, headers) -> str | None:
-        """The call's session id (`session_id_of`), or, from a relay holding one of `relay_keys`, the session its
-        public id names (the public id itself when no open episode has it: refused like any unknown id)."""
-        named, key = headers.get(SESSION_HEADER), api_key_of(headers)
-        if not (named and key and token_key(key) in self.relay_keys):
-            return session_id_of(headers, {})
+        """The call's session id (`session_id_of`), or, from a relay, the session its public id names when that
+        episode is bound to the relay's key (else the public id itself: refused like any unknown id)."""
+        named, key = headers.get(SESSION_HEADER) or "", api_key_of(headers)
         public, sep, role = named.partition("/")
-        try:
-            key = bytes.fromhex(public)
-        except ValueError:
-            return named
         with self._guard:
-            episode = self.episodes.get(key)
-        return episode.token + sep + role if episode is not None else named
+            episode = self.episodes.get(filed_under(public))
+        if episode is not None and key and episode.relay == token_key(key):  # digests: timing tells nothing
+            return episode.token + sep + role
+        return session_id_of(headers, {})
 
     def session(self, session_id: str) -> ChatSession | None:
         episode = self._episode(session_id)
@@ -283,25 +286,24 @@ class OpenAIServer:
 
         return await self._route(request, run, error)
 
+    @within_slots
     async def _route(self, request: web.Request, run, error) -> web.StreamResponse:
-        """What every API route does around its own part (`run(episode, session_id, body)`): the session id
-        and its open episode, the body within its size limit, one call at a time per session, and errors in the
-        route's own shape (`error(status, message, code)`)."""
+        """What every API route does around its own part (`run(episode, session_id, body)`): at most
+        `max_in_flight` calls at once, the session id and its open episode, the body within its size limit, one
+        call at a time per session, and errors in the route's own shape (`error(status, message, code)`)."""
         session_id = self._session_of(request.headers)
         if session_id is not None and self._episode(session_id) is None:
             return unauthorized(error)  # before reading a body that would not be served
+        limit = self.max_request_bytes if session_id is not None else ANONYMOUS_MAX_REQUEST_BYTES
         try:
-            body = await self._off_loop(parse_body, await read_text(request, self.max_request_bytes))
+            body = await self._off_loop(parse_body, await read_text(request, limit))
         except BodyTooLarge:
-            return error(413, f"the request body is over the endpoint's limit of {self.max_request_bytes} bytes; "
-                              "raise --agent-endpoint-max-request-mb or send less")
+            return too_large(error, limit) if session_id is not None else no_session_id(error, unread_over=limit)
         except ValueError as e:
             return error(400, str(e))
         session_id = session_id or session_id_of({}, body)
         if not session_id:
-            return error(401, f"no session id: set the API key to the episode's session id "
-                              f"(openai.OpenAI(base_url=..., api_key=SESSION_ID)) or the {SESSION_HEADER} header",
-                         "invalid_api_key")
+            return no_session_id(error)
         if len(session_id) > MAX_SESSION_ID_CHARS:
             return error(400, f"the session id is {len(session_id)} characters, over {MAX_SESSION_ID_CHARS}; "
                               "use the episode's token with a short role name, TOKEN/ROLE")

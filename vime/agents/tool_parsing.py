@@ -5,7 +5,9 @@ Two formats are understood:
 - JSON: the turn (or a ```json fenced block in it) is one object `{"name": ..., "arguments": {...}}`.
 
 A malformed call never raises: it becomes a `ToolCallError` that the environment reports back to the model
-as a tool message, so a broken call is a learning signal, not a crashed rollout.
+as a tool message, so a broken call is a learning signal, not a crashed rollout. The text is the policy's, so
+parsing it takes time linear in its length (no backtracking regex over it), and a call nested deeper than
+MAX_CALL_NESTING is a malformed call, not a RecursionError.
 """
 
 from __future__ import annotations
@@ -15,8 +17,14 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-QWEN_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
-JSON_FENCE = re.compile(r"```(?:json)?\s*(\{.*?\})\s*```", re.DOTALL)
+QWEN_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)  # linear: one scan per block
+# A fenced call is an opening, the object, a closing. Each pattern alone is linear: a failed try backtracks
+# over one run of whitespace, which one fence or "}" precedes.
+FENCE_OPENING = re.compile(r"```(?:json)?\s*\{")
+FENCE_CLOSING = re.compile(r"\}\s*```")
+# Deeper than any real call's arguments; json.loads raises RecursionError near 1,000 levels, and what it does
+# return must still be serialized (canonical_arguments) and rendered by the chat template.
+MAX_CALL_NESTING = 100
 
 
 @dataclass
@@ -33,11 +41,40 @@ class ToolCallError:
     raw: str = ""
 
 
+class NestedTooDeep(ValueError):
+    """JSON nested deeper than MAX_CALL_NESTING."""
+
+
+def loads_bounded(raw: str) -> Any:
+    """json.loads of text the policy wrote: json.JSONDecodeError when it is not JSON, NestedTooDeep when it is
+    nested deeper than MAX_CALL_NESTING (both ValueErrors)."""
+    try:
+        value = json.loads(raw)
+    except RecursionError:
+        raise NestedTooDeep(f"nested deeper than {MAX_CALL_NESTING} levels") from None
+    if _nesting(value) > MAX_CALL_NESTING:
+        raise NestedTooDeep(f"nested deeper than {MAX_CALL_NESTING} levels")
+    return value
+
+
+def _nesting(value: Any) -> int:
+    """How deep lists and dicts nest in `value`, without recursion (what is checked may be ~1,000 deep)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
 def _call_from_json(raw: str) -> ToolCall | ToolCallError:
     try:
-        obj = json.loads(raw)
+        obj = loads_bounded(raw)
     except json.JSONDecodeError as e:
         return ToolCallError(f"tool call is not valid JSON ({e.msg} at column {e.colno})", raw)
+    except NestedTooDeep as e:
+        return ToolCallError(f"tool call is {e}; send flatter arguments", raw)
     if not isinstance(obj, dict):
         return ToolCallError(f"tool call must be a JSON object, got {type(obj).__name__}", raw)
     name = obj.get("name")
@@ -46,9 +83,11 @@ def _call_from_json(raw: str) -> ToolCall | ToolCallError:
     arguments = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(arguments, str):  # OpenAI-style: arguments as a JSON string
         try:
-            arguments = json.loads(arguments)
+            arguments = loads_bounded(arguments)
         except json.JSONDecodeError:
             return ToolCallError(f'tool call "{name}": "arguments" is a string but not JSON', raw)
+        except NestedTooDeep as e:
+            return ToolCallError(f'tool call "{name}": "arguments" is {e}', raw)
     if not isinstance(arguments, dict):
         return ToolCallError(f'tool call "{name}": "arguments" must be an object', raw)
     return ToolCall(name, arguments)
@@ -59,10 +98,33 @@ def parse_qwen_tool_calls(text: str) -> list[ToolCall | ToolCallError]:
     return [_call_from_json(m.group(1).strip()) for m in QWEN_CALL.finditer(text)]
 
 
+@dataclass
+class Fence:
+    """A fenced JSON object in a turn: text[start:end] is the whole block, `body` the object's text."""
+
+    start: int
+    end: int
+    body: str
+
+
+def find_json_fence(text: str) -> Fence | None:
+    """The first ```json (or ```) block holding one object: what ```(?:json)?\\s*(\\{.*?\\})\\s*``` (DOTALL)
+    finds, in linear time (that regex retries its lazy body from every fence: quadratic on the policy's text).
+    Only the first opening matters: a later one's "{" is further on, so no closing that fails it serves it."""
+    opening = FENCE_OPENING.search(text)
+    if opening is None:
+        return None
+    brace = opening.end() - 1
+    closing = FENCE_CLOSING.search(text, brace + 1)
+    if closing is None:
+        return None
+    return Fence(opening.start(), closing.end(), text[brace:closing.start() + 1])
+
+
 def parse_json_tool_call(text: str) -> list[ToolCall | ToolCallError]:
     """The whole turn, or its first ```json fenced block, as one call; [] when the text is not a call."""
-    fenced = JSON_FENCE.search(text)
-    raw = fenced.group(1) if fenced else text.strip()
+    fenced = find_json_fence(text)
+    raw = fenced.body if fenced else text.strip()
     if not raw.startswith("{"):
         return []
     call = _call_from_json(raw)
@@ -91,8 +153,9 @@ def split_tool_calls(text: str, fmt: str = "auto") -> tuple[str, list[ToolCall]]
         return text, []
     if QWEN_CALL.search(text) and fmt in ("auto", "qwen"):
         return QWEN_CALL.sub("", text).strip(), calls
-    if JSON_FENCE.search(text):  # the JSON format: the fenced block is the call, prose around it the content
-        return JSON_FENCE.sub("", text, count=1).strip(), calls
+    fenced = find_json_fence(text)
+    if fenced:  # the JSON format: the fenced block is the call, prose around it the content
+        return (text[:fenced.start] + text[fenced.end:]).strip(), calls
     return "", calls  # the whole turn is the call
 
 

@@ -1,8 +1,13 @@
 """Prompt datasets: JSONL / Parquet rows -> `Sample`s with prompt tokens.
 
-A malformed row (not JSON, not an object, missing the input key, bad chat messages, ...) is skipped with a
-warning naming file:line and the reason, and counted; loading fails with a clear error when every row is bad or
-more than --max-bad-prompt-rows-ratio of them are (then the file, or a flag such as --input-key, is wrong).
+A malformed row (not JSON, not an object, missing the input key, bad chat messages, a JSONL line over
+MAX_ROW_BYTES, ...) is skipped with a warning naming file:line and the reason, and counted; loading fails with a
+clear error when every row is bad or more than --max-bad-prompt-rows-ratio of them are (then the file, or a flag
+such as --input-key, is wrong).
+
+A line is never read past MAX_ROW_BYTES, and a prompt longer than --rollout-max-prompt-len could possibly fit
+(`prompt_char_bound`) is dropped without being tokenized: a file of gigabyte lines costs neither the memory nor
+the minutes.
 """
 
 from __future__ import annotations
@@ -17,10 +22,17 @@ from vime.config.rollout import PromptDataConfig
 from vime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
+# A prompt row (messages, tools, metadata) is kilobytes; a line this long is a wrong file or a broken export.
+MAX_ROW_BYTES = 64 * 2**20
+_SKIP_CHUNK_BYTES = 2**20  # what the rest of an over-long line is read (and dropped) in
 
 
 class DataFormatError(ValueError):
     """A row of a prompt file is malformed; the message names the file and line."""
+
+
+class PromptTooLong(Exception):
+    """A row's prompt is over --rollout-max-prompt-len: dropped and counted, not a malformed row."""
 
 
 @dataclasses.dataclass
@@ -43,7 +55,11 @@ def read_rows(path: str | Path) -> Iterator[tuple[int, dict[str, Any] | DataForm
             yield i, row
         return
     with path.open("rb") as f:  # bytes: a line of bad UTF-8 is a bad row, not silently rewritten text
-        for i, raw in enumerate(f, start=1):
+        for i, raw in _bounded_lines(f, MAX_ROW_BYTES):
+            if raw is None:
+                yield i, DataFormatError(f"{path}:{i}: the line is over {MAX_ROW_BYTES} bytes, far more than a "
+                                         "prompt row; not read (a wrong file, or rows that lost their newlines?)")
+                continue
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
@@ -56,10 +72,36 @@ def read_rows(path: str | Path) -> Iterator[tuple[int, dict[str, Any] | DataForm
             except json.JSONDecodeError as e:
                 yield i, DataFormatError(f"{path}:{i}: not valid JSON ({e.msg} at column {e.colno})")
                 continue
+            except RecursionError:
+                yield i, DataFormatError(f"{path}:{i}: JSON nested too deep to parse")
+                continue
             if not isinstance(row, dict):
                 yield i, DataFormatError(f"{path}:{i}: expected a JSON object, got {type(row).__name__}")
                 continue
             yield i, row
+
+
+def _bounded_lines(f, limit: int) -> Iterator[tuple[int, bytes | None]]:
+    """(line number from 1, the line) of a binary file, None for a line over `limit` bytes (its newline aside),
+    of which no more than `limit` + 1 bytes are held at once."""
+    number = 0
+    while raw := f.readline(limit + 1):
+        number += 1
+        if len(raw) <= limit or raw.endswith(b"\n"):
+            yield number, raw
+            continue
+        while (rest := f.readline(_SKIP_CHUNK_BYTES)) and not rest.endswith(b"\n"):
+            pass
+        yield number, None
+
+
+def prompt_char_bound(tokenizer, max_tokens: int | None) -> int | None:
+    """The most characters a prompt of at most `max_tokens` tokens can have: a token stands for at most as many
+    characters as its vocabulary entry is long. None without a limit, or a tokenizer without a vocabulary."""
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    if max_tokens is None or get_vocab is None:
+        return None
+    return max_tokens * max(map(len, get_vocab()), default=1)
 
 
 def _check_messages(messages: Any, where: str) -> list[dict[str, Any]]:
@@ -77,12 +119,13 @@ def _json_field(value: Any, name: str, where: str) -> Any:
         return value
     try:
         return json.loads(value)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         raise DataFormatError(f"{where}: {name!r} is a string but not JSON") from None
 
 
-def row_to_sample(row: dict[str, Any], where: str, tokenizer, args) -> Sample:
-    """One row -> a prompt Sample; raises DataFormatError naming `where` (file:line) when the row is malformed."""
+def row_to_sample(row: dict[str, Any], where: str, tokenizer, args, max_chars: int | None = None) -> Sample:
+    """One row -> a prompt Sample; raises DataFormatError naming `where` (file:line) when the row is malformed,
+    PromptTooLong, before tokenizing it, when its text is over `max_chars` (`prompt_char_bound`)."""
     prompt_data = PromptDataConfig.of(args)
     if prompt_data.input_key not in row:
         raise DataFormatError(f"{where}: missing key {prompt_data.input_key!r} (--input-key); row has {sorted(row)}")
@@ -110,6 +153,8 @@ def row_to_sample(row: dict[str, Any], where: str, tokenizer, args) -> Sample:
     else:
         raise DataFormatError(f"{where}: prompt is a {type(prompt).__name__}, not a string; for a list of chat "
                               "messages pass --apply-chat-template")
+    if max_chars is not None and len(text) > max_chars:
+        raise PromptTooLong(f"{where}: {len(text)} characters, more than any prompt within the token limit")
     token_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     if not token_ids:
         raise DataFormatError(f"{where}: prompt is empty")
@@ -125,15 +170,19 @@ def load_prompt_file(path: str | Path, tokenizer, args) -> PromptFile:
     prompt_data = PromptDataConfig.of(args)
     samples, skipped, too_long, rows = [], [], 0, 0
     max_len = prompt_data.rollout_max_prompt_len
+    max_chars = prompt_char_bound(tokenizer, max_len)
     for line, row in read_rows(path):
         rows += 1
         try:
             if isinstance(row, DataFormatError):
                 raise row
-            sample = row_to_sample(row, f"{path}:{line}", tokenizer, args)
+            sample = row_to_sample(row, f"{path}:{line}", tokenizer, args, max_chars)
         except DataFormatError as e:
             skipped.append(str(e))
             logger.warning("skipping a malformed prompt row: %s", e)
+            continue
+        except PromptTooLong:
+            too_long += 1
             continue
         if max_len is not None and len(sample.tokens) > max_len:
             too_long += 1

@@ -33,10 +33,14 @@ def write_gzip_lines(path: Path, rows: Iterable[dict]) -> Path:
     not start has the cluster's, not the run's 077 (what the model wrote may be private)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb", opener=_private) as raw, gzip.open(raw, "wt", encoding="utf-8", compresslevel=1) as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    tmp.replace(path)
+    try:
+        with open(tmp, "wb", opener=_private) as raw, gzip.open(raw, "wt", encoding="utf-8", compresslevel=1) as f:
+            for row in rows:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # half a file on a full disk would hold the space it ran out of
+        raise
     return path
 
 

@@ -24,7 +24,10 @@ verifiers' interception server, whose model client relays every call to vime's O
 of every relayed call, which is how vime's endpoint knows the episode and records its exact tokens. ID is the
 episode's public id, no credential (verifiers may write a trace id on a harness program's command line, which
 every user of the node can read); the relay proves itself with KEY, its API key (`OpenAIServer.relay_key`),
-which arrives on stdin and stays in this process's environment.
+which opens only the episodes of this bridge (`OpenAIServer.bind_relay`). KEY arrives on stdin and lives in this
+process's `os.environ` only while an episode runs (verifiers reads a client's API key from there, on every
+relayed call), under a name with API_KEY in it (`RELAY_KEY_ENV`): verifiers strips such names from the
+environment of every program it launches, so a harness program, which runs the policy's commands, never inherits it.
 """
 
 from __future__ import annotations
@@ -42,7 +45,9 @@ LEGACY_HINT = ("it looks written against verifiers' pre-0.4 API (load_environmen
                "ToolEnv, MultiTurnEnv with a Rubric), which verifiers 0.4.0 removed: port it to a verifiers.v1 "
                "Taskset (a Task with @vf.reward methods, exported in the module's __all__), or run it with "
                "verifiers<0.4 outside vime")
-RELAY_KEY_ENV = "VIME_VERIFIERS_RELAY_KEY"  # where verifiers' model client reads its API key from
+# where verifiers' model client reads its API key from; "API_KEY" in the name keeps it out of the programs verifiers
+# launches (its subprocess runtime drops every such name from the environment they inherit)
+RELAY_KEY_ENV = "VIME_VERIFIERS_RELAY_API_KEY"
 MODEL = "policy"  # the name the harness asks for; vime's endpoint serves the run's policy whatever it is called
 
 
@@ -136,6 +141,7 @@ class Bridge:
         self.tasks: dict[int, Any] = {}
         self.running: dict[Any, asyncio.Task] = {}
         self.closing = asyncio.Event()
+        self.key_holders = 0  # episodes running with the relay key in os.environ (`hold_relay_key`)
 
     def send(self, message: dict[str, Any]) -> None:
         self.out.write(json.dumps(message) + "\n")
@@ -176,15 +182,30 @@ class Bridge:
             trace.id = session
 
         # Relayed to vime's endpoint under the episode's public id (X-Session-ID) with the relay key as the API
-        # key: the public id may land on a command line (a toolset's URL), the key stays in this process's
-        # environment (readable by this user only), which is where verifiers reads an API key from.
-        os.environ[RELAY_KEY_ENV] = request["key"]
+        # key: the public id may land on a command line (a toolset's URL); the key is where verifiers reads an API
+        # key from, this process's os.environ, only while episodes run (`hold_relay_key`).
         client = EvalClientConfig(base_url=request["base_url"], api_key_var=RELAY_KEY_ENV)
         ctx = ModelContext(model=MODEL, client=client)
-        episode = await asyncio.wait_for(self.env.run_episode(task, ctx, on_trace=name_trace),
-                                         float(request.get("timeout") or 3600))
+        self.hold_relay_key(request["key"])
+        try:
+            episode = await asyncio.wait_for(self.env.run_episode(task, ctx, on_trace=name_trace),
+                                             float(request.get("timeout") or 3600))
+        finally:
+            self.release_relay_key()
         return {"ok": bool(episode.ok), "errors": [f"{e.type}: {e.message}" for e in episode.errors],
                 "traces": [trace_record(t) for t in episode.traces]}
+
+    def hold_relay_key(self, key: str) -> None:
+        """The relay key in os.environ for one more running episode (verifiers resolves it on each relayed call)."""
+        os.environ[RELAY_KEY_ENV] = key
+        self.key_holders += 1
+
+    def release_relay_key(self) -> None:
+        """One episode fewer; the last one takes the key out of os.environ, so nothing started between episodes
+        (a tool server, a taskset's own program) inherits it, whatever its name."""
+        self.key_holders -= 1
+        if not self.key_holders:
+            os.environ.pop(RELAY_KEY_ENV, None)
 
     async def answer(self, request: dict[str, Any]) -> None:
         rid = request.get("id")

@@ -29,6 +29,7 @@ eval set leaves; needed for an infinite taskset) and "startup_timeout" (seconds 
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
 import tempfile
 from pathlib import Path
@@ -108,12 +109,15 @@ class VerifiersEnvironment(Environment):
         return self._prompts(rows[self.size:self.size + n], args)
 
     # ---- one episode per sample -----------------------------------------------------------------------------
-    async def _episode(self, base_url: str, token: str, sample: Sample) -> None:
-        """The agent function of `run_episode`: the bridge runs the task's verifiers episode against vime's
-        endpoint, with `token` as its session; the traces' scores land in the sample's metadata."""
+    async def _episode(self, endpoint, base_url: str, token: str, sample: Sample) -> None:
+        """The agent function of `run_episode` (`endpoint`: the run's OpenAIServer): the bridge runs the task's
+        verifiers episode against vime's endpoint, with `token` as its session; the traces' scores land in the
+        sample's metadata."""
         task = sample.metadata[TASK_KEY]
         # The bridge names the episode by its public id and proves itself with the relay key: verifiers may put
-        # a trace id on a harness program's command line, which every user of the node can read.
+        # a trace id on a harness program's command line, which every user of the node can read. The key opens
+        # this bridge's episodes only.
+        endpoint.bind_relay(token, self.relay_key)
         public = public_id(token)
         rid, future = self.bridge.request({"op": "episode", "task": task["task"], "session": public,
                                            "key": self.relay_key, "base_url": base_url,
@@ -138,9 +142,10 @@ class VerifiersEnvironment(Environment):
     async def generate(self, args, sample: Sample, sampling_params: dict[str, Any]) -> Sample:
         from vime.agents.harness import get_server, run_episode
 
+        endpoint = get_server(args)
         if self.relay_key is None:
-            self.relay_key = get_server(args).relay_key()
-        return await run_episode(args, self._episode, sample, sampling_params)
+            self.relay_key = endpoint.relay_key()
+        return await run_episode(args, functools.partial(self._episode, endpoint), sample, sampling_params)
 
     async def score(self, args, sample: Sample) -> float:
         task = sample.metadata.get(TASK_KEY) or {}

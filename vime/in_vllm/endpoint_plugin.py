@@ -15,8 +15,9 @@ Registered as the `vllm.endpoint_plugins` entry point `vime` (pyproject.toml); v
 when named in VLLM_PLUGINS, which `engine.engine_env` sets (the name and the route: `vime.engine_protocol.names`).
 Engines started without it (external engines) get the same steps as separate calls (`client.update_weights_each`).
 
-The plugin also puts `route_auth.RunTokenMiddleware` in front of every route of the server when vime started it
-(its environment carries the run's control token): this route, like vLLM's control routes, runs worker methods.
+The plugin also puts `route_auth.RunTokenMiddleware` in front of every route of the server when it was given the
+run's control token (a vime engine: the token file its environment names, `auth.token_from_environment`): this
+route, like vLLM's control routes, runs worker methods.
 """
 
 # No `from __future__ import annotations`: FastAPI reads the route's parameter annotations (`Request`) at runtime.
@@ -60,7 +61,8 @@ class VimeEndpoints:
 
 
 def require_run_token(app) -> None:
-    """Every route but /health asks for the run's keys (`route_auth`), when the server was given a token."""
+    """Every route but /health asks for the run's keys (`route_auth`), when the server was given a token (a token
+    file it cannot read safely raises: the server must not start unguarded)."""
     from vime.in_vllm.route_auth import RunTokenMiddleware
     from vime.utils.auth import serving_key, token_from_environment
 

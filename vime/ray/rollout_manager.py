@@ -115,6 +115,18 @@ def make_eval_sources(args, tokenizer) -> dict[str, RolloutDataSource]:
     return sources
 
 
+def save_copy(what: str, save, *args) -> bool:
+    """`save(*args)`, a copy of a rollout kept to look at: a full disk or an unwritable folder is logged and
+    returns False, and the rollout goes on (it is trained on all the same; its metrics count the failure)."""
+    try:
+        save(*args)
+        return True
+    except OSError as e:
+        logger.error("could not save %s (%s: %s); the rollout is kept and trained on. Free space there, or turn "
+                     "the copies off (--no-save-rollouts; no --save-debug-rollout-data)", what, type(e).__name__, e)
+        return False
+
+
 def _fleet_verb(name: str, concurrency_group: str | None = None):
     """A RolloutManager method that is `EngineFleet.<name>(...)`, or a copy of the attribute `name` (a list, a
     URL) where it is not a method."""
@@ -258,8 +270,10 @@ class RolloutManager:
                                        evaluation=False)
         groups = output.samples
         elapsed = time.perf_counter() - start
+        save_errors = 0
         if debug.save_debug_rollout_data:
-            save_rollout(debug.save_debug_rollout_data, rollout_id, groups)
+            save_errors += not save_copy(f"rollout {rollout_id} to --save-debug-rollout-data", save_rollout,
+                                         debug.save_debug_rollout_data, rollout_id, groups)
         samples = [s for g in groups for s in g]
         if self.hooks["convert"] is not None:  # slime's conversion in place of the default one
             apply_train_data(samples, self.hooks["convert"](self.plugin_args, samples),
@@ -276,7 +290,10 @@ class RolloutManager:
         if isinstance(self.data_source, SlimeDataSource):
             self.data_source.after_rollout(rollout_id)
         dicts = [[s.to_dict() for s in g] for g in groups]
-        self._keep_for_inspection(f"rollout_{rollout_id}", dicts)
+        save_errors += not save_copy(f"rollout {rollout_id} to <output-dir>/rollouts", self._keep_for_inspection,
+                                     f"rollout_{rollout_id}", dicts)
+        if save_errors:
+            metrics["rollout/save_errors"] = float(save_errors)
         check_sandbox_runs(samples, f"rollout {rollout_id}")  # all its sandboxed runs failed: stop, kept to inspect
         extra = {"rollout_id": rollout_id, "metrics": metrics, "data_source": self.data_source_state(),
                  **rollout_summary(dicts)}
@@ -314,10 +331,15 @@ class RolloutManager:
             metrics.update(rollout_metrics(samples, self.args, prefix=f"eval/{name}"))
             if evaluation.eval_pass_at_k:
                 metrics.update(eval_at_k(samples, self.args, evaluation.eval_pass_at_k, prefix=f"eval/{name}"))
+            save_errors = 0
             if debug.save_debug_rollout_data:  # beside the training rollouts: eval_<name>_<rollout id>
                 template = debug.save_debug_rollout_data.replace("{rollout_id}", f"eval_{name}_{{rollout_id}}")
-                save_rollout(template, rollout_id, [samples])
-            self._keep_for_inspection(f"eval_{name}_{rollout_id}", [samples])
+                save_errors += not save_copy(f"eval {name!r} at rollout {rollout_id} to --save-debug-rollout-data",
+                                             save_rollout, template, rollout_id, [samples])
+            save_errors += not save_copy(f"eval {name!r} at rollout {rollout_id} to <output-dir>/rollouts",
+                                         self._keep_for_inspection, f"eval_{name}_{rollout_id}", [samples])
+            if save_errors:
+                metrics[f"eval/{name}/save_errors"] = float(save_errors)
             check_sandbox_runs(samples, f"eval {name!r} at rollout {rollout_id}")
         return dict(output.metrics or {}) if logged else metrics  # True: the function logged it (slime's)
 

@@ -21,11 +21,15 @@ def save_rollout(template: str, rollout_id: int, groups: list[list[Sample]]) -> 
     path = rollout_path(template, rollout_id)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    with tmp.open("w", encoding="utf-8") as f:
-        for group in groups:
-            for sample in group:
-                f.write(json.dumps(json_ready(sample.to_dict()), ensure_ascii=False) + "\n")
-    tmp.replace(path)  # readers never see a half-written file
+    try:
+        with tmp.open("w", encoding="utf-8") as f:
+            for group in groups:
+                for sample in group:
+                    f.write(json.dumps(json_ready(sample.to_dict()), ensure_ascii=False) + "\n")
+        tmp.replace(path)  # readers never see a half-written file
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # half a file on a full disk would hold the space it ran out of
+        raise
     return path
 
 

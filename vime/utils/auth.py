@@ -11,8 +11,10 @@ Two keys come from one secret (the *control token*):
 The secret is a `RunToken` value that its owners hold and pass on: the engine fleet and the rollout context of the
 rollout manager (which makes it, or reads --control-token-file), each engine actor, the router handle, the judge.
 Nothing looks it up: two runs in one process (tests) each send their own. It is never in a process's argv or
-environment, so that the programs a process starts (a reward server, a sandboxed program) do not inherit it; the
-servers vime starts are given it explicitly, in their own environment only (`CONTROL_TOKEN_ENV`).
+environment, so that the programs a process starts (a reward server, a sandboxed program) do not inherit it and
+/proc/<pid>/environ (readable by every process of the user, a sandboxed one without Landlock included) does not
+show it. The engine servers vime starts read it from a file only this user can read (`write_token_file`), which
+their environment names (`CONTROL_TOKEN_FILE_ENV`) and which vime removes once the server has read it.
 """
 
 from __future__ import annotations
@@ -22,10 +24,14 @@ import hmac
 import os
 import secrets
 import stat
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-CONTROL_TOKEN_ENV = "VIME_CONTROL_TOKEN"  # how a server vime starts receives the token (its environment only)
+CONTROL_TOKEN_FILE_ENV = "VIME_CONTROL_TOKEN_FILE"  # a server's token file: how an engine vime starts receives it
+# the token itself, for an engine you start yourself (`token_from_environment`); it is then in that server's
+# environment, and its children's: prefer CONTROL_TOKEN_FILE_ENV
+CONTROL_TOKEN_ENV = "VIME_CONTROL_TOKEN"
 _SERVING_LABEL = b"vime serving key"
 
 
@@ -82,23 +88,49 @@ def bearer_matches(authorization: str | None, accepted: tuple[str, ...]) -> bool
     return match
 
 
-def read_token_file(path: str) -> str:
-    """The token in `path` (--control-token-file): a non-empty file that only its owner can read."""
+def read_token_file(path: str, source: str = "--control-token-file") -> str:
+    """The token in `path` (`source` names where the path came from, for the error): a non-empty file that only
+    its owner can read."""
     file = Path(path)
     try:
         mode = file.stat().st_mode
         text = file.read_text().strip()
     except OSError as e:
-        raise ValueError(f"--control-token-file {path}: cannot read it ({e.strerror})") from e
+        raise ValueError(f"{source} {path}: cannot read it ({e.strerror})") from e
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise ValueError(f"--control-token-file {path}: readable by other users (mode {stat.S_IMODE(mode):o}); "
+        raise ValueError(f"{source} {path}: readable by other users (mode {stat.S_IMODE(mode):o}); "
                          f"run `chmod 600 {path}`")
     if len(text) < 32:
-        raise ValueError(f"--control-token-file {path}: the token must be at least 32 characters (make one with "
+        raise ValueError(f"{source} {path}: the token must be at least 32 characters (make one with "
                          "`python -c 'import secrets; print(secrets.token_hex(32))'`)")
     return text
 
 
+def write_token_file(token: RunToken) -> Path:
+    """A new file holding `token`, for a server to read (`CONTROL_TOKEN_FILE_ENV`): mode 600 in a fresh 700
+    directory, so no other user can read it, or swap it before the server reads it. `remove_token_file` ends it."""
+    directory = Path(tempfile.mkdtemp(prefix="vime-token-"))
+    path = directory / "token"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token.control)
+    return path
+
+
+def remove_token_file(path: Path) -> None:
+    """Remove a `write_token_file` file and its directory (nothing when already gone)."""
+    path.unlink(missing_ok=True)
+    try:
+        path.parent.rmdir()
+    except FileNotFoundError:
+        pass
+
+
 def token_from_environment() -> str | None:
-    """In a server vime started: the token it was given (`CONTROL_TOKEN_ENV`), None when it was given none."""
+    """In an engine server: the token it was given, from the file `CONTROL_TOKEN_FILE_ENV` names (how vime starts
+    its engines; an unreadable or unsafe file raises, so the server does not start unguarded) or else
+    `CONTROL_TOKEN_ENV` (an engine you start yourself); None when it was given none."""
+    path = os.environ.get(CONTROL_TOKEN_FILE_ENV)
+    if path:
+        return read_token_file(path, source=CONTROL_TOKEN_FILE_ENV)
     return os.environ.get(CONTROL_TOKEN_ENV) or None

@@ -9,11 +9,11 @@ Only function tools are served: the hosted tools (web search, file search, ...) 
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
 
 from vime.agents.api.completion import ChoiceOut, Completion, canonical_arguments
+from vime.agents.tool_parsing import loads_bounded
 
 _TEXT_PARTS = ("input_text", "output_text")  # the content parts whose text a chat template can render
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
@@ -123,8 +123,8 @@ def _tool_call(item: dict[str, Any]) -> dict[str, Any]:
     arguments = item.get("arguments")
     if isinstance(arguments, str):
         try:
-            parsed = json.loads(arguments)
-        except ValueError:
+            parsed = loads_bounded(arguments)
+        except ValueError:  # not JSON, or nested too deep to re-serialize: kept as the string it is
             parsed = None
         if isinstance(parsed, dict):
             arguments = canonical_arguments(parsed)

@@ -30,6 +30,9 @@ allows (`LocalSandbox().isolation` is the report; `isolation.py` finds it by try
 Without network + pid + file-system isolation it refuses to run (`SandboxRefused`) unless
 `allow_weak_isolation=True` (`--agent-sandbox-allow-weak-isolation`); such runs are logged and counted in the
 rollout metrics (`rollout/sandbox_weak_isolation_runs`) and carry `SandboxResult.weak_isolation`.
+`SandboxLimits(allow_network=True)` drops the network isolation for a run: it shares the host's network namespace,
+reaches every loopback server of the node, and, run by a non-root trainer (sockets of the trainer's uid), is let in
+by the router front; logged once per process (`isolation.warn_network_run`), see docs/guides/security.md.
 `HTTPSandbox` implements the same interface against a remote service that `sandbox_app` serves
 (`service.py`: bearer token, the server's own maximum limits).
 """

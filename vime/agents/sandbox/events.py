@@ -32,7 +32,7 @@ class JailReport:
 def _json_object(line: str) -> dict | None:
     try:
         value = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: the program nested a line ~1,000 deep
         return None
     return value if isinstance(value, dict) else None
 

@@ -26,7 +26,7 @@ class SandboxLimits:
     max_open_files: int = 256  # RLIMIT_NOFILE
     max_output_bytes: int = 65536  # stdout and stderr are each cut at this size (the run goes on)
     max_scratch_mb: int = 64  # all files in the sandbox's directory together, MiB
-    allow_network: bool = False
+    allow_network: bool = False  # the host's network: all the node reaches (docs/guides/security.md)
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

@@ -214,3 +214,18 @@ def note_weak_run(missing: list[str]) -> None:
 def _warn_once(missing: tuple[str, ...]) -> None:
     logger.warning("sandbox: running model code WITHOUT %s isolation (--agent-sandbox-allow-weak-isolation); "
                    "counted in %s", ", ".join(missing), WEAK_RUNS_COUNTER)
+
+
+def warn_network_run(iso: Isolation) -> None:
+    """A run with allow_network=True: what it can reach, in the log once per process."""
+    _warn_network_once(bool(iso.uid_range))
+
+
+@functools.cache  # once per process (and kind of uid)
+def _warn_network_once(own_uid: bool) -> None:
+    router = ("its sockets are its own uid's, so the router front (this user's processes only) refuses it"
+              if own_uid else "its sockets are the trainer's uid's, so the router front (`router_gate`, which "
+              "admits this user's processes) lets it generate with the policy")
+    logger.warning("sandbox: running model code WITH network access (allow_network=True): it shares this host's "
+                   "network namespace and can connect to any address the node reaches, the run's own loopback "
+                   "servers and other users' included, which then stand on their own credentials alone; %s", router)

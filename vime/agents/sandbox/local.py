@@ -19,7 +19,7 @@ from typing import Any
 from vime.agents.sandbox.cgroup import cgroup_pool
 from vime.agents.sandbox.events import parse_jail_events, parse_program_events
 from vime.agents.sandbox.service import HTTPSandbox
-from vime.agents.sandbox.isolation import Isolation, note_weak_run, probe_isolation, refusal
+from vime.agents.sandbox.isolation import Isolation, note_weak_run, probe_isolation, refusal, warn_network_run
 from vime.agents.sandbox.paths import default_python, hidden_dirs, python_prefixes
 from vime.agents.sandbox.slots import DEFAULT_SLOTS, DEFAULT_UID_BASE, Slot, UidPool, kill_uid
 from vime.agents.sandbox.interface import Sandbox, SandboxLimits, SandboxResult
@@ -183,6 +183,8 @@ class LocalSandbox(Sandbox):
         missing = [m for m in iso.missing() if not (m == "network" and limits.allow_network)]
         if missing:
             note_weak_run(missing)
+        if limits.allow_network:
+            warn_network_run(iso)
         slot = None
         if self.uid_range:
             self._uids = self._uids or UidPool(*self.uid_range)

@@ -1,9 +1,13 @@
 """A sandbox on another machine: `sandbox_app` serves any Sandbox at POST /run, `HTTPSandbox` is its client.
 
     # on the sandbox machine (token: a long random secret shared with the trainer, e.g. in VIME_SANDBOX_TOKEN)
-    web.run_app(sandbox_app(LocalSandbox(), token=token, max_limits=SandboxLimits(wall_time_s=30)), port=8300)
+    VIME_SANDBOX_TOKEN=... python -m vime.agents.sandbox --host 10.0.0.5 --port 8300
+    # or in Python: serve(LocalSandbox(), token=token, max_limits=SandboxLimits(wall_time_s=30), host="10.0.0.5")
     # in the trainer
-    HTTPSandbox("http://sandbox-host:8300", token=token).run(code=...)
+    HTTPSandbox("http://10.0.0.5:8300", token=token).run(code=...)
+
+It listens on 127.0.0.1 (this machine only) unless `--host` / `host=` names the address to expose it on (the one
+the trainer reaches; 0.0.0.0 is every interface): anyone who reaches it can make it run code, token permitting.
 
 The service trusts no client: every request needs `Authorization: Bearer <token>` (401 otherwise, compared in
 constant time), and the limits a client asks for are clamped to the service's own `max_limits` (network is
@@ -12,6 +16,7 @@ refused with 403 unless the service allows it), so a client cannot ask for an ho
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import hmac
 import json
@@ -21,6 +26,8 @@ from vime.agents.sandbox.isolation import note_weak_run
 from vime.agents.sandbox.interface import Sandbox, SandboxLimits, SandboxRefused, SandboxResult
 
 TOKEN_ENV = "VIME_SANDBOX_TOKEN"
+DEFAULT_HOST = "127.0.0.1"  # this machine only: exposing it is a choice made with --host
+DEFAULT_PORT = 8300
 
 
 def _token(token: str | None, who: str) -> str:
@@ -98,3 +105,28 @@ def sandbox_app(sandbox: Sandbox, token: str | None = None, max_limits: SandboxL
     app = web.Application()
     app.router.add_post("/run", run)
     return app
+
+
+def serve(sandbox: Sandbox, token: str | None = None, max_limits: SandboxLimits | None = None,
+          host: str = DEFAULT_HOST, port: int = DEFAULT_PORT) -> None:
+    """Serve `sandbox_app(sandbox, token, max_limits)` on host:port until interrupted."""
+    from aiohttp import web
+
+    web.run_app(sandbox_app(sandbox, token, max_limits), host=host, port=port)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m vime.agents.sandbox",
+                                     description="Serve a LocalSandbox at POST /run for HTTPSandbox clients "
+                                                 f"(--agent-sandbox http://HOST:PORT); the token is ${TOKEN_ENV}.")
+    parser.add_argument("--host", default=DEFAULT_HOST,
+                        help="Address to listen on; the default reaches this machine only. Give the address the "
+                             "trainer reaches (0.0.0.0: every interface) to expose the service (default: %(default)s).")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="Port (default: %(default)s).")
+    parser.add_argument("--allow-weak-isolation", action="store_true",
+                        help="Run programs even where namespaces or Landlock are missing (as "
+                             "--agent-sandbox-allow-weak-isolation; default: refuse).")
+    args = parser.parse_args(argv)
+    from vime.agents.sandbox.local import LocalSandbox
+
+    serve(LocalSandbox(allow_weak_isolation=args.allow_weak_isolation), host=args.host, port=args.port)

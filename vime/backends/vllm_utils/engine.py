@@ -4,7 +4,8 @@ The server speaks token ids in and out (`/inference/v1/generate`, enabled by --e
 `processed_logprobs` (log_softmax(logits / T) after top-k/top-p, which is what an RL ratio needs) and exposes the
 control routes (/pause, /resume, /collective_rpc, ...) because VLLM_SERVER_DEV_MODE=1. Those routes can run
 code in the engine: every route but /health asks for the run's keys (`in_vllm.route_auth`, installed by vime's vLLM
-plugin from the token in the server's environment), and `VLLMEngine.start` checks that it does before serving.
+plugin from the token file the server's environment names), and `VLLMEngine.start` checks that it does before
+serving.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from vime.config.train import LoraConfig, RoutingReplayConfig, WeightSyncConfig
 from vime.utils.lora_adapters import adapter_names
 from vime.engine_protocol.names import CAPTURE_ENV, CORE_FORK_ENV, IDLE_SPIN_ENV, PLUGIN_NAME, WORKER_EXTENSION
 from vime.engine_protocol.weight_files import WEIGHT_ROOT_ENV, weight_root
-from vime.utils.auth import CONTROL_TOKEN_ENV, RunToken
+from vime.utils.auth import (CONTROL_TOKEN_ENV, CONTROL_TOKEN_FILE_ENV, RunToken, remove_token_file,
+                             write_token_file)
 from vime.utils.cpus import CpuShare, allowed_cpus, raise_priority
 from vime.utils.logging_utils import configure_logging
 from vime.utils.misc import find_free_port
@@ -190,19 +192,21 @@ def has_vime_worker_extension(args) -> bool:
     return not engines.rollout_external_engine_addrs and "--worker-extension-cls" not in vllm_cli_tokens(args)
 
 
-def engine_env(args, token: RunToken, cpu_share: CpuShare | None = None,
+def engine_env(args, token_file: str | os.PathLike, cpu_share: CpuShare | None = None,
                gpus: list[str] | None = None) -> dict[str, str]:
-    """The server's environment, with the run's control `token` (there only: never in this process's own
-    environment, which every program it starts would inherit). `cpu_share`: the share of its node's CPUs this
-    engine computes on (`Placement.cpu_share`; all of them when None). `gpus`: the GPU ids of its bundles
-    (`Placement.engine_gpus`), which its server sees whatever single GPU Ray showed the actor."""
+    """The server's environment, naming the file it reads the run's control token from (`token_file`, made by
+    `auth.write_token_file`). The token itself is in no environment: /proc/<pid>/environ of the server, and of
+    every process vLLM forks from it, is readable by every process of this user. `cpu_share`: the share of its
+    node's CPUs this engine computes on (`Placement.cpu_share`; all of them when None). `gpus`: the GPU ids of its
+    bundles (`Placement.engine_gpus`), which its server sees whatever single GPU Ray showed the actor."""
     engines = EnginesConfig.of(args)
     routing_replay = RoutingReplayConfig.of(args)
     from vime.utils.device import use_gpu
 
     env = dict(os.environ)
     env["VLLM_SERVER_DEV_MODE"] = "1"
-    env[CONTROL_TOKEN_ENV] = token.control
+    env.pop(CONTROL_TOKEN_ENV, None)  # a token the user's shell exported would sit beside the file
+    env[CONTROL_TOKEN_FILE_ENV] = str(token_file)
     env["VLLM_PLUGINS"] = plugin_allowlist(os.environ.get("VLLM_PLUGINS"))
     # the one directory its workers load weight files from
     env[WEIGHT_ROOT_ENV] = weight_root(WeightSyncConfig.of(args).update_weight_dir)
@@ -303,6 +307,7 @@ class VLLMEngine:
         self.log_path = Path(log_dir) / f"engine_{engine_rank}.log"
         self.proc = None
         self.url = None
+        self._token_file: Path | None = None  # where the server reads the token, until `start` has seen it did
         self._launch()  # the server boots (its vLLM import alone is ~9 s of a core) before anyone calls start
 
     def _launch(self) -> None:
@@ -312,7 +317,8 @@ class VLLMEngine:
         port = find_free_port()
         self.url = f"http://{host}:{port}"
         cmd = engine_command(self.args, host, port, self.engine_rank)
-        env = engine_env(self.args, self.token, self.cpu_share, self.gpus)
+        self._token_file = self._token_file or write_token_file(self.token)
+        env = engine_env(self.args, self._token_file, self.cpu_share, self.gpus)
         raise_priority()  # the server inherits this process's priority, which Ray lowered
         self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         logger.info("engine %d: workers on %s", self.engine_rank, f"GPUs {env['CUDA_VISIBLE_DEVICES']}" if self.gpus
@@ -320,7 +326,20 @@ class VLLMEngine:
         self.proc = spawn(cmd, self.log_path, env=env)
 
     def start(self) -> str:
-        """Wait until the server launched at construction serves, with its control routes locked; its URL."""
+        """Wait until the server launched at construction serves, with its control routes locked; its URL. The
+        token file goes either way: a serving server has read it (vime's plugin reads it as the app is built, before
+        /health answers), and a failed one is stopped."""
+        try:
+            return self._wait_serving()
+        finally:
+            self._drop_token_file()
+
+    def _drop_token_file(self) -> None:
+        if self._token_file is not None:
+            remove_token_file(self._token_file)
+            self._token_file = None
+
+    def _wait_serving(self) -> str:
         engines = EnginesConfig.of(self.args)
         deadline = time.monotonic() + engines.engine_startup_timeout
         for attempt in range(1, PORT_ATTEMPTS + 1):
@@ -365,3 +384,5 @@ class VLLMEngine:
         if proc is not None:
             kill_tree(proc)
             self.proc = None
+        if hasattr(self, "_token_file"):  # stopped before `start` ended
+            self._drop_token_file()

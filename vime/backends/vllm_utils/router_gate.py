@@ -12,7 +12,10 @@ key at all. The gate stands between the two: `args.vllm_router_ip` / `args.vllm_
   (`engine_protocol.names.SERVING_PATHS`) to the router in service at that moment (a restarted router moves; the
   gate does not), with the serving key in place of any Authorization header given, streaming the answer back; the
   router's control routes (`/add_worker`, `/remove_worker`, `/flush_cache`, ...) are refused: the fleet owns the
-  worker set.
+  worker set;
+- reads a body only after those checks, within `max_body_bytes` (413 beyond, before reading when the
+  Content-Length says so) and `body_timeout_s` (408), and gives up on a router that sends nothing for
+  `router_read_timeout_s`.
 
 It serves from its own thread and event loop, so that a plugin that calls it synchronously from vime's rollout loop
 does not wait on itself.
@@ -35,6 +38,11 @@ from vime.utils.listeners import peer_uid
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_MAX_BODY_BYTES = 64 * 2**20  # a generate request is token ids and sampling params: kilobytes to megabytes
+DEFAULT_BODY_TIMEOUT_S = 60.0  # a plugin on this node sends its body at once
+# vllm-router's own --router-request-timeout-secs default: the router gives up on an engine by then
+DEFAULT_ROUTER_READ_TIMEOUT_S = 1800.0
+
 # headers that describe one hop, not the request (RFC 9110 7.6.1), and the ones the gate sets itself
 _HOP_HEADERS = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
                           "transfer-encoding", "upgrade", "host", "content-length", "authorization"})
@@ -51,8 +59,12 @@ class RouterGate:
     there); `start()` serves, `stop()` closes."""
 
     def __init__(self, router_url: Callable[[], str | None], headers: Callable[[], dict[str, str]],
-                 host: str = "127.0.0.1"):
+                 host: str = "127.0.0.1", max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+                 router_read_timeout_s: float = DEFAULT_ROUTER_READ_TIMEOUT_S):
         self.router_url, self.headers = router_url, headers
+        self.max_body_bytes, self.body_timeout_s = int(max_body_bytes), body_timeout_s
+        self.router_read_timeout_s = router_read_timeout_s
         self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, 0))  # held from now on: the port is ours before anyone learns it
@@ -77,14 +89,15 @@ class RouterGate:
         asyncio.set_event_loop(self._loop)
 
         async def setup():
-            app = web.Application(client_max_size=1 << 30)
+            app = web.Application(client_max_size=self.max_body_bytes)
             app.router.add_route("*", "/{tail:.*}", self._handle)
             self._runner = web.AppRunner(app, access_log=None)
             await self._runner.setup()
             self.sock.listen(1024)
             await web.SockSite(self._runner, self.sock).start()
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                                  timeout=aiohttp.ClientTimeout(total=None))
+            # no total: a streamed answer may run long; but a router silent that long is gone
+            timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=self.router_read_timeout_s)
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout)
 
         self._loop.run_until_complete(setup())
         ready.set()
@@ -122,11 +135,14 @@ class RouterGate:
         if target is None:
             return web.json_response({"error": "no router in service (it is starting or restarting); retry"},
                                      status=503)
+        body = await self._read_body(request)
+        if isinstance(body, web.Response):
+            return body
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
         headers.update(self.headers())
         try:
             async with self._session.request(request.method, target.rstrip("/") + request.path_qs, headers=headers,
-                                             data=await request.read()) as answer:
+                                             data=body) as answer:
                 response = web.StreamResponse(status=answer.status, headers={
                     k: v for k, v in answer.headers.items() if k.lower() not in _HOP_HEADERS})
                 await response.prepare(request)
@@ -137,3 +153,18 @@ class RouterGate:
         except aiohttp.ClientError as e:
             return web.json_response({"error": f"the router at {target} failed: {type(e).__name__}: {e}"},
                                      status=502)
+
+    async def _read_body(self, request: web.Request) -> bytes | web.Response:
+        """The request's body, or the refusal to send: 413 over `max_body_bytes` (before reading it when the
+        Content-Length says so), 408 when it has not all come within `body_timeout_s`."""
+        too_large = web.json_response({"error": f"the request body is over the router front's limit of "
+                                                f"{self.max_body_bytes} bytes; send less"}, status=413)
+        if (request.content_length or 0) > self.max_body_bytes:
+            return too_large
+        try:
+            return await asyncio.wait_for(request.read(), self.body_timeout_s)
+        except web.HTTPRequestEntityTooLarge:  # no Content-Length (chunked), and more than the limit came
+            return too_large
+        except asyncio.TimeoutError:
+            return web.json_response({"error": f"the request body did not arrive within {self.body_timeout_s:g} s"},
+                                     status=408)
