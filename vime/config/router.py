@@ -19,6 +19,6 @@ class RouterConfig(Section):
     vllm_router_port: int | None = None
     # round robin spreads load evenly, which is what a rollout (many independent requests) wants
     router_policy: str = "round_robin"
-    # None: no Prometheus endpoint. vllm-router serves one whatever it is told (None means 29000), to anyone on the
-    # node: vime's router process closes it (`router_metrics`) unless the flag names a port
+    # vllm-router serves Prometheus metrics whatever it is told (None means 29000): a fixed port is contended by
+    # two runs on a node, so each run's router gets a free loopback one unless the flag names one (`router_args_from`)
     router_prometheus_port: int | None = None

@@ -251,6 +251,11 @@ def router_args_from(args, host: str, port: int, worker_urls: list[str], api_key
 
     ns = argparse.Namespace(**{k: v for k, v in vars(args).items() if k.startswith("router_")})
     ns.router_host, ns.router_port, ns.router_worker_urls = host, port, list(worker_urls)
+    if ns.router_prometheus_port is None:  # vllm-router serves one whatever it is told: a free loopback port
+        from vime.utils.misc import find_free_port
+
+        ns.router_prometheus_port = find_free_port()
+        ns.router_prometheus_host = "127.0.0.1"
     if api_key is not None:
         ns.router_api_key = api_key
     return RouterArgs.from_cli_args(ns, use_router_prefix=True)

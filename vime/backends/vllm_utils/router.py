@@ -4,7 +4,8 @@ The router spreads generate requests over engines. Control calls (pause, weight 
 through it: it forwards them to one worker only. See `vime.backends.vllm_utils.client`.
 Every route of vime's router, its admin routes included, admits only callers that carry the run's serving key
 (`router_door`): `router_ok`, `post_worker` and `Router.workers` send it, made from the `RunToken` they are given.
-Its Prometheus endpoint is closed to everyone unless --router-prometheus-port asks for it (`router_metrics`).
+Its Prometheus endpoint (worker URLs, request counts) cannot be turned off or guarded in vllm-router 0.1.17: it
+listens on a free loopback port unless --router-prometheus-port names one (docs/guides/security.md).
 """
 
 from __future__ import annotations
@@ -144,12 +145,6 @@ def _main() -> None:
     # callers need the key the router sends the engines (`router_door`); opened before anything starts a thread,
     # its socket held here while the router runs
     door_url, door_socket = open_door((config["api_key"],)) if config.get("api_key") else (None, None)
-    if config.get("prometheus_port") is None:  # off unless asked for, but vllm-router serves one whatever it is told
-        from vime.backends.vllm_utils.router_metrics import silence_metrics
-        from vime.utils.misc import find_free_port
-
-        config.update(prometheus_port=find_free_port(), prometheus_host="127.0.0.1")
-        silence_metrics(config["prometheus_port"])  # like the door: before anything starts a thread
 
     from vllm_router.launch_router import launch_router
     from vllm_router.router_args import RouterArgs
