@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import os
 import time
@@ -29,19 +28,6 @@ from vime.utils.misc import with_values
 from vime.utils.rendezvous import reserve_rendezvous
 
 logger = logging.getLogger(__name__)
-
-
-def trainer_verb(stub):
-    """Declares a `TrainActor` method that is this rank's `MegatronTrainer.<same name>` with the same arguments:
-    the stub's signature and docstring are the method's, its body is not run."""
-    verb = stub.__name__
-
-    @functools.wraps(stub)
-    def call(self, *args, **kwargs):
-        return getattr(self.trainer, verb)(*args, **kwargs)
-
-    call.trainer_verb = True
-    return call
 
 
 class TrainActor:
@@ -127,37 +113,7 @@ class TrainActor:
             logger.debug("%s rank %d: released %d bytes the weight transports kept", self.role, self.rank, released)
         return self.trainer.offload()
 
-    # the trainer's own verbs
-    @trainer_verb
-    def onload(self) -> int:
-        """--offload-train: the trainer's state back on the device; the bytes moved."""
-
-    @trainer_verb
-    def save(self, rollout_id: int, extra_state: dict | None = None) -> str:
-        """This rank's part of the checkpoint of rollout `rollout_id`."""
-
-    @trainer_verb
-    def save_hf(self, out_dir: str) -> str:
-        """The weights as an HF checkpoint in `out_dir` (--save-hf)."""
-
-    @trainer_verb
-    def get_loaded_state(self) -> dict | None:
-        """What the checkpoint this rank resumed from held beside the weights (None: a fresh start)."""
-
-    @trainer_verb
-    def set_plugin_values(self, values: dict) -> None:
-        """The run-time values custom functions see in `args` (`vime.utils.plugin_args`)."""
-
-    @trainer_verb
-    def compute_kind(self) -> tuple[str, str]:
-        """(dtype, device type) this rank computes in."""
-
-    @trainer_verb
-    def probe_log_probs(self, tokens: list[int], response_length: int, temperature: float | None = None,
-                        adapter: str | None = None) -> list[float]:
-        """The weight check's probe forward: log-probs of the last `response_length` tokens of `tokens`."""
-
-    # checkpoints
+    # checkpoints (save, save_hf, get_loaded_state: the trainer's own, see TRAINER_VERBS)
     def publish_checkpoint(self, rollout_id: int, parts: list[str]) -> str:
         """Make iteration `rollout_id`, saved by every role in `parts`, the one a resume starts from."""
         megatron = MegatronConfig.of(self.args)
@@ -176,57 +132,10 @@ class TrainActor:
         return self.trainer.send_weights(self.weight_transports[kind], handle)
 
 
-# ---- how the group calls each verb -------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class GroupCall:
-    """How `RayTrainGroup.<verb>(...)` runs `TrainActor.<verb>(...)`: on every rank or on rank 0 alone, under
-    --train-timeout (work) or the control deadline (a read or a flip of state), the ranks' answers combined by
-    `reduce`. `what` names the call in a deadline's or a failure's error, formatted with the call's arguments
-    ({0}: the first)."""
-
-    what: str
-    ranks: str = "all"  # "all" | "first"
-    deadline: str = "work"  # "work": --train-timeout | "control": CONTROL_TIMEOUT
-    reduce: Callable[[list], Any] = list
-
-
-def _first_nonempty(results: list[dict]) -> dict:
-    """The ranks' answers -> the one that reports (the last pipeline stage's first rank), or {}."""
-    return next((r for r in results if r), {})
-
-
-def _first(results: list):
-    return results[0]
-
-
-def group_call(what: str, ranks: str = "all", deadline: str = "work", reduce: Callable[[list], Any] = list):
-    """Declares a `RayTrainGroup` method that runs `TrainActor.<same name>` with the same arguments (`GroupCall`'s
-    fields say on which ranks, under which deadline, and how the answers combine); the stub's signature and
-    docstring are the method's, its body is not run."""
-    spec = GroupCall(what, ranks, deadline, reduce)
-
-    def declare(stub):
-        verb = stub.__name__
-
-        @functools.wraps(stub)
-        def call(self, *args, **kwargs):
-            job = JobConfig.of(self.args)
-            actors = self.actors if spec.ranks == "all" else self.actors[:1]
-            refs = [getattr(actor, verb).remote(*args, **kwargs) for actor in actors]
-            what = f"the {self.role} ranks' {spec.what.format(*args, **kwargs)}"
-            if spec.deadline == "control":
-                return spec.reduce(control(refs, what))
-            return spec.reduce(gather(refs, what, job.train_timeout, "--train-timeout"))
-
-        call.group_call = spec
-        return call
-
-    return declare
-
 
 class RayTrainGroup:
-    """One `TrainActor` per rank of a role. Its verbs are declared with `group_call` (which ranks, which deadline,
-    how the answers combine); PPO's value hand-offs, which pass refs on, are written out."""
+    """One `TrainActor` per rank of a role. Its verbs are declared in `GROUP_CALLS` (made into methods below: which
+    ranks, which deadline, how the answers combine); PPO's value hand-offs, which pass refs on, are written out."""
 
     def __init__(self, args, placement=None, role: str = "actor"):
         placement_flags = PlacementConfig.of(args)
@@ -250,51 +159,6 @@ class RayTrainGroup:
         """Start building every rank's model; the refs resolve when they are built."""
         master_addr, master_port = control(self.actors[0].address.remote(), f"{self.role} rank 0's address")
         return [a.init.remote(master_addr, master_port, total_steps) for a in self.actors]
-
-    # every rank trains together; the metrics come from the last pipeline stage's first rank
-    @group_call("training on rollout {0}", reduce=_first_nonempty)
-    def train(self, rollout_id: int, handle) -> dict:
-        """Every rank trains on the rollout behind `handle`; the reporting rank's metrics."""
-
-    @group_call("offload (--offload-train)")
-    def offload(self) -> list[int]:
-        """The trainers' state to host memory; the bytes each rank moved."""
-
-    @group_call("onload (--offload-train)")
-    def onload(self) -> list[int]:
-        """The trainers' state back on their devices."""
-
-    @group_call("checkpoint save of rollout {0}")
-    def save(self, rollout_id: int, extra_state: dict | None = None) -> list[str]:
-        """Every rank saves its part of the checkpoint of rollout `rollout_id`."""
-
-    @group_call("HF save into {0}")
-    def save_hf(self, out_dir: str) -> list[str]:
-        """The weights as an HF checkpoint in `out_dir`."""
-
-    # files only, on the trainers' node (which sees --save)
-    @group_call("publishing the checkpoint of rollout {0}", ranks="first", reduce=_first)
-    def publish_checkpoint(self, rollout_id: int, parts: list[str]) -> str:
-        """Make iteration `rollout_id` (saved by every role in `parts`) the one a resume starts from."""
-
-    @group_call("loaded state", deadline="control")
-    def get_loaded_state(self) -> list[dict | None]:
-        """What each rank's resumed checkpoint held beside the weights."""
-
-    # the run-time values every rank's custom functions see in `args` (vime.utils.plugin_args)
-    @group_call("plugin values", deadline="control", reduce=lambda _: None)
-    def set_plugin_values(self, values: dict) -> None:
-        """Hand every rank the run-time values its custom functions read."""
-
-    @group_call("the weight check's probe forward")
-    def probe_log_probs(self, tokens: list[int], response_length: int, temperature: float | None = None,
-                        adapter: str | None = None) -> list[list[float]]:
-        """Every rank's probe forward (only the last pipeline stage's answer is not empty)."""
-
-    # (dtype, device type) the training ranks compute in, as rank 0 reports it
-    @group_call("dtype and device", ranks="first", reduce=lambda results: tuple(results[0]))
-    def compute_kind(self) -> tuple[str, str]:
-        """(dtype, device type) rank 0 computes in."""
 
     # PPO. Values and returns pass between the groups as object refs: the driver never fetches them.
     def compute_values(self, handle) -> list[ray.ObjectRef]:
@@ -321,6 +185,11 @@ class RayTrainGroup:
         self.actors = []
 
 
+def _first_nonempty(results: list[dict]) -> dict:
+    """The ranks' answers -> the one that reports (the last pipeline stage's first rank), or {}."""
+    return next((r for r in results if r), {})
+
+
 def _merged(parts) -> dict | None:
     merged = {}
     for part in parts:
@@ -328,6 +197,78 @@ def _merged(parts) -> dict | None:
     return merged or None
 
 
+# ---- the actor's verbs that are the trainer's own, and how the group calls each verb -----------------------------
+# TrainActor.<verb>(...) is MegatronTrainer.<verb>(...) on that rank
+TRAINER_VERBS = ("save", "save_hf", "onload", "get_loaded_state", "set_plugin_values", "probe_log_probs",
+                 "compute_kind")
+
+
+def _to_trainer(verb: str):
+    def call(self, *args, **kwargs):
+        return getattr(self.trainer, verb)(*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = verb
+    call.__doc__ = f"This rank's `MegatronTrainer.{verb}`."
+    return call
+
+
+for _verb in TRAINER_VERBS:
+    setattr(TrainActor, _verb, _to_trainer(_verb))
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupCall:
+    """How `RayTrainGroup.<verb>(...)` runs `TrainActor.<verb>(...)`: on every rank or on rank 0 alone, under
+    --train-timeout (work) or the control deadline (a read or a flip of state), the ranks' answers combined by
+    `reduce`. `what` names the call in a deadline's or a failure's error, formatted with the call's arguments
+    ({0}: the first)."""
+
+    what: str
+    ranks: str = "all"  # "all" | "first"
+    deadline: str = "work"  # "work": --train-timeout | "control": CONTROL_TIMEOUT
+    reduce: Callable[[list], Any] = list
+
+
+def _first(results: list):
+    return results[0]
+
+
+GROUP_CALLS = {
+    # all ranks train together; the metrics come from the last pipeline stage's first rank
+    "train": GroupCall("training on rollout {0}", reduce=_first_nonempty),
+    "offload": GroupCall("offload (--offload-train)"),
+    "onload": GroupCall("onload (--offload-train)"),
+    "save": GroupCall("checkpoint save of rollout {0}"),
+    "save_hf": GroupCall("HF save into {0}"),
+    # files only, on the trainers' node (which sees --save)
+    "publish_checkpoint": GroupCall("publishing the checkpoint of rollout {0}", ranks="first",
+                                    reduce=_first),
+    "get_loaded_state": GroupCall("loaded state", deadline="control"),
+    # the run-time values every rank's custom functions see in `args` (vime.utils.plugin_args)
+    "set_plugin_values": GroupCall("plugin values", deadline="control", reduce=lambda _: None),
+    "probe_log_probs": GroupCall("the weight check's probe forward"),
+    # (dtype, device type) the training ranks compute in, as rank 0 reports it
+    "compute_kind": GroupCall("dtype and device", ranks="first", reduce=lambda results: tuple(results[0])),
+}
+
+
+def _group_call(verb: str, spec: GroupCall):
+    def call(self: RayTrainGroup, *args, **kwargs):
+        job = JobConfig.of(self.args)
+        actors = self.actors if spec.ranks == "all" else self.actors[:1]
+        refs = [getattr(actor, verb).remote(*args, **kwargs) for actor in actors]
+        what = f"the {self.role} ranks' {spec.what.format(*args, **kwargs)}"
+        if spec.deadline == "control":
+            return spec.reduce(control(refs, what))
+        return spec.reduce(gather(refs, what, job.train_timeout, "--train-timeout"))
+
+    call.__name__ = call.__qualname__ = verb
+    call.__doc__ = f"`TrainActor.{verb}` on {'every rank' if spec.ranks == 'all' else 'rank 0'}: {spec.what}."
+    return call
+
+
+for _verb, _spec in GROUP_CALLS.items():
+    setattr(RayTrainGroup, _verb, _group_call(_verb, _spec))
 
 
 def critic_args(args):
@@ -337,8 +278,3 @@ def critic_args(args):
     megatron = MegatronConfig.of(args)
     lr = train_loop.critic_lr if train_loop.critic_lr is not None else megatron.lr
     return with_values(args, lr=lr, use_kl_loss=False, kl_coef=0.0)
-
-
-# the declared verbs, for the check that each runs a method that exists on the other side
-GROUP_CALLS = {name: fn.group_call for name, fn in vars(RayTrainGroup).items() if hasattr(fn, "group_call")}
-TRAINER_VERBS = tuple(name for name, fn in vars(TrainActor).items() if getattr(fn, "trainer_verb", False))

@@ -17,8 +17,6 @@ engines' generation routes and none of their control routes.
 
 from __future__ import annotations
 
-import copy
-import functools
 import logging
 import threading
 from pathlib import Path
@@ -80,25 +78,6 @@ def new_engines(args, placement, log_dir: Path, token: RunToken) -> list:
     if engines.rollout_external_engine_addrs or debug.debug_train_only:
         return []
     return [new_engine(args, placement, rank, log_dir, token) for rank in range(num_engines(engines))]
-
-
-def fleet_verb(name: str | None = None, concurrency_group: str | None = None):
-    """Declares a `RolloutManager` method that is `EngineFleet.<name>(...)` of the manager's fleet (default name: the
-    method's own), or a copy of that attribute where it is not a method (a list, a URL); the stub's signature and
-    docstring are the method's, its body is not run."""
-
-    def declare(stub):
-        attribute = name or stub.__name__
-
-        @functools.wraps(stub)
-        def verb(self, *args, **kwargs):
-            value = getattr(self.fleet, attribute)
-            return value(*args, **kwargs) if callable(value) else copy.copy(value)
-
-        verb.fleet_verb = attribute
-        return ray.method(concurrency_group=concurrency_group)(verb) if concurrency_group else verb
-
-    return declare
 
 
 class EngineFleet(FleetRecovery):

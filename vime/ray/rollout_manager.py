@@ -11,6 +11,7 @@ service, counters) that rollout code reads (`vime.rollout.context`).
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from pathlib import Path
@@ -30,7 +31,7 @@ from vime.config.rollout import (DataBufferConfig, EnginesConfig, EvalConfig, Fa
 from vime.config.run import DebugConfig, JobConfig
 from vime.config.train import MegatronConfig
 from vime.data.transport import RolloutRef, make_transport, rollout_summary
-from vime.ray.engine_fleet import EngineFleet, fleet_verb, new_engine, run_control_token
+from vime.ray.engine_fleet import EngineFleet, new_engine, run_control_token
 from vime.ray.health import FailedRollouts
 from vime.ray.placement import num_engines
 from vime.rollout.context import RolloutContext, in_rollout_context, rollout_context, use_rollout_context
@@ -124,6 +125,19 @@ def save_copy(what: str, save, *args) -> bool:
         logger.error("could not save %s (%s: %s); the rollout is kept and trained on. Free space there, or turn "
                      "the copies off (--no-save-rollouts; no --save-debug-rollout-data)", what, type(e).__name__, e)
         return False
+
+
+def _fleet_verb(name: str, concurrency_group: str | None = None):
+    """A RolloutManager method that is `EngineFleet.<name>(...)`, or a copy of the attribute `name` (a list, a
+    URL) where it is not a method."""
+
+    def verb(self, *args, **kwargs):
+        value = getattr(self.fleet, name)
+        return value(*args, **kwargs) if callable(value) else copy.copy(value)
+
+    verb.__name__ = verb.__qualname__ = name
+    verb.__doc__ = f"`EngineFleet.{name}` of this manager's fleet."
+    return ray.method(concurrency_group=concurrency_group)(verb) if concurrency_group else verb
 
 
 def log_dir(args) -> Path:
@@ -221,50 +235,17 @@ class RolloutManager:
 
     # The fleet's own verbs (EngineFleet's methods of the same name, unless named). In the "weights" group: beside a
     # rollout in progress; an in-flight update (train_async) asks for the engines first, then applies.
-    @fleet_verb()
-    def engine_pids(self) -> list[int]:
-        """Each engine's server process id."""
-
-    @fleet_verb("engine_urls", concurrency_group="weights")
-    def get_engine_urls(self) -> list[str]:
-        """The engines' URLs."""
-
-    @fleet_verb("live_engine_urls", concurrency_group="weights")
-    def get_live_engine_urls(self) -> list[str]:
-        """The engines in service, after a probe of each."""
-
-    @fleet_verb("router_url")
-    def get_router_url(self) -> str | None:
-        """The router's URL."""
-
-    @fleet_verb()
-    def sleep(self) -> None:
-        """--offload-rollout: every engine frees its GPU memory."""
-
-    @fleet_verb()
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        """The engines' memory back: `tags` ("weights", "kv_cache"), or all of it."""
-
-    @fleet_verb(concurrency_group="weights")
-    def apply_weights(self, transport, handle, version: int, recovery_dir: str | None = None,
-                      pause_mode: str = "wait") -> dict[str, float]:
-        """Every engine loads `transport`'s update as weight `version`."""
-
-    @fleet_verb()
-    def set_recovery_weights(self, path: str) -> None:
-        """The engines' current weights, for restarts (--use-fault-tolerance)."""
-
-    @fleet_verb()
-    def engine_restarts(self) -> int:
-        """Engines restarted so far."""
-
-    @fleet_verb()
-    def router_restarts(self) -> int:
-        """Router restarts so far."""
-
-    @fleet_verb()
-    def probe_log_probs(self, tokens: list[int], model: str = "policy") -> list[list[float]]:
-        """Every engine's prompt log-probs of `tokens` (--check-weight-update-equal)."""
+    engine_pids = _fleet_verb("engine_pids")
+    get_engine_urls = _fleet_verb("engine_urls", concurrency_group="weights")
+    get_live_engine_urls = _fleet_verb("live_engine_urls", concurrency_group="weights")  # after a probe of each
+    get_router_url = _fleet_verb("router_url")
+    sleep = _fleet_verb("sleep")
+    wake_up = _fleet_verb("wake_up")  # tags of the engines' memory ("weights", "kv_cache"), or all of it
+    apply_weights = _fleet_verb("apply_weights", concurrency_group="weights")
+    set_recovery_weights = _fleet_verb("set_recovery_weights")
+    engine_restarts = _fleet_verb("engine_restarts")
+    router_restarts = _fleet_verb("router_restarts")
+    probe_log_probs = _fleet_verb("probe_log_probs")
 
     def probe_tokens(self) -> list[int]:
         return probe_tokens(len(self.tokenizer))
