@@ -1,24 +1,69 @@
-"""The training group's and the rollout manager's verbs are declared once (`GROUP_CALLS`, `TRAINER_VERBS`,
-`_fleet_verb`): each declaration names a method that exists on the side that runs it, so a rename there cannot
-leave a verb that fails only when a run first calls it."""
+"""The verbs that cross a process boundary are methods declared where they run, so go-to-definition finds them:
+`@group_call` on `RayTrainGroup` runs the `TrainActor` method of the same name on its ranks, and the actor's and the
+rollout manager's forwarding methods call their trainer's and fleet's by name. Each must name a method that exists
+on the other side with the same parameters, so a rename there cannot leave a verb that fails only when a run first
+calls it."""
 
 from __future__ import annotations
 
+import ast
 import inspect
+import textwrap
 
 from vime.trainer.trainer import MegatronTrainer
 from vime.ray import actor_group
-from vime.ray.actor_group import GROUP_CALLS, TRAINER_VERBS, RayTrainGroup, TrainActor
+from vime.ray.actor_group import RayTrainGroup, TrainActor
 from vime.ray.engine_fleet import EngineFleet
 from vime.ray.rollout_manager import RolloutManager
 
 
-def test_every_group_verb_runs_an_actor_method_and_every_trainer_verb_a_trainer_method():
-    assert not [v for v in TRAINER_VERBS if not callable(getattr(MegatronTrainer, v, None))]
-    assert not [v for v in GROUP_CALLS if not callable(getattr(TrainActor, v, None))]
-    assert all(getattr(RayTrainGroup, v).__name__ == v for v in GROUP_CALLS)
-    assert {spec.ranks for spec in GROUP_CALLS.values()} <= {"all", "first"}
-    assert {spec.deadline for spec in GROUP_CALLS.values()} <= {"work", "control"}
+def _parameters(fn) -> list[tuple[str, object]]:
+    # without self, and without what Ray adds to an actor's methods (`_ray_trace_ctx`)
+    return [(p.name, p.default) for p in inspect.signature(fn).parameters.values()
+            if not p.name.startswith("_ray")][1:]
+
+
+def _forwarded(cls, owner: str) -> dict[str, list[str]]:
+    """method name -> the `self.<owner>.<name>` attributes its body reads."""
+    found = {}
+    for name, fn in vars(cls).items():
+        if name.startswith("_") or not inspect.isfunction(fn):
+            continue
+        tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(fn))))
+        found[name] = [node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+                       and isinstance(node.value, ast.Attribute) and node.value.attr == owner
+                       and isinstance(node.value.value, ast.Name) and node.value.value.id == "self"]
+    return found
+
+
+def test_every_group_verb_is_an_actor_method_with_its_parameters():
+    verbs = {name: fn for name, fn in vars(RayTrainGroup).items() if hasattr(fn, "group_call")}
+    assert len(verbs) == 10
+    for name, fn in verbs.items():
+        assert fn.__name__ == name and fn.__doc__, name
+        assert _parameters(fn) == _parameters(getattr(TrainActor, name)), name
+        assert fn.group_call.ranks in ("all", "first") and fn.group_call.deadline in ("work", "control")
+
+
+def test_every_trainer_call_of_the_actor_exists_and_a_forward_has_the_trainers_parameters():
+    calls = _forwarded(TrainActor, "trainer")
+    assert not [(m, c) for m, names in calls.items() for c in names if not callable(getattr(MegatronTrainer, c, None))]
+    forwards = ("onload", "save", "save_hf", "get_loaded_state", "set_plugin_values", "compute_kind", "probe_log_probs")
+    assert all(calls[name] == [name] for name in forwards)
+    for name in forwards:
+        assert _parameters(getattr(TrainActor, name)) == _parameters(getattr(MegatronTrainer, name)), name
+
+
+def test_every_fleet_call_of_the_rollout_manager_exists_on_the_fleet():
+    calls = _forwarded(RolloutManager.__ray_actor_class__, "fleet")
+    assert sum(1 for names in calls.values() if names) >= 11
+    assert not [(m, c) for m, names in calls.items() for c in names if not hasattr(EngineFleet, c)]
+    manager = RolloutManager.__ray_actor_class__
+    for name in ("apply_weights", "probe_log_probs", "wake_up"):
+        assert _parameters(inspect.unwrap(getattr(manager, name))) == _parameters(getattr(EngineFleet, name)), name
+    # a weight update runs beside a rollout in progress: its verbs are in the manager's "weights" group
+    for name in ("apply_weights", "get_engine_urls", "get_live_engine_urls"):
+        assert getattr(manager, name).__ray_concurrency_group__ == "weights", name
 
 
 def test_a_group_call_names_its_ranks_deadline_and_arguments_in_its_error(monkeypatch):
@@ -43,12 +88,3 @@ def test_a_group_call_names_its_ranks_deadline_and_arguments_in_its_error(monkey
     assert seen == [(2, "the critic ranks' training on rollout 3", 30.0, "--train-timeout"),
                     (1, "the critic ranks' publishing the checkpoint of rollout 3", 30.0, "--train-timeout"),
                     (2, "the critic ranks' plugin values")]
-
-
-def test_the_rollout_managers_fleet_verbs_exist_on_the_fleet():
-    verbs = {name: fn for name, fn in vars(RolloutManager.__ray_actor_class__).items()
-             if inspect.isfunction(fn) and fn.__doc__ and fn.__doc__.startswith("`EngineFleet.")}
-    assert len(verbs) == 11
-    for fn in verbs.values():
-        name = fn.__doc__.split("`")[1].split(".")[1]
-        assert hasattr(EngineFleet, name), name

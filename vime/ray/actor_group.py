@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -113,7 +114,7 @@ class TrainActor:
             logger.debug("%s rank %d: released %d bytes the weight transports kept", self.role, self.rank, released)
         return self.trainer.offload()
 
-    # checkpoints (save, save_hf, get_loaded_state: the trainer's own, see TRAINER_VERBS)
+    # checkpoints
     def publish_checkpoint(self, rollout_id: int, parts: list[str]) -> str:
         """Make iteration `rollout_id`, saved by every role in `parts`, the one a resume starts from."""
         megatron = MegatronConfig.of(self.args)
@@ -131,11 +132,79 @@ class TrainActor:
             self.weight_transports[kind] = make_sender(kind)
         return self.trainer.send_weights(self.weight_transports[kind], handle)
 
+    # the rank's trainer's own (`MegatronTrainer`'s methods of the same name)
+    def onload(self) -> int:
+        return self.trainer.onload()
+
+    def save(self, rollout_id: int, extra_state: dict | None = None) -> str:
+        return self.trainer.save(rollout_id, extra_state)
+
+    def save_hf(self, out_dir: str) -> str:
+        return self.trainer.save_hf(out_dir)
+
+    def get_loaded_state(self) -> dict | None:
+        return self.trainer.get_loaded_state()
+
+    def set_plugin_values(self, values: dict) -> None:
+        self.trainer.set_plugin_values(values)
+
+    def compute_kind(self) -> tuple[str, str]:
+        return self.trainer.compute_kind()
+
+    def probe_log_probs(self, tokens: list[int], response_length: int, temperature: float | None = None,
+                        adapter: str | None = None) -> list[float]:
+        return self.trainer.probe_log_probs(tokens, response_length, temperature, adapter)
+
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupCall:
+    """How a `RayTrainGroup` verb runs `TrainActor.<verb>(...)`: on every rank or on rank 0 alone, under
+    --train-timeout (work) or the control deadline (a read or a flip of state), the ranks' answers combined by
+    `reduce`. `what` names the call in a deadline's or a failure's error, formatted with the call's arguments
+    ({0}: the first)."""
+
+    what: str
+    ranks: str = "all"  # "all" | "first"
+    deadline: str = "work"  # "work": --train-timeout | "control": CONTROL_TIMEOUT
+    reduce: Callable[[list], Any] = list
+
+
+def group_call(what: str, ranks: str = "all", deadline: str = "work", reduce: Callable[[list], Any] = list):
+    """Declares a `RayTrainGroup` method that calls the `TrainActor` method of the same name on its ranks (see
+    `GroupCall`). The declared method's signature and docstring are the verb's; its body is not run."""
+    spec = GroupCall(what, ranks, deadline, reduce)
+
+    def declare(stub):
+        verb = stub.__name__
+
+        @functools.wraps(stub)
+        def call(self: RayTrainGroup, *args, **kwargs):
+            actors = self.actors if spec.ranks == "all" else self.actors[:1]
+            refs = [getattr(actor, verb).remote(*args, **kwargs) for actor in actors]
+            what = f"the {self.role} ranks' {spec.what.format(*args, **kwargs)}"
+            if spec.deadline == "control":
+                return spec.reduce(control(refs, what))
+            return spec.reduce(gather(refs, what, JobConfig.of(self.args).train_timeout, "--train-timeout"))
+
+        call.group_call = spec
+        return call
+
+    return declare
+
+
+def _first_nonempty(results: list[dict]) -> dict:
+    """The ranks' answers -> the one that reports (the last pipeline stage's first rank), or {}."""
+    return next((r for r in results if r), {})
+
+
+def _first(results: list):
+    return results[0]
 
 
 class RayTrainGroup:
-    """One `TrainActor` per rank of a role. Its verbs are declared in `GROUP_CALLS` (made into methods below: which
-    ranks, which deadline, how the answers combine); PPO's value hand-offs, which pass refs on, are written out."""
+    """One `TrainActor` per rank of a role. Its verbs are declared with `@group_call` (which ranks, which deadline,
+    how the answers combine); PPO's value hand-offs, which pass refs on, are written out."""
 
     def __init__(self, args, placement=None, role: str = "actor"):
         placement_flags = PlacementConfig.of(args)
@@ -159,6 +228,50 @@ class RayTrainGroup:
         """Start building every rank's model; the refs resolve when they are built."""
         master_addr, master_port = control(self.actors[0].address.remote(), f"{self.role} rank 0's address")
         return [a.init.remote(master_addr, master_port, total_steps) for a in self.actors]
+
+    # every rank trains together; the metrics come from the last pipeline stage's first rank
+    @group_call("training on rollout {0}", reduce=_first_nonempty)
+    def train(self, rollout_id: int, handle) -> dict:
+        """Every rank trains on the rollout behind `handle`."""
+
+    @group_call("offload (--offload-train)")
+    def offload(self) -> list[int]:
+        """Every rank's state to host memory; the bytes each moved."""
+
+    @group_call("onload (--offload-train)")
+    def onload(self) -> list[int]:
+        """Every rank's state back on its device."""
+
+    @group_call("checkpoint save of rollout {0}")
+    def save(self, rollout_id: int, extra_state: dict | None = None) -> list[str]:
+        """Every rank saves its part of iteration `rollout_id`."""
+
+    @group_call("HF save into {0}")
+    def save_hf(self, out_dir: str) -> list[str]:
+        """The policy as an HF checkpoint (collective)."""
+
+    # files only, on the trainers' node (which sees --save)
+    @group_call("publishing the checkpoint of rollout {0}", ranks="first", reduce=_first)
+    def publish_checkpoint(self, rollout_id: int, parts: list[str]) -> str:
+        """Make iteration `rollout_id` the one a resume starts from."""
+
+    @group_call("loaded state", deadline="control")
+    def get_loaded_state(self) -> list[dict | None]:
+        """What each rank loaded from --load (None: nothing)."""
+
+    # the run-time values every rank's custom functions see in `args` (vime.utils.plugin_args)
+    @group_call("plugin values", deadline="control", reduce=lambda _: None)
+    def set_plugin_values(self, values: dict) -> None:
+        """Every rank's custom functions see `values` in their `args`."""
+
+    @group_call("the weight check's probe forward")
+    def probe_log_probs(self, tokens: list[int], response_length: int, temperature: float | None = None,
+                        adapter: str | None = None) -> list[list[float]]:
+        """Each rank's log-probs of the probe's response ([] off the last pipeline stage)."""
+
+    @group_call("dtype and device", ranks="first", reduce=lambda results: tuple(results[0]))
+    def compute_kind(self) -> tuple[str, str]:
+        """(dtype, device type) the ranks compute in, as rank 0 reports it."""
 
     # PPO. Values and returns pass between the groups as object refs: the driver never fetches them.
     def compute_values(self, handle) -> list[ray.ObjectRef]:
@@ -185,90 +298,11 @@ class RayTrainGroup:
         self.actors = []
 
 
-def _first_nonempty(results: list[dict]) -> dict:
-    """The ranks' answers -> the one that reports (the last pipeline stage's first rank), or {}."""
-    return next((r for r in results if r), {})
-
-
 def _merged(parts) -> dict | None:
     merged = {}
     for part in parts:
         merged.update(part)
     return merged or None
-
-
-# ---- the actor's verbs that are the trainer's own, and how the group calls each verb -----------------------------
-# TrainActor.<verb>(...) is MegatronTrainer.<verb>(...) on that rank
-TRAINER_VERBS = ("save", "save_hf", "onload", "get_loaded_state", "set_plugin_values", "probe_log_probs",
-                 "compute_kind")
-
-
-def _to_trainer(verb: str):
-    def call(self, *args, **kwargs):
-        return getattr(self.trainer, verb)(*args, **kwargs)
-
-    call.__name__ = call.__qualname__ = verb
-    call.__doc__ = f"This rank's `MegatronTrainer.{verb}`."
-    return call
-
-
-for _verb in TRAINER_VERBS:
-    setattr(TrainActor, _verb, _to_trainer(_verb))
-
-
-@dataclasses.dataclass(frozen=True)
-class GroupCall:
-    """How `RayTrainGroup.<verb>(...)` runs `TrainActor.<verb>(...)`: on every rank or on rank 0 alone, under
-    --train-timeout (work) or the control deadline (a read or a flip of state), the ranks' answers combined by
-    `reduce`. `what` names the call in a deadline's or a failure's error, formatted with the call's arguments
-    ({0}: the first)."""
-
-    what: str
-    ranks: str = "all"  # "all" | "first"
-    deadline: str = "work"  # "work": --train-timeout | "control": CONTROL_TIMEOUT
-    reduce: Callable[[list], Any] = list
-
-
-def _first(results: list):
-    return results[0]
-
-
-GROUP_CALLS = {
-    # all ranks train together; the metrics come from the last pipeline stage's first rank
-    "train": GroupCall("training on rollout {0}", reduce=_first_nonempty),
-    "offload": GroupCall("offload (--offload-train)"),
-    "onload": GroupCall("onload (--offload-train)"),
-    "save": GroupCall("checkpoint save of rollout {0}"),
-    "save_hf": GroupCall("HF save into {0}"),
-    # files only, on the trainers' node (which sees --save)
-    "publish_checkpoint": GroupCall("publishing the checkpoint of rollout {0}", ranks="first",
-                                    reduce=_first),
-    "get_loaded_state": GroupCall("loaded state", deadline="control"),
-    # the run-time values every rank's custom functions see in `args` (vime.utils.plugin_args)
-    "set_plugin_values": GroupCall("plugin values", deadline="control", reduce=lambda _: None),
-    "probe_log_probs": GroupCall("the weight check's probe forward"),
-    # (dtype, device type) the training ranks compute in, as rank 0 reports it
-    "compute_kind": GroupCall("dtype and device", ranks="first", reduce=lambda results: tuple(results[0])),
-}
-
-
-def _group_call(verb: str, spec: GroupCall):
-    def call(self: RayTrainGroup, *args, **kwargs):
-        job = JobConfig.of(self.args)
-        actors = self.actors if spec.ranks == "all" else self.actors[:1]
-        refs = [getattr(actor, verb).remote(*args, **kwargs) for actor in actors]
-        what = f"the {self.role} ranks' {spec.what.format(*args, **kwargs)}"
-        if spec.deadline == "control":
-            return spec.reduce(control(refs, what))
-        return spec.reduce(gather(refs, what, job.train_timeout, "--train-timeout"))
-
-    call.__name__ = call.__qualname__ = verb
-    call.__doc__ = f"`TrainActor.{verb}` on {'every rank' if spec.ranks == 'all' else 'rank 0'}: {spec.what}."
-    return call
-
-
-for _verb, _spec in GROUP_CALLS.items():
-    setattr(RayTrainGroup, _verb, _group_call(_verb, _spec))
 
 
 def critic_args(args):

@@ -11,7 +11,6 @@ service, counters) that rollout code reads (`vime.rollout.context`).
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ from vime.data.prompt_dataset import load_prompt_file, load_prompt_samples
 from vime.data.slime_data_source import SlimeDataSource
 from vime.environments.judge import JudgeGroup, judge_engine_args
 from vime.environments.mixture import environment_eval_sources, environment_source, load_environments
+from vime.backends.vllm_utils import client
 from vime.backends.weight_transport.check import probe_tokens
 from vime.config.agents import EnvironmentConfig, JudgeConfig
 from vime.config.rollout import (DataBufferConfig, EnginesConfig, EvalConfig, FaultToleranceConfig, PromptDataConfig,
@@ -127,19 +127,6 @@ def save_copy(what: str, save, *args) -> bool:
         return False
 
 
-def _fleet_verb(name: str, concurrency_group: str | None = None):
-    """A RolloutManager method that is `EngineFleet.<name>(...)`, or a copy of the attribute `name` (a list, a
-    URL) where it is not a method."""
-
-    def verb(self, *args, **kwargs):
-        value = getattr(self.fleet, name)
-        return value(*args, **kwargs) if callable(value) else copy.copy(value)
-
-    verb.__name__ = verb.__qualname__ = name
-    verb.__doc__ = f"`EngineFleet.{name}` of this manager's fleet."
-    return ray.method(concurrency_group=concurrency_group)(verb) if concurrency_group else verb
-
-
 def log_dir(args) -> Path:
     """Where the engines' and the router's logs go."""
     job = JobConfig.of(args)
@@ -233,19 +220,50 @@ class RolloutManager:
                 env.close()
             self.context.close()  # reward workers, the agents' endpoint
 
-    # The fleet's own verbs (EngineFleet's methods of the same name, unless named). In the "weights" group: beside a
-    # rollout in progress; an in-flight update (train_async) asks for the engines first, then applies.
-    engine_pids = _fleet_verb("engine_pids")
-    get_engine_urls = _fleet_verb("engine_urls", concurrency_group="weights")
-    get_live_engine_urls = _fleet_verb("live_engine_urls", concurrency_group="weights")  # after a probe of each
-    get_router_url = _fleet_verb("router_url")
-    sleep = _fleet_verb("sleep")
-    wake_up = _fleet_verb("wake_up")  # tags of the engines' memory ("weights", "kv_cache"), or all of it
-    apply_weights = _fleet_verb("apply_weights", concurrency_group="weights")
-    set_recovery_weights = _fleet_verb("set_recovery_weights")
-    engine_restarts = _fleet_verb("engine_restarts")
-    router_restarts = _fleet_verb("router_restarts")
-    probe_log_probs = _fleet_verb("probe_log_probs")
+    # The fleet's own verbs. In the "weights" group: beside a rollout in progress; an in-flight update (train_async)
+    # asks for the engines first, then applies.
+    def engine_pids(self) -> list[int]:
+        """Each engine's server process id."""
+        return self.fleet.engine_pids()
+
+    @ray.method(concurrency_group="weights")
+    def get_engine_urls(self) -> list[str]:
+        return list(self.fleet.engine_urls)
+
+    @ray.method(concurrency_group="weights")
+    def get_live_engine_urls(self) -> list[str]:
+        """The engines in service, after a probe of each."""
+        return self.fleet.live_engine_urls()
+
+    def get_router_url(self) -> str | None:
+        return self.fleet.router_url
+
+    def sleep(self) -> None:
+        """--offload-rollout: every engine frees its device memory."""
+        self.fleet.sleep()
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """The engines' memory back: `tags` ("weights", "kv_cache"), or all of it."""
+        self.fleet.wake_up(tags)
+
+    @ray.method(concurrency_group="weights")
+    def apply_weights(self, transport, handle, version: int, recovery_dir: str | None = None,
+                      pause_mode: str = "wait") -> dict[str, float]:
+        """Every engine loads `transport`'s update as weight `version` (`EngineFleet.apply_weights`)."""
+        return self.fleet.apply_weights(transport, handle, version, recovery_dir, pause_mode)
+
+    def set_recovery_weights(self, path: str) -> None:
+        self.fleet.set_recovery_weights(path)
+
+    def engine_restarts(self) -> int:
+        return self.fleet.engine_restarts()
+
+    def router_restarts(self) -> int:
+        return self.fleet.router_restarts()
+
+    def probe_log_probs(self, tokens: list[int], model: str = client.SERVED_MODEL) -> list[list[float]]:
+        """Every engine's prompt log-probs of `tokens` (--check-weight-update-equal)."""
+        return self.fleet.probe_log_probs(tokens, model)
 
     def probe_tokens(self) -> list[int]:
         return probe_tokens(len(self.tokenizer))
