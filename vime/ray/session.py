@@ -45,7 +45,7 @@ class TrainingSession:
         self.overlap = overlap  # training and generation run at the same time (train_async): they split the CPUs
         self.use_engines = not self.config.debug.debug_train_only
         self.train_enabled = not self.config.debug.debug_rollout_only
-        self.manager = self.trainers = self.metrics = None
+        self.manager = self.trainers = self.metrics = self.placement = None
         self.engines: list = []  # the engine actors made for the manager (`new_engines`)
         self.weight_version = 0
         self.transport = make_transport(self.config.data_buffer)  # stored rollouts: replayed after a crash, then let go
@@ -80,8 +80,7 @@ class TrainingSession:
                                    use_critic=config.algorithm.use_critic, with_engines=self.use_engines,
                                    with_trainers=self.train_enabled, overlap=self.overlap)
         if len(set(self.placement.bundle_nodes)) > 1:
-            logger.info("placement over %d nodes: %s", len(set(self.placement.bundle_nodes)),
-                        self.placement.describe())
+            logger.info("placement over %d nodes: %s", len(set(self.placement.bundle_nodes)), self.placement.describe())
         token = run_control_token(args)
         # the engines' actors first: they boot beside the manager's, which takes them over
         self.engines = new_engines(args, self.placement, log_dir(args), token)  # none with --debug-train-only
@@ -93,9 +92,8 @@ class TrainingSession:
         return self
 
     def _start_ray_checking_the_model(self) -> None:
-        """Ray starts while the model's architecture and layout are checked against its config (transformers'
-        imports, ~3 s here, on the path of every run's start otherwise); nothing of the run starts before the
-        check passes."""
+        """Ray starts while the model is checked against its config (transformers' imports, ~3 s here); nothing of
+        the run starts before the check passes."""
         with ThreadPoolExecutor(1, thread_name_prefix="model-check") as pool:
             checked = pool.submit(check_model_args, self.args)
             init_ray(self.config.job, self.config.placement, self.config.engines, self.config.judge)
@@ -200,16 +198,16 @@ class TrainingSession:
                     "restoring the data source's position")
 
     def generate(self, rollout_id: int):
-        """Start rollout `rollout_id` (replayed from storage when a crashed run stored it); returns an ObjectRef
-        for `collect`: the caller decides when to wait."""
+        """Start rollout `rollout_id` (replayed from storage when a crashed run stored it): an ObjectRef for
+        `collect`."""
         if rollout_id in self.replay:
             self.replayed.add(rollout_id)
             return ray.put(self.replay.pop(rollout_id))
         return self.manager.generate.remote(rollout_id)
 
     def collect(self, pending) -> tuple[RolloutRef, dict[str, float]]:
-        """Wait for a rollout from `generate`, at most --rollout-timeout: (its RolloutRef, its metrics). The
-        samples stay in the transport until the training ranks read them."""
+        """Wait for a rollout from `generate`, at most --rollout-timeout: (its RolloutRef, its metrics); the samples
+        stay in the transport for the training ranks."""
         rollout = self._wait_for_rollout(pending, "rollout")
         self.data_state_after[rollout.rollout_id] = rollout.extra.get("data_source")
         metrics = dict(rollout.extra.get("metrics") or {})
@@ -284,9 +282,8 @@ class TrainingSession:
         return metrics
 
     def _skip_rollout(self, rollout: RolloutRef) -> dict[str, float] | None:
-        """A rollout the rollout manager judged untrainable (`skip_reason`: too many failed samples, see
-        `vime.ray.health.FailedRollouts`) is not trained on (no optimizer or scheduler step) and is let go from
-        storage, as nothing will replay it; returns its metrics row's entries, or None to train on it."""
+        """A rollout judged untrainable (`skip_reason`, `vime.ray.health.FailedRollouts`) is not trained on and is
+        let go from storage (nothing will replay it); returns its metrics row's entries, or None to train on it."""
         reason = rollout.extra.get("skip_reason")
         if reason is None:
             return None
@@ -299,8 +296,7 @@ class TrainingSession:
     def _train_step(self, rollout: RolloutRef) -> dict[str, float]:
         if self.critic is None:
             return self.trainers.train(rollout.rollout_id, rollout.handle)
-        # PPO: critic values -> actor (GAE advantages, returns) -> critic regression on the returns; values and
-        # returns go from actor to actor as object refs, the driver never fetches them
+        # PPO: critic values -> actor (GAE, returns) -> critic regression; refs pass between actors, never fetched
         values = self.critic.compute_values(rollout.handle)
         metrics, returns = self.trainers.train_with_values(rollout.rollout_id, rollout.handle, values)
         metrics.update(self.critic.train_critic(rollout.rollout_id, rollout.handle, values, returns))
@@ -310,15 +306,14 @@ class TrainingSession:
         """New training actors from the last checkpoint, retrained on the stored rollouts after it up to
         `trained_through`, so they hold what the dead ones did. Needs straw and --save; else the run stops with an
         error that says how to resume."""
-        if not (self.transport.durable and self.config.megatron.save):
-            resume = (f"start the run again with --load {self.config.megatron.save} to resume from its last checkpoint"
-                      if self.config.megatron.save
+        save = self.config.megatron.save
+        if not (self.transport.durable and save):
+            resume = (f"start the run again with --load {save} to resume from its last checkpoint" if save
                       else "it has no --save, so no checkpoint to resume from")
             raise RuntimeError(f"the training actors died ({type(error).__name__}: {error}). A run replaces them by "
                                "itself only with --rollout-data-transport straw and --save; this one stops: "
                                f"{resume}") from error
-        logger.error("training actors died (%s); restarting them from the last checkpoint in %s",
-                     type(error).__name__, self.config.megatron.save)
+        logger.error("training actors died (%s); restarting them from %s", type(error).__name__, save)
         for group in self._train_groups():
             group.shutdown()
         self.critic = None
@@ -391,8 +386,13 @@ class TrainingSession:
             elif self.manager is not None:
                 ray.get(self.manager.shutdown.remote(), timeout=120)
         finally:
+            # the cluster may outlive the run (--ray-address, a process that runs several): nothing of it stays
+            for actor in [a for a in (self.manager, *self.engines) if a is not None]:
+                ray.kill(actor)
             for group in self._train_groups():
                 group.shutdown()
+            if self.placement is not None:
+                self.placement.release()
             if curve is not None:
                 curve.join()
             self.transport.close()
