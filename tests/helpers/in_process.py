@@ -14,26 +14,38 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 ENTRIES = {"train.py": "train", "train_async.py": "train_async"}
 CLUSTER_CPUS = 16  # logical: enough slots for any e2e layout (ranks + engines + judges + the manager)
+_PLUGINS = Path(tempfile.gettempdir()) / f"vime-test-plugins-{os.getpid()}"  # this test process's
+
+
+def plugin_dir() -> Path:
+    """A directory on the shared cluster's import path and this process's (the run checks its function paths here),
+    for a test's own plugin modules (a unique name each)."""
+    _PLUGINS.mkdir(mode=0o700, exist_ok=True)
+    if str(_PLUGINS) not in sys.path:
+        sys.path.append(str(_PLUGINS))
+    return _PLUGINS
 
 
 def shared_cluster() -> None:
     """Start the package's Ray cluster unless one is up (`vime.ray.placement.start_local_ray`: the run's own path).
-    Its workers import from the repository and from tests/e2e (the test plugins), as a run's subprocess given that
-    PYTHONPATH would: a worker takes the environment the cluster started with, not a run's."""
+    Its workers import from the repository, tests/e2e (the test plugins) and `plugin_dir()`, as a run's subprocess
+    given that PYTHONPATH would: a worker takes the environment the cluster started with, not a run's."""
     import ray
 
     from vime.ray.placement import start_local_ray
 
     if not ray.is_initialized():
         saved = os.environ.get("PYTHONPATH")
-        paths = [str(REPO), str(REPO / "tests" / "e2e"), saved or ""]
+        paths = [str(REPO), str(REPO / "tests" / "e2e"), str(plugin_dir()), saved or ""]
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
         try:
             start_local_ray(CLUSTER_CPUS)
@@ -51,6 +63,7 @@ def stop_shared_cluster() -> None:
 
     if ray.is_initialized():
         shutdown_ray()
+    shutil.rmtree(_PLUGINS, ignore_errors=True)
 
 
 def run_train(cmd: list[str]) -> None:
