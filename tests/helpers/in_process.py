@@ -1,5 +1,5 @@
 """train.py and train_async.py run inside the test process, through the same `train(args)` a subprocess runs, on one
-local Ray cluster the tests of a package share: no interpreter start, imports, Ray start and Ray stop per run (about
+local Ray cluster the tests of a directory share: no interpreter start, imports, Ray start and Ray stop per run (about
 6 s of a tiny run's 17 here). What only a process can show (a crash, SIGKILL and resume, exit codes, flag errors
 on stderr, the README commands) keeps its subprocess.
 
