@@ -28,15 +28,6 @@ def arithmetic_data(tmp_path_factory) -> tuple[Path, Path]:
     return write_arithmetic_data(tmp_path_factory.mktemp("arith"), n_train=64, n_eval=16, seed=0)
 
 
-def pytest_runtest_teardown(item, nextitem):
-    """The Ray cluster the in-process runs share (tests/helpers/in_process.py) stops where its directory's tests
-    end (tests/e2e, tests/plugin_contracts), before tests that start clusters of their own."""
-    if nextitem is None or Path(nextitem.path).parent != Path(item.path).parent:
-        from tests.helpers.in_process import stop_shared_cluster
-
-        stop_shared_cluster()
-
-
 _exit_status: list[int] = []
 
 

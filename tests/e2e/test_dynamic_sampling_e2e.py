@@ -11,6 +11,7 @@ vary, so groups finish at different times and some are still generating when the
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -22,7 +23,6 @@ from tests.helpers.advantage_reference import check_grpo_stats
 from vime.rollout.debug_data import load_rollout
 from vime.utils.plot import SERIES_KEY
 from vime.utils.types import Sample
-from tests.helpers.in_process import run_train
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
@@ -47,7 +47,8 @@ def run(tiny_qwen3, arithmetic_data, tmp_path_factory):
            "--eval-function-path", "vime.rollout.vllm_rollout.generate_rollout", "--n-samples-per-eval-prompt", "2",
            "--eval-max-response-len", "8", "--save-debug-rollout-data", str(out / "rollout_{rollout_id}.jsonl"),
            "--output-dir", str(out / "run"), "--vllm-enforce-eager", "--vllm-max-model-len", "256"]
-    run_train(cmd)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-6000:]
     records = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
     rollouts = [load_rollout(str(out / "rollout_{rollout_id}.jsonl"), i) for i in range(NUM_ROLLOUT)]
     return out, records, rollouts, stack_pids()
@@ -129,7 +130,8 @@ def test_saved_rollouts_replay_to_the_same_training(run, tiny_qwen3):
            "--load-debug-rollout-data", str(out / "rollout_{rollout_id}.jsonl"), "--rm-type", "random",
            "--rollout-batch-size", str(BATCH), "--n-samples-per-prompt", str(GROUP), "--num-rollout", str(NUM_ROLLOUT),
            "--micro-batch-size", "8", "--lr", "1e-3", "--output-dir", str(replay)]
-    run_train(cmd)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-6000:]
     replayed = _by_rollout([json.loads(line) for line in (replay / "metrics.jsonl").read_text().splitlines()],
                            "train/steps")
     original = _by_rollout(records, "train/steps")

@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.processes import stack_pids
-from tests.helpers.in_process import run_train
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
@@ -30,7 +29,8 @@ RG_ARGS = {"chain_sum": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_d
 
 def _run(cmd, timeout=900):
     assert not stack_pids(), "engine or router processes are already running"
-    run_train(cmd)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-6000:]
     deadline = time.monotonic() + 10  # an engine core may still be exiting when the driver returns
     while stack_pids() and time.monotonic() < deadline:
         time.sleep(0.5)

@@ -7,6 +7,8 @@ training relies on, and the trainer's log-probs of the recorded tokens must matc
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -15,7 +17,6 @@ import pytest
 from tests.e2e.processes import stack_pids
 from vime.rollout.debug_data import load_rollout
 from vime.utils.types import Sample
-from tests.helpers.in_process import run_train
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
@@ -34,7 +35,9 @@ def _run(entry: str, model: Path, data: Path, out: Path, agent_module: str, num_
            "--vllm-dtype", "float32", "--vllm-max-model-len", "256",
            "--save-debug-rollout-data", str(out / "rollouts" / "{rollout_id}.jsonl"), "--output-dir", str(out),
            *extra]
-    run_train(cmd)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}  # the Ray rollout process imports the example's agent
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
+    assert proc.returncode == 0, proc.stderr[-6000:]
     assert not stack_pids(), "engine or router processes outlived the run"
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 

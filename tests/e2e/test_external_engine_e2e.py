@@ -24,7 +24,6 @@ import torch
 from tests.e2e.processes import stack_pids
 from tests.helpers.hf_reference import load_hf, response_log_probs
 from tests.helpers.http_calls import http_status
-from tests.helpers.in_process import run_train
 from vime.rollout.debug_data import load_rollout
 from vime.utils.misc import find_free_port
 from vime.utils.process import kill_tree, wait_until
@@ -59,8 +58,9 @@ def test_external_engine_is_registered_updated_and_verified(tiny_qwen3, arithmet
                "--rollout-external-engine-addrs", f"127.0.0.1:{port}", "--control-token-file", str(token_file),
                "--check-weight-update-equal", "--save-debug-rollout-data", str(out / "rollout_{rollout_id}.jsonl"),
                "--save-hf", str(out / "final_hf"), "--output-dir", str(out / "run")]
-        run_train(cmd)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
         assert server.poll() is None, (tmp_path / "server.log").read_text()[-4000:]
+        assert proc.returncode == 0, proc.stderr[-6000:]
         assert http_status(f"{url}/pause", "POST") in (401, 403)  # the token's middleware is in front of it
 
         records = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]

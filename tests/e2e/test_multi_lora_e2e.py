@@ -14,16 +14,17 @@ off by far more); after every update each engine serves each adapter with the tr
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.e2e.crash_hold_plugin import held_run_env
 from tests.e2e.multi_lora_rewards import high_share
 from tests.e2e.processes import stack_pids
 from vime.rollout.debug_data import load_rollout
 from vime.utils.lora_adapters import ADAPTER_KEY
-from tests.helpers.in_process import run_train
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
@@ -61,7 +62,8 @@ def test_two_adapters_learn_opposite_tasks_on_one_base(tiny_qwen3, arithmetic_da
            "--micro-batch-size", "16", "--lr", "1e-2", "--check-weight-update-equal",
            "--save-debug-rollout-data", str(tmp_path / "rollout_{rollout_id}.jsonl"),
            "--output-dir", str(tmp_path / "run"), "--vllm-enforce-eager", "--vllm-max-model-len", "256"]
-    run_train(cmd)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO, env=held_run_env())
+    assert proc.returncode == 0, proc.stderr[-6000:]
     assert not stack_pids(), f"processes left after the run: {stack_pids()}"
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
 

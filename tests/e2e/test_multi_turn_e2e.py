@@ -17,6 +17,7 @@ tokens the model never sampled: the stored ids there are still the sampled ones 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -27,7 +28,6 @@ import pytest
 import torch
 
 from tests.e2e.processes import stack_pids
-from tests.helpers.in_process import plugin_dir, run_train
 from tests.helpers.browser import dump_dom, parse_page
 from tests.helpers.trainer_runs import BASE_ARGV, launch
 from vime.data.saved_rollouts import match_train_records, read_train_records
@@ -71,7 +71,7 @@ PLUGIN = textwrap.dedent(f'''
 def episodes(tiny_qwen3, arithmetic_data, tmp_path_factory):
     assert not stack_pids(), "engine or router processes are already running"
     out = tmp_path_factory.mktemp("multi_turn_e2e")
-    (plugin_dir() / "mt_plugin.py").write_text(PLUGIN)
+    (out / "mt_plugin.py").write_text(PLUGIN)
     cmd = [
         sys.executable, str(REPO / "train.py"),
         "--hf-checkpoint", str(tiny_qwen3), "--prompt-data", str(arithmetic_data[0]), "--label-key", "label",
@@ -82,7 +82,9 @@ def episodes(tiny_qwen3, arithmetic_data, tmp_path_factory):
         "--save-debug-rollout-data", str(out / "rollout_{rollout_id}.jsonl"), "--output-dir", str(out / "run"),
         "--vllm-enforce-eager", "--vllm-dtype", "float32", "--vllm-max-model-len", "512",
     ]
-    run_train(cmd)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(out), str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
+    assert proc.returncode == 0, proc.stderr[-6000:]
     samples = [s for g in load_rollout(str(out / "rollout_{rollout_id}.jsonl"), 0) for s in g]
     return samples, stack_pids(), out
 

@@ -25,7 +25,6 @@ import pytest
 
 from tests.e2e.processes import stack_pids
 from vime.environments.verifiers_process import DEFAULT_PYTHON
-from tests.helpers.in_process import run_train
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(not os.access(DEFAULT_PYTHON, os.X_OK),
                                                   reason="no .venv-verifiers (bash scripts/install.sh makes it)")]
@@ -105,7 +104,9 @@ def test_verifiers_single_turn_and_tool_environments_mixture(tiny_qwen3, tmp_pat
            "--micro-batch-size", "4", "--lr", "1e-2", "--check-weight-update-equal",
            "--save-debug-rollout-data", str(tmp_path / "rollout_{rollout_id}.jsonl"),
            "--output-dir", str(tmp_path / "run"), "--vllm-enforce-eager", "--vllm-max-model-len", "512"]
-    run_train(cmd)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}  # the bridges import the environments from the repository
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO, env=env)
+    assert proc.returncode == 0, proc.stderr[-6000:]
     deadline = time.monotonic() + 10  # an engine core may still be exiting when the driver returns
     while stack_pids() and time.monotonic() < deadline:
         time.sleep(0.5)

@@ -10,13 +10,13 @@ where and when slime calls it. One run per entry point."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from vime.rollout.debug_data import load_rollout
-from tests.helpers.in_process import run_train
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
@@ -33,7 +33,8 @@ def _run(entry: str, model: Path, data: Path, out: Path, *extra: str) -> list[di
            "--rollout-max-response-len", "8", "--micro-batch-size", "4", "--lr", "1e-3",
            "--save-debug-rollout-data", str(out / "rollout_{rollout_id}.jsonl"), "--output-dir", str(out / "run"),
            "--vllm-enforce-eager", "--vllm-max-model-len", "256", *extra]
-    run_train(cmd)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-6000:]
     return [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
 
 

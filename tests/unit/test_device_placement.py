@@ -81,7 +81,7 @@ LOSS_VARIANTS = {
 def test_policy_loss_takes_the_batch_on_the_models_device(tiny_qwen3, megatron_world, variant):
     """Before: advantages, old / reference / rollout log-probs and a custom loss's batch stayed on the CPU next
     to CUDA log-probs ("Expected all tensors to be on the same device"; here: "... expected device meta")."""
-    from vime.trainer.loss import make_loss_fn
+    from vime.trainer.micro_batch_loss import make_loss_fn
 
     extra, values = LOSS_VARIANTS[variant]
     args = _args(tiny_qwen3, *extra, **values)
@@ -102,7 +102,7 @@ def test_policy_loss_takes_the_batch_on_the_models_device(tiny_qwen3, megatron_w
 
 def test_rollout_gap_counts_trained_tokens_only():
     """The train/inference gap metric without boolean indexing (no host sync): the same numbers."""
-    from vime.trainer.loss import rollout_gap
+    from vime.trainer.micro_batch_loss import rollout_gap
 
     lps = [torch.tensor([-1.0, -2.0, -3.0]), torch.tensor([-0.5]), torch.tensor([-4.0, -1.0])]
     rollout = [torch.tensor([-1.5, float("nan"), -3.25]), None, torch.tensor([-4.0, -0.25])]

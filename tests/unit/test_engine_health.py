@@ -197,6 +197,32 @@ def test_the_session_does_not_train_on_a_skipped_rollout_and_lets_it_go():
         session.train(RolloutRef("handle", {"rollout_id": 8}))
 
 
+@pytest.mark.parametrize("stuck", [False, True])
+def test_the_sessions_exit_leaves_nothing_on_the_cluster(monkeypatch, stuck):
+    """A cluster can outlive the run (--ray-address, or a process that runs several): the exit kills the rollout
+    manager (asked to shut down first, unless a rollout left it stuck) and the engines made for it, shuts the
+    trainers down and gives the placement group back. Before, a second run in one process hung for devices."""
+    from types import SimpleNamespace
+
+    from vime.ray import session as session_module
+    from vime.ray.session import TrainingSession
+
+    killed, calls = [], []
+    monkeypatch.setattr(session_module.ray, "kill", killed.append)
+    monkeypatch.setattr(session_module.ray, "get", lambda ref, timeout=None: calls.append(ref))
+    manager = SimpleNamespace(shutdown=SimpleNamespace(remote=lambda: "manager shutdown"))
+    session = TrainingSession.__new__(TrainingSession)  # no Ray: only what __exit__ reads
+    session.metrics, session.critic = None, None
+    session.manager, session.manager_stuck, session.engines = manager, stuck, ["engine 0", "engine 1"]
+    session.trainers = SimpleNamespace(shutdown=lambda: calls.append("trainers"))
+    session.placement = SimpleNamespace(release=lambda: calls.append("placement"))
+    session.transport = SimpleNamespace(close=lambda: calls.append("transport"))
+    session.run_lock = SimpleNamespace(__exit__=lambda: calls.append("lock"))
+    session.__exit__(None, None, None)
+    assert killed == [manager, "engine 0", "engine 1"]
+    assert calls == ([] if stuck else ["manager shutdown"]) + ["trainers", "placement", "transport", "lock"]
+
+
 def test_external_engines_that_never_answer_are_named(tmp_path):
     """The run waits for servers the user started (they may still be loading) up to --engine-startup-timeout,
     then names the ones that never answered /health."""

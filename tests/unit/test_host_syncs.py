@@ -197,7 +197,7 @@ def test_the_guard_names_a_device_read_inside_a_step_and_not_a_host_read(tiny_qw
         with local_trainer(tiny_qwen3, "--custom-loss-function-path", "reading_loss_plugin.reading_loss") as t, \
                 HostSyncGuard(trainer_device_tensors(t)) as guard:
             t.train(0, groups)  # one step of 16 samples: 8 micro-batches of 2
-            read = "vime.trainer.loss:make_loss_fn.<locals>.loss_fn item"
+            read = "vime.trainer.micro_batch_loss:make_loss_fn.<locals>.loss_fn item"
             assert guard.counts()[read] == 8  # the device read, once a micro-batch; the host read: never
             with pytest.raises(AssertionError, match=f"not allowed in a training step: {{'{read}': 8}}"):
                 assert_syncs(guard, rollout_units(t, groups))

@@ -1,6 +1,6 @@
 """Rollout correction against hand-computed references: TIS and MIS at token, sequence and geometric-mean level,
 ICE-POP, AReaL's decoupled objective, bypass (--use-rollout-logprobs) and a custom TIS function with slime's
-signature, through the trainer's loss (vime/trainer/loss.py) with the log-probs given.
+signature, through the trainer's loss (vime/trainer/micro_batch_loss.py) with the log-probs given.
 
 Two samples, eps_clip 0.2, probabilities (current pi / old = proximal / engine = behaviour):
   A (advantage +1): pi [0.5, 0.3]        old [0.4, 0.3]        engine [0.2, 0.6]
@@ -71,7 +71,7 @@ def checkpoint(tmp_path):
 
 
 def _loss(monkeypatch, checkpoint, *flags, old_given=True):
-    from vime.trainer import loss as loss_module
+    from vime.trainer import micro_batch_loss as loss_module
     from vime.trainer.train_batch import TrainBatch
 
     args = parse_args(["--hf-checkpoint", checkpoint, "--prompt-data", f"{checkpoint}/prompts.jsonl", "--rm-type", "math", "--eps-clip", "0.2", *flags], check_model=False)

@@ -379,14 +379,12 @@ class TrainingSession:
             curve = threading.Thread(target=save_reward_curve, args=(self.config.job.output_dir,), name="reward-curve")
             curve.start()
         try:
-            if self.manager is not None and self.manager_stuck:
-                ray.kill(self.manager)  # its router and the engines it restarted go with it (its child, its actors);
-                for engine in self.engines:  # the engines made here for it do not
-                    ray.kill(engine)
-            elif self.manager is not None:
+            if self.manager is not None and not self.manager_stuck:  # a stuck one takes no call: it is killed below
                 ray.get(self.manager.shutdown.remote(), timeout=120)
         finally:
-            # the cluster may outlive the run (--ray-address, a process that runs several): nothing of it stays
+            # the manager (its router and the engines it restarted go with it), the engines made here for it, the
+            # trainers and the devices: nothing stays on a cluster that outlives the run (--ray-address, or a
+            # process that runs several)
             for actor in [a for a in (self.manager, *self.engines) if a is not None]:
                 ray.kill(actor)
             for group in self._train_groups():

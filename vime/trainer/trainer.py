@@ -32,10 +32,10 @@ from vime.backends.megatron_utils.model import setup_model_and_optimizer
 from vime.config.algorithm import AlgorithmConfig, DistillationConfig, RolloutCorrectionConfig
 from vime.config.run import JobConfig
 from vime.config.train import LoraConfig, MegatronConfig, TrainLoopConfig
-from vime.trainer.advantages import PER_TOKEN_ESTIMATORS, add_opd_rewards, compute_advantages
+from vime.trainer.batch_advantages import PER_TOKEN_ESTIMATORS, add_opd_rewards, compute_advantages
 from vime.trainer.batching import SplitRule, rank_share, split_rollout
 from vime.trainer.critic import attach_value_head, make_value_loss_fn
-from vime.trainer.loss import make_loss_fn, step_denominators
+from vime.trainer.micro_batch_loss import make_loss_fn, step_denominators
 from vime.trainer.moe_metrics import ExpertLoad, take_moe_losses
 from vime.trainer.non_finite import FiniteStepGuard, check_finite_parameters
 from vime.trainer.old_actor import OldActor, old_log_probs_by_version, sample_versions
