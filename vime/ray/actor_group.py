@@ -156,7 +156,6 @@ class TrainActor:
         return self.trainer.probe_log_probs(tokens, response_length, temperature, adapter)
 
 
-
 @dataclasses.dataclass(frozen=True)
 class GroupCall:
     """How a `RayTrainGroup` verb runs `TrainActor.<verb>(...)`: on every rank or on rank 0 alone, under

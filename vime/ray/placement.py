@@ -37,19 +37,15 @@ def init_ray(job: JobConfig, placement: PlacementConfig, engines: EnginesConfig,
         ray.init(address=job.ray_address, runtime_env={"env_vars": WORKER_ENV}, log_to_driver=True)
         warn_if_unauthenticated(job.ray_address)
         return
-    judges = judge.judge_num_engines if judge.judge_checkpoint else 0
-    ranks = placement.actor_num_nodes * placement.actor_num_gpus_per_node
-    start_local_ray(engines.rollout_num_gpus + ranks + judges + 2)
-
-
-def start_local_ray(slots: int) -> None:
-    """A Ray cluster of this machine's own, with at least `slots` logical CPUs (one per rank, engine and manager)."""
-    # Its workers inherit this process's environment. A runtime_env would cost every actor a round trip to Ray's
-    # runtime-env agent before its process starts (~1 s each, measured), on the engines' start-up path too.
+    # A local cluster's workers inherit this process's environment. A runtime_env would cost every actor a round
+    # trip to Ray's runtime-env agent before its process starts (~1 s each, measured), on the engines' start-up
+    # path too.
     for key, value in WORKER_ENV.items():
         os.environ.setdefault(key, value)
     # A local cluster stays on loopback: engines and their control routes are never exposed to a network. It is
     # the run's own (address "local"), never another Ray instance found on this machine.
+    judges = judge.judge_num_engines if judge.judge_checkpoint else 0
+    slots = engines.rollout_num_gpus + placement.actor_num_nodes * placement.actor_num_gpus_per_node + judges + 2
     # Ray runs its workers at nice 15 by default; ours are the processes that compute. Nor does it prestart idle
     # workers: a process each, started while the run starts and competing with it for the CPUs, that no actor of
     # the run would use (each actor starts its own).
@@ -124,7 +120,7 @@ class Placement:
                 for rank in range(self.ranks["engine"]):
                     self.engine_gpus(rank)  # an engine whose GPUs span nodes cannot start: say so now
             except ValueError:
-                ray.util.remove_placement_group(self.pg)
+                self.release()
                 raise
             self.cpu_shares = self._split_cpus(self.ranks, self.gpus_per_engine, overlap)
 
