@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import time
 
-from vime.ray.entry_point import engine_idle_fraction, exit_after_run, run_entry_point
-from vime.ray.session import TrainingSession
+from vime.driver.entry_point import engine_idle_fraction, exit_after_run, run_entry_point
+from vime.driver.session import TrainingSession
 from vime.utils.logging_utils import progress
 
 

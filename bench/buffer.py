@@ -24,7 +24,7 @@ sys.path.insert(0, str(REPO))
 
 
 def make_rollout(rollout_id: int, n: int, tokens: int) -> list[list[dict]]:
-    from vime.utils.types import Sample
+    from vime.data.sample import Sample
 
     rng = random.Random(rollout_id)
     response = tokens // 2
@@ -39,7 +39,7 @@ class Producer:
     """Builds the rollouts ahead of time (not timed), then pushes them through a transport when asked."""
 
     def __init__(self, data_buffer, num_rollouts: int, per_rollout: int, tokens: int):
-        from vime.data.transport import make_transport
+        from vime.transport.rollouts import make_transport
 
         self.transport = make_transport(data_buffer)
         self.rollouts = [make_rollout(i, per_rollout, tokens) for i in range(num_rollouts)]
@@ -59,7 +59,7 @@ class Producer:
 def bench(data_buffer, a) -> dict[str, float]:
     import ray
 
-    from vime.data.transport import make_transport
+    from vime.transport.rollouts import make_transport
 
     num_rollouts = a.samples // a.per_rollout
     producer = ray.remote(Producer).options(num_cpus=0).remote(data_buffer, num_rollouts, a.per_rollout, a.tokens)

@@ -109,8 +109,8 @@ class StandInEngine:
 
 
 class RayStandIn:
-    """Replaces `ray` in `vime.ray.engine_fleet` and `vime.ray.fleet_recovery`: no cluster, the stand-in engines
-    answer directly."""
+    """Replaces `ray` in `vime.rollout_manager.engine_fleet` and `vime.rollout_manager.fleet_recovery`: no cluster,
+    the stand-in engines answer directly."""
 
     @staticmethod
     def get(value, timeout=None):
@@ -185,7 +185,7 @@ def build_fleet(n: int, hosts: list[StandInHost], log_dir: Path, token):
     """vime's fleet over `n` stand-in engines (fault tolerance on: the path a large run takes), its router
     launched with no worker yet, as `EngineFleet.launch` leaves it."""
     from vime.arguments import parse_args
-    from vime.ray import engine_fleet, fleet_recovery
+    from vime.rollout_manager import engine_fleet, fleet_recovery
     from vime.rollout.context import RolloutContext
     from vime.utils.misc import find_free_port
 
@@ -221,7 +221,7 @@ def check_served(fleet, n: int) -> None:
 
 
 def raw_posts(urls: list[str], concurrency: int, headers: dict[str, str]) -> None:
-    from vime.backends.vllm_utils import client
+    from vime.engine.control import client
 
     def one(url):
         client.http().post(url + "/abort_requests", json={}, timeout=300, headers=headers).raise_for_status()
@@ -249,13 +249,13 @@ def raw_posts_asyncio(urls: list[str], concurrency: int, headers: dict[str, str]
 
 
 def fanout_limit(n: int) -> int:
-    from vime.backends.vllm_utils import client
+    from vime.engine.control import client
 
     return min(n, getattr(client, "CONTROL_FANOUT", n))
 
 
 def run_operations(fleet, n: int, repeats: int) -> dict[str, dict]:
-    from vime.backends.vllm_utils import client
+    from vime.engine.control import client
 
     samples: dict[str, list[dict]] = {op: [] for op in OPERATIONS}
     for i in range(repeats):

@@ -39,7 +39,7 @@ def codec(samples: int, tokens: int, repeats: int) -> None:
 
     from bench.buffer import make_rollout
     from vime.data.sample_codec import decode_rollout, encode_rollout
-    from vime.utils.types import check_sample_dict
+    from vime.data.sample import check_sample_dict
 
     groups = make_rollout(0, samples, tokens)
     ours = best_of(lambda: decode_rollout(encode_rollout(groups)), repeats)

@@ -43,15 +43,15 @@ def _state_bytes(trainer) -> tuple[int, int, int]:
 def bench_mode(label: str, argv: list[str], groups, work: Path, repeats: int) -> dict:
     from bench.weight_sync import update_once
     from vime.arguments import parse_args
-    from vime.backends.megatron_utils.hf_checkpoint import _unwrap
-    from vime.backends.megatron_utils.lora import adapted_linears
-    from vime.backends.megatron_utils.parallel import destroy_parallel
+    from vime.trainer.megatron.hf_checkpoint import _unwrap
+    from vime.trainer.megatron.lora import adapted_linears
+    from vime.trainer.megatron.parallel import destroy_parallel
     from vime.trainer.trainer import MegatronTrainer
-    from vime.backends.vllm_utils.engine import VLLMEngine
-    from vime.backends.weight_transport import make_driver, make_sender
-    from vime.backends.weight_transport.base import DriverSetup
+    from vime.engine.control.engine import VLLMEngine
+    from vime.transport.weights import make_driver, make_sender
+    from vime.transport.weights.base import DriverSetup
     from vime.config.train import LoraConfig, WeightSyncConfig
-    from vime.ray.weight_sync import sync_kind
+    from vime.driver.weight_sync import sync_kind
     from vime.utils.auth import RunToken
 
     args = parse_args(argv + ["--output-dir", str(work / label)])

@@ -63,9 +63,9 @@ def main() -> None:
     p.add_argument("--num-layers", type=int, default=4)
     a = p.parse_args()
 
-    from vime.backends.vllm_utils.arguments import router_args_from
-    from vime.backends.vllm_utils.engine import VLLMEngine
-    from vime.backends.vllm_utils.router import Router
+    from vime.engine.control.arguments import router_args_from
+    from vime.engine.control.engine import VLLMEngine
+    from vime.engine.control.router import Router
     from vime.data.data_source import RolloutDataSource
     from vime.data.prompt_dataset import load_prompt_samples
     from vime.rollout.context import reset_rollout_context

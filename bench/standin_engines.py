@@ -24,7 +24,7 @@ from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vime.in_vllm.route_auth import accepted_keys  # noqa: E402
+from vime.engine.in_vllm.route_auth import accepted_keys  # noqa: E402
 from vime.utils.auth import bearer_matches, serving_key  # noqa: E402
 
 ANSWERS = {

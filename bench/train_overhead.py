@@ -3,7 +3,7 @@ forward + backward + optimizer step on the same batch (a). Prints seconds per st
 
     .venv/bin/python bench/train_overhead.py [--samples 64 --tokens 128 --micro-batch-size 8 --repeats 5 --threads 1]
 
-Both use the model and optimizer of `vime.backends.megatron_utils.model.setup_model_and_optimizer`, the same
+Both use the model and optimizer of `vime.trainer.megatron.model.setup_model_and_optimizer`, the same
 HF weights, the same micro-batches (vime's own split) and Megatron's schedule. (a) has a plain inline
 cross-entropy on the response tokens; (b) adds everything vime does per step: samples to tensors, GRPO
 advantages, the PPO-clip loss with entropy and train/rollout log-prob metrics, metric reduction. One step per
@@ -28,7 +28,7 @@ sys.path.insert(0, str(REPO))
 
 def make_groups(num_samples: int, group_size: int, tokens: int, seed: int = 0) -> list[list[dict]]:
     """GRPO groups of Sample dicts: prompts of tokens/4..tokens/2, the rest response, random ids, 0/1 rewards."""
-    from vime.utils.types import Sample
+    from vime.data.sample import Sample
 
     g = torch.Generator().manual_seed(seed)
     groups = []
@@ -98,9 +98,9 @@ def main() -> None:
         torch.set_num_threads(a.threads)
 
     from vime.trainer.batching import micro_batches
-    from vime.backends.megatron_utils.hf_checkpoint import load_hf_checkpoint_into_model
-    from vime.backends.megatron_utils.model import setup_model_and_optimizer
-    from vime.backends.megatron_utils.parallel import destroy_parallel
+    from vime.trainer.megatron.hf_checkpoint import load_hf_checkpoint_into_model
+    from vime.trainer.megatron.model import setup_model_and_optimizer
+    from vime.trainer.megatron.parallel import destroy_parallel
     from vime.trainer.trainer import MegatronTrainer
     from vime.synthetic.tiny_model import build_tiny_model
     from vime.arguments import parse_args

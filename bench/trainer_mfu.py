@@ -56,7 +56,7 @@ def build_checkpoint(s: dict, out: Path) -> Path:
 
 
 def rollout(s: dict, prompts: int, group: int, seed: int = 0) -> list[list[dict]]:
-    from vime.utils.types import Sample
+    from vime.data.sample import Sample
 
     g = torch.Generator().manual_seed(seed)
     groups = []
@@ -91,7 +91,7 @@ def sync(device: str) -> None:
 def measure(shape: str, ckpt: Path, share: bool, steps: int, micro_batch: int, prompts: int, group: int,
             peak: float) -> dict:
     from vime.arguments import parse_args
-    from vime.backends.megatron_utils.parallel import destroy_parallel
+    from vime.trainer.megatron.parallel import destroy_parallel
     from vime.trainer.flops import trainer_rollout_flops
     from vime.trainer.trainer import MegatronTrainer
 

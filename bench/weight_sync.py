@@ -39,7 +39,7 @@ def update_once(driver, sender, trainer, url: str, token, version: int) -> dict[
     training-rank halves, both kept for the run; `token`: the engine's `RunToken`): seconds of the whole update,
     of the trainer's send, and of the engine's load and of its control steps (pause, cache reset, version, resume)
     as the engine timed them; the bytes of the update directory (NaN for a transport that writes none)."""
-    from vime.backends.vllm_utils import client
+    from vime.engine.control import client
     from vime.utils.misc import find_free_port
 
     start = time.perf_counter()
@@ -86,11 +86,11 @@ def plain_copy(trainer) -> tuple[float, int]:
 
 
 def bench_size(label: str, shape: dict, work: Path, repeats: int) -> dict:
-    from vime.backends.megatron_utils.parallel import destroy_parallel
+    from vime.trainer.megatron.parallel import destroy_parallel
     from vime.trainer.trainer import MegatronTrainer
-    from vime.backends.vllm_utils.engine import VLLMEngine
-    from vime.backends.weight_transport import make_driver, make_sender
-    from vime.backends.weight_transport.base import DriverSetup
+    from vime.engine.control.engine import VLLMEngine
+    from vime.transport.weights import make_driver, make_sender
+    from vime.transport.weights.base import DriverSetup
     from vime.synthetic.tiny_model import build_tiny_model
     from vime.arguments import parse_args
     from vime.utils.auth import RunToken

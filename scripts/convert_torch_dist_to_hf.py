@@ -16,11 +16,11 @@ from pathlib import Path
 from megatron.core import dist_checkpointing
 from transformers import AutoConfig
 
-from vime.backends.megatron_utils.arguments import add_megatron_args, fill_architecture_from_hf
-from vime.backends.megatron_utils.checkpoint import no_code_from_files
-from vime.backends.megatron_utils.hf_checkpoint import save_hf_checkpoint
-from vime.backends.megatron_utils.model_provider import build_model_chunks
-from vime.backends.megatron_utils.parallel import destroy_parallel, init_parallel
+from vime.trainer.megatron.arguments import add_megatron_args, fill_architecture_from_hf
+from vime.trainer.megatron.checkpoint import no_code_from_files
+from vime.trainer.megatron.hf_checkpoint import save_hf_checkpoint
+from vime.trainer.megatron.model_provider import build_model_chunks
+from vime.trainer.megatron.parallel import destroy_parallel, init_parallel
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 

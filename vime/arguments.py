@@ -1,10 +1,10 @@
 """vime's command line: three groups of flags in one parser, a YAML config, and validation.
 
-- Megatron-style training flags (`vime.backends.megatron_utils.arguments`), same names as Megatron-LM (the
+- Megatron-style training flags (`vime.trainer.megatron.arguments`), same names as Megatron-LM (the
   megatron-core package ships no parser of its own), plus how a rollout becomes optimizer steps
   (`train_arguments`) and the RL algorithm (`vime.algorithms.arguments`).
 - vLLM engine flags mirrored from vLLM's own parser as `--vllm-*`, router flags as `--router-*`
-  (`vime.backends.vllm_utils.arguments`).
+  (`vime.engine.control.arguments`).
 - vime's own flags: placement and run control here; rollout, data, rewards, eval, fault tolerance and the
   data buffer in `vime.rollout.arguments`; agents (multi-turn tools, the OpenAI-compatible harness) in
   `vime.agents.arguments` and `vime.agents.openai_arguments`; environments (reasoning-gym, OpenEnv) and the judge in
@@ -28,13 +28,13 @@ import yaml
 from vime.agents.arguments import add_agent_args
 from vime.agents.openai_arguments import add_agent_harness_args
 from vime.algorithms.arguments import add_algorithm_args, validate_algorithm_args
-from vime.backends.megatron_utils.arguments import add_megatron_args
-from vime.backends.megatron_utils.megatron_flags import add_generated_megatron_args
-from vime.backends.megatron_utils.routing_replay_arguments import (add_routing_replay_args, rollout_replay_on_devices,
+from vime.trainer.megatron.arguments import add_megatron_args
+from vime.trainer.megatron.megatron_flags import add_generated_megatron_args
+from vime.trainer.megatron.routing_replay_arguments import (add_routing_replay_args, rollout_replay_on_devices,
                                                                    validate_routing_replay_args)
-from vime.backends.megatron_utils.train_arguments import add_train_args, lora_sync_on_devices, validate_train_args
-from vime.backends.vllm_utils.arguments import VLLM_RAW_DEST, add_router_args, add_vllm_engine_args, validate_vllm_args
-from vime.backends.vllm_utils.sglang_flags import SGLangFlagError, translate_sglang_flags
+from vime.trainer.megatron.train_arguments import add_train_args, lora_sync_on_devices, validate_train_args
+from vime.engine.control.arguments import VLLM_RAW_DEST, add_router_args, add_vllm_engine_args, validate_vllm_args
+from vime.engine.control.sglang_flags import SGLangFlagError, translate_sglang_flags
 from vime.config import RunConfig
 from vime.config.rollout import EnginesConfig
 from vime.config.run import DebugConfig, JobConfig, PlacementConfig, WandbConfig
@@ -257,7 +257,7 @@ def function_path_flags(args: argparse.Namespace) -> list[tuple[str, str]]:
     extension seam, resolved by `load_function`), and the reward functions --lora-adapters names (an RM that is no
     --rm-type name); vLLM's and the router's flags name files, not functions, and megatron-core's fields
     (`--use-mamba-mem-eff-path`) are not paths at all."""
-    from vime.backends.megatron_utils.megatron_flags import generated_dests
+    from vime.trainer.megatron.megatron_flags import generated_dests
 
     megatron = generated_dests()
     given = []
@@ -273,7 +273,7 @@ def function_path_flags(args: argparse.Namespace) -> list[tuple[str, str]]:
 def validate_transport_placement(args: argparse.Namespace, gpus: bool | None = None) -> None:
     """Weight transports that cannot work with the engines' placement, refused before anything starts. `gpus`:
     whether the run's actors compute on GPUs, as the cluster's resources say once Ray is up
-    (`placement.cluster_has_gpus`); the driver may run on a CPU-only head node, so its own devices do not tell.
+    (`vime.utils.device.cluster_has_gpus`); the driver may run on a CPU-only head node, so its own devices do not tell.
     None (while parsing the flags): only what holds on any device."""
     weight_sync = WeightSyncConfig.of(args)
     placement = PlacementConfig.of(args)
@@ -364,7 +364,7 @@ def check_model_args(args: argparse.Namespace) -> None:
         return
     from transformers import AutoConfig
 
-    from vime.backends.megatron_utils.arguments import fill_architecture_from_hf, validate_megatron_args
+    from vime.trainer.megatron.arguments import fill_architecture_from_hf, validate_megatron_args
 
     try:
         hf_config = AutoConfig.from_pretrained(job.hf_checkpoint)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import subprocess
 
-MARKERS = ("vllm.entrypoints.openai.api_server", "vime.backends.vllm_utils.router", "VLLM::EngineCore", "vllm::router")
+MARKERS = ("vllm.entrypoints.openai.api_server", "vime.engine.control.router", "VLLM::EngineCore", "vllm::router")
 
 
 def stack_pids() -> set[int]:

@@ -72,7 +72,7 @@ def _rollout(manager, args, rollout_id: int):
     import ray
 
     from vime.config.rollout import DataBufferConfig
-    from vime.data.transport import make_transport
+    from vime.transport.rollouts import make_transport
 
     rollout = ray.get(manager.generate.remote(rollout_id), timeout=600)
     groups, extra = make_transport(DataBufferConfig.of(args)).get(rollout.handle)
@@ -95,8 +95,8 @@ def stack(tiny_qwen3, arithmetic_data, tmp_path_factory):
     import ray
 
     from tests.helpers.run_sections import init_ray_of, placement_of
-    from vime.ray.placement import shutdown_ray
-    from vime.ray.rollout_manager import RolloutManager
+    from vime.driver.placement import shutdown_ray
+    from vime.rollout_manager.manager import RolloutManager
     from vime.arguments import parse_args
 
     assert not stack_pids(), "engine or router processes are already running"
@@ -238,8 +238,8 @@ def _perturbed_weights(model_dir: Path, out: Path) -> Path:
 def test_sigkilled_engine_is_replaced_with_the_current_weights(stack, tiny_qwen3):
     import ray
 
-    from vime.backends.weight_transport.base import DriverSetup
-    from vime.backends.weight_transport.disk.driver import DiskDriver
+    from vime.transport.weights.base import DriverSetup
+    from vime.transport.weights.disk.driver import DiskDriver
 
     args, manager, out = stack
     weights = _perturbed_weights(tiny_qwen3, out)
@@ -260,7 +260,7 @@ def test_sigkilled_engine_is_replaced_with_the_current_weights(stack, tiny_qwen3
     killed = time.monotonic()
 
     from vime.config.rollout import DataBufferConfig
-    from vime.data.transport import make_transport
+    from vime.transport.rollouts import make_transport
 
     groups, extra = make_transport(DataBufferConfig.of(args)).get(ray.get(rollout, timeout=600).handle)
     metrics = extra["metrics"]
@@ -303,7 +303,7 @@ def _router_processes() -> list:
     import psutil
 
     found = [p for p in psutil.process_iter(["cmdline"])
-             if "vime.backends.vllm_utils.router" in " ".join(p.info["cmdline"] or [])]
+             if "vime.engine.control.router" in " ".join(p.info["cmdline"] or [])]
     assert found, "no router process found"
     return list({p.pid: p for q in found for p in [q, *q.children(recursive=True)]}.values())
 
@@ -311,7 +311,7 @@ def _router_processes() -> list:
 def test_sigkilled_router_fails_the_rollout_which_is_not_trained_and_is_restarted(stack):
     import ray
 
-    from vime.ray.session import TrainingSession
+    from vime.driver.session import TrainingSession
 
     args, manager, _ = stack
     urls = ray.get(manager.get_engine_urls.remote())

@@ -16,7 +16,7 @@ import pytest
 
 from tests.e2e.processes import stack_pids
 from vime.rollout.debug_data import load_rollout
-from vime.utils.types import Sample
+from vime.data.sample import Sample
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]

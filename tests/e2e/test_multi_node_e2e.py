@@ -46,7 +46,7 @@ def cluster(tmp_path_factory):
     on the path, and Ray's token authentication with a 0600 token in a 0700 directory."""
     from ray.cluster_utils import Cluster
 
-    from vime.ray.ray_auth import MODE_ENV, TOKEN_PATH_ENV, drop_run_token, reload_ray_auth_config, use_run_token
+    from vime.driver.ray_auth import MODE_ENV, TOKEN_PATH_ENV, drop_run_token, reload_ray_auth_config, use_run_token
 
     assert not stack_pids(), "engine or router processes are already running"
     hold = tmp_path_factory.mktemp("multi_node") / "hold"
@@ -104,7 +104,7 @@ def _processes(marker: str) -> list[int]:
 def _placement(raylets: dict[int, str]) -> dict[str, list[str]]:
     """role -> the nodes its processes (a server, its watchdog, its engine core) run on now."""
     return {role: sorted({_where(pid, raylets) for pid in _processes(marker)}) for role, marker in (
-        ("engines", "vllm.entrypoints.openai.api_server"), ("router", "vime.backends.vllm_utils.router"),
+        ("engines", "vllm.entrypoints.openai.api_server"), ("router", "vime.engine.control.router"),
         ("trainer", "ray::TrainActor"), ("manager", "ray::RolloutManager"))}
 
 

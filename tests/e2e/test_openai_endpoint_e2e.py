@@ -40,9 +40,9 @@ def _served(engine_url: str) -> float:
 def stack(tiny_qwen3, tmp_path_factory):
     from transformers import AutoTokenizer
 
-    from vime.backends.vllm_utils.arguments import router_args_from
-    from vime.backends.vllm_utils.engine import VLLMEngine
-    from vime.backends.vllm_utils.router import Router
+    from vime.engine.control.arguments import router_args_from
+    from vime.engine.control.engine import VLLMEngine
+    from vime.engine.control.router import Router
     from vime.arguments import parse_args
     from vime.utils.misc import find_free_port
 

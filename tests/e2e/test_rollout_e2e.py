@@ -22,7 +22,7 @@ from tests.e2e.crash_hold_plugin import FUNCTION_PATH, held_run_env, wait_until_
 from tests.e2e.processes import stack_pids as _stack_pids
 from tests.e2e.processes import vllm_process_names, worker_cpus
 from vime.rollout.debug_data import load_rollout
-from vime.utils.types import Sample
+from vime.data.sample import Sample
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
@@ -177,7 +177,7 @@ def _engine_routes(run_log: str, token: str) -> dict:
 def test_the_serving_key_opens_only_the_listed_routes_of_the_real_engine(rollout_run):
     """Every route of the real vLLM server that the serving key gets past the middleware (anything but 401) is
     in route_auth's list of generation routes; the ones vime's rollouts use exist there."""
-    from vime.engine_protocol.names import PUBLIC_PATHS, SERVING_PATHS
+    from vime.engine.protocol.names import PUBLIC_PATHS, SERVING_PATHS
 
     _, served, _ = rollout_run
     routes = served["routes"]

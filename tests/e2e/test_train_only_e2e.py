@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_ppo_with_a_critic_trains_from_the_transport(tiny_qwen3, tmp_path):
     from vime.rollout.debug_data import save_rollout
-    from vime.utils.types import Sample
+    from vime.data.sample import Sample
 
     template = str(tmp_path / "rollout_{rollout_id}.jsonl")
     rollouts = [make_rollout(seed=seed) for seed in (0, 1, 0)]

@@ -23,7 +23,7 @@ from vime.rollout.vllm_rollout import GenerateState
 from vime.utils.listeners import process_tree
 from vime.utils.misc import find_free_port
 from vime.utils.process import wait_until
-from vime.utils.types import Sample
+from vime.data.sample import Sample
 
 pytest.importorskip("openenv.core.generic_client")
 APP = "tests.environments.openenv_digits"

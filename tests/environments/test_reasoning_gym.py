@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from vime.environments.mixture import environment_specs, load_environments
-from vime.utils.types import Sample
+from vime.data.sample import Sample
 
 reasoning_gym = pytest.importorskip("reasoning_gym")
 

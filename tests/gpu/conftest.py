@@ -29,7 +29,7 @@ def allow_parsing_without_vllm() -> list[str]:
     what was stubbed ([] where both are installed). Call it in every process that parses vime's flags."""
     stubbed = []
     if not installed("vllm"):
-        from vime.backends.vllm_utils import arguments as vllm_arguments
+        from vime.engine.control import arguments as vllm_arguments
 
         vllm_arguments.vllm_option_table = lambda: []  # no --vllm-* flags: none is given by these tests
         stubbed.append("vllm")

@@ -12,7 +12,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def test_varlen_kernel_matches_causal_sdpa_without_a_host_sync():
-    from vime.backends.megatron_utils.attention import padded_rows, uses_varlen_kernel, varlen_causal
+    from vime.trainer.megatron.attention import padded_rows, uses_varlen_kernel, varlen_causal
 
     g = torch.Generator(device="cuda").manual_seed(0)
     lengths = [37, 300, 5, 128]
@@ -41,7 +41,7 @@ def test_grouped_query_attention_never_takes_the_math_kernel(dtype, masked):
     still runs (`expands_grouped_heads` keeps it on the memory-efficient kernel)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from vime.backends.megatron_utils.attention import SDPAttention
+    from vime.trainer.megatron.attention import SDPAttention
 
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(4, 16, 256, 64, device="cuda", dtype=dtype, generator=g)

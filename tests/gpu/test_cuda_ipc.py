@@ -19,10 +19,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_ipc_handles_open_in_another_process(tmp_path):
-    from vime.engine_protocol.weight_files import WEIGHT_ROOT_ENV
-    from vime.backends.weight_transport.base import DriverSetup
-    from vime.backends.weight_transport.cuda_ipc.driver import CudaIpcDriver
-    from vime.backends.weight_transport.cuda_ipc.rank import CudaIpcSender
+    from vime.engine.protocol.weight_files import WEIGHT_ROOT_ENV
+    from vime.transport.weights.base import DriverSetup
+    from vime.transport.weights.cuda_ipc.driver import CudaIpcDriver
+    from vime.transport.weights.cuda_ipc.rank import CudaIpcSender
     from vime.config.train import WeightSyncConfig
 
     weights = {"model.embed_tokens.weight": torch.randn(64, 32, device="cuda"),
@@ -36,7 +36,7 @@ def test_ipc_handles_open_in_another_process(tmp_path):
     torch.save({k: v.cpu() for k, v in weights.items()}, tmp_path / "expected.pt")
     reader = textwrap.dedent(f"""
         import torch
-        from vime.in_vllm.cuda_ipc import open_ipc_tensors
+        from vime.engine.in_vllm.cuda_ipc import open_ipc_tensors
         expected = torch.load({str(tmp_path / 'expected.pt')!r})
         got = dict(open_ipc_tensors({handle!r}, torch.cuda.current_device()))
         assert set(got) == set(expected)

@@ -153,7 +153,7 @@ def assert_same_state(saved: dict[str, torch.Tensor], loaded: dict[str, torch.Te
 
 @pytest.mark.parametrize("config", CONFIGS)
 def test_checkpoint_round_trip_is_bit_exact(tiny_qwen3, tmp_path, config):
-    from vime.backends.megatron_utils.checkpoint_files import publish
+    from vime.trainer.megatron.checkpoint_files import publish
 
     save = str(tmp_path / "ckpt")
     data = [make_rollout(seed=30 + r) for r in range(2)]

@@ -60,10 +60,10 @@ def test_offload_returns_device_memory_and_onload_restores_it_bit_exact():
 def test_cuda_ipc_exports_are_freed_once_the_engines_loaded_them(tmp_path):
     """Two engines (processes here) map the writer's exports and let them go; the writer's `release` then
     returns the memory. One export mapped by both would keep it in torch's limbo for good."""
-    from vime.engine_protocol.weight_files import WEIGHT_ROOT_ENV
-    from vime.backends.weight_transport.base import DriverSetup
-    from vime.backends.weight_transport.cuda_ipc.driver import CudaIpcDriver
-    from vime.backends.weight_transport.cuda_ipc.rank import CudaIpcSender
+    from vime.engine.protocol.weight_files import WEIGHT_ROOT_ENV
+    from vime.transport.weights.base import DriverSetup
+    from vime.transport.weights.cuda_ipc.driver import CudaIpcDriver
+    from vime.transport.weights.cuda_ipc.rank import CudaIpcSender
     from vime.config.train import WeightSyncConfig
 
     root = tmp_path / "root"
@@ -86,7 +86,7 @@ def test_cuda_ipc_exports_are_freed_once_the_engines_loaded_them(tmp_path):
     reader = textwrap.dedent("""
         import gc, sys
         import torch
-        from vime.in_vllm.cuda_ipc import open_ipc_tensors
+        from vime.engine.in_vllm.cuda_ipc import open_ipc_tensors
         expected = torch.load(sys.argv[2])
         got = dict(open_ipc_tensors(sys.argv[1], torch.cuda.current_device()))
         assert set(got) == set(expected)

@@ -44,7 +44,7 @@ def _tolerance(kind: str, dtype) -> float:
 def gpu_trainer(hf_dir, *argv, role: str = "actor", **values):
     """A one-process MegatronTrainer on this GPU with BASE_ARGV + argv, `values` set on the parsed args."""
     from vime.arguments import parse_args
-    from vime.backends.megatron_utils.parallel import destroy_parallel
+    from vime.trainer.megatron.parallel import destroy_parallel
     from vime.trainer.trainer import MegatronTrainer
     from vime.utils.misc import with_values
 
@@ -154,7 +154,7 @@ def test_ppo_actor_takes_the_critics_values_on_the_gpu(tiny_qwen3):
 
 
 def test_single_lora_trains_only_its_adapters_on_the_gpu(tiny_qwen3):
-    from vime.backends.megatron_utils.lora import is_lora_parameter
+    from vime.trainer.megatron.lora import is_lora_parameter
 
     groups = make_rollout(seed=44)
     with gpu_trainer(tiny_qwen3, "--lora-rank", "4", "--lora-alpha", "8", "--lr", "1e-2") as t:

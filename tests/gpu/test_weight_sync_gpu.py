@@ -41,7 +41,7 @@ RECEIVER = r'''
 import json, sys
 import torch
 from transformers import AutoModelForCausalLM
-from vime.in_vllm.worker_extension import WeightReceiver
+from vime.engine.in_vllm.worker_extension import WeightReceiver
 
 spec = json.load(open(sys.argv[1]))
 expected = torch.load(spec["expected"])
@@ -109,7 +109,7 @@ def _tolerance(kind: str, dtype) -> float:
 
 def token_batch(vocab_size: int) -> list[list[int]]:
     """The weight check's probe sequence and two rollout-like sequences: what both sides score."""
-    from vime.backends.weight_transport.check import probe_tokens
+    from vime.transport.weights.check import probe_tokens
 
     return [probe_tokens(vocab_size)] + [s["tokens"] for s in flat(make_rollout(seed=7))[:2]]
 
@@ -174,10 +174,10 @@ def sender_side(t, tmp_path: Path) -> tuple[dict, list, list, torch.dtype]:
 
 @pytest.mark.parametrize("config", CONFIGS)
 def test_cuda_ipc_transport_gives_the_receiver_the_trainers_log_probs(tiny_qwen3, tmp_path, config):
-    from vime.engine_protocol.weight_files import WEIGHT_ROOT_ENV
-    from vime.backends.weight_transport.base import DriverSetup
-    from vime.backends.weight_transport.cuda_ipc.driver import CudaIpcDriver
-    from vime.backends.weight_transport.cuda_ipc.rank import CudaIpcSender
+    from vime.engine.protocol.weight_files import WEIGHT_ROOT_ENV
+    from vime.transport.weights.base import DriverSetup
+    from vime.transport.weights.cuda_ipc.driver import CudaIpcDriver
+    from vime.transport.weights.cuda_ipc.rank import CudaIpcSender
     from vime.config.train import WeightSyncConfig
 
     root = tmp_path / "root"
@@ -200,9 +200,9 @@ def test_cuda_ipc_transport_gives_the_receiver_the_trainers_log_probs(tiny_qwen3
 @pytest.mark.skipif(not _installed("vllm"), reason="needs vLLM: vime's broadcast group is vLLM's stateless group")
 @pytest.mark.parametrize("config", CONFIGS)
 def test_nccl_broadcast_gives_the_receiver_the_trainers_log_probs(tiny_qwen3, tmp_path, config):
-    from vime.backends.weight_transport.base import DriverSetup
-    from vime.backends.weight_transport.broadcast.driver import BroadcastDriver
-    from vime.backends.weight_transport.broadcast.rank import BroadcastSender
+    from vime.transport.weights.base import DriverSetup
+    from vime.transport.weights.broadcast.driver import BroadcastDriver
+    from vime.transport.weights.broadcast.rank import BroadcastSender
     from vime.config.rollout import EnginesConfig
     from vime.config.train import MegatronConfig, WeightSyncConfig
     from vime.utils.misc import find_free_port

@@ -45,8 +45,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from vime.backends.megatron_utils import cpu_compat
-from vime.backends.megatron_utils.cpu_compat import _backward_in_mode
+from vime.trainer.megatron import cpu_compat
+from vime.trainer.megatron.cpu_compat import _backward_in_mode
 
 aten = torch.ops.aten
 
@@ -68,7 +68,7 @@ FACTORIES = {torch.zeros, torch.ones, torch.empty, torch.full, torch.arange, tor
              torch.randperm, torch.linspace, torch.eye, torch.empty_strided, torch.scalar_tensor, torch.tensor,
              torch.as_tensor}
 COPIES_DATA = {torch.tensor, torch.as_tensor}  # from host data: a blocking upload when the device is a GPU
-SKIPPED_MODULES = ("vime.backends.megatron_utils.cpu_compat",)  # CPU stand-ins for Megatron's CUDA code
+SKIPPED_MODULES = ("vime.trainer.megatron.cpu_compat",)  # CPU stand-ins for Megatron's CUDA code
 DEVICE_OF = torch.Tensor.device.__get__  # `t.device`
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from vime.utils.types import Sample
+from vime.data.sample import Sample
 
 
 def make_rollout(seed: int = 0, num_prompts: int = 4, group_size: int = 4, prompt_lengths: tuple[int, int] = (4, 20),

@@ -12,22 +12,22 @@ from vime.config.train import LoraConfig
 
 def placement_of(args, **options):
     """`Placement` of `args`; `options`: with_engines, with_trainers, overlap."""
-    from vime.ray.placement import Placement
+    from vime.driver.placement import Placement
 
     return Placement(PlacementConfig.of(args), EnginesConfig.of(args), JudgeConfig.of(args),
                      use_critic=AlgorithmConfig.of(args).use_critic, **options)
 
 
 def init_ray_of(args) -> None:
-    from vime.ray.placement import init_ray
+    from vime.driver.placement import init_ray
 
     init_ray(JobConfig.of(args), PlacementConfig.of(args), EnginesConfig.of(args), JudgeConfig.of(args))
 
 
 def weight_sync_of(args):
     """The driver-side `WeightSync` of `args`, as the session makes it."""
-    from vime.backends.weight_transport.base import DriverSetup
-    from vime.ray.weight_sync import WeightSync
+    from vime.transport.weights.base import DriverSetup
+    from vime.driver.weight_sync import WeightSync
 
     return WeightSync(DriverSetup.of(args), LoraConfig.of(args),
                       recovery_copies=FaultToleranceConfig.of(args).use_fault_tolerance,

@@ -37,7 +37,7 @@ BASE_ARGV = ["--debug-train-only", "--no-save-rollouts", "--load-debug-rollout-d
 @contextlib.contextmanager
 def local_trainer(hf_dir, *extra: str):
     """A one-process trainer in this process with BASE_ARGV + extra; Megatron's groups are destroyed after."""
-    from vime.backends.megatron_utils.parallel import destroy_parallel
+    from vime.trainer.megatron.parallel import destroy_parallel
     from vime.trainer.trainer import MegatronTrainer
     from vime.arguments import parse_args
 
@@ -104,7 +104,7 @@ def main(spec_path: str, rank: int) -> None:
     import torch
 
     torch.set_num_threads(1)
-    from vime.backends.megatron_utils.parallel import destroy_parallel
+    from vime.trainer.megatron.parallel import destroy_parallel
     from vime.trainer.trainer import MegatronTrainer
     from vime.arguments import parse_args
 
@@ -123,13 +123,13 @@ def main(spec_path: str, rank: int) -> None:
         if spec.get("save") is not None:
             trainer.save(spec["save"], {})
             if rank == 0:  # what the run's driver does once every part is saved (checkpoint_files.publish)
-                from vime.backends.megatron_utils.checkpoint_files import publish
+                from vime.trainer.megatron.checkpoint_files import publish
 
                 publish(args.save, spec["save"])
         if spec.get("killed_in_save") is not None:  # the process dies inside the model's save: exit code 17
             from unittest import mock
 
-            from vime.backends.megatron_utils import checkpoint
+            from vime.trainer.megatron import checkpoint
 
             real_save = checkpoint.dist_checkpointing.save
 

@@ -13,10 +13,10 @@ import pytest
 from safetensors import safe_open
 
 from tests.helpers.run_sections import weight_sync_of
-from vime.backends.weight_transport.check import engine_prompt_log_probs, probe_tokens
+from vime.transport.weights.check import engine_prompt_log_probs, probe_tokens
 from vime.utils.auth import RunToken
 
-EXTENSION = "vime.in_vllm.worker_extension.WeightReceiver"  # spelled out: what vLLM is given
+EXTENSION = "vime.engine.in_vllm.worker_extension.WeightReceiver"  # spelled out: what vLLM is given
 ARGV = ["--debug-train-only", "--load-debug-rollout-data", "unused_{rollout_id}.jsonl", "--rm-type", "math",
         "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--micro-batch-size", "2",
         "--update-weight-transport", "broadcast", "--update-weight-buffer-size", str(64 * 1024),
@@ -74,7 +74,7 @@ class Manager:
         return probe_for(self.hf_checkpoint)
 
     def apply_weights(self, transport, handle, version, recovery_dir=None, pause_mode="wait"):
-        from vime.backends.vllm_utils import client
+        from vime.engine.control import client
 
         if isinstance(handle, dict) and "dir" in handle:  # delta: remember what it wrote
             for f in sorted(Path(handle["dir"]).glob("*.safetensors")):
@@ -96,7 +96,7 @@ def update_weights(args, group, manager, version: int, after=None) -> dict:
 
 def driver(trainer, urls: list[str], pool, token: RunToken | None = None):
     """(train group, rollout manager) as the driver sees them; `token`: the engines' (None: no engines)."""
-    from vime.ray.actor_group import TrainActor
+    from vime.driver.train_group import TrainActor
 
     actor = TrainActor(trainer.args, 0, 1)
     actor.trainer = trainer

@@ -12,12 +12,12 @@ import pytest
 from tests.plugin_contracts.test_rollout_hooks import _args, _run
 from vime.data.data_source import RolloutDataSource
 from vime.rollout.vllm_rollout import GenerateState, generate_rollout_async
-from vime.utils.types import Sample
+from vime.data.sample import Sample
 
 PLUGIN = textwrap.dedent('''
     import asyncio
     from vime.rollout.vllm_rollout import GenerateState
-    from vime.utils.types import Sample
+    from vime.data.sample import Sample
 
     LENGTH = 4
 

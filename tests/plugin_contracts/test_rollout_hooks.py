@@ -14,7 +14,7 @@ import pytest
 from vime.data.data_source import RolloutDataSource
 from vime.rollout import vllm_rollout
 from vime.rollout.vllm_rollout import GenerateState, generate_and_rm_group, generate_rollout_async
-from vime.utils.types import Sample
+from vime.data.sample import Sample
 
 PLUGIN = textwrap.dedent('''
     import asyncio
@@ -181,7 +181,7 @@ def test_dynamic_sampling_filter_and_post_process(plugin, tiny_qwen3):
 
 
 def test_rollout_functions_may_return_bare_groups_or_outputs():
-    from vime.utils.types import RolloutFnEvalOutput, RolloutFnTrainOutput, as_rollout_output
+    from vime.data.sample import RolloutFnEvalOutput, RolloutFnTrainOutput, as_rollout_output
 
     groups = [[Sample(prompt="p")]]
     assert as_rollout_output(groups, evaluation=False) == RolloutFnTrainOutput(groups, None)

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from vime.backends.vllm_utils.arguments import parse_with_vllm, vllm_cli_tokens
+from vime.engine.control.arguments import parse_with_vllm, vllm_cli_tokens
 from vime.arguments import build_parser, parse_args
-from vime.backends.megatron_utils.megatron_flags import generated_dests
+from vime.trainer.megatron.megatron_flags import generated_dests
 
 
 @pytest.fixture()
@@ -196,7 +196,7 @@ def test_an_unsupported_model_is_refused_at_parse_time(base, capsys, tiny_qwen3,
 def test_vllm_options_come_from_a_cache_of_the_installed_vllms_parser(tmp_path, monkeypatch):
     import json
 
-    from vime.backends.vllm_utils.arguments import vllm_option_table
+    from vime.engine.control.arguments import vllm_option_table
 
     monkeypatch.setenv("VIME_CACHE_DIR", str(tmp_path))
     built = vllm_option_table()  # from vLLM's own parser, then written to the cache
@@ -221,14 +221,14 @@ def test_plain_vllm_options_are_checked_without_importing_vllm(base, tmp_path, m
     import subprocess
     import sys
 
-    from vime.backends.megatron_utils.megatron_flags import megatron_option_table
-    from vime.backends.vllm_utils.arguments import vllm_option_table
+    from vime.trainer.megatron.megatron_flags import megatron_option_table
+    from vime.engine.control.arguments import vllm_option_table
 
     monkeypatch.setenv("VIME_CACHE_DIR", str(tmp_path))
     vllm_option_table(), megatron_option_table()  # the caches an earlier start left
     # one process parses a run with plain options, then one with a value only vLLM's parser reads ("1k")
     code = ("import sys, json, pickle; from vime.arguments import parse_args\n"
-            "from vime.ray.entry_point import run_entry_point\nfrom vime.ray.session import TrainingSession\n"
+            "from vime.driver.entry_point import run_entry_point\nfrom vime.driver.session import TrainingSession\n"
             "parse_args(json.loads(sys.argv[1])[0], check_model=False)\n"
             "print('heavy:', [m for m in ('torch', 'transformers', 'math_verify', 'vllm') if m in sys.modules])\n"
             "for argv in json.loads(sys.argv[1]):\n"
@@ -269,7 +269,7 @@ def test_transport_and_placement_that_cannot_work_on_any_device_are_refused_at_p
     (["--update-weight-transport", "cuda_ipc", "--colocate"], False, "cuda_ipc needs GPUs; use disk or broadcast"),
 ])
 def test_transports_the_clusters_devices_rule_out_are_refused_once_ray_is_up(base, monkeypatch, extra, gpus, message):
-    """The cluster's devices decide (`placement.cluster_has_gpus`), not the driver's: a CPU-only head node parses
+    """The cluster's devices decide (`vime.utils.device.cluster_has_gpus`), not the driver's: a CPU-only head node parses
     the flags of a GPU run. Before: the driver's own `use_gpu()` decided while parsing, so such a driver refused
     cuda_ipc for a GPU cluster and let broadcast + --colocate through to NCCL's failure."""
     import vime.utils.device
@@ -322,7 +322,7 @@ def test_schedule_check_agrees_with_megatrons_scheduler(lr, min_lr, warmup, weig
     import torch
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from vime.backends.megatron_utils.train_arguments import lr_schedule_problem
+    from vime.trainer.megatron.train_arguments import lr_schedule_problem
 
     args = Namespace(lr=lr, min_lr=min_lr, lr_warmup_iters=warmup, weight_decay=weight_decay, num_steps_per_rollout=1)
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)

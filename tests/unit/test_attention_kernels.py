@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from tests.helpers.attention_reference import per_sequence_causal as _reference
-from vime.backends.megatron_utils import attention
-from vime.backends.megatron_utils.attention import padded_rows, uses_varlen_kernel, varlen_causal
+from vime.trainer.megatron import attention
+from vime.trainer.megatron.attention import padded_rows, uses_varlen_kernel, varlen_causal
 
 
 @pytest.mark.parametrize("lengths", [[3, 1, 5], [1], [4, 4], [2, 7, 1, 1]])
@@ -72,7 +72,7 @@ def test_varlen_causal_folds_the_scale_into_the_queries_where_torch_takes_none(m
 def test_repeated_grouped_heads_give_what_enable_gqa_gives(monkeypatch, masked):
     """On CUDA `_attend` repeats grouped K/V heads where enable_gqa would send the call to the math kernel (a mask,
     or float32): the same output and gradients, checked here by forcing that branch on CPU."""
-    from vime.backends.megatron_utils.attention import SDPAttention, expands_grouped_heads
+    from vime.trainer.megatron.attention import SDPAttention, expands_grouped_heads
 
     assert not expands_grouped_heads(torch.zeros(1, 4, 2, 8), torch.ones(1, 1, 2, 2, dtype=torch.bool))  # CPU
     assert not expands_grouped_heads(torch.zeros(1, 4, 2, 8, device="meta"), None)

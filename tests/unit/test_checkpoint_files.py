@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from vime.backends.megatron_utils import checkpoint_files as cf
+from vime.trainer.megatron import checkpoint_files as cf
 
 
 def _save(root, rollout_id, parts=("actor",)):

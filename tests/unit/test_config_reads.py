@@ -15,8 +15,8 @@ VIME = Path(__file__).resolve().parents[2] / "vime"
 ENTRY_POINTS = [VIME.parent / "train.py", VIME.parent / "train_async.py"]  # the loops: they read flags too
 # where a flag is read by a name computed at run time: the modules that forward a library's flags as they are
 PASS_THROUGH_READERS = {
-    "backends/megatron_utils/megatron_flags.py": "megatron-core's generated flags, by the names of its dataclasses",
-    "backends/vllm_utils/arguments.py": "vLLM's mirrored flags and the raw tokens given for them",
+    "trainer/megatron/megatron_flags.py": "megatron-core's generated flags, by the names of its dataclasses",
+    "engine/control/arguments.py": "vLLM's mirrored flags and the raw tokens given for them",
 }
 SECTION_FIELDS = {f.name for cls in RunConfig.sections().values() for f in dataclasses.fields(cls)}
 

@@ -14,8 +14,8 @@ from types import SimpleNamespace
 import pytest
 
 from vime.arguments import _dests, build_parser, parse_args, run_config
-from vime.backends.megatron_utils.megatron_flags import add_generated_megatron_args
-from vime.backends.vllm_utils.arguments import add_router_args, add_vllm_engine_args
+from vime.trainer.megatron.megatron_flags import add_generated_megatron_args
+from vime.engine.control.arguments import add_router_args, add_vllm_engine_args
 from vime.config import RunConfig
 from vime.config.rollout import RewardConfig, RolloutConfig
 from vime.config.section import check_types, section_defaults
@@ -97,17 +97,17 @@ def _argument_modules():
     import vime.agents.openai_arguments
     import vime.algorithms.arguments
     import vime.arguments
-    import vime.backends.megatron_utils.arguments
-    import vime.backends.megatron_utils.routing_replay_arguments
-    import vime.backends.megatron_utils.train_arguments
-    import vime.backends.vllm_utils.arguments
+    import vime.trainer.megatron.arguments
+    import vime.trainer.megatron.routing_replay_arguments
+    import vime.trainer.megatron.train_arguments
+    import vime.engine.control.arguments
     import vime.environments.arguments
     import vime.rollout.arguments
 
-    return (vime.arguments, vime.rollout.arguments, vime.backends.megatron_utils.arguments,
-            vime.backends.megatron_utils.train_arguments, vime.backends.megatron_utils.routing_replay_arguments,
+    return (vime.arguments, vime.rollout.arguments, vime.trainer.megatron.arguments,
+            vime.trainer.megatron.train_arguments, vime.trainer.megatron.routing_replay_arguments,
             vime.algorithms.arguments, vime.agents.arguments, vime.agents.openai_arguments,
-            vime.environments.arguments, vime.backends.vllm_utils.arguments)
+            vime.environments.arguments, vime.engine.control.arguments)
 
 
 def _add_argument_calls(tree: ast.AST):
@@ -160,9 +160,9 @@ def test_each_flag_group_alone_takes_its_sections_defaults_and_its_help_shows_th
     from vime.agents.openai_arguments import add_agent_harness_args
     from vime.algorithms.arguments import add_algorithm_args
     from vime.arguments import add_placement_args, add_run_args, add_wandb_args
-    from vime.backends.megatron_utils.arguments import add_megatron_args
-    from vime.backends.megatron_utils.routing_replay_arguments import add_routing_replay_args
-    from vime.backends.megatron_utils.train_arguments import add_train_args
+    from vime.trainer.megatron.arguments import add_megatron_args
+    from vime.trainer.megatron.routing_replay_arguments import add_routing_replay_args
+    from vime.trainer.megatron.train_arguments import add_train_args
     from vime.environments.arguments import add_environment_args, add_judge_args
     from vime.rollout.arguments import add_all_rollout_args
 

@@ -11,8 +11,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from vime.backends.vllm_utils import client, router
-from vime.ray import health
+from vime.engine.control import client, router
+from vime.rollout_manager import engine_health as health
 from vime.utils.auth import RunToken
 
 TOKEN = RunToken.new()

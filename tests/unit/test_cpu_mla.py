@@ -1,5 +1,5 @@
 """vime's mends of vLLM's CPU path for multi-latent attention (DeepSeek):
-- its rotary kernel (`vime.in_vllm.cpu_rope`): 3-D rotary queries [tokens, heads, 64] (a strided slice
+- its rotary kernel (`vime.engine.in_vllm.cpu_rope`): 3-D rotary queries [tokens, heads, 64] (a strided slice
   of the full query) with the one shared rotary key [tokens, 1, 64] come out as vLLM's own reference implementation
   (`forward_native`) computes them, in place;
 - its attention kernel: a float32 engine gets vLLM's reference MLA backend, since the AMX one (chosen on CPUs with
@@ -18,7 +18,7 @@ def test_patched_cpu_rotary_equals_the_reference_on_3d_inputs():
     from vllm.model_executor.layers.rotary_embedding import get_rope
     from vllm.platforms import current_platform
 
-    from vime.in_vllm.cpu_rope import patch_cpu_rotary
+    from vime.engine.in_vllm.cpu_rope import patch_cpu_rotary
 
     if not current_platform.is_cpu():
         pytest.skip("the CPU kernel only")
@@ -43,7 +43,7 @@ def test_a_float32_mla_engine_uses_the_reference_kernel(tiny_qwen3, tmp_path):
     import shutil
 
     from vime.arguments import parse_args
-    from vime.backends.vllm_utils.engine import engine_command
+    from vime.engine.control.engine import engine_command
 
     mla = tmp_path / "mla"
     shutil.copytree(tiny_qwen3, mla)

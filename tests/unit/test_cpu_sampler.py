@@ -1,4 +1,4 @@
-"""vime's eager rank count for CPU engines (`vime.in_vllm.cpu_sampler`): the same integers as vLLM's
+"""vime's eager rank count for CPU engines (`vime.engine.in_vllm.cpu_sampler`): the same integers as vLLM's
 `batched_count_greater_than`, whole or in row chunks, and what the sampler calls once patched."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ def test_eager_count_equals_vllms_compiled_count_and_the_sampler_uses_it(monkeyp
     from vllm.v1.sample import sampler
     from vllm.v1.sample.ops.logprobs import batched_count_greater_than
 
-    from vime.in_vllm import cpu_sampler
+    from vime.engine.in_vllm import cpu_sampler
 
     g = torch.Generator().manual_seed(0)
     logprobs = torch.randn(9, 1000, generator=g).log_softmax(-1)

@@ -16,7 +16,7 @@ from tests.helpers.trainer_runs import BASE_ARGV
 @contextlib.contextmanager
 def critic(hf_dir, *extra, role: str = "critic"):
     """A PPO run's critic (or, with `role="actor"`, its actor) in this process."""
-    from vime.backends.megatron_utils.parallel import destroy_parallel
+    from vime.trainer.megatron.parallel import destroy_parallel
     from vime.trainer.trainer import MegatronTrainer
     from vime.arguments import parse_args
 
@@ -76,7 +76,7 @@ def test_a_kill_between_the_actor_and_critic_saves_resumes_both_from_the_publish
     (`session.maybe_save`, `publish_checkpoint`). Rollout 0's checkpoint is published; of rollout 1's only the
     actor's part was written when the run died. A resume loads rollout 0's actor and critic: never a pair from two
     different rollouts."""
-    from vime.backends.megatron_utils.checkpoint_files import publish, resolve_checkpoint
+    from vime.trainer.megatron.checkpoint_files import publish, resolve_checkpoint
 
     groups = make_rollout(seed=7)
     returns = [[float(s["reward"])] * s["response_length"] for s in flat(groups)]

@@ -12,7 +12,7 @@ from vime.data import prompt_dataset
 from vime.data.data_source import RolloutDataSource
 from vime.data.prompt_dataset import DataFormatError, load_prompt_file, load_prompt_samples
 from vime.rollout.debug_data import load_rollout, save_rollout
-from vime.utils.types import Sample
+from vime.data.sample import Sample
 
 
 def _args(**kw):

@@ -18,7 +18,7 @@ RESPONSE_LENGTHS = [3, 2, 4, 1]
 
 @pytest.fixture
 def megatron_world():
-    from vime.backends.megatron_utils.parallel import destroy_parallel, init_parallel
+    from vime.trainer.megatron.parallel import destroy_parallel, init_parallel
 
     init_parallel(1, 1, seed=1234)
     yield
@@ -209,7 +209,7 @@ def test_collective_device_follows_the_groups_backend(megatron_world):
     """gloo takes CPU tensors; an NCCL-only group takes the rank's own device's."""
     from megatron.core import parallel_state
 
-    from vime.backends.megatron_utils.device import backend_takes_cpu, collective_device
+    from vime.trainer.megatron.device import backend_takes_cpu, collective_device
 
     group = parallel_state.get_data_parallel_group()
     assert collective_device(group, META) == torch.device("cpu")  # this machine's groups are gloo
@@ -276,7 +276,7 @@ def _adam_on(device, fused: bool):
 def test_distributed_optimizer_load_puts_fused_adam_steps_with_the_parameters():
     """Before: after a DistributedOptimizer load each parameter's `step` was a new CPU tensor, which fused AdamW
     on a GPU refuses at the next step (checkpoint save -> load -> step failed on the H200)."""
-    from vime.backends.megatron_utils.checkpoint import _restore_adam_steps
+    from vime.trainer.megatron.checkpoint import _restore_adam_steps
 
     param, adam = _adam_on(META, fused=True)
     optimizer = types.SimpleNamespace(chained_optimizers=[types.SimpleNamespace(optimizer=adam)])
@@ -293,8 +293,8 @@ def test_distributed_optimizer_load_puts_fused_adam_steps_with_the_parameters():
 def test_a_cpu_saved_adam_state_resumes_with_fused_steps_on_the_parameters_device():
     """A checkpoint saved by a run whose Adam kept `step` on the CPU (a non-fused kernel), loaded into a model on
     another device whose Adam is then switched to the fused kernel: each `step` moves to its parameter."""
-    from vime.backends.megatron_utils.checkpoint import place_adam_steps
-    from vime.backends.megatron_utils.model import use_fused_adam
+    from vime.trainer.megatron.checkpoint import place_adam_steps
+    from vime.trainer.megatron.model import use_fused_adam
 
     _, saved = _adam_on("cpu", fused=False)
     saved.state[saved.param_groups[0]["params"][0]]["step"] = torch.tensor(7.0)
@@ -334,9 +334,9 @@ def test_broadcast_backend_is_picked_by_each_member_for_its_own_device(tiny_qwen
     """Before: the driver wrote "nccl" or "gloo" into the handle from its own `use_gpu()`, so a driver on a
     CPU-only head node told GPU trainers and engines to broadcast CUDA tensors over gloo."""
     import vime.utils.device
-    from vime.backends.weight_transport.base import DriverSetup
-    from vime.backends.weight_transport.broadcast.driver import BroadcastDriver
-    from vime.engine_protocol.weight_broadcast import group_backend
+    from vime.transport.weights.base import DriverSetup
+    from vime.transport.weights.broadcast.driver import BroadcastDriver
+    from vime.engine.protocol.weight_broadcast import group_backend
 
     monkeypatch.setattr(vime.utils.device, "use_gpu", lambda: False)  # the driver: a CPU-only head node
     transport = BroadcastDriver(DriverSetup.of(_args(tiny_qwen3, "--update-weight-transport", "broadcast")))
@@ -364,7 +364,7 @@ def test_weight_check_holds_gpu_trainers_to_their_tolerance_on_a_cpu_only_driver
     and engines to CPU float32's 1e-5 and failed every weight update they made correctly (a gap of 1e-3)."""
     import vime.utils.deadline
     import vime.utils.device
-    from vime.backends.weight_transport.check import WeightUpdateMismatchError, check_weights_equal
+    from vime.transport.weights.check import WeightUpdateMismatchError, check_weights_equal
 
     monkeypatch.setattr(vime.utils.device, "use_gpu", lambda: False)  # the driver
     monkeypatch.setattr(vime.utils.deadline, "control", lambda answer, what: answer)

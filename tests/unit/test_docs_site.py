@@ -17,7 +17,7 @@ import pytest
 
 from tests.unit.test_docs_flags import reference_flags
 from vime.rollout.debug_data import save_compact_rollout
-from vime.utils.types import Sample
+from vime.data.sample import Sample
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs"

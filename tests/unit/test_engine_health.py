@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from vime.ray.health import EngineHealthMonitor, FailedRollouts
+from vime.rollout_manager.engine_health import EngineHealthMonitor, FailedRollouts
 
 
 def test_only_failed_engines_are_restarted_and_a_failed_restart_is_retried():
@@ -116,8 +116,8 @@ def test_a_collective_update_leaves_out_the_engines_that_fail_their_probe_now(mo
     fault tolerance the run stops there, naming it."""
     from types import SimpleNamespace
 
-    from vime.backends.vllm_utils.client import EngineControlError
-    from vime.ray import engine_fleet, fleet_recovery
+    from vime.engine.control.client import EngineControlError
+    from vime.rollout_manager import engine_fleet, fleet_recovery
     from vime.rollout.context import RolloutContext
 
     router = []
@@ -177,8 +177,8 @@ def test_the_session_does_not_train_on_a_skipped_rollout_and_lets_it_go():
     from types import SimpleNamespace
 
     from vime.config.train import MegatronConfig
-    from vime.data.transport import RolloutRef
-    from vime.ray.session import TrainingSession
+    from vime.transport.rollouts import RolloutRef
+    from vime.driver.session import TrainingSession
 
     class Trainers:
         def train(self, rollout_id, handle):
@@ -204,8 +204,8 @@ def test_the_sessions_exit_leaves_nothing_on_the_cluster(monkeypatch, stuck):
     trainers down and gives the placement group back. Before, a second run in one process hung for devices."""
     from types import SimpleNamespace
 
-    from vime.ray import session as session_module
-    from vime.ray.session import TrainingSession
+    from vime.driver import session as session_module
+    from vime.driver.session import TrainingSession
 
     killed, calls = [], []
     monkeypatch.setattr(session_module.ray, "kill", killed.append)
@@ -230,7 +230,7 @@ def test_external_engines_that_never_answer_are_named(tmp_path):
     import time
     from types import SimpleNamespace
 
-    from vime.ray.engine_fleet import EngineFleet
+    from vime.rollout_manager.engine_fleet import EngineFleet
     from vime.rollout.context import RolloutContext
 
     with socket.socket() as s:

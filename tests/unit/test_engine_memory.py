@@ -17,9 +17,9 @@ import torch
 
 import vime.utils.device
 from vime.arguments import parse_args
-from vime.backends.vllm_utils.engine import engine_command, engine_memory_fraction
-from vime.ray import engine_fleet, fleet_recovery
-from vime.ray.engine_fleet import EngineFleet
+from vime.engine.control.engine import engine_command, engine_memory_fraction
+from vime.rollout_manager import engine_fleet, fleet_recovery
+from vime.rollout_manager.engine_fleet import EngineFleet
 from vime.rollout.context import RolloutContext
 
 REPO = Path(__file__).resolve().parents[2]
@@ -133,8 +133,8 @@ class _Remote:
 def _loop_events(monkeypatch, fleet, **flags) -> list:
     """train.py's loop over two rollouts with a session whose engine and trainer calls are recorded: its own
     offload / onload methods, the rest stubbed. Each event says what the engines had asleep at that moment."""
-    from vime.ray import session as session_module
-    from vime.ray.session import TrainingSession
+    from vime.driver import session as session_module
+    from vime.driver.session import TrainingSession
 
     events = fleet.sent
     monkeypatch.setattr(session_module, "control", lambda ref, what: ref)  # the fake manager answers at once
@@ -259,8 +259,8 @@ def fake_cuda(monkeypatch):
 
 
 def _driver(tmp_path, engines: int):
-    from vime.backends.weight_transport.base import DriverSetup
-    from vime.backends.weight_transport.cuda_ipc.driver import CudaIpcDriver
+    from vime.transport.weights.base import DriverSetup
+    from vime.transport.weights.cuda_ipc.driver import CudaIpcDriver
     from vime.config.train import WeightSyncConfig
 
     t = CudaIpcDriver(DriverSetup(WeightSyncConfig(update_weight_dir=str(tmp_path / "root"))))
@@ -269,7 +269,7 @@ def _driver(tmp_path, engines: int):
 
 
 def _writer():
-    from vime.backends.weight_transport.cuda_ipc.rank import CudaIpcSender
+    from vime.transport.weights.cuda_ipc.rank import CudaIpcSender
 
     return CudaIpcSender()  # a rank's own half knows no engines
 
@@ -321,14 +321,14 @@ def test_a_writers_exports_go_before_the_next_ones_are_made(tmp_path, fake_cuda)
 
 
 def test_the_trainers_offload_releases_the_transports_first(tmp_path, fake_cuda):
-    from vime.ray.actor_group import TrainActor
+    from vime.driver.train_group import TrainActor
 
     writer = _writer()
     writer.send([("a", torch.randn(8))], 0, _driver(tmp_path, 1).prepare(1))
     seen = []
     actor = TrainActor.__new__(TrainActor)  # its Ray-side set-up is not what is tested
     actor.rank, actor.role = 0, "actor"
-    from vime.backends.weight_transport.disk.rank import DiskSender
+    from vime.transport.weights.disk.rank import DiskSender
 
     disk = DiskSender()  # one without anything to release
     actor.weight_transports = {"cuda_ipc": writer, "disk": disk}

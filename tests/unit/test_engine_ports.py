@@ -41,7 +41,7 @@ def test_ports_are_chosen_below_the_ephemeral_range():
 
 
 def test_an_engine_whose_port_is_taken_relaunches_on_a_new_one(tmp_path, monkeypatch):
-    from vime.backends.vllm_utils import engine
+    from vime.engine.control import engine
 
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
@@ -67,7 +67,7 @@ def test_an_engine_whose_port_is_taken_relaunches_on_a_new_one(tmp_path, monkeyp
 
 
 def test_an_engine_that_fails_for_another_reason_is_not_relaunched(tmp_path, monkeypatch):
-    from vime.backends.vllm_utils import engine
+    from vime.engine.control import engine
 
     launches = []
     monkeypatch.setattr(engine, "find_free_port", lambda *a: launches.append(1) or 1)
@@ -91,8 +91,8 @@ def test_the_router_whose_port_is_taken_relaunches_on_a_new_one(tmp_path):
     import pytest
 
     from vime.arguments import build_parser
-    from vime.backends.vllm_utils.arguments import router_args_from
-    from vime.backends.vllm_utils.router import Router, router_ok
+    from vime.engine.control.arguments import router_args_from
+    from vime.engine.control.router import Router, router_ok
 
     flags = build_parser().parse_args(["--hf-checkpoint", "x"])
     token = RunToken.new()

@@ -54,7 +54,7 @@ def test_eval_samples_grouped_by_prompt_with_failures_incorrect():
     from types import SimpleNamespace
 
     from vime.rollout.metrics import eval_at_k
-    from vime.utils.types import Sample
+    from vime.data.sample import Sample
 
     def s(group, response, reward, status=Sample.Status.COMPLETED):
         return Sample(group_index=group, response=response, reward=reward, status=status)

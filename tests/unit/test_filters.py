@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 
 from vime.rollout.filter_hub import DynamicFilterOutput, check_no_failed_samples, check_reward_nonzero_std, pop_first
-from vime.utils.types import Sample
+from vime.data.sample import Sample
 
 ARGS = SimpleNamespace(reward_key=None)
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from megatron.core import utils
 
-from vime.backends.megatron_utils.foreach_kernels import foreach_l2_norm, foreach_scale, use_foreach_kernels
+from vime.trainer.megatron.foreach_kernels import foreach_l2_norm, foreach_scale, use_foreach_kernels
 
 
 def _grads(device="cpu"):

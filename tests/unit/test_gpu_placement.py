@@ -12,7 +12,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 from tests.helpers.run_sections import placement_of
-from vime.ray.placement import Placement, device_order
+from vime.driver.placement import Placement, device_order
 
 GPUS_PER_NODE = 4
 
@@ -31,7 +31,7 @@ def engine_sees(gpus: list[str]) -> dict:
     """What the real `engine_env` shows the vLLM server of an engine placed here."""
     import os
 
-    from vime.backends.vllm_utils.engine import engine_env
+    from vime.engine.control.engine import engine_env
 
     args = SimpleNamespace(rollout_num_gpus_per_engine=len(gpus), cpu_kv_cache_space=1, update_weight_dir=None,
                            save=None)
@@ -66,7 +66,7 @@ def _ranks(placement: Placement, role: str = "actor") -> list[dict]:
 
 def _trainers(placement: Placement, args, role: str = "actor") -> list[dict]:
     """(node, what the rank sees) for every rank of a real training group on `placement`."""
-    from vime.ray.actor_group import RayTrainGroup
+    from vime.driver.train_group import RayTrainGroup
 
     group = RayTrainGroup(args, placement, role=role)
     try:
@@ -182,7 +182,7 @@ def test_device_order_groups_each_nodes_gpus():
 
 
 def test_device_index_follows_what_the_rank_sees():
-    from vime.backends.megatron_utils.parallel import device_index
+    from vime.trainer.megatron.parallel import device_index
 
     assert device_index(3, 1) == 0  # Ray showed the rank its bundle's GPU alone
     assert device_index(3, 8) == 3  # torchrun: every GPU visible, LOCAL_RANK names one
@@ -193,7 +193,7 @@ def test_device_index_follows_what_the_rank_sees():
 def test_ranks_without_a_placement_group_get_the_clusters_gpus(gpu_cluster):
     """A training group made without a placement group asks for a GPU per rank because the cluster has GPUs, though
     this driver has none (it once asked the driver's own devices, and put GPU ranks on no GPU)."""
-    from vime.ray.actor_group import RayTrainGroup
+    from vime.driver.train_group import RayTrainGroup
     from vime.utils.device import use_gpu
 
     assert not use_gpu()

@@ -11,10 +11,10 @@ import inspect
 import textwrap
 
 from vime.trainer.trainer import MegatronTrainer
-from vime.ray import actor_group
-from vime.ray.actor_group import RayTrainGroup, TrainActor
-from vime.ray.engine_fleet import EngineFleet
-from vime.ray.rollout_manager import RolloutManager
+from vime.driver import train_group as actor_group
+from vime.driver.train_group import RayTrainGroup, TrainActor
+from vime.rollout_manager.engine_fleet import EngineFleet
+from vime.rollout_manager.manager import RolloutManager
 
 
 def _parameters(fn) -> list[tuple[str, object]]:

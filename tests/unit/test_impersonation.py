@@ -90,7 +90,7 @@ def test_foreign_listener_names_the_holder(impostor):
 
 
 def test_engine_start_sends_no_token_to_an_impostor(impostor, tmp_path, monkeypatch):
-    from vime.backends.vllm_utils import engine
+    from vime.engine.control import engine
     from vime.utils.auth import RunToken
 
     port, received = impostor
@@ -110,8 +110,8 @@ def test_engine_start_sends_no_token_to_an_impostor(impostor, tmp_path, monkeypa
 
 def test_router_start_sends_nothing_to_an_impostor(impostor, tmp_path):
     from vime.arguments import build_parser
-    from vime.backends.vllm_utils.arguments import router_args_from
-    from vime.backends.vllm_utils.router import Router
+    from vime.engine.control.arguments import router_args_from
+    from vime.engine.control.router import Router
     from vime.utils.auth import RunToken
 
     port, received = impostor
@@ -151,9 +151,9 @@ def test_another_user_cannot_steer_the_router_and_a_stranger_worker_is_removed(t
     A stranger in its worker list all the same (added by a holder of the key, or by an older router) is removed at
     the next rollout's check and reported."""
     from vime.arguments import build_parser
-    from vime.backends.vllm_utils.arguments import router_args_from
-    from vime.backends.vllm_utils.router import Router, post_worker
-    from vime.ray.engine_fleet import EngineFleet
+    from vime.engine.control.arguments import router_args_from
+    from vime.engine.control.router import Router, post_worker
+    from vime.rollout_manager.engine_fleet import EngineFleet
     from vime.rollout.context import reset_rollout_context
 
     (tmp_path / "worker.py").write_text(IMPOSTOR)  # a server that answers 200 (the router checks /health)

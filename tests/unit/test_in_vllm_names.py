@@ -1,5 +1,5 @@
 """vLLM reaches vime's code inside its processes by name only (pyproject.toml's entry points, the worker
-extension's class path; nothing in vime imports `vime.in_vllm`): each name must resolve there, and the installed
+extension's class path; nothing in vime imports `vime.engine.in_vllm`): each name must resolve there, and the installed
 entry points must be pyproject's."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import tomllib
 from importlib.metadata import entry_points
 from pathlib import Path
 
-from vime.engine_protocol.names import PLUGIN_NAME, WORKER_EXTENSION
+from vime.engine.protocol.names import PLUGIN_NAME, WORKER_EXTENSION
 
 PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 GROUPS = ("vllm.general_plugins", "vllm.endpoint_plugins")
@@ -25,9 +25,11 @@ def test_each_name_vllm_is_given_resolves_inside_in_vllm():
     for group, names in declared().items():
         assert list(names) == [PLUGIN_NAME], group  # the name engine.plugin_allowlist adds to VLLM_PLUGINS
         module, attribute = names[PLUGIN_NAME].split(":")
-        assert module.startswith("vime.in_vllm.") and callable(getattr(importlib.import_module(module), attribute))
+        assert module.startswith("vime.engine.in_vllm.")
+        assert callable(getattr(importlib.import_module(module), attribute))
     module, _, name = WORKER_EXTENSION.rpartition(".")
-    assert module.startswith("vime.in_vllm.") and isinstance(getattr(importlib.import_module(module), name), type)
+    assert module.startswith("vime.engine.in_vllm.")
+    assert isinstance(getattr(importlib.import_module(module), name), type)
 
 
 def test_the_installed_entry_points_are_pyprojects():

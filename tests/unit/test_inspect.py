@@ -19,7 +19,7 @@ from vime.inspect.render import rollout_page
 from vime.rollout.arguments import validate_rollout_args
 from vime.rollout.debug_data import compact_rollout_path, read_compact_rollout, save_compact_rollout
 from vime.utils.resolved_config import write_resolved_config
-from vime.utils.types import Sample
+from vime.data.sample import Sample
 
 
 class CharTokenizer:

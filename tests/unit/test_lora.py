@@ -15,8 +15,8 @@ from tests.helpers.devices import output_tolerance, trained_weights_tolerance  #
 from tests.helpers.hf_reference import load_hf, response_log_probs  # noqa: E402
 from tests.helpers.rollouts import flat, make_rollout  # noqa: E402
 from tests.helpers.trainer_runs import BASE_ARGV, launch, local_trainer as trainer  # noqa: E402
-from vime.backends.megatron_utils.hf_checkpoint import _unwrap  # noqa: E402
-from vime.backends.megatron_utils.lora import adapted_linears  # noqa: E402
+from vime.trainer.megatron.hf_checkpoint import _unwrap  # noqa: E402
+from vime.trainer.megatron.lora import adapted_linears  # noqa: E402
 from vime.trainer.passes import forward_log_probs  # noqa: E402
 from vime.trainer.train_batch import TrainBatch  # noqa: E402
 
@@ -97,7 +97,7 @@ def test_only_adapters_train_and_the_merged_weights_are_pefts(tiny_qwen3, tmp_pa
     for lp, want in zip(loaded, trainer_lps):  # another trainer: its kernels need not round alike on a GPU
         torch.testing.assert_close(lp, want, rtol=0, atol=output_tolerance("logprob", cpu=1e-6))
     from vime.arguments import parse_args
-    from vime.backends.megatron_utils.train_arguments import validate_lora_args
+    from vime.trainer.megatron.train_arguments import validate_lora_args
 
     with pytest.raises(ValueError, match="--lora-rank 8 contradicts the --lora-load adapter's 4"):
         validate_lora_args(parse_args(["--hf-checkpoint", str(tiny_qwen3), "--lora-load",
@@ -204,7 +204,7 @@ def _adapted(t) -> set[str]:
 
 def test_lora_flags_are_checked(tmp_path):
     from vime.arguments import parse_args
-    from vime.backends.megatron_utils.train_arguments import validate_lora_args
+    from vime.trainer.megatron.train_arguments import validate_lora_args
 
     data = tmp_path / "p.jsonl"
     data.write_text('{"prompt": "hi"}\n')
@@ -285,15 +285,15 @@ def test_adapter_sync_engine_side(tmp_path, monkeypatch):
     import json
     from types import SimpleNamespace
 
-    from vime.backends.vllm_utils.engine import lora_engine_options
-    from vime.engine_protocol.names import LOAD_ADAPTER
-    from vime.engine_protocol.weight_files import WEIGHT_ROOT_ENV
-    from vime.in_vllm.lora_serving import load_adapter
-    from vime.backends.weight_transport.base import DriverSetup
-    from vime.backends.weight_transport.lora_adapter.driver import LoraAdapterDriver
+    from vime.engine.control.engine import lora_engine_options
+    from vime.engine.protocol.names import LOAD_ADAPTER
+    from vime.engine.protocol.weight_files import WEIGHT_ROOT_ENV
+    from vime.engine.in_vllm.lora_serving import load_adapter
+    from vime.transport.weights.base import DriverSetup
+    from vime.transport.weights.lora_adapter.driver import LoraAdapterDriver
     from vime.config.train import LoraConfig, WeightSyncConfig
-    from vime.ray.fleet_recovery import recovery_load_call
-    from vime.ray.weight_sync import sync_kind
+    from vime.rollout_manager.fleet_recovery import recovery_load_call
+    from vime.driver.weight_sync import sync_kind
 
     args = SimpleNamespace(lora_rank=12, lora_sync="adapter", update_weight_transport="disk")
     assert lora_engine_options(args, []) == ["--enable-lora", "--max-lora-rank", "16", "--max-loras", "1",

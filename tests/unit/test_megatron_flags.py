@@ -13,7 +13,7 @@ pytest.importorskip("megatron.core")
 
 from tests.helpers.trainer_runs import BASE_ARGV  # noqa: E402
 from vime.arguments import build_parser, parse_args  # noqa: E402
-from vime.backends.megatron_utils.megatron_flags import (FIXED, HAND_DECLARED, MEGATRON_LM_NAMES,  # noqa: E402
+from vime.trainer.megatron.megatron_flags import (FIXED, HAND_DECLARED, MEGATRON_LM_NAMES,  # noqa: E402
                                                          config_classes, megatron_option_table)
 
 
@@ -66,7 +66,7 @@ def test_architecture_flags_that_contradict_what_vime_builds_fail_naming_both(ti
 
 
 def test_non_default_flags_arrive_in_the_built_configs(tiny_qwen3):
-    from vime.backends.megatron_utils.parallel import destroy_parallel
+    from vime.trainer.megatron.parallel import destroy_parallel
     from vime.trainer.trainer import MegatronTrainer
 
     args = parse_args(["--hf-checkpoint", str(tiny_qwen3), *BASE_ARGV,

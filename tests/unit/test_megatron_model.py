@@ -17,13 +17,13 @@ from safetensors.torch import load_file
 pytest.importorskip("megatron.core")
 
 from tests.helpers.devices import output_tolerance, to_device_of  # noqa: E402
-from vime.backends.megatron_utils.arguments import (  # noqa: E402
+from vime.trainer.megatron.arguments import (  # noqa: E402
     add_megatron_args,
     fill_architecture_from_hf,
     validate_megatron_args,
 )
-from vime.backends.megatron_utils.hf_checkpoint import load_hf_checkpoint_into_model, save_hf_checkpoint  # noqa: E402
-from vime.backends.megatron_utils.hf_conversion import (  # noqa: E402
+from vime.trainer.megatron.hf_checkpoint import load_hf_checkpoint_into_model, save_hf_checkpoint  # noqa: E402
+from vime.trainer.megatron.hf_conversion import (  # noqa: E402
     hf_to_megatron_state_dict,
     megatron_to_hf_state_dict,
 )
@@ -52,7 +52,7 @@ def tiny_models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def megatron_world():
-    from vime.backends.megatron_utils.parallel import destroy_parallel, init_parallel
+    from vime.trainer.megatron.parallel import destroy_parallel, init_parallel
 
     init_parallel(1, 1, seed=1234)
     yield
@@ -76,7 +76,7 @@ def megatron_args(argv=(), config=None) -> argparse.Namespace:
 def test_logits_match_transformers(case, tiny_models, megatron_world):
     from transformers import AutoModelForCausalLM
 
-    from vime.backends.megatron_utils.model_provider import build_model_chunks
+    from vime.trainer.megatron.model_provider import build_model_chunks
 
     path = tiny_models[case]
     args = megatron_args(config=hf_config(path))
@@ -155,7 +155,7 @@ def test_qkv_is_interleaved_per_kv_group(tiny_models):
 
 
 def test_model_save_hf_checkpoint_round_trip(tiny_models, megatron_world, tmp_path):
-    from vime.backends.megatron_utils.model_provider import build_model_chunks
+    from vime.trainer.megatron.model_provider import build_model_chunks
 
     path = tiny_models["qwen2"]
     model = build_model_chunks(megatron_args(config=hf_config(path)))
@@ -211,7 +211,7 @@ def test_llama3_rope_scaling_is_read_and_checked(tiny_models):
                                              r"'original_max_position_embeddings'\]"),
 ])
 def test_unsupported_rope_is_refused_naming_the_key(tiny_models, rope, match):
-    from vime.backends.megatron_utils.hf_architecture import hf_architecture
+    from vime.trainer.megatron.hf_architecture import hf_architecture
 
     config = hf_config(tiny_models["llama"])
     config.rope_parameters = {**rope, "rope_theta": 10000.0}
@@ -240,7 +240,7 @@ def test_validation_fills_global_batch_size(tiny_models):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU layer is off when CUDA is available")
 def test_cpu_layer_is_idempotent_and_scoped_to_megatron(megatron_world):
-    from vime.backends.megatron_utils.cpu_compat import apply_cpu_compat
+    from vime.trainer.megatron.cpu_compat import apply_cpu_compat
 
     depth = torch._C._len_torch_function_stack()
     apply_cpu_compat()
@@ -264,7 +264,7 @@ def test_cpu_layer_runs_a_megatron_training_step(tiny_models, megatron_world):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from vime.backends.megatron_utils.model_provider import build_model_chunks
+    from vime.trainer.megatron.model_provider import build_model_chunks
 
     path = tiny_models["qwen3"]
     model = build_model_chunks(megatron_args(config=hf_config(path)))
@@ -305,7 +305,7 @@ def test_cpu_layer_runs_a_megatron_training_step(tiny_models, megatron_world):
      r"rope_parameters.attention_factor 2.0 is not supported for YaRN; supported: None"),
 ])
 def test_unsupported_deepseek_v3_keys_are_refused_naming_the_key(tiny_models, change, match):
-    from vime.backends.megatron_utils.hf_architecture import hf_architecture
+    from vime.trainer.megatron.hf_architecture import hf_architecture
 
     config = hf_config(tiny_models["deepseek_v3"])
     for key, value in change.items():
@@ -322,7 +322,7 @@ def test_deepseek_v3_architecture_and_mtp_layers(tiny_models, megatron_world, ca
 
     from safetensors.torch import save_file
 
-    from vime.backends.megatron_utils.model_provider import build_model_chunks
+    from vime.trainer.megatron.model_provider import build_model_chunks
 
     path = tiny_models["deepseek_v3"]
     args = megatron_args(config=hf_config(path))
@@ -356,7 +356,7 @@ def test_local_norm_is_built_in_the_models_dtype_and_takes_the_fused_kernel(norm
     import types
     import warnings
 
-    from vime.backends.megatron_utils.model_provider import LocalNorm
+    from vime.trainer.megatron.model_provider import LocalNorm
 
     config = types.SimpleNamespace(normalization=normalization, sequence_parallel=True, params_dtype=torch.bfloat16)
     norm = LocalNorm(config, 64, eps=1e-6)

@@ -37,9 +37,9 @@ def _build(hf_dir: str, tp: int, pp: int) -> list[torch.nn.Module]:
     """This rank's model chunks with the HF weights loaded. Needs `init_parallel(tp, pp)`."""
     from transformers import AutoConfig
 
-    from vime.backends.megatron_utils.arguments import add_megatron_args, fill_architecture_from_hf
-    from vime.backends.megatron_utils.hf_checkpoint import load_hf_checkpoint_into_model
-    from vime.backends.megatron_utils.model_provider import build_model_chunks
+    from vime.trainer.megatron.arguments import add_megatron_args, fill_architecture_from_hf
+    from vime.trainer.megatron.hf_checkpoint import load_hf_checkpoint_into_model
+    from vime.trainer.megatron.model_provider import build_model_chunks
 
     args = add_megatron_args(argparse.ArgumentParser()).parse_args(
         ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)])
@@ -56,7 +56,7 @@ def _forward(model: list[torch.nn.Module]) -> list[dict] | None:
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    from vime.backends.megatron_utils.hf_checkpoint import gather_tp_shards
+    from vime.trainer.megatron.hf_checkpoint import gather_tp_shards
 
     def forward_step(data_iterator, chunk):
         tokens = to_device_of(chunk, next(data_iterator))  # the model is on CUDA where there is one
@@ -82,9 +82,9 @@ def _worker(rank: int, world_size: int, port: int, tp: int, pp: int, hf_dir: str
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
-    from vime.backends.megatron_utils.parallel import destroy_parallel, init_parallel
+    from vime.trainer.megatron.parallel import destroy_parallel, init_parallel
 
-    from vime.backends.megatron_utils.hf_checkpoint import save_hf_checkpoint
+    from vime.trainer.megatron.hf_checkpoint import save_hf_checkpoint
 
     init_parallel(tp, pp, seed=1234)
     try:
@@ -129,7 +129,7 @@ def tiny_llama_tied(tmp_path_factory):
 
 
 def _single_process_reference(hf_dir: Path) -> list[dict]:
-    from vime.backends.megatron_utils.parallel import destroy_parallel, init_parallel
+    from vime.trainer.megatron.parallel import destroy_parallel, init_parallel
 
     init_parallel(1, 1, seed=1234)
     try:

@@ -17,12 +17,12 @@ from transformers import AutoConfig
 
 from tests.helpers.memory_tracker import StorageTracker, live_bytes
 from vime.arguments import parse_args
-from vime.backends.megatron_utils.parallel import destroy_parallel
+from vime.trainer.megatron.parallel import destroy_parallel
 from vime.plan.memory import GIB, TrainerLayout, trainer_memory
 from vime.plan.run_plan import plan_run
 from vime.synthetic.tiny_model import build_tiny_model
 from vime.trainer.flops import FlopShape, trainer_rollout_flops
-from vime.utils.types import Sample
+from vime.data.sample import Sample
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPT, RESPONSE = 64, 192
@@ -157,7 +157,7 @@ def test_a_gpu_run_checks_the_plan_before_it_starts(checkpoints, monkeypatch, ca
 
     from vime.arguments import ArgumentsError
     from vime.plan.run_plan import check_memory_plan
-    from vime.ray import placement
+    from vime.driver import placement
 
     args = parse_args(_argv(checkpoints["qwen3"], "--micro-batch-size", "8", "--rollout-max-response-len", "8192"))
     with pytest.raises(ArgumentsError, match=r"does not fit devices of 1 GiB.*--recompute-granularity full"):

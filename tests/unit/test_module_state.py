@@ -27,7 +27,7 @@ ALLOWED = {
     ("algorithms/losses.py", "POLICY_LOSSES"): "the policy-loss registry",
     ("rollout/rm_hub/registry.py", "RM_REGISTRY"): "the --rm-type registry",
     # the process's own
-    ("ray/ray_auth.py", "_held_locks"): "the flock this process holds on its Ray token directory while it lives",
+    ("driver/ray_auth.py", "_held_locks"): "the flock this process holds on its Ray token directory while it lives",
     ("utils/rendezvous.py", "_reserved"): "listening sockets this process bound for a group whose store it will "
                                           "serve, until that store takes them",
 }

@@ -22,7 +22,7 @@ from tests.helpers.devices import output_tolerance, to_device_of  # noqa: E402
 
 @pytest.fixture(scope="module")
 def megatron_world():
-    from vime.backends.megatron_utils.parallel import destroy_parallel, init_parallel
+    from vime.trainer.megatron.parallel import destroy_parallel, init_parallel
 
     init_parallel(1, 1, seed=1234)
     yield
@@ -32,9 +32,9 @@ def megatron_world():
 def _model(tmp_path, arch: str, argv: list[str]):
     from transformers import AutoConfig
 
-    from vime.backends.megatron_utils.arguments import add_megatron_args, fill_architecture_from_hf
-    from vime.backends.megatron_utils.hf_checkpoint import load_hf_checkpoint_into_model
-    from vime.backends.megatron_utils.model_provider import build_model_chunks
+    from vime.trainer.megatron.arguments import add_megatron_args, fill_architecture_from_hf
+    from vime.trainer.megatron.hf_checkpoint import load_hf_checkpoint_into_model
+    from vime.trainer.megatron.model_provider import build_model_chunks
     from vime.synthetic.tiny_model import build_tiny_model
 
     path = build_tiny_model(tmp_path / arch, arch=arch, seed=11)
@@ -68,7 +68,7 @@ def _imbalance(chosen: torch.Tensor, num_experts: int) -> float:
 
 
 def test_qwen3_moe_aux_loss_and_load_imbalance_by_hand(tmp_path, megatron_world):
-    from vime.backends.megatron_utils.device import model_device
+    from vime.trainer.megatron.device import model_device
     from vime.trainer.moe_metrics import ExpertLoad, take_moe_losses
 
     args, model = _model(tmp_path, "qwen3_moe", ["--moe-aux-loss-coeff", "0.01"])

@@ -21,7 +21,7 @@ from vime.rollout.rm_hub import RewardTypeError, async_rm
 from vime.rollout.generation import served_model
 from vime.rollout.vllm_rollout import GenerateState, generate_rollout_async
 from vime.utils.lora_adapters import ADAPTER_KEY
-from vime.utils.types import Sample
+from vime.data.sample import Sample
 
 
 def _prompts(tag, n):
@@ -119,7 +119,7 @@ def _write(path, rows):
 
 
 def test_manager_builds_the_mix_counts_bad_rows_of_every_file_and_tags_eval_sets(tmp_path, tiny_qwen3):
-    from vime.ray.rollout_manager import make_data_source, make_eval_sources
+    from vime.rollout_manager.manager import make_data_source, make_eval_sources
     from vime.utils.hf_tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(str(tiny_qwen3))

@@ -16,10 +16,10 @@ pytest.importorskip("megatron.core")
 from tests.helpers.devices import output_tolerance  # noqa: E402
 from tests.helpers.rollouts import flat, make_rollout  # noqa: E402
 from vime.algorithms import masked_mean_std  # noqa: E402
-from vime.backends.megatron_utils.checkpoint_files import publish  # noqa: E402
+from vime.trainer.megatron.checkpoint_files import publish  # noqa: E402
 from tests.helpers.trainer_runs import local_trainer as trainer  # noqa: E402
-from vime.backends.megatron_utils.hf_checkpoint import _unwrap  # noqa: E402
-from vime.backends.megatron_utils.lora import adapters_merged  # noqa: E402
+from vime.trainer.megatron.hf_checkpoint import _unwrap  # noqa: E402
+from vime.trainer.megatron.lora import adapters_merged  # noqa: E402
 from vime.trainer.batch_advantages import compute_advantages  # noqa: E402
 from vime.trainer.passes import forward_log_probs  # noqa: E402
 from vime.trainer.train_batch import TrainBatch  # noqa: E402
@@ -100,7 +100,7 @@ def test_two_adapters_route_train_and_export_apart(tiny_qwen3, tmp_path):
 
         t.save_hf(str(tmp_path / "hf"))
         # a weight update: one PEFT adapter per name
-        from vime.backends.weight_transport.lora_adapter.rank import LoraAdapterSender
+        from vime.transport.weights.lora_adapter.rank import LoraAdapterSender
 
         update = tmp_path / "update"
         update.mkdir()
@@ -138,7 +138,7 @@ def test_two_adapters_route_train_and_export_apart(tiny_qwen3, tmp_path):
 def test_a_sample_without_its_adapter_is_refused():
     from argparse import Namespace
 
-    from vime.utils.types import Sample
+    from vime.data.sample import Sample
 
     args = Namespace(lora_adapters=["math=a.jsonl", "code=b.jsonl"], reward_key=None)
     groups = _tagged(make_rollout(seed=1, num_prompts=2), ["math", "code"])

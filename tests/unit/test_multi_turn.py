@@ -13,7 +13,7 @@ import pytest
 
 from vime.agents import multi_turn
 from vime.rollout.vllm_rollout import GenerateState
-from vime.utils.types import Sample
+from vime.data.sample import Sample
 
 
 @pytest.fixture()

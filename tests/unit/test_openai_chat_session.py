@@ -8,7 +8,7 @@ from vime.agents.chat_session import (ChatSession, ChatTemplate, new_messages_af
                                       trajectory_to_sample)
 from vime.agents.openai_replies import reply_text
 from vime.agents.openai_requests import engine_sampling_params, session_id_of
-from vime.utils.types import Sample
+from vime.data.sample import Sample
 
 
 @pytest.fixture(scope="module")

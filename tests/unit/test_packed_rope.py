@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vime.backends.megatron_utils.packed_rope import _MEGATRON_THD, packed_rope_thd, token_positions
+from vime.trainer.megatron.packed_rope import _MEGATRON_THD, packed_rope_thd, token_positions
 
 
 class _OneRank:

@@ -11,7 +11,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 from tests.helpers.run_sections import placement_of
-from vime.ray.placement import Placement
+from vime.driver.placement import Placement
 from vime.utils.cpus import CpuShare
 
 
@@ -87,7 +87,7 @@ def test_external_engines_take_no_bundles(cluster):
 
 
 def test_engines_on_one_node_split_its_cpus(cluster):
-    from vime.backends.vllm_utils.engine import engine_env, omp_bind_value
+    from vime.engine.control.engine import engine_env, omp_bind_value
 
     p = placement_of(_args(actor_num_nodes=1, rollout_num_gpus=4))  # 1 trainer + 4 engines on 2-CPU nodes
     nodes = _nodes(p, [p.bundle_of("engine", r) for r in range(4)])
@@ -124,7 +124,7 @@ def _train_args(**kw):
 
 def _rank_threads(placement, args) -> tuple[int, list[int]]:
     """(torch threads, CPUs) of training rank 0 as started by the real training group on `placement`."""
-    from vime.ray.actor_group import RayTrainGroup
+    from vime.driver.train_group import RayTrainGroup
 
     group = RayTrainGroup(args, placement)
     try:

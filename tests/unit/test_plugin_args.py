@@ -15,7 +15,7 @@ import threading
 
 import pytest
 
-from vime.backends.vllm_utils.router_gate import RouterGate, forwarded, peer_uid
+from vime.engine.control.router_gate import RouterGate, forwarded, peer_uid
 from vime.utils.plugin_args import plugin_view, plugin_view_from, runtime_values
 
 

@@ -23,9 +23,9 @@ import pytest
 import torch
 
 from vime.arguments import parse_args
-from vime.backends.megatron_utils.parallel import destroy_parallel
+from vime.trainer.megatron.parallel import destroy_parallel
 from vime.synthetic.tiny_model import build_tiny_model
-from vime.utils.types import Sample
+from vime.data.sample import Sample
 
 TOL = 2e-5
 GROUP = 4

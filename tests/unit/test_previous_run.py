@@ -1,5 +1,5 @@
 """A run refuses to start over an earlier run's state unless it resumes it or is told to start over
-(`vime.ray.previous_run`), and leaves every file as it found it."""
+(`vime.driver.previous_run`), and leaves every file as it found it."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from vime.backends.megatron_utils import checkpoint_files as cf
-from vime.ray.previous_run import check_start
+from vime.trainer.megatron import checkpoint_files as cf
+from vime.driver.previous_run import check_start
 
 
 def _args(tmp_path, **kw):

@@ -30,7 +30,7 @@ except Exception as e:
 def no_ray_auth_settings():
     """This process without RAY_AUTH_* settings, and after the test with the ones it had, as Ray sees them (Ray
     caches its authentication config per process: restoring the environment alone would leave them apart)."""
-    from vime.ray.ray_auth import MODE_ENV, TOKEN_PATH_ENV, reload_ray_auth_config
+    from vime.driver.ray_auth import MODE_ENV, TOKEN_PATH_ENV, reload_ray_auth_config
 
     names = (MODE_ENV, TOKEN_PATH_ENV, "RAY_AUTH_TOKEN")
     saved = {name: os.environ.pop(name) for name in names if name in os.environ}
@@ -46,8 +46,8 @@ def test_the_runs_cluster_admits_only_the_runs_token(no_ray_auth_settings):
     import ray
 
     from tests.helpers.run_sections import init_ray_of
-    from vime.ray.placement import shutdown_ray
-    from vime.ray.ray_auth import MODE_ENV, TOKEN_PATH_ENV
+    from vime.driver.placement import shutdown_ray
+    from vime.driver.ray_auth import MODE_ENV, TOKEN_PATH_ENV
 
     home_token = os.path.expanduser("~/.ray/auth_token")
     before = os.stat(home_token).st_mtime if os.path.exists(home_token) else None
@@ -81,7 +81,7 @@ def test_the_runs_cluster_admits_only_the_runs_token(no_ray_auth_settings):
 def test_a_token_this_process_did_not_make_stays(no_ray_auth_settings, tmp_path):
     """A run started by another vime process inherits its token in the environment: stopping it leaves the
     parent's token (and the environment naming it) alone."""
-    from vime.ray.ray_auth import MODE_ENV, TOKEN_PATH_ENV, drop_run_token
+    from vime.driver.ray_auth import MODE_ENV, TOKEN_PATH_ENV, drop_run_token
 
     parents = tmp_path / f"vime-ray-auth-{os.getpid() + 1}-abc"
     parents.mkdir()
@@ -95,7 +95,7 @@ def test_a_killed_runs_token_directory_is_reaped(tmp_path):
     """A run killed with SIGKILL leaves its token directory; the next run removes those whose lock no process
     holds any more, never a live run's (its lock is held, whatever pid namespace it is in) nor a directory
     without a lock file."""
-    from vime.ray.ray_auth import LOCK_FILE, reap_dead_runs_tokens
+    from vime.driver.ray_auth import LOCK_FILE, reap_dead_runs_tokens
 
     holder = ("import fcntl, os, sys, time\nfd = os.open(sys.argv[1], os.O_RDWR)\nfcntl.flock(fd, fcntl.LOCK_EX)\n"
               "print('held', flush=True)\ntime.sleep(60)\n")

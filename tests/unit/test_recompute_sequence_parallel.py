@@ -27,7 +27,7 @@ def train_one_step(hf_dir, groups, **values):
     import megatron.core.tensor_parallel.random as mcore_random
 
     from vime.arguments import parse_args
-    from vime.backends.megatron_utils.parallel import destroy_parallel
+    from vime.trainer.megatron.parallel import destroy_parallel
     from vime.trainer.trainer import MegatronTrainer
     from vime.utils.misc import with_values
 

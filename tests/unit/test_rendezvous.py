@@ -36,7 +36,7 @@ def own_wildcard_listeners() -> set[str]:
 def _trainer_address() -> tuple[str, int]:
     """What training rank 0 answers when the driver asks where its groups meet (one node: no --ray-address)."""
     from vime.arguments import build_parser
-    from vime.ray.actor_group import TrainActor
+    from vime.driver.train_group import TrainActor
 
     flags = build_parser().parse_args(["--hf-checkpoint", "x"])
     return TrainActor.address(SimpleNamespace(args=flags))
@@ -65,7 +65,7 @@ def test_the_trainers_address_is_held_from_the_moment_it_is_given():
 
 
 def test_a_training_groups_store_listens_on_master_addr_alone(torchrun_env):
-    from vime.backends.megatron_utils.parallel import destroy_parallel, init_parallel
+    from vime.trainer.megatron.parallel import destroy_parallel, init_parallel
     from vime.utils.misc import find_free_port
 
     port = find_free_port()
@@ -79,7 +79,7 @@ def test_a_training_groups_store_listens_on_master_addr_alone(torchrun_env):
 
 def test_the_store_serves_on_the_socket_reserved_with_the_address(torchrun_env):
     """The trainer's flow: rank 0 gives out its address, then builds the group there on the socket it kept."""
-    from vime.backends.megatron_utils.parallel import destroy_parallel, init_parallel
+    from vime.trainer.megatron.parallel import destroy_parallel, init_parallel
     from vime.utils import rendezvous
 
     host, port = _trainer_address()
@@ -97,7 +97,7 @@ def test_the_store_serves_on_the_socket_reserved_with_the_address(torchrun_env):
 
 def test_a_one_process_group_has_no_store_on_every_interface(monkeypatch):
     """Its store is in memory: no socket at all (gloo's own listeners follow the host name, as before)."""
-    from vime.backends.megatron_utils.parallel import destroy_parallel, init_parallel
+    from vime.trainer.megatron.parallel import destroy_parallel, init_parallel
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert own_wildcard_listeners() == set()
@@ -109,7 +109,7 @@ def test_a_one_process_group_has_no_store_on_every_interface(monkeypatch):
 
 
 def test_a_taken_port_fails_naming_its_holder(torchrun_env):
-    from vime.backends.megatron_utils.parallel import init_parallel
+    from vime.trainer.megatron.parallel import init_parallel
     from vime.utils.misc import find_free_port
 
     with socket.socket() as other:
@@ -123,7 +123,7 @@ def test_a_taken_port_fails_naming_its_holder(torchrun_env):
 
 
 def test_a_half_set_torchrun_environment_says_what_is_missing(torchrun_env, monkeypatch):
-    from vime.backends.megatron_utils.parallel import init_parallel
+    from vime.trainer.megatron.parallel import init_parallel
 
     torchrun_env("127.0.0.1", 1)
     monkeypatch.delenv("MASTER_PORT")

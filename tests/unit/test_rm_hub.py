@@ -16,7 +16,7 @@ from vime.rollout.rm_hub import RM_REGISTRY, async_rm, batched_async_rm, registe
 from vime.rollout.rm_hub.answer_utils import last_boxed, normalize_answer
 from vime.rollout.rm_hub.pool import close_reward_pool, reward_pool
 from vime.rollout.vllm_rollout import _reward_one
-from vime.utils.types import Sample
+from vime.data.sample import Sample
 
 
 def make_args(**overrides):

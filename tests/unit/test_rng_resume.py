@@ -10,8 +10,8 @@ import random
 
 import torch
 
-from vime.backends.megatron_utils import checkpoint
-from vime.backends.megatron_utils.checkpoint import _set_rng_state, compatible_tracker_states
+from vime.trainer.megatron import checkpoint
+from vime.trainer.megatron.checkpoint import _set_rng_state, compatible_tracker_states
 
 
 class _Tracker:
@@ -50,7 +50,7 @@ def test_the_local_spec_is_built_even_where_transformer_engine_imports(monkeypat
     import sys
     import types
 
-    from vime.backends.megatron_utils import model_provider
+    from vime.trainer.megatron import model_provider
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setitem(sys.modules, "transformer_engine", types.ModuleType("transformer_engine"))

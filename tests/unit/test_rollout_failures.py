@@ -18,7 +18,7 @@ from vime.rollout.metrics import add_counter, record_counters, rollout_metrics
 from vime.rollout.generation import post_generate, retry_window_s
 from vime.rollout.vllm_rollout import (EngineRejectedError, EngineUnavailableError, GenerateState,
                                        generate_and_rm_group)
-from vime.utils.types import Sample
+from vime.data.sample import Sample
 
 PLUGIN = textwrap.dedent('''
     import time
@@ -231,7 +231,7 @@ def test_filter_returning_the_wrong_type_is_a_clear_error(tiny_qwen3, plugin):
 
 
 def test_the_engine_detokenizes_only_for_stop_strings():
-    from vime.backends.vllm_utils.generate_request import tokens_only
+    from vime.engine.control.generate_request import tokens_only
 
     assert tokens_only({"sampling_params": {"max_tokens": 4}})["sampling_params"]["detokenize"] is False
     assert "detokenize" not in tokens_only({"sampling_params": {"stop": ["\n"]}})["sampling_params"]

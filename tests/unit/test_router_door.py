@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from vime.backends.vllm_utils.router_door import door_server
+from vime.engine.control.router_door import door_server
 
 
 @pytest.fixture

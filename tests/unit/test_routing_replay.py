@@ -16,10 +16,10 @@ import torch
 
 from vime.trainer.batching import micro_batch_inputs
 from vime.trainer.routing_replay import micro_batch_routing, sample_routing
-from vime.backends.vllm_utils.generate_request import decode_routed_experts
-from vime.in_vllm.routing_capture import RoutingStore, StepCapture
+from vime.engine.control.generate_request import decode_routed_experts
+from vime.engine.in_vllm.routing_capture import RoutingStore, StepCapture
 from vime.data.sample_codec import SampleCodecError, decode_rollout, encode_rollout, json_ready
-from vime.utils.types import Sample
+from vime.data.sample import Sample
 
 
 def _npy_b64(array: np.ndarray) -> str:  # what vLLM's servers write (vllm.utils.serial_utils.numpy2base64)
@@ -205,8 +205,8 @@ def test_rollout_replay_on_cpu_needs_one_worker_engines(tiny_moe):
 
 def test_engines_are_started_to_return_routing(tiny_moe):
     from vime.arguments import parse_args
-    from vime.backends.vllm_utils.engine import engine_command, engine_env
-    from vime.engine_protocol.names import CAPTURE_ENV
+    from vime.engine.control.engine import engine_command, engine_env
+    from vime.engine.protocol.names import CAPTURE_ENV
 
     args = parse_args(["--hf-checkpoint", str(tiny_moe), *BASE, "--use-rollout-routing-replay"])
     cmd = engine_command(args, "127.0.0.1", 1234, 0)
@@ -340,7 +340,7 @@ def test_capture_state_lives_on_the_model_runner_and_the_scheduler():
     store of routed experts."""
     from types import SimpleNamespace
 
-    from vime.in_vllm.routing_capture import _capture_for, _store_of
+    from vime.engine.in_vllm.routing_capture import _capture_for, _store_of
 
     config = SimpleNamespace(get_total_num_hidden_layers=lambda: 3, get_num_experts_per_tok=lambda: 2,
                              get_num_experts=lambda: 8)

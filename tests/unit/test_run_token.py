@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from vime.in_vllm.route_auth import RunTokenMiddleware, accepted_keys
+from vime.engine.in_vllm.route_auth import RunTokenMiddleware, accepted_keys
 from vime.utils import auth
 
 TOKEN = "t" * 64
@@ -98,8 +98,8 @@ def test_token_file_must_be_private_and_long(tmp_path):
 
 
 def test_the_token_reaches_the_engine_server_and_no_other_child(monkeypatch, tmp_path):
-    from vime.backends.vllm_utils.arguments import router_args_from
-    from vime.backends.vllm_utils.engine import engine_env
+    from vime.engine.control.arguments import router_args_from
+    from vime.engine.control.engine import engine_env
 
     token = auth.RunToken(TOKEN)
     args = SimpleNamespace(rollout_num_gpus_per_engine=1, cpu_kv_cache_space=1)
@@ -146,7 +146,7 @@ def test_a_server_reads_its_token_from_a_private_file(monkeypatch, tmp_path):
 STAND_IN_ENGINE = """
 import sys, uvicorn
 from fastapi import FastAPI
-from vime.in_vllm.endpoint_plugin import require_run_token
+from vime.engine.in_vllm.endpoint_plugin import require_run_token
 app = FastAPI()
 app.get("/health")(lambda: {})
 app.get("/is_paused")(lambda: {"is_paused": False})
@@ -160,7 +160,7 @@ def test_an_engine_server_holds_the_token_in_no_environment(monkeypatch, tmp_pat
     and neither it nor anything it starts has the token in /proc/<pid>/environ, which any process of this user may
     read (a sandboxed program without Landlock included). The file is gone once the engine serves. The server
     stands in for vLLM: the real `engine_env`, the real plugin function, a small FastAPI app."""
-    from vime.backends.vllm_utils import engine
+    from vime.engine.control import engine
     from vime.utils.listeners import process_tree
 
     (tmp_path / "server.py").write_text(STAND_IN_ENGINE)
@@ -205,8 +205,8 @@ def test_clients_send_the_control_token_and_the_serving_key():
     """Each call carries the token its caller passed: two runs in one process each send their own."""
     import aiohttp
 
-    from vime.backends.vllm_utils import client
-    from vime.backends.vllm_utils.generate_request import request_generate
+    from vime.engine.control import client
+    from vime.engine.control.generate_request import request_generate
 
     token, other = auth.RunToken(TOKEN), auth.RunToken("o" * 64)
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)

@@ -14,12 +14,12 @@ import pytest
 from vime.agents.sandbox import Sandbox, SandboxRefused, SandboxResult
 from vime.agents.tool_parsing import ToolCall
 from vime.agents.tools import TOOLS, ToolContext, run_tool_call
-from vime.ray.health import FailedRollouts
-from vime.ray.rollout_manager import RolloutManager
+from vime.rollout_manager.engine_health import FailedRollouts
+from vime.rollout_manager.manager import RolloutManager
 from vime.rollout.context import RolloutContext
 from vime.rollout.sandbox_runs import (SANDBOX_KEY, SandboxOutage, check_sandbox_runs, record_sandbox_run,
                                        sandbox_metrics)
-from vime.utils.types import Sample
+from vime.data.sample import Sample
 
 ISOLATION_ERROR = ("landlock: [Errno 13] /home/u/vime/.venv is out of reach of uid 1073741824: /home/u (mode 700, "
                    "uid 0) may not be searched by it")

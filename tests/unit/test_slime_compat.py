@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from vime.arguments import build_parser, parse_args
-from vime.backends.vllm_utils.sglang_flags import SGLANG_FLAGS, SGLangFlagError, translate_sglang_flags
+from vime.engine.control.sglang_flags import SGLANG_FLAGS, SGLangFlagError, translate_sglang_flags
 from vime.data.slime_data_source import SlimeDataSource
 from vime.rollout.train_data import apply_train_data
 from vime.trainer.hooks import apply_rollout_data, rollout_data_view
@@ -19,7 +19,7 @@ from vime.trainer.old_actor import OldActor
 from vime.trainer.reference import refresh_due
 from vime.trainer.train_batch import TrainBatch
 from vime.utils.resolved_config import plain_values
-from vime.utils.types import Sample
+from vime.data.sample import Sample
 
 
 def test_sglang_flags_become_vllms_with_a_notice():
@@ -203,8 +203,8 @@ def test_routed_experts_split_over_expert_tensor_parallel_when_it_differs(tmp_pa
     experts are whole on each rank (split over ETP), attention and the router's weights still split over TP."""
     from transformers import AutoConfig
 
-    from vime.backends.megatron_utils.hf_checkpoint import _SafetensorsDir
-    from vime.backends.megatron_utils.hf_conversion import Arch, hf_to_chunk, is_routed_expert
+    from vime.trainer.megatron.hf_checkpoint import _SafetensorsDir
+    from vime.trainer.megatron.hf_conversion import Arch, hf_to_chunk, is_routed_expert
     from vime.synthetic.tiny_model import build_tiny_model
 
     path = build_tiny_model(tmp_path / "moe", arch="qwen3_moe", seed=0, config={"mlp_only_layers": []})

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-import vime.data.transport.straw_store as straw_store
+import vime.transport.rollouts.straw_store as straw_store
 from tests.unit.test_transport import _groups, _pack_files
-from vime.data.transport.straw_store import StrawTransport
+from vime.transport.rollouts.straw_store import StrawTransport
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -54,7 +54,7 @@ def test_an_owner_orphaned_by_a_failed_index_write_is_released_at_restart(tmp_pa
 
 def test_an_owner_orphaned_by_a_kill_before_the_index_write_is_released_at_restart(tmp_path):
     code = (f"import os, sys; sys.path.insert(0, {str(REPO)!r})\n"
-            "import vime.data.transport.straw_store as s\n"
+            "import vime.transport.rollouts.straw_store as s\n"
             "from tests.unit.test_transport import _groups\n"
             f"t = s.StrawTransport({str(tmp_path)!r})\n"
             "t.put(0, _groups(0), {})\n"

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vime.backends.weight_transport import check
+from vime.transport.weights import check
 from vime.utils.tolerances import DEVICES, DTYPES, KINDS, coarsest_dtype, tolerance
 
 FINER_TO_COARSER = ("float32", "float16", "bfloat16")

@@ -19,7 +19,7 @@ pytest.importorskip("megatron.core")
 from tests.helpers.devices import output_tolerance, trained_weights_tolerance  # noqa: E402
 from tests.helpers.rollouts import flat, make_rollout  # noqa: E402
 from tests.helpers.trainer_runs import BASE_ARGV, launch, local_trainer as trainer  # noqa: E402
-from vime.utils.types import Sample  # noqa: E402
+from vime.data.sample import Sample  # noqa: E402
 
 
 def weights(t) -> dict[str, torch.Tensor]:

@@ -12,9 +12,9 @@ import pytest
 
 from vime.config.rollout import DataBufferConfig
 from vime.data.sample_codec import SampleCodecError
-from vime.data.transport import make_transport
-from vime.data.transport.straw_store import StrawTransport
-from vime.utils.types import Sample
+from vime.transport.rollouts import make_transport
+from vime.transport.rollouts.straw_store import StrawTransport
+from vime.data.sample import Sample
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -40,7 +40,7 @@ def test_straw_round_trip_and_a_second_process_instance_reads_it(tmp_path):
 
 def test_straw_put_is_durable_when_it_returns_even_if_the_writer_is_sigkilled(tmp_path):
     code = (f"import os, sys; sys.path.insert(0, {str(REPO)!r})\n"
-            "from vime.data.transport.straw_store import StrawTransport\n"
+            "from vime.transport.rollouts.straw_store import StrawTransport\n"
             f"from tests.unit.test_transport import _groups\n"
             f"t = StrawTransport({str(tmp_path)!r})\n"
             "for i in range(3): t.put(i, _groups(i), {'i': i})\n"

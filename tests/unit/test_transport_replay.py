@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from vime.data.transport import rollout_summary
-from vime.data.transport.replay import (TRAINED_SAMPLES, append_trained_samples, read_trained_samples, replay_ids,
+from vime.transport.rollouts import rollout_summary
+from vime.transport.rollouts.replay import (TRAINED_SAMPLES, append_trained_samples, read_trained_samples, replay_ids,
                                         truncate_trained_samples)
 
 
@@ -17,7 +17,7 @@ def _groups(ids):
     return [[{"index": i} for i in ids[:2]], [{"index": i} for i in ids[2:]]]
 
 
-def _ids(groups):  # what the driver keeps of a rollout (vime.data.transport.rollout_summary)
+def _ids(groups):  # what the driver keeps of a rollout (vime.transport.rollouts.rollout_summary)
     return rollout_summary(groups)["sample_ids"]
 
 

@@ -19,16 +19,16 @@ import pytest
 import torch
 
 from tests.helpers.run_sections import weight_sync_of
-from vime.backends.weight_transport import staging
-from vime.backends.weight_transport.base import DriverSetup
-from vime.backends.weight_transport.cuda_ipc.driver import CudaIpcDriver
-from vime.backends.weight_transport.disk.rank import write_stage_file
-from vime.backends.weight_transport.staging import stage_dir, write_new_file
-from vime.engine_protocol.ipc_codec import encode_rebuild_args
-from vime.engine_protocol.weight_files import MANIFEST, STAGE_FILE, WEIGHT_ROOT_ENV
-from vime.in_vllm.cuda_ipc import read_manifests
-from vime.in_vllm.weight_loading import update_files
-from vime.in_vllm.worker_extension import WeightReceiver
+from vime.transport.weights import staging
+from vime.transport.weights.base import DriverSetup
+from vime.transport.weights.cuda_ipc.driver import CudaIpcDriver
+from vime.transport.weights.disk.rank import write_stage_file
+from vime.transport.weights.staging import stage_dir, write_new_file
+from vime.engine.protocol.ipc_codec import encode_rebuild_args
+from vime.engine.protocol.weight_files import MANIFEST, STAGE_FILE, WEIGHT_ROOT_ENV
+from vime.engine.in_vllm.cuda_ipc import read_manifests
+from vime.engine.in_vllm.weight_loading import update_files
+from vime.engine.in_vllm.worker_extension import WeightReceiver
 
 WEIGHTS = [("model.embed_tokens.weight", torch.randn(8, 4)), ("model.norm.weight", torch.ones(4))]
 
@@ -78,7 +78,7 @@ def test_a_load_path_outside_the_weight_root_is_refused(tmp_path, root):
 
 
 def test_the_engine_is_given_the_runs_weight_root(tmp_path):
-    from vime.backends.vllm_utils.engine import engine_env
+    from vime.engine.control.engine import engine_env
 
     args = SimpleNamespace(update_weight_dir=str(tmp_path / "w"), rollout_num_gpus_per_engine=1,
                            cpu_kv_cache_space=1)
@@ -124,7 +124,7 @@ def test_a_checkpoints_pickles_run_no_code(tmp_path, marker, monkeypatch):
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from vime.backends.megatron_utils.checkpoint import no_code_from_files, read_rng_state
+    from vime.trainer.megatron.checkpoint import no_code_from_files, read_rng_state
 
     monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
     clean, bad = tmp_path / "clean", tmp_path / "bad"

@@ -14,10 +14,10 @@ from urllib.parse import urlparse
 
 import pytest
 
-from vime.backends.vllm_utils import client
-from vime.engine_protocol.names import UPDATE_ROUTE as ROUTE
-from vime.in_vllm.endpoint_plugin import _parse
-from vime.backends.vllm_utils.engine import plugin_allowlist
+from vime.engine.control import client
+from vime.engine.protocol.names import UPDATE_ROUTE as ROUTE
+from vime.engine.in_vllm.endpoint_plugin import _parse
+from vime.engine.control.engine import plugin_allowlist
 from vime.utils.auth import RunToken
 
 TOKEN = RunToken.new()
@@ -114,7 +114,7 @@ def test_a_failed_engine_is_named_and_the_others_still_update(old_engine):
 
 
 def test_idle_spin_cap_applies_to_readers_only():
-    from vime.in_vllm.general_plugin import cap_idle_spin
+    from vime.engine.in_vllm.general_plugin import cap_idle_spin
 
     class Spin:  # vLLM's SpinCondition shape: readers busy-wait busy_loop_s after a message
         def __init__(self, is_reader, context=None, notify_address="", busy_loop_s=1):
@@ -131,7 +131,7 @@ def test_engine_core_fork_patch(monkeypatch):
     whose fresh import of vLLM was most of an engine's start); loading the plugin twice changes nothing."""
     from vllm.v1.engine import utils as engine_utils
 
-    from vime.in_vllm.general_plugin import fork_engine_core
+    from vime.engine.in_vllm.general_plugin import fork_engine_core
 
     monkeypatch.setattr(engine_utils, "get_mp_context", engine_utils.get_mp_context)  # restored after the test
     fork_engine_core()

@@ -19,7 +19,7 @@ SCRIPT = textwrap.dedent('''
     import torch
     from safetensors.torch import load_file
     from vllm import LLM, SamplingParams
-    from vime.in_vllm import weight_loading
+    from vime.engine.in_vllm import weight_loading
 
     model_dir = sys.argv[1]
     llm = LLM(model_dir, enforce_eager=True, dtype="float32", max_model_len=256, enable_chunked_prefill=False)
@@ -92,7 +92,7 @@ MOE_SCRIPT = textwrap.dedent('''
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
     from vllm import LLM, SamplingParams
-    from vime.in_vllm import weight_loading
+    from vime.engine.in_vllm import weight_loading
 
     model_dir, perturbed_dir = sys.argv[1], sys.argv[2]
     llm = LLM(model_dir, enforce_eager=True, dtype="float32", max_model_len=256, enable_chunked_prefill=False)

@@ -21,14 +21,14 @@ from tests.helpers.weight_sync_driver import ARGV, EXTENSION, driver, fake_ray, 
 
 pytest.importorskip("megatron.core")
 
-from vime.backends.weight_transport.base import DriverSetup, WeightTransport  # noqa: E402
-from vime.backends.weight_transport.broadcast.driver import engine_set_key  # noqa: E402
-from vime.backends.weight_transport.check import (FLOAT32_TOLERANCE, WeightUpdateMismatchError,  # noqa: E402
+from vime.transport.weights.base import DriverSetup, WeightTransport  # noqa: E402
+from vime.transport.weights.broadcast.driver import engine_set_key  # noqa: E402
+from vime.transport.weights.check import (FLOAT32_TOLERANCE, WeightUpdateMismatchError,  # noqa: E402
                                                   compare_log_probs, tolerance_for)
-from vime.backends.weight_transport.delta.rank import changed_tensors, load_unit  # noqa: E402
-from vime.backends.weight_transport.disk.driver import DiskDriver  # noqa: E402
-from vime.backends.weight_transport.disk.rank import tensor_bytes, write_stage_file  # noqa: E402
-from vime.engine_protocol.weight_broadcast import broadcast_weights, join_group, plan_buckets  # noqa: E402
+from vime.transport.weights.delta.rank import changed_tensors, load_unit  # noqa: E402
+from vime.transport.weights.disk.driver import DiskDriver  # noqa: E402
+from vime.transport.weights.disk.rank import tensor_bytes, write_stage_file  # noqa: E402
+from vime.engine.protocol.weight_broadcast import broadcast_weights, join_group, plan_buckets  # noqa: E402
 from vime.utils.misc import find_free_port  # noqa: E402
 
 
@@ -147,7 +147,7 @@ def test_engine_set_key_changes_with_the_engines_only():
 
 
 def test_engine_command_adds_the_worker_extension(tiny_qwen3):
-    from vime.backends.vllm_utils.engine import engine_command
+    from vime.engine.control.engine import engine_command
     from vime.arguments import parse_args
 
     base = ["--hf-checkpoint", str(tiny_qwen3), *ARGV]
@@ -223,7 +223,7 @@ def test_update_weights_runs_send_and_apply_together_for_a_collective(fake_ray, 
             order.append("apply")
             return {}
 
-    from vime.backends import weight_transport
+    from vime.transport import weights as weight_transport
 
     fake_trainer = SimpleNamespace(args=args, send_weights=lambda transport, handle: transport.send(None, handle))
     for name, cls in (("collective", Collective), ("files", Files)):
@@ -243,7 +243,7 @@ def test_staged_update_writes_weights_while_the_rollout_still_generates(fake_ray
     """train_async: the trainer half (files written) overlaps the running rollout; the pause waits for it."""
     import time
 
-    from vime.backends import weight_transport
+    from vime.transport import weights as weight_transport
     from vime.arguments import parse_args
 
     args = parse_args(["--hf-checkpoint", str(tiny_qwen3), *ARGV])
@@ -287,8 +287,8 @@ def test_staged_update_writes_weights_while_the_rollout_still_generates(fake_ray
 def test_fault_tolerance_leaves_a_recovery_copy_for_restarted_engines(fake_ray, tiny_qwen3, tmp_path, monkeypatch):
     """--use-fault-tolerance: the disk update directory itself is kept (not cleaned up) and handed to the manager
     as the recovery copy; any other transport gets an extra HF write into a vime_recovery_* directory."""
-    from vime.backends import weight_transport
-    from vime.backends.weight_transport.disk.rank import DiskSender
+    from vime.transport import weights as weight_transport
+    from vime.transport.weights.disk.rank import DiskSender
     from vime.arguments import parse_args
 
     args = parse_args(["--hf-checkpoint", str(tiny_qwen3), *ARGV, "--use-fault-tolerance",
@@ -337,7 +337,7 @@ def test_cuda_ipc_handles_cross_as_json_not_pickle():
     import torch
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-    from vime.engine_protocol.ipc_codec import decode_rebuild_args, encode_rebuild_args
+    from vime.engine.protocol.ipc_codec import decode_rebuild_args, encode_rebuild_args
 
     args = (torch.nn.Parameter, torch.Size([4, 8]), (8, 1), 0, torch.UntypedStorage, torch.bfloat16, 0,
             b"\x00\x01handle\xff", 64, 128, False, b"ref\x00", 16, b"\x02event", True)

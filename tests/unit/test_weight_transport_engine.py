@@ -21,10 +21,10 @@ from tests.helpers.weight_sync_driver import ARGV, driver, fake_ray, probe_for  
 
 pytest.importorskip("megatron.core")
 
-from vime.backends.weight_transport.broadcast.driver import engine_set_key  # noqa: E402
-from vime.backends.weight_transport.check import (FLOAT32_TOLERANCE, WeightUpdateMismatchError,  # noqa: E402
+from vime.transport.weights.broadcast.driver import engine_set_key  # noqa: E402
+from vime.transport.weights.check import (FLOAT32_TOLERANCE, WeightUpdateMismatchError,  # noqa: E402
                                                   check_weights_equal, compare_log_probs, engine_prompt_log_probs)
-from vime.ray.weight_sync import WeightSync  # noqa: E402
+from vime.driver.weight_sync import WeightSync  # noqa: E402
 from vime.utils.auth import RunToken  # noqa: E402
 
 TOKEN = RunToken.new()  # the engine's, which every call to it carries
@@ -34,9 +34,9 @@ TOKEN = RunToken.new()  # the engine's, which every call to it carries
 def stack(tiny_qwen3, tmp_path_factory):
     """(args, trainer, engine url). One after the other: the trainer's rendezvous port and the booting engine's
     internal ports are picked free-then-bound, and overlapping the two has collided."""
-    from vime.backends.megatron_utils.parallel import destroy_parallel
+    from vime.trainer.megatron.parallel import destroy_parallel
     from vime.trainer.trainer import MegatronTrainer
-    from vime.backends.vllm_utils.engine import VLLMEngine
+    from vime.engine.control.engine import VLLMEngine
     from vime.arguments import parse_args
 
     out = tmp_path_factory.mktemp("weight_transport")
@@ -146,9 +146,9 @@ def test_delta_sends_only_changed_layers_and_they_suffice(stack, sync):
 def test_one_call_update_on_the_engine_and_its_fallback(stack, monkeypatch):
     """vime's route on the real engine: one POST pauses, loads, versions and resumes; a failed load names the
     route and leaves the engine paused; the separate-call fallback (engines without the plugin) does the same."""
-    from vime.backends.vllm_utils import client
-    from vime.engine_protocol import names
-    from vime.engine_protocol.names import UPDATE_ROUTE as ROUTE
+    from vime.engine.control import client
+    from vime.engine.protocol import names
+    from vime.engine.protocol.names import UPDATE_ROUTE as ROUTE
 
     args, trainer, url = stack
     tokens = probe_for(args.hf_checkpoint)
@@ -185,7 +185,7 @@ def test_engine_worker_sleeps_soon_after_a_call(stack):
     import time
 
     from tests.e2e.processes import engine_compute_processes
-    from vime.backends.vllm_utils import client
+    from vime.engine.control import client
 
     args, trainer, url = stack
     workers = engine_compute_processes()
@@ -207,7 +207,7 @@ def test_an_in_flight_update_switches_a_running_request_to_the_new_weights(stack
     its whole context (the kept request's KV was recomputed, not reused from the old weights)."""
     import time
 
-    from vime.backends.vllm_utils import client
+    from vime.engine.control import client
 
     args, trainer, url = stack
     prompt = probe_for(args.hf_checkpoint)[:8]

@@ -8,7 +8,7 @@ import pytest
 
 from vime.data.weight_versions import add_spans, add_versions, shift_spans, staleness_metrics, \
     trained_tokens_by_version
-from vime.utils.types import Sample
+from vime.data.sample import Sample
 
 
 def test_spans_merge_across_answers_and_place_each_answer_at_its_offset():
@@ -92,7 +92,7 @@ def test_agent_trajectories_keep_spans_over_the_response():
 
 @pytest.mark.parametrize("spans", [[["1", 0, 9]], [["v1", 0, 1]], [[1.0, 0, 1]], [["1", 2, 1]], [["1", 0]], ["1"]])
 def test_malformed_spans_are_refused_naming_the_field(spans):
-    from vime.utils.types import InvalidSampleError, check_sample_dict
+    from vime.data.sample import InvalidSampleError, check_sample_dict
 
     with pytest.raises(InvalidSampleError, match="weight_version_spans"):
         check_sample_dict({"tokens": [1, 2, 3], "response_length": 2, "weight_version_spans": spans})
@@ -123,7 +123,7 @@ def test_the_staleness_bound_leaves_out_samples_with_a_token_older_than_k_versio
 
 
 def test_engine_idle_fraction_of_a_step():
-    from vime.ray.entry_point import engine_idle_fraction
+    from vime.driver.entry_point import engine_idle_fraction
 
     assert engine_idle_fraction({"rollout/time": 1.5}, 2.0) == pytest.approx(0.25)  # generated 1.5 s of a 2 s step
     assert engine_idle_fraction({"rollout/time": 3.0}, 2.0) == 0.0  # generated beside longer than the step took

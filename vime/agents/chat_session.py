@@ -17,7 +17,7 @@ from typing import Any
 from vime.agents.api.completion import canonical_arguments
 from vime.agents.tool_parsing import loads_bounded
 from vime.data.weight_versions import add_spans, add_versions, shift_spans
-from vime.utils.types import Sample
+from vime.data.sample import Sample
 
 logger = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ from vime.config.run import JobConfig
 from vime.rollout.context import rollout_context
 from vime.utils.device import serving_host
 from vime.utils.misc import load_function
-from vime.utils.types import RolloutFnTrainOutput, Sample
+from vime.data.sample import RolloutFnTrainOutput, Sample
 
 logger = logging.getLogger(__name__)
 MAIN_ROLE = "main"

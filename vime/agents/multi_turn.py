@@ -27,7 +27,7 @@ from vime.config.rollout import RolloutConfig
 from vime.config.run import JobConfig
 from vime.rollout.generation import GenerateState, append_choice, post_generate, served_model
 from vime.utils.misc import load_function
-from vime.utils.types import Sample
+from vime.data.sample import Sample
 
 logger = logging.getLogger(__name__)
 

@@ -68,8 +68,8 @@ from vime.agents.openai_requests import (ANONYMOUS_MAX_REQUEST_BYTES, DEFAULT_MA
                                          call_seed, engine_sampling_params, episode_of, filed_under, parse_body,
                                          read_text, routing_key, session_id_of, token_key)
 from vime.agents.tool_parsing import forced_call_schema
-from vime.backends.vllm_utils.client import SERVED_MODEL
-from vime.backends.vllm_utils.generate_request import (EngineRejectedError, EngineUnavailableError, RequestCounters,
+from vime.engine.control.client import SERVED_MODEL
+from vime.engine.control.generate_request import (EngineRejectedError, EngineUnavailableError, RequestCounters,
                                                        request_choices)
 from vime.utils.auth import RunToken
 

@@ -83,6 +83,12 @@ class EnginesConfig(Section):
     engine_startup_timeout: float = 600.0
     cpu_kv_cache_space: int = 1
 
+    def num_engines(self) -> int:
+        """The policy's engine count: one per external address given, else one per --rollout-num-gpus-per-engine."""
+        if self.rollout_external_engine_addrs:
+            return len(self.rollout_external_engine_addrs)
+        return self.rollout_num_gpus // self.rollout_num_gpus_per_engine
+
     def check(self) -> None:
         if not self.engine_startup_timeout > 0:
             raise ValueError("--engine-startup-timeout must be a positive number of seconds, got "

@@ -11,7 +11,7 @@ import copy
 import random
 
 from vime.data.sample_codec import json_ready
-from vime.utils.types import Sample
+from vime.data.sample import Sample
 
 
 class RolloutDataSource:

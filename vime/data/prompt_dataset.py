@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from vime.config.rollout import PromptDataConfig
-from vime.utils.types import Sample
+from vime.data.sample import Sample
 
 logger = logging.getLogger(__name__)
 # A prompt row (messages, tools, metadata) is kilobytes; a line this long is a wrong file or a broken export.

@@ -22,7 +22,7 @@ files, for crash resume) still load. Their body is header | arrays: `header` (he
 with each packed field left out of its sample dict; the arrays are each field's values of all samples concatenated
 ("<i4", "<i8" or "<f8"; length -1 for None), then each sample's tensor C-ordered (shape None: no tensor).
 
-Decoding also checks every sample against the `Sample` contract (`vime.utils.types.check_sample_dict`: field
+Decoding also checks every sample against the `Sample` contract (`vime.data.sample.check_sample_dict`: field
 types, tokens / response_length / loss_mask / rollout_log_probs lengths, finite log-probs, and token ids below the
 vocabulary size when the reader passes one), so what a training rank reads is safe to embed.
 """
@@ -38,7 +38,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from vime.utils.types import InvalidSampleError, check_sample_dict
+from vime.data.sample import InvalidSampleError, check_sample_dict
 
 MAGIC = b"VIMEROLL"
 FORMAT_VERSION = 3

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vime.utils.types import Sample
+from vime.data.sample import Sample
 
 REQUIRED = ("get_samples", "add_samples")
 

@@ -5,7 +5,7 @@ continued after one) reports each answer's output tokens as spans `{"version", "
 `WeightVersionSpan`: tokens [start, end) of that answer were sampled by weights labelled `version`). A sample
 keeps them over its response tokens as `weight_version_spans`, `[version, start, end]` lists, merged where one
 version continues; `weight_versions` (slime's field) keeps the distinct versions in order. Versions are integers
-from the engine's answer on (`vime.utils.types.as_version`): 0 for the checkpoint the run started from (vLLM's
+from the engine's answer on (`vime.data.sample.as_version`): 0 for the checkpoint the run started from (vLLM's
 "default"), k after the trainer's k-th update.
 
 A token's staleness (lag) is the trainer's weight version minus the version that sampled it: 0 for on-policy
@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from vime.utils.types import as_version
+from vime.data.sample import as_version
 
 
 def add_spans(spans: list[list], versions: list[Any] | None, offset: int, n_tokens: int) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 from vime.config.rollout import PromptDataConfig
 from vime.rollout.metrics import ENVIRONMENT_KEY, REWARD_FUNCTIONS_KEY, REWARD_WEIGHTS_KEY
-from vime.utils.types import Sample
+from vime.data.sample import Sample
 
 __all__ = ["ENVIRONMENT_KEY", "REWARD_FUNCTIONS_KEY", "REWARD_WEIGHTS_KEY", "Environment", "EnvironmentSpec",
            "KINDS", "MissingExtraError", "import_optional", "parse_spec"]

@@ -16,7 +16,7 @@ from vime.config.rollout import EvalConfig, PromptDataConfig, RolloutConfig
 from vime.data.data_source import RolloutDataSource
 from vime.data.sample_codec import json_ready
 from vime.environments.base import ENVIRONMENT_KEY, Environment, EnvironmentSpec, KINDS, parse_spec
-from vime.utils.types import Sample
+from vime.data.sample import Sample
 
 
 def environment_specs(args) -> list[EnvironmentSpec]:

@@ -47,7 +47,7 @@ from vime.environments.base import (ENVIRONMENT_KEY, Environment, EnvironmentSpe
                                     record_functions)
 from vime.utils.listeners import foreign_listener, listeners
 from vime.utils.process import kill_tree, spawn, tail, wait_until
-from vime.utils.types import Sample
+from vime.data.sample import Sample
 
 logger = logging.getLogger(__name__)
 EPISODE_KEY = "openenv"  # metadata: {"seed": reset seed} in; {"rewards", "done", "steps"} after the episode

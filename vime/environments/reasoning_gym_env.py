@@ -20,7 +20,7 @@ from vime.config.agents import EnvironmentConfig
 from vime.config.rollout import PromptDataConfig
 from vime.config.run import JobConfig
 from vime.environments.base import Environment, EnvironmentSpec, import_optional, prompt_sample, record_functions
-from vime.utils.types import Sample
+from vime.data.sample import Sample
 
 ENTRY_KEY = "reasoning_gym"  # metadata: {"dataset": name, "index": entry index}
 

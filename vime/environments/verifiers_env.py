@@ -41,7 +41,7 @@ from vime.config.rollout import PromptDataConfig
 from vime.config.run import JobConfig
 from vime.environments.base import ENVIRONMENT_KEY, Environment, EnvironmentSpec, record_functions
 from vime.environments.verifiers_process import BridgeError, BridgeProcess, verifiers_python
-from vime.utils.types import Sample
+from vime.data.sample import Sample
 
 TASK_KEY = "verifiers"  # metadata: {"task": idx} in; {"traces": [...], "errors": [...]} after the episode
 VIME_KEYS = {"name": None, "size": None, "startup_timeout": 180.0}

@@ -4,7 +4,7 @@ nothing allocated.
     trainer = trainer_memory(shape, TrainerLayout(tp=2, pp=1, dp=4, micro_batch_tokens=8192, logit_rows=6144))
     trainer.peak_bytes, trainer.parts   # {"weights": ..., "gradients": ..., "optimizer": ..., "activations": ...}
 
-What a trainer rank holds (Megatron's DDP and optimizer, as vime sets them up in `megatron_utils.model`):
+What a trainer rank holds (Megatron's DDP and optimizer, as vime sets them up in `trainer.megatron.model`):
 - weights in the training dtype; the gradient buffer in float32 (`grad_reduce_in_fp32`) for trainable weights;
 - Adam's two moments in float32, plus float32 master weights under 16-bit training; all three sharded over the
   data-parallel ranks with the distributed optimizer;

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from vime.config.algorithm import AlgorithmConfig, DistillationConfig
 from vime.config.rollout import EnginesConfig, PromptDataConfig, RolloutConfig
-from vime.backends.megatron_utils.megatron_flags import core_flag
+from vime.trainer.megatron.megatron_flags import core_flag
 from vime.config.run import JobConfig, PlacementConfig
 from vime.config.train import LoraConfig, MegatronConfig, TrainLoopConfig
 from vime.plan.memory import GIB, EngineLayout, TrainerLayout, engine_memory, trainer_memory
@@ -102,7 +102,7 @@ def trainer_layout(args, shape: FlopShape, device: str = "cuda", critic: bool = 
 
 
 def engine_layout(args, device: str = "cuda") -> EngineLayout:
-    from vime.backends.vllm_utils.engine import engine_memory_fraction
+    from vime.engine.control.engine import engine_memory_fraction
 
     megatron, rollout = MegatronConfig.of(args), RolloutConfig.of(args)
     prompt = PromptDataConfig.of(args).rollout_max_prompt_len or DEFAULT_PROMPT_LEN

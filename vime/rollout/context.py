@@ -45,7 +45,7 @@ class RolloutContext:
     # hooks (generate, reward) find each sample's environment here
     environments: dict[str, Any] = field(default_factory=dict)
     judge: Any = None  # --judge-checkpoint: vime.environments.judge.JudgeGroup, started by the rollout manager
-    reward_workers: Any = None  # vime.utils.worker_pool.WorkerPool of pooled rewards (rm_hub.pool), on first use
+    reward_workers: Any = None  # vime.rollout.worker_pool.WorkerPool of pooled rewards (rm_hub.pool), on first use
     agent_server: Any = None  # vime.agents.openai_server.OpenAIServer of agent episodes (agents.harness), on first use
 
     def add_counter(self, key: str, n: float = 1.0) -> None:

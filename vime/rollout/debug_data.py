@@ -10,7 +10,7 @@ from pathlib import Path
 from vime.data.sample_codec import json_ready
 from vime.data.saved_rollouts import (LOG_PROB_DECIMALS, ROLLOUTS_DIR, keep_under_cap, read_gzip_lines,
                                       write_gzip_lines)
-from vime.utils.types import Sample
+from vime.data.sample import Sample
 
 
 def rollout_path(template: str, rollout_id: int) -> Path:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vime.utils.types import Sample
+from vime.data.sample import Sample
 
 APPLIED = ("tokens", "response_lengths", "loss_masks", "rewards", "rollout_log_probs", "truncated")
 KEPT = ("raw_reward", "sample_indices", "rollout_ids", "rollout_mask_sums", "round_number")

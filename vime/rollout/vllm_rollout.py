@@ -20,7 +20,7 @@ import math
 from typing import Any
 
 from vime.algorithms.names import REMAX_GREEDY_REWARD_KEY
-from vime.backends.vllm_utils.generate_request import EngineRejectedError, EngineUnavailableError
+from vime.engine.control.generate_request import EngineRejectedError, EngineUnavailableError
 from vime.config.algorithm import AlgorithmConfig
 from vime.config.rollout import FaultToleranceConfig, RewardConfig, RolloutConfig
 from vime.config.train import RoutingReplayConfig
@@ -30,7 +30,7 @@ from vime.rollout.generation import (GenerateState, append_choice, generate, pos
 from vime.rollout.rm_hub import RewardTypeError, async_rm, batched_async_rm
 from vime.rollout.rm_hub.remote_rm import NonFiniteRewardError
 from vime.utils.misc import load_function
-from vime.utils.types import RolloutFnEvalOutput, RolloutFnTrainOutput, Sample
+from vime.data.sample import RolloutFnEvalOutput, RolloutFnTrainOutput, Sample
 
 logger = logging.getLogger(__name__)
 
@@ -260,7 +260,7 @@ async def generate_rollout_async(args, rollout_id: int, data_source) -> tuple[li
     """Generate until --rollout-batch-size groups pass the dynamic filter; abort the surplus."""
     rollout = RolloutConfig.of(args)
     fault_tolerance = FaultToleranceConfig.of(args)
-    from vime.backends.vllm_utils import client
+    from vime.engine.control import client
 
     state = GenerateState(args)
     state.aborted = False

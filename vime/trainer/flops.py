@@ -48,7 +48,7 @@ class FlopShape:
     @classmethod
     def from_hf(cls, config, lora_rank: int = 0) -> FlopShape:
         """The shape of an HF config; its MoE layout as the model is built from it (`hf_architecture.hf_moe`)."""
-        from vime.backends.megatron_utils.hf_architecture import hf_moe
+        from vime.trainer.megatron.hf_architecture import hf_moe
 
         heads = config.num_attention_heads
         moe = hf_moe(config)
@@ -174,7 +174,7 @@ def peak_tflops(device_name: str) -> float | None:
 def trainer_rollout_flops(trainer, groups: list[list[dict]]) -> dict[str, float]:
     """The FLOPs this rank spent on `trainer.train(..., groups)`, just run: its own micro-batches of every step and
     the forward-only passes the trainer counted (`MegatronTrainer.forward_passes`)."""
-    from vime.backends.megatron_utils.attention import uses_varlen_kernel
+    from vime.trainer.megatron.attention import uses_varlen_kernel
     from vime.config.train import LoraConfig
     from vime.trainer.batching import micro_batch_inputs
     from vime.trainer.passes import is_packed, prompt_sharing

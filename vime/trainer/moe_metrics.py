@@ -73,7 +73,7 @@ class ExpertLoad:
     def __init__(self, model_chunks: list[torch.nn.Module], num_layers: int, num_experts: int):
         from megatron.core.transformer.moe.router import TopKRouter
 
-        from vime.backends.megatron_utils.device import model_device
+        from vime.trainer.megatron.device import model_device
 
         # on the routers' device, so that counting stays asynchronous on a GPU (one copy per step, in `take`)
         device = model_device(model_chunks)

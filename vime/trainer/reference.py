@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from vime.backends.megatron_utils.checkpoint import load_model_weights
-from vime.backends.megatron_utils.checkpoint_files import resolve_checkpoint
+from vime.trainer.megatron.checkpoint import load_model_weights
+from vime.trainer.megatron.checkpoint_files import resolve_checkpoint
 from vime.config.train import MegatronConfig
 from vime.trainer.weight_snapshots import restore, snapshot
 
@@ -38,7 +38,7 @@ def has_checkpoint(root: str | None) -> bool:
 def checkpoint_weights(model, path: str) -> list[dict[str, torch.Tensor]]:
     """The weights of `path` (an HF directory, or a torch_dist one) in this rank's layout: loaded into the model,
     copied, and the model's own weights put back. Collective."""
-    from vime.backends.megatron_utils.hf_checkpoint import load_hf_checkpoint_into_model
+    from vime.trainer.megatron.hf_checkpoint import load_hf_checkpoint_into_model
 
     own = snapshot(model)
     try:

@@ -12,7 +12,7 @@ Megatron-core's `RouterReplay` does the replacing (`moe_enable_routing_replay`);
 its [tokens, top-k] indices for one micro-batch, in the order the model flattens it: packed (thd) sequences one
 after another, right-padded (bshd) [seq, batch] seq-major. Routing is per sample [tokens, layers, top-k] with
 layers counted over the whole model (dense layers' rows unused), as vLLM returns it. The flags:
-`vime.backends.megatron_utils.routing_replay_arguments`.
+`vime.trainer.megatron.routing_replay_arguments`.
 """
 
 from __future__ import annotations
@@ -218,6 +218,6 @@ def rollout_routing(args, model, batch, first_pass: bool) -> RoutingReplay | Non
 
 
 def _device():
-    from vime.backends.megatron_utils.device import training_device
+    from vime.trainer.megatron.device import training_device
 
     return training_device()

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from vime.backends.megatron_utils.device import collective_device
+from vime.trainer.megatron.device import collective_device
 from vime.trainer.passes import is_last_stage
 
 # step metrics reduced by their maximum (the others are shares of a global mean: summed)

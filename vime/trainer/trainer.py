@@ -3,7 +3,7 @@
     trainer = MegatronTrainer(args, rank, world_size, master_addr, master_port)   # one per process
     metrics = trainer.train(rollout_id, groups)                                    # groups of Sample dicts
 
-Every rank reads the whole rollout from the data transport (its Ray actor, `vime.ray.actor_group`, does; the
+Every rank reads the whole rollout from the data transport (its Ray actor, `vime.driver.train_group`, does; the
 rollout is small next to the model), turns it into a `TrainBatch` and derives the same step / data-parallel /
 micro-batch split from it, so no scatter is needed. Per rollout: (optional) reference and old log-probs ->
 advantages -> --num-steps-per-rollout optimizer steps. A step whose loss or gradients are NaN or inf on any rank is
@@ -25,10 +25,10 @@ from megatron.core import parallel_state
 
 from vime.algorithms import masked_mean_std
 from vime.algorithms.shaping import entropy_coef_at, mask_truncated
-from vime.backends.megatron_utils.checkpoint import load_checkpoint, save_checkpoint
-from vime.backends.megatron_utils.device import model_device
-from vime.backends.megatron_utils.lora import LoraSetup, adapters_merged, attach_lora, load_peft_adapter
-from vime.backends.megatron_utils.model import setup_model_and_optimizer
+from vime.trainer.megatron.checkpoint import load_checkpoint, save_checkpoint
+from vime.trainer.megatron.device import model_device
+from vime.trainer.megatron.lora import LoraSetup, adapters_merged, attach_lora, load_peft_adapter
+from vime.trainer.megatron.model import setup_model_and_optimizer
 from vime.config.algorithm import AlgorithmConfig, DistillationConfig, RolloutCorrectionConfig
 from vime.config.run import JobConfig
 from vime.config.train import LoraConfig, MegatronConfig, TrainLoopConfig
@@ -60,9 +60,9 @@ class MegatronTrainer:
                  master_port: int | None = None, total_steps: int = 1000, role: str = "actor", local_rank: int = 0):
         from transformers import AutoConfig
 
-        from vime.backends.megatron_utils.arguments import fill_architecture_from_hf, validate_megatron_args
-        from vime.backends.megatron_utils.hf_checkpoint import load_hf_checkpoint_into_model
-        from vime.backends.megatron_utils.parallel import init_parallel
+        from vime.trainer.megatron.arguments import fill_architecture_from_hf, validate_megatron_args
+        from vime.trainer.megatron.hf_checkpoint import load_hf_checkpoint_into_model
+        from vime.trainer.megatron.parallel import init_parallel
 
         if world_size > 1 or master_port is not None:
             os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank),
@@ -320,7 +320,7 @@ class MegatronTrainer:
     # ---- weights out ------------------------------------------------------------------------------------------
     def hf_weights(self):
         """(HF name, full tensor) pairs of the current policy, gathered over TP (for weight sync / export)."""
-        from vime.backends.megatron_utils.hf_checkpoint import iter_hf_weights
+        from vime.trainer.megatron.hf_checkpoint import iter_hf_weights
 
         return iter_hf_weights(self.model, self.hf_config)
 
@@ -332,7 +332,7 @@ class MegatronTrainer:
         """The policy as an HF checkpoint (LoRA: the merged weights, and the adapter alone in PEFT's format under
         `out_dir/adapter`; multi-LoRA: the base, and each adapter under `out_dir/adapter/<name>`). Collective."""
         job = JobConfig.of(self.args)
-        from vime.backends.megatron_utils.hf_checkpoint import save_hf_checkpoint
+        from vime.trainer.megatron.hf_checkpoint import save_hf_checkpoint
 
         save_hf_checkpoint(self.model, job.hf_checkpoint, out_dir)
         if self.lora is not None:
@@ -343,7 +343,7 @@ class MegatronTrainer:
         """Each LoRA adapter as a PEFT adapter: in `root/<name>` (`one_per_directory`), or the only one in `root`.
         Collective."""
         job = JobConfig.of(self.args)
-        from vime.backends.megatron_utils.hf_checkpoint import save_peft_adapter
+        from vime.trainer.megatron.hf_checkpoint import save_peft_adapter
 
         for name in self.lora.names:
             path = f"{root}/{name}" if one_per_directory else root
@@ -360,7 +360,7 @@ class MegatronTrainer:
         """Hand `transport` this rank's weights (all ranks gather over tensor parallel, together) and, on the one
         rank per pipeline stage that writes them (data- and tensor-parallel rank 0), the stage. A transport that
         sends LoRA adapters gets each as a PEFT adapter written into `<handle>/<adapter name>`."""
-        from vime.backends.megatron_utils.hf_checkpoint import stage_writer
+        from vime.trainer.megatron.hf_checkpoint import stage_writer
 
         if getattr(transport, "sends_adapter", False):
             if self.lora is None:

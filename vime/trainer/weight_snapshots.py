@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from vime.backends.megatron_utils.lora import is_lora_parameter
+from vime.trainer.megatron.lora import is_lora_parameter
 from vime.trainer.passes import forward_log_probs
 from vime.trainer.train_batch import TrainBatch
 
@@ -28,7 +28,7 @@ def restore(model, state: list[dict[str, torch.Tensor]]) -> None:
 
 def teacher_snapshot(model, checkpoint: str) -> list[dict[str, torch.Tensor]]:
     """The distillation teacher's weights in this rank's layout: loaded into the model, copied, swapped out."""
-    from vime.backends.megatron_utils.hf_checkpoint import load_hf_checkpoint_into_model
+    from vime.trainer.megatron.hf_checkpoint import load_hf_checkpoint_into_model
 
     own = snapshot(model)
     try:

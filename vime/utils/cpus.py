@@ -1,6 +1,6 @@
 """The CPUs a compute process (training rank, vLLM engine) uses, and setting a process up to use them.
 
-`vime.ray.placement.Placement` decides each process's `CpuShare`: in the synchronous loop training and
+`vime.driver.placement.Placement` decides each process's `CpuShare`: in the synchronous loop training and
 generation take turns, so the training ranks on a node split all of its CPUs between them and so do the engines;
 when the two phases overlap (train_async.py) the node is first cut between the training side and the engines, in
 proportion to their shares, and each side splits its part.

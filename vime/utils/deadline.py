@@ -6,7 +6,7 @@ as soon as it happens (the other members of a collective would otherwise sit in 
 after `timeout` seconds raises `DeadlineExceeded` naming what it waited for and the flag that sets the deadline.
 
 Deadlines: --train-timeout for the trainers' work (building models, a rollout's steps, a save, a weight update),
---rollout-timeout for a rollout or eval (`vime.ray.session`), CONTROL_TIMEOUT for the calls that only read or
+--rollout-timeout for a rollout or eval (`vime.driver.session`), CONTROL_TIMEOUT for the calls that only read or
 flip state (addresses, engine URLs, the data source's position, sleep and wake-up).
 """
 

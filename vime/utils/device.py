@@ -81,3 +81,11 @@ def interface_address(name: str) -> str:
         if address.family == socket.AF_INET:
             return address.address
     raise ValueError(f"--serving-interface {name}: the interface has no IPv4 address")
+
+
+def cluster_has_gpus() -> bool:
+    """Whether the run's actors compute on GPUs: the cluster's resources, not this process's devices (a driver on a
+    CPU-only head node places GPU actors)."""
+    import ray
+
+    return ray.cluster_resources().get("GPU", 0) > 0

@@ -6,7 +6,7 @@ removes the groups it returns from `buffer` in place.
 
 from __future__ import annotations
 
-from vime.utils.types import Sample
+from vime.data.sample import Sample
 
 
 def pop_first(args, buffer: list[list[Sample]], num_groups: int) -> list[list[Sample]]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vime.utils.types import Sample
+from vime.data.sample import Sample
 
 
 @dataclass

@@ -7,7 +7,7 @@ TimeoutError. math_verify's own `signal.alarm` timeouts are off; the kill replac
 
 from __future__ import annotations
 
-from vime.utils.worker_pool import WorkerTimeoutError
+from vime.rollout.worker_pool import WorkerTimeoutError
 
 from .answer_utils import last_boxed
 from .pool import reward_pool, reward_timeout

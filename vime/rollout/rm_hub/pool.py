@@ -1,7 +1,7 @@
 """The reward worker processes: rewards that can hang run here, where a call past `--rm-timeout` is killed.
 
-One `WorkerPool` (see `vime.utils.worker_pool`) per run, held by its rollout context, made on first use from `--rm-num-workers` and
-`--rm-worker-memory-mb`; each worker it kills and replaces adds one to `rollout/reward_workers_replaced`. Users:
+One `WorkerPool` (see `vime.rollout.worker_pool`) per run, held by its rollout context, made on first use from
+`--rm-num-workers` and `--rm-worker-memory-mb`; each worker it kills and replaces adds one to `rollout/reward_workers_replaced`. Users:
 `math_rm` (sympy can hang on adversarial answers) and `--custom-rm-path` with `--custom-rm-in-workers`, whose
 function gets `args` as a Namespace of the JSON-able flags and a `Sample.from_dict` copy of the sample (so changes
 it makes to the sample are not seen by the rollout), and must return JSON-able values.
@@ -15,8 +15,8 @@ from typing import Any
 from vime.config.rollout import RewardConfig
 from vime.rollout.context import rollout_context
 from vime.utils.cpus import allowed_cpus
-from vime.utils.types import Sample
-from vime.utils.worker_pool import CALL_WITH_SAMPLE, WorkerPool
+from vime.data.sample import Sample
+from vime.rollout.worker_pool import CALL_WITH_SAMPLE, WorkerPool
 
 REPLACED_COUNTER = "rollout/reward_workers_replaced"
 
