@@ -149,3 +149,29 @@ def test_bypass_skips_the_trainers_old_log_prob_pass_on_real_megatron(tiny_qwen3
             metrics = t.train(0, groups)
         assert len(passes) == expected_passes, flags
         assert metrics["train/skipped_steps"] == 0 and metrics["train/grad_norm"] > 0
+
+
+def test_the_loss_takes_the_rollouts_entropy_coefficient(monkeypatch, checkpoint):
+    """The entropy bonus uses the coefficient the trainer hands the loss for this rollout (--entropy-coef-schedule),
+    not the flag's: entropies A [0.5, 1.0], B [2.0, 0.0, (mask 0) 9.0] -> token mean 3.5 / 4; with no coefficient
+    given the flag's (0.3) applies."""
+    from vime.trainer import micro_batch_loss as loss_module
+    from vime.trainer.train_batch import TrainBatch
+
+    args = parse_args(["--hf-checkpoint", checkpoint, "--prompt-data", f"{checkpoint}/prompts.jsonl", "--rm-type",
+                       "math", "--eps-clip", "0.2", "--entropy-coef", "0.3"], check_model=False)
+    entropy = [torch.tensor([0.5, 1.0]), torch.tensor([2.0, 0.0, 9.0])]
+    monkeypatch.setattr(loss_module, "response_log_probs", lambda *a, **k: (
+        [lp.clone().requires_grad_() for lp in logs(PI)], entropy))
+    batch = TrainBatch(tokens=[[1, 2, 3, 4], [1, 2, 3, 4, 5, 6]], response_lengths=[2, 3], loss_masks=masks(),
+                       old_log_probs=logs(OLD), advantages=[torch.tensor(a) for a in ADV])
+
+    def loss(**coefficient):
+        loss_fn = loss_module.make_loss_fn(args, batch, {"tokens": 4.0, "sequences": 2}, scale=1.0, step_index=1,
+                                           **coefficient)
+        return loss_fn([0, 1], SimpleNamespace(targets=None, response_lengths=[2, 3]), None)[0].item()
+
+    pg = (-1.2 - 1.0 + 0.8 + 1.0) / 4  # the module docstring's PPO losses
+    assert loss(entropy_coef=0.0) == pytest.approx(pg)
+    assert loss(entropy_coef=0.1) == pytest.approx(pg - 0.1 * 3.5 / 4)
+    assert loss() == pytest.approx(pg - 0.3 * 3.5 / 4)

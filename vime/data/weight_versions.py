@@ -52,9 +52,10 @@ def shift_spans(spans: list[list], by: int) -> list[list]:
     return [span for span in shifted if span[2] > span[1]]
 
 
-def trained_tokens_by_version(sample: dict) -> dict[int, int]:
-    """{version: trained (mask 1) response tokens it sampled} of one sample dict; a sample that reports no spans
-    counts all its trained tokens under its last version label; {} without any version."""
+def trained_tokens_by_version(sample: dict) -> list[list[int]]:
+    """[[version, trained (mask 1) response tokens it sampled], ...] of one sample dict, oldest version first: pairs
+    of ints, as JSON keeps them (the data transport's summary carries them to the driver). A sample that reports no
+    spans counts all its trained tokens under its last version label; [] without any version."""
     n = int(sample.get("response_length") or 0)
     spans = sample.get("weight_version_spans") or []
     if not spans and sample.get("weight_versions"):
@@ -63,17 +64,16 @@ def trained_tokens_by_version(sample: dict) -> dict[int, int]:
     counts: Counter = Counter()
     for version, start, end in spans:  # a slice's sum: this runs over every token of every rollout
         counts[as_version(version)] += sum(mask[max(0, start):min(end, n)])
-    return {v: c for v, c in counts.items() if c}
+    return [[v, c] for v, c in sorted(counts.items()) if c]
 
 
-def staleness_metrics(version_tokens: list[dict[int, int]], trainer_version: int) -> dict[str, float]:
+def staleness_metrics(version_tokens: list[list[list[int]]], trainer_version: int) -> dict[str, float]:
     """Staleness of a batch about to be trained, from each sample's `trained_tokens_by_version`: per sample (its
     oldest token's lag: mean, max), per trained token (mean), the share of trained tokens at each lag
     (`async/token_lag_<k>_fraction`, a histogram per step) and the samples whose tokens span several versions."""
     sample_lags, token_counts = [], Counter()
     for counts in version_tokens:
-        # int(): a dict that crossed JSON (the data transport's summary) has its keys as strings
-        lags = {trainer_version - int(v): c for v, c in counts.items()}
+        lags = {trainer_version - v: c for v, c in counts}
         if lags:
             sample_lags.append(max(lags))
             token_counts.update(lags)

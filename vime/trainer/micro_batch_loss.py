@@ -29,9 +29,10 @@ def step_denominators(batch: TrainBatch, step) -> dict:
 
 
 def make_loss_fn(args, batch: TrainBatch, denominators: dict, scale: float, step_index: int, plugin_args=None,
-                 keep_log_probs=None):
+                 keep_log_probs=None, entropy_coef: float | None = None):
     """Return loss_fn(indices, inputs, logits) -> (scaled loss, metrics) for `passes.run_schedule`. A custom loss
     function gets `plugin_args` (the flags and the run's values, `vime.utils.plugin_args`; default `args`).
+    `entropy_coef`: this rollout's entropy bonus, where --entropy-coef-schedule moves it (default: --entropy-coef).
     `keep_log_probs` (a `passes.OnHost`, or None) is handed each micro-batch's log-probs, detached, on the device:
     the trainer keeps them for the inspector without a host copy per micro-batch."""
     algorithm = AlgorithmConfig.of(args)
@@ -44,6 +45,8 @@ def make_loss_fn(args, batch: TrainBatch, denominators: dict, scale: float, step
     custom = load_function(algorithm.custom_loss_function_path) if algorithm.custom_loss_function_path else None
     custom_tis = load_function(correction.custom_tis_function_path) if correction.custom_tis_function_path else None
     top_fraction = algorithm.entropy_top_fraction
+    if entropy_coef is None:
+        entropy_coef = algorithm.entropy_coef
 
     def agg(values, masks):
         return aggregate_loss(values, masks, algorithm.loss_agg_mode, total_tokens=denominators["tokens"],
@@ -58,7 +61,7 @@ def make_loss_fn(args, batch: TrainBatch, denominators: dict, scale: float, step
         # entropy is always reported; it needs a graph only when it is part of the loss
         log_probs, entropy = response_log_probs(logits, inputs.targets, inputs.response_lengths,
                                                 rollout_flags.rollout_temperature, with_entropy=True,
-                                                entropy_grad=bool(algorithm.entropy_coef) or custom is not None)
+                                                entropy_grad=bool(entropy_coef) or custom is not None)
         if keep_log_probs is not None:
             keep_log_probs.add(indices, log_probs)
         # the batch lives on the CPU: its tensors go to the model's device once per micro-batch
@@ -108,8 +111,8 @@ def make_loss_fn(args, batch: TrainBatch, denominators: dict, scale: float, step
             metrics["pg_loss"] = loss.detach()
             metrics["pg_clipfrac"] = agg(clipped, masks).detach()
             metrics["ppo_kl"] = agg([(o - lp).detach() for o, lp in zip(old, log_probs)], masks)
-            if algorithm.entropy_coef:
-                loss = loss - algorithm.entropy_coef * agg(entropy, masks)
+            if entropy_coef:
+                loss = loss - entropy_coef * agg(entropy, masks)
             if algorithm.use_kl_loss:
                 kl = agg([compute_approx_kl(lp, r, algorithm.kl_loss_type)
                           for lp, r in zip(log_probs, mb["ref_log_probs"])], masks)

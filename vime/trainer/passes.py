@@ -225,14 +225,15 @@ def forward_values(args, model, batch: TrainBatch, micro_batches: list[list[int]
 
 
 def forward_log_probs(args, model, batch: TrainBatch, micro_batches: list[list[int]], with_entropy: bool = False,
-                      routing=None):
-    """{sample index: (log-probs of its response tokens, entropy or None)} on the last stage, {} elsewhere."""
-    rollout = RolloutConfig.of(args)
+                      routing=None, temperature: float | None = None):
+    """{sample index: (log-probs of its response tokens, entropy or None)} on the last stage, {} elsewhere; at
+    `temperature` (default: --rollout-temperature, the engines' sampling temperature)."""
+    if temperature is None:
+        temperature = RolloutConfig.of(args).rollout_temperature
     log_probs_on_host, entropy_on_host = OnHost(), OnHost()
 
     def loss_fn(indices, inputs, logits):
-        lps, ents = response_log_probs(logits, inputs.targets, inputs.response_lengths, rollout.rollout_temperature,
-                                       with_entropy)
+        lps, ents = response_log_probs(logits, inputs.targets, inputs.response_lengths, temperature, with_entropy)
         log_probs_on_host.add(indices, lps)
         if ents is not None:
             entropy_on_host.add(indices, ents)

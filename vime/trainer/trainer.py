@@ -48,7 +48,6 @@ from vime.trainer.step_metrics import read_metrics, reduce_step_metrics, reports
 from vime.trainer.train_batch import TrainBatch
 from vime.trainer.train_records import saves_train_records, write_train_records
 from vime.trainer.weight_snapshots import dense, log_probs_under, snapshot, teacher_snapshot
-from vime.utils.misc import with_values
 from vime.utils.plugin_args import plugin_view_from
 
 logger = logging.getLogger(__name__)
@@ -171,11 +170,11 @@ class MegatronTrainer:
         if algorithm.mask_truncated_samples and not sft:  # before the split: they are not computed
             batch.loss_masks, masked = mask_truncated(batch.loss_masks, batch.truncated)
             metrics["train/truncated_masked_fraction"] = masked / max(1, batch.num_usable)
+        # this rollout's entropy bonus: a value of the step, handed to the loss (the flags stay as parsed)
+        entropy_coef = entropy_coef_at(rollout_id, algorithm.entropy_coef, algorithm.entropy_coef_final,
+                                       algorithm.entropy_coef_decay_rollouts, algorithm.entropy_coef_schedule)
         if algorithm.entropy_coef_schedule != "constant":
-            args = with_values(args, entropy_coef=entropy_coef_at(
-                rollout_id, algorithm.entropy_coef, algorithm.entropy_coef_final, algorithm.entropy_coef_decay_rollouts,
-                algorithm.entropy_coef_schedule))
-            metrics["train/entropy_coef"] = float(AlgorithmConfig.of(args).entropy_coef)
+            metrics["train/entropy_coef"] = float(entropy_coef)
         plan = self._split(batch)
         all_local_mbs = [mb for _, _, mbs in plan for mb in mbs]
         # --use-rollout-logprobs: the engine's log-probs are the old policy; no forward pass for it
@@ -232,7 +231,7 @@ class MegatronTrainer:
             if algorithm.loss_agg_mode == "bnpo":
                 denominators["micro_batches"] = self._step_micro_batches(batch, step)
             loss_fn = make_loss_fn(args, batch, denominators, scale=len(mbs) * self.dp_size,
-                                   step_index=step_index, plugin_args=self.plugin_args,
+                                   step_index=step_index, plugin_args=self.plugin_args, entropy_coef=entropy_coef,
                                    keep_log_probs=first_step_log_probs if step_index == 0 else None)
             if self.hooks.before_train_step is not None:
                 self.hooks.before_train_step(self.plugin_args, rollout_id, step_index, self.model, self.optimizer,
@@ -382,8 +381,6 @@ class MegatronTrainer:
         `temperature` (default: --rollout-temperature), through LoRA adapter `adapter` (default: the only one).
         [] on all but the last pipeline stage."""
         args = self.args
-        if temperature is not None:
-            args = with_values(args, rollout_temperature=temperature)
         names = self.lora.adapters if self.lora is not None else ()
         if adapter is not None and adapter not in names:
             raise ValueError(f"no LoRA adapter {adapter!r} in this model (adapters: {', '.join(names) or 'none'})")
@@ -392,7 +389,7 @@ class MegatronTrainer:
         # LoRA computed as the engines compute it: the adapter beside the base (adapter sync), or merged into it
         merged = self.lora is not None and LoraConfig.of(args).lora_sync == "merged"
         with adapters_merged(self.model, adapter) if merged else contextlib.nullcontext():
-            out = forward_log_probs(args, self.model, batch, [[0]])
+            out = forward_log_probs(args, self.model, batch, [[0]], temperature=temperature)
         return out[0][0].tolist() if out else []
 
 
