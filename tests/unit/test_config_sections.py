@@ -10,10 +10,12 @@ import dataclasses
 import inspect
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Literal
 
 import pytest
 
 from vime.arguments import _dests, build_parser, parse_args, run_config
+from vime.config.section import Section, add_flags, flag
 from vime.trainer.megatron.megatron_flags import add_generated_megatron_args
 from vime.engine.control.arguments import add_router_args, add_vllm_engine_args
 from vime.config import RunConfig
@@ -141,8 +143,15 @@ def _add_argument_calls(tree: ast.AST):
             yield call, None
 
 
+def _declared_by_field() -> set[str]:
+    """The section flags written once, as a `flag()` field (`add_flags` declares them)."""
+    from vime.config.section import FLAG
+
+    return {f.name for cls in RunConfig.sections().values() for f in dataclasses.fields(cls) if FLAG in f.metadata}
+
+
 def test_no_add_argument_call_of_a_section_flag_repeats_its_default():
-    owned, seen, repeated = set(_owners()), set(), []
+    owned, seen, repeated = set(_owners()), _declared_by_field(), []
     for module in _argument_modules():
         path = inspect.getsourcefile(module)
         for call, dests in _add_argument_calls(ast.parse(Path(path).read_text(encoding="utf-8"))):
@@ -222,3 +231,36 @@ def test_each_section_refuses_its_own_bad_values_by_flag_name(section, values, m
     cls().check()  # the defaults pass
     with pytest.raises(ValueError, match=message):
         cls(**values).check()
+
+
+
+@dataclasses.dataclass(frozen=True)
+class Toy(Section):
+    """A section of every kind of flag `add_flags` declares."""
+
+    toy_count: int = flag(3, "How many (default: %(default)s).")
+    toy_scale: float | None = flag(None, "A scale.")
+    toy_on: bool = flag(False, "A switch.")
+    toy_keep: bool = flag(True, "On unless --no-toy-keep.", action=argparse.BooleanOptionalAction)
+    toy_names: list[str] = flag(["a", "b"], "Names.")
+    toy_ks: list[int] | None = flag(None, "Ks.", metavar="K")
+    toy_mode: Literal["x", "y"] = flag("x", "A mode.")
+    toy_pair: tuple | None = flag(None, "Two ints.", parse=lambda text: tuple(map(int, text.split(","))))
+    toy_derived: int = 0  # no flag(): not on the command line
+
+
+def test_a_flag_is_written_once_as_its_field():
+    """`add_flags` reads a flag's whole declaration off its field: the option from the name, the default, the help,
+    and from the annotation a switch (bool), one-or-more values (list), choices (Literal), the parser (int, float)."""
+    parser = argparse.ArgumentParser()
+    add_flags(parser, Toy)
+    defaults = parser.parse_args([])
+    assert Toy.of(defaults) == Toy() and defaults.toy_names == ["a", "b"] and not hasattr(defaults, "toy_derived")
+    assert Toy().toy_names is not Toy().toy_names  # a list default is fresh per use
+    given = parser.parse_args(["--toy-count", "5", "--toy-scale", "0.5", "--toy-on", "--no-toy-keep", "--toy-names",
+                               "c", "--toy-ks", "1", "4", "--toy-mode", "y", "--toy-pair", "2,3"])
+    assert Toy.of(given) == Toy(5, 0.5, True, False, ["c"], [1, 4], "y", (2, 3))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--toy-mode", "z"])
+    help_text = " ".join(parser.format_help().split())
+    assert "How many (default: 3)." in help_text and "--toy-ks K [K ...]" in help_text and "{x,y}" in help_text

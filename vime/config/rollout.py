@@ -115,9 +115,9 @@ class FaultToleranceConfig(Section):
     max_consecutive_failed_rollouts: int = 3
 
     def check(self) -> None:
-        for flag, seconds in self.named("rollout_health_check_interval", "rollout_health_check_timeout"):
+        for option, seconds in self.named("rollout_health_check_interval", "rollout_health_check_timeout"):
             if seconds <= 0:
-                raise ValueError(f"{flag} must be > 0, got {seconds}")
+                raise ValueError(f"{option} must be > 0, got {seconds}")
         if not 0.0 <= self.max_failed_samples_ratio <= 1.0:
             raise ValueError(f"--max-failed-samples-ratio must be in [0, 1], got {self.max_failed_samples_ratio}")
         if self.max_consecutive_failed_rollouts < 1:
@@ -177,6 +177,6 @@ class EvalConfig(Section):
 
 def at_least_one(counts: list[tuple[str, int | None]]) -> None:
     """Refuse a count flag given below 1 (None: not given)."""
-    for flag, value in counts:
+    for option, value in counts:
         if value is not None and value < 1:
-            raise ValueError(f"{flag} must be >= 1, got {value}")
+            raise ValueError(f"{option} must be >= 1, got {value}")

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from typing import Literal
 
-from vime.config.section import Section
+from vime.config.section import Section, flag
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,8 +45,8 @@ class WandbConfig(Section):
         if self.use_wandb:
             return
         unset = WandbConfig()
-        given = [flag for flag, value in self.named(*(f.name for f in dataclasses.fields(self)))
-                 if value != getattr(unset, flag[2:].replace("-", "_"))]
+        given = [option for option, value in self.named(*(f.name for f in dataclasses.fields(self)))
+                 if value != getattr(unset, option[2:].replace("-", "_"))]
         if given:
             raise ValueError(f"{' '.join(given)} only take effect with --use-wandb: add it, or drop them")
 
@@ -64,21 +65,28 @@ class PlacementConfig(Section):
     def check(self) -> None:
         if self.gpu_memory_gib is not None and self.gpu_memory_gib <= 0:
             raise ValueError(f"--gpu-memory-gib {self.gpu_memory_gib}: give one device's memory in GiB, e.g. 80")
-        for flag, on in self.named("offload_rollout", "offload_train"):
+        for option, on in self.named("offload_rollout", "offload_train"):
             if on and not self.colocate:
-                raise ValueError(f"{flag} only makes sense with --colocate (engines and trainer share devices)")
+                raise ValueError(f"{option} only makes sense with --colocate (engines and trainer share devices)")
 
 
 @dataclasses.dataclass(frozen=True)
 class DebugConfig(Section):
     """Half runs and what a run saves for inspection (`--debug-*`, `--save-rollouts*`)."""
 
-    debug_rollout_only: bool = False
-    debug_train_only: bool = False
-    save_debug_rollout_data: str | None = None
-    load_debug_rollout_data: str | None = None
-    save_rollouts: bool = True
-    save_rollouts_max_mb: float = 512.0
+    debug_rollout_only: bool = flag(False, "Generate and score rollouts without training (default: off).")
+    debug_train_only: bool = flag(False, "Train from --load-debug-rollout-data without starting engines (default: "
+                                  "off).")
+    save_debug_rollout_data: str | None = flag(None, "Path template with {rollout_id}; each rollout's samples are "
+                                               "written there as JSON lines, one Sample.to_dict() per line "
+                                               "(default: %(default)s).")
+    load_debug_rollout_data: str | None = flag(None, "Path template with {rollout_id}: replay saved rollouts "
+                                               "instead of generating (default: %(default)s).")
+    save_rollouts: bool = flag(True, "Keep a compact copy of each rollout (and eval) in <output-dir>/rollouts/, "
+                               "which `python -m vime.inspect <output-dir>` renders; --no-save-rollouts turns it off "
+                               "(default: on).", action=argparse.BooleanOptionalAction)
+    save_rollouts_max_mb: float = flag(512.0, "Size cap of <output-dir>/rollouts/ in megabytes: the oldest rollouts "
+                                       "there are deleted to stay under it (default: %(default)g).")
 
     def check(self) -> None:
         if self.debug_rollout_only and self.debug_train_only:
@@ -88,6 +96,6 @@ class DebugConfig(Section):
         if self.save_rollouts_max_mb <= 0:
             raise ValueError(f"--save-rollouts-max-mb must be > 0, got {self.save_rollouts_max_mb} (turn saving off "
                              "with --no-save-rollouts)")
-        for flag, template in self.named("save_debug_rollout_data", "load_debug_rollout_data"):
+        for option, template in self.named("save_debug_rollout_data", "load_debug_rollout_data"):
             if template is not None and "{rollout_id}" not in template:
-                raise ValueError(f"{flag} {template!r} must contain '{{rollout_id}}'")
+                raise ValueError(f"{option} {template!r} must contain '{{rollout_id}}'")

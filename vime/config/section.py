@@ -1,10 +1,10 @@
 """The machinery of the run's typed config: a section is a frozen dataclass of the flags one component owns.
 
 Its fields are the destinations of its flags, spelled as slime-style `args` carries them (`rollout_batch_size`
-for `--rollout-batch-size`), so a grep of a flag's name finds its field and every reader. The field holds the
-flag's type and its default, the one place a default is written: the argparse groups that give the flags their
-spelling and help (`train.py --help`, YAML `--config`) take their defaults from the sections
-(`apply_defaults`).
+for `--rollout-batch-size`), so a grep of a flag's name finds its field and every reader. A flag is written once,
+as its field: the type annotation, the default and the help (`flag()`), from which `add_flags` declares it on the
+command line (`train.py --help`, YAML `--config`); the package's `*arguments.py` only places sections in groups and
+keeps the validation that ties sections together.
 
 - `RunConfig.build` (vime/config/run_config.py) makes every section once, at the entry point, and checks each
   value against its field's type (`check_types`).
@@ -17,20 +17,34 @@ spelling and help (`train.py --help`, YAML `--config`) take their defaults from 
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import functools
 import types
 import typing
-from typing import Any, Literal, TypeVar, Union
+from typing import Any, Callable, Literal, TypeVar, Union
 
 S = TypeVar("S", bound="Section")
 DERIVED = "derived"  # field metadata key: validation fills the value; no flag sets it
+FLAG = "flag"  # field metadata key: how its flag reads on the command line (`flag()`)
 _ABSENT = object()
 
 
 def derived(default: Any = None) -> Any:
     """A field validation derives from other flags (no flag of its own); `default` before validation ran."""
     return dataclasses.field(default=default, metadata={DERIVED: True})
+
+
+def flag(default: Any = None, help: str = "", *, choices: tuple | None = None, metavar: str | None = None,
+         nargs: str | None = None, action: Any = None, parse: Callable[[str], Any] | None = None) -> Any:
+    """A field set by the flag `--<field-name-with-dashes>`: its default and its `--help` text (argparse's
+    `%(default)s` works), and what the type annotation does not say (`add_flags` reads the rest from it): `choices`
+    (else a Literal's values), `metavar`, `nargs` or `action` (else a bool is a switch, a list takes one or more
+    values), `parse` (argparse's `type=`, else the annotation's int or float). A list default is copied per use."""
+    spec = {"help": help, "choices": choices, "metavar": metavar, "nargs": nargs, "action": action, "parse": parse}
+    if isinstance(default, (list, dict)):
+        return dataclasses.field(default_factory=lambda: copy.deepcopy(default), metadata={FLAG: spec})
+    return dataclasses.field(default=default, metadata={FLAG: spec})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +86,52 @@ def _defaults(cls: type[Section]) -> tuple[tuple[str, Any, bool], ...]:
     """(field, default or default factory, whether it is a factory) of each field of `cls`."""
     return tuple((f.name, f.default_factory, True) if f.default is dataclasses.MISSING else (f.name, f.default, False)
                  for f in dataclasses.fields(cls))
+
+
+def add_flags(group: argparse._ActionsContainer, *sections: type[Section]) -> None:
+    """Declare on `group` (a parser or an argument group) the flag of each `flag()` field of `sections`, in field
+    order, with the field's default, help and the argparse settings its annotation implies."""
+    for cls in sections:
+        defaults = section_defaults(cls)
+        for f in dataclasses.fields(cls):
+            if FLAG in f.metadata:
+                group.add_argument("--" + f.name.replace("_", "-"), default=defaults[f.name],
+                                   **_argparse_settings(_hints(cls)[f.name], f.metadata[FLAG]))
+
+
+def _argparse_settings(hint: Any, spec: dict) -> dict[str, Any]:
+    """add_argument's keywords for a field of type `hint` declared by `flag()`'s `spec`."""
+    settings: dict[str, Any] = {"help": spec["help"]}
+    if spec["metavar"] is not None:
+        settings["metavar"] = spec["metavar"]
+    hint = _without_none(hint)
+    if hint is bool and spec["action"] is None:
+        return {**settings, "action": "store_true"}
+    if spec["action"] is not None:
+        settings["action"] = spec["action"]
+    if typing.get_origin(hint) in (list, tuple):
+        settings["nargs"] = spec["nargs"] or (None if spec["action"] in ("append", "extend") else "+")
+        hint = _without_none(typing.get_args(hint)[0]) if typing.get_args(hint) else str
+    elif spec["nargs"] is not None:
+        settings["nargs"] = spec["nargs"]
+    if settings.get("nargs") is None:
+        settings.pop("nargs", None)
+    choices = spec["choices"] or (typing.get_args(hint) if typing.get_origin(hint) is Literal else None)
+    if choices is not None:
+        settings["choices"] = choices
+        hint = type(choices[0])
+    parse = spec["parse"] or (hint if hint in (int, float) else None)
+    if parse is not None and not (isinstance(spec["action"], type) and spec["action"] is argparse.BooleanOptionalAction):
+        settings["type"] = parse
+    return settings
+
+
+def _without_none(hint: Any) -> Any:
+    """`X` of `X | None` (and of `Optional[X]`); any other hint as it is."""
+    if typing.get_origin(hint) in (Union, types.UnionType):
+        rest = [h for h in typing.get_args(hint) if h is not type(None)]
+        return rest[0] if len(rest) == 1 else hint
+    return hint
 
 
 def apply_defaults(parser: argparse.ArgumentParser, *sections: type[Section]) -> None:

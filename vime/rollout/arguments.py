@@ -20,7 +20,7 @@ from vime.config.rollout import (
     RolloutConfig,
 )
 from vime.config.run import DebugConfig, JobConfig
-from vime.config.section import apply_defaults
+from vime.config.section import add_flags, apply_defaults
 from vime.rollout.rm_hub import RM_REGISTRY
 from vime.utils.lora_adapters import AdapterSpec, adapter_specs
 from vime.utils.misc import with_values
@@ -239,23 +239,7 @@ def _ks(text: str) -> list[int]:
 
 def add_debug_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("debugging")
-    g.add_argument("--debug-rollout-only", action="store_true",
-                   help="Generate and score rollouts without training (default: off).")
-    g.add_argument("--debug-train-only", action="store_true",
-                   help="Train from --load-debug-rollout-data without starting engines (default: off).")
-    g.add_argument("--save-debug-rollout-data",
-                   help="Path template with {rollout_id}; each rollout's samples are written there as JSON "
-                        "lines, one Sample.to_dict() per line (default: %(default)s).")
-    g.add_argument("--load-debug-rollout-data",
-                   help="Path template with {rollout_id}: replay saved rollouts instead of generating "
-                        "(default: %(default)s).")
-    g.add_argument("--save-rollouts", action=argparse.BooleanOptionalAction,
-                   help="Keep a compact copy of each rollout (and eval) in <output-dir>/rollouts/, which "
-                        "`python -m vime.inspect <output-dir>` renders; --no-save-rollouts turns it off (default: on).")
-    g.add_argument("--save-rollouts-max-mb", type=float,
-                   help="Size cap of <output-dir>/rollouts/ in megabytes: the oldest rollouts there are deleted to "
-                        "stay under it (default: %(default)g).")
-    apply_defaults(parser, DebugConfig)  # defaults: vime/config
+    add_flags(g, DebugConfig)
 
 
 def add_all_rollout_args(parser: argparse.ArgumentParser) -> None:
