@@ -38,7 +38,7 @@ from vime.engine.control.sglang_flags import SGLangFlagError, translate_sglang_f
 from vime.config import RunConfig
 from vime.config.rollout import EnginesConfig
 from vime.config.run import DebugConfig, JobConfig, PlacementConfig, WandbConfig
-from vime.config.section import apply_defaults
+from vime.config.section import add_flags, apply_defaults
 from vime.config.train import WeightSyncConfig
 from vime.environments.arguments import add_environment_args, add_judge_args, validate_environment_args
 from vime.rollout.arguments import add_all_rollout_args, validate_rollout_args
@@ -50,71 +50,17 @@ logger = logging.getLogger(__name__)
 
 def add_run_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("run")
-    g.add_argument("--config",
-                   help="YAML file of flag: value pairs; flags given on the command line win (default: %(default)s).")
-    g.add_argument("--hf-checkpoint",
-                   help="HF checkpoint directory of the policy: config, weights and tokenizer (required).")
-    g.add_argument("--seed", type=int, help="Global random seed (default: %(default)s).")
-    g.add_argument("--num-rollout", type=int,
-                   help="Number of rollouts (generate -> train steps) to run (default: from --num-epoch).")
-    g.add_argument("--output-dir",
-                   help="Directory for metrics.jsonl, TensorBoard events and plots (default: %(default)s).")
-    g.add_argument("--ray-address",
-                   help="Address of an existing Ray cluster; a local one is started when unset (default: %(default)s).")
-    g.add_argument("--overwrite-output", action="store_true",
-                   help="Start over an earlier run's state in --save, --output-dir and --rollout-data-dir (its "
-                        "trained-sample ids and stored rollouts are discarded); without it such a run refuses to "
-                        "start unless --load resumes it (default: off).")
-    g.add_argument("--train-timeout", type=float,
-                   help="Seconds the trainers may take for one call (building the models, a rollout's steps, a "
-                        "checkpoint save, a weight update) before the run stops with an error naming the call: a "
-                        "stuck rank or collective must not hang the run (default: %(default)g).")
-    g.add_argument("--control-token-file",
-                   help="File (mode 600) holding the run's control token, which every engine route but /health "
-                        "requires; a fresh random token is made when unset (default: %(default)s).")
-    g.add_argument("--serving-interface",
-                   help="On a cluster (--ray-address): the network interface the engines listen on, e.g. eth1; "
-                        "the node address Ray uses when unset. Without a cluster everything listens on loopback "
-                        "(default: %(default)s).")
-    apply_defaults(parser, JobConfig)  # defaults: vime/config
+    add_flags(g, JobConfig)
 
 
 def add_wandb_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("wandb", "Weights & Biases logging, beside metrics.jsonl and TensorBoard.")
-    g.add_argument("--use-wandb", action="store_true",
-                   help="Log each rollout's metrics and the reward curve to wandb (pip install wandb==0.31.0) "
-                        "(default: off).")
-    g.add_argument("--wandb-project", help="wandb project of the run (default: %(default)s).")
-    g.add_argument("--wandb-group", help="wandb group the run belongs to (default: %(default)s).")
-    g.add_argument("--wandb-run-name", help="wandb run name; wandb makes one up when unset (default: %(default)s).")
-    g.add_argument("--wandb-mode", choices=["online", "offline", "disabled"],
-                   help="online uploads as the run goes; offline writes the run under --wandb-dir only, for "
-                        "`wandb sync` later, with no account or network needed (default: %(default)s).")
-    g.add_argument("--wandb-dir", help="Directory for wandb's local files (default: <output-dir>/wandb).")
-    g.add_argument("--wandb-key",
-                   help="slime's: the wandb API key, given to wandb in this process only (never written to disk or "
-                        "to the run's config). A command line is readable by every user of the node: prefer "
-                        "WANDB_API_KEY in the environment, or `wandb login` (default: None).")
-    apply_defaults(parser, WandbConfig)  # defaults: vime/config
+    add_flags(g, WandbConfig)
 
 
 def add_placement_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("placement")
-    g.add_argument("--actor-num-nodes", type=int, help="Nodes for training actors (default: %(default)s).")
-    g.add_argument("--actor-num-gpus-per-node", type=int,
-                   help="Devices per node for training; on CPU, training processes per node (default: %(default)s).")
-    g.add_argument("--colocate", action="store_true",
-                   help="Training and rollout share devices and take turns (default: off).")
-    g.add_argument("--offload-train", action="store_true",
-                   help="With --colocate: move the trainer's weights, gradients and optimizer state to host memory "
-                        "while the engines generate (default: off).")
-    g.add_argument("--offload-rollout", action="store_true",
-                   help="With --colocate: put the engines to sleep (vLLM /sleep, frees GPU memory) while training "
-                        "(default: off).")
-    g.add_argument("--gpu-memory-gib", type=float,
-                   help="Memory of one GPU, GiB, for the memory plan a GPU run checks before it starts (`python -m "
-                        "vime.plan`); default: that of the cluster's GPU model as Ray names it (default: %(default)s).")
-    apply_defaults(parser, PlacementConfig)  # defaults: vime/config
+    add_flags(g, PlacementConfig)
 
 
 def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:

@@ -1,8 +1,8 @@
-"""The flags' names (`vime.algorithms.names`, torch-free) are exactly what the registries implement."""
+"""The flags' names (`vime.config.algorithm`, `vime.algorithms.names`: torch-free) are exactly what the registries implement."""
 
 from vime.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from vime.algorithms.losses import POLICY_LOSSES
-from vime.algorithms.names import ADVANTAGE_ESTIMATOR_NAMES, POLICY_LOSS_NAMES
+from vime.config.algorithm import ADVANTAGE_ESTIMATOR_NAMES, POLICY_LOSS_NAMES
 
 
 def test_flag_choices_are_the_registered_estimators_and_losses():

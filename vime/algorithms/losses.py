@@ -14,7 +14,8 @@ from typing import Any, Callable
 
 import torch
 
-from vime.algorithms.names import KL_TYPES, LOSS_AGG_MODES
+from vime.algorithms.names import KL_TYPES
+from vime.config.algorithm import LOSS_AGG_MODES
 
 Tensors = list[torch.Tensor]
 PolicyLoss = Callable[..., tuple[Tensors, Tensors]]

@@ -64,27 +64,50 @@ class HarnessConfig(Section):
 class EnvironmentConfig(Section):
     """Environment libraries: reasoning-gym, OpenEnv, verifiers (`--environment*`, ...)."""
 
-    environment: list[str] | None = None
-    environment_weights: list[float] | None = None
-    environment_args: list[str] | None = None
-    environment_eval_size: int = 0
-    reasoning_gym_size: int = 1000
-    reasoning_gym_seed: int | None = None
-    reasoning_gym_weights: list[float] | None = None
-    reasoning_gym_system_prompt: str = "default"
-    verifiers_python: str | None = None
+    environment: list[str] | None = flag(
+        None, "An environment to train on, repeatable (a mixture): reasoning_gym:<dataset>[,<dataset>...], "
+        "openenv:<app module or http://host:port>, verifiers:<taskset id or module>. Its prompts, rewards (each "
+        "reward function reported as its own metric) and, for multi-turn kinds, its turns replace --prompt-data and "
+        "--rm-type (default: %(default)s).", action="append", metavar="KIND:TARGET")
+    environment_weights: list[float] | None = flag(None, "Mixture weight of each --environment, in order: the share "
+                                                   "of training groups drawn from it (default: 1 each).")
+    environment_args: list[str] | None = flag(
+        None, "A JSON object configuring an --environment, one per --environment in order when given ('{}' for "
+        "none): an OpenEnv environment's settings, reasoning-gym dataset configs {\"<dataset>\": {...}}, a verifiers "
+        "EnvConfig {\"taskset\": {...}, \"agent\": {...}} (default: %(default)s).", action="append", metavar="JSON")
+    environment_eval_size: int = flag(0, "Prompts per environment in its own eval set (eval/<environment>/..., every "
+                                      "--eval-interval rollouts); 0: no environment eval sets (default: %(default)s).")
+    reasoning_gym_size: int = flag(1000, "Training entries generated per reasoning-gym dataset (default: "
+                                   "%(default)s).")
+    reasoning_gym_seed: int | None = flag(None, "Seed of reasoning-gym's generators (default: --seed).")
+    reasoning_gym_weights: list[float] | None = flag(None, "Weight of each dataset of a reasoning_gym:<d1>,<d2>,... "
+                                                     "spec within that environment's weight (default: equal).")
+    reasoning_gym_system_prompt: str = flag("default", "System prompt of reasoning-gym prompts: a key of "
+                                            "reasoning_gym.utils.SYSTEM_PROMPTS (default, DeepSeekZero, simple, "
+                                            "direct, ...) or none (default: %(default)s).")
+    verifiers_python: str | None = flag(None, "Python of the venv holding verifiers 0.4.0 (and the environments it "
+                                        "loads), where vime runs a verifiers:... environment's bridge process; "
+                                        "verifiers cannot share vime's venv (default: None = .venv-verifiers/bin/"
+                                        "python at the repository root, made by scripts/install.sh).")
 
 
 @dataclasses.dataclass(frozen=True)
 class JudgeConfig(Section):
     """A judge or reward model the run serves (`--judge-*`)."""
 
-    judge_checkpoint: str | None = None
-    judge_num_engines: int = 1
-    judge_max_tokens: int = 32
-    judge_temperature: float = 0.0
-    judge_timeout: float = 60.0
-    judge_concurrency: int = 64
+    judge_checkpoint: str | None = flag(None, "HF checkpoint of a judge model the run serves on engines of its own, "
+                                        "never updated; reward functions call it through "
+                                        "`vime.environments.judge.run_judge()` (an OpenAI-compatible base_url and "
+                                        "api_key, or its `chat` method) (default: None = no judge).")
+    judge_num_engines: int = flag(1, "Engines serving the judge (default: %(default)s).")
+    judge_max_tokens: int = flag(32, "Tokens a judge reply may take unless the call says otherwise (default: "
+                                 "%(default)s).")
+    judge_temperature: float = flag(0.0, "Sampling temperature of judge calls unless the call says otherwise "
+                                    "(default: %(default)s).")
+    judge_timeout: float = flag(60.0, "Seconds one judge call may take; past it the call raises and the sample it "
+                                "scores fails (default: %(default)g).")
+    judge_concurrency: int = flag(64, "Judge calls in flight at once, over its engines, which batch them (default: "
+                                  "%(default)s).")
 
     def check(self) -> None:
         if self.judge_checkpoint is None:

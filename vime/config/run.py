@@ -13,16 +13,30 @@ from vime.config.section import Section, flag
 class JobConfig(Section):
     """The run as a whole: checkpoint, seed, output, Ray and control (`--hf-checkpoint`, `--seed`, ...)."""
 
-    config: str | None = None
-    hf_checkpoint: str | None = None
-    seed: int = 1234
-    num_rollout: int | None = None
-    output_dir: str = "outputs/run"
-    ray_address: str | None = None
-    overwrite_output: bool = False
-    train_timeout: float = 7200.0
-    control_token_file: str | None = None
-    serving_interface: str | None = None
+    config: str | None = flag(None, "YAML file of flag: value pairs; flags given on the command line win (default: "
+                              "%(default)s).")
+    hf_checkpoint: str | None = flag(None, "HF checkpoint directory of the policy: config, weights and tokenizer "
+                                     "(required).")
+    seed: int = flag(1234, "Global random seed (default: %(default)s).")
+    num_rollout: int | None = flag(None, "Number of rollouts (generate -> train steps) to run (default: from "
+                                   "--num-epoch).")
+    output_dir: str = flag("outputs/run", "Directory for metrics.jsonl, TensorBoard events and plots (default: "
+                           "%(default)s).")
+    ray_address: str | None = flag(None, "Address of an existing Ray cluster; a local one is started when unset "
+                                   "(default: %(default)s).")
+    overwrite_output: bool = flag(False, "Start over an earlier run's state in --save, --output-dir and "
+                                  "--rollout-data-dir (its trained-sample ids and stored rollouts are discarded); "
+                                  "without it such a run refuses to start unless --load resumes it (default: off).")
+    train_timeout: float = flag(7200.0, "Seconds the trainers may take for one call (building the models, a "
+                                "rollout's steps, a checkpoint save, a weight update) before the run stops with an "
+                                "error naming the call: a stuck rank or collective must not hang the run (default: "
+                                "%(default)g).")
+    control_token_file: str | None = flag(None, "File (mode 600) holding the run's control token, which every engine "
+                                          "route but /health requires; a fresh random token is made when unset "
+                                          "(default: %(default)s).")
+    serving_interface: str | None = flag(None, "On a cluster (--ray-address): the network interface the engines "
+                                         "listen on, e.g. eth1; the node address Ray uses when unset. Without a "
+                                         "cluster everything listens on loopback (default: %(default)s).")
 
     def check(self) -> None:
         if not self.train_timeout > 0:
@@ -33,13 +47,20 @@ class JobConfig(Section):
 class WandbConfig(Section):
     """Weights & Biases logging (`--use-wandb`, `--wandb-*`)."""
 
-    use_wandb: bool = False
-    wandb_project: str = "vime"
-    wandb_group: str | None = None
-    wandb_run_name: str | None = None
-    wandb_mode: Literal["online", "offline", "disabled"] = "online"
-    wandb_dir: str | None = None
-    wandb_key: str | None = None  # slime's; a secret: never written (resolved_config.SECRET_FLAG)
+    use_wandb: bool = flag(False, "Log each rollout's metrics and the reward curve to wandb (pip install "
+                           "wandb==0.31.0) (default: off).")
+    wandb_project: str = flag("vime", "wandb project of the run (default: %(default)s).")
+    wandb_group: str | None = flag(None, "wandb group the run belongs to (default: %(default)s).")
+    wandb_run_name: str | None = flag(None, "wandb run name; wandb makes one up when unset (default: %(default)s).")
+    wandb_mode: Literal["online", "offline", "disabled"] = flag(
+        "online", "online uploads as the run goes; offline writes the run under --wandb-dir only, for `wandb sync` "
+        "later, with no account or network needed (default: %(default)s).")
+    wandb_dir: str | None = flag(None, "Directory for wandb's local files (default: <output-dir>/wandb).")
+    # slime's; a secret: never written (resolved_config.SECRET_FLAG)
+    wandb_key: str | None = flag(None, "slime's: the wandb API key, given to wandb in this process only (never "
+                                 "written to disk or to the run's config). A command line is readable by every user "
+                                 "of the node: prefer WANDB_API_KEY in the environment, or `wandb login` (default: "
+                                 "None).")
 
     def check(self) -> None:
         if self.use_wandb:
@@ -55,12 +76,17 @@ class WandbConfig(Section):
 class PlacementConfig(Section):
     """Where trainers and engines run (`--actor-*`, `--colocate`, `--offload-*`)."""
 
-    actor_num_nodes: int = 1
-    actor_num_gpus_per_node: int = 1
-    colocate: bool = False
-    offload_train: bool = False
-    offload_rollout: bool = False
-    gpu_memory_gib: float | None = None  # the memory plan's device size; default: the cluster's GPU model's
+    actor_num_nodes: int = flag(1, "Nodes for training actors (default: %(default)s).")
+    actor_num_gpus_per_node: int = flag(1, "Devices per node for training; on CPU, training processes per node "
+                                        "(default: %(default)s).")
+    colocate: bool = flag(False, "Training and rollout share devices and take turns (default: off).")
+    offload_train: bool = flag(False, "With --colocate: move the trainer's weights, gradients and optimizer state to "
+                               "host memory while the engines generate (default: off).")
+    offload_rollout: bool = flag(False, "With --colocate: put the engines to sleep (vLLM /sleep, frees GPU memory) "
+                                 "while training (default: off).")
+    gpu_memory_gib: float | None = flag(None, "Memory of one GPU, GiB, for the memory plan a GPU run checks before "
+                                        "it starts (`python -m vime.plan`); default: that of the cluster's GPU model "
+                                        "as Ray names it (default: %(default)s).")
 
     def check(self) -> None:
         if self.gpu_memory_gib is not None and self.gpu_memory_gib <= 0:

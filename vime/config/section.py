@@ -36,12 +36,16 @@ def derived(default: Any = None) -> Any:
 
 
 def flag(default: Any = None, help: str = "", *, choices: tuple | None = None, metavar: str | None = None,
-         nargs: str | None = None, action: Any = None, parse: Callable[[str], Any] | None = None) -> Any:
+         nargs: str | None = None, action: Any = None, parse: Callable[[str], Any] | None = None,
+         part: str | None = None) -> Any:
     """A field set by the flag `--<field-name-with-dashes>`: its default and its `--help` text (argparse's
     `%(default)s` works), and what the type annotation does not say (`add_flags` reads the rest from it): `choices`
     (else a Literal's values), `metavar`, `nargs` or `action` (else a bool is a switch, a list takes one or more
-    values), `parse` (argparse's `type=`, else the annotation's int or float). A list default is copied per use."""
-    spec = {"help": help, "choices": choices, "metavar": metavar, "nargs": nargs, "action": action, "parse": parse}
+    values; a list with its own `parse` takes one value, which `parse` makes the list), `parse` (argparse's `type=`,
+    else the annotation's int or float). `part`: the `--help` group of a section whose flags show in several
+    (`add_flags(group, Section, part=...)`). A list default is copied per use."""
+    spec = {"help": help, "choices": choices, "metavar": metavar, "nargs": nargs, "action": action, "parse": parse,
+            "part": part}
     if isinstance(default, (list, dict)):
         return dataclasses.field(default_factory=lambda: copy.deepcopy(default), metadata={FLAG: spec})
     return dataclasses.field(default=default, metadata={FLAG: spec})
@@ -88,13 +92,14 @@ def _defaults(cls: type[Section]) -> tuple[tuple[str, Any, bool], ...]:
                  for f in dataclasses.fields(cls))
 
 
-def add_flags(group: argparse._ActionsContainer, *sections: type[Section]) -> None:
-    """Declare on `group` (a parser or an argument group) the flag of each `flag()` field of `sections`, in field
-    order, with the field's default, help and the argparse settings its annotation implies."""
+def add_flags(group: argparse._ActionsContainer, *sections: type[Section], part: str | None = None) -> None:
+    """Declare on `group` (a parser or an argument group) the flag of each `flag()` field of `sections` (those of
+    `part` only, for a section shown in several groups), in field order, with the field's default, help and the
+    argparse settings its annotation implies."""
     for cls in sections:
         defaults = section_defaults(cls)
         for f in dataclasses.fields(cls):
-            if FLAG in f.metadata:
+            if FLAG in f.metadata and f.metadata[FLAG]["part"] == part:
                 group.add_argument("--" + f.name.replace("_", "-"), default=defaults[f.name],
                                    **_argparse_settings(_hints(cls)[f.name], f.metadata[FLAG]))
 
@@ -110,7 +115,8 @@ def _argparse_settings(hint: Any, spec: dict) -> dict[str, Any]:
     if spec["action"] is not None:
         settings["action"] = spec["action"]
     if typing.get_origin(hint) in (list, tuple):
-        settings["nargs"] = spec["nargs"] or (None if spec["action"] in ("append", "extend") else "+")
+        one_value = spec["action"] in ("append", "extend") or spec["parse"] is not None
+        settings["nargs"] = spec["nargs"] or (None if one_value else "+")
         hint = _without_none(typing.get_args(hint)[0]) if typing.get_args(hint) else str
     elif spec["nargs"] is not None:
         settings["nargs"] = spec["nargs"]

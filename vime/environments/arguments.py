@@ -13,7 +13,7 @@ import importlib.util
 
 from vime.config.agents import EnvironmentConfig, JudgeConfig
 from vime.config.rollout import EnginesConfig, PromptDataConfig, RewardConfig, RolloutConfig
-from vime.config.section import apply_defaults
+from vime.config.section import add_flags
 from vime.config.train import LoraConfig
 from vime.environments.base import EnvironmentSpec
 from vime.environments.hooks import GENERATE_PATH, REWARD_PATH
@@ -28,56 +28,12 @@ MULTI_TURN_KINDS = ("openenv", "verifiers")  # kinds that generate through their
 def add_environment_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("environments (reasoning-gym, OpenEnv: pip install -e '.[envs]'; verifiers: its own "
                                   "venv, scripts/install.sh)")
-    g.add_argument("--environment", action="append", metavar="KIND:TARGET",
-                   help="An environment to train on, repeatable (a mixture): reasoning_gym:<dataset>[,<dataset>...], "
-                        "openenv:<app module or http://host:port>, verifiers:<taskset id or module>. Its prompts, "
-                        "rewards (each reward function reported as its own metric) and, for multi-turn kinds, its "
-                        "turns replace --prompt-data and --rm-type (default: %(default)s).")
-    g.add_argument("--environment-weights", type=float, nargs="+",
-                   help="Mixture weight of each --environment, in order: the share of training groups drawn from it "
-                        "(default: 1 each).")
-    g.add_argument("--environment-args", action="append", metavar="JSON",
-                   help="A JSON object configuring an --environment, one per --environment in order when given "
-                        "('{}' for none): an OpenEnv environment's settings, reasoning-gym dataset configs "
-                        "{\"<dataset>\": {...}}, a verifiers EnvConfig {\"taskset\": {...}, \"agent\": {...}} "
-                        "(default: %(default)s).")
-    g.add_argument("--environment-eval-size", type=int,
-                   help="Prompts per environment in its own eval set (eval/<environment>/..., every "
-                        "--eval-interval rollouts); 0: no environment eval sets (default: %(default)s).")
-    g.add_argument("--reasoning-gym-size", type=int,
-                   help="Training entries generated per reasoning-gym dataset (default: %(default)s).")
-    g.add_argument("--reasoning-gym-seed", type=int, help="Seed of reasoning-gym's generators (default: --seed).")
-    g.add_argument("--reasoning-gym-weights", type=float, nargs="+",
-                   help="Weight of each dataset of a reasoning_gym:<d1>,<d2>,... spec within that environment's "
-                        "weight (default: equal).")
-    g.add_argument("--reasoning-gym-system-prompt",
-                   help="System prompt of reasoning-gym prompts: a key of reasoning_gym.utils.SYSTEM_PROMPTS "
-                        "(default, DeepSeekZero, simple, direct, ...) or none (default: %(default)s).")
-    g.add_argument("--verifiers-python",
-                   help="Python of the venv holding verifiers 0.4.0 (and the environments it loads), where vime runs "
-                        "a verifiers:... environment's bridge process; verifiers cannot share vime's venv "
-                        "(default: None = .venv-verifiers/bin/python at the repository root, made by "
-                        "scripts/install.sh).")
-    apply_defaults(parser, EnvironmentConfig)  # defaults: vime/config
+    add_flags(g, EnvironmentConfig)
 
 
 def add_judge_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("judge (a judge or reward model served by the run; vime.environments.judge)")
-    g.add_argument("--judge-checkpoint",
-                   help="HF checkpoint of a judge model the run serves on engines of its own, never updated; reward "
-                        "functions call it through `vime.environments.judge.run_judge()` (an OpenAI-compatible "
-                        "base_url and api_key, or its `chat` method) (default: None = no judge).")
-    g.add_argument("--judge-num-engines", type=int, help="Engines serving the judge (default: %(default)s).")
-    g.add_argument("--judge-max-tokens", type=int,
-                   help="Tokens a judge reply may take unless the call says otherwise (default: %(default)s).")
-    g.add_argument("--judge-temperature", type=float,
-                   help="Sampling temperature of judge calls unless the call says otherwise (default: %(default)s).")
-    g.add_argument("--judge-timeout", type=float,
-                   help="Seconds one judge call may take; past it the call raises and the sample it scores fails "
-                        "(default: %(default)g).")
-    g.add_argument("--judge-concurrency", type=int,
-                   help="Judge calls in flight at once, over its engines, which batch them (default: %(default)s).")
-    apply_defaults(parser, JudgeConfig)  # defaults: vime/config
+    add_flags(g, JudgeConfig)
 
 
 def validate_judge_args(args: argparse.Namespace) -> None:

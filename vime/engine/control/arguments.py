@@ -19,7 +19,7 @@ import importlib.util
 from pathlib import Path
 
 from vime.config.router import RouterConfig
-from vime.config.section import apply_defaults
+from vime.config.section import add_flags, apply_defaults
 from vime.utils.device import training_dtype
 from vime.utils.option_cache import cache_path, cached_table
 
@@ -216,11 +216,7 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     from vllm_router.router_args import RouterArgs
 
     group = parser.add_argument_group("vllm-router", "vllm-router options, prefixed with --router-.")
-    group.add_argument("--vllm-router-ip",
-                       help="Address of an already running vllm-router; vime starts one when unset "
-                            "(default: %(default)s).")
-    group.add_argument("--vllm-router-port", type=int,
-                       help="Port of the router (started or external); a free port when unset (default: %(default)s).")
+    add_flags(group, RouterConfig)
     sub = argparse.ArgumentParser(add_help=False)
     RouterArgs.add_cli_args(sub, use_router_prefix=True, exclude_host_port=True)
     vime_owned = set(RouterConfig.flag_names())

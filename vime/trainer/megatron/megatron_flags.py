@@ -7,8 +7,8 @@ from vLLM's own definitions:
 
 - `--<field-name>` (underscores as dashes), or Megatron-LM's own name where it differs (`MEGATRON_LM_NAMES`);
   type, choices and help text from the dataclass (its field docstrings), the dataclass default in the help;
-- a field declared by hand in `arguments.py` (vime's defaults, the architecture read from the HF config) keeps
-  that flag (`HAND_DECLARED`);
+- a field vime declares itself (a `flag()` field of `MegatronConfig` in vime/config/train.py: vime's defaults, the
+  architecture read from the HF config) keeps that flag (`HAND_DECLARED`);
 - a field vime sets itself is listed in `FIXED`, with the reason, and has no flag.
 
 Generated flags default to None ("not given"): `given_fields(args, config_class)` is what a launch script set for
@@ -50,7 +50,7 @@ MEGATRON_LM_NAMES = {
     "add_bias_linear": "!--disable-bias-linear",
 }
 
-# field -> the dest of the flag declared by hand in `arguments.py` that sets it
+# field -> the dest of vime's own flag that sets it (`MegatronConfig`'s, vime/config/train.py)
 HAND_DECLARED = {
     "num_layers": "num_layers", "hidden_size": "hidden_size", "ffn_hidden_size": "ffn_hidden_size",
     "num_attention_heads": "num_attention_heads", "num_query_groups": "num_query_groups",

@@ -7,21 +7,13 @@ import argparse
 from vime.trainer.megatron.hf_architecture import hf_moe
 from vime.config.rollout import EnginesConfig
 from vime.config.run import JobConfig
-from vime.config.section import apply_defaults
+from vime.config.section import add_flags
 from vime.config.train import RoutingReplayConfig
 
 
 def add_routing_replay_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("MoE routing replay")
-    g.add_argument("--use-rollout-routing-replay", action="store_true",
-                   help="MoE models: the engines return the experts they routed each token to, and every trainer "
-                        "forward of the rollout replays them, so the trainer computes the policy the engine sampled "
-                        "from (default: off).")
-    g.add_argument("--use-routing-replay", action="store_true",
-                   help="MoE models: record the trainer's routing in the rollout's first forward (old log-probs) and "
-                        "replay it in the rollout's optimizer steps (default: off; --use-rollout-routing-replay, "
-                        "which replays the engine's routing everywhere, takes precedence).")
-    apply_defaults(parser, RoutingReplayConfig)  # defaults: vime/config
+    add_flags(g, RoutingReplayConfig)
 
 
 def validate_routing_replay_args(args: argparse.Namespace, hf_config=None) -> None:

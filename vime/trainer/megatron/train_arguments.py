@@ -9,122 +9,21 @@ from vime.trainer.megatron.checkpoint_files import MARKER_FILE
 from vime.config.algorithm import AlgorithmConfig
 from vime.config.rollout import EnginesConfig, PromptDataConfig, RolloutConfig
 from vime.config.run import DebugConfig, JobConfig
-from vime.config.section import apply_defaults
-from vime.config.train import LoraConfig, MegatronConfig, TrainLoopConfig, WeightSyncConfig
+from vime.config.section import add_flags
+from vime.config.train import LORA_TARGETS, LoraConfig, MegatronConfig, TrainLoopConfig, WeightSyncConfig
 from vime.utils.lora_adapters import adapter_specs
 from vime.utils.misc import with_values
 
 
 def add_train_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("training loop")
-    g.add_argument("--num-steps-per-rollout", type=int,
-                   help="Optimizer steps per rollout; sets --global-batch-size to the rollout's samples divided "
-                        "by it (default: 1 step, or from --global-batch-size).")
-    g.add_argument("--use-dynamic-batch-size", action="store_true",
-                   help="Cut micro-batches by tokens (--max-tokens-per-gpu; real tokens with --qkv-format thd, padded "
-                        "ones with bshd) instead of sample count "
-                        "(default: off).")
-    g.add_argument("--max-tokens-per-gpu", type=int,
-                   help="Tokens per micro-batch with --use-dynamic-batch-size (default: %(default)s).")
-    g.add_argument("--share-group-prompts", action=argparse.BooleanOptionalAction,
-                   help="Pack the samples of a micro-batch that share a prompt (a GRPO group) as one copy of the "
-                        "prompt followed by their responses, each response attending to the prompt and itself: "
-                        "the prompt goes through forward and backward once, not once per sample, for the same "
-                        "loss and gradients. Used where the model allows it (packed thd sequences, vime's SDPA "
-                        "attention, RoPE, a dense model, no context parallel, no "
-                        "--lora-adapters or routing replay); the trainer logs which at start-up (default: on).")
-    g.add_argument("--train-num-threads", type=int,
-                   help="torch threads of each training rank (default: None = one per CPU of the rank's share of "
-                        "its node: all of the node's CPUs split between the training ranks in train.py, split "
-                        "with the engines in train_async.py).")
-    g.add_argument("--update-weight-transport", choices=["disk", "broadcast", "delta", "cuda_ipc"],
-                   help="How new weights reach the engines: disk = HF safetensors the engines reload; "
-                        "broadcast = in memory over a gloo/nccl group between the training writers and the "
-                        "engines (starts engines with vime's worker extension); delta = like disk, but only "
-                        "the tensors whose content hash changed since the last sync, for engines behind a slow "
-                        "link; cuda_ipc = colocated GPUs, engines map the trainer's tensors (default: %(default)s).")
-    g.add_argument("--update-weight-dir",
-                   help="Root of the disk and delta transports' update directories (each a fresh 0700 "
-                        "directory; engines load only from under it); must be visible to the engines "
-                        "(default: /dev/shm/vime-<uid>, private to this user).")
-    g.add_argument("--update-weight-buffer-size", type=int,
-                   help="Bucket size of the broadcast transport, in bytes: small tensors travel packed in flat "
-                        "buckets of at most this size; a tensor of 1 MiB or more, or of at least this size, travels "
-                        "on its own (default: 536870912 = 512 MiB).")
-    g.add_argument("--check-weight-update-equal", action="store_true",
-                   help="After each weight update, check that every engine's prompt log-probs of a fixed probe "
-                        "sequence equal the trainer's (within 1e-5 + 1e-6 x |log-prob| in float32 on CPU; other "
-                        "devices and dtypes: vime/utils/tolerances.py) and stop with an error if not (default: off).")
-    g.add_argument("--update-weights-interval", type=int,
-                   help="train_async.py: push weights to the engines every this many rollouts (default: %(default)s).")
-    g.add_argument("--max-staleness", type=int,
-                   help="train_async.py continuous mode: generate up to K rollouts ahead of training, back to back on "
-                   "the engines, and push every update in flight (--update-weights-in-flight); a sample with a token "
-                   "sampled more than K weight versions before the weights it would train is left out of the loss "
-                   "and counted (async/stale_samples_dropped). Without it: one rollout ahead (default: off).")
-    g.add_argument("--update-weights-in-flight", action="store_true",
-                   help="train_async.py: push each update into the engines as soon as it is trained, between decode "
-                   "steps of the rollout they are generating, instead of after it: its requests continue under the "
-                   "new weights (their KV recomputed), and each token records the version that sampled it "
-                   "(weight_version_spans). Less stale data for the same overlap; combine with --use-tis or "
-                   "--use-mis to correct each token by its own sampling policy (default: off).")
-    g.add_argument("--critic-lr", type=float, help="Learning rate of the PPO critic (default: --lr).")
-    g.add_argument("--save-hf",
-                   help="Path template with {rollout_id}: also export HF safetensors when saving "
-                        "(default: %(default)s).")
-    g.add_argument("--keep-old-actor", action="store_true",
-                   help="Keep a copy of the weights the engines generated with (slime's old actor) and compute the "
-                        "old log-probs under it rather than under the current weights: with train_async.py the "
-                        "rollout in training was generated by the weights one update back. Costs a copy of the "
-                        "weights in the trainer's memory (default: off).")
-    g = parser.add_argument_group(
-        "trainer hooks", "slime's function paths called on every training rank, with slime's signatures.")
-    g.add_argument("--custom-megatron-init-path",
-                   help="init(args), called once Megatron's parallel groups exist, before the model is built "
-                        "(default: %(default)s).")
-    g.add_argument("--custom-megatron-before-log-prob-hook-path",
-                   help="hook(args, model, store_prefix) before each log-prob pass over a rollout: store_prefix "
-                        "'ref_' (the KL reference), 'teacher_' (distillation) or '' (the old policy) "
-                        "(default: %(default)s).")
-    g.add_argument("--custom-megatron-before-train-step-hook-path",
-                   help="hook(args, rollout_id, step_id, model, optimizer, opt_param_scheduler) before each "
-                        "optimizer step's forward and backward (default: %(default)s).")
-    g.add_argument("--rollout-data-postprocess-path",
-                   help="postprocess(args, rollout_id, rollout_data), called after the log-probs and advantages are "
-                        "computed, before training; rollout_data holds per-sample lists (tokens, loss_masks, "
-                        "log_probs, ref_log_probs, rollout_log_probs, advantages, returns, rewards, ...) that it may "
-                        "change in place, e.g. the loss masks (default: %(default)s).")
+    add_flags(g, TrainLoopConfig, part="batch")
+    add_flags(g, WeightSyncConfig, TrainLoopConfig)  # TrainLoopConfig: its part-less fields
+    add_flags(parser.add_argument_group(
+        "trainer hooks", "slime's function paths called on every training rank, with slime's signatures."),
+        TrainLoopConfig, part="hooks")
     g = parser.add_argument_group("LoRA")
-    g.add_argument("--lora-rank", type=int,
-                   help="Train LoRA adapters of this rank on a frozen base (0 = full fine-tuning); --lora-sync says "
-                        "what the engines get (default: %(default)s).")
-    g.add_argument("--lora-alpha", type=float,
-                   help="LoRA scaling numerator: delta W = alpha / rank * B A (default: --lora-rank).")
-    g.add_argument("--lora-dropout", type=float,
-                   help="Dropout on the adapters' input while training (default: %(default)s).")
-    g.add_argument("--lora-load", metavar="DIR",
-                   help="Start the adapters from a PEFT LoRA adapter (adapter_config.json and "
-                        "adapter_model.safetensors; its rank, alpha and targets become the run's) instead of fresh "
-                        "ones (default: %(default)s).")
-    g.add_argument("--lora-sync", choices=["adapter", "merged"],
-                   help="What a weight update sends the engines: adapter = the adapters alone, served through "
-                        "vLLM's LoRA support (engines started with it enabled); merged = the full merged weights "
-                        "through --update-weight-transport, for engines without LoRA support (default: adapter; "
-                        "merged for --rollout-external-engine-addrs, and for MoE models on CPU, whose vLLM engine "
-                        "cannot serve adapters).")
-    g.add_argument("--lora-adapters", action="extend", nargs="+", metavar="NAME=PROMPT_DATA[:RM]",
-                   help="Multi-LoRA: train several named adapters on the one base in the same steps, each on its own "
-                        "prompts, scored by its own RM (an --rm-type name or a function path; default: the run's "
-                        "reward), served by the same engines under its name; repeatable. Replaces --prompt-data; "
-                        "each rollout takes an equal share of prompts from every adapter's data (default: None = one "
-                        "adapter, served as the policy).")
-    g.add_argument("--lora-target-modules", nargs="+", metavar="NAME",
-                   help=f"HF projections that get adapters: {', '.join(LORA_TARGETS)}, or all-linear "
-                        "(default: all-linear).")
-    apply_defaults(parser, TrainLoopConfig, WeightSyncConfig, LoraConfig)  # defaults: vime/config
-
-
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    add_flags(g, LoraConfig)
 
 
 def lora_targets(names) -> tuple[str, ...]:
