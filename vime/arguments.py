@@ -32,17 +32,17 @@ from vime.trainer.megatron.arguments import add_megatron_args
 from vime.trainer.megatron.megatron_flags import add_generated_megatron_args
 from vime.trainer.megatron.routing_replay_arguments import (add_routing_replay_args, rollout_replay_on_devices,
                                                                    validate_routing_replay_args)
-from vime.trainer.megatron.train_arguments import add_train_args, lora_sync_on_devices, validate_train_args
-from vime.engine.control.arguments import VLLM_RAW_DEST, add_router_args, add_vllm_engine_args, validate_vllm_args
-from vime.engine.control.sglang_flags import SGLangFlagError, translate_sglang_flags
 from vime.config import RunConfig
 from vime.config.rollout import EnginesConfig
 from vime.config.run import DebugConfig, JobConfig, PlacementConfig, WandbConfig
 from vime.config.section import add_flags, apply_defaults
 from vime.config.train import WeightSyncConfig
+from vime.engine.control.arguments import VLLM_RAW_DEST, add_router_args, add_vllm_engine_args, validate_vllm_args
+from vime.engine.control.sglang_flags import SGLangFlagError, translate_sglang_flags
 from vime.environments.arguments import add_environment_args, add_judge_args, validate_environment_args
 from vime.rollout.arguments import add_all_rollout_args, validate_rollout_args
 from vime.rollout.rm_hub import RM_REGISTRY
+from vime.trainer.megatron.train_arguments import add_train_args, lora_sync_on_devices, validate_train_args
 from vime.utils.lora_adapters import adapter_specs
 
 logger = logging.getLogger(__name__)

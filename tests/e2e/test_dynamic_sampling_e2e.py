@@ -20,9 +20,9 @@ from PIL import Image
 
 from tests.e2e.processes import stack_pids
 from tests.helpers.advantage_reference import check_grpo_stats
+from vime.data.sample import Sample
 from vime.rollout.debug_data import load_rollout
 from vime.utils.plot import SERIES_KEY
-from vime.data.sample import Sample
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.processes import stack_pids
-from vime.rollout.debug_data import load_rollout
 from vime.data.sample import Sample
+from vime.rollout.debug_data import load_rollout
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]

@@ -18,8 +18,8 @@ import pytest
 
 from tests.helpers.advantage_reference import check_whitened
 from tests.helpers.hf_reference import load_hf, response_log_probs
-from vime.synthetic.tempered_model import temper_checkpoint
 from vime.rollout.debug_data import load_rollout
+from vime.synthetic.tempered_model import temper_checkpoint
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]

@@ -21,8 +21,8 @@ import torch
 from tests.e2e.crash_hold_plugin import FUNCTION_PATH, held_run_env, wait_until_held
 from tests.e2e.processes import stack_pids as _stack_pids
 from tests.e2e.processes import vllm_process_names, worker_cpus
-from vime.rollout.debug_data import load_rollout
 from vime.data.sample import Sample
+from vime.rollout.debug_data import load_rollout
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]

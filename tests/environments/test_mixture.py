@@ -9,12 +9,12 @@ from types import SimpleNamespace
 
 import pytest
 
+from vime.data.sample import Sample
 from vime.environments import hooks
 from vime.environments.base import Environment, parse_spec, record_functions
 from vime.environments.mixture import EnvironmentMixSource, environment_specs, load_environments
 from vime.rollout.context import reset_rollout_context
 from vime.rollout.metrics import ENVIRONMENT_KEY, rollout_metrics
-from vime.data.sample import Sample
 
 
 def _prompts(name, n):

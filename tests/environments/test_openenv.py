@@ -17,13 +17,13 @@ import urllib.request
 import pytest
 
 from tests.unit.test_impersonation import impostor  # noqa: F401 - a fixture: uid 65534 holding a free port
+from vime.data.sample import Sample
 from vime.environments.mixture import load_environments
 from vime.rollout.context import reset_rollout_context
 from vime.rollout.vllm_rollout import GenerateState
 from vime.utils.listeners import process_tree
 from vime.utils.misc import find_free_port
 from vime.utils.process import wait_until
-from vime.data.sample import Sample
 
 pytest.importorskip("openenv.core.generic_client")
 APP = "tests.environments.openenv_digits"

@@ -8,8 +8,8 @@ import asyncio
 
 import pytest
 
-from vime.environments.mixture import environment_specs, load_environments
 from vime.data.sample import Sample
+from vime.environments.mixture import environment_specs, load_environments
 
 reasoning_gym = pytest.importorskip("reasoning_gym")
 

@@ -11,8 +11,8 @@ import pytest
 
 from tests.plugin_contracts.test_rollout_hooks import _args, _run
 from vime.data.data_source import RolloutDataSource
-from vime.rollout.vllm_rollout import GenerateState, generate_rollout_async
 from vime.data.sample import Sample
+from vime.rollout.vllm_rollout import GenerateState, generate_rollout_async
 
 PLUGIN = textwrap.dedent('''
     import asyncio

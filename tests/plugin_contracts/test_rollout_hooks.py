@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import pytest
 
 from vime.data.data_source import RolloutDataSource
+from vime.data.sample import Sample
 from vime.rollout import vllm_rollout
 from vime.rollout.vllm_rollout import GenerateState, generate_and_rm_group, generate_rollout_async
-from vime.data.sample import Sample
 
 PLUGIN = textwrap.dedent('''
     import asyncio

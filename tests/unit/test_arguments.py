@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from vime.engine.control.arguments import parse_with_vllm, vllm_cli_tokens
 from vime.arguments import build_parser, parse_args
+from vime.engine.control.arguments import parse_with_vllm, vllm_cli_tokens
 from vime.trainer.megatron.megatron_flags import generated_dests
 
 

@@ -15,12 +15,12 @@ from typing import Literal
 import pytest
 
 from vime.arguments import _dests, build_parser, parse_args, run_config
-from vime.config.section import Section, add_flags, flag
-from vime.trainer.megatron.megatron_flags import add_generated_megatron_args
-from vime.engine.control.arguments import add_router_args, add_vllm_engine_args
 from vime.config import RunConfig
 from vime.config.rollout import RewardConfig, RolloutConfig
+from vime.config.section import Section, add_flags, flag
 from vime.config.section import check_types, section_defaults
+from vime.engine.control.arguments import add_router_args, add_vllm_engine_args
+from vime.trainer.megatron.megatron_flags import add_generated_megatron_args
 
 
 def _owners() -> dict[str, list[str]]:

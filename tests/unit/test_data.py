@@ -11,8 +11,8 @@ import pytest
 from vime.data import prompt_dataset
 from vime.data.data_source import RolloutDataSource
 from vime.data.prompt_dataset import DataFormatError, load_prompt_file, load_prompt_samples
-from vime.rollout.debug_data import load_rollout, save_rollout
 from vime.data.sample import Sample
+from vime.rollout.debug_data import load_rollout, save_rollout
 
 
 def _args(**kw):

@@ -11,13 +11,13 @@ from types import SimpleNamespace
 
 import pytest
 
-import vime.rollout_manager.manager as rollout_manager
-import vime.rollout.debug_data as debug_data
+from vime.data.sample import Sample
 from vime.data.saved_rollouts import write_gzip_lines
+from vime.rollout.context import RolloutContext
+import vime.rollout.debug_data as debug_data
 from vime.rollout_manager.engine_health import FailedRollouts
 from vime.rollout_manager.manager import RolloutManager
-from vime.rollout.context import RolloutContext
-from vime.data.sample import Sample
+import vime.rollout_manager.manager as rollout_manager
 
 
 def _disk_full(*args, **kwargs):

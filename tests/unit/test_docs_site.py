@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from tests.unit.test_docs_flags import reference_flags
-from vime.rollout.debug_data import save_compact_rollout
 from vime.data.sample import Sample
+from vime.rollout.debug_data import save_compact_rollout
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs"

@@ -15,12 +15,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import vime.utils.device
 from vime.arguments import parse_args
 from vime.engine.control.engine import engine_command, engine_memory_fraction
+from vime.rollout.context import RolloutContext
 from vime.rollout_manager import engine_fleet, fleet_recovery
 from vime.rollout_manager.engine_fleet import EngineFleet
-from vime.rollout.context import RolloutContext
+import vime.utils.device
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -4,8 +4,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from vime.rollout.filter_hub import DynamicFilterOutput, check_no_failed_samples, check_reward_nonzero_std, pop_first
 from vime.data.sample import Sample
+from vime.rollout.filter_hub import DynamicFilterOutput, check_no_failed_samples, check_reward_nonzero_std, pop_first
 
 ARGS = SimpleNamespace(reward_key=None)
 

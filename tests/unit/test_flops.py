@@ -12,13 +12,13 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoConfig
 
 from vime.arguments import parse_args
-from vime.trainer.megatron.parallel import destroy_parallel
 from vime.synthetic.tiny_model import build_tiny_model
 from vime.trainer.batching import micro_batch_inputs
+from vime.trainer.megatron.parallel import destroy_parallel
 from vime.trainer.flops import (FlopShape, flop_metrics, micro_batch_work, pass_flops, peak_tflops,
                                 rollout_flops, trainer_rollout_flops)
-from vime.trainer.train_batch import TrainBatch
 from vime.data.sample import Sample
+from vime.trainer.train_batch import TrainBatch
 
 aten = torch.ops.aten
 

@@ -10,11 +10,11 @@ import ast
 import inspect
 import textwrap
 
-from vime.trainer.trainer import MegatronTrainer
 from vime.driver import train_group as actor_group
 from vime.driver.train_group import RayTrainGroup, TrainActor
 from vime.rollout_manager.engine_fleet import EngineFleet
 from vime.rollout_manager.manager import RolloutManager
+from vime.trainer.trainer import MegatronTrainer
 
 
 def _parameters(fn) -> list[tuple[str, object]]:

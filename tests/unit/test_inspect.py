@@ -15,11 +15,11 @@ from vime.arguments import build_parser, config_to_argv
 from vime.inspect.__main__ import main as inspect_main
 from vime.inspect.load import (group_advantages, load_rollout_view, marked_tokens, page_chunks, rollout_files,
                                scalar_reward)
+from vime.data.sample import Sample
 from vime.inspect.render import rollout_page
 from vime.rollout.arguments import validate_rollout_args
 from vime.rollout.debug_data import compact_rollout_path, read_compact_rollout, save_compact_rollout
 from vime.utils.resolved_config import write_resolved_config
-from vime.data.sample import Sample
 
 
 class CharTokenizer:

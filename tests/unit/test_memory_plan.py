@@ -17,12 +17,12 @@ from transformers import AutoConfig
 
 from tests.helpers.memory_tracker import StorageTracker, live_bytes
 from vime.arguments import parse_args
-from vime.trainer.megatron.parallel import destroy_parallel
+from vime.data.sample import Sample
 from vime.plan.memory import GIB, TrainerLayout, trainer_memory
 from vime.plan.run_plan import plan_run
 from vime.synthetic.tiny_model import build_tiny_model
 from vime.trainer.flops import FlopShape, trainer_rollout_flops
-from vime.data.sample import Sample
+from vime.trainer.megatron.parallel import destroy_parallel
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPT, RESPONSE = 64, 192

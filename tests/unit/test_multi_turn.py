@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 
 from vime.agents import multi_turn
-from vime.rollout.vllm_rollout import GenerateState
 from vime.data.sample import Sample
+from vime.rollout.vllm_rollout import GenerateState
 
 
 @pytest.fixture()

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from tests.helpers.plugins import rollout_plugin, run as _run
+from vime.data.sample import Sample
 from vime.rollout.context import reset_rollout_context
 from vime.rollout.metrics import rollout_metrics
 from vime.rollout.vllm_rollout import generate_and_rm_group
-from vime.data.sample import Sample
 
 PLUGIN = textwrap.dedent('''
     def nan_every_other(args, sample):

@@ -15,8 +15,8 @@ from tests.helpers.stand_in_router import StandInRouter
 from vime.agents import harness
 from vime.agents.harness import agent_reward, assign_rewards, forced_sampling, split_role_groups
 from vime.agents.openai_requests import call_seed, routing_key
-from vime.rollout.context import reset_rollout_context, rollout_context
 from vime.data.sample import Sample
+from vime.rollout.context import reset_rollout_context, rollout_context
 
 FAKE_TOKENS = [40, 41, 42]
 

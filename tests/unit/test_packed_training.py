@@ -11,13 +11,13 @@ pytest.importorskip("megatron.core")
 from tests.helpers.devices import output_tolerance  # noqa: E402
 from tests.helpers.rollouts import make_rollout  # noqa: E402
 from tests.helpers.trainer_runs import local_trainer  # noqa: E402
-from vime.trainer.megatron.attention import prompt_sharing_plan  # noqa: E402
 from vime.trainer import batching  # noqa: E402
 from vime.trainer.batch_advantages import compute_advantages  # noqa: E402
 from vime.trainer.batching import micro_batch_inputs  # noqa: E402
-from vime.trainer.train_batch import TrainBatch  # noqa: E402
+from vime.trainer.megatron.attention import prompt_sharing_plan  # noqa: E402
 from vime.trainer.micro_batch_loss import make_loss_fn, step_denominators  # noqa: E402
 from vime.trainer.passes import forward_log_probs, prompt_sharing, run_schedule  # noqa: E402
+from vime.trainer.train_batch import TrainBatch  # noqa: E402
 from vime.utils.misc import with_values  # noqa: E402
 
 

@@ -23,9 +23,9 @@ import pytest
 import torch
 
 from vime.arguments import parse_args
-from vime.trainer.megatron.parallel import destroy_parallel
-from vime.synthetic.tiny_model import build_tiny_model
 from vime.data.sample import Sample
+from vime.synthetic.tiny_model import build_tiny_model
+from vime.trainer.megatron.parallel import destroy_parallel
 
 TOL = 2e-5
 GROUP = 4

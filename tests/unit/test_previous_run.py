@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from vime.trainer.megatron import checkpoint_files as cf
 from vime.driver.previous_run import check_start
+from vime.trainer.megatron import checkpoint_files as cf
 
 
 def _args(tmp_path, **kw):

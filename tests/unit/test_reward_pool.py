@@ -8,11 +8,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from vime.data.sample import Sample
 from vime.rollout.context import reset_rollout_context
 from vime.rollout.metrics import take_counters
 from vime.rollout.rm_hub.pool import close_reward_pool, reward_pool
 from vime.rollout.vllm_rollout import _reward_one
-from vime.data.sample import Sample
 from vime.rollout.worker_pool import WorkerCallError, WorkerDiedError, WorkerPool, WorkerTimeoutError
 
 STAND_INS = """

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from vime.data.sample import Sample
 from vime.rollout import rm_hub
 from vime.rollout.context import reset_rollout_context
 from vime.rollout.metrics import take_counters
@@ -16,7 +17,6 @@ from vime.rollout.rm_hub import RM_REGISTRY, async_rm, batched_async_rm, registe
 from vime.rollout.rm_hub.answer_utils import last_boxed, normalize_answer
 from vime.rollout.rm_hub.pool import close_reward_pool, reward_pool
 from vime.rollout.vllm_rollout import _reward_one
-from vime.data.sample import Sample
 
 
 def make_args(**overrides):

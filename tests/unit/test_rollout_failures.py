@@ -14,8 +14,8 @@ from aiohttp import web
 
 from tests.helpers.plugins import rollout_plugin, run as _run
 from vime.rollout.context import reset_rollout_context, rollout_context
-from vime.rollout.metrics import add_counter, record_counters, rollout_metrics
 from vime.rollout.generation import post_generate, retry_window_s
+from vime.rollout.metrics import add_counter, record_counters, rollout_metrics
 from vime.rollout.vllm_rollout import (EngineRejectedError, EngineUnavailableError, GenerateState,
                                        generate_and_rm_group)
 from vime.data.sample import Sample

@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-from vime.trainer.batching import micro_batch_inputs
-from vime.trainer.routing_replay import micro_batch_routing, sample_routing
+from vime.data.sample import Sample
+from vime.data.sample_codec import SampleCodecError, decode_rollout, encode_rollout, json_ready
 from vime.engine.control.generate_request import decode_routed_experts
 from vime.engine.in_vllm.routing_capture import RoutingStore, StepCapture
-from vime.data.sample_codec import SampleCodecError, decode_rollout, encode_rollout, json_ready
-from vime.data.sample import Sample
+from vime.trainer.batching import micro_batch_inputs
+from vime.trainer.routing_replay import micro_batch_routing, sample_routing
 
 
 def _npy_b64(array: np.ndarray) -> str:  # what vLLM's servers write (vllm.utils.serial_utils.numpy2base64)

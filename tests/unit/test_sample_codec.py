@@ -16,8 +16,8 @@ import pytest
 
 from tests.helpers.legacy_rollout import encode_v1_v2
 from vime.data import sample_codec
-from vime.data.sample_codec import FORMAT_VERSION, MAGIC, SampleCodecError, decode_rollout, encode_rollout
 from vime.data.sample import Sample
+from vime.data.sample_codec import FORMAT_VERSION, MAGIC, SampleCodecError, decode_rollout, encode_rollout
 
 DATA = Path(__file__).parent / "data"
 EXTRA = {"data_source": {"epoch": 1, "offset": 3, "buffer": []}, "rollout_id": 7}

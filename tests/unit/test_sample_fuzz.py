@@ -20,8 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.helpers.legacy_rollout import encode_v1_v2
-from vime.data.sample_codec import SampleCodecError, decode_rollout, encode_rollout
 from vime.data.sample import InvalidSampleError, Sample, check_sample_dict
+from vime.data.sample_codec import SampleCodecError, decode_rollout, encode_rollout
 
 FUZZ = settings(max_examples=150, deadline=2000, database=None, suppress_health_check=[HealthCheck.too_slow])
 PREFIX = struct.Struct("<8sHHII")  # the codec's: magic, version, reserved, header (v3: body) length, body crc32

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from vime.agents.sandbox import isolation as sandbox_isolation
 from vime.agents.sandbox import LocalSandbox, SandboxLimits, SandboxRefused, make_sandbox
+from vime.agents.sandbox import isolation as sandbox_isolation
 from vime.rollout.context import reset_rollout_context
 from vime.rollout.metrics import take_counters
 
@@ -27,8 +27,8 @@ REPO = Path(__file__).resolve().parents[2]
 # Run by a fresh interpreter as root or as an unprivileged uid; prints one JSON object of outcomes.
 ESCAPES = r'''
 import asyncio, errno, json, os, socket, subprocess, sys, tempfile, time
-from vime.agents.sandbox import isolation as sandbox_isolation
 from vime.agents.sandbox import LocalSandbox, SandboxLimits, SandboxRefused
+from vime.agents.sandbox import isolation as sandbox_isolation
 
 namespaces = sys.argv[1] == "namespaces"
 out = {}

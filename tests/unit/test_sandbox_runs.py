@@ -14,9 +14,9 @@ import pytest
 from vime.agents.sandbox import Sandbox, SandboxRefused, SandboxResult
 from vime.agents.tool_parsing import ToolCall
 from vime.agents.tools import TOOLS, ToolContext, run_tool_call
+from vime.rollout.context import RolloutContext
 from vime.rollout_manager.engine_health import FailedRollouts
 from vime.rollout_manager.manager import RolloutManager
-from vime.rollout.context import RolloutContext
 from vime.rollout.sandbox_runs import (SANDBOX_KEY, SandboxOutage, check_sandbox_runs, record_sandbox_run,
                                        sandbox_metrics)
 from vime.data.sample import Sample

@@ -11,15 +11,15 @@ import pytest
 import torch
 
 from vime.arguments import build_parser, parse_args
-from vime.engine.control.sglang_flags import SGLANG_FLAGS, SGLangFlagError, translate_sglang_flags
+from vime.data.sample import Sample
 from vime.data.slime_data_source import SlimeDataSource
+from vime.engine.control.sglang_flags import SGLANG_FLAGS, SGLangFlagError, translate_sglang_flags
 from vime.rollout.train_data import apply_train_data
 from vime.trainer.hooks import apply_rollout_data, rollout_data_view
 from vime.trainer.old_actor import OldActor
 from vime.trainer.reference import refresh_due
 from vime.trainer.train_batch import TrainBatch
 from vime.utils.resolved_config import plain_values
-from vime.data.sample import Sample
 
 
 def test_sglang_flags_become_vllms_with_a_notice():

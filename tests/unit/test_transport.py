@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from vime.config.rollout import DataBufferConfig
+from vime.data.sample import Sample
 from vime.data.sample_codec import SampleCodecError
 from vime.transport.rollouts import make_transport
 from vime.transport.rollouts.straw_store import StrawTransport
-from vime.data.sample import Sample
 
 REPO = Path(__file__).resolve().parents[2]
 

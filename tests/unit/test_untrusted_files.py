@@ -19,16 +19,16 @@ import pytest
 import torch
 
 from tests.helpers.run_sections import weight_sync_of
+from vime.engine.in_vllm.cuda_ipc import read_manifests
+from vime.engine.in_vllm.weight_loading import update_files
+from vime.engine.in_vllm.worker_extension import WeightReceiver
+from vime.engine.protocol.ipc_codec import encode_rebuild_args
+from vime.engine.protocol.weight_files import MANIFEST, STAGE_FILE, WEIGHT_ROOT_ENV
 from vime.transport.weights import staging
 from vime.transport.weights.base import DriverSetup
 from vime.transport.weights.cuda_ipc.driver import CudaIpcDriver
 from vime.transport.weights.disk.rank import write_stage_file
 from vime.transport.weights.staging import stage_dir, write_new_file
-from vime.engine.protocol.ipc_codec import encode_rebuild_args
-from vime.engine.protocol.weight_files import MANIFEST, STAGE_FILE, WEIGHT_ROOT_ENV
-from vime.engine.in_vllm.cuda_ipc import read_manifests
-from vime.engine.in_vllm.weight_loading import update_files
-from vime.engine.in_vllm.worker_extension import WeightReceiver
 
 WEIGHTS = [("model.embed_tokens.weight", torch.randn(8, 4)), ("model.norm.weight", torch.ones(4))]
 

@@ -15,9 +15,9 @@ from urllib.parse import urlparse
 import pytest
 
 from vime.engine.control import client
-from vime.engine.protocol.names import UPDATE_ROUTE as ROUTE
-from vime.engine.in_vllm.endpoint_plugin import _parse
 from vime.engine.control.engine import plugin_allowlist
+from vime.engine.in_vllm.endpoint_plugin import _parse
+from vime.engine.protocol.names import UPDATE_ROUTE as ROUTE
 from vime.utils.auth import RunToken
 
 TOKEN = RunToken.new()

@@ -25,10 +25,10 @@ from vime.transport.weights.base import DriverSetup, WeightTransport  # noqa: E4
 from vime.transport.weights.broadcast.driver import engine_set_key  # noqa: E402
 from vime.transport.weights.check import (FLOAT32_TOLERANCE, WeightUpdateMismatchError,  # noqa: E402
                                                   compare_log_probs, tolerance_for)
+from vime.engine.protocol.weight_broadcast import broadcast_weights, join_group, plan_buckets  # noqa: E402
 from vime.transport.weights.delta.rank import changed_tensors, load_unit  # noqa: E402
 from vime.transport.weights.disk.driver import DiskDriver  # noqa: E402
 from vime.transport.weights.disk.rank import tensor_bytes, write_stage_file  # noqa: E402
-from vime.engine.protocol.weight_broadcast import broadcast_weights, join_group, plan_buckets  # noqa: E402
 from vime.utils.misc import find_free_port  # noqa: E402
 
 

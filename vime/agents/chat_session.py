@@ -16,8 +16,8 @@ from typing import Any
 
 from vime.agents.api.completion import canonical_arguments
 from vime.agents.tool_parsing import loads_bounded
-from vime.data.weight_versions import add_spans, add_versions, shift_spans
 from vime.data.sample import Sample
+from vime.data.weight_versions import add_spans, add_versions, shift_spans
 
 logger = logging.getLogger(__name__)
 

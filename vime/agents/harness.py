@@ -33,10 +33,10 @@ from vime.config.agents import AgentConfig, HarnessConfig
 from vime.config.rollout import PromptDataConfig, RolloutConfig
 from vime.config.router import RouterConfig
 from vime.config.run import JobConfig
+from vime.data.sample import RolloutFnTrainOutput, Sample
 from vime.rollout.context import rollout_context
 from vime.utils.device import serving_host
 from vime.utils.misc import load_function
-from vime.data.sample import RolloutFnTrainOutput, Sample
 
 logger = logging.getLogger(__name__)
 MAIN_ROLE = "main"

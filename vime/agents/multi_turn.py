@@ -25,9 +25,9 @@ from vime.agents.tools import TOOLS, Tool, ToolContext, register_tool, run_tool_
 from vime.config.agents import AgentConfig
 from vime.config.rollout import RolloutConfig
 from vime.config.run import JobConfig
+from vime.data.sample import Sample
 from vime.rollout.generation import GenerateState, append_choice, post_generate, served_model
 from vime.utils.misc import load_function
-from vime.data.sample import Sample
 
 logger = logging.getLogger(__name__)
 

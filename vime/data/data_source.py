@@ -10,8 +10,8 @@ from __future__ import annotations
 import copy
 import random
 
-from vime.data.sample_codec import json_ready
 from vime.data.sample import Sample
+from vime.data.sample_codec import json_ready
 
 
 class RolloutDataSource:

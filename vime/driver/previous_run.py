@@ -12,10 +12,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from vime.trainer.megatron.checkpoint_files import MARKER_FILE, complete_iterations, resolve_checkpoint
 from vime.config.rollout import DataBufferConfig
 from vime.config.run import JobConfig
 from vime.config.train import MegatronConfig
+from vime.trainer.megatron.checkpoint_files import MARKER_FILE, complete_iterations, resolve_checkpoint
 from vime.transport.rollouts.replay import TRAINED_SAMPLES
 
 

@@ -13,17 +13,17 @@ from concurrent.futures import ThreadPoolExecutor
 import ray
 
 from vime.arguments import ArgumentsError, build_parser, check_model_args, run_config
-from vime.trainer.megatron.train_arguments import lr_schedule_problem
-from vime.transport.weights.check import check_weights_equal
 from vime.config import RunConfig
-from vime.transport.rollouts import RolloutRef, make_transport
-from vime.transport.rollouts.replay import append_trained_samples, plan_replay, stored_rollout, truncate_trained_samples
-from vime.driver.train_group import RayTrainGroup, critic_args
 from vime.driver.placement import Placement, check_on_cluster_devices, init_ray, on_this_node
 from vime.driver.previous_run import check_start
+from vime.driver.train_group import RayTrainGroup, critic_args
+from vime.driver.weight_sync import WeightSync
 from vime.rollout_manager.engine_fleet import new_engines, run_control_token
 from vime.rollout_manager.manager import RolloutManager, log_dir, resolve_num_rollout
-from vime.driver.weight_sync import WeightSync
+from vime.trainer.megatron.train_arguments import lr_schedule_problem
+from vime.transport.rollouts import RolloutRef, make_transport
+from vime.transport.rollouts.replay import append_trained_samples, plan_replay, stored_rollout, truncate_trained_samples
+from vime.transport.weights.check import check_weights_equal
 from vime.utils.deadline import control, gather
 from vime.utils.logging_utils import MetricsLogger
 from vime.utils.misc import with_values

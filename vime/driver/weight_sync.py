@@ -23,12 +23,12 @@ from typing import Any
 
 import ray
 
+from vime.config import RunConfig
+from vime.config.train import LoraConfig, WeightSyncConfig
 from vime.engine.control.engine import has_vime_worker_extension
 from vime.transport.weights import make_driver
 from vime.transport.weights.base import DriverSetup
 from vime.transport.weights.staging import stage_dir
-from vime.config import RunConfig
-from vime.config.train import LoraConfig, WeightSyncConfig
 from vime.utils.deadline import DeadlineExceeded, control, gather
 
 RECOVERY = "disk"  # the transport that writes recovery copies

@@ -12,8 +12,8 @@ import importlib
 from typing import Any
 
 from vime.config.rollout import PromptDataConfig
-from vime.rollout.metrics import ENVIRONMENT_KEY, REWARD_FUNCTIONS_KEY, REWARD_WEIGHTS_KEY
 from vime.data.sample import Sample
+from vime.rollout.metrics import ENVIRONMENT_KEY, REWARD_FUNCTIONS_KEY, REWARD_WEIGHTS_KEY
 
 __all__ = ["ENVIRONMENT_KEY", "REWARD_FUNCTIONS_KEY", "REWARD_WEIGHTS_KEY", "Environment", "EnvironmentSpec",
            "KINDS", "MissingExtraError", "import_optional", "parse_spec"]

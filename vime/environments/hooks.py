@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from vime.data.sample import Sample
 from vime.environments.mixture import sample_environment
 from vime.rollout.context import rollout_context
 from vime.rollout.vllm_rollout import generate as vime_generate
-from vime.data.sample import Sample
 
 GENERATE_PATH = "vime.environments.hooks.generate"
 REWARD_PATH = "vime.environments.hooks.reward"

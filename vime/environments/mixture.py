@@ -14,9 +14,9 @@ import zlib
 from vime.config.agents import EnvironmentConfig
 from vime.config.rollout import EvalConfig, PromptDataConfig, RolloutConfig
 from vime.data.data_source import RolloutDataSource
+from vime.data.sample import Sample
 from vime.data.sample_codec import json_ready
 from vime.environments.base import ENVIRONMENT_KEY, Environment, EnvironmentSpec, KINDS, parse_spec
-from vime.data.sample import Sample
 
 
 def environment_specs(args) -> list[EnvironmentSpec]:

@@ -45,9 +45,9 @@ from vime.config.rollout import PromptDataConfig
 from vime.config.run import JobConfig
 from vime.environments.base import (ENVIRONMENT_KEY, Environment, EnvironmentSpec, import_optional, prompt_sample,
                                     record_functions)
+from vime.data.sample import Sample
 from vime.utils.listeners import foreign_listener, listeners
 from vime.utils.process import kill_tree, spawn, tail, wait_until
-from vime.data.sample import Sample
 
 logger = logging.getLogger(__name__)
 EPISODE_KEY = "openenv"  # metadata: {"seed": reset seed} in; {"rewards", "done", "steps"} after the episode

@@ -19,8 +19,8 @@ from typing import Any
 from vime.config.agents import EnvironmentConfig
 from vime.config.rollout import PromptDataConfig
 from vime.config.run import JobConfig
-from vime.environments.base import Environment, EnvironmentSpec, import_optional, prompt_sample, record_functions
 from vime.data.sample import Sample
+from vime.environments.base import Environment, EnvironmentSpec, import_optional, prompt_sample, record_functions
 
 ENTRY_KEY = "reasoning_gym"  # metadata: {"dataset": name, "index": entry index}
 

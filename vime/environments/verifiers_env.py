@@ -39,9 +39,9 @@ from vime.agents.openai_requests import public_id
 from vime.config.agents import EnvironmentConfig, HarnessConfig
 from vime.config.rollout import PromptDataConfig
 from vime.config.run import JobConfig
+from vime.data.sample import Sample
 from vime.environments.base import ENVIRONMENT_KEY, Environment, EnvironmentSpec, record_functions
 from vime.environments.verifiers_process import BridgeError, BridgeProcess, verifiers_python
-from vime.data.sample import Sample
 
 TASK_KEY = "verifiers"  # metadata: {"task": idx} in; {"traces": [...], "errors": [...]} after the episode
 VIME_KEYS = {"name": None, "size": None, "startup_timeout": 180.0}

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 
 from vime.config.algorithm import AlgorithmConfig, DistillationConfig
 from vime.config.rollout import EnginesConfig, PromptDataConfig, RolloutConfig
-from vime.trainer.megatron.megatron_flags import core_flag
 from vime.config.run import JobConfig, PlacementConfig
 from vime.config.train import LoraConfig, MegatronConfig, TrainLoopConfig
 from vime.plan.memory import GIB, EngineLayout, TrainerLayout, engine_memory, trainer_memory
 from vime.trainer.flops import FlopShape, rollout_flops
+from vime.trainer.megatron.megatron_flags import core_flag
 
 DEFAULT_PROMPT_LEN = 1024  # where --rollout-max-prompt-len is not given
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from vime.config.rollout import RolloutConfig
 from vime.config.run import JobConfig
-from vime.utils.hf_tokenizer import shared_tokenizer
 from vime.data.sample import Sample
+from vime.utils.hf_tokenizer import shared_tokenizer
 
 
 def generate_rollout(args, rollout_id: int, data_source, evaluation: bool = False) -> list[list[Sample]]:

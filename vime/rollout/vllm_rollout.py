@@ -20,17 +20,17 @@ import math
 from typing import Any
 
 from vime.algorithms.names import REMAX_GREEDY_REWARD_KEY
-from vime.engine.control.generate_request import EngineRejectedError, EngineUnavailableError
 from vime.config.algorithm import AlgorithmConfig
 from vime.config.rollout import FaultToleranceConfig, RewardConfig, RolloutConfig
 from vime.config.train import RoutingReplayConfig
+from vime.engine.control.generate_request import EngineRejectedError, EngineUnavailableError
 from vime.rollout.context import rollout_context
 from vime.rollout.generation import (GenerateState, append_choice, generate, post_generate_choices, sampling_params_for,
                                      served_model)
+from vime.data.sample import RolloutFnEvalOutput, RolloutFnTrainOutput, Sample
 from vime.rollout.rm_hub import RewardTypeError, async_rm, batched_async_rm
 from vime.rollout.rm_hub.remote_rm import NonFiniteRewardError
 from vime.utils.misc import load_function
-from vime.data.sample import RolloutFnEvalOutput, RolloutFnTrainOutput, Sample
 
 logger = logging.getLogger(__name__)
 

@@ -23,17 +23,17 @@ from pathlib import Path
 
 import ray
 
+from vime.config.rollout import EnginesConfig, FaultToleranceConfig
+from vime.config.router import RouterConfig
+from vime.config.run import DebugConfig, JobConfig
 from vime.engine.control import client
 from vime.engine.control.arguments import engine_dtype_warning, router_args_from
 from vime.engine.control.engine import VLLMEngine, http_ok
 from vime.engine.control.router import Router, post_workers
 from vime.engine.control.router_gate import RouterGate
-from vime.config.rollout import EnginesConfig, FaultToleranceConfig
-from vime.config.router import RouterConfig
-from vime.config.run import DebugConfig, JobConfig
-from vime.rollout_manager.fleet_recovery import FleetRecovery, recovery_load_call
-from vime.rollout_manager.engine_health import EngineHealthMonitor
 from vime.rollout.context import RolloutContext
+from vime.rollout_manager.engine_health import EngineHealthMonitor
+from vime.rollout_manager.fleet_recovery import FleetRecovery, recovery_load_call
 from vime.utils.auth import RunToken
 from vime.utils.deadline import control, gather
 from vime.utils.misc import find_free_port

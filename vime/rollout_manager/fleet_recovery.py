@@ -17,12 +17,12 @@ from pathlib import Path
 
 import ray
 
+from vime.config.rollout import EnginesConfig, FaultToleranceConfig
 from vime.engine.control import client
 from vime.engine.control.engine import has_vime_worker_extension, http_ok
 from vime.engine.control.router import post_worker, post_workers, router_ok
-from vime.config.rollout import EnginesConfig, FaultToleranceConfig
-from vime.rollout_manager.engine_health import EngineHealthMonitor, probe_each
 from vime.rollout.metrics import add_counter
+from vime.rollout_manager.engine_health import EngineHealthMonitor, probe_each
 from vime.utils.misc import find_free_port
 
 logger = logging.getLogger(__name__)

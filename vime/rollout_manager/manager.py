@@ -17,33 +17,33 @@ from pathlib import Path
 
 import ray
 
+from vime.config.agents import EnvironmentConfig, JudgeConfig
 from vime.data.adapter_mix import AdapterMixSource
 from vime.data.data_source import RolloutDataSource
 from vime.data.prompt_dataset import load_prompt_file, load_prompt_samples
 from vime.data.slime_data_source import SlimeDataSource
+from vime.engine.control import client
 from vime.environments.judge import JudgeGroup, judge_engine_args
 from vime.environments.mixture import environment_eval_sources, environment_source, load_environments
-from vime.engine.control import client
 from vime.transport.weights.check import probe_tokens
-from vime.config.agents import EnvironmentConfig, JudgeConfig
 from vime.config.rollout import (DataBufferConfig, EnginesConfig, EvalConfig, FaultToleranceConfig, PromptDataConfig,
                                  RolloutConfig)
 from vime.config.run import DebugConfig, JobConfig
 from vime.config.train import MegatronConfig
-from vime.transport.rollouts import RolloutRef, make_transport, rollout_summary
-from vime.rollout_manager.engine_fleet import EngineFleet, new_engine, run_control_token
-from vime.rollout_manager.engine_health import FailedRollouts
+from vime.data.sample import RolloutFnTrainOutput, Sample, as_rollout_output
 from vime.rollout.context import RolloutContext, in_rollout_context, rollout_context, use_rollout_context
 from vime.rollout.debug_data import load_rollout, save_compact_rollout, save_rollout
 from vime.rollout.metrics import eval_at_k, record_counters, rollout_metrics
 from vime.rollout.sandbox_runs import check_sandbox_runs
 from vime.rollout.train_data import apply_train_data
+from vime.rollout_manager.engine_fleet import EngineFleet, new_engine, run_control_token
+from vime.rollout_manager.engine_health import FailedRollouts
+from vime.transport.rollouts import RolloutRef, make_transport, rollout_summary
 from vime.utils.auth import RunToken
 from vime.utils.logging_utils import configure_logging
 from vime.utils.lora_adapters import ADAPTER_KEY, adapter_names, adapter_specs
 from vime.utils.misc import load_function
 from vime.utils.plugin_args import plugin_view, runtime_values
-from vime.data.sample import RolloutFnTrainOutput, Sample, as_rollout_output
 
 logger = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from vime.algorithms.rollout_correction import compute_mis_weights, truncated_we
 from vime.config.algorithm import AlgorithmConfig, DistillationConfig, RolloutCorrectionConfig
 from vime.config.rollout import RolloutConfig
 from vime.config.run import JobConfig
-from vime.trainer.train_batch import TrainBatch
 from vime.trainer.log_probs import response_log_probs
+from vime.trainer.train_batch import TrainBatch
 from vime.utils.misc import load_function
 
 

@@ -17,13 +17,13 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from vime.trainer.megatron.attention import SDPAttention, SharedPromptSeqParams, cached_prompt_sharing_plan
-from vime.trainer.megatron.device import training_device
-from vime.trainer.megatron.lora import routed
 from vime.config.rollout import RolloutConfig
 from vime.config.train import MegatronConfig, RoutingReplayConfig, TrainLoopConfig
 from vime.trainer.batching import MicroBatchInputs, micro_batch_inputs
 from vime.trainer.log_probs import response_log_probs
+from vime.trainer.megatron.attention import SDPAttention, SharedPromptSeqParams, cached_prompt_sharing_plan
+from vime.trainer.megatron.device import training_device
+from vime.trainer.megatron.lora import routed
 from vime.trainer.train_batch import TrainBatch
 from vime.utils.lora_adapters import adapter_names
 

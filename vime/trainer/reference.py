@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
+from vime.config.train import MegatronConfig
 from vime.trainer.megatron.checkpoint import load_model_weights
 from vime.trainer.megatron.checkpoint_files import resolve_checkpoint
-from vime.config.train import MegatronConfig
 from vime.trainer.weight_snapshots import restore, snapshot
 
 logger = logging.getLogger(__name__)

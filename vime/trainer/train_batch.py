@@ -16,9 +16,9 @@ import torch
 
 from vime.algorithms.names import REMAX_GREEDY_REWARD_KEY
 from vime.config.train import RoutingReplayConfig, TrainLoopConfig
-from vime.utils.lora_adapters import ADAPTER_KEY, adapter_names
-from vime.data.weight_versions import too_stale
 from vime.data.sample import Sample
+from vime.data.weight_versions import too_stale
+from vime.utils.lora_adapters import ADAPTER_KEY, adapter_names
 
 
 @dataclass

@@ -15,9 +15,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from vime.config.run import DebugConfig, JobConfig
+from vime.data.saved_rollouts import save_train_records, train_record
 from vime.trainer.passes import OnHost, is_last_stage
 from vime.trainer.train_batch import TrainBatch
-from vime.data.saved_rollouts import save_train_records, train_record
 
 logger = logging.getLogger(__name__)
 

@@ -25,23 +25,23 @@ from megatron.core import parallel_state
 
 from vime.algorithms import masked_mean_std
 from vime.algorithms.shaping import entropy_coef_at, mask_truncated
-from vime.trainer.megatron.checkpoint import load_checkpoint, save_checkpoint
-from vime.trainer.megatron.device import model_device
-from vime.trainer.megatron.lora import LoraSetup, adapters_merged, attach_lora, load_peft_adapter
-from vime.trainer.megatron.model import setup_model_and_optimizer
 from vime.config.algorithm import AlgorithmConfig, DistillationConfig, RolloutCorrectionConfig
 from vime.config.run import JobConfig
 from vime.config.train import LoraConfig, MegatronConfig, TrainLoopConfig
 from vime.trainer.batch_advantages import PER_TOKEN_ESTIMATORS, add_opd_rewards, compute_advantages
 from vime.trainer.batching import SplitRule, rank_share, split_rollout
 from vime.trainer.critic import attach_value_head, make_value_loss_fn
+from vime.trainer.hooks import TrainerHooks, apply_rollout_data, rollout_data_view
+from vime.trainer.megatron.checkpoint import load_checkpoint, save_checkpoint
+from vime.trainer.megatron.device import model_device
+from vime.trainer.megatron.lora import LoraSetup, adapters_merged, attach_lora, load_peft_adapter
+from vime.trainer.megatron.model import setup_model_and_optimizer
 from vime.trainer.micro_batch_loss import make_loss_fn, step_denominators
 from vime.trainer.moe_metrics import ExpertLoad, take_moe_losses
 from vime.trainer.non_finite import FiniteStepGuard, check_finite_parameters
-from vime.trainer.old_actor import OldActor, old_log_probs_by_version, sample_versions
 from vime.trainer.offload import TrainStateOffloader
+from vime.trainer.old_actor import OldActor, old_log_probs_by_version, sample_versions
 from vime.trainer.passes import OnHost, forward_log_probs, forward_values, is_packed, prompt_sharing, train_step
-from vime.trainer.hooks import TrainerHooks, apply_rollout_data, rollout_data_view
 from vime.trainer.reference import reference_state, refresh_due
 from vime.trainer.routing_replay import rollout_routing
 from vime.trainer.step_metrics import read_metrics, reduce_step_metrics, reports_metrics

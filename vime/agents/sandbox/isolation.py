@@ -29,8 +29,8 @@ from functools import lru_cache
 from pathlib import Path
 
 from vime.agents.sandbox import cgroup
-from vime.agents.sandbox.seccomp import machine
 from vime.agents.sandbox.interface import SandboxRefused
+from vime.agents.sandbox.seccomp import machine
 from vime.rollout.context import current_rollout_context
 
 logger = logging.getLogger(__name__)

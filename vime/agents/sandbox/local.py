@@ -18,11 +18,11 @@ from typing import Any
 
 from vime.agents.sandbox.cgroup import cgroup_pool
 from vime.agents.sandbox.events import parse_jail_events, parse_program_events
-from vime.agents.sandbox.service import HTTPSandbox
+from vime.agents.sandbox.interface import Sandbox, SandboxLimits, SandboxResult
 from vime.agents.sandbox.isolation import Isolation, note_weak_run, probe_isolation, refusal, warn_network_run
 from vime.agents.sandbox.paths import default_python, hidden_dirs, python_prefixes
+from vime.agents.sandbox.service import HTTPSandbox
 from vime.agents.sandbox.slots import DEFAULT_SLOTS, DEFAULT_UID_BASE, Slot, UidPool, kill_uid
-from vime.agents.sandbox.interface import Sandbox, SandboxLimits, SandboxResult
 from vime.agents.sandbox.verdict import run_result
 
 logger = logging.getLogger(__name__)

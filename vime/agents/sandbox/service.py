@@ -21,8 +21,8 @@ import hmac
 import json
 import os
 
-from vime.agents.sandbox.isolation import note_weak_run
 from vime.agents.sandbox.interface import Sandbox, SandboxLimits, SandboxRefused, SandboxResult
+from vime.agents.sandbox.isolation import note_weak_run
 
 TOKEN_ENV = "VIME_SANDBOX_TOKEN"
 DEFAULT_HOST = "127.0.0.1"  # this machine only: exposing it is a choice made with --host

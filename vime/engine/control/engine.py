@@ -18,20 +18,20 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from vime.engine.control.client import SERVED_MODEL
 from vime.config.algorithm import AlgorithmConfig
 from vime.config.rollout import EnginesConfig
 from vime.config.run import DebugConfig, JobConfig, PlacementConfig
 from vime.config.train import LoraConfig, RoutingReplayConfig, WeightSyncConfig
-from vime.utils.lora_adapters import adapter_names
+from vime.engine.control.client import SERVED_MODEL
 from vime.engine.protocol.names import CAPTURE_ENV, CORE_FORK_ENV, IDLE_SPIN_ENV, PLUGIN_NAME, WORKER_EXTENSION
 from vime.engine.protocol.weight_files import WEIGHT_ROOT_ENV, weight_root
+from vime.utils.lora_adapters import adapter_names
 from vime.utils.auth import (CONTROL_TOKEN_ENV, CONTROL_TOKEN_FILE_ENV, RunToken, remove_token_file,
                              write_token_file)
 from vime.utils.cpus import CpuShare, allowed_cpus, raise_priority
+from vime.utils.listeners import foreign_listener
 from vime.utils.logging_utils import configure_logging
 from vime.utils.misc import find_free_port
-from vime.utils.listeners import foreign_listener
 from vime.utils.process import PORT_ATTEMPTS, kill_tree, lost_port_race, spawn, tail, wait_until
 
 

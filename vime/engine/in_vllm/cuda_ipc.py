@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 import os
 
+from vime.engine.in_vllm.weight_loading import update_files
 from vime.engine.protocol.ipc_codec import decode_rebuild_args
 from vime.engine.protocol.weight_files import MANIFEST
-from vime.engine.in_vllm.weight_loading import update_files
 
 MAX_MANIFEST_BYTES = 64 * 2**20  # a few hundred bytes per tensor: anything larger is not one of ours
 

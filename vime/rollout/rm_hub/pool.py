@@ -13,10 +13,10 @@ import json
 from typing import Any
 
 from vime.config.rollout import RewardConfig
-from vime.rollout.context import rollout_context
-from vime.utils.cpus import allowed_cpus
 from vime.data.sample import Sample
+from vime.rollout.context import rollout_context
 from vime.rollout.worker_pool import CALL_WITH_SAMPLE, WorkerPool
+from vime.utils.cpus import allowed_cpus
 
 REPLACED_COUNTER = "rollout/reward_workers_replaced"
 

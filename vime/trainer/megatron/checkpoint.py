@@ -42,8 +42,8 @@ from torch.distributed.checkpoint import filesystem as dcp_filesystem
 
 from vime.trainer.megatron.checkpoint_files import (MARKER_FILE, STATE_FILE, fresh_partial, part_dir,
                                                            partial_dir, resolve_checkpoint)
-from vime.trainer.megatron.model import use_fused_adam
 from vime.config.train import MegatronConfig
+from vime.trainer.megatron.model import use_fused_adam
 
 logger = logging.getLogger(__name__)
 

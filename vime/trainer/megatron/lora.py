@@ -45,10 +45,10 @@ from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_paralle
                                                     reduce_from_tensor_model_parallel_region)
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-from vime.trainer.megatron.train_arguments import lora_targets
-from vime.engine.control.client import SERVED_MODEL
 from vime.config.run import JobConfig
 from vime.config.train import LoraConfig
+from vime.engine.control.client import SERVED_MODEL
+from vime.trainer.megatron.train_arguments import lora_targets
 from vime.utils.lora_adapters import adapter_names
 
 # Megatron module (under each decoder layer) -> the HF projections fused in it, in the order of its rows

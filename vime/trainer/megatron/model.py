@@ -11,10 +11,10 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from vime.config.train import MegatronConfig
 from vime.trainer.megatron.foreach_kernels import use_foreach_kernels
 from vime.trainer.megatron.megatron_flags import given_fields
 from vime.trainer.megatron.model_provider import build_model_chunks, params_dtype
-from vime.config.train import MegatronConfig
 
 
 def setup_model_and_optimizer(args, total_steps: int, prepare_chunks: Callable | None = None):

@@ -29,12 +29,12 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
+from vime.config.train import MegatronConfig, RoutingReplayConfig
 from vime.trainer.megatron.attention import SDPAttention
 from vime.trainer.megatron.cpu_compat import redirect_backward_for_sequence_parallel
 from vime.trainer.megatron.device import training_device
 from vime.trainer.megatron.megatron_flags import given_fields, warn_once
 from vime.trainer.megatron.packed_rope import use_packed_rope
-from vime.config.train import MegatronConfig, RoutingReplayConfig
 from vime.utils.device import training_dtype, use_gpu
 
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 
-from vime.trainer.megatron.hf_architecture import hf_moe
 from vime.config.rollout import EnginesConfig
 from vime.config.run import JobConfig
 from vime.config.section import add_flags
 from vime.config.train import RoutingReplayConfig
+from vime.trainer.megatron.hf_architecture import hf_moe
 
 
 def add_routing_replay_args(parser: argparse.ArgumentParser) -> None:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from vime.trainer.megatron.checkpoint_files import MARKER_FILE
 from vime.config.algorithm import AlgorithmConfig
 from vime.config.rollout import EnginesConfig, PromptDataConfig, RolloutConfig
 from vime.config.run import DebugConfig, JobConfig
 from vime.config.section import add_flags
 from vime.config.train import LORA_TARGETS, LoraConfig, MegatronConfig, TrainLoopConfig, WeightSyncConfig
+from vime.trainer.megatron.checkpoint_files import MARKER_FILE
 from vime.utils.lora_adapters import adapter_specs
 from vime.utils.misc import with_values
 

@@ -3,8 +3,8 @@ broadcasts its tensors (`vime.engine.protocol.weight_broadcast`)."""
 
 from __future__ import annotations
 
-from vime.transport.weights.base import Weights, WeightSender
 from vime.engine.protocol.weight_broadcast import broadcast_weights, group_backend, join_group
+from vime.transport.weights.base import Weights, WeightSender
 
 
 class BroadcastSender(WeightSender):

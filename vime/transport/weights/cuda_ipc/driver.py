@@ -7,9 +7,9 @@ import os
 import shutil
 from pathlib import Path
 
+from vime.engine.protocol.weight_files import engine_dir, weight_root
 from vime.transport.weights.base import DriverSetup, TransportDriver
 from vime.transport.weights.staging import stage_dir
-from vime.engine.protocol.weight_files import engine_dir, weight_root
 
 
 class CudaIpcDriver(TransportDriver):

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
-from vime.transport.weights.base import Weights, WeightSender
-from vime.transport.weights.staging import write_new_file
 from vime.engine.protocol.ipc_codec import encode_rebuild_args
 from vime.engine.protocol.weight_files import ENGINE_DIR, manifest
+from vime.transport.weights.base import Weights, WeightSender
+from vime.transport.weights.staging import write_new_file
 
 
 class CudaIpcSender(WeightSender):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import shutil
 
+from vime.engine.protocol.weight_files import weight_root
 from vime.transport.weights.base import DriverSetup, TransportDriver
 from vime.transport.weights.staging import stage_dir
-from vime.engine.protocol.weight_files import weight_root
 
 
 def load_call(path: str, vime_worker_extension: bool) -> tuple[str, dict[str, str]]:

@@ -10,9 +10,9 @@ from typing import BinaryIO, Iterator
 
 import torch
 
+from vime.engine.protocol.weight_files import stage_file
 from vime.transport.weights.base import Weights, WeightSender
 from vime.transport.weights.staging import write_new_file
-from vime.engine.protocol.weight_files import stage_file
 
 BYTE_CHUNK = 16 * 2**20
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from vime.transport.weights.base import DriverSetup, TransportDriver
-from vime.transport.weights.staging import stage_dir
 from vime.engine.protocol.names import LOAD_ADAPTER
 from vime.engine.protocol.weight_files import ADAPTER_FILES, weight_root
+from vime.transport.weights.base import DriverSetup, TransportDriver
+from vime.transport.weights.staging import stage_dir
 
 PREFIX = "vime_lora_"  # of every update directory (the fleet deletes a recovery copy only by such a name)
 
