@@ -292,3 +292,19 @@ def test_nothing_is_ever_unpickled(monkeypatch):
         decode_rollout(_rewrap(pickle.dumps(Boom())))
     with pytest.raises(SampleCodecError, match="rollout header is not valid"):
         decode_rollout(_rewrap(pickle.dumps(Boom()), version=1))
+
+
+def test_the_wire_schema_is_the_sample_and_labels_become_versions():
+    """`WireSample` declares exactly `Sample`'s fields with its defaults; an unknown field is refused naming it and
+    the sample; weight-version labels an earlier writer stored as strings decode as ints."""
+    import dataclasses
+
+    assert sample_codec.WireSample.__struct_fields__ == tuple(f.name for f in dataclasses.fields(Sample))
+    assert msgspec.structs.asdict(sample_codec.WireSample()) == {**Sample().to_dict(), "status": "pending"}
+    with pytest.raises(SampleCodecError, match=r"rollout sample 1 \(index 1\) is invalid: field 'score': not a field"
+                       ) as e:
+        decode_rollout(_one(score=1.0))
+    assert (e.value.field, e.value.sample_index) == ("score", 1)
+    labels = {"weight_versions": ["default", "3"], "weight_version_spans": [["default", 0, 1], ["3", 1, 2]]}
+    back = decode_rollout(_one(**labels))[0][1][0]
+    assert back["weight_versions"] == [0, 3] and back["weight_version_spans"] == [[0, 0, 1], [3, 1, 2]]

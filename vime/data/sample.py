@@ -54,13 +54,9 @@ class Sample:
 
     def get_reward_value(self, args=None, key: str | None = None) -> float:
         """The scalar reward; `--reward-key` picks a field when the reward function returns a dict."""
-        rewards = RewardConfig.of(args)
-        key = key or rewards.reward_key
-        if isinstance(self.reward, dict):
-            if not key:
-                raise ValueError(f"sample {self.index}: reward is a dict {sorted(self.reward)}; set --reward-key")
-            return float(self.reward[key])
-        return float(self.reward)
+        if isinstance(self.reward, dict) and key is None:  # only a dict needs the flag
+            key = RewardConfig.of(args).reward_key
+        return reward_value(self.reward, key, self.index)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -79,6 +75,16 @@ class Sample:
         if d.get("weight_version_spans"):
             d["weight_version_spans"] = [[as_version(v), start, end] for v, start, end in d["weight_version_spans"]]
         return cls(**d)
+
+
+def reward_value(reward: float | dict[str, Any], key: str | None, index: Any = None) -> float:
+    """A sample's scalar reward: `reward` itself, or its field `key` (--reward-key) when the reward function returned
+    a dict. `index` names the sample in the error of a dict without a key."""
+    if isinstance(reward, dict):
+        if not key:
+            raise ValueError(f"sample {index}: reward is a dict {sorted(reward)}; set --reward-key")
+        return float(reward[key])
+    return float(reward)
 
 
 INITIAL_VERSION_LABEL = "default"  # what vLLM calls the weights an engine started with: vime's version 0
@@ -124,9 +130,8 @@ _STATUSES = frozenset(s.value for s in Sample.Status)
 
 def check_sample_dict(d: Any, vocab_size: int | None = None) -> None:
     """Raise InvalidSampleError unless `d` is a sample dict the trainer can use: known fields of the right types,
-    `response_length` within `tokens`, one `loss_mask` entry (0/1) and one finite `rollout_log_probs` entry per
-    response token, and token ids in [0, vocab_size) when `vocab_size` is given (an id outside it would index
-    past the embedding). Called by `Sample.from_dict` and by the rollout codec's decoder."""
+    and the values `check_sample_values` checks. Called by `Sample.from_dict` and by the rollout codec's decoder for
+    rollouts stored before its typed schema (whose decoder checks the types itself)."""
     if not isinstance(d, dict):
         raise InvalidSampleError("<sample>", f"a sample is a dict, got {type(d).__name__}")
     unknown = sorted(str(k) for k in set(d) - _SAMPLE_FIELDS)
@@ -137,6 +142,14 @@ def check_sample_dict(d: Any, vocab_size: int | None = None) -> None:
         if name in d and (not isinstance(value, types) or (name in _NOT_BOOL and isinstance(value, bool))):
             expected = " or ".join("None" if t is _NONE else t.__name__ for t in types)
             raise InvalidSampleError(name, f"expected {expected}, got {type(value).__name__}")
+    check_sample_values(d, vocab_size)
+
+
+def check_sample_values(d: dict, vocab_size: int | None = None) -> None:
+    """Raise InvalidSampleError unless the values of a sample dict whose fields have their types fit together: a
+    known status, `response_length` within `tokens`, one `loss_mask` entry (0/1) and one finite `rollout_log_probs`
+    entry per response token, weight versions and spans vime writes, and token ids in [0, vocab_size) when
+    `vocab_size` is given (an id outside it would index past the embedding)."""
     if d.get("status", Sample.Status.PENDING.value) not in _STATUSES:
         raise InvalidSampleError("status", f"{d['status']!r} is not one of {sorted(_STATUSES)}")
     tokens, response_length = d.get("tokens", ()), d.get("response_length", 0)

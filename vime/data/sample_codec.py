@@ -8,7 +8,7 @@ Layout (format version 3), all prefix integers little-endian:
     magic b"VIMEROLL" | version u16 | reserved u16 | body_len u32 | body_crc32 u32 | body
 
 `body` is one MessagePack map {"groups": [[sample, ...], ...], "extra": {...}}, each sample the `Sample.to_dict()`
-map with its values as they are: tokens, loss_mask and rollout_log_probs stay arrays of ints / floats (msgspec
+map (its schema is `WireSample`, the one typed declaration of a sample on the wire) with its values as they are: tokens, loss_mask and rollout_log_probs stay arrays of ints / floats (msgspec
 writes and reads them faster than packing them, measured; floats are float64, so they round-trip bit-exactly).
 The n-dimensional integer fields (`TENSOR_FIELDS`: the routed experts of MoE routing replay, [tokens - 1, layers,
 top-k] per sample) are maps {"dtype", "shape", "data"}: `data` the C-ordered bytes in the narrowest of uint8 /
@@ -22,15 +22,18 @@ files, for crash resume) still load. Their body is header | arrays: `header` (he
 with each packed field left out of its sample dict; the arrays are each field's values of all samples concatenated
 ("<i4", "<i8" or "<f8"; length -1 for None), then each sample's tensor C-ordered (shape None: no tensor).
 
-Decoding also checks every sample against the `Sample` contract (`vime.data.sample.check_sample_dict`: field
-types, tokens / response_length / loss_mask / rollout_log_probs lengths, finite log-probs, and token ids below the
-vocabulary size when the reader passes one), so what a training rank reads is safe to embed.
+Decoding checks every sample once, against the `Sample` contract: msgspec's decoder the field types (`WireSample`),
+then `vime.data.sample.check_sample_values` how the values fit (tokens / response_length / loss_mask /
+rollout_log_probs lengths, finite log-probs, token ids below the vocabulary size when the reader passes one), so what
+a training rank reads is safe to embed, and the trainer builds its batch from it without checking again. Versions 1
+and 2 carry JSON, whose types `check_sample_dict` checks.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 import zlib
 from typing import Any
@@ -38,7 +41,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from vime.data.sample import InvalidSampleError, check_sample_dict
+from vime.data.sample import InvalidSampleError, as_version, check_sample_dict, check_sample_values
 
 MAGIC = b"VIMEROLL"
 FORMAT_VERSION = 3
@@ -60,9 +63,42 @@ class SampleCodecError(ValueError):
         self.field, self.sample_index = field, sample_index
 
 
+class WireSample(msgspec.Struct, forbid_unknown_fields=True):
+    """A `Sample` on the wire: its fields (`Sample.to_dict()`), typed, with the dataclass's defaults. Weight-version
+    labels may be strings in rollouts stored before they became numbers; decoding makes them ints."""
+
+    group_index: int | None = None
+    index: int | None = None
+    prompt: str | list = ""
+    tokens: list[int] = []
+    response: str = ""
+    response_length: int = 0
+    label: Any = None
+    reward: float | dict | None = None
+    loss_mask: list[int | bool] | None = None
+    rollout_log_probs: list[float] | None = None
+    status: str = "pending"
+    metadata: dict = {}
+    weight_versions: list[int | str] = []
+    weight_version_spans: list[list[int | str]] = []
+    tools: list | None = None
+    rollout_routed_experts: Any = None  # a tensor map {dtype, shape, data}, checked by `_tensors_from_wire`
+
+
+# what a field holds, for the error that names it (msgspec's own says where, not what)
+_WIRE_TYPES = {"group_index": "an integer or None", "index": "an integer or None", "prompt": "a string or messages",
+               "tokens": "a list of integers (token ids)", "response": "a string", "response_length": "an integer",
+               "reward": "a number, a dict or None", "loss_mask": "a list of 0/1 integers or None",
+               "rollout_log_probs": "a list of real numbers or None", "status": "a string", "metadata": "a dict",
+               "weight_versions": "a list of versions", "weight_version_spans": "a list of [version, start, end]",
+               "tools": "a list or None"}
+_WHERE = re.compile(r"`\$\.groups\[(\d+)\]\[(\d+)\](?:\.(\w+))?")
+
+
 class _Body(msgspec.Struct, forbid_unknown_fields=True):
-    """The version-3 body: decoding into it checks the structure (msgspec's errors say where it breaks)."""
-    groups: list[list[dict]]
+    """The version-3 body: decoding into it checks the structure and every sample's field types (msgspec's errors
+    say where it breaks)."""
+    groups: list[list[WireSample]]
     extra: dict
 
 
@@ -166,10 +202,12 @@ def decode_rollout(data: bytes | bytearray | memoryview,
     if zlib.crc32(body) != crc:
         raise SampleCodecError("rollout payload is corrupt: CRC32 mismatch (truncated or modified bytes)")
     groups, extra = (_read_body if version >= 3 else _read_v2_body)(body, header_len)
+    check = check_sample_values if version >= 3 else check_sample_dict  # v3: msgspec checked the types
     for i, sample in enumerate(s for g in groups for s in g):
         try:
             _tensors_from_wire(sample, version)
-            check_sample_dict(sample, vocab_size)
+            check(sample, vocab_size)
+            _versions_as_ints(sample)
         except InvalidSampleError as e:
             raise SampleCodecError(f"rollout sample {i} (index {sample.get('index')!r}) is invalid: {e}",
                                    field=e.field, sample_index=i) from e
@@ -181,9 +219,42 @@ def _read_body(body: memoryview, body_len: int) -> tuple[list[list[dict]], dict]
         raise SampleCodecError(f"rollout body length {body_len} does not match the payload ({len(body)} bytes)")
     try:
         decoded = _DECODER.decode(body)
-    except (msgspec.DecodeError, TypeError, ValueError, RecursionError) as e:  # ValidationError is a DecodeError
+    except msgspec.ValidationError as e:
+        raise _sample_error(e, body) from e
+    except (msgspec.DecodeError, TypeError, ValueError, RecursionError) as e:
         raise SampleCodecError(f"rollout body is not valid: {e}") from e
-    return decoded.groups, decoded.extra
+    return [[msgspec.structs.asdict(s) for s in g] for g in decoded.groups], decoded.extra
+
+
+def _sample_error(error: msgspec.ValidationError, body: memoryview) -> SampleCodecError:
+    """msgspec's type error as the codec's: naming the sample (its place in the rollout, its index) and the field
+    when the error is inside one sample; the structure's error as it is otherwise."""
+    where, message = _WHERE.search(str(error)), str(error)
+    unknown = re.search(r"unknown field `(\w+)`", message)
+    field = where and where.group(3) or (unknown and unknown.group(1))
+    if where is None or field is None:
+        return SampleCodecError(f"rollout body is not valid: {message}")
+    group, position = int(where.group(1)), int(where.group(2))
+    try:  # untyped, for the sample's place in the rollout and its index: bytes past the error may not decode
+        raw = msgspec.msgpack.decode(body, ext_hook=_ext_hook)["groups"]
+        i, index = sum(len(g) for g in raw[:group]) + position, raw[group][position].get("index")
+    except (msgspec.DecodeError, ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError):
+        return SampleCodecError(f"rollout body is not valid: {message}")
+    got = re.search(r"got `(\w+)`", message)
+    if unknown:
+        what = f"not a field of Sample ({', '.join(WireSample.__struct_fields__)})"
+    else:
+        what = f"expected {_WIRE_TYPES.get(field, 'a valid value')}, got {got.group(1) if got else '?'} ({message})"
+    return SampleCodecError(f"rollout sample {i} (index {index!r}) is invalid: field {field!r}: {what}",
+                            field=field, sample_index=i)
+
+
+def _versions_as_ints(sample: dict) -> None:
+    """A sample's weight versions as vime numbers them, in place (labels stored as strings become ints)."""
+    if any(isinstance(v, str) for v in sample.get("weight_versions") or ()):
+        sample["weight_versions"] = [as_version(v) for v in sample["weight_versions"]]
+    if any(isinstance(span[0], str) for span in sample.get("weight_version_spans") or ()):
+        sample["weight_version_spans"] = [[as_version(v), a, b] for v, a, b in sample["weight_version_spans"]]
 
 
 def _tensors_from_wire(sample: dict, version: int) -> None:

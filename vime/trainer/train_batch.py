@@ -15,10 +15,15 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from vime.algorithms.names import REMAX_GREEDY_REWARD_KEY
+from vime.config.rollout import RewardConfig
 from vime.config.train import RoutingReplayConfig, TrainLoopConfig
-from vime.data.sample import Sample
+from vime.data.sample import Sample, reward_value
 from vime.data.weight_versions import too_stale
 from vime.utils.lora_adapters import ADAPTER_KEY, adapter_names
+
+
+PENDING, TRUNCATED = Sample.Status.PENDING.value, Sample.Status.TRUNCATED.value
+UNTRAINABLE = frozenset({Sample.Status.FAILED.value, Sample.Status.ABORTED.value})  # statuses whose tokens train not
 
 
 @dataclass
@@ -49,34 +54,38 @@ class TrainBatch:
 
     @classmethod
     def from_samples(cls, groups: list[list[dict]], args, trainer_version: int | None = None) -> TrainBatch:
-        """Groups of `Sample` dicts -> a batch. A failed or aborted sample, or one without a finite reward (the
-        default rollout fails NaN and inf rewards; a custom rollout may not), keeps its place (indices stay those
-        of the rollout) with an all-zero loss mask and reward 0. So does, with --max-staleness K, a sample with a
-        token sampled more than K versions before `trainer_version` (`stale`)."""
+        """Groups of `Sample` dicts, as the data transport decoded and checked them (`sample_codec`), -> a batch,
+        one column per field (no `Sample` is rebuilt or checked again). A failed or aborted sample, or one without
+        a finite reward (the default rollout fails NaN and inf rewards; a custom rollout may not), keeps its place
+        (indices stay those of the rollout) with an all-zero loss mask and reward 0. So does, with --max-staleness
+        K, a sample with a token sampled more than K versions before `trainer_version` (`stale`)."""
         train_loop = TrainLoopConfig.of(args)
         routing_replay = RoutingReplayConfig.of(args)
-        dicts = [d for g in groups for d in g]
-        samples = [Sample.from_dict(d) for d in dicts]
+        reward_key = RewardConfig.of(args).reward_key
+        samples = [d for g in groups for d in g]
+        lengths = [d.get("response_length", 0) for d in samples]
         stale = [trainer_version is not None and too_stale(d, trainer_version, train_loop.max_staleness)
-                 for d in dicts]
-        usable = [s.status not in (Sample.Status.FAILED, Sample.Status.ABORTED) and s.reward is not None
-                  and math.isfinite(s.get_reward_value(args)) and not old for s, old in zip(samples, stale)]
+                 for d in samples]
+        rewards = [None if d.get("reward") is None else reward_value(d["reward"], reward_key, d.get("index"))
+                   for d in samples]
+        usable = [d.get("status", PENDING) not in UNTRAINABLE and r is not None and math.isfinite(r) and not old
+                  for d, r, old in zip(samples, rewards, stale)]
         masks = []
-        for s, ok in zip(samples, usable):
-            mask = s.loss_mask if s.loss_mask is not None else [1] * s.response_length
-            masks.append(torch.tensor(mask if ok else [0] * s.response_length, dtype=torch.float32))
+        for d, n, ok in zip(samples, lengths, usable):
+            mask = d.get("loss_mask") if d.get("loss_mask") is not None else [1] * n
+            masks.append(torch.tensor(mask if ok else [0] * n, dtype=torch.float32))
         return cls(
-            tokens=[s.tokens for s in samples],
-            response_lengths=[s.response_length for s in samples],
+            tokens=[d.get("tokens", []) for d in samples],
+            response_lengths=lengths,
             loss_masks=masks,
-            rewards=torch.tensor([s.get_reward_value(args) if ok else 0.0 for s, ok in zip(samples, usable)]),
-            rollout_log_probs=[torch.tensor(s.rollout_log_probs, dtype=torch.float32)
-                               if s.rollout_log_probs is not None else None for s in samples],
+            rewards=torch.tensor([r if ok else 0.0 for r, ok in zip(rewards, usable)]),
+            rollout_log_probs=[torch.tensor(d["rollout_log_probs"], dtype=torch.float32)
+                               if d.get("rollout_log_probs") is not None else None for d in samples],
             num_usable=sum(usable),
-            rollout_routed_experts=[s.rollout_routed_experts for s in samples]
+            rollout_routed_experts=[d.get("rollout_routed_experts") for d in samples]
             if routing_replay.use_rollout_routing_replay else None,
             adapters=sample_adapters(samples, adapter_names(args)),
-            truncated=[s.status == Sample.Status.TRUNCATED for s in samples],
+            truncated=[d.get("status") == TRUNCATED for d in samples],
             greedy_rewards=greedy_rewards(samples),
             stale=sum(stale),
         )
@@ -101,10 +110,10 @@ class TrainBatch:
         return out
 
 
-def greedy_rewards(samples: list[Sample]) -> torch.Tensor | None:
+def greedy_rewards(samples: list[dict]) -> torch.Tensor | None:
     """Each sample's ReMax baseline (`metadata[REMAX_GREEDY_REWARD_KEY]`, NaN where missing or None); None when no
     sample carries one."""
-    values = [s.metadata.get(REMAX_GREEDY_REWARD_KEY) for s in samples]
+    values = [(s.get("metadata") or {}).get(REMAX_GREEDY_REWARD_KEY) for s in samples]
     if all(v is None for v in values):
         return None
     return torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float32)
@@ -116,7 +125,7 @@ def _on_device(value, device):
     return value.to(device, non_blocking=True)
 
 
-def sample_adapters(samples: list[Sample], names: list[str]) -> list[int] | None:
+def sample_adapters(samples: list[dict], names: list[str]) -> list[int] | None:
     """Each sample's adapter as its index in `names` (--lora-adapters); None without that flag. A sample that names
     no adapter of the run (a custom rollout that did not keep `metadata[ADAPTER_KEY]`) is an error."""
     if not names:
@@ -124,9 +133,9 @@ def sample_adapters(samples: list[Sample], names: list[str]) -> list[int] | None
     index = {name: k for k, name in enumerate(names)}
     out = []
     for s in samples:
-        name = s.metadata.get(ADAPTER_KEY)
+        name = (s.get("metadata") or {}).get(ADAPTER_KEY)
         if name not in index:
-            raise ValueError(f"sample {s.index}: metadata[{ADAPTER_KEY!r}] is {name!r}, not one of the run's "
+            raise ValueError(f"sample {s.get('index')}: metadata[{ADAPTER_KEY!r}] is {name!r}, not one of the run's "
                              f"--lora-adapters ({', '.join(names)}); a custom rollout must keep each sample's "
                              "metadata from the data source")
         out.append(index[name])
