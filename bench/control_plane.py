@@ -13,7 +13,7 @@ engine probed). The operations, as a run does them:
 - weight update: `EngineFleet.apply_weights` (one /vime/update_weights per engine);
 - pause/resume: `EngineFleet.sleep` then `wake_up` (a colocated run's pause of generation);
 - abort: a rollout's abort on every engine (`client.post_each(..., "/abort_requests")`, as `vllm_rollout`);
-- restart: one engine taken out, replaced, given the current weights, registered (`_restart_engine`);
+- restart: one engine taken out, replaced, given the current weights, registered (`FleetRecovery.restart_engine`);
 - raw: the limit, N bare POSTs with the same HTTP client (httpx, a thread each) at vime's fan-out concurrency;
 - raw asyncio: the same POSTs from one event loop (aiohttp), what a cheaper client would cost.
 Each N runs in a fresh process (its memory is its own); each operation's median of --repeats is shown.
@@ -197,10 +197,10 @@ def build_fleet(n: int, hosts: list[StandInHost], log_dir: Path, token):
     fleet.engines = [StandInEngine(h, url) for h, count in zip(hosts, per_host) for url in h.open(count)]
     fleet.engine_urls = [e.url for e in fleet.engines]
     fleet.rank_urls = list(fleet.engine_urls)
-    fleet._new_engine = lambda rank: StandInEngine(hosts[rank % len(hosts)])
+    fleet.new_engine = lambda rank: StandInEngine(hosts[rank % len(hosts)])
     fleet.router = fleet._own_router(find_free_port(), [])
     fleet.router.start()
-    fleet.monitor = fleet.health_monitor()
+    fleet.recovery.monitor = fleet.recovery.health_monitor()
     return fleet
 
 
@@ -264,12 +264,12 @@ def run_operations(fleet, n: int, repeats: int) -> dict[str, dict]:
         samples["registration"].append(measure(fleet._start_router))
     check_served(fleet, n)
     for i in range(repeats):
-        samples["health sweep"].append(measure(fleet.monitor.check_once))
+        samples["health sweep"].append(measure(fleet.recovery.monitor.check_once))
         samples["weight update"].append(measure(lambda: fleet.apply_weights(StandInTransport(), "/w", i + 1)))
         samples["pause/resume"].append(measure(lambda: (fleet.sleep(), fleet.wake_up())))
         samples["abort"].append(measure(lambda: client.post_each(fleet.token, list(fleet.engine_urls),
                                                                  "/abort_requests", {})))
-        samples["restart one"].append(measure(lambda: fleet._restart_engine(i, "benchmark")))
+        samples["restart one"].append(measure(lambda: fleet.recovery.restart_engine(i, "benchmark")))
         control = fleet.token.control_headers()
         samples["raw"].append(measure(lambda: raw_posts(list(fleet.engine_urls), fanout_limit(n), control)))
         samples["raw asyncio"].append(measure(lambda: raw_posts_asyncio(list(fleet.engine_urls), fanout_limit(n),

@@ -128,19 +128,19 @@ def test_a_collective_update_leaves_out_the_engines_that_fail_their_probe_now(mo
     fleet.engine_urls = ["http://e0", "http://e1", "http://e2"]
     fleet.rank_urls = list(fleet.engine_urls)
     health = {0: None, 1: None, 2: None}
-    monkeypatch.setattr(fleet, "_probe_engine", health.get)
-    assert fleet.live_engine_urls() == fleet.engine_urls  # all alive
+    monkeypatch.setattr(fleet.recovery, "probe_engine", health.get)
+    assert fleet.recovery.live_engine_urls() == fleet.engine_urls  # all alive
     health[1] = "engine actor unreachable: ActorDiedError"
     with pytest.raises(EngineControlError, match=r"engine 1 \(http://e1\) failed its probe: engine actor "
                                                  r"unreachable.*--use-fault-tolerance"):
-        fleet.live_engine_urls()  # without fault tolerance
+        fleet.recovery.live_engine_urls()  # without fault tolerance
     assert router == [] and len(fleet.engine_urls) == 3
-    fleet.monitor = EngineHealthMonitor(3, health.get, lambda *a: None, interval_s=60)
+    fleet.recovery.monitor = EngineHealthMonitor(3, health.get, lambda *a: None, interval_s=60)
     soon = []
-    monkeypatch.setattr(fleet.monitor, "check_soon", lambda rank=None: soon.append(rank))
-    assert fleet.live_engine_urls() == ["http://e0", "http://e2"]
+    monkeypatch.setattr(fleet.recovery.monitor, "check_soon", lambda rank=None: soon.append(rank))
+    assert fleet.recovery.live_engine_urls() == ["http://e0", "http://e2"]
     assert router == [("remove_worker", "http://e1")] and soon == [None]
-    assert fleet.live_engine_urls() == ["http://e0", "http://e2"] and len(router) == 1  # out already
+    assert fleet.recovery.live_engine_urls() == ["http://e0", "http://e2"] and len(router) == 1  # out already
 
 
 def test_rollouts_with_too_many_failed_samples_are_skipped():

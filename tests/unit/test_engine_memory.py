@@ -215,11 +215,11 @@ def test_the_weight_check_wakes_the_engines_whole_before_the_update(monkeypatch,
 # ---- an engine that dies asleep --------------------------------------------------------------------------------
 def test_an_engine_dead_while_asleep_leaves_service_and_restarts_once_all_is_awake(fleet):
     checks = []
-    fleet.monitor = SimpleNamespace(check_soon=lambda rank=None: checks.append(rank))
+    fleet.recovery.monitor = SimpleNamespace(check_soon=lambda rank=None: checks.append(rank))
     fleet.asleep = set(engine_fleet.SLEEP_TAGS)
-    fleet._restart_engine(1, "its server process exited")  # would start a new engine in full: it must wait
+    fleet.recovery.restart_engine(1, "its server process exited")  # would start a new engine in full: it must wait
     assert fleet.engine_urls == ["http://e0"] and ("router", "remove_worker", ["http://e1"]) in fleet.sent
-    assert fleet._deferred == {1} and fleet.engines == []  # no engine actor was made
+    assert fleet.recovery.deferred == {1} and fleet.engines == []  # no engine actor was made
     fleet.wake_up(["weights"])
     assert checks == []  # the KV cache still sleeps
     fleet.wake_up()
@@ -228,11 +228,11 @@ def test_an_engine_dead_while_asleep_leaves_service_and_restarts_once_all_is_awa
 
 def test_an_engine_joining_a_sleeping_fleet_sleeps_as_much(fleet):
     fleet.asleep = {"kv_cache"}  # between the weights' wake-up and the KV cache's
-    fleet._match_sleep("http://new")
+    fleet.match_sleep("http://new")
     assert fleet.sent == [("/sleep", {"level": 1}, ["http://new"]), ("/wake_up", {"tags": ["weights"]}, ["http://new"])]
     fleet.sent.clear()
     fleet.asleep = set()
-    fleet._match_sleep("http://new")
+    fleet.match_sleep("http://new")
     assert fleet.sent == []
 
 

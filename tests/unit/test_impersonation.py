@@ -183,10 +183,10 @@ def test_another_user_cannot_steer_the_router_and_a_stranger_worker_is_removed(t
         assert router.workers() == [ours]  # nothing they sent changed it
         post_worker(token, fleet.router_url, "add_worker", theirs)
         assert sorted(router.workers()) == sorted([ours, theirs])
-        assert fleet.reconcile_router() == [theirs]
+        assert fleet.recovery.reconcile_router() == [theirs]
         assert router.workers() == [ours]
         assert context.counters["rollout/router_unknown_workers_removed"] == 1
-        assert fleet.reconcile_router() == []  # nothing more to do
+        assert fleet.recovery.reconcile_router() == []  # nothing more to do
     finally:
         router.stop()
         for s in servers:

@@ -3,10 +3,10 @@ sleep and wake-up, and the weights they serve.
 
 Lives in the rollout manager's process (`RolloutManager.fleet`), where the rollouts run, and keeps that
 process's rollout context (`vime.rollout.context`) up to date: the router's URL and the engines in service.
-With --use-fault-tolerance an `EngineHealthMonitor` thread restarts dead or hung engines (`_restart_engine`) and
-a dead router (`_restart_router`: a new one on a new loopback port, the engines in service registered);
-control calls skip an engine found dead, which the monitor restarts with the current weights
-(`recovery_weights`, an HF directory the weight sync leaves with every update): `fleet_recovery.py`.
+With --use-fault-tolerance its `recovery` (`FleetRecovery`, fleet_recovery.py) runs an `EngineHealthMonitor` thread
+that restarts dead or hung engines and a dead router (a new one on a new loopback port, the engines in service
+registered); control calls skip an engine found dead, which the monitor restarts with the current weights (the
+recovery copy, an HF directory the weight sync leaves with every update).
 
 It sends the run's control token (`vime.utils.auth.RunToken`, which its engines require on their routes) from the
 rollout context it was given, where the rollout manager put it (`run_control_token`: made, or read from
@@ -32,7 +32,6 @@ from vime.engine.control.engine import VLLMEngine, http_ok
 from vime.engine.control.router import Router, post_workers
 from vime.engine.control.router_gate import RouterGate
 from vime.rollout.context import RolloutContext
-from vime.rollout_manager.engine_health import EngineHealthMonitor
 from vime.rollout_manager.fleet_recovery import FleetRecovery, recovery_load_call
 from vime.utils.auth import RunToken
 from vime.utils.deadline import control, gather
@@ -79,9 +78,10 @@ def new_engines(args, placement, log_dir: Path, token: RunToken) -> list:
     return [new_engine(args, placement, rank, log_dir, token) for rank in range(engines.num_engines())]
 
 
-class EngineFleet(FleetRecovery):
+class EngineFleet:
     """The engines and the router in front of them, for one run (see the module docstring); what keeps them
-    serving under --use-fault-tolerance is `FleetRecovery`'s."""
+    serving under --use-fault-tolerance is its `recovery`'s (`FleetRecovery`), which works through the state and
+    the methods here that have no leading underscore."""
 
     def __init__(self, args, placement, log_dir: Path, context: RolloutContext, engines: list | None = None):
         debug = DebugConfig.of(args)
@@ -94,17 +94,14 @@ class EngineFleet(FleetRecovery):
         self.router: Router | None = None
         self.rank_urls: list[str] = []  # engine rank -> its current URL (in service or being restarted)
         self.served_version: int | None = None  # the version last sent to the engines, if any
-        self.recovery_weights: str | None = None  # HF directory of the current weights, for restarted engines
-        self.monitor: EngineHealthMonitor | None = None
-        self._engines_lock = threading.RLock()  # engine set changes vs. control calls and weight updates
-        self._starting: dict[int, object] = {}  # rank -> engine actor being started by a restart
+        self.lock = threading.RLock()  # engine set changes vs. control calls and weight updates
         self._launched: list = []  # the engines' start calls in flight (`launch`)
         self.asleep: set[str] = set()  # which of SLEEP_TAGS the engines hold in host memory or not at all (`sleep`)
-        self._deferred: set[int] = set()  # dead engines whose restart waits for the engines to wake
         # the router's front for custom functions (`plugin_router_url`), bound now: its address is fixed for the run
         self.gate = None if debug.debug_train_only else RouterGate(lambda: self.context.router_url,
                                                                     self.token.serving_headers)
         self._given = list(engines or [])  # engine actors made for this fleet, not started yet
+        self.recovery = FleetRecovery(self)  # restarts what dies (--use-fault-tolerance), the recovery weights
 
     @property
     def token(self) -> RunToken:
@@ -146,7 +143,7 @@ class EngineFleet(FleetRecovery):
             return
         if engine_dtype_warning(args):
             logger.warning(engine_dtype_warning(args))
-        self.engines = self._given or [self._new_engine(rank) for rank in range(engines.num_engines())]
+        self.engines = self._given or [self.new_engine(rank) for rank in range(engines.num_engines())]
         self._launched = [e.start.remote() for e in self.engines]
         if not router.vllm_router_ip:  # our router boots beside them (1-2 s); they join it once they serve
             self.router = self._own_router(router.vllm_router_port or find_free_port(), [])
@@ -171,8 +168,7 @@ class EngineFleet(FleetRecovery):
         logger.info("engines %s behind router %s (custom functions: %s)", self.engine_urls, self.router_url,
                     self.plugin_router_url())
         if fault_tolerance.use_fault_tolerance and self.engines:
-            self.monitor = self.health_monitor()
-            self.monitor.start()
+            self.recovery.start_monitor()
         return list(self.engine_urls)
 
     def _wait_for_external_engines(self) -> None:
@@ -190,7 +186,8 @@ class EngineFleet(FleetRecovery):
             raise RuntimeError(f"--rollout-external-engine-addrs: {', '.join(waiting)} did not answer /health within "
                                f"--engine-startup-timeout {timeout:g}s; start them first, or check their address")
 
-    def _new_engine(self, rank: int):
+    def new_engine(self, rank: int):
+        """Engine `rank`'s actor in its bundle, not started."""
         return new_engine(self.args, self.placement, rank, self.log_dir, self.token)
 
     def _start_router(self) -> None:
@@ -204,7 +201,7 @@ class EngineFleet(FleetRecovery):
             self.router_url = self.router.wait_ready()
             self.router.add_workers(self.engine_urls)
             return
-        self._start_own_router(router.vllm_router_port or find_free_port())
+        self.start_own_router(router.vllm_router_port or find_free_port())
 
     def _own_router(self, port: int, worker_urls: list[str]) -> Router:
         # loopback, and every route asks for the serving key (`router_door`); rollouts run in this process
@@ -216,21 +213,16 @@ class EngineFleet(FleetRecovery):
         relaunch = None if given_port else lambda: args_on(find_free_port())
         return Router(args_on(port), str(self.log_dir), self.token, relaunch_args=relaunch)
 
-    def _start_own_router(self, port: int) -> None:
+    def start_own_router(self, port: int) -> None:
         """vime's router on loopback `port`, every engine in service registered, holding the serving key."""
         self.router = self._own_router(port, self.engine_urls)
         self.router_url = self.router.start()
 
     def shutdown(self) -> None:
-        if self.monitor is not None:
-            self.monitor.stop()
-            self.monitor = None
+        self.recovery.stop()
         if self.gate is not None:
             self.gate.stop()
             self.gate = None
-        for actor in list(self._starting.values()):  # a restart in progress: its engine must not outlive us
-            ray.kill(actor)
-        self._drop_recovery_weights()
         stops = [e.stop.remote() for e in self.engines]  # all at once, the router meanwhile: each waits its exit
         if self.router is not None:
             self.router.stop()
@@ -251,18 +243,18 @@ class EngineFleet(FleetRecovery):
     def post_engines(self, route: str, body: dict | None = None, params: dict | None = None) -> None:
         """POST to every engine in service. With fault tolerance an engine that fails the call and its health
         probe is taken out of service (the monitor restarts it); otherwise any failure raises."""
-        with self._engines_lock:
-            if self.monitor is None:
+        with self.lock:
+            if self.recovery.monitor is None:
                 client.post_all(self.token, self.engine_urls, route, body, params)
                 return
             _, errors = client.post_each(self.token, list(self.engine_urls), route, body, params)
-            self._settle(errors)
+            self.recovery.settle(errors)
 
     def sleep(self) -> None:
         """Free engine memory while the trainer uses the shared devices (--colocate --offload-rollout): vLLM's sleep
         level 1 copies each engine's weights to host memory and discards its KV cache (GPU engines started in sleep
         mode: `engine.memory_engine_options`; on CPU vLLM only pauses the engine)."""
-        with self._engines_lock:
+        with self.lock:
             self.post_engines("/sleep", params={"level": 1})
             self.asleep = set(SLEEP_TAGS)
 
@@ -270,21 +262,21 @@ class EngineFleet(FleetRecovery):
         """Bring back `tags` of the sleeping engines' memory, or all of it (None): "weights" to load an update into,
         then "kv_cache" to generate, once the trainer has freed the shared devices (`train.py`). Only what sleeps
         is asked for (`/wake_up?tags=...`); when nothing does, nothing is sent. Once all is awake, engines that
-        died while asleep are restarted (`_restart_engine`)."""
+        died while asleep are restarted (`FleetRecovery.after_wake_up`)."""
         unknown = set(tags or ()) - set(SLEEP_TAGS)
         if unknown:
             raise ValueError(f"wake_up: {sorted(unknown)} are none of vLLM's sleep tags {SLEEP_TAGS}")
-        with self._engines_lock:
+        with self.lock:
             waking = [t for t in SLEEP_TAGS if t in self.asleep and (tags is None or t in tags)]
             if not waking:
                 return
             self.post_engines("/wake_up", params={"tags": waking})
             self.asleep -= set(waking)
-            restart_now = bool(not self.asleep and self._deferred and self.monitor is not None)
-        if restart_now:
-            self.monitor.check_soon()
+            awake = not self.asleep
+        if awake:
+            self.recovery.after_wake_up()
 
-    def _match_sleep(self, url: str) -> None:
+    def match_sleep(self, url: str) -> None:
         """A (restarted) engine joining the fleet sleeps as much as the others do."""
         if not self.asleep:
             return
@@ -299,7 +291,7 @@ class EngineFleet(FleetRecovery):
         -> resume. `recovery_dir`: an HF directory of the same weights (--use-fault-tolerance), kept for engines
         restarted later. `pause_mode` "keep": an in-flight update, running requests continue under the new weights
         (their KV recomputed). Returns the slowest engine's {"pause_s", "load_s", "finish_s"}."""
-        with self._engines_lock:
+        with self.lock:
             targets = list(self.engine_urls)
             connected = transport.bound_engines(handle)
             calls = {}
@@ -311,9 +303,9 @@ class EngineFleet(FleetRecovery):
             calls.update(transport.load_calls([u for u in targets if u not in calls], handle))
             answers, errors = client.update_weights_each(self.token, targets, calls, version, pause_mode,
                                                          all_at_once=transport.concurrent)
-            self._settle(errors)  # a dead engine gets these weights when it is restarted
+            self.recovery.settle(errors)  # a dead engine gets these weights when it is restarted
             if recovery_dir is not None:
-                self.set_recovery_weights(recovery_dir)
+                self.recovery.set_recovery_weights(recovery_dir)
             self.served_version = version
         slowest: dict[str, float] = {}
         for answer in answers.values():

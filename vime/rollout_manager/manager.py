@@ -232,7 +232,7 @@ class RolloutManager:
     @ray.method(concurrency_group="weights")
     def get_live_engine_urls(self) -> list[str]:
         """The engines in service, after a probe of each."""
-        return self.fleet.live_engine_urls()
+        return self.fleet.recovery.live_engine_urls()
 
     def get_router_url(self) -> str | None:
         return self.fleet.router_url
@@ -252,13 +252,13 @@ class RolloutManager:
         return self.fleet.apply_weights(transport, handle, version, recovery_dir, pause_mode)
 
     def set_recovery_weights(self, path: str) -> None:
-        self.fleet.set_recovery_weights(path)
+        self.fleet.recovery.set_recovery_weights(path)
 
     def engine_restarts(self) -> int:
-        return self.fleet.engine_restarts()
+        return self.fleet.recovery.engine_restarts()
 
     def router_restarts(self) -> int:
-        return self.fleet.router_restarts()
+        return self.fleet.recovery.router_restarts()
 
     def probe_log_probs(self, tokens: list[int], model: str = client.SERVED_MODEL) -> list[list[float]]:
         """Every engine's prompt log-probs of `tokens` (--check-weight-update-equal)."""
@@ -279,7 +279,7 @@ class RolloutManager:
         args = self.args
         debug = DebugConfig.of(args)
         start = time.perf_counter()
-        self.fleet.reconcile_router()
+        self.fleet.recovery.reconcile_router()
         if debug.load_debug_rollout_data:
             output = RolloutFnTrainOutput(load_rollout(debug.load_debug_rollout_data, rollout_id))
         else:
@@ -327,7 +327,7 @@ class RolloutManager:
         reason = self.failures.judge(rollout_id, failed, total)
         if reason is not None:
             logger.error("%s: it will not be trained on", reason)
-            self.fleet.check_soon()
+            self.fleet.recovery.check_soon()
         return reason
 
     def eval(self, rollout_id: int) -> dict[str, float]:
@@ -335,7 +335,7 @@ class RolloutManager:
         debug = DebugConfig.of(self.args)
         if not self.eval_sources:
             return {}
-        self.fleet.reconcile_router()
+        self.fleet.recovery.reconcile_router()
         output = as_rollout_output(self.eval_fn(self.plugin_args, rollout_id, self.eval_sources, evaluation=True),
                                    evaluation=True)
         metrics = dict(output.metrics or {})
