@@ -102,3 +102,16 @@ def test_a_group_call_names_its_ranks_deadline_and_arguments_in_its_error(monkey
     assert seen == [(2, "the critic ranks' training on rollout 3", 30.0, "--train-timeout"),
                     (1, "the critic ranks' publishing the checkpoint of rollout 3", 30.0, "--train-timeout"),
                     (2, "the critic ranks' plugin values")]
+
+
+def test_the_default_rollout_function_is_an_import_that_its_flag_names():
+    """The manager calls the default rollout function through an import (go-to-definition follows it), which must
+    be the function --rollout-function-path's default names; another path is loaded from it."""
+    from vime.config.rollout import RolloutConfig
+    from vime.rollout import sft_rollout
+    from vime.rollout_manager.manager import rollout_function
+
+    default = RolloutConfig().rollout_function_path
+    fn = rollout_function(default)
+    assert f"{fn.__module__}.{fn.__name__}" == default
+    assert rollout_function("vime.rollout.sft_rollout.generate_rollout") is sft_rollout.generate_rollout

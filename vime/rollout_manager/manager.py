@@ -60,6 +60,16 @@ def resolve_num_rollout(args, num_prompts: int) -> int:
     raise ValueError("set --num-rollout or --num-epoch")
 
 
+def rollout_function(path: str):
+    """The rollout function `path` names (--rollout-function-path, --eval-function-path): the default one imported
+    by name, so that the edge from the manager to it is one an editor follows; any other loaded from its path."""
+    from vime.rollout import vllm_rollout  # the rollout library's default, loaded when the manager starts
+
+    if path == RolloutConfig().rollout_function_path:
+        return vllm_rollout.generate_rollout
+    return load_function(path)
+
+
 def make_data_source(args, tokenizer, environments: list | None = None) -> RolloutDataSource | None:
     """The training prompts: the --environment mixture (`environments`, loaded), --prompt-data, or each adapter's
     file (--lora-adapters, `AdapterMixSource`); None without any (replayed rollouts). Malformed rows skipped and
@@ -177,8 +187,8 @@ class RolloutManager:
         self.data_source = make_data_source(args, self.tokenizer, environments)
         self.eval_sources = {**make_eval_sources(args, self.tokenizer),
                              **environment_eval_sources(environments, self.tokenizer, args)}
-        self.rollout_fn = load_function(rollout.rollout_function_path)
-        self.eval_fn = load_function(evaluation.eval_function_path or rollout.rollout_function_path)
+        self.rollout_fn = rollout_function(rollout.rollout_function_path)
+        self.eval_fn = rollout_function(evaluation.eval_function_path or rollout.rollout_function_path)
         # slime's hooks around them: the conversion to training data, the rollout's and the eval's logging
         self.hooks = {name: load_function(path) if path else None for name, path in (
             ("convert", rollout.custom_convert_samples_to_train_data_path),
