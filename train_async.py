@@ -17,9 +17,9 @@ import time
 from collections import deque
 
 from vime.config.run import PlacementConfig
+from vime.data.weight_versions import staleness_metrics
 from vime.driver.entry_point import engine_idle_fraction, exit_after_run, run_entry_point
 from vime.driver.session import TrainingSession
-from vime.data.weight_versions import staleness_metrics
 from vime.utils.logging_utils import progress
 
 
