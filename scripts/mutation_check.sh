@@ -10,6 +10,7 @@
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 py="${VIME_PYTHON:-$repo/.venv/bin/python}"
+export VIME_PYTHON="$py"  # the scratch copy has no .venv: a test that runs this script again there uses this one
 if [ "${1:-}" = "--targets" ]; then
   cd "$repo"  # reads only
 else
@@ -60,10 +61,16 @@ MUTATIONS = {
     "dual_clip_removed": ("vime/algorithms/losses.py", "loss = torch.where(dual, cap, loss)", "pass", [OFF_POLICY]),
     "kl_loss_dropped": ("vime/trainer/micro_batch_loss.py", "loss = loss + algorithm.kl_loss_coef * kl",
                         "loss = loss", [OFF_POLICY]),
-    "loss_input_device_move_removed": ("vime/trainer/micro_batch_loss.py", "mb = batch.select(indices, log_probs[0].device)",
+    "loss_input_device_move_removed": ("vime/trainer/micro_batch_loss.py",
+                                       "mb = batch.select(indices, log_probs[0].device)",
                                        "mb = batch.select(indices)",
                                        ["tests/unit/test_device_placement.py::"
                                         "test_policy_loss_takes_the_batch_on_the_models_device"]),
+    # the loss takes this rollout's entropy coefficient (--entropy-coef-schedule), not the flag's starting value
+    "entropy_schedule_ignored": ("vime/trainer/micro_batch_loss.py", "loss = loss - entropy_coef * agg(entropy, masks)",
+                                 "loss = loss - algorithm.entropy_coef * agg(entropy, masks)",
+                                 ["tests/unit/test_rollout_correction.py::"
+                                  "test_the_loss_takes_the_rollouts_entropy_coefficient"]),
 }
 
 
