@@ -23,8 +23,8 @@ import pytest
 from tests.e2e.crash_hold_plugin import held_run_env
 from tests.e2e.multi_lora_rewards import high_share
 from tests.e2e.processes import stack_pids
+from vime.data.sample import ADAPTER_KEY
 from vime.rollout.debug_data import load_rollout
-from vime.utils.lora_adapters import ADAPTER_KEY
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]

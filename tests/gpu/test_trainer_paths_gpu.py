@@ -167,7 +167,7 @@ def test_single_lora_trains_only_its_adapters_on_the_gpu(tiny_qwen3):
 
 
 def test_multi_lora_routes_each_sample_through_its_adapter_on_the_gpu(tiny_qwen3, tmp_path):
-    from vime.utils.lora_adapters import ADAPTER_KEY
+    from vime.data.sample import ADAPTER_KEY
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "hi"}\n')

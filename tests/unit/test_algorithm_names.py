@@ -1,4 +1,5 @@
-"""The flags' names (`vime.config.algorithm`, `vime.algorithms.names`: torch-free) are exactly what the registries implement."""
+"""The flags' names (`vime.config.algorithm`, `vime.algorithms.names`: torch-free) are exactly what the registries
+implement."""
 
 from vime.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from vime.algorithms.losses import POLICY_LOSSES

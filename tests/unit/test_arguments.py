@@ -269,8 +269,8 @@ def test_transport_and_placement_that_cannot_work_on_any_device_are_refused_at_p
     (["--update-weight-transport", "cuda_ipc", "--colocate"], False, "cuda_ipc needs GPUs; use disk or broadcast"),
 ])
 def test_transports_the_clusters_devices_rule_out_are_refused_once_ray_is_up(base, monkeypatch, extra, gpus, message):
-    """The cluster's devices decide (`vime.utils.device.cluster_has_gpus`), not the driver's: a CPU-only head node parses
-    the flags of a GPU run. Before: the driver's own `use_gpu()` decided while parsing, so such a driver refused
+    """The cluster's devices decide (`vime.utils.device.cluster_has_gpus`), not the driver's: a CPU-only head node
+    parses the flags of a GPU run. Before: the driver's own `use_gpu()` decided while parsing, so such a driver refused
     cuda_ipc for a GPU cluster and let broadcast + --colocate through to NCCL's failure."""
     import vime.utils.device
     from vime.arguments import validate_transport_placement

@@ -3,8 +3,8 @@ importer's own layer or one below it, so no two packages import each other. Read
 import that runs only on some path is checked too.
 
 The code that runs inside vLLM's processes (`vime/engine/in_vllm`) has a rule of its own, on top of its layer: it
-imports only `vime.utils`, the protocol it shares with vime (`vime/engine/protocol`) and itself, and nothing else in vime
-imports it (vLLM loads it by the names in pyproject.toml's entry points and `engine.protocol.names`). Neither
+imports only `vime.utils`, the protocol it shares with vime (`vime/engine/protocol`) and itself, and nothing else in
+vime imports it (vLLM loads it by the names in pyproject.toml's entry points and `engine.protocol.names`). Neither
 package keeps state in module globals: what a patch needs lives on the vLLM object it serves."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ VIME = Path(__file__).resolve().parents[2] / "vime"
 # the code that runs inside them), trainer/ (the training ranks), transport/ (rollouts and weights between them)
 LAYERS = [
     "config",  # the run's typed config sections: imports nothing of vime
+    "data",  # Sample (the central type every role passes), prompt datasets, the data source, the sample codec
     "utils",
-    "data",  # Sample (the central type), prompt datasets, the data source, the sample codec
     "engine.protocol",  # names and wire formats shared by vime and its code inside vLLM
     "engine.in_vllm",  # runs inside vLLM's processes: see IN_VLLM_IMPORTS
     "algorithms",
@@ -45,7 +45,7 @@ IN_VLLM_IMPORTS = ("utils", "engine.protocol", IN_VLLM)  # all that code inside 
 STATELESS = ("engine.protocol", IN_VLLM)  # packages whose module globals are constants only
 CONSTANT_CALLS = {"frozenset", "tuple", "re.compile", "logging.getLogger"}  # calls that make such a constant
 # import paths kept for plugins written against slime's layout, each only handing on the names of the module that
-# now holds them (so exempt from the layers): `from slime.utils.types import Sample` becomes vime.utils.types
+# now holds them: `from slime.utils.types import Sample` becomes vime.utils.types
 RE_EXPORTS = {"vime.utils.types": "vime.data.sample"}
 
 
@@ -80,8 +80,8 @@ def every_import():
     """(file, line, importer's layer, imported module) of every `vime` import under vime/."""
     for path in sorted(VIME.rglob("*.py")):
         relative = path.relative_to(VIME.parent).with_suffix("")
-        if relative.parts[-1] == "__init__" and len(relative.parts) <= 2 or ".".join(relative.parts) in RE_EXPORTS:
-            continue  # vime/__init__.py; the kept import paths (RE_EXPORTS, checked on their own)
+        if relative.parts[-1] == "__init__" and len(relative.parts) <= 2:
+            continue  # vime/__init__.py
         here = layer_of(".".join(relative.parts))
         for line, module in vime_imports(path, ".".join(relative.parts[:-1])):
             yield f"{relative}.py", line, here, module

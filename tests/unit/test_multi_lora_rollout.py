@@ -15,13 +15,12 @@ from aiohttp import web
 
 from tests.helpers.plugins import rollout_plugin, run as _run
 from vime.data.adapter_mix import AdapterMixSource
-from vime.data.sample import Sample
+from vime.data.sample import ADAPTER_KEY, Sample
 from vime.rollout.context import reset_rollout_context, rollout_context
 from vime.rollout.generation import served_model
 from vime.rollout.metrics import rollout_metrics, take_counters
 from vime.rollout.rm_hub import RewardTypeError, async_rm
 from vime.rollout.vllm_rollout import GenerateState, generate_rollout_async
-from vime.utils.lora_adapters import ADAPTER_KEY
 
 
 def _prompts(tag, n):

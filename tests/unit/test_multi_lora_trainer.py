@@ -18,12 +18,12 @@ from tests.helpers.rollouts import flat, make_rollout  # noqa: E402
 from vime.algorithms import masked_mean_std  # noqa: E402
 from vime.trainer.megatron.checkpoint_files import publish  # noqa: E402
 from tests.helpers.trainer_runs import local_trainer as trainer  # noqa: E402
+from vime.data.sample import ADAPTER_KEY  # noqa: E402
 from vime.trainer.batch_advantages import compute_advantages  # noqa: E402
 from vime.trainer.megatron.hf_checkpoint import _unwrap  # noqa: E402
 from vime.trainer.megatron.lora import adapters_merged  # noqa: E402
 from vime.trainer.passes import forward_log_probs  # noqa: E402
 from vime.trainer.train_batch import TrainBatch  # noqa: E402
-from vime.utils.lora_adapters import ADAPTER_KEY  # noqa: E402
 from vime.utils.misc import with_values  # noqa: E402
 
 RANK = 4

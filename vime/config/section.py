@@ -109,25 +109,23 @@ def _argparse_settings(hint: Any, spec: dict) -> dict[str, Any]:
     settings: dict[str, Any] = {"help": spec["help"]}
     if spec["metavar"] is not None:
         settings["metavar"] = spec["metavar"]
-    hint = _without_none(hint)
-    if hint is bool and spec["action"] is None:
-        return {**settings, "action": "store_true"}
-    if spec["action"] is not None:
-        settings["action"] = spec["action"]
-    if typing.get_origin(hint) in (list, tuple):
-        one_value = spec["action"] in ("append", "extend") or spec["parse"] is not None
-        settings["nargs"] = spec["nargs"] or (None if one_value else "+")
+    action, nargs, hint = spec["action"], spec["nargs"], _without_none(hint)
+    if hint is bool:  # a switch: store_true, or the action given (--x / --no-x), which takes no parser
+        return {**settings, "action": action or "store_true"}
+    if action is not None:
+        settings["action"] = action
+    if typing.get_origin(hint) in (list, tuple):  # values of the item type: one or more, or one per use
+        one_value = action in ("append", "extend") or spec["parse"] is not None
+        nargs = nargs or (None if one_value else "+")
         hint = _without_none(typing.get_args(hint)[0]) if typing.get_args(hint) else str
-    elif spec["nargs"] is not None:
-        settings["nargs"] = spec["nargs"]
-    if settings.get("nargs") is None:
-        settings.pop("nargs", None)
+    if nargs is not None:
+        settings["nargs"] = nargs
     choices = spec["choices"] or (typing.get_args(hint) if typing.get_origin(hint) is Literal else None)
     if choices is not None:
         settings["choices"] = choices
         hint = type(choices[0])
     parse = spec["parse"] or (hint if hint in (int, float) else None)
-    if parse is not None and not (isinstance(spec["action"], type) and spec["action"] is argparse.BooleanOptionalAction):
+    if parse is not None:
         settings["type"] = parse
     return settings
 

@@ -12,9 +12,8 @@ from __future__ import annotations
 import zlib
 
 from vime.data.data_source import RolloutDataSource
-from vime.data.sample import Sample
+from vime.data.sample import ADAPTER_KEY, Sample
 from vime.data.sample_codec import json_ready
-from vime.utils.lora_adapters import ADAPTER_KEY
 
 
 def adapter_seed(seed: int, name: str) -> int:

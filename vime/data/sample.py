@@ -70,11 +70,17 @@ class Sample:
         check_sample_dict(d)
         d = dict(d)
         d["status"] = cls.Status(d.get("status", cls.Status.PENDING.value))
-        if d.get("weight_versions"):  # labels saved as strings (older rollouts, slime-style code) become numbers
-            d["weight_versions"] = [as_version(v) for v in d["weight_versions"]]
-        if d.get("weight_version_spans"):
-            d["weight_version_spans"] = [[as_version(v), start, end] for v, start, end in d["weight_version_spans"]]
+        number_versions(d)
         return cls(**d)
+
+
+def number_versions(d: dict) -> None:
+    """A checked sample dict's weight versions as vime numbers them, in place: labels saved as strings (older
+    rollouts, slime-style code) become ints (`as_version`)."""
+    if d.get("weight_versions"):
+        d["weight_versions"] = [as_version(v) for v in d["weight_versions"]]
+    if d.get("weight_version_spans"):
+        d["weight_version_spans"] = [[as_version(v), start, end] for v, start, end in d["weight_version_spans"]]
 
 
 def reward_value(reward: float | dict[str, Any], key: str | None, index: Any = None) -> float:
@@ -87,6 +93,7 @@ def reward_value(reward: float | dict[str, Any], key: str | None, index: Any = N
     return float(reward)
 
 
+ADAPTER_KEY = "lora_adapter"  # metadata[ADAPTER_KEY]: the name of the adapter that generates and trains a sample
 INITIAL_VERSION_LABEL = "default"  # what vLLM calls the weights an engine started with: vime's version 0
 
 

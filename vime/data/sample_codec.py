@@ -8,8 +8,9 @@ Layout (format version 3), all prefix integers little-endian:
     magic b"VIMEROLL" | version u16 | reserved u16 | body_len u32 | body_crc32 u32 | body
 
 `body` is one MessagePack map {"groups": [[sample, ...], ...], "extra": {...}}, each sample the `Sample.to_dict()`
-map (its schema is `WireSample`, the one typed declaration of a sample on the wire) with its values as they are: tokens, loss_mask and rollout_log_probs stay arrays of ints / floats (msgspec
-writes and reads them faster than packing them, measured; floats are float64, so they round-trip bit-exactly).
+map (its schema is `WireSample`, the one typed declaration of a sample on the wire) with its values as they are:
+tokens, loss_mask and rollout_log_probs stay arrays of ints / floats (msgspec writes and reads them faster than
+packing them, measured; floats are float64, so they round-trip bit-exactly).
 The n-dimensional integer fields (`TENSOR_FIELDS`: the routed experts of MoE routing replay, [tokens - 1, layers,
 top-k] per sample) are maps {"dtype", "shape", "data"}: `data` the C-ordered bytes in the narrowest of uint8 /
 uint16 / int32 / int64 that holds the whole rollout's values; they decode as numpy arrays. An int beyond 64 bits
@@ -41,7 +42,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from vime.data.sample import InvalidSampleError, as_version, check_sample_dict, check_sample_values
+from vime.data.sample import InvalidSampleError, check_sample_dict, check_sample_values, number_versions
 
 MAGIC = b"VIMEROLL"
 FORMAT_VERSION = 3
@@ -207,7 +208,7 @@ def decode_rollout(data: bytes | bytearray | memoryview,
         try:
             _tensors_from_wire(sample, version)
             check(sample, vocab_size)
-            _versions_as_ints(sample)
+            number_versions(sample)
         except InvalidSampleError as e:
             raise SampleCodecError(f"rollout sample {i} (index {sample.get('index')!r}) is invalid: {e}",
                                    field=e.field, sample_index=i) from e
@@ -248,13 +249,6 @@ def _sample_error(error: msgspec.ValidationError, body: memoryview) -> SampleCod
     return SampleCodecError(f"rollout sample {i} (index {index!r}) is invalid: field {field!r}: {what}",
                             field=field, sample_index=i)
 
-
-def _versions_as_ints(sample: dict) -> None:
-    """A sample's weight versions as vime numbers them, in place (labels stored as strings become ints)."""
-    if any(isinstance(v, str) for v in sample.get("weight_versions") or ()):
-        sample["weight_versions"] = [as_version(v) for v in sample["weight_versions"]]
-    if any(isinstance(span[0], str) for span in sample.get("weight_version_spans") or ()):
-        sample["weight_version_spans"] = [[as_version(v), a, b] for v, a, b in sample["weight_version_spans"]]
 
 
 def _tensors_from_wire(sample: dict, version: int) -> None:

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import yaml
 
+from vime.data.sample import ADAPTER_KEY
 from vime.data.saved_rollouts import match_train_records, read_train_records
 from vime.rollout.debug_data import ROLLOUTS_DIR, read_compact_rollout
-from vime.utils.lora_adapters import ADAPTER_KEY
 
 TRAIN_LOG_PROBS_KEY = "train_log_probs"  # metadata[...]: a rollout's own trainer log-probs (a custom rollout's)
 MARKED_TOKENS = 5  # tokens marked per sample: the largest train/rollout gaps, else the least likely sampled tokens

@@ -15,12 +15,11 @@ import aiohttp
 
 from vime.config.rollout import EvalConfig, FaultToleranceConfig, RolloutConfig
 from vime.config.run import JobConfig
-from vime.data.sample import Sample
+from vime.data.sample import ADAPTER_KEY, Sample
 from vime.data.weight_versions import add_spans, add_versions
 from vime.engine.control.client import SERVED_MODEL
 from vime.engine.control.generate_request import decode_routed_experts, request_choices
 from vime.rollout.context import rollout_context
-from vime.utils.lora_adapters import ADAPTER_KEY
 from vime.utils.misc import load_function
 
 _FINISH_STATUS = {"stop": Sample.Status.COMPLETED, "length": Sample.Status.TRUNCATED, "abort": Sample.Status.ABORTED}

@@ -10,10 +10,10 @@ from __future__ import annotations
 import math
 
 from vime.algorithms.eval_metrics import eval_at_k_metrics
-from vime.data.sample import Sample
+from vime.data.sample import ADAPTER_KEY, Sample
 from vime.rollout.context import rollout_context
 from vime.rollout.sandbox_runs import sandbox_metrics
-from vime.utils.lora_adapters import ADAPTER_KEY, adapter_names
+from vime.utils.lora_adapters import adapter_names
 
 
 # --environment runs (vime.environments): the environment a sample came from, and what its reward functions gave

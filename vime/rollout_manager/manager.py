@@ -30,7 +30,7 @@ from vime.config.rollout import (DataBufferConfig, EnginesConfig, EvalConfig, Fa
                                  RolloutConfig)
 from vime.config.run import DebugConfig, JobConfig
 from vime.config.train import MegatronConfig
-from vime.data.sample import RolloutFnTrainOutput, Sample, as_rollout_output
+from vime.data.sample import ADAPTER_KEY, RolloutFnTrainOutput, Sample, as_rollout_output
 from vime.rollout.context import RolloutContext, in_rollout_context, rollout_context, use_rollout_context
 from vime.rollout.debug_data import load_rollout, save_compact_rollout, save_rollout
 from vime.rollout.metrics import eval_at_k, record_counters, rollout_metrics
@@ -41,7 +41,7 @@ from vime.rollout_manager.engine_health import FailedRollouts
 from vime.transport.rollouts import RolloutRef, make_transport, rollout_summary
 from vime.utils.auth import RunToken
 from vime.utils.logging_utils import configure_logging
-from vime.utils.lora_adapters import ADAPTER_KEY, adapter_names, adapter_specs
+from vime.utils.lora_adapters import adapter_names, adapter_specs
 from vime.utils.misc import load_function
 from vime.utils.plugin_args import plugin_view, runtime_values
 

@@ -17,12 +17,12 @@ import torch
 from vime.algorithms.names import REMAX_GREEDY_REWARD_KEY
 from vime.config.rollout import RewardConfig
 from vime.config.train import RoutingReplayConfig, TrainLoopConfig
-from vime.data.sample import Sample, reward_value
+from vime.data.sample import ADAPTER_KEY, Sample, reward_value
 from vime.data.weight_versions import too_stale
-from vime.utils.lora_adapters import ADAPTER_KEY, adapter_names
+from vime.utils.lora_adapters import adapter_names
 
 
-PENDING, TRUNCATED = Sample.Status.PENDING.value, Sample.Status.TRUNCATED.value
+TRUNCATED = Sample.Status.TRUNCATED.value
 UNTRAINABLE = frozenset({Sample.Status.FAILED.value, Sample.Status.ABORTED.value})  # statuses whose tokens train not
 
 
@@ -68,7 +68,7 @@ class TrainBatch:
                  for d in samples]
         rewards = [None if d.get("reward") is None else reward_value(d["reward"], reward_key, d.get("index"))
                    for d in samples]
-        usable = [d.get("status", PENDING) not in UNTRAINABLE and r is not None and math.isfinite(r) and not old
+        usable = [d.get("status") not in UNTRAINABLE and r is not None and math.isfinite(r) and not old
                   for d, r, old in zip(samples, rewards, stale)]
         masks = []
         for d, n, ok in zip(samples, lengths, usable):

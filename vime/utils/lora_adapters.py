@@ -4,7 +4,7 @@
 
 Each entry is NAME=PROMPT_DATA[:RM]: RM is an --rm-type name or a function path (`pkg.mod.fn`, the signature of
 --custom-rm-path); without it the run's --rm-type / --custom-rm-path scores the adapter's samples. Every sample
-carries its adapter's name in `metadata[ADAPTER_KEY]`: the rollout asks the engines for the model of that name,
+carries its adapter's name in `metadata[ADAPTER_KEY]` (`vime.data.sample`): the rollout asks the engines for the model of that name,
 the reward is the adapter's, the trainer computes the sample's tokens through that adapter. A run without the
 flag trains one adapter (--lora-rank) served as the policy itself.
 
@@ -18,7 +18,6 @@ from typing import NamedTuple
 
 from vime.config.train import LoraConfig
 
-ADAPTER_KEY = "lora_adapter"  # sample.metadata[ADAPTER_KEY]: the name of the adapter that generates and trains it
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 

@@ -27,8 +27,8 @@ from typing import Any
 
 from vime.config.rollout import RewardConfig
 from vime.config.train import LoraConfig
-from vime.data.sample import Sample
-from vime.utils.lora_adapters import ADAPTER_KEY, parse_adapter_spec
+from vime.data.sample import ADAPTER_KEY, Sample
+from vime.utils.lora_adapters import parse_adapter_spec
 from vime.utils.misc import load_function
 
 from . import boxed, dapo, exact_match, f1, gpqa, math_rm, random_rm, remote_rm  # noqa: F401  (fill the registry)

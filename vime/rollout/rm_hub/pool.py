@@ -1,10 +1,11 @@
 """The reward worker processes: rewards that can hang run here, where a call past `--rm-timeout` is killed.
 
 One `WorkerPool` (see `vime.rollout.worker_pool`) per run, held by its rollout context, made on first use from
-`--rm-num-workers` and `--rm-worker-memory-mb`; each worker it kills and replaces adds one to `rollout/reward_workers_replaced`. Users:
-`math_rm` (sympy can hang on adversarial answers) and `--custom-rm-path` with `--custom-rm-in-workers`, whose
-function gets `args` as a Namespace of the JSON-able flags and a `Sample.from_dict` copy of the sample (so changes
-it makes to the sample are not seen by the rollout), and must return JSON-able values.
+`--rm-num-workers` and `--rm-worker-memory-mb`; each worker it kills and replaces adds one to
+`rollout/reward_workers_replaced`. Users: `math_rm` (sympy can hang on adversarial answers) and `--custom-rm-path`
+with `--custom-rm-in-workers`, whose function gets `args` as a Namespace of the JSON-able flags and a
+`Sample.from_dict` copy of the sample (so changes it makes to the sample are not seen by the rollout), and must
+return JSON-able values.
 """
 
 from __future__ import annotations
