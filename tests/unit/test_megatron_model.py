@@ -1,5 +1,5 @@
-"""Megatron-core GPTModel vs transformers on tiny Qwen2 / Qwen2.5 / Qwen3 / Llama / Llama 3.x checkpoints (one
-process, CPU).
+"""Megatron-core GPTModel vs transformers on tiny Qwen2 / Qwen2.5 / Qwen3 / Llama / Llama 3.x / Qwen3-MoE /
+DeepSeek-V3 / GLM-4.5 / Qwen3-Next checkpoints (one process, CPU).
 
 Checks: logits equal transformers' within 1e-5 (float32, eager attention; on a GPU, where the model is built, within
 vime.utils.tolerances' bound); HF -> Megatron -> HF is bit-exact, also through TP/PP sharding; architecture flags
@@ -38,6 +38,13 @@ CASES = {  # name -> (arch, tie_word_embeddings)
     "llama3-tied": ("llama3", True),  # Llama 3.2 1B / 3B
     "qwen3_moe": ("qwen3_moe", False),  # a dense first layer, then 4 experts, top-2
     "deepseek_v3": ("deepseek_v3", False),  # MLA with YaRN; a dense layer, then 4 sigmoid-routed experts + 1 shared
+    # GLM-4.5: qkv biases, RoPE on half of each head, QK-norm; a dense layer, then 4 sigmoid-routed experts + 1 shared
+    "glm4_moe": ("glm4_moe", False),
+    "glm4_moe-air": ("glm4_moe", False, {"use_qk_norm": False}),  # GLM-4.5-Air has no QK-norm
+    # Qwen3-Next: 3 Gated DeltaNet layers, then gated full attention (RoPE on a quarter of each head), norms by
+    # 1 + weight, 4 softmax-routed experts and a gated shared expert; and its dense form (Qwen3.5-27B's layout)
+    "qwen3_next": ("qwen3_next", False),
+    "qwen3_next-dense": ("qwen3_next", True, {"num_experts": 0}),
 }
 
 
@@ -46,8 +53,8 @@ def tiny_models(tmp_path_factory):
     from vime.synthetic.tiny_model import build_tiny_model
 
     root = tmp_path_factory.mktemp("tiny")
-    return {name: build_tiny_model(root / name, arch=arch, seed=7, tie_word_embeddings=tied)
-            for name, (arch, tied) in CASES.items()}
+    return {name: build_tiny_model(root / name, arch=arch, seed=7, tie_word_embeddings=tied, config=config[0])
+            for name, (arch, tied, *config) in ((n, (*c, None)) for n, c in CASES.items())}
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +106,12 @@ def test_logits_match_transformers(case, tiny_models, megatron_world):
             off = plain[0].eval()(to_device_of(plain, tokens), to_device_of(plain, positions), attention_mask=None)
         # 9e-3 (llama3) and 0.1 (YaRN) on CPU; twice the scaled gap too, which TF32 kernels on a GPU widen
         assert (off.cpu() - expected).abs().max().item() > max(1e-3, 2 * gap)
+    if args.rotary_percent < 1:  # RoPE on the whole head would not agree: the partial rotary is read and applied
+        whole = build_model_chunks(argparse.Namespace(**{**vars(args), "rotary_percent": 1.0}))
+        load_hf_checkpoint_into_model(whole, path)
+        with torch.no_grad():
+            off = whole[0].eval()(to_device_of(whole, tokens), to_device_of(whole, positions), attention_mask=None)
+        assert (off.cpu() - expected).abs().max().item() > max(1e-3, 2 * gap)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -110,7 +123,7 @@ def test_hf_megatron_hf_round_trip_is_bit_exact(case, tiny_models):
     assert all(torch.equal(back[k], hf[k]) for k in hf)
 
 
-@pytest.mark.parametrize("case", ["qwen2", "qwen3-tied", "qwen2_5-tied", "llama3"])
+@pytest.mark.parametrize("case", ["qwen2", "qwen3-tied", "qwen2_5-tied", "llama3", "qwen3_next"])
 def test_round_trip_through_tp_and_pp_shards(case, tiny_models):
     path = tiny_models[case]
     config, hf = hf_config(path), load_file(path / "model.safetensors")
@@ -125,7 +138,7 @@ def test_round_trip_through_tp_and_pp_shards(case, tiny_models):
     assert all(torch.equal(back[k], hf[k]) for k in hf)
 
 
-@pytest.mark.parametrize("case", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("case", ["qwen3_moe", "deepseek_v3", "glm4_moe"])
 def test_moe_round_trip_through_tp_pp_and_ep_shards(case, tiny_models):
     path = tiny_models[case]
     config, hf = hf_config(path), load_file(path / "model.safetensors")
@@ -348,6 +361,44 @@ def test_deepseek_v3_architecture_and_mtp_layers(tiny_models, megatron_world, ca
     assert "1 multi-token-prediction layer(s) (num_nextn_predict_layers) are not loaded" in caplog.text
 
 
+def test_glm4_moe_architecture_and_slime_flags(tiny_models):
+    """GLM-4.5's config reads into Megatron's flag names, and the architecture flags of slime's GLM-4.5 script
+    agree with it (its --moe-router-pre-softmax is moot for sigmoid scores, which Megatron reads only for softmax)."""
+    config = hf_config(tiny_models["glm4_moe"])
+    args = megatron_args(config=config)
+    assert (args.rotary_percent, args.kv_channels, args.add_qkv_bias, args.qk_layernorm) == (0.5, 32, True, True)
+    assert args.moe_layer_freq == [0, 1] and args.num_experts == 4 and args.moe_router_topk == 2
+    assert (args.moe_router_score_function, args.moe_router_enable_expert_bias) == ("sigmoid", True)
+    assert (args.moe_router_num_groups, args.moe_router_topk_scaling_factor) == (None, 2.5)
+    assert args.moe_shared_expert_intermediate_size == 64 and not args.multi_latent_attention
+    assert not megatron_args(config=hf_config(tiny_models["glm4_moe-air"])).qk_layernorm
+    slime = ["--disable-bias-linear", "--qk-layernorm", "--group-query-attention", "--kv-channels", "32",
+             "--add-qkv-bias", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--rotary-percent",
+             "0.5", "--swiglu", "--untie-embeddings-and-output-weights", "--moe-router-pre-softmax",
+             "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-topk-scaling-"
+             "factor", "2.5", "--moe-layer-freq", "[0, 1]", "--moe-shared-expert-intermediate-size", "64"]
+    assert megatron_args(slime, config).rotary_percent == 0.5
+    with pytest.raises(ValueError, match="--rotary-percent=1.0 contradicts the HF config, which gives 0.5"):
+        megatron_args(["--rotary-percent", "1.0"], config)
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"norm_topk_prob": False}, r"norm_topk_prob=False is not supported for glm4_moe"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.3}},
+     r"partial_rotary_factor 0.3 with head_dim 32: the rotary part must be an even number of dimensions"),
+    ({"n_group": 2, "topk_group": 2}, r"num_experts_per_tok 2 with topk_group 2"),
+    ({"hidden_act": "gelu"}, r"hidden_act 'gelu' is not supported"),
+])
+def test_unsupported_glm4_moe_keys_are_refused_naming_the_key(tiny_models, change, match):
+    from vime.trainer.megatron.hf_architecture import hf_architecture
+
+    config = hf_config(tiny_models["glm4_moe"])
+    for key, value in change.items():
+        setattr(config, key, value)
+    with pytest.raises(ValueError, match=match):
+        hf_architecture(config)
+
+
 @pytest.mark.parametrize("normalization", ["RMSNorm", "LayerNorm"])
 def test_local_norm_is_built_in_the_models_dtype_and_takes_the_fused_kernel(normalization):
     """Before: the local spec's norms kept float32 weights under bf16 activations; torch then warned "Mismatch dtype
@@ -373,3 +424,19 @@ def test_local_norm_is_built_in_the_models_dtype_and_takes_the_fused_kernel(norm
         expected = wide(x)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), expected.float(), rtol=0, atol=0)
+
+
+def test_qwen3_next_on_cpu_engines_needs_bfloat16_engines(tiny_models, tmp_path):
+    """vLLM's CPU Gated DeltaNet kernel asserts bfloat16 at the first forward: refused before anything starts,
+    naming the flag that fixes it; with it, the model and its layout pass."""
+    from vime.arguments import check_model_args, parse_args
+
+    path = tiny_models["qwen3_next"]
+    (tmp_path / "p.jsonl").write_text('{"prompt": "1+1", "label": "2"}\n')
+    base = ["--hf-checkpoint", str(path), "--prompt-data", str(tmp_path / "p.jsonl"), "--rm-type", "math"]
+    with pytest.raises(ValueError, match="CPU engines compute in bfloat16 only, but the engines would run float32: "
+                                         "pass --vllm-dtype bfloat16"):
+        check_model_args(parse_args(base, check_model=False))
+    check_model_args(parse_args([*base, "--vllm-dtype", "bfloat16"], check_model=False))
+    check_model_args(parse_args([*base, "--debug-train-only", "--load-debug-rollout-data", "x_{rollout_id}.pt"],
+                                check_model=False))  # no engines

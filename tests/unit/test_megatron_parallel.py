@@ -218,3 +218,22 @@ def test_multi_latent_attention_and_moe_over_tensor_parallel(tiny_deepseek_v3, t
     original, saved = (load_file(d / "model.safetensors") for d in (tiny_deepseek_v3, tmp_path / "hf"))
     assert saved.keys() == original.keys() and "model.layers.1.mlp.gate.e_score_correction_bias" in saved
     assert all(torch.equal(saved[k], original[k]) for k in original)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "glm4_moe"])
+def test_hybrid_and_glm_layers_over_tensor_parallel(arch, tmp_path):
+    """Qwen3-Next: each TP rank holds its share of the Gated DeltaNet key and value heads (in_proj's q, k, v, z, b,
+    a blocks, the convolution's channels, A_log and dt_bias split block by block) and of the gated attention's
+    query/gate heads; the shared expert's gate is replicated. GLM-4.5: qkv biases and partial rotary split like
+    Qwen2's. Two TP ranks give the one-process logits and save the checkpoint back bit for bit."""
+    from safetensors.torch import load_file
+
+    from vime.synthetic.tiny_model import build_tiny_model
+
+    model = build_tiny_model(tmp_path / arch, arch=arch, seed=9)
+    reference = _single_process_reference(model)
+    _spawn(2, 1, model, tmp_path)
+    _assert_close_to(reference, torch.load(tmp_path / "rank0.pt"))
+    original, saved = (load_file(d / "model.safetensors") for d in (model, tmp_path / "hf"))  # experts one by one
+    assert saved.keys() == original.keys()
+    assert all(torch.equal(saved[k], original[k]) for k in original)

@@ -130,7 +130,7 @@ def test_published_parameter_counts(tmp_path):
     from vime.plan.published import PUBLISHED, hf_config
 
     billions = {"Qwen3-0.6B": 0.6, "Qwen3-1.7B": 1.7, "Qwen3-4B": 4.0, "Qwen3-8B": 8.2, "Qwen3-32B": 32.8,
-                "Qwen3-30B-A3B": 30.5, "Llama-3.1-8B": 8.0, "DeepSeek-V3": 671.0}
+                "Qwen3-30B-A3B": 30.5, "Llama-3.1-8B": 8.0, "DeepSeek-V3": 671.0, "GLM-4.5-Air": 106.0}
     for name, size in billions.items():
         config = hf_config(name)
         shape = FlopShape.from_hf(config)

@@ -181,6 +181,8 @@ class MegatronConfig(Section):
         + _FROM_HF, part="architecture")
     # the checkpoint's RoPE scaling (rope_type, factor, ...), no flag: each training rank reads it from the HF config
     rope_scaling: dict[str, Any] | None = derived()
+    # which layers are Gated DeltaNet (1) or full attention (0), no flag: from the HF config's layer_types
+    linear_attention_freq: list[int] | None = derived()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -38,6 +38,23 @@ PUBLISHED = {  # HF config fields as published
                     "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
                     "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid",
                     "topk_method": "noaux_tc", "norm_topk_prob": True, "tie_word_embeddings": False},
+    "GLM-4.5-Air": {"model_type": "glm4_moe", "vocab_size": 151552, "hidden_size": 4096, "num_hidden_layers": 46,
+                    "num_attention_heads": 96, "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 10944,
+                    "moe_intermediate_size": 1408, "n_routed_experts": 128, "n_shared_experts": 1,
+                    "num_experts_per_tok": 8, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+                    "routed_scaling_factor": 1.0, "norm_topk_prob": True, "partial_rotary_factor": 0.5,
+                    "attention_bias": True, "use_qk_norm": False, "rope_theta": 1000000.0, "rms_norm_eps": 1e-05,
+                    "max_position_embeddings": 131072, "num_nextn_predict_layers": 1, "tie_word_embeddings": False},
+    "Qwen3-Next-80B-A3B": {"model_type": "qwen3_next", "vocab_size": 151936, "hidden_size": 2048,
+                           "num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 2,
+                           "head_dim": 256, "intermediate_size": 5120, "moe_intermediate_size": 512,
+                           "shared_expert_intermediate_size": 512, "num_experts": 512, "num_experts_per_tok": 10,
+                           "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True,
+                           "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+                           "linear_num_key_heads": 16, "linear_num_value_heads": 32, "full_attention_interval": 4,
+                           "partial_rotary_factor": 0.25, "rope_theta": 10000000.0, "rms_norm_eps": 1e-06,
+                           "max_position_embeddings": 262144, "router_aux_loss_coef": 0.001,
+                           "tie_word_embeddings": False},
 }
 
 # (GPUs, trainer layout) of each: bf16, samples of 1k prompt + 3k response tokens, groups of 8
@@ -53,8 +70,9 @@ LAYOUTS = {
     "Llama-3.1-8B": (8, TrainerLayout(tp=2, dp=4, distributed_optimizer=True, **SAMPLE)),
     "DeepSeek-V3": (256, TrainerLayout(tp=8, pp=16, dp=2, ep=16, etp=1, sequence_parallel=True,
                                        distributed_optimizer=True, recompute="full", micro_batches=16, **SAMPLE)),
+    "GLM-4.5-Air": (32, TrainerLayout(tp=1, pp=4, dp=8, ep=8, distributed_optimizer=True, recompute="full", **SAMPLE)),
 }
-ENGINE_TP = {"Qwen3-32B": 2, "Qwen3-30B-A3B": 2, "DeepSeek-V3": 32}
+ENGINE_TP = {"Qwen3-32B": 2, "Qwen3-30B-A3B": 2, "DeepSeek-V3": 32, "GLM-4.5-Air": 4}
 GPU_GIB = 80.0
 
 

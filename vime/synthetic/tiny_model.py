@@ -1,5 +1,5 @@
-"""Build a tiny Qwen2 / Qwen2.5 / Qwen3 / Qwen3-MoE / Llama / Llama 3.x / DeepSeek-V3 model with a locally trained
-tokenizer. No downloads.
+"""Build a tiny Qwen2 / Qwen2.5 / Qwen3 / Qwen3-MoE / Llama / Llama 3.x / DeepSeek-V3 / GLM-4.5 model with a locally
+trained tokenizer. No downloads.
 
     python -m vime.synthetic.tiny_model --arch qwen3 --out /tmp/tiny-qwen3
 
@@ -15,7 +15,7 @@ import os
 import random
 from pathlib import Path
 
-ARCHS = ("qwen2", "qwen2_5", "qwen3", "qwen3_moe", "llama", "llama3", "deepseek_v3")
+ARCHS = ("qwen2", "qwen2_5", "qwen3", "qwen3_moe", "llama", "llama3", "deepseek_v3", "glm4_moe", "qwen3_next")
 # Llama 3.1's RoPE, as its config.json publishes it (3.2 and 3.3 differ only in the factor)
 LLAMA3_ROPE_SCALING = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                        "original_max_position_embeddings": 8192, "rope_type": "llama3"}
@@ -120,7 +120,8 @@ def build_tokenizer(out: Path, vocab_size: int, seed: int):
 def build_config(arch: str, vocab_size: int, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
                  intermediate_size: int, max_position_embeddings: int, tie_word_embeddings: bool, eos_id: int,
                  pad_id: int):
-    from transformers import DeepseekV3Config, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import (DeepseekV3Config, Glm4MoeConfig, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig,
+                              Qwen3NextConfig)
 
     common = dict(
         vocab_size=vocab_size,
@@ -156,7 +157,38 @@ def build_config(arch: str, vocab_size: int, hidden_size: int, num_layers: int, 
         return DeepseekV3Config(**_deepseek_v3_shape(hidden_size, num_heads, intermediate_size),
                                 rope_scaling=dict(DEEPSEEK_V3_ROPE_SCALING),
                                 **{**common, "num_key_value_heads": num_heads, "max_position_embeddings": 163840})
+    if arch == "glm4_moe":
+        return Glm4MoeConfig(**_glm4_moe_shape(hidden_size, num_heads, intermediate_size), **common)
+    if arch == "qwen3_next":
+        return Qwen3NextConfig(**_qwen3_next_shape(hidden_size, num_heads, intermediate_size, num_layers),
+                               **{**common, "num_hidden_layers": max(num_layers, 4)})
     raise ValueError(f"--arch must be one of {ARCHS}, got {arch!r}")
+
+
+def _qwen3_next_shape(hidden_size: int, num_heads: int, intermediate_size: int, num_layers: int) -> dict:
+    """Qwen3-Next's structure, shrunk: three Gated DeltaNet layers, then one gated full-attention layer (at least 4
+    layers), RoPE on a quarter of each head, norms scaling by 1 + weight; 4 routed experts, top-2 softmax routing
+    with norm_topk_prob, one shared expert behind its sigmoid gate; one multi-token-prediction layer declared.
+    The linear-attention heads are 64 wide, keys as wide as values: vLLM's CPU Gated DeltaNet kernel takes 64 or
+    128 and equal sizes only (and bfloat16 only)."""
+    layers = max(num_layers, 4)
+    return dict(head_dim=hidden_size // num_heads, partial_rotary_factor=0.25, linear_conv_kernel_dim=4,
+                linear_key_head_dim=64, linear_value_head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
+                layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)],
+                num_experts=4, num_experts_per_tok=2, moe_intermediate_size=intermediate_size // 4,
+                shared_expert_intermediate_size=intermediate_size // 4, norm_topk_prob=True, decoder_sparse_step=1,
+                mlp_only_layers=[], num_nextn_predict_layers=1)
+
+
+def _glm4_moe_shape(hidden_size: int, num_heads: int, intermediate_size: int) -> dict:
+    """GLM-4.5's structure, shrunk: grouped-query attention with q/k/v biases, RoPE on half of each head
+    (partial_rotary_factor 0.5) and per-head QK-norm (GLM-4.5's; GLM-4.5-Air has none: config {"use_qk_norm":
+    False}); 4 routed experts, top-2 by sigmoid scores with the expert bias, scaled by 2.5, one shared expert, the
+    first layer dense; one multi-token-prediction layer declared (not stored, as transformers writes it)."""
+    return dict(head_dim=hidden_size // num_heads, partial_rotary_factor=0.5, attention_bias=True, use_qk_norm=True,
+                moe_intermediate_size=intermediate_size // 4, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+                topk_group=1, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                first_k_dense_replace=1, num_nextn_predict_layers=1)
 
 
 def _deepseek_v3_shape(hidden_size: int, num_heads: int, intermediate_size: int) -> dict:
@@ -215,7 +247,7 @@ def build_tiny_model(
     with torch.no_grad():  # HF init leaves some tensors (norms, biases) at constants; perturb all for tests
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
-        for name, b in model.named_buffers():  # DeepSeek-V3's expert bias: large enough to change the choice
+        for name, b in model.named_buffers():  # DeepSeek-V3's / GLM-4.5's expert bias: enough to change the choice
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn_like(b) * 0.05)
     model.save_pretrained(out, safe_serialization=True)

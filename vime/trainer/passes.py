@@ -83,7 +83,7 @@ def prompt_sharing(args, model) -> str | None:
     can: --share-group-prompts, packed (thd) sequences, one adapter for all samples (--lora-adapters routes each
     token by its own sample), vime's SDPA attention (TransformerEngine's takes no prompt mask), Megatron's
     RotaryEmbedding (`per_token_rope` gives each token its own position), no context parallel (it splits
-    sequences), and a dense model (an MoE's load-balancing loss counts every copy of a prompt token; routing
+    sequences), no linear-attention layers (a recurrent state, not keys, carries the prompt), and a dense model (an MoE's load-balancing loss counts every copy of a prompt token; routing
     replay is per token of each sample's own sequence)."""
     train_loop = TrainLoopConfig.of(args)
     routing_replay = RoutingReplayConfig.of(args)
@@ -101,6 +101,8 @@ def prompt_sharing(args, model) -> str | None:
         return "the attention is not vime's SDPAttention (TransformerEngine's or Megatron's own)"
     if config.multi_latent_attention:  # its RoPE is applied inside the attention, from packed positions
         return "multi-latent attention"
+    if config.linear_attention_freq:  # each response would need the state its prompt left in every such layer
+        return "linear-attention (Gated DeltaNet) layers"
     rope = getattr(gpt, "rotary_pos_emb", None)
     if gpt.position_embedding_type != "rope" or type(rope) is not RotaryEmbedding:
         return f"{gpt.position_embedding_type} positions ({type(rope).__name__})"

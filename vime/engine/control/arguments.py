@@ -20,7 +20,7 @@ from pathlib import Path
 
 from vime.config.router import RouterConfig
 from vime.config.section import add_flags, apply_defaults
-from vime.utils.device import training_dtype
+from vime.utils.device import training_dtype, use_gpu
 from vime.utils.option_cache import cache_path, cached_table
 
 # Options vime sets itself when it starts an engine; a user-given value would be silently overridden.
@@ -200,6 +200,18 @@ def given_engine_dtype(args) -> str | None:
     """--vllm-dtype in torch's spelling, or None when not given (the engines follow the trainer)."""
     given = args.vllm_dtype
     return _DTYPE_ALIASES.get(given, given) if given else None
+
+
+def check_engine_dtype_for_model(args, hf_config: dict) -> None:
+    """Refuse, before anything starts, engine dtypes vLLM's CPU kernels cannot run the checkpoint in: its Gated
+    DeltaNet kernel (Qwen3-Next's linear attention) computes in bfloat16 only, and asserts so at the first
+    forward."""
+    linear = "linear_attention" in (hf_config.get("layer_types") or [])
+    if linear and not use_gpu() and engine_dtype(args) != "bfloat16":
+        raise ValueError(f"{hf_config.get('model_type')} has Gated DeltaNet (linear-attention) layers, which vLLM's "
+                         f"CPU engines compute in bfloat16 only, but the engines would run {engine_dtype(args)}: pass "
+                         "--vllm-dtype bfloat16 (the trainer keeps its float32; train_rollout_logprob_abs_diff then "
+                         "shows the engine's bfloat16 rounding)")
 
 
 def engine_dtype_warning(args) -> str | None:

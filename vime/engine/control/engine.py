@@ -145,7 +145,7 @@ def memory_engine_options(args, user: list[str]) -> list[str]:
     return out
 
 
-def _hf_config(hf_checkpoint: str) -> dict:
+def hf_config_json(hf_checkpoint: str) -> dict:
     """The checkpoint's config.json ({} when unreadable: the flags' validation reports that)."""
     import json
 
@@ -157,13 +157,13 @@ def _hf_config(hf_checkpoint: str) -> dict:
 
 def uses_mla(hf_checkpoint: str) -> bool:
     """Whether the checkpoint's attention is multi-latent (DeepSeek's: a compressed KV of kv_lora_rank)."""
-    return bool(_hf_config(hf_checkpoint).get("kv_lora_rank"))
+    return bool(hf_config_json(hf_checkpoint).get("kv_lora_rank"))
 
 
 def is_moe(hf_checkpoint: str) -> bool:
     """Whether the checkpoint has mixture-of-experts layers (Qwen-MoE's num_experts, DeepSeek's n_routed_experts,
     Mixtral's num_local_experts)."""
-    config = _hf_config(hf_checkpoint)
+    config = hf_config_json(hf_checkpoint)
     return any(config.get(key) for key in ("num_experts", "n_routed_experts", "num_local_experts"))
 
 

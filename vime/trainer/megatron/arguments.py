@@ -55,7 +55,10 @@ def fill_architecture_from_hf(args: argparse.Namespace, hf_config) -> argparse.N
     megatron = MegatronConfig.of(args)
     check_megatron_lm_architecture(args)
     filled = {}
-    for dest, value in hf_architecture(hf_config).items():
+    architecture = hf_architecture(hf_config)
+    for dest, value in architecture.items():
+        if dest == "moe_router_pre_softmax" and architecture["moe_router_score_function"] == "sigmoid":
+            continue  # Megatron reads it for softmax scores only; slime's GLM-4.5 and DeepSeek-V3 scripts pass it
         given = getattr(megatron, dest) if dest in MEGATRON_FIELDS else core_flag(args, dest)
         if dest == "moe_layer_freq" and isinstance(given, int):  # Megatron-LM's "every N-th layer, from 0"
             given = [int(i % given == 0) for i in range(hf_config.num_hidden_layers)]

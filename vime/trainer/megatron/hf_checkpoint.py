@@ -131,7 +131,7 @@ def iter_hf_weights(model_chunks: list[torch.nn.Module], hf_config) -> Iterator[
                 shards = [tensor] if p.split_dim is None else (
                     _all_gather(tensor, _etp_rank_size()[1], parallel_state.get_expert_tensor_parallel_group)
                     if expert else gather_tp_shards(tensor))
-                yield from from_full_megatron(p, tp_merge(p, shards), arch)
+                yield from from_full_megatron(p, tp_merge(p, shards, arch), arch)
 
 
 class _SafetensorsDir(Mapping):

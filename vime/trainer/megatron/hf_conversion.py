@@ -1,4 +1,4 @@
-"""HF (Qwen2 / Qwen3 / Llama / Qwen3-MoE / DeepSeek-V3) <-> Megatron-core GPTModel weights, with tensor-,
+"""HF (Qwen2 / Qwen3 / Llama / Qwen3-MoE / DeepSeek-V3 / GLM-4.5) <-> Megatron-core GPTModel weights, with tensor-,
 pipeline- and expert-parallel sharding.
 
 Layout facts (megatron-core 0.16.1, local layer spec; a naive q|k|v concat gives wrong logits):
@@ -15,7 +15,7 @@ Layout facts (megatron-core 0.16.1, local layer spec; a naive q|k|v concat gives
 - MoE layers: `mlp.router.weight` is HF's `mlp.gate.weight` (replicated); expert-parallel rank r holds experts
   [r * E/EP, (r + 1) * E/EP) as `mlp.experts.local_experts.{local index}.linear_fc1/2`, each laid out like a
   dense MLP (fc1 = [gate; up]) and split over tensor parallel the same way (expert TP = TP).
-  DeepSeek-V3 adds the router's `expert_bias` buffer (HF `mlp.gate.e_score_correction_bias`) and
+  DeepSeek-V3 and GLM-4.5 add the router's `expert_bias` buffer (HF `mlp.gate.e_score_correction_bias`) and
   `mlp.shared_experts.linear_fc1/2` (HF `mlp.shared_experts.gate/up/down_proj`, laid out like a dense MLP).
 - Multi-latent attention (local spec): every projection is a plain copy of its HF matrix. The down projections
   (`linear_q_down_proj` = `q_a_proj`, `linear_kv_down_proj` = `kv_a_proj_with_mqa`) are column-parallel with
@@ -53,6 +53,12 @@ class Arch:
     q_lora: bool = False  # MLA with a low-rank query (q_lora_rank set)
     shared_experts: bool = False
     expert_bias: bool = False
+    # Qwen3-Next: per global layer 1 = Gated DeltaNet (empty: no linear attention), its heads and head sizes, the
+    # full-attention layers' output gate, and the one shared expert behind a sigmoid gate (HF `mlp.shared_expert`)
+    linear_layers: tuple[int, ...] = ()
+    linear_heads: tuple[int, int, int, int] = (0, 0, 0, 0)  # key heads, value heads, key dim, value dim
+    output_gate: bool = False
+    shared_expert_gate: bool = False
 
     @classmethod
     def from_hf(cls, hf_config) -> "Arch":
@@ -61,10 +67,16 @@ class Arch:
                    not a["untie_embeddings_and_output_weights"], a["qk_layernorm"], a["add_qkv_bias"],
                    tuple(a["moe_layer_freq"] or ()), a["num_experts"] or 0, bool(a["multi_latent_attention"]),
                    a["q_lora_rank"] is not None, bool(a["moe_shared_expert_intermediate_size"]),
-                   bool(a["moe_router_enable_expert_bias"]))
+                   bool(a["moe_router_enable_expert_bias"]), tuple(a["linear_attention_freq"] or ()),
+                   (a["linear_num_key_heads"] or 0, a["linear_num_value_heads"] or 0, a["linear_key_head_dim"] or 0,
+                    a["linear_value_head_dim"] or 0), bool(a["attention_output_gate"]),
+                   bool(a["moe_shared_expert_gate"]))
 
     def is_moe(self, layer: int) -> bool:
         return bool(self.moe_layers) and bool(self.moe_layers[layer])
+
+    def is_linear(self, layer: int) -> bool:
+        return bool(self.linear_layers) and bool(self.linear_layers[layer])
 
 
 @dataclass(frozen=True)
@@ -101,6 +113,24 @@ _LAYER_PARAMS = {
     "self_attention.kv_layernorm.weight": ("copy", ("self_attn.kv_a_layernorm.weight",), None),
 }
 _MLA_Q_NORM = ("copy", ("self_attn.q_a_layernorm.weight",), None)  # MLA's q_layernorm is the query latent's norm
+# Gated DeltaNet layers (vime/trainer/megatron/linear_attention.py), HF's `linear_attn`
+_LINEAR_PARAMS = {
+    "self_attention.in_proj.weight": ("gdn_in", ("linear_attn.in_proj_qkvz.weight", "linear_attn.in_proj_ba.weight"),
+                                      0),
+    "self_attention.conv1d_weight": ("gdn_conv", ("linear_attn.conv1d.weight",), 0),
+    "self_attention.dt_bias": ("copy", ("linear_attn.dt_bias",), 0),
+    "self_attention.A_log": ("copy", ("linear_attn.A_log",), 0),
+    "self_attention.out_norm_weight": ("copy", ("linear_attn.norm.weight",), None),
+    "self_attention.out_proj.weight": ("copy", ("linear_attn.out_proj.weight",), 1),
+}
+_GATED_QKV = ("qkvg", ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"), 0)
+# Qwen3-Next's one shared expert, and its sigmoid gate
+_GATED_SHARED_EXPERT = {
+    "mlp.shared_experts.linear_fc1.weight": ("fc1", ("mlp.shared_expert.gate_proj.weight",
+                                                     "mlp.shared_expert.up_proj.weight"), 0),
+    "mlp.shared_experts.linear_fc2.weight": ("copy", ("mlp.shared_expert.down_proj.weight",), 1),
+    "mlp.shared_experts.gate_weight": ("copy", ("mlp.shared_expert_gate.weight",), None),
+}
 # MoE layers: the router, and each expert's MLP (local index -> global expert = EP rank * local count + index)
 _MOE_PARAMS = {
     "mlp.router.weight": ("copy", ("mlp.gate.weight",), None),
@@ -131,6 +161,12 @@ def param_for(name: str, arch: Arch, layer_offset: int, expert_offset: int = 0) 
             prefix += f"mlp.experts.{int(expert.group(1)) + expert_offset}."
         elif arch.mla and m.group(2) == "self_attention.q_layernorm.weight":
             kind, hf_suffixes, split_dim = _MLA_Q_NORM
+        elif m.group(2) in _LINEAR_PARAMS:
+            kind, hf_suffixes, split_dim = _LINEAR_PARAMS[m.group(2)]
+        elif arch.output_gate and m.group(2) == "self_attention.linear_qkv.weight":
+            kind, hf_suffixes, split_dim = _GATED_QKV
+        elif arch.shared_expert_gate and m.group(2) in _GATED_SHARED_EXPERT:
+            kind, hf_suffixes, split_dim = _GATED_SHARED_EXPERT[m.group(2)]
         else:
             kind, hf_suffixes, split_dim = _MOE_PARAMS.get(m.group(2)) or _LAYER_PARAMS[m.group(2)]
         return _Param(kind, tuple(prefix + s for s in hf_suffixes), split_dim)
@@ -159,6 +195,8 @@ def _chunk_param_names(arch: Arch, num_local_layers: int, pre_process: bool, pos
             suffixes.append("self_attention.linear_qkv.bias")
         if arch.qk_norm:
             suffixes += ["self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"]
+    linear = ["input_layernorm.weight", "pre_mlp_layernorm.weight", *(f"self_attention.{n}" for n in (
+        "in_proj.weight", "conv1d_weight", "dt_bias", "A_log", "out_norm_weight", "out_proj.weight"))]
     dense = ["mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
     moe = ["mlp.router.weight"] + [f"mlp.experts.local_experts.{e}.linear_fc{k}.weight"
                                    for e in range(num_local_experts) for k in (1, 2)]
@@ -166,8 +204,11 @@ def _chunk_param_names(arch: Arch, num_local_layers: int, pre_process: bool, pos
         moe.append("mlp.router.expert_bias")
     if arch.shared_experts:
         moe += ["mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.linear_fc2.weight"]
+    if arch.shared_expert_gate:
+        moe.append("mlp.shared_experts.gate_weight")
     names = [f"decoder.layers.{i}.{s}" for i in range(num_local_layers)
-             for s in suffixes + (moe if arch.is_moe(layer_offset + i) else dense)]
+             for s in (linear if arch.is_linear(layer_offset + i) else suffixes)
+             + (moe if arch.is_moe(layer_offset + i) else dense)]
     if pre_process:
         names.insert(0, "embedding.word_embeddings.weight")
     if post_process:
@@ -179,7 +220,33 @@ def _chunk_param_names(arch: Arch, num_local_layers: int, pre_process: bool, pos
 
 # ---- full (unsharded) Megatron tensor <-> HF tensors ----
 
+def _sections(p: _Param, arch: Arch, rows: int) -> list[int] | None:
+    """The row blocks of a full Megatron tensor that tensor parallel splits one by one (each rank holds its share
+    of every block, in order), or None for a plain split."""
+    key_heads, value_heads, key_dim, value_dim = arch.linear_heads
+    if p.kind == "fc1":
+        return [rows // 2, rows // 2]
+    if p.kind == "gdn_in":  # [q | k | v | z | b | a]
+        return [key_heads * key_dim] * 2 + [value_heads * value_dim] * 2 + [value_heads] * 2
+    if p.kind == "gdn_conv":  # [q | k | v]
+        return [key_heads * key_dim] * 2 + [value_heads * value_dim]
+    return None
+
+
 def _to_full_megatron(p: _Param, hf: Mapping[str, torch.Tensor], arch: Arch) -> torch.Tensor:
+    if p.kind == "gdn_in":  # HF groups q, k, v, z (and b, a) per key head; Megatron holds each kind whole
+        key_heads, value_heads, key_dim, value_dim = arch.linear_heads
+        per = value_heads // key_heads
+        qkvz, ba = (hf[n] for n in p.hf_names)
+        q, k, v, z = qkvz.view(key_heads, -1, qkvz.shape[-1]).split([key_dim, key_dim, per * value_dim,
+                                                                     per * value_dim], dim=1)
+        b, a = ba.view(key_heads, -1, ba.shape[-1]).split([per, per], dim=1)
+        return torch.cat([t.reshape(-1, qkvz.shape[-1]) for t in (q, k, v, z, b, a)])
+    if p.kind == "qkvg":  # HF's q_proj holds each head's query then its output gate
+        q, k, v = (hf[n] for n in p.hf_names)
+        q, gate = q.view(arch.heads, 2, arch.head_dim, -1).unbind(1)
+        per_group = [t.reshape(arch.groups, -1, t.shape[-1]) for t in (q, gate, k, v)]
+        return torch.cat(per_group, dim=1).reshape(-1, q.shape[-1])
     if p.kind == "qkv":
         q, k, v = (hf[n] for n in p.hf_names)
         rest = q.shape[1:]
@@ -192,6 +259,19 @@ def _to_full_megatron(p: _Param, hf: Mapping[str, torch.Tensor], arch: Arch) -> 
 
 
 def from_full_megatron(p: _Param, full: torch.Tensor, arch: Arch) -> list[tuple[str, torch.Tensor]]:
+    if p.kind == "gdn_in":
+        key_heads, value_heads, key_dim, value_dim = arch.linear_heads
+        q, k, v, z, b, a = (t.reshape(key_heads, -1, full.shape[-1])
+                            for t in full.split(_sections(p, arch, full.shape[0]), dim=0))
+        return list(zip(p.hf_names, (torch.cat([q, k, v, z], dim=1).reshape(-1, full.shape[-1]),
+                                     torch.cat([b, a], dim=1).reshape(-1, full.shape[-1]))))
+    if p.kind == "qkvg":
+        q_per_group = arch.heads // arch.groups * arch.head_dim
+        q, gate, k, v = full.reshape(arch.groups, -1, full.shape[-1]).split(
+            [q_per_group, q_per_group, arch.head_dim, arch.head_dim], dim=1)
+        q = torch.stack([q.reshape(arch.heads, arch.head_dim, -1), gate.reshape(arch.heads, arch.head_dim, -1)], 1)
+        return list(zip(p.hf_names, (q.reshape(-1, full.shape[-1]), k.reshape(-1, full.shape[-1]),
+                                     v.reshape(-1, full.shape[-1]))))
     if p.kind == "qkv":
         rest = full.shape[1:]
         q_per_group = arch.heads // arch.groups * arch.head_dim
@@ -202,20 +282,22 @@ def from_full_megatron(p: _Param, full: torch.Tensor, arch: Arch) -> list[tuple[
     return [(p.hf_names[0], full)]
 
 
-def _tp_split(p: _Param, full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
+def _tp_split(p: _Param, full: torch.Tensor, tp_rank: int, tp_size: int, arch: Arch) -> torch.Tensor:
     if p.split_dim is None or tp_size == 1:
         return full
-    if p.kind == "fc1":
-        return torch.cat([half.chunk(tp_size, dim=0)[tp_rank] for half in full.chunk(2, dim=0)], dim=0)
+    sections = _sections(p, arch, full.shape[0])
+    if sections:
+        return torch.cat([block.chunk(tp_size, dim=0)[tp_rank] for block in full.split(sections, dim=0)], dim=0)
     return full.chunk(tp_size, dim=p.split_dim)[tp_rank]
 
 
-def tp_merge(p: _Param, shards: list[torch.Tensor]) -> torch.Tensor:
+def tp_merge(p: _Param, shards: list[torch.Tensor], arch: Arch) -> torch.Tensor:
     if p.split_dim is None or len(shards) == 1:
         return shards[0]
-    if p.kind == "fc1":
-        gates, ups = zip(*(s.chunk(2, dim=0) for s in shards))
-        return torch.cat([*gates, *ups], dim=0)
+    sections = _sections(p, arch, shards[0].shape[0] * len(shards))
+    if sections:
+        pieces = [s.split([n // len(shards) for n in sections], dim=0) for s in shards]
+        return torch.cat([piece[i] for i in range(len(sections)) for piece in pieces], dim=0)
     return torch.cat(shards, dim=p.split_dim)
 
 
@@ -240,7 +322,7 @@ def hf_to_chunk(hf: Mapping[str, torch.Tensor], arch: Arch, tp_rank: int, tp_siz
         if p is None:  # last stage's copy of the tied embedding
             p = _Param("copy", ("model.embed_tokens.weight",), 0)
         rank, size = etp if etp is not None and is_routed_expert(name) else (tp_rank, tp_size)
-        out[name] = _tp_split(p, _to_full_megatron(p, hf, arch), rank, size)
+        out[name] = _tp_split(p, _to_full_megatron(p, hf, arch), rank, size, arch)
     return out
 
 
@@ -281,5 +363,5 @@ def megatron_to_hf_state_dict(megatron_state_dicts: list[Mapping[str, torch.Tens
             continue
         p = param_for(name, arch, offset, expert_offset)
         if p is not None:
-            out.update(from_full_megatron(p, tp_merge(p, [sd[name] for sd in megatron_state_dicts]), arch))
+            out.update(from_full_megatron(p, tp_merge(p, [sd[name] for sd in megatron_state_dicts], arch), arch))
     return out

@@ -1,5 +1,5 @@
 """Build Megatron-core `GPTModel`s for Qwen2 / Qwen2.5 / Qwen3 / Llama (3.x RoPE scaling too) / Qwen3-MoE /
-DeepSeek-V3 (multi-latent attention) checkpoints.
+DeepSeek-V3 (multi-latent attention) / GLM-4.5 (partial rotary) checkpoints.
 
 Who calls it: the Megatron trainer, after `parallel.init_parallel()` and
 `arguments.fill_architecture_from_hf()`; the convert tools; the tests.
@@ -13,6 +13,7 @@ see `hf_conversion`), and bf16/fp16 when asked.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 
 import torch
@@ -28,12 +29,14 @@ from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from vime.config.train import MegatronConfig, RoutingReplayConfig
 from vime.trainer.megatron.attention import SDPAttention
 from vime.trainer.megatron.cpu_compat import redirect_backward_for_sequence_parallel
 from vime.trainer.megatron.device import training_device
-from vime.trainer.megatron.megatron_flags import given_fields, warn_once
+from vime.trainer.megatron.linear_attention import GatedDeltaNetAttention
+from vime.trainer.megatron.megatron_flags import core_flag, given_fields, warn_once
 from vime.trainer.megatron.packed_rope import use_packed_rope
 from vime.utils.device import training_dtype, use_gpu
 
@@ -87,6 +90,7 @@ def build_transformer_config(args: argparse.Namespace) -> TransformerConfig:
         variable_seq_lengths=True,
         **_moe_config(args),
         **_mla_config(args),
+        linear_attention_freq=megatron.linear_attention_freq,  # Qwen3-Next's hybrid layers (the rest: generated)
         use_cpu_initialization=not on_gpu,
         # Fused kernels need CUDA (some need apex); off everywhere, so CPU and GPU run the same math.
         bias_activation_fusion=False,
@@ -109,6 +113,7 @@ def _given_transformer_fields(args: argparse.Namespace, config_class: type) -> d
     warning."""
     fields = {f.name for f in dataclasses.fields(config_class)}
     given = given_fields(args, "transformer")
+    given.pop("rotary_percent", None)  # the HF config's partial rotary, which `build_gpt_model` gives the model
     for name in sorted(set(given) - fields):
         warn_once(f"--{name.replace('_', '-')} applies to multi-latent attention models only: ignored")
     return {name: value for name, value in given.items() if name in fields}
@@ -198,11 +203,28 @@ class LocalNorm:
     weight under bf16 inputs takes torch's unfused path ("Mismatch dtype ... Cannot dispatch to fused")."""
 
     def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_unused):
-        norm_class = {"RMSNorm": torch.nn.RMSNorm, "LayerNorm": torch.nn.LayerNorm}[config.normalization]
-        norm = norm_class(normalized_shape=hidden_size, eps=eps, dtype=config.params_dtype)
+        if config.layernorm_zero_centered_gamma:  # Qwen3-Next's norms scale by 1 + weight
+            norm = ZeroCenteredRMSNorm(hidden_size, eps, config.params_dtype)
+        else:
+            norm_class = {"RMSNorm": torch.nn.RMSNorm, "LayerNorm": torch.nn.LayerNorm}[config.normalization]
+            norm = norm_class(normalized_shape=hidden_size, eps=eps, dtype=config.params_dtype)
         for param in norm.parameters():
             param.sequence_parallel = config.sequence_parallel
         return norm
+
+
+class ZeroCenteredRMSNorm(torch.nn.Module):
+    """RMSNorm whose weight is stored centred on 0 and scales by 1 + weight, in float32 (Qwen3-Next's norms, as
+    transformers computes them; Megatron's `layernorm_zero_centered_gamma`, which torch's own norms lack)."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(hidden_size, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
 
 
 def _use_local_norm(spec) -> None:
@@ -240,9 +262,15 @@ def _layer_specs(config: TransformerConfig, vp_stage: int | None = None):
         block = TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config, vp_stage),
                                            layer_norm=WrappedTorchNorm)
     block.layer_norm = LocalNorm  # the final norm
-    for layer in block.layer_specs:
-        # torch's fused scaled-dot-product attention, which also takes packed (thd) micro-batches
-        layer.submodules.self_attention.submodules.core_attention = SDPAttention
+    linear = config.linear_attention_freq
+    if linear:  # a spec per layer: Gated DeltaNet where the pattern says 1
+        offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+        block.layer_specs = [copy.deepcopy(layer) for layer in block.layer_specs]
+    for i, layer in enumerate(block.layer_specs):
+        if linear and linear[offset + i]:
+            layer.submodules.self_attention = ModuleSpec(module=GatedDeltaNetAttention)
+        else:  # torch's fused scaled-dot-product attention, which also takes packed (thd) micro-batches
+            layer.submodules.self_attention.submodules.core_attention = SDPAttention
         _use_local_norm(layer)
     return block
 
@@ -264,7 +292,7 @@ def build_gpt_model(args: argparse.Namespace, pre_process: bool = True, post_pro
         parallel_output=True,
         share_embeddings_and_output_weights=not megatron.untie_embeddings_and_output_weights,
         position_embedding_type="rope",
-        rotary_percent=1.0,
+        rotary_percent=core_flag(args, "rotary_percent") or 1.0,  # partial rotary (GLM-4.5), from the HF config
         rotary_base=megatron.rotary_base,
         vp_stage=vp_stage,
     )

@@ -1,0 +1,165 @@
+"""Published model shapes without downloads (issue 52): each published config.json (`vime.plan.published`) builds
+vime's Megatron model on the meta device, whose parameter count must equal transformers' own model of the config
+and the model card's total; and the HF <-> Megatron conversion map must cover every tensor of the published
+checkpoint, in both directions, with the published shapes.
+
+The checkpoint's tensor names and shapes are written here from the published `model.safetensors.index.json`
+naming (no download): the decoder's tensors, plus the multi-token-prediction layers stored after them, which vime
+declares and does not load (`hf_architecture.multi_token_prediction_layers`). Everything is meta tensors: no
+weight is allocated.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+# the model card's total parameters (billions) and the precision it states them to
+MODEL_CARD_TOTAL = {"GLM-4.5-Air": (106, 1.0), "Qwen3-Next-80B-A3B": (80, 1.0)}
+
+
+def _glm4_moe_index(c) -> dict[str, tuple[int, ...]]:
+    """GLM-4.5's checkpoint: per layer q/k/v (with biases) and o projections, QK-norms where `use_qk_norm`, a
+    dense MLP in the first `first_k_dense_replace` layers and elsewhere the router (weight and expert bias), the
+    routed experts and the shared experts; its MTP layers (index num_hidden_layers on) hold a whole MoE layer plus
+    eh_proj, enorm, hnorm and the shared head."""
+    h, d = c.hidden_size, c.head_dim
+    q, kv = c.num_attention_heads * d, c.num_key_value_heads * d
+    shapes = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,),
+              "lm_head.weight": (c.vocab_size, h)}
+
+    def mlp(prefix: str, width: int) -> dict:
+        return {f"{prefix}.gate_proj.weight": (width, h), f"{prefix}.up_proj.weight": (width, h),
+                f"{prefix}.down_proj.weight": (h, width)}
+
+    for i in range(c.num_hidden_layers + c.num_nextn_predict_layers):
+        p = f"model.layers.{i}"
+        shapes.update({f"{p}.input_layernorm.weight": (h,), f"{p}.post_attention_layernorm.weight": (h,),
+                       f"{p}.self_attn.q_proj.weight": (q, h), f"{p}.self_attn.q_proj.bias": (q,),
+                       f"{p}.self_attn.k_proj.weight": (kv, h), f"{p}.self_attn.k_proj.bias": (kv,),
+                       f"{p}.self_attn.v_proj.weight": (kv, h), f"{p}.self_attn.v_proj.bias": (kv,),
+                       f"{p}.self_attn.o_proj.weight": (h, q)})
+        if c.use_qk_norm:
+            shapes.update({f"{p}.self_attn.q_norm.weight": (d,), f"{p}.self_attn.k_norm.weight": (d,)})
+        if i < c.first_k_dense_replace:
+            shapes.update(mlp(f"{p}.mlp", c.intermediate_size))
+            continue
+        shapes.update({f"{p}.mlp.gate.weight": (c.n_routed_experts, h),
+                       f"{p}.mlp.gate.e_score_correction_bias": (c.n_routed_experts,),
+                       **mlp(f"{p}.mlp.shared_experts", c.moe_intermediate_size * c.n_shared_experts)})
+        for e in range(c.n_routed_experts):
+            shapes.update(mlp(f"{p}.mlp.experts.{e}", c.moe_intermediate_size))
+        if i >= c.num_hidden_layers:  # the MTP layer's own tensors
+            shapes.update({f"{p}.eh_proj.weight": (h, 2 * h), f"{p}.enorm.weight": (h,), f"{p}.hnorm.weight": (h,),
+                           f"{p}.shared_head.norm.weight": (h,)})
+    return shapes
+
+
+def _qwen3_next_index(c) -> dict[str, tuple[int, ...]]:
+    """Qwen3-Next's checkpoint: per layer either Gated DeltaNet (`linear_attn`: in_proj_qkvz, in_proj_ba, conv1d,
+    dt_bias, A_log, norm, out_proj) or gated attention (`self_attn`: q_proj twice as wide, holding the output
+    gate, q/k norms), then the router, the routed experts, one shared expert and its gate; its MTP block under
+    `mtp.` (fc, pre-fc norms, a full-attention MoE layer, norm)."""
+    h, d = c.hidden_size, c.head_dim
+    kd, vd = c.linear_num_key_heads * c.linear_key_head_dim, c.linear_num_value_heads * c.linear_value_head_dim
+    shapes = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,),
+              "lm_head.weight": (c.vocab_size, h), "mtp.fc.weight": (h, 2 * h), "mtp.norm.weight": (h,),
+              "mtp.pre_fc_norm_embedding.weight": (h,), "mtp.pre_fc_norm_hidden.weight": (h,)}
+
+    def mlp(prefix: str, width: int) -> dict:
+        return {f"{prefix}.gate_proj.weight": (width, h), f"{prefix}.up_proj.weight": (width, h),
+                f"{prefix}.down_proj.weight": (h, width)}
+
+    for p, kind in [(f"model.layers.{i}", t) for i, t in enumerate(c.layer_types)] + [("mtp.layers.0",
+                                                                                        "full_attention")]:
+        shapes.update({f"{p}.input_layernorm.weight": (h,), f"{p}.post_attention_layernorm.weight": (h,),
+                       f"{p}.mlp.gate.weight": (c.num_experts, h), f"{p}.mlp.shared_expert_gate.weight": (1, h),
+                       **mlp(f"{p}.mlp.shared_expert", c.shared_expert_intermediate_size)})
+        for e in range(c.num_experts):
+            shapes.update(mlp(f"{p}.mlp.experts.{e}", c.moe_intermediate_size))
+        if kind == "linear_attention":
+            a = f"{p}.linear_attn"
+            shapes.update({f"{a}.in_proj_qkvz.weight": (2 * kd + 2 * vd, h),
+                           f"{a}.in_proj_ba.weight": (2 * c.linear_num_value_heads, h),
+                           f"{a}.conv1d.weight": (2 * kd + vd, 1, c.linear_conv_kernel_dim),
+                           f"{a}.dt_bias": (c.linear_num_value_heads,), f"{a}.A_log": (c.linear_num_value_heads,),
+                           f"{a}.norm.weight": (c.linear_value_head_dim,), f"{a}.out_proj.weight": (h, vd)})
+        else:
+            q, kv = c.num_attention_heads * d, c.num_key_value_heads * d
+            shapes.update({f"{p}.self_attn.q_proj.weight": (2 * q, h), f"{p}.self_attn.k_proj.weight": (kv, h),
+                           f"{p}.self_attn.v_proj.weight": (kv, h), f"{p}.self_attn.o_proj.weight": (h, q),
+                           f"{p}.self_attn.q_norm.weight": (d,), f"{p}.self_attn.k_norm.weight": (d,)})
+    return shapes
+
+
+PUBLISHED_INDEX = {"GLM-4.5-Air": _glm4_moe_index, "Qwen3-Next-80B-A3B": _qwen3_next_index}
+
+
+class _Reads(Mapping):
+    """The published checkpoint as meta tensors, recording which names a conversion reads."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]]):
+        self.shapes, self.read = shapes, set()
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        self.read.add(name)
+        return torch.empty(self.shapes[name], device="meta")
+
+    def __iter__(self):
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+
+@pytest.fixture(scope="module")
+def megatron_world():
+    from vime.trainer.megatron.parallel import destroy_parallel, init_parallel
+
+    init_parallel(1, 1, seed=1234)
+    yield
+    destroy_parallel()
+
+
+def _is_mtp(name: str, config) -> bool:
+    """A multi-token-prediction tensor: a layer after the decoder's (DeepSeek's and GLM's layout) or Qwen's `mtp.`"""
+    parts = name.split(".")
+    return parts[0] == "mtp" or (parts[:2] == ["model", "layers"] and int(parts[2]) >= config.num_hidden_layers)
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED_INDEX))
+def test_published_model_builds_at_its_size_and_converts_every_tensor(name, megatron_world):
+    from transformers import AutoModelForCausalLM
+
+    from vime.plan.published import hf_config
+    from vime.trainer.megatron.arguments import add_megatron_args, fill_architecture_from_hf
+    from vime.trainer.megatron.hf_architecture import multi_token_prediction_layers
+    from vime.trainer.megatron.hf_conversion import hf_to_megatron_state_dict, megatron_to_hf_state_dict
+    from vime.trainer.megatron.model_provider import build_gpt_model
+
+    config = hf_config(name)
+    args = fill_architecture_from_hf(add_megatron_args(argparse.ArgumentParser()).parse_args([]), config)
+    with torch.device("meta"):
+        model = build_gpt_model(args)
+        reference = AutoModelForCausalLM.from_config(config)
+    count = sum(p.numel() for p in model.parameters())
+    assert count == sum(p.numel() for p in reference.parameters())  # transformers' own model of the config
+    total, precision = MODEL_CARD_TOTAL[name]
+    assert abs(count / 1e9 - total) < precision, f"{name}: {count / 1e9:.2f}B parameters, the card says {total}B"
+
+    index = PUBLISHED_INDEX[name](config)
+    mtp = {n for n in index if _is_mtp(n, config)}
+    assert mtp and (name.startswith("Qwen") or multi_token_prediction_layers(config))  # declared (GLM), skipped
+    ours = {n: t.shape for n, t in model.state_dict().items() if not n.endswith("_extra_state")}
+    checkpoint = _Reads(index)
+    converted = hf_to_megatron_state_dict(checkpoint, config)
+    assert {n: t.shape for n, t in converted.items()} == ours  # every Megatron tensor, at its shape
+    assert checkpoint.read == set(index) - mtp  # every published decoder tensor is read
+    back = megatron_to_hf_state_dict([converted], config)
+    assert {n: tuple(t.shape) for n, t in back.items()} == {n: s for n, s in index.items() if n not in mtp}
+    assert sum(torch.Size(s).numel() for n, s in index.items() if n not in mtp and "e_score" not in n) == count
