@@ -36,7 +36,7 @@ from vime.config import RunConfig
 from vime.config.rollout import EnginesConfig
 from vime.config.run import DebugConfig, JobConfig, PlacementConfig, WandbConfig
 from vime.config.section import add_flags, apply_defaults
-from vime.config.train import WeightSyncConfig
+from vime.config.train import LoraConfig, MegatronConfig, WeightSyncConfig
 from vime.engine.control.arguments import (VLLM_RAW_DEST, add_router_args, add_vllm_engine_args,
                                            check_engine_dtype_for_model, validate_vllm_args)
 from vime.engine.control.engine import hf_config_json
@@ -322,5 +322,9 @@ def check_model_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--hf-checkpoint {job.hf_checkpoint}: transformers cannot read its config.json "
                          f"({type(e).__name__}: {e})") from e
     world_size = placement.actor_num_nodes * placement.actor_num_gpus_per_node
-    validate_megatron_args(fill_architecture_from_hf(args, hf_config),
-                           world_size=world_size)  # each rank fills its own architecture again
+    filled = fill_architecture_from_hf(args, hf_config)
+    validate_megatron_args(filled, world_size=world_size)  # each rank fills its own architecture again
+    if LoraConfig.of(args).lora_rank and MegatronConfig.of(filled).linear_attention_freq:
+        raise ValueError(f"--lora-rank on {hf_config.model_type}: LoRA adapters for its Gated DeltaNet projections "
+                         "and its gated attention (q_proj holds the output gate) are not supported yet; train the "
+                         "whole model (drop --lora-rank)")

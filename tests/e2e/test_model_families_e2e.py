@@ -1,7 +1,8 @@
 """Model families end to end on the real stack (1 vLLM engine + router, Megatron-core, Ray): a tiny Llama 3.1
 (its rope_scaling block as published), a tiny tied Qwen2.5, a tiny Qwen3-MoE (a dense layer, then 4 experts,
-top-2) and a tiny DeepSeek-V3 (multi-latent attention; a dense layer, then 4 sigmoid-routed experts in 2 groups
-with the expert bias, and a shared expert), the MoE ones also with their experts split over 2 expert-parallel
+top-2), a tiny DeepSeek-V3 (multi-latent attention; a dense layer, then 4 sigmoid-routed experts in 2 groups
+with the expert bias, and a shared expert) and a tiny GLM-4.5 (partial rotary, qkv biases, QK-norm, DeepSeek's
+router and shared expert; its routing replayed), the MoE ones also with their experts split over 2 expert-parallel
 ranks, and two more Qwen3-MoE layer layouts (experts narrower than a dense first layer; MoE every second layer),
 each generate, train three GRPO steps and sync weights after each.
 
@@ -19,6 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -35,9 +37,13 @@ FAMILIES = {"llama3": dict(arch="llama3"), "qwen2_5-tied": dict(arch="qwen2_5", 
             # layer of another width (256), and MoE every second layer (decoder_sparse_step 2: layers 0 and 2 dense)
             "qwen3_moe-dense-first": dict(arch="qwen3_moe", config={"moe_intermediate_size": 80}),
             "qwen3_moe-sparse-step-2": dict(arch="qwen3_moe", num_layers=3, config={
-                "moe_intermediate_size": 80, "mlp_only_layers": [], "decoder_sparse_step": 2})}
+                "moe_intermediate_size": 80, "mlp_only_layers": [], "decoder_sparse_step": 2}),
+            # GLM-4.5: partial rotary, qkv biases, QK-norm, sigmoid routing with the expert bias, a shared expert
+            "glm4_moe-ep2": dict(arch="glm4_moe")}
 _EP2 = ["--actor-num-gpus-per-node", "2", "--expert-model-parallel-size", "2", "--micro-batch-size", "4"]  # gloo a2a
 EXTRA = {"qwen3_moe-ep2": _EP2, "deepseek_v3-ep2": _EP2,
+         # experts over 2 ranks, the engine's routing replayed by the trainer (every sample carries it)
+         "glm4_moe-ep2": [*_EP2, "--use-rollout-routing-replay"],
          # CISPO with token-level masked importance sampling through the loop (grpo's advantages, its own loss)
          "llama3": ["--advantage-estimator", "cispo", "--use-mis", "--mis-level", "token"]}
 
@@ -55,7 +61,7 @@ def _long_prompts(path: Path, n: int = 4, digits: int = 600) -> Path:
 # difference each: VIME_TEST_ALL_FAMILIES=1 runs them too
 _ALL = bool(os.environ.get("VIME_TEST_ALL_FAMILIES"))
 # qwen3_moe-sparse-step-2's reload is covered by tests/unit/test_weight_loading.py (the layout's one difference)
-CI_FAMILIES = ("llama3", "deepseek_v3-ep2", "qwen3_moe-dense-first")
+CI_FAMILIES = ("llama3", "deepseek_v3-ep2", "qwen3_moe-dense-first", "glm4_moe-ep2")
 
 
 @pytest.mark.parametrize("family", [
@@ -89,10 +95,13 @@ def test_family_generates_trains_and_syncs(family, tmp_path):
         check_grpo_stats(r, load_rollout(str(out / "rollout_{rollout_id}.jsonl"), r["rollout_id"]))
         if "--use-mis" in EXTRA.get(family, []):  # on policy: every token's weight ~1, none masked
             assert r["train/mis_masked_fraction"] == 0.0 and r["train/mis_weight_mean"] == pytest.approx(1, abs=1e-4)
-        if "moe" in family:  # the router's load-balancing loss (Qwen3-MoE's router_aux_loss_coef), per MoE layer
+        if "qwen3_moe" in family:  # the router's load-balancing loss (Qwen3-MoE's router_aux_loss_coef), per layer
             assert r["train/moe_aux_loss"] > 0 and r["train/moe_aux_loss/layer_1"] == r["train/moe_aux_loss"]
         if "moe" in family or "deepseek" in family:  # tokens of the busiest expert over the mean, per MoE layer
             assert 1.0 <= r["train/moe_load_imbalance/layer_1"] <= 4.0 and "train/moe_load_imbalance/layer_0" not in r
+    if "--use-rollout-routing-replay" in EXTRA.get(family, []):  # every token's experts, from the engine
+        for s in (s for g in load_rollout(str(out / "rollout_{rollout_id}.jsonl"), 0) for s in g):
+            assert np.asarray(s.rollout_routed_experts).shape == (len(s.tokens) - 1, 2, 2)
 
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation="eager").eval()
     samples = [s for g in load_rollout(str(out / "rollout_{rollout_id}.jsonl"), 0) for s in g]
@@ -133,8 +142,6 @@ def test_rollout_routing_replay_closes_the_train_rollout_gap(tmp_path):
     weights) shows the gap that routing differences make. The run trains LoRA adapters (attention, and the dense
     layer's MLP: no experts), which a CPU engine of an MoE model gets merged (--lora-sync merged, the default
     there): the on-policy gap after each update shows the engines serve them."""
-    import numpy as np
-
     from tests.helpers.trainer_runs import local_trainer
     from vime.trainer.passes import forward_log_probs
     from vime.trainer.routing_replay import RoutingReplay
@@ -184,3 +191,65 @@ def test_rollout_routing_replay_closes_the_train_rollout_gap(tmp_path):
     print(f"routing replay: trainer and engine routed {differ}/{tokens} tokens differently; train/rollout gap "
           f"{with_replay:.2e} with replay, {without:.2e} without")
     assert differ > 0 and with_replay < without
+
+
+# measured on this CPU (bfloat16 engine, float32 trainer, the tiny model below, 3 runs): train/rollout gap per
+# rollout mean 1.8e-3 .. 7.2e-3, max 5.4e-3 .. 0.147 (bfloat16 rounding through three recurrent layers)
+HYBRID_BF16_GAP_MEAN, HYBRID_BF16_GAP_MAX = 1e-2, 0.25
+
+
+def _engine_vs_checkpoint(model: Path, samples, dtype) -> tuple[float, float]:
+    """(max, mean) |engine log-prob - transformers' of the checkpoint's own weights in `dtype`| over `samples`."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).eval()
+    diffs = []
+    for s in samples:
+        with torch.no_grad():
+            logp = torch.log_softmax(hf(torch.tensor([s.tokens])).logits[0].float(), dim=-1)
+        targets = torch.tensor(s.tokens[s.prompt_length:])
+        ref = logp[s.prompt_length - 1: len(s.tokens) - 1].gather(-1, targets[:, None]).squeeze(-1)
+        diffs.append((ref - torch.tensor(s.rollout_log_probs)).abs())
+    every = torch.cat(diffs)
+    return every.max().item(), every.mean().item()
+
+
+def test_hybrid_linear_attention_generates_trains_and_syncs(tmp_path):
+    """Tiny Qwen3-Next (3 Gated DeltaNet layers, then gated full attention; 4 softmax-routed experts and a gated
+    shared expert) through the loop: vLLM's CPU kernel for the linear-attention layers runs bfloat16 only
+    (--vllm-dtype bfloat16), the trainer float32. Three GRPO rollouts at a learning rate that moves the policy:
+    after each in-place weight update the engine's log-probs move far from the checkpoint's (mean 0.38 and 0.73
+    measured) while the train/rollout gap stays at bfloat16 rounding (an update the engine missed would show as a
+    gap of the policy's move). Rollout 0, on the checkpoint's weights: the engine is as close to transformers in
+    float32 as to transformers in bfloat16, i.e. within bfloat16 rounding of the same function."""
+    from vime.synthetic.tiny_model import build_tiny_model
+
+    assert not stack_pids()
+    model = build_tiny_model(tmp_path / "next", seed=3, arch="qwen3_next")
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(REPO / "train.py"), "--hf-checkpoint", str(model),
+           "--prompt-data", str(_long_prompts(tmp_path / "prompts.jsonl")), "--label-key", "label",
+           "--rm-type", "random", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--num-rollout", "3",
+           "--rollout-num-gpus", "1", "--rollout-max-response-len", "8", "--micro-batch-size", "8", "--lr", "3e-2",
+           "--vllm-dtype", "bfloat16", "--save-debug-rollout-data", str(out / "rollout_{rollout_id}.jsonl"),
+           "--output-dir", str(out / "run"), "--vllm-enforce-eager", "--vllm-max-model-len", "1024"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    train = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in train if "train/steps" in r]
+    assert [r["rollout_id"] for r in train] == [0, 1, 2]
+    rollouts = [[s for g in load_rollout(str(out / "rollout_{rollout_id}.jsonl"), i) for s in g] for i in range(3)]
+    moved = [_engine_vs_checkpoint(model, rollouts[i], torch.float32)[1] for i in (1, 2)]
+    for r in train:
+        assert r["train_rollout_logprob_abs_diff"] <= HYBRID_BF16_GAP_MEAN, r
+        assert r["train_rollout_logprob_abs_diff_max"] <= HYBRID_BF16_GAP_MAX, r
+        assert r["train/grad_norm"] > 0
+        check_grpo_stats(r, load_rollout(str(out / "rollout_{rollout_id}.jsonl"), r["rollout_id"]))
+    assert min(moved) > 10 * max(r["train_rollout_logprob_abs_diff"] for r in train)  # the engine was updated
+    fp32, bf16 = (_engine_vs_checkpoint(model, rollouts[0], dtype) for dtype in (torch.float32, torch.bfloat16))
+    means, maxes = ([f"{r[k]:.2e}" for r in train] for k in ("train_rollout_logprob_abs_diff",
+                                                               "train_rollout_logprob_abs_diff_max"))
+    print(f"qwen3_next: train/rollout gap per rollout mean {means} max {maxes}; engine vs the checkpoint's own "
+          f"weights after updates 1, 2: mean {moved[0]:.2f}, {moved[1]:.2f}; rollout 0 |vLLM bf16 - transformers| "
+          f"fp32 max {fp32[0]:.2e} mean {fp32[1]:.2e}, bf16 max {bf16[0]:.2e} mean {bf16[1]:.2e}")
+    assert fp32[0] <= HYBRID_BF16_GAP_MAX and fp32[1] <= 2 * bf16[1] + 1e-3

