@@ -38,7 +38,7 @@ from vime.config.run import DebugConfig, JobConfig, PlacementConfig, WandbConfig
 from vime.config.section import add_flags, apply_defaults
 from vime.config.train import LoraConfig, MegatronConfig, WeightSyncConfig
 from vime.engine.control.arguments import (VLLM_RAW_DEST, add_router_args, add_vllm_engine_args,
-                                           check_engine_dtype_for_model, validate_vllm_args)
+                                           check_engines_can_serve, validate_vllm_args)
 from vime.engine.control.engine import hf_config_json
 from vime.engine.control.sglang_flags import SGLangFlagError, translate_sglang_flags
 from vime.environments.arguments import add_environment_args, add_judge_args, validate_environment_args
@@ -309,7 +309,7 @@ def check_model_args(args: argparse.Namespace) -> None:
     job = JobConfig.of(args)
     placement = PlacementConfig.of(args)
     if not debug.debug_train_only and not EnginesConfig.of(args).rollout_external_engine_addrs:
-        check_engine_dtype_for_model(args, hf_config_json(job.hf_checkpoint))
+        check_engines_can_serve(args, hf_config_json(job.hf_checkpoint))
     if debug.debug_rollout_only:  # no trainer: the engines read the checkpoint themselves
         return
     from transformers import AutoConfig

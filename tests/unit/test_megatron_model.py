@@ -9,6 +9,7 @@ fill from / are checked against the HF config; validation.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 
 import pytest
 import torch
@@ -45,6 +46,9 @@ CASES = {  # name -> (arch, tie_word_embeddings)
     # 1 + weight, 4 softmax-routed experts and a gated shared expert; and its dense form (Qwen3.5-27B's layout)
     "qwen3_next": ("qwen3_next", False),
     "qwen3_next-dense": ("qwen3_next", True, {"num_experts": 0}),
+    # Qwen3.5's language model: Qwen3-Next's layers with the linear attention's input projection as four matrices
+    "qwen3_5": ("qwen3_5", False),
+    "qwen3_5_moe": ("qwen3_5_moe", False),
 }
 
 
@@ -123,7 +127,7 @@ def test_hf_megatron_hf_round_trip_is_bit_exact(case, tiny_models):
     assert all(torch.equal(back[k], hf[k]) for k in hf)
 
 
-@pytest.mark.parametrize("case", ["qwen2", "qwen3-tied", "qwen2_5-tied", "llama3", "qwen3_next"])
+@pytest.mark.parametrize("case", ["qwen2", "qwen3-tied", "qwen2_5-tied", "llama3", "qwen3_next", "qwen3_5_moe"])
 def test_round_trip_through_tp_and_pp_shards(case, tiny_models):
     path = tiny_models[case]
     config, hf = hf_config(path), load_file(path / "model.safetensors")
@@ -442,3 +446,10 @@ def test_qwen3_next_is_refused_where_it_cannot_run(tiny_models, tmp_path):
         check_model_args(parse_args([*base, "--vllm-dtype", "bfloat16", "--lora-rank", "8"], check_model=False))
     check_model_args(parse_args([*base, "--debug-train-only", "--load-debug-rollout-data", "x_{rollout_id}.pt"],
                                 check_model=False))  # no engines
+    qwen3_5 = parse_args(["--hf-checkpoint", str(tiny_models["qwen3_5"]), *base[2:], "--vllm-dtype", "bfloat16"],
+                         check_model=False)
+    if importlib.util.find_spec("torchvision") is None:  # CPU installs
+        with pytest.raises(ValueError, match="qwen3_5_text: vLLM's Qwen3.5 model code imports torchvision"):
+            check_model_args(qwen3_5)
+    else:
+        check_model_args(qwen3_5)

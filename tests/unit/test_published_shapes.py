@@ -20,7 +20,7 @@ import torch
 pytest.importorskip("megatron.core")
 
 # the model card's total parameters (billions) and the precision it states them to
-MODEL_CARD_TOTAL = {"GLM-4.5-Air": (106, 1.0), "Qwen3-Next-80B-A3B": (80, 1.0)}
+MODEL_CARD_TOTAL = {"GLM-4.5-Air": (106, 1.0), "Qwen3-Next-80B-A3B": (80, 1.0), "Qwen3.5-35B-A3B": (35, 1.0)}
 
 
 def _glm4_moe_index(c) -> dict[str, tuple[int, ...]]:
@@ -97,7 +97,33 @@ def _qwen3_next_index(c) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-PUBLISHED_INDEX = {"GLM-4.5-Air": _glm4_moe_index, "Qwen3-Next-80B-A3B": _qwen3_next_index}
+def _qwen3_5_index(c) -> dict[str, tuple[int, ...]]:
+    """Qwen3.5's checkpoint: its language model under `model.language_model.` (Qwen3-Next's layers with the linear
+    attention's input projection as in_proj_qkv, in_proj_z, in_proj_b, in_proj_a), the vision tower under
+    `model.visual.` (its names and shapes as transformers' own model holds them), the MTP block under `mtp.`."""
+    from transformers import AutoModelForImageTextToText
+
+    t = c.text_config
+    shapes = {f"model.language_model.{n.removeprefix('model.')}" if n.startswith("model.") else n: s
+              for n, s in _qwen3_next_index(t).items() if not n.startswith("mtp.")}
+    kd, vd = t.linear_num_key_heads * t.linear_key_head_dim, t.linear_num_value_heads * t.linear_value_head_dim
+    for i, kind in enumerate(t.layer_types):
+        if kind == "linear_attention":
+            a = f"model.language_model.layers.{i}.linear_attn"
+            del shapes[f"{a}.in_proj_qkvz.weight"], shapes[f"{a}.in_proj_ba.weight"]
+            shapes.update({f"{a}.in_proj_qkv.weight": (2 * kd + vd, t.hidden_size),
+                           f"{a}.in_proj_z.weight": (vd, t.hidden_size),
+                           f"{a}.in_proj_b.weight": (t.linear_num_value_heads, t.hidden_size),
+                           f"{a}.in_proj_a.weight": (t.linear_num_value_heads, t.hidden_size)})
+    shapes.update({n: s for n, s in _qwen3_next_index(t).items() if n.startswith("mtp.")})
+    with torch.device("meta"):
+        vision = AutoModelForImageTextToText.from_config(c).model.visual
+    shapes.update({f"model.visual.{n}": tuple(p.shape) for n, p in vision.named_parameters()})
+    return shapes
+
+
+PUBLISHED_INDEX = {"GLM-4.5-Air": _glm4_moe_index, "Qwen3-Next-80B-A3B": _qwen3_next_index,
+                   "Qwen3.5-35B-A3B": _qwen3_5_index}
 
 
 class _Reads(Mapping):
@@ -126,10 +152,12 @@ def megatron_world():
     destroy_parallel()
 
 
-def _is_mtp(name: str, config) -> bool:
-    """A multi-token-prediction tensor: a layer after the decoder's (DeepSeek's and GLM's layout) or Qwen's `mtp.`"""
+def _not_trained(name: str, config) -> bool:
+    """A tensor vime's trainer does not hold: a multi-token-prediction layer after the decoder's (DeepSeek's and
+    GLM's layout) or Qwen's `mtp.` block, or a vision tower's."""
     parts = name.split(".")
-    return parts[0] == "mtp" or (parts[:2] == ["model", "layers"] and int(parts[2]) >= config.num_hidden_layers)
+    return parts[0] == "mtp" or parts[:2] == ["model", "visual"] or (
+        parts[:2] == ["model", "layers"] and int(parts[2]) >= config.num_hidden_layers)
 
 
 @pytest.mark.parametrize("name", list(PUBLISHED_INDEX))
@@ -138,7 +166,7 @@ def test_published_model_builds_at_its_size_and_converts_every_tensor(name, mega
 
     from vime.plan.published import hf_config
     from vime.trainer.megatron.arguments import add_megatron_args, fill_architecture_from_hf
-    from vime.trainer.megatron.hf_architecture import multi_token_prediction_layers
+    from vime.trainer.megatron.hf_architecture import language_config, multi_token_prediction_layers
     from vime.trainer.megatron.hf_conversion import hf_to_megatron_state_dict, megatron_to_hf_state_dict
     from vime.trainer.megatron.model_provider import build_gpt_model
 
@@ -146,14 +174,16 @@ def test_published_model_builds_at_its_size_and_converts_every_tensor(name, mega
     args = fill_architecture_from_hf(add_megatron_args(argparse.ArgumentParser()).parse_args([]), config)
     with torch.device("meta"):
         model = build_gpt_model(args)
-        reference = AutoModelForCausalLM.from_config(config)
+        reference = AutoModelForCausalLM.from_config(language_config(config))
     count = sum(p.numel() for p in model.parameters())
     assert count == sum(p.numel() for p in reference.parameters())  # transformers' own model of the config
-    total, precision = MODEL_CARD_TOTAL[name]
-    assert abs(count / 1e9 - total) < precision, f"{name}: {count / 1e9:.2f}B parameters, the card says {total}B"
 
     index = PUBLISHED_INDEX[name](config)
-    mtp = {n for n in index if _is_mtp(n, config)}
+    vision = sum(torch.Size(s).numel() for n, s in index.items() if n.startswith("model.visual."))
+    total, precision = MODEL_CARD_TOTAL[name]
+    size = (count + vision) / 1e9  # the card counts a multimodal model's vision tower too
+    assert abs(size - total) < precision, f"{name}: {size:.2f}B parameters, the card says {total}B"
+    mtp = {n for n in index if _not_trained(n, language_config(config))}
     assert mtp and (name.startswith("Qwen") or multi_token_prediction_layers(config))  # declared (GLM), skipped
     ours = {n: t.shape for n, t in model.state_dict().items() if not n.endswith("_extra_state")}
     checkpoint = _Reads(index)

@@ -55,6 +55,15 @@ PUBLISHED = {  # HF config fields as published
                            "partial_rotary_factor": 0.25, "rope_theta": 10000000.0, "rms_norm_eps": 1e-06,
                            "max_position_embeddings": 262144, "router_aux_loss_coef": 0.001,
                            "tie_word_embeddings": False},
+    # natively multimodal: the language model is `text_config` (transformers' Qwen3.5-35B-A3B configuration), the
+    # vision tower transformers' default for the family
+    "Qwen3.5-35B-A3B": {"model_type": "qwen3_5_moe", "tie_word_embeddings": False, "text_config": {
+        "vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": 40, "num_attention_heads": 16,
+        "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+        "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+        "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "num_experts": 256,
+        "num_experts_per_tok": 8, "full_attention_interval": 4, "rms_norm_eps": 1e-06, "tie_word_embeddings": False,
+        "partial_rotary_factor": 0.25, "max_position_embeddings": 262144}},
 }
 
 # (GPUs, trainer layout) of each: bf16, samples of 1k prompt + 3k response tokens, groups of 8

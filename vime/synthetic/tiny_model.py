@@ -1,5 +1,5 @@
-"""Build a tiny Qwen2 / Qwen2.5 / Qwen3 / Qwen3-MoE / Llama / Llama 3.x / DeepSeek-V3 / GLM-4.5 model with a locally
-trained tokenizer. No downloads.
+"""Build a tiny Qwen2 / Qwen2.5 / Qwen3 / Qwen3-MoE / Llama / Llama 3.x / DeepSeek-V3 / GLM-4.5 / Qwen3-Next /
+Qwen3.5 (language model, dense or MoE) model with a locally trained tokenizer. No downloads.
 
     python -m vime.synthetic.tiny_model --arch qwen3 --out /tmp/tiny-qwen3
 
@@ -15,7 +15,8 @@ import os
 import random
 from pathlib import Path
 
-ARCHS = ("qwen2", "qwen2_5", "qwen3", "qwen3_moe", "llama", "llama3", "deepseek_v3", "glm4_moe", "qwen3_next")
+ARCHS = ("qwen2", "qwen2_5", "qwen3", "qwen3_moe", "llama", "llama3", "deepseek_v3", "glm4_moe", "qwen3_next",
+         "qwen3_5", "qwen3_5_moe")
 # Llama 3.1's RoPE, as its config.json publishes it (3.2 and 3.3 differ only in the factor)
 LLAMA3_ROPE_SCALING = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                        "original_max_position_embeddings": 8192, "rope_type": "llama3"}
@@ -162,6 +163,19 @@ def build_config(arch: str, vocab_size: int, hidden_size: int, num_layers: int, 
     if arch == "qwen3_next":
         return Qwen3NextConfig(**_qwen3_next_shape(hidden_size, num_heads, intermediate_size, num_layers),
                                **{**common, "num_hidden_layers": max(num_layers, 4)})
+    if arch in ("qwen3_5", "qwen3_5_moe"):  # the language model of Qwen3.5 (dense, as 27B) / Qwen3.5-MoE
+        from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+        from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
+
+        shape = _qwen3_next_shape(hidden_size, num_heads, intermediate_size, num_layers)
+        for key in ("decoder_sparse_step", "mlp_only_layers", "norm_topk_prob", "num_nextn_predict_layers"):
+            shape.pop(key)  # Qwen3.5-MoE: every layer MoE, the chosen experts' weights always renormalised
+        if arch == "qwen3_5":
+            for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                        "shared_expert_intermediate_size"):
+                shape.pop(key)
+        config_class = Qwen3_5TextConfig if arch == "qwen3_5" else Qwen3_5MoeTextConfig
+        return config_class(**shape, **{**common, "num_hidden_layers": max(num_layers, 4)})
     raise ValueError(f"--arch must be one of {ARCHS}, got {arch!r}")
 
 

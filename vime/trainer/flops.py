@@ -48,8 +48,9 @@ class FlopShape:
     @classmethod
     def from_hf(cls, config, lora_rank: int = 0) -> FlopShape:
         """The shape of an HF config; its MoE layout as the model is built from it (`hf_architecture.hf_moe`)."""
-        from vime.trainer.megatron.hf_architecture import hf_moe
+        from vime.trainer.megatron.hf_architecture import hf_moe, language_config
 
+        config = language_config(config)
         heads = config.num_attention_heads
         moe = hf_moe(config)
         mla = {"q_lora_rank": getattr(config, "q_lora_rank", None) or 0, "kv_lora_rank": config.kv_lora_rank,
@@ -59,7 +60,8 @@ class FlopShape:
             getattr(config, "head_dim", None) or config.hidden_size // heads
         return cls(hidden=config.hidden_size, layers=config.num_hidden_layers, heads=heads,
                    kv_heads=getattr(config, "num_key_value_heads", None) or heads, head_dim=head_dim, **mla,
-                   ffn=config.intermediate_size, vocab=config.vocab_size,
+                   ffn=getattr(config, "intermediate_size", None) or config.moe_intermediate_size,
+                   vocab=config.vocab_size,
                    moe_layers=sum(moe["moe_layer_freq"] or []), num_experts=moe["num_experts"] or 0,
                    experts_per_token=moe["moe_router_topk"] or 0, moe_ffn=moe["moe_ffn_hidden_size"] or 0,
                    shared_expert_ffn=moe["moe_shared_expert_intermediate_size"] or 0, lora_rank=lora_rank)

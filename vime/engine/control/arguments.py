@@ -202,10 +202,15 @@ def given_engine_dtype(args) -> str | None:
     return _DTYPE_ALIASES.get(given, given) if given else None
 
 
-def check_engine_dtype_for_model(args, hf_config: dict) -> None:
-    """Refuse, before anything starts, engine dtypes vLLM's CPU kernels cannot run the checkpoint in: its Gated
-    DeltaNet kernel (Qwen3-Next's linear attention) computes in bfloat16 only, and asserts so at the first
-    forward."""
+def check_engines_can_serve(args, hf_config: dict) -> None:
+    """Refuse, before anything starts, a checkpoint the engines of this install cannot serve as asked: vLLM's
+    Qwen3.5 model code imports torchvision (absent from CPU installs: its PyPI wheel does not load against the CPU
+    torch), and vLLM's CPU Gated DeltaNet kernel (Qwen3-Next's linear attention) computes in bfloat16 only, which
+    it asserts at the first forward."""
+    if hf_config.get("model_type", "").startswith("qwen3_5") and importlib.util.find_spec("torchvision") is None:
+        raise ValueError(f"{hf_config['model_type']}: vLLM's Qwen3.5 model code imports torchvision, which this "
+                         "install lacks (CPU installs leave it out: its PyPI wheel does not load against the CPU "
+                         "torch); serve it from a GPU install, or train from saved rollouts (--debug-train-only)")
     linear = "linear_attention" in (hf_config.get("layer_types") or [])
     if linear and not use_gpu() and engine_dtype(args) != "bfloat16":
         raise ValueError(f"{hf_config.get('model_type')} has Gated DeltaNet (linear-attention) layers, which vLLM's "

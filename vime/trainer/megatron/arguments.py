@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from vime.trainer.megatron.hf_architecture import hf_architecture
+from vime.trainer.megatron.hf_architecture import hf_architecture, language_config
 from vime.trainer.megatron.megatron_flags import (add_generated_megatron_args, check_megatron_lm_architecture,
                                                          core_flag, warn_once)
 from vime.config.section import add_flags
@@ -61,7 +61,7 @@ def fill_architecture_from_hf(args: argparse.Namespace, hf_config) -> argparse.N
             continue  # Megatron reads it for softmax scores only; slime's GLM-4.5 and DeepSeek-V3 scripts pass it
         given = getattr(megatron, dest) if dest in MEGATRON_FIELDS else core_flag(args, dest)
         if dest == "moe_layer_freq" and isinstance(given, int):  # Megatron-LM's "every N-th layer, from 0"
-            given = [int(i % given == 0) for i in range(hf_config.num_hidden_layers)]
+            given = [int(i % given == 0) for i in range(language_config(hf_config).num_hidden_layers)]
         if given is None:
             filled[dest] = value
         elif given != value:
@@ -69,7 +69,7 @@ def fill_architecture_from_hf(args: argparse.Namespace, hf_config) -> argparse.N
             raise ValueError(f"{flag}={given!r} contradicts the HF config, which gives {value!r}; "
                              f"drop {flag} to use the config's value")
     if megatron.moe_aux_loss_coeff is None:  # a training choice: the config's is only the default
-        filled["moe_aux_loss_coeff"] = float(getattr(hf_config, "router_aux_loss_coef", 0.0) or 0.0)
+        filled["moe_aux_loss_coeff"] = float(getattr(language_config(hf_config), "router_aux_loss_coef", 0.0) or 0.0)
     return with_values(args, **filled)
 
 

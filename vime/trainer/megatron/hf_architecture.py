@@ -14,9 +14,13 @@ from __future__ import annotations
 
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe", "deepseek_v3", "glm4_moe", "qwen3_next")
-MOE_MODEL_TYPES = ("qwen3_moe", "deepseek_v3", "glm4_moe", "qwen3_next")
-HYBRID_MODEL_TYPES = ("qwen3_next",)  # Gated DeltaNet layers among gated full-attention ones
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe", "deepseek_v3", "glm4_moe", "qwen3_next",
+                         "qwen3_5_text", "qwen3_5_moe_text")
+MOE_MODEL_TYPES = ("qwen3_moe", "deepseek_v3", "glm4_moe", "qwen3_next", "qwen3_5_moe_text")
+# Gated DeltaNet layers among gated full-attention ones: Qwen3-Next, and Qwen3.5's language model (its linear
+# attention's input projection stored as four matrices instead of Qwen3-Next's two interleaved ones)
+HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+SOFTMAX_MOE_MODEL_TYPES = ("qwen3_moe", "qwen3_next", "qwen3_5_moe_text")
 LAYER_TYPES = ("linear_attention", "full_attention")
 # families whose attention has biases on q, k and v only (no output-projection bias, which Megatron's GPT has not)
 QKV_BIAS_MODEL_TYPES = ("qwen2", "glm4_moe")
@@ -38,11 +42,23 @@ _NO_LINEAR = {"linear_attention_freq": None, "experimental_attention_variant": N
               "moe_shared_expert_gate": None}
 
 
+# checkpoints whose language model sits inside a multimodal wrapper: its config is `text_config`, its tensors are
+# under `model.language_model.` (the vision tower's, `model.visual.`, are not the trainer's)
+MULTIMODAL_WRAPPERS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+
+
+def language_config(hf_config):
+    """The config of the language model vime trains: `text_config` of a multimodal wrapper, else the config."""
+    if getattr(hf_config, "model_type", None) in MULTIMODAL_WRAPPERS:
+        return hf_config.text_config
+    return hf_config
+
+
 def hf_moe(hf_config) -> dict[str, Any]:
     """The MoE architecture of an HF config: experts, top-k, expert size, which layers are MoE (a 0/1 list), the
     router's scoring and the shared experts. Dense configs give None everywhere."""
     model_type = getattr(hf_config, "model_type", None)
-    if model_type in ("qwen3_moe", "qwen3_next") and (getattr(hf_config, "num_experts", 0) or 0):
+    if model_type in SOFTMAX_MOE_MODEL_TYPES and (getattr(hf_config, "num_experts", 0) or 0):
         dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
         step = getattr(hf_config, "decoder_sparse_step", 1) or 1
         pattern = [int(i not in dense and (i + 1) % step == 0) for i in range(hf_config.num_hidden_layers)]
@@ -50,7 +66,8 @@ def hf_moe(hf_config) -> dict[str, Any]:
         return {**_NO_MOE, "num_experts": hf_config.num_experts, "moe_router_topk": hf_config.num_experts_per_tok,
                 "moe_ffn_hidden_size": hf_config.moe_intermediate_size, "moe_layer_freq": pattern,
                 # norm_topk_prob: softmax over the chosen k; else softmax over all experts, then the top k
-                "moe_router_pre_softmax": not getattr(hf_config, "norm_topk_prob", False),
+                # (Qwen3.5-MoE always renormalises the chosen k, and its config has no such key)
+                "moe_router_pre_softmax": not getattr(hf_config, "norm_topk_prob", model_type == "qwen3_5_moe_text"),
                 "moe_router_score_function": "softmax", "moe_router_enable_expert_bias": False,
                 "moe_shared_expert_intermediate_size": shared or None}
     if model_type in ("deepseek_v3", "glm4_moe"):
@@ -175,6 +192,7 @@ def hf_architecture(hf_config) -> dict[str, Any]:
 
     Raises ValueError for model types or features vime's Megatron model does not implement.
     """
+    hf_config = language_config(hf_config)
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"HF model_type {model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
@@ -196,7 +214,8 @@ def hf_architecture(hf_config) -> dict[str, Any]:
     return {
         "num_layers": hf_config.num_hidden_layers,
         "hidden_size": hf_config.hidden_size,
-        "ffn_hidden_size": hf_config.intermediate_size,
+        # an MoE model without dense layers (Qwen3.5-MoE) has no intermediate_size: Megatron still wants one
+        "ffn_hidden_size": getattr(hf_config, "intermediate_size", None) or hf_config.moe_intermediate_size,
         "num_attention_heads": heads,
         "num_query_groups": getattr(hf_config, "num_key_value_heads", None) or heads,
         # MLA: Megatron-LM's DeepSeek recipes give the value head size (the attention output per head)
@@ -211,7 +230,7 @@ def hf_architecture(hf_config) -> dict[str, Any]:
         "untie_embeddings_and_output_weights": not getattr(hf_config, "tie_word_embeddings", False),
         "max_position_embeddings": hf_config.max_position_embeddings,
         # Qwen3's per-head q/k norms (GLM-4.5's where use_qk_norm); MLA's norms of the query and key/value latents
-        "qk_layernorm": model_type in ("qwen3", "qwen3_moe", "qwen3_next") or bool(mla["multi_latent_attention"])
+        "qk_layernorm": model_type in ("qwen3", "qwen3_moe", *HYBRID_MODEL_TYPES) or bool(mla["multi_latent_attention"])
         or (model_type == "glm4_moe" and bool(getattr(hf_config, "use_qk_norm", False))),
         **hf_moe(hf_config),
         **mla,

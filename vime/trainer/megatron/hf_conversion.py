@@ -35,7 +35,7 @@ from typing import Mapping
 
 import torch
 
-from vime.trainer.megatron.hf_architecture import hf_architecture
+from vime.trainer.megatron.hf_architecture import MULTIMODAL_WRAPPERS, hf_architecture, language_config
 
 
 @dataclass(frozen=True)
@@ -59,10 +59,14 @@ class Arch:
     linear_heads: tuple[int, int, int, int] = (0, 0, 0, 0)  # key heads, value heads, key dim, value dim
     output_gate: bool = False
     shared_expert_gate: bool = False
+    split_linear_in_proj: bool = False  # Qwen3.5: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a (Qwen3-Next: 2)
+    prefix: str = "model."  # where the language model's tensors are ("model.language_model." in a multimodal one)
 
     @classmethod
     def from_hf(cls, hf_config) -> "Arch":
         a = hf_architecture(hf_config)
+        multimodal = hf_config.model_type in MULTIMODAL_WRAPPERS
+        text = language_config(hf_config)
         return cls(a["num_layers"], a["num_attention_heads"], a["num_query_groups"], a["kv_channels"],
                    not a["untie_embeddings_and_output_weights"], a["qk_layernorm"], a["add_qkv_bias"],
                    tuple(a["moe_layer_freq"] or ()), a["num_experts"] or 0, bool(a["multi_latent_attention"]),
@@ -70,7 +74,8 @@ class Arch:
                    bool(a["moe_router_enable_expert_bias"]), tuple(a["linear_attention_freq"] or ()),
                    (a["linear_num_key_heads"] or 0, a["linear_num_value_heads"] or 0, a["linear_key_head_dim"] or 0,
                     a["linear_value_head_dim"] or 0), bool(a["attention_output_gate"]),
-                   bool(a["moe_shared_expert_gate"]))
+                   bool(a["moe_shared_expert_gate"]), text.model_type in ("qwen3_5_text", "qwen3_5_moe_text"),
+                   "model.language_model." if multimodal else "model.")
 
     def is_moe(self, layer: int) -> bool:
         return bool(self.moe_layers) and bool(self.moe_layers[layer])
@@ -123,6 +128,8 @@ _LINEAR_PARAMS = {
     "self_attention.out_norm_weight": ("copy", ("linear_attn.norm.weight",), None),
     "self_attention.out_proj.weight": ("copy", ("linear_attn.out_proj.weight",), 1),
 }
+# Qwen3.5's input projection: q, k, v (each whole, key heads in order), z, b, a are Megatron's blocks already
+_SPLIT_IN_PROJ = ("gdn_in4", tuple(f"linear_attn.in_proj_{n}.weight" for n in ("qkv", "z", "b", "a")), 0)
 _GATED_QKV = ("qkvg", ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"), 0)
 # Qwen3-Next's one shared expert, and its sigmoid gate
 _GATED_SHARED_EXPERT = {
@@ -154,13 +161,15 @@ def param_for(name: str, arch: Arch, layer_offset: int, expert_offset: int = 0) 
     `expert_offset`: the global index of this rank's first local expert."""
     m = _LAYER_RE.match(name)
     if m:
-        prefix = f"model.layers.{int(m.group(1)) + layer_offset}."
+        prefix = f"{arch.prefix}layers.{int(m.group(1)) + layer_offset}."
         expert = _EXPERT_RE.match(m.group(2))
         if expert:
             kind, hf_suffixes, split_dim = _MOE_PARAMS[expert.group(2)]
             prefix += f"mlp.experts.{int(expert.group(1)) + expert_offset}."
         elif arch.mla and m.group(2) == "self_attention.q_layernorm.weight":
             kind, hf_suffixes, split_dim = _MLA_Q_NORM
+        elif arch.split_linear_in_proj and m.group(2) == "self_attention.in_proj.weight":
+            kind, hf_suffixes, split_dim = _SPLIT_IN_PROJ
         elif m.group(2) in _LINEAR_PARAMS:
             kind, hf_suffixes, split_dim = _LINEAR_PARAMS[m.group(2)]
         elif arch.output_gate and m.group(2) == "self_attention.linear_qkv.weight":
@@ -171,9 +180,9 @@ def param_for(name: str, arch: Arch, layer_offset: int, expert_offset: int = 0) 
             kind, hf_suffixes, split_dim = _MOE_PARAMS.get(m.group(2)) or _LAYER_PARAMS[m.group(2)]
         return _Param(kind, tuple(prefix + s for s in hf_suffixes), split_dim)
     if name == "embedding.word_embeddings.weight":
-        return _Param("copy", ("model.embed_tokens.weight",), 0)
+        return _Param("copy", (f"{arch.prefix}embed_tokens.weight",), 0)
     if name == "decoder.final_layernorm.weight":
-        return _Param("copy", ("model.norm.weight",), None)
+        return _Param("copy", (f"{arch.prefix}norm.weight",), None)
     if name == "output_layer.weight":
         return None if arch.tied else _Param("copy", ("lm_head.weight",), 0)
     raise KeyError(f"no HF mapping for Megatron parameter {name!r}")
@@ -226,7 +235,7 @@ def _sections(p: _Param, arch: Arch, rows: int) -> list[int] | None:
     key_heads, value_heads, key_dim, value_dim = arch.linear_heads
     if p.kind == "fc1":
         return [rows // 2, rows // 2]
-    if p.kind == "gdn_in":  # [q | k | v | z | b | a]
+    if p.kind in ("gdn_in", "gdn_in4"):  # [q | k | v | z | b | a]
         return [key_heads * key_dim] * 2 + [value_heads * value_dim] * 2 + [value_heads] * 2
     if p.kind == "gdn_conv":  # [q | k | v]
         return [key_heads * key_dim] * 2 + [value_heads * value_dim]
@@ -242,6 +251,8 @@ def _to_full_megatron(p: _Param, hf: Mapping[str, torch.Tensor], arch: Arch) -> 
                                                                      per * value_dim], dim=1)
         b, a = ba.view(key_heads, -1, ba.shape[-1]).split([per, per], dim=1)
         return torch.cat([t.reshape(-1, qkvz.shape[-1]) for t in (q, k, v, z, b, a)])
+    if p.kind in ("fc1", "gdn_in4"):
+        return torch.cat([hf[n] for n in p.hf_names], dim=0)
     if p.kind == "qkvg":  # HF's q_proj holds each head's query then its output gate
         q, k, v = (hf[n] for n in p.hf_names)
         q, gate = q.view(arch.heads, 2, arch.head_dim, -1).unbind(1)
@@ -253,8 +264,6 @@ def _to_full_megatron(p: _Param, hf: Mapping[str, torch.Tensor], arch: Arch) -> 
         per_group = [q.reshape(arch.groups, -1, *rest), k.reshape(arch.groups, -1, *rest),
                      v.reshape(arch.groups, -1, *rest)]
         return torch.cat(per_group, dim=1).reshape(-1, *rest)
-    if p.kind == "fc1":
-        return torch.cat([hf[n] for n in p.hf_names], dim=0)
     return hf[p.hf_names[0]]
 
 
@@ -265,6 +274,9 @@ def from_full_megatron(p: _Param, full: torch.Tensor, arch: Arch) -> list[tuple[
                             for t in full.split(_sections(p, arch, full.shape[0]), dim=0))
         return list(zip(p.hf_names, (torch.cat([q, k, v, z], dim=1).reshape(-1, full.shape[-1]),
                                      torch.cat([b, a], dim=1).reshape(-1, full.shape[-1]))))
+    if p.kind == "gdn_in4":
+        q, k, v, z, b, a = full.split(_sections(p, arch, full.shape[0]), dim=0)
+        return list(zip(p.hf_names, (torch.cat([q, k, v]), z, b, a)))
     if p.kind == "qkvg":
         q_per_group = arch.heads // arch.groups * arch.head_dim
         q, gate, k, v = full.reshape(arch.groups, -1, full.shape[-1]).split(
@@ -320,7 +332,7 @@ def hf_to_chunk(hf: Mapping[str, torch.Tensor], arch: Arch, tp_rank: int, tp_siz
     for name in _chunk_param_names(arch, num_local_layers, pre_process, post_process, layer_offset, local_experts):
         p = param_for(name, arch, layer_offset, ep_rank * local_experts)
         if p is None:  # last stage's copy of the tied embedding
-            p = _Param("copy", ("model.embed_tokens.weight",), 0)
+            p = _Param("copy", (f"{arch.prefix}embed_tokens.weight",), 0)
         rank, size = etp if etp is not None and is_routed_expert(name) else (tp_rank, tp_size)
         out[name] = _tp_split(p, _to_full_megatron(p, hf, arch), rank, size, arch)
     return out

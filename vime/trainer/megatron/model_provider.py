@@ -203,7 +203,7 @@ class LocalNorm:
     weight under bf16 inputs takes torch's unfused path ("Mismatch dtype ... Cannot dispatch to fused")."""
 
     def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_unused):
-        if config.layernorm_zero_centered_gamma:  # Qwen3-Next's norms scale by 1 + weight
+        if getattr(config, "layernorm_zero_centered_gamma", False):  # Qwen3-Next's norms scale by 1 + weight
             norm = ZeroCenteredRMSNorm(hidden_size, eps, config.params_dtype)
         else:
             norm_class = {"RMSNorm": torch.nn.RMSNorm, "LayerNorm": torch.nn.LayerNorm}[config.normalization]
