@@ -51,6 +51,24 @@ def test_quickstart_learns_and_draws_its_reward_curve(tmp_path):
     _check_saved_trainer_records(tmp_path / "grpo")
 
 
+@pytest.mark.skipif(not os.environ.get("VIME_TEST_HYBRID_QUICKSTART"), reason="VIME_TEST_HYBRID_QUICKSTART=1: "
+                    "about 2.5 minutes")
+def test_hybrid_quickstart_learns(tmp_path):
+    """ARCH=qwen3_next: the quickstart's task on a tiny hybrid Qwen3-Next (Gated DeltaNet layers alternating with
+    gated attention, MoE), bfloat16 engines and the float32 trainer: the held-out eval reward rises over the run
+    (0.74 -> 0.88 measured), the train/rollout gap stays at the engines' bfloat16 rounding."""
+    assert not stack_pids()
+    env = {**os.environ, "SKIP_INSTALL": "1", "OUT": str(tmp_path), "VIME_PROGRESS": "0", "ARCH": "qwen3_next"}
+    proc = subprocess.run(["bash", str(REPO / "examples" / "quickstart" / "run.sh")], capture_output=True, text=True,
+                          timeout=1200, cwd=REPO, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    records = [json.loads(line) for line in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()]
+    evals = {r["rollout_id"]: r["eval/repeat/reward_mean"] for r in records if "eval/repeat/reward_mean" in r}
+    print(f"hybrid quickstart eval reward: {evals}")
+    assert evals[max(evals)] >= evals[0] + 0.1, evals
+    assert max(r["train_rollout_logprob_abs_diff"] for r in records if "train/steps" in r) < 1e-2
+
+
 def _check_saved_trainer_records(run_dir: Path) -> None:
     """The training actor (through Ray) saved its log-probs and advantages of every sample of every rollout beside
     the compact rollout, for the inspector: the log-probs within 1e-3 of the engine's (same weights, float32)."""

@@ -53,11 +53,14 @@ def _rollout(prompts: int = 2, group: int = 4, prompt_len: int = 16) -> list[lis
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("flops")
     return {"qwen3": build_tiny_model(root / "dense", arch="qwen3", seed=0),
-            "qwen3_moe": build_tiny_model(root / "moe", arch="qwen3_moe", seed=0, config={"mlp_only_layers": []})}
+            "qwen3_moe": build_tiny_model(root / "moe", arch="qwen3_moe", seed=0, config={"mlp_only_layers": []}),
+            # Gated DeltaNet layers and gated attention (a dense MLP: the routed experts are Qwen3-MoE's case)
+            "qwen3_next": build_tiny_model(root / "next", arch="qwen3_next", seed=0, config={"num_experts": 0})}
 
 
 @pytest.mark.parametrize("arch,share,steps,kl", [
     ("qwen3", False, 1, False), ("qwen3", True, 1, False), ("qwen3_moe", False, 1, False),
+    ("qwen3_next", False, 1, False),
     ("qwen3", True, 2, True),  # the old-log-prob pass (two steps) and the reference's (KL loss)
 ])
 def test_counted_flops_match_torchs_count_of_the_training_step(checkpoints, arch, share, steps, kl):
@@ -86,10 +89,17 @@ def test_counted_flops_match_torchs_count_of_the_training_step(checkpoints, arch
         del trainer
         destroy_parallel()
     counted = counter.get_total_flops()
+    by_op = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+    if "aten.convolution_backward" in by_op:  # torch's counter takes Gated DeltaNet's depthwise convolution's
+        # backward for a dense one (it does not divide by the groups): it is two of its forward
+        counted += 2 * by_op["aten.convolution"] - by_op["aten.convolution_backward"]
     assert model == by_hand
     assert metrics["perf/train_tflop"] == pytest.approx(model["useful"] / 1e12)
     assert metrics["perf/train_tflops_per_s"] == pytest.approx(model["useful"] / 2e12) and "perf/mfu" not in metrics
-    assert model["total"] == pytest.approx(counted, rel=0.03), (model, counter.get_flop_counts()["Global"])
+    # Gated DeltaNet: autograd skips some state products of one-chunk rows, which these short samples all are
+    # (`FlopShape.linear_attention_flops`): 3.5% of this step's total
+    assert model["total"] == pytest.approx(counted, rel=0.05 if arch == "qwen3_next" else 0.03), (
+        model, counter.get_flop_counts()["Global"])
     assert model["useful"] < model["total"]  # causal attention's upper triangle is not work
 
 

@@ -44,15 +44,29 @@ class FlopShape:
     qk_nope_dim: int = 0
     qk_rope_dim: int = 0
     v_head_dim: int = 0
+    # Gated DeltaNet (Qwen3-Next, Qwen3.5): how many layers, their key / value heads and sizes, the convolution's
+    # kernel; and the full-attention layers' output gate (q_proj twice as wide)
+    linear_layers: int = 0
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_key_dim: int = 0
+    linear_value_dim: int = 0
+    linear_conv_kernel: int = 0
+    output_gate: bool = False
 
     @classmethod
     def from_hf(cls, config, lora_rank: int = 0) -> FlopShape:
         """The shape of an HF config; its MoE layout as the model is built from it (`hf_architecture.hf_moe`)."""
-        from vime.trainer.megatron.hf_architecture import hf_moe, language_config
+        from vime.trainer.megatron.hf_architecture import hf_linear_attention, hf_moe, language_config
 
         config = language_config(config)
         heads = config.num_attention_heads
-        moe = hf_moe(config)
+        moe, linear = hf_moe(config), hf_linear_attention(config)
+        hybrid = {"linear_layers": sum(linear["linear_attention_freq"]), "output_gate": True,
+                  "linear_key_heads": linear["linear_num_key_heads"], "linear_key_dim": linear["linear_key_head_dim"],
+                  "linear_value_heads": linear["linear_num_value_heads"],
+                  "linear_value_dim": linear["linear_value_head_dim"],
+                  "linear_conv_kernel": linear["linear_conv_kernel_dim"]} if linear["linear_attention_freq"] else {}
         mla = {"q_lora_rank": getattr(config, "q_lora_rank", None) or 0, "kv_lora_rank": config.kv_lora_rank,
                "qk_nope_dim": config.qk_nope_head_dim, "qk_rope_dim": config.qk_rope_head_dim,
                "v_head_dim": config.v_head_dim} if getattr(config, "kv_lora_rank", None) else {}
@@ -63,38 +77,67 @@ class FlopShape:
                    ffn=getattr(config, "intermediate_size", None) or config.moe_intermediate_size,
                    vocab=config.vocab_size,
                    moe_layers=sum(moe["moe_layer_freq"] or []), num_experts=moe["num_experts"] or 0,
-                   experts_per_token=moe["moe_router_topk"] or 0, moe_ffn=moe["moe_ffn_hidden_size"] or 0,
+                   experts_per_token=moe["moe_router_topk"] or 0, moe_ffn=moe["moe_ffn_hidden_size"] or 0, **hybrid,
                    shared_expert_ffn=moe["moe_shared_expert_intermediate_size"] or 0, lora_rank=lora_rank)
 
     def _linears(self, moe: bool) -> list[tuple[int, int, float]]:
-        """(in, out, times per token) of a layer's linear maps."""
-        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        attention = [(self.hidden, q + 2 * kv, 1.0), (q, self.hidden, 1.0)]
+        """(in, out, times per token) of a (full-attention) layer's linear maps."""
+        return self._attention_linears(linear=False) + self._mlp_linears(moe)
+
+    def _attention_linears(self, linear: bool) -> list[tuple[int, int, float]]:
+        """The token mixer's linear maps: a Gated DeltaNet layer's (`linear`: in_proj's q, k, v, z, b, a, then
+        out_proj), multi-latent attention's, or q/k/v (q twice as wide with an output gate) and the output."""
+        if linear:
+            keys, values = self.linear_key_heads * self.linear_key_dim, self.linear_value_heads * self.linear_value_dim
+            return [(self.hidden, 2 * keys + 2 * values + 2 * self.linear_value_heads, 1.0), (values, self.hidden, 1.0)]
         if self.kv_lora_rank:
             qk = self.heads * (self.qk_nope_dim + self.qk_rope_dim)
             queries = [(self.hidden, self.q_lora_rank, 1.0), (self.q_lora_rank, qk, 1.0)] if self.q_lora_rank \
                 else [(self.hidden, qk, 1.0)]
-            attention = queries + [(self.hidden, self.kv_lora_rank + self.qk_rope_dim, 1.0),
-                                   (self.kv_lora_rank, self.heads * (self.qk_nope_dim + self.v_head_dim), 1.0),
-                                   (self.heads * self.v_head_dim, self.hidden, 1.0)]
+            return queries + [(self.hidden, self.kv_lora_rank + self.qk_rope_dim, 1.0),
+                              (self.kv_lora_rank, self.heads * (self.qk_nope_dim + self.v_head_dim), 1.0),
+                              (self.heads * self.v_head_dim, self.hidden, 1.0)]
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return [(self.hidden, q * (2 if self.output_gate else 1) + 2 * kv, 1.0), (q, self.hidden, 1.0)]
+
+    def _mlp_linears(self, moe: bool) -> list[tuple[int, int, float]]:
         if not moe:
-            return attention + [(self.hidden, 2 * self.ffn, 1.0), (self.ffn, self.hidden, 1.0)]
+            return [(self.hidden, 2 * self.ffn, 1.0), (self.ffn, self.hidden, 1.0)]
         routed = [(self.hidden, 2 * self.moe_ffn, self.experts_per_token),
                   (self.moe_ffn, self.hidden, self.experts_per_token)]
         shared = [(self.hidden, 2 * self.shared_expert_ffn, 1.0), (self.shared_expert_ffn, self.hidden, 1.0)] \
             if self.shared_expert_ffn else []
-        return attention + [(self.hidden, self.num_experts, 1.0)] + routed + shared
+        gate = [(self.hidden, 1, 1.0)] if self.shared_expert_ffn and self.output_gate else []  # Qwen3-Next's
+        return [(self.hidden, self.num_experts, 1.0)] + routed + shared + gate
 
     def layer_flops_per_token(self) -> tuple[float, float]:
         """Forward FLOPs of one token through every layer's linear maps: (the base weights, the LoRA adapters)."""
         base = adapters = 0.0
-        for moe in (False, True):
-            count = self.moe_layers if moe else self.layers - self.moe_layers
-            for n_in, n_out, times in self._linears(moe):
+        parts = [(self.moe_layers, self._mlp_linears(True)), (self.layers - self.moe_layers, self._mlp_linears(False)),
+                 (self.linear_layers, self._attention_linears(True)),
+                 (self.layers - self.linear_layers, self._attention_linears(False))]
+        for count, linears in parts:
+            for n_in, n_out, times in linears:
                 base += count * times * 2 * n_in * n_out
-                if self.lora_rank and n_out != self.num_experts:  # no adapter on the router
+                if self.lora_rank and n_out not in (self.num_experts, 1):  # no adapter on the router or a gate
                     adapters += count * times * 2 * self.lora_rank * (n_in + n_out)
         return base, adapters
+
+    def linear_attention_flops(self, batch: int, longest: int, train: bool) -> float:
+        """FLOPs of the Gated DeltaNet layers over `batch` rows of `longest` tokens, as
+        `gated_delta_rule.chunked_gated_delta_rule` multiplies (chunks of 64, the rows padded to whole chunks) and
+        the depthwise convolution before it computes; `train`: with the backward, twice each product's forward
+        (autograd skips a few of the state's products where a row's first and last chunks need no gradient: 2 of
+        the 9 per chunk of a one-chunk row, none measurable over many chunks)."""
+        if not self.linear_layers:
+            return 0.0
+        c, dk, dv = 64, self.linear_key_dim, self.linear_value_dim
+        chunks = batch * -(-longest // c)
+        per_chunk = 4 * c * c * dk + 2 * c * c * dv + 6 * c * dk * dv  # K K^T, Q K^T, (Q K^T) U; the state's three
+        channels = 2 * self.linear_key_heads * dk + self.linear_value_heads * dv
+        conv = 2 * self.linear_conv_kernel * channels * batch * longest
+        factor = 3.0 if train else 1.0
+        return factor * self.linear_layers * (self.linear_value_heads * chunks * per_chunk + conv)
 
 
 @dataclass(frozen=True)
@@ -143,9 +186,13 @@ def pass_flops(shape: FlopShape, work: list[MicroBatchWork], train: bool) -> dic
         matmul += linear_factor * base * w.rows + (3.0 if train else 1.0) * adapters * w.rows
         useful += linear_factor * base * w.real_rows + (3.0 if train else 1.0) * adapters * w.real_rows
         for (batch, queries, keys), causal in zip(w.attention, w.causal):
-            computed = 2 * 2 * batch * shape.heads * shape.head_dim * queries * keys * shape.layers
+            full = shape.layers - shape.linear_layers
+            computed = 2 * 2 * batch * shape.heads * shape.head_dim * queries * keys * full
             attention += attention_factor * computed
             useful += attention_factor * computed * (0.5 if causal else 1.0)
+            recurrent = shape.linear_attention_flops(batch, queries, train)
+            attention += recurrent
+            useful += recurrent
         head = 2 * shape.hidden * shape.vocab * w.logit_rows
         logits += (3.0 if train else 1.0) * head
         useful += (3.0 if train else 1.0) * head
