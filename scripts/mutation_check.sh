@@ -71,6 +71,17 @@ MUTATIONS = {
                                  "loss = loss - algorithm.entropy_coef * agg(entropy, masks)",
                                  ["tests/unit/test_rollout_correction.py::"
                                   "test_the_loss_takes_the_rollouts_entropy_coefficient"]),
+    # Gated DeltaNet reads a packed micro-batch as one sequence: each sample starts from the state of the one before
+    "recurrent_state_across_packed_sequences": ("vime/trainer/megatron/linear_attention.py",
+                                                "        if packed_seq_params is not None:\n",
+                                                "        if False:\n",
+                                                ["tests/unit/test_packed_training.py::"
+                                                 "test_recurrent_layers_keep_packed_sequences_apart"]),
+    # the chunked gated delta rule forgets the decay inside a chunk
+    "delta_rule_without_decay": ("vime/trainer/megatron/gated_delta_rule.py",
+                                 "        outs.append(decay_c[..., None] * (q_c @ state) + qk_c @ u)",
+                                 "        outs.append(q_c @ state + qk_c @ u)",
+                                 ["tests/unit/test_gated_delta_rule.py"]),
 }
 
 

@@ -217,7 +217,8 @@ def _engine_vs_checkpoint(model: Path, samples, dtype) -> tuple[float, float]:
 def test_hybrid_linear_attention_generates_trains_and_syncs(tmp_path):
     """Tiny Qwen3-Next (3 Gated DeltaNet layers, then gated full attention; 4 softmax-routed experts and a gated
     shared expert) through the loop: vLLM's CPU kernel for the linear-attention layers runs bfloat16 only
-    (--vllm-dtype bfloat16), the trainer float32. Three GRPO rollouts at a learning rate that moves the policy:
+    (--vllm-dtype bfloat16), the trainer float32, its experts over 2 expert-parallel ranks, the engine's routing
+    replayed. Three GRPO rollouts at a learning rate that moves the policy:
     after each in-place weight update the engine's log-probs move far from the checkpoint's (mean 0.38 and 0.73
     measured) while the train/rollout gap stays at bfloat16 rounding (an update the engine missed would show as a
     gap of the policy's move). Rollout 0, on the checkpoint's weights: the engine is as close to transformers in
@@ -232,7 +233,8 @@ def test_hybrid_linear_attention_generates_trains_and_syncs(tmp_path):
            "--rm-type", "random", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--num-rollout", "3",
            "--rollout-num-gpus", "1", "--rollout-max-response-len", "8", "--micro-batch-size", "8", "--lr", "3e-2",
            "--vllm-dtype", "bfloat16", "--save-debug-rollout-data", str(out / "rollout_{rollout_id}.jsonl"),
-           "--output-dir", str(out / "run"), "--vllm-enforce-eager", "--vllm-max-model-len", "1024"]
+           "--output-dir", str(out / "run"), "--vllm-enforce-eager", "--vllm-max-model-len", "1024",
+           *_EP2, "--use-rollout-routing-replay"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-6000:]
     train = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -246,6 +248,8 @@ def test_hybrid_linear_attention_generates_trains_and_syncs(tmp_path):
         assert r["train/grad_norm"] > 0
         check_grpo_stats(r, load_rollout(str(out / "rollout_{rollout_id}.jsonl"), r["rollout_id"]))
     assert min(moved) > 10 * max(r["train_rollout_logprob_abs_diff"] for r in train)  # the engine was updated
+    for s in rollouts[0]:  # the engine's routing of every token, all four (MoE) layers, top-2: replayed
+        assert np.asarray(s.rollout_routed_experts).shape == (len(s.tokens) - 1, 4, 2)
     fp32, bf16 = (_engine_vs_checkpoint(model, rollouts[0], dtype) for dtype in (torch.float32, torch.bfloat16))
     means, maxes = ([f"{r[k]:.2e}" for r in train] for k in ("train_rollout_logprob_abs_diff",
                                                                "train_rollout_logprob_abs_diff_max"))

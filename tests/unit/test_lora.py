@@ -149,14 +149,16 @@ def test_lora_over_two_tensor_parallel_ranks_trains_and_resumes_like_one_process
                                    atol=trained_weights_tolerance(2e-4, lr=1e-2))
 
 
-def test_lora_on_an_moe_model_adapts_its_dense_linears(tmp_path, caplog):
-    """Tiny Qwen3-MoE (layer 0 dense, 1 MoE) with all-linear targets: attention everywhere and layer 0's MLP get
-    adapters, the experts none (logged); a step trains them and leaves every expert and router bit-identical."""
+@pytest.mark.parametrize("arch", ["qwen3_moe", "glm4_moe"])
+def test_lora_on_an_moe_model_adapts_its_dense_linears(arch, tmp_path, caplog):
+    """Tiny Qwen3-MoE and GLM-4.5 (qkv biases, partial rotary, a shared expert; layer 0 dense, 1 MoE) with
+    all-linear targets: attention everywhere and layer 0's MLP get adapters, the experts none (logged); a step
+    trains them and leaves every expert (shared ones too) and router bit-identical."""
     from safetensors.torch import load_file
 
     from vime.synthetic.tiny_model import build_tiny_model
 
-    model = build_tiny_model(tmp_path / "moe", seed=3, arch="qwen3_moe")
+    model = build_tiny_model(tmp_path / "moe", seed=3, arch=arch)
     base = load_file(model / "model.safetensors")
     with caplog.at_level("WARNING"), trainer(model, *LORA_ARGV) as t:
         chunk = _unwrap(t.model[0])
@@ -168,7 +170,7 @@ def test_lora_on_an_moe_model_adapts_its_dense_linears(tmp_path, caplog):
         "decoder.layers.0.mlp.linear_fc1", "decoder.layers.0.mlp.linear_fc2",
         "decoder.layers.1.self_attention.linear_qkv", "decoder.layers.1.self_attention.linear_proj"}
     assert "LoRA adapts no MoE experts of layer 1 (not supported yet)" in caplog.text
-    experts = [n for n in base if ".mlp.experts." in n or n.endswith(".mlp.gate.weight")]
+    experts = [n for n in base if ".mlp.experts." in n or ".shared_experts." in n or n.endswith(".mlp.gate.weight")]
     assert experts and all(torch.equal(merged[n], base[n]) for n in experts)
     q_proj = "model.layers.1.self_attn.q_proj.weight"
     assert not torch.equal(merged[q_proj], base[q_proj])

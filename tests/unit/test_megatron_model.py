@@ -453,3 +453,19 @@ def test_qwen3_next_is_refused_where_it_cannot_run(tiny_models, tmp_path):
             check_model_args(qwen3_5)
     else:
         check_model_args(qwen3_5)
+
+
+@pytest.mark.parametrize("case", ["qwen3_next", "qwen3_5_moe"])
+def test_hybrid_moe_round_trip_through_tp_and_ep_shards(case, tiny_models):
+    """The hybrid MoE layouts split over TP 2 x EP 2: each EP rank holds two of the four experts of every layer, the
+    Gated DeltaNet blocks and the gated shared expert split over TP; merged back, the checkpoint bit for bit."""
+    path = tiny_models[case]
+    config, hf = hf_config(path), load_file(path / "model.safetensors")
+    back = {}
+    for ep_rank in range(2):
+        shards = [hf_to_megatron_state_dict(hf, config, tp_rank, 2, 0, 1, ep_rank, 2) for tp_rank in range(2)]
+        assert {k for k in shards[0] if ".local_experts." in k and k.startswith("decoder.layers.0.")} == {
+            f"decoder.layers.0.mlp.experts.local_experts.{e}.linear_fc{f}.weight" for e in range(2) for f in (1, 2)}
+        back.update(megatron_to_hf_state_dict(shards, config, 0, 1, ep_rank, 2))
+    assert back.keys() == hf.keys()
+    assert all(torch.equal(back[k], hf[k]) for k in hf)
