@@ -469,3 +469,22 @@ def test_hybrid_moe_round_trip_through_tp_and_ep_shards(case, tiny_models):
         back.update(megatron_to_hf_state_dict(shards, config, 0, 1, ep_rank, 2))
     assert back.keys() == hf.keys()
     assert all(torch.equal(back[k], hf[k]) for k in hf)
+
+
+def test_slime_qwen3_5_script_flags_agree_with_the_hybrid_config(tiny_models, caplog):
+    """slime's Qwen3.5 / Qwen3-Next launch scripts: --spec (its layer-spec plugin) is accepted without effect and
+    said so, --apply-layernorm-1p (Megatron-LM's name for norms by 1 + weight), --use-gated-attention and
+    --attention-output-gate are checked against the config; on a model without them each is refused, naming it."""
+    slime = ["--spec", "slime_plugins.models.qwen3_5", "get_qwen3_5_spec", "--disable-bias-linear", "--qk-layernorm",
+             "--group-query-attention", "--kv-channels", "32", "--use-gated-attention", "--apply-layernorm-1p",
+             "--rotary-percent", "0.25", "--swiglu", "--attention-output-gate", "--untie-embeddings-and-output-weights"]
+    for case in ("qwen3_next", "qwen3_5"):
+        with caplog.at_level("WARNING"):
+            args = megatron_args(slime, hf_config(tiny_models[case]))
+        assert args.layernorm_zero_centered_gamma and args.attention_output_gate and args.rotary_percent == 0.25
+    assert "--spec has no effect: slime's layer-spec provider" in caplog.text
+    for flag, message in (("--apply-layernorm-1p", "--apply-layernorm-1p=True contradicts the HF config"),
+                          ("--use-gated-attention", "--use-gated-attention contradicts the HF config"),
+                          ("--attention-output-gate", "--attention-output-gate=True contradicts the HF config")):
+        with pytest.raises(ValueError, match=message):
+            megatron_args([flag], hf_config(tiny_models["qwen3"]))

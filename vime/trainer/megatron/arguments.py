@@ -15,7 +15,7 @@ import dataclasses
 
 from vime.trainer.megatron.hf_architecture import hf_architecture, language_config
 from vime.trainer.megatron.megatron_flags import (add_generated_megatron_args, check_megatron_lm_architecture,
-                                                         core_flag, warn_once)
+                                                         core_flag, flag_name, warn_once)
 from vime.config.section import add_flags
 from vime.config.train import MegatronConfig
 from vime.utils.device import use_gpu
@@ -65,9 +65,12 @@ def fill_architecture_from_hf(args: argparse.Namespace, hf_config) -> argparse.N
         if given is None:
             filled[dest] = value
         elif given != value:
-            flag = "--" + dest.replace("_", "-")
+            flag = flag_name(dest)
             raise ValueError(f"{flag}={given!r} contradicts the HF config, which gives {value!r}; "
                              f"drop {flag} to use the config's value")
+    if args.use_gated_attention and not architecture["attention_output_gate"]:  # slime's flag, checked
+        raise ValueError("--use-gated-attention contradicts the HF config, whose attention has no output gate; "
+                         "drop --use-gated-attention")
     if megatron.moe_aux_loss_coeff is None:  # a training choice: the config's is only the default
         filled["moe_aux_loss_coeff"] = float(getattr(language_config(hf_config), "router_aux_loss_coef", 0.0) or 0.0)
     return with_values(args, **filled)

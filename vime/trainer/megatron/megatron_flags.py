@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 # field -> Megatron-LM's flag, where its name is not the field's; "!" marks a flag that stores the negation
 MEGATRON_LM_NAMES = {
+    "layernorm_zero_centered_gamma": "--apply-layernorm-1p",  # slime's Qwen3-Next / Qwen3.5 scripts pass it
     "grad_reduce_in_fp32": "--accumulate-allreduce-grads-in-fp32",
     "bucket_size": "--ddp-bucket-size",
     "average_in_collective": "--ddp-average-in-collective",
@@ -120,6 +121,7 @@ FIXED = {
 ARCHITECTURE_ALIASES = {
     "--group-query-attention": "grouped-query attention: implied by --num-query-groups / the HF config",
     "--use-rotary-position-embeddings": "rotary position embeddings: the only kind vime's models use",
+    "--use-gated-attention": "slime's gated attention (Qwen3-Next, Qwen3.5): the config's attention output gate",
 }
 
 
@@ -133,6 +135,8 @@ ACCEPTED_WITHOUT_EFFECT = {
                            "not supported yet"),
     "--use-mcore-models": (None, "vime always builds megatron-core models"),
     "--balance-data": (None, "vime always balances data-parallel ranks by tokens"),
+    "--spec": ("MODULE FUNCTION", "slime's layer-spec provider: vime builds each layer's spec from the HF config "
+                                  "(Qwen3-Next's and Qwen3.5's Gated DeltaNet layers included)"),
 }
 
 
@@ -254,7 +258,9 @@ def add_generated_megatron_args(parser: argparse.ArgumentParser) -> None:
     for flag, what in ARCHITECTURE_ALIASES.items():
         g.add_argument(flag, action="store_true", default=None, help=f"Megatron-LM's flag for {what}.")
     for flag, (choices, what) in ACCEPTED_WITHOUT_EFFECT.items():
-        kind = {"choices": choices} if choices else {"action": "store_true"}
+        kind = {"choices": choices} if isinstance(choices, list) else {"action": "store_true"}
+        if isinstance(choices, str):  # values of their own (--spec MODULE FUNCTION)
+            kind = {"nargs": len(choices.split()), "metavar": tuple(choices.split())}
         g.add_argument(flag, dest=_accepted_dest(flag), default=None, help=f"Accepted, without effect: {what}.",
                        **kind)
     g.add_argument("--normalization", default=None, choices=["RMSNorm", "LayerNorm"],
@@ -262,6 +268,13 @@ def add_generated_megatron_args(parser: argparse.ArgumentParser) -> None:
                         "(default: None = RMSNorm).")
     g.add_argument("--position-embedding-type", default=None, choices=["rope", "learned_absolute", "none"],
                    help="Megatron-LM's position embedding flag: only rope is supported (default: None = rope).")
+
+
+def flag_name(dest: str) -> str:
+    """The flag a launch script spells for `dest`: Megatron-LM's name of a generated flag (`--apply-layernorm-1p`),
+    else `--<dest with dashes>`."""
+    return next((option["flags"][0] for option in megatron_option_table() if option["field"] == dest),
+                "--" + dest.replace("_", "-"))
 
 
 def core_flag(args: argparse.Namespace, name: str):
