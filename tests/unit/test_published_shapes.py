@@ -164,7 +164,9 @@ def _not_trained(name: str, config) -> bool:
 def test_published_model_builds_at_its_size_and_converts_every_tensor(name, megatron_world):
     from transformers import AutoModelForCausalLM
 
+    from vime.plan.memory import TrainerLayout, stage_parameters
     from vime.plan.published import hf_config
+    from vime.trainer.flops import FlopShape
     from vime.trainer.megatron.arguments import add_megatron_args, fill_architecture_from_hf
     from vime.trainer.megatron.hf_architecture import language_config, multi_token_prediction_layers
     from vime.trainer.megatron.hf_conversion import hf_to_megatron_state_dict, megatron_to_hf_state_dict
@@ -177,6 +179,9 @@ def test_published_model_builds_at_its_size_and_converts_every_tensor(name, mega
         reference = AutoModelForCausalLM.from_config(language_config(config))
     count = sum(p.numel() for p in model.parameters())
     assert count == sum(p.numel() for p in reference.parameters())  # transformers' own model of the config
+    shape = FlopShape.from_hf(config)  # the memory planner's count of the same weights (its weights column)
+    planned = stage_parameters(shape, TrainerLayout(), 0, bool(language_config(config).tie_word_embeddings))
+    assert planned == pytest.approx(count, rel=1e-3), (planned, count)
 
     index = PUBLISHED_INDEX[name](config)
     vision = sum(torch.Size(s).numel() for n, s in index.items() if n.startswith("model.visual."))

@@ -70,9 +70,15 @@ def _stages(shape: FlopShape, pp: int) -> list[list[bool]]:
     return [kinds[i * per:(i + 1) * per] for i in range(pp)]
 
 
-def attention_parameters(shape: FlopShape, tp: int) -> float:
-    """One layer's attention weights on a tensor-parallel rank (its two norms included)."""
+def attention_parameters(shape: FlopShape, tp: int, linear: bool = False) -> float:
+    """One layer's attention weights on a tensor-parallel rank (its two norms included); `linear`: a Gated DeltaNet
+    layer's (in_proj, the convolution, A_log and dt_bias, the gated norm, out_proj)."""
     h = shape.hidden
+    if linear:
+        keys, values = shape.linear_key_heads * shape.linear_key_dim, shape.linear_value_heads * shape.linear_value_dim
+        heads = shape.linear_value_heads
+        return (h * (2 * keys + 2 * values + 2 * heads) + (2 * keys + values) * shape.linear_conv_kernel
+                + 2 * heads + values * h) / tp + shape.linear_value_dim + 2 * h
     if shape.kv_lora_rank:  # multi-latent attention: the down projections are replicated over TP
         qk = shape.qk_nope_dim + shape.qk_rope_dim
         q = (h * shape.q_lora_rank + shape.q_lora_rank + shape.q_lora_rank * shape.heads * qk / tp) \
@@ -81,7 +87,8 @@ def attention_parameters(shape: FlopShape, tp: int) -> float:
             + shape.kv_lora_rank * shape.heads * (shape.qk_nope_dim + shape.v_head_dim) / tp
         return q + kv + shape.heads * shape.v_head_dim * h / tp + 2 * h
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    return h * (q + 2 * kv) / tp + q * h / tp + 2 * h + 2 * shape.head_dim
+    gate = q if shape.output_gate else 0  # Qwen3-Next's q_proj also holds the output gate
+    return h * (q + gate + 2 * kv) / tp + q * h / tp + 2 * h + 2 * shape.head_dim
 
 
 def mlp_parameters(shape: FlopShape, moe: bool, layout: TrainerLayout) -> float:
@@ -89,14 +96,19 @@ def mlp_parameters(shape: FlopShape, moe: bool, layout: TrainerLayout) -> float:
     if not moe:
         return 3 * h * shape.ffn / layout.tp
     experts = shape.num_experts / layout.ep * 3 * h * shape.moe_ffn / layout.etp
-    return h * shape.num_experts + experts + 3 * h * shape.shared_expert_ffn / layout.tp
+    gate = h if shape.output_gate and shape.shared_expert_ffn else 0  # Qwen3-Next's shared expert's gate
+    return h * shape.num_experts + experts + 3 * h * shape.shared_expert_ffn / layout.tp + gate
 
 
 def stage_parameters(shape: FlopShape, layout: TrainerLayout, stage: int, tied: bool) -> float:
     """Weights on one rank of pipeline stage `stage`: its layers, the embedding on the first stage, the final norm
     and output layer (or value head) on the last (a tied output layer is the embedding when both are one stage)."""
     stages = _stages(shape, layout.pp)
-    total = sum(attention_parameters(shape, layout.tp) + mlp_parameters(shape, moe, layout) for moe in stages[stage])
+    # Gated DeltaNet layers spread evenly over the stages (Qwen3-Next's and Qwen3.5's: one attention layer in four)
+    linear = round(shape.linear_layers * len(stages[stage]) / shape.layers)
+    total = sum(mlp_parameters(shape, moe, layout) for moe in stages[stage]) \
+        + linear * attention_parameters(shape, layout.tp, linear=True) \
+        + (len(stages[stage]) - linear) * attention_parameters(shape, layout.tp)
     if shape.lora_rank:
         total += lora_parameters(shape, stages[stage], layout.tp)
     last = stage == layout.pp - 1
