@@ -432,7 +432,8 @@ def test_local_norm_is_built_in_the_models_dtype_and_takes_the_fused_kernel(norm
 
 def test_qwen3_next_is_refused_where_it_cannot_run(tiny_models, tmp_path):
     """vLLM's CPU Gated DeltaNet kernel asserts bfloat16 at the first forward: refused before anything starts,
-    naming the flag that fixes it; with it, the model and its layout pass. LoRA on its projections: refused."""
+    naming the flag that fixes it; with it, the model and its layout pass. LoRA on its projections, and the weight
+    check across dtypes (bf16 rounding through its recurrent layers exceeds the check's tolerance): refused."""
     from vime.arguments import check_model_args, parse_args
 
     path = tiny_models["qwen3_next"]
@@ -442,6 +443,10 @@ def test_qwen3_next_is_refused_where_it_cannot_run(tiny_models, tmp_path):
                                          "pass --vllm-dtype bfloat16"):
         check_model_args(parse_args(base, check_model=False))
     check_model_args(parse_args([*base, "--vllm-dtype", "bfloat16"], check_model=False))
+    with pytest.raises(ValueError, match="--check-weight-update-equal on qwen3_next with bfloat16 engines and a "
+                                         "float32 trainer"):
+        check_model_args(parse_args([*base, "--vllm-dtype", "bfloat16", "--check-weight-update-equal"],
+                                    check_model=False))
     with pytest.raises(ValueError, match="--lora-rank on qwen3_next: LoRA adapters for its Gated DeltaNet"):
         check_model_args(parse_args([*base, "--vllm-dtype", "bfloat16", "--lora-rank", "8"], check_model=False))
     check_model_args(parse_args([*base, "--debug-train-only", "--load-debug-rollout-data", "x_{rollout_id}.pt"],

@@ -19,6 +19,7 @@ import importlib.util
 from pathlib import Path
 
 from vime.config.router import RouterConfig
+from vime.config.train import WeightSyncConfig
 from vime.config.section import add_flags, apply_defaults
 from vime.utils.device import training_dtype, use_gpu
 from vime.utils.option_cache import cache_path, cached_table
@@ -212,6 +213,14 @@ def check_engines_can_serve(args, hf_config: dict) -> None:
                          "install lacks (CPU installs leave it out: its PyPI wheel does not load against the CPU "
                          "torch); serve it from a GPU install, or train from saved rollouts (--debug-train-only)")
     linear = "linear_attention" in (hf_config.get("layer_types") or [])
+    check = WeightSyncConfig.of(args).check_weight_update_equal
+    if linear and engine_dtype(args) != training_dtype(args) and check:
+        raise ValueError(f"--check-weight-update-equal on {hf_config.get('model_type')} with {engine_dtype(args)} "
+                         f"engines and a {training_dtype(args)} trainer: the rounding through its Gated DeltaNet "
+                         "layers alone moves the check's probe by more than its 16-bit tolerance (0.109 against "
+                         "5e-2 on a tiny model's own weights), so the check would report a mismatch on correct "
+                         "weights; drop it (train_rollout_logprob_abs_diff, logged every rollout, shows an update "
+                         "an engine missed)")
     if linear and not use_gpu() and engine_dtype(args) != "bfloat16":
         raise ValueError(f"{hf_config.get('model_type')} has Gated DeltaNet (linear-attention) layers, which vLLM's "
                          f"CPU engines compute in bfloat16 only, but the engines would run {engine_dtype(args)}: pass "
