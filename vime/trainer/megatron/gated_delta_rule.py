@@ -56,7 +56,10 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=None):
     return torch.stack(outs, dim=1).to(out_dtype), state
 
 
-def chunked_gated_delta_rule(q, k, v, g, beta, initial_state=None, chunk_size: int = 64):
+CHUNK = 64  # steps a chunk computes with matrix products (what FlopShape counts too)
+
+
+def chunked_gated_delta_rule(q, k, v, g, beta, initial_state=None, chunk_size: int = CHUNK):
     """The rule in chunks of `chunk_size` steps (see the module docstring); the same result as the recurrent form."""
     out_dtype, seq = v.dtype, v.shape[1]
     q, k, v, g, beta = _to_heads_first(q, k, v, g, beta)

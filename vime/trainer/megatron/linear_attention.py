@@ -23,7 +23,7 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer.module import MegatronModule
 
-from vime.trainer.megatron.attention import padded_rows
+from vime.trainer.megatron.attention import packed_bounds, padded_rows, padding_rows
 from vime.trainer.megatron.gated_delta_rule import chunked_gated_delta_rule, l2_normalize
 
 
@@ -67,16 +67,10 @@ class GatedDeltaNetAttention(MegatronModule):
             if getattr(packed_seq_params, "plan", None) is not None:
                 raise ValueError("Gated DeltaNet layers cannot read a shared prompt: each response needs the "
                                  "recurrent state its own prompt left (prompt sharing is off for such models)")
-            cu = packed_seq_params.cu_seqlens_q.to(projected.device, torch.long)
-            longest = int(packed_seq_params.max_seqlen_q)
+            cu, longest = packed_bounds(packed_seq_params, projected.device)
             batch, total = cu.numel() - 1, projected.shape[0]
-            lengths = cu[1:] - cu[:-1]
-            offsets = torch.arange(longest, device=cu.device)
-            real = offsets < lengths[:, None]
-            rows = torch.where(real, cu[:-1, None] + offsets, 0).view(-1)
-            x = (projected.view(total, -1).index_select(0, rows).view(batch, longest, -1)
-                 * real[..., None].to(projected.dtype))  # padding rows zeroed: they follow every real row
-            out = self._mix(x)  # [sequences, longest, local]
+            x = projected.view(total, -1).index_select(0, padding_rows(cu, longest)).view(batch, longest, -1)
+            out = self._mix(x)  # [sequences, longest, local]: causal, so no padding row reaches a real one
             out = out.reshape(batch * longest, -1).index_select(0, padded_rows(cu, total, longest))[:, None]
         else:
             out = self._mix(projected.transpose(0, 1)).transpose(0, 1)
