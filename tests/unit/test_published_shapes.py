@@ -20,7 +20,8 @@ import torch
 pytest.importorskip("megatron.core")
 
 # the model card's total parameters (billions) and the precision it states them to
-MODEL_CARD_TOTAL = {"GLM-4.5-Air": (106, 1.0), "Qwen3-Next-80B-A3B": (80, 1.0), "Qwen3.5-35B-A3B": (35, 1.0)}
+MODEL_CARD_TOTAL = {"GLM-4.5-Air": (106, 1.0), "Qwen3-Next-80B-A3B": (80, 1.0), "Qwen3.5-35B-A3B": (35, 1.0),
+                    "Qwen3.5-27B": (27, 1.0)}
 
 
 def _glm4_moe_index(c) -> dict[str, tuple[int, ...]]:
@@ -63,7 +64,8 @@ def _glm4_moe_index(c) -> dict[str, tuple[int, ...]]:
 def _qwen3_next_index(c) -> dict[str, tuple[int, ...]]:
     """Qwen3-Next's checkpoint: per layer either Gated DeltaNet (`linear_attn`: in_proj_qkvz, in_proj_ba, conv1d,
     dt_bias, A_log, norm, out_proj) or gated attention (`self_attn`: q_proj twice as wide, holding the output
-    gate, q/k norms), then the router, the routed experts, one shared expert and its gate; its MTP block under
+    gate, q/k norms), then the router, the routed experts, one shared expert and its gate (or, in a dense model,
+    one MLP); its MTP block under
     `mtp.` (fc, pre-fc norms, a full-attention MoE layer, norm)."""
     h, d = c.hidden_size, c.head_dim
     kd, vd = c.linear_num_key_heads * c.linear_key_head_dim, c.linear_num_value_heads * c.linear_value_head_dim
@@ -77,11 +79,14 @@ def _qwen3_next_index(c) -> dict[str, tuple[int, ...]]:
 
     for p, kind in [(f"model.layers.{i}", t) for i, t in enumerate(c.layer_types)] + [("mtp.layers.0",
                                                                                         "full_attention")]:
-        shapes.update({f"{p}.input_layernorm.weight": (h,), f"{p}.post_attention_layernorm.weight": (h,),
-                       f"{p}.mlp.gate.weight": (c.num_experts, h), f"{p}.mlp.shared_expert_gate.weight": (1, h),
-                       **mlp(f"{p}.mlp.shared_expert", c.shared_expert_intermediate_size)})
-        for e in range(c.num_experts):
-            shapes.update(mlp(f"{p}.mlp.experts.{e}", c.moe_intermediate_size))
+        shapes.update({f"{p}.input_layernorm.weight": (h,), f"{p}.post_attention_layernorm.weight": (h,)})
+        if getattr(c, "num_experts", 0):
+            shapes.update({f"{p}.mlp.gate.weight": (c.num_experts, h), f"{p}.mlp.shared_expert_gate.weight": (1, h),
+                           **mlp(f"{p}.mlp.shared_expert", c.shared_expert_intermediate_size)})
+            for e in range(c.num_experts):
+                shapes.update(mlp(f"{p}.mlp.experts.{e}", c.moe_intermediate_size))
+        else:  # a dense model (Qwen3.5-27B): one MLP per layer
+            shapes.update(mlp(f"{p}.mlp", c.intermediate_size))
         if kind == "linear_attention":
             a = f"{p}.linear_attn"
             shapes.update({f"{a}.in_proj_qkvz.weight": (2 * kd + 2 * vd, h),
@@ -123,7 +128,7 @@ def _qwen3_5_index(c) -> dict[str, tuple[int, ...]]:
 
 
 PUBLISHED_INDEX = {"GLM-4.5-Air": _glm4_moe_index, "Qwen3-Next-80B-A3B": _qwen3_next_index,
-                   "Qwen3.5-35B-A3B": _qwen3_5_index}
+                   "Qwen3.5-35B-A3B": _qwen3_5_index, "Qwen3.5-27B": _qwen3_5_index}
 
 
 class _Reads(Mapping):
@@ -198,3 +203,28 @@ def test_published_model_builds_at_its_size_and_converts_every_tensor(name, mega
     back = megatron_to_hf_state_dict([converted], config)
     assert {n: tuple(t.shape) for n, t in back.items()} == {n: s for n, s in index.items() if n not in mtp}
     assert sum(torch.Size(s).numel() for n, s in index.items() if n not in mtp and "e_score" not in n) == count
+
+
+# slime's scripts/models/qwen3.5-27B.sh, MODEL_ARGS as written there
+SLIME_QWEN3_5_27B = (
+    "--spec slime_plugins.models.qwen3_5 get_qwen3_5_spec --disable-bias-linear --qk-layernorm --group-query-attention "
+    "--num-attention-heads 24 --num-query-groups 4 --kv-channels 256 --num-layers 64 --hidden-size 5120 "
+    "--ffn-hidden-size 17408 --use-gated-attention --normalization RMSNorm --apply-layernorm-1p "
+    "--position-embedding-type rope --norm-epsilon 1e-6 --rotary-percent 0.25 --swiglu "
+    "--untie-embeddings-and-output-weights --vocab-size 248320 --rotary-base 10000000 --attention-output-gate").split()
+
+
+def test_slime_qwen3_5_27b_script_agrees_with_the_published_config():
+    """The flagship's launch script (slime's Qwen3.5-27B model flags) reads against the published config without a
+    contradiction, and a flag that disagrees with it is refused naming both values."""
+    from vime.plan.published import hf_config
+    from vime.trainer.megatron.arguments import add_megatron_args, fill_architecture_from_hf
+
+    config = hf_config("Qwen3.5-27B")
+    args = fill_architecture_from_hf(add_megatron_args(argparse.ArgumentParser()).parse_args(SLIME_QWEN3_5_27B), config)
+    assert (args.num_layers, args.hidden_size, args.ffn_hidden_size, args.num_attention_heads) == (64, 5120, 17408, 24)
+    assert (args.num_query_groups, args.kv_channels, args.rotary_percent, args.vocab_size) == (4, 256, 0.25, 248320)
+    layers = SLIME_QWEN3_5_27B.index("--num-layers") + 1
+    wrong = SLIME_QWEN3_5_27B[:layers] + ["48"] + SLIME_QWEN3_5_27B[layers + 1:]
+    with pytest.raises(ValueError, match="--num-layers"):
+        fill_architecture_from_hf(add_megatron_args(argparse.ArgumentParser()).parse_args(wrong), config)

@@ -64,6 +64,18 @@ PUBLISHED = {  # HF config fields as published
         "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "num_experts": 256,
         "num_experts_per_tok": 8, "full_attention_interval": 4, "rms_norm_eps": 1e-06, "tie_word_embeddings": False,
         "partial_rotary_factor": 0.25, "max_position_embeddings": 262144}},
+    # dense, natively multimodal: 48 Gated DeltaNet + 16 gated full-attention layers; a vision tower of the family's
+    # shape projecting into 5120
+    "Qwen3.5-27B": {"model_type": "qwen3_5", "tie_word_embeddings": False, "text_config": {
+        "vocab_size": 248320, "hidden_size": 5120, "intermediate_size": 17408, "num_hidden_layers": 64,
+        "num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256, "linear_num_key_heads": 16,
+        "linear_num_value_heads": 48, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4, "full_attention_interval": 4, "attn_output_gate": True, "rms_norm_eps": 1e-06,
+        "tie_word_embeddings": False, "partial_rotary_factor": 0.25, "rope_theta": 10000000.0,
+        "max_position_embeddings": 262144, "mtp_num_hidden_layers": 1},
+        "vision_config": {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16,
+                          "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                          "num_position_embeddings": 2304, "out_hidden_size": 5120}},
 }
 
 # (GPUs, trainer layout) of each: bf16, samples of 1k prompt + 3k response tokens, groups of 8
