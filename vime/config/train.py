@@ -92,6 +92,19 @@ class MegatronConfig(Section):
         "an expert bias such as DeepSeek-V3; the bias goes to the engines with the weights; 0 freezes it; default: "
         "1e-3, Megatron-LM's).", part="moe")
 
+    mtp_num_layers: int | None = flag(
+        None, "Multi-token-prediction (MTP) layers to hold after the decoder, read from and saved to the "
+        "checkpoint's own (num_nextn_predict_layers; DeepSeek-V3, GLM-4.5); their weights go to the engines with "
+        "each weight update (default: None = none).", part="mtp")
+    enable_mtp_training: bool = flag(
+        False, "Train the MTP layers online on the rollout's tokens (predicting each token from the one two before "
+        "it), so that the rollout's drafter keeps up with the policy. The trunk is detached: the MTP loss trains the "
+        "MTP layers only, never changes the policy's gradient, and is left out of the gradient norm the policy is "
+        "clipped by (default: off = the MTP layers stay as loaded).", part="mtp")
+    mtp_loss_scaling_factor: float = flag(
+        0.1, "Weight of the MTP loss (mean cross-entropy per MTP layer) in the step's loss (default: 0.1, "
+        "Megatron-LM's).", part="mtp")
+
     load: str | None = flag(
         None, "torch_dist checkpoint directory to resume from (default: None = start from --hf-checkpoint).",
         part="checkpoints")

@@ -234,6 +234,7 @@ def build_tiny_model(
     max_position_embeddings: int = 2048,
     tie_word_embeddings: bool = False,
     config: dict | None = None,
+    with_mtp: bool = False,
 ) -> Path:
     """Write a randomly initialised (seeded) HF checkpoint with tokenizer to `out`; returns the path.
 
@@ -271,9 +272,38 @@ def build_tiny_model(
         rope = saved.pop("rope_parameters", None) or {}
         saved.update(rope_theta=rope["rope_theta"], rope_scaling=dict(published))
         (out / "config.json").write_text(json.dumps(saved, indent=2, sort_keys=True))
+    if with_mtp:
+        _write_mtp_layers(out, hf_config, seed)
     GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id).save_pretrained(out)
     (out / "vime_tiny_model.json").write_text(json.dumps({"arch": arch, "seed": seed, "config": config or {}}))
     return out
+
+
+def _write_mtp_layers(out: Path, hf_config, seed: int) -> None:
+    """Add the config's multi-token-prediction layers to the checkpoint as DeepSeek-V3 and GLM-4.5 publish them
+    (transformers writes none): layer num_hidden_layers + k holds a decoder layer shaped like the last one plus
+    eh_proj, enorm, hnorm and shared_head.norm, seeded values."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    count = int(getattr(hf_config, "num_nextn_predict_layers", 0) or 0)
+    if hf_config.model_type not in ("deepseek_v3", "glm4_moe") or not count:
+        raise ValueError(f"--with-mtp: {hf_config.model_type} checkpoints hold no MTP layers vime writes "
+                         "(deepseek_v3, glm4_moe)")
+    path = out / "model.safetensors"
+    tensors = load_file(path)
+    n, h = hf_config.num_hidden_layers, hf_config.hidden_size
+    generator = torch.Generator().manual_seed(seed + 1)
+    last = f"model.layers.{n - 1}."
+    for k in range(count):
+        layer = f"model.layers.{n + k}."
+        for name, value in list(tensors.items()):
+            if name.startswith(last):
+                tensors[layer + name[len(last):]] = value + torch.randn(value.shape, generator=generator) * 0.02
+        tensors[layer + "eh_proj.weight"] = torch.randn(h, 2 * h, generator=generator) * 0.05
+        for norm in ("enorm", "hnorm", "shared_head.norm"):
+            tensors[f"{layer}{norm}.weight"] = 1 + torch.randn(h, generator=generator) * 0.02
+    save_file(tensors, path, metadata={"format": "pt"})
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -288,6 +318,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-kv-heads", type=int, default=2, help="Key/value heads, GQA (default: 2).")
     p.add_argument("--intermediate-size", type=int, default=256, help="MLP width (default: 256).")
     p.add_argument("--tie-word-embeddings", action="store_true", help="Share input and output embeddings.")
+    p.add_argument("--with-mtp", action="store_true",
+                   help="Store the multi-token-prediction layers the config declares, as DeepSeek-V3 and GLM-4.5 "
+                        "publish them (deepseek_v3, glm4_moe; transformers writes none).")
     p.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
                    help="An HF config key over the family's defaults, its value as JSON (repeatable), e.g. "
                         "--set moe_intermediate_size=80 --set decoder_sparse_step=2 --set 'mlp_only_layers=[]'.")
@@ -304,7 +337,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         path = build_tiny_model(
             a.out, a.arch, a.seed, a.vocab_size, a.hidden_size, a.num_layers, a.num_heads, a.num_kv_heads,
-            a.intermediate_size, tie_word_embeddings=a.tie_word_embeddings, config=overrides,
+            a.intermediate_size, tie_word_embeddings=a.tie_word_embeddings, config=overrides, with_mtp=a.with_mtp,
         )
     except ValueError as e:
         p.error(str(e))

@@ -34,6 +34,8 @@ def attach_value_head(chunks) -> None:
             like = next(chunk.parameters())
             chunk.output_layer = ValueHead(chunk.config.hidden_size, device=like.device, dtype=like.dtype)
             chunk.share_embeddings_and_output_weights = False
+            if hasattr(chunk, "mtp"):  # a critic drafts no tokens: no MTP layers (--mtp-num-layers is the actor's)
+                del chunk.mtp
 
 
 def make_value_loss_fn(args, batch: TrainBatch, denominators: dict, scale: float):

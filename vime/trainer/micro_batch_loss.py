@@ -16,6 +16,7 @@ from vime.algorithms.rollout_correction import compute_mis_weights, truncated_we
 from vime.config.algorithm import AlgorithmConfig, DistillationConfig, RolloutCorrectionConfig
 from vime.config.rollout import RolloutConfig
 from vime.config.run import JobConfig
+from vime.config.train import MegatronConfig
 from vime.trainer.log_probs import response_log_probs
 from vime.trainer.train_batch import TrainBatch
 from vime.utils.misc import load_function
@@ -57,7 +58,7 @@ def make_loss_fn(args, batch: TrainBatch, denominators: dict, scale: float, step
     def token_share(values, masks):  # a fraction of the step's trainable tokens, whatever the aggregation
         return aggregate_loss(values, masks, "token_mean", total_tokens=denominators["tokens"])
 
-    def loss_fn(indices, inputs, logits):
+    def loss_fn(indices, inputs, logits, mtp=None):
         # entropy is always reported; it needs a graph only when it is part of the loss
         log_probs, entropy = response_log_probs(logits, inputs.targets, inputs.response_lengths,
                                                 rollout_flags.rollout_temperature, with_entropy=True,
@@ -128,7 +129,11 @@ def make_loss_fn(args, batch: TrainBatch, denominators: dict, scale: float, step
                     loss = loss + distillation.opd_coef * opd
                     metrics["opd_kl_loss"] = opd.detach()
         metrics["entropy"] = agg([e.detach() for e in entropy], masks)
-        metrics["loss"] = loss.detach()
+        metrics["loss"] = loss.detach()  # the policy's
+        if mtp is not None:  # the MTP layers' cross-entropy (`mtp_loss.MTPCrossEntropy`), a share of the step's
+            mtp_loss = mtp.token_sum(torch.cat(masks)) / denominators["tokens"]  # trainable tokens
+            loss = loss + MegatronConfig.of(args).mtp_loss_scaling_factor * mtp_loss
+            metrics["mtp_loss"] = mtp_loss.detach()
         if step_index == 0:  # parameters still equal the rollout policy's: report the train/inference gap
             metrics.update(rollout_gap(log_probs, mb.get("rollout_log_probs"), masks))
         return loss * scale, metrics

@@ -74,13 +74,14 @@ class ExpertLoad:
         from megatron.core.transformer.moe.router import TopKRouter
 
         from vime.trainer.megatron.device import model_device
+        from vime.trainer.megatron.multi_token_prediction import decoder_modules
 
         # on the routers' device, so that counting stays asynchronous on a GPU (one copy per step, in `take`)
         device = model_device(model_chunks)
         self.counts = torch.zeros(num_layers, num_experts, dtype=torch.float64, device=device)
         self.moe_layers: set[int] = set()
         for chunk in model_chunks:
-            for module in chunk.modules():
+            for module in decoder_modules(chunk):
                 if isinstance(module, TopKRouter):
                     self.moe_layers.add(module.layer_number - 1)
                     module.register_forward_hook(self._count)

@@ -24,8 +24,8 @@ class FiniteStepGuard:
         return getattr(self.optimizer, name)
 
     def watch(self, loss_fn):
-        def watched(indices, inputs, output):
-            loss, metrics = loss_fn(indices, inputs, output)
+        def watched(indices, inputs, output, *mtp):
+            loss, metrics = loss_fn(indices, inputs, output, *mtp)
             self.non_finite_loss = ~torch.isfinite(loss.detach()).all() | self.non_finite_loss  # no host sync
             return loss, metrics
 

@@ -24,6 +24,8 @@ from vime.trainer.log_probs import response_log_probs
 from vime.trainer.megatron.attention import SDPAttention, SharedPromptSeqParams, cached_prompt_sharing_plan
 from vime.trainer.megatron.device import training_device
 from vime.trainer.megatron.lora import routed
+from vime.trainer.megatron.multi_token_prediction import mtp_layers, mtp_trains
+from vime.trainer.mtp_loss import mtp_cross_entropy
 from vime.trainer.train_batch import TrainBatch
 from vime.utils.lora_adapters import adapter_names
 
@@ -104,6 +106,8 @@ def prompt_sharing(args, model) -> str | None:
         return "multi-latent attention"
     if config.linear_attention_freq:  # each response would need the state its prompt left in every such layer
         return "linear-attention (Gated DeltaNet) layers"
+    if mtp_layers(gpt):  # each layer reads the token after each position in its own sequence
+        return "multi-token-prediction layers (--mtp-num-layers)"
     rope = getattr(gpt, "rotary_pos_emb", None)
     if gpt.position_embedding_type != "rope" or type(rope) is not RotaryEmbedding:
         return f"{gpt.position_embedding_type} positions ({type(rope).__name__})"
@@ -175,11 +179,16 @@ def run_schedule(model, micro_batches: list[list[int]], batch: TrainBatch, loss_
         replay = routing.micro_batch(indices, [len(batch.tokens[i]) for i in indices], packed) if routing is not None \
             else contextlib.nullcontext()
         rope = per_token_rope(chunk, mb.positions) if mb.segment_prefix is not None else contextlib.nullcontext()
-        with only_rows(chunk, mb.logit_rows), replay, routed(chunk, route), rope:
+        gpt = _gpt_model(chunk)
+        mtp = mtp_cross_entropy(gpt, mb, tokens, positions) if not forward_only and mtp_trains(gpt) \
+            else contextlib.nullcontext()
+        with only_rows(chunk, mb.logit_rows), replay, routed(chunk, route), rope, mtp as mtp_ce:
             output = chunk(tokens, positions, attention_mask=None, packed_seq_params=packed_seq_params(mb))
 
-        def loss_func(output):
-            return loss_fn(indices, mb, output.squeeze(0))  # a view: its backward allocates nothing
+        def loss_func(output):  # `output.squeeze(0)`: a view, its backward allocates nothing
+            if mtp_ce is None:
+                return loss_fn(indices, mb, output.squeeze(0))
+            return loss_fn(indices, mb, output.squeeze(0), mtp_ce)  # the MTP layers' cross-entropy too
 
         return output, loss_func
 

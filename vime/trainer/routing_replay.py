@@ -38,9 +38,11 @@ def model_routers(model) -> list[RouterSlot]:
     """This rank's MoE routers with replay enabled, in model order (chunks, then layers)."""
     from megatron.core.transformer.moe.router import TopKRouter
 
+    from vime.trainer.megatron.multi_token_prediction import decoder_modules
+
     slots = []
     for chunk in model:
-        for module in chunk.modules():
+        for module in decoder_modules(chunk):
             if isinstance(module, TopKRouter):
                 if module.router_replay is None:
                     raise RuntimeError("routing replay: this model's routers were built without "

@@ -13,11 +13,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from vime.trainer.megatron.hf_architecture import hf_architecture, language_config
+from vime.trainer.megatron.hf_architecture import (MTP_FAMILIES, hf_architecture, language_config,
+                                                   multi_token_prediction_layers)
 from vime.trainer.megatron.megatron_flags import (add_generated_megatron_args, check_megatron_lm_architecture,
                                                          core_flag, flag_name, warn_once)
 from vime.config.section import add_flags
-from vime.config.train import MegatronConfig
+from vime.config.train import LoraConfig, MegatronConfig
 from vime.utils.device import use_gpu
 from vime.utils.misc import with_values
 
@@ -35,7 +36,8 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     """Add the Megatron-LM flags vime uses (parallelism, batch, optimizer, precision, checkpoint, model)."""
     for title, part in (("Megatron parallelism and batch", "parallelism"), ("Megatron optimizer", None),
                         ("Megatron precision and regularisation", "precision"),
-                        ("Megatron mixture of experts", "moe"), ("Megatron checkpoints", "checkpoints")):
+                        ("Megatron mixture of experts", "moe"), ("Megatron multi-token prediction", "mtp"),
+                        ("Megatron checkpoints", "checkpoints")):
         add_flags(parser.add_argument_group(title), MegatronConfig, part=part)
     g = parser.add_argument_group(
         "Megatron model architecture", "Each flag defaults to None = read from the --hf-checkpoint config.json; "
@@ -71,9 +73,31 @@ def fill_architecture_from_hf(args: argparse.Namespace, hf_config) -> argparse.N
     if args.use_gated_attention and not architecture["attention_output_gate"]:  # slime's flag, checked
         raise ValueError("--use-gated-attention contradicts the HF config, whose attention has no output gate; "
                          "drop --use-gated-attention")
+    _check_mtp(args, hf_config)
     if megatron.moe_aux_loss_coeff is None:  # a training choice: the config's is only the default
         filled["moe_aux_loss_coeff"] = float(getattr(language_config(hf_config), "router_aux_loss_coef", 0.0) or 0.0)
     return with_values(args, **filled)
+
+
+def _check_mtp(args: argparse.Namespace, hf_config) -> None:
+    """The multi-token-prediction flags against the checkpoint and the layouts vime's MTP layers support."""
+    megatron = MegatronConfig.of(args)
+    if megatron.enable_mtp_training and not megatron.mtp_num_layers:
+        raise ValueError("--enable-mtp-training needs --mtp-num-layers N: the MTP layers to train")
+    if not megatron.mtp_num_layers:
+        return
+    model_type, declared = language_config(hf_config).model_type, multi_token_prediction_layers(hf_config)
+    if model_type not in MTP_FAMILIES:
+        raise ValueError(f"--mtp-num-layers {megatron.mtp_num_layers}: vime reads MTP layers from "
+                         f"{', '.join(MTP_FAMILIES)} checkpoints, not {model_type}; drop --mtp-num-layers")
+    if megatron.mtp_num_layers > declared:
+        raise ValueError(f"--mtp-num-layers {megatron.mtp_num_layers}: the checkpoint declares {declared} MTP "
+                         f"layer(s) (num_nextn_predict_layers); use at most {declared}")
+    unsupported = [f for f, on in (("--pipeline-model-parallel-size > 1", megatron.pipeline_model_parallel_size > 1),
+                                   ("--sequence-parallel", core_flag(args, "sequence_parallel")),
+                                   ("--lora-rank", LoraConfig.of(args).lora_rank)) if on]
+    if unsupported:
+        raise ValueError(f"--mtp-num-layers with {unsupported[0]} is not supported yet; drop one of them")
 
 
 def validate_megatron_args(args: argparse.Namespace, world_size: int | None = None) -> argparse.Namespace:

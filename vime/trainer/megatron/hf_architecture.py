@@ -254,7 +254,12 @@ def hf_rotary_percent(hf_config, head_dim: int) -> float:
     return factor
 
 
+# HF model types whose checkpoints hold MTP layers where vime reads them (`model.layers.{num_hidden_layers + k}`)
+MTP_FAMILIES = ("deepseek_v3", "glm4_moe")
+
+
 def multi_token_prediction_layers(hf_config) -> int:
     """How many multi-token-prediction layers the checkpoint stores after its decoder layers (DeepSeek-V3's
-    `num_nextn_predict_layers`); vime neither trains nor serves them."""
+    `num_nextn_predict_layers`); the trainer holds as many of them as --mtp-num-layers asks
+    (`multi_token_prediction`)."""
     return int(getattr(hf_config, "num_nextn_predict_layers", 0) or 0)

@@ -31,6 +31,7 @@ from vime.trainer.megatron.hf_conversion import (
     tp_merge,
 )
 from vime.trainer.megatron.hf_architecture import multi_token_prediction_layers
+from vime.trainer.megatron.multi_token_prediction import mtp_layers
 from vime.trainer.megatron.lora import is_lora_parameter, merged_weight
 
 logger = logging.getLogger(__name__)
@@ -113,11 +114,11 @@ def iter_hf_weights(model_chunks: list[torch.nn.Module], hf_config) -> Iterator[
     the parameters: copy them before the next optimizer step if they must outlive it. For weight sync to
     the rollout engines and for `save_hf_checkpoint`.
     """
-    arch = Arch.from_hf(hf_config)
     _, ep_size = _ep_rank_size()
-    local_experts = arch.num_experts // ep_size
     for chunk in model_chunks:
         model = _unwrap(chunk)
+        arch = Arch.from_hf(hf_config, mtp_layers(model))
+        local_experts = arch.num_experts // ep_size
         offset = _layer_offset(model)
         for name, param in _policy_weights(model):
             # an expert's parameter: every EP rank holds its own experts under the same local names
@@ -173,16 +174,17 @@ def load_hf_checkpoint_into_model(model_chunks: list[torch.nn.Module], hf_dir: s
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(hf_dir)
-    arch = Arch.from_hf(config)
-    if multi_token_prediction_layers(config):
-        logger.info("%s: the checkpoint's %d multi-token-prediction layer(s) (num_nextn_predict_layers) are not "
-                    "loaded: vime trains and serves the next-token model only", hf_dir,
-                    multi_token_prediction_layers(config))
+    held = max(mtp_layers(_unwrap(c)) for c in model_chunks)
+    if multi_token_prediction_layers(config) > held:
+        logger.info("%s: %d of the checkpoint's %d multi-token-prediction layer(s) (num_nextn_predict_layers) are "
+                    "not loaded (--mtp-num-layers %d)", hf_dir, multi_token_prediction_layers(config) - held,
+                    multi_token_prediction_layers(config), held)
     hf = _SafetensorsDir(hf_dir)
     tp_rank, tp_size = _tp_rank_size()
     ep_rank, ep_size = _ep_rank_size()
     for chunk in model_chunks:
         model = _unwrap(chunk)
+        arch = Arch.from_hf(config, mtp_layers(model))
         params = dict(_named_weights(model))
         expected = hf_to_chunk(hf, arch, tp_rank, tp_size, _layer_offset(model), len(model.decoder.layers),
                                 model.pre_process, model.post_process, ep_rank, ep_size, _etp_rank_size())

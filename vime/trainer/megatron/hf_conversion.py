@@ -61,9 +61,10 @@ class Arch:
     shared_expert_gate: bool = False
     split_linear_in_proj: bool = False  # Qwen3.5: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a (Qwen3-Next: 2)
     prefix: str = "model."  # where the language model's tensors are ("model.language_model." in a multimodal one)
+    mtp_layers: int = 0  # multi-token-prediction layers the Megatron model holds (HF: layers from num_layers on)
 
     @classmethod
-    def from_hf(cls, hf_config) -> "Arch":
+    def from_hf(cls, hf_config, mtp_layers: int = 0) -> "Arch":
         a = hf_architecture(hf_config)
         multimodal = hf_config.model_type in MULTIMODAL_WRAPPERS
         text = language_config(hf_config)
@@ -75,13 +76,13 @@ class Arch:
                    (a["linear_num_key_heads"] or 0, a["linear_num_value_heads"] or 0, a["linear_key_head_dim"] or 0,
                     a["linear_value_head_dim"] or 0), bool(a["attention_output_gate"]),
                    bool(a["moe_shared_expert_gate"]), text.model_type in ("qwen3_5_text", "qwen3_5_moe_text"),
-                   "model.language_model." if multimodal else "model.")
+                   "model.language_model." if multimodal else "model.", mtp_layers)
 
-    def is_moe(self, layer: int) -> bool:
-        return bool(self.moe_layers) and bool(self.moe_layers[layer])
+    def is_moe(self, layer: int) -> bool:  # an MTP layer (past the decoder's) is shaped like the last one
+        return bool(self.moe_layers) and bool(self.moe_layers[min(layer, self.num_layers - 1)])
 
     def is_linear(self, layer: int) -> bool:
-        return bool(self.linear_layers) and bool(self.linear_layers[layer])
+        return bool(self.linear_layers) and layer < self.num_layers and bool(self.linear_layers[layer])
 
 
 @dataclass(frozen=True)
@@ -154,11 +155,24 @@ TE_FUSED_NORMS = {"input_layernorm.weight": "self_attention.linear_qkv.layer_nor
                   "self_attention.q_layernorm.weight": "self_attention.linear_q_up_proj.layer_norm_weight",  # MLA
                   "self_attention.kv_layernorm.weight": "self_attention.linear_kv_up_proj.layer_norm_weight"}
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+# an MTP layer's own tensors (DeepSeek-V3's / GLM-4.5's names under model.layers.{num_layers + k}.); its
+# transformer layer maps like a decoder layer's
+_MTP_RE = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
+_MTP_PARAMS = {"enorm.weight": ("copy", ("enorm.weight",), None), "hnorm.weight": ("copy", ("hnorm.weight",), None),
+               "eh_proj.weight": ("copy", ("eh_proj.weight",), 0),
+               "final_layernorm.weight": ("copy", ("shared_head.norm.weight",), None)}
 
 
 def param_for(name: str, arch: Arch, layer_offset: int, expert_offset: int = 0) -> _Param | None:
     """The HF mapping of a Megatron parameter name of a chunk; None for the tied copy of the embedding.
     `expert_offset`: the global index of this rank's first local expert."""
+    mtp = _MTP_RE.match(name)
+    if mtp:
+        layer = arch.num_layers + int(mtp.group(1))
+        if mtp.group(2) in _MTP_PARAMS:
+            kind, hf_suffixes, split_dim = _MTP_PARAMS[mtp.group(2)]
+            return _Param(kind, tuple(f"{arch.prefix}layers.{layer}.{s}" for s in hf_suffixes), split_dim)
+        name = f"decoder.layers.{layer - layer_offset}.{mtp.group(2).removeprefix('transformer_layer.')}"
     m = _LAYER_RE.match(name)
     if m:
         prefix = f"{arch.prefix}layers.{int(m.group(1)) + layer_offset}."
@@ -224,6 +238,10 @@ def _chunk_param_names(arch: Arch, num_local_layers: int, pre_process: bool, pos
         names.append("decoder.final_layernorm.weight")
         if not arch.tied or not pre_process:
             names.append("output_layer.weight")
+        for k in range(arch.mtp_layers):  # after the decoder, shaped like its last layer
+            names += [f"mtp.layers.{k}.{s}" for s in _MTP_PARAMS]
+            names += [f"mtp.layers.{k}.transformer_layer.{s}"
+                      for s in suffixes + (moe if arch.is_moe(arch.num_layers + k) else dense)]
     return names
 
 
@@ -345,28 +363,29 @@ def is_routed_expert(name: str) -> bool:
 
 def hf_to_megatron_state_dict(hf_state_dict: Mapping[str, torch.Tensor], hf_config, tp_rank: int = 0,
                               tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1, ep_rank: int = 0,
-                              ep_size: int = 1) -> dict[str, torch.Tensor]:
+                              ep_size: int = 1, mtp_layers: int = 0) -> dict[str, torch.Tensor]:
     """The Megatron parameters (local-spec names, no `_extra_state`) of one rank's model chunk.
 
     Layers are split evenly over the `pp_size` stages, MoE experts evenly over the `ep_size` expert-parallel
-    ranks. Tensors keep the HF dtype and may be views of the inputs. `hf_state_dict` only needs `__getitem__`
-    (a lazy safetensors reader works).
+    ranks; the last stage holds `mtp_layers` MTP layers. Tensors keep the HF dtype and may be views of the
+    inputs. `hf_state_dict` only needs `__getitem__` (a lazy safetensors reader works).
     """
-    arch = Arch.from_hf(hf_config)
+    arch = Arch.from_hf(hf_config, mtp_layers)
     offset, n_local = _layer_range(arch, pp_rank, pp_size)
     return hf_to_chunk(hf_state_dict, arch, tp_rank, tp_size, offset, n_local, pp_rank == 0, pp_rank == pp_size - 1,
                         ep_rank, ep_size)
 
 
 def megatron_to_hf_state_dict(megatron_state_dicts: list[Mapping[str, torch.Tensor]], hf_config, pp_rank: int = 0,
-                              pp_size: int = 1, ep_rank: int = 0, ep_size: int = 1) -> dict[str, torch.Tensor]:
+                              pp_size: int = 1, ep_rank: int = 0, ep_size: int = 1,
+                              mtp_layers: int = 0) -> dict[str, torch.Tensor]:
     """Full HF tensors of one pipeline stage from its TP shards (`megatron_state_dicts[r]` = TP rank r's chunk)
     on expert-parallel rank `ep_rank` (its experts; everything else is the same on every EP rank).
 
     Inverse of `hf_to_megatron_state_dict`: the union over stages (and EP ranks) is the HF state dict, bit for
     bit (`lm_head.weight` is absent for tied embeddings, as in HF checkpoints). `_extra_state` keys are ignored.
     """
-    arch = Arch.from_hf(hf_config)
+    arch = Arch.from_hf(hf_config, mtp_layers)
     offset, _ = _layer_range(arch, pp_rank, pp_size)
     expert_offset = ep_rank * (arch.num_experts // ep_size)
     out = {}

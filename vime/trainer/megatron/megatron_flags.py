@@ -78,6 +78,7 @@ HAND_DECLARED = {
     "moe_token_dispatcher_type": "moe_token_dispatcher_type", "moe_grouped_gemm": "moe_grouped_gemm",
     "moe_router_dtype": "moe_router_dtype", "q_lora_rank": "q_lora_rank", "kv_lora_rank": "kv_lora_rank",
     "qk_head_dim": "qk_head_dim", "qk_pos_emb_head_dim": "qk_pos_emb_head_dim", "v_head_dim": "v_head_dim",
+    "mtp_num_layers": "mtp_num_layers", "mtp_loss_scaling_factor": "mtp_loss_scaling_factor",  # vime's MTP layers
     "normalization": "normalization",  # RMSNorm, what the HF models vime loads use: the flag is checked against it
 }
 

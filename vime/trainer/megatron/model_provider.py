@@ -37,6 +37,7 @@ from vime.trainer.megatron.cpu_compat import redirect_backward_for_sequence_para
 from vime.trainer.megatron.device import training_device
 from vime.trainer.megatron.linear_attention import GatedDeltaNetAttention
 from vime.trainer.megatron.megatron_flags import core_flag, given_fields, warn_once
+from vime.trainer.megatron.multi_token_prediction import attach_mtp
 from vime.trainer.megatron.packed_rope import use_packed_rope
 from vime.utils.device import training_dtype, use_gpu
 
@@ -282,9 +283,10 @@ def build_gpt_model(args: argparse.Namespace, pre_process: bool = True, post_pro
     megatron = MegatronConfig.of(args)
     config = build_transformer_config(args)
     use_packed_rope()  # packed sequences' RoPE without a host read per layer
+    layer_specs = _layer_specs(config, vp_stage)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=_layer_specs(config, vp_stage),
+        transformer_layer_spec=layer_specs,
         vocab_size=megatron.vocab_size,
         max_sequence_length=megatron.max_position_embeddings,
         pre_process=pre_process,
@@ -296,6 +298,9 @@ def build_gpt_model(args: argparse.Namespace, pre_process: bool = True, post_pro
         rotary_base=megatron.rotary_base,
         vp_stage=vp_stage,
     )
+    if post_process and megatron.mtp_num_layers:  # shaped like the decoder's last layer (MoE where it is)
+        attach_mtp(model, layer_specs.layer_specs[-1], megatron.mtp_num_layers, LocalNorm,
+                   trainable=megatron.enable_mtp_training)
     scaling = megatron.rope_scaling
     if scaling is not None and not config.multi_latent_attention:  # MLA builds its own (YaRN) rotary embedding
         rope = model.rotary_pos_emb
