@@ -12,7 +12,7 @@ token dispatch syncs per micro-batch (per MoE layer and forward), as it does on 
 
 Covered: dense LoRA with shared prompts on and off (and padded micro-batches, and a per-sequence loss mean), two
 steps per rollout (the old-log-prob pass) and a KL loss (the reference's pass); MoE with the trainer's own routing replay and with the
-engine's; the PPO critic (its values pass and its steps). The guard itself fails on a deliberate read of a device
+engine's; the PPO critic (its values pass and its steps); MTP layers trained beside the policy. The guard itself fails on a deliberate read of a device
 value inside a step, and not on a host one.
 """
 
@@ -175,6 +175,24 @@ def test_critic_values_and_steps_sync_per_pass_and_step_only(tiny_qwen3):
             c.train_critic(0, groups, values, returns)
             runs[size] = assert_syncs(guard, {"step": 2, "rollout": 1})
     assert runs[4] == runs[2]
+
+
+def test_mtp_training_steps_sync_per_step_only(tmp_path_factory):
+    """GLM-4.5 with its MTP layer trained (--enable-mtp-training): the MTP loss of each micro-batch (its rows,
+    targets and loss weights) adds no sync; only the MTP layer's own MoE dispatch does, once per training
+    micro-batch, as the decoder's MoE layers do."""
+    from vime.synthetic.tiny_model import build_tiny_model
+
+    path = build_tiny_model(tmp_path_factory.mktemp("mtp"), arch="glm4_moe", seed=0, with_mtp=True)
+    groups = make_rollout(seed=5)
+    with local_trainer(path, *TWO_STEPS, "--mtp-num-layers", "1", "--enable-mtp-training") as t, \
+            HostSyncGuard(trainer_device_tensors(t)) as guard:
+        runs = {}
+        for size in (4, 2):
+            units = train_guarded(t, guard, groups, size)
+            units["MoE layer forward"] += units["micro-batch"]  # the MTP layer's MoE: training forwards only
+            runs[size] = assert_syncs(guard, units)
+        assert per_step_syncs(runs[4]) == per_step_syncs(runs[2])
 
 
 READING_LOSS = textwrap.dedent('''

@@ -108,9 +108,9 @@ def _reference_mtp_cross_entropy(path, config, sequences, response_lengths) -> t
             embedded[0, 0] = 0
             x = torch.cat([norm(embedded, "enorm"), norm(hf.model(ids).last_hidden_state, "hnorm")], -1)
             logits = layer(inputs_embeds=x @ mtp["eh_proj.weight"].t()).logits[0]
-            for q in range(len(tokens) - response, len(tokens)):
-                if q >= 2:  # predicted from position q - 2
-                    out.append(torch.nn.functional.cross_entropy(logits[q - 2], torch.tensor(tokens[q])))
+            for q in range(len(tokens) - response, len(tokens)):  # predicted from position q - 2, if any
+                out.append(torch.nn.functional.cross_entropy(logits[q - 2], torch.tensor(tokens[q])) if q >= 2
+                           else torch.tensor(0.0))
     return torch.stack(out)
 
 
@@ -122,15 +122,16 @@ def test_the_mtp_layer_computes_what_the_engine_drafts_with(arch, mtp_models, me
 
     chunks, config = _megatron_model(mtp_models[arch], "--mtp-num-layers", "1", "--enable-mtp-training")
     g = torch.Generator().manual_seed(0)
-    sequences = [torch.randint(3, 400, (n,), generator=g).tolist() for n in (9, 13, 6)]
-    responses = [4, 5, 3]
+    # the last sample's prompt is one token: its first response token has no position two before it (weight 0)
+    sequences = [torch.randint(3, 400, (n,), generator=g).tolist() for n in (9, 13, 6, 5)]
+    responses = [4, 5, 3, 4]
     reference = _reference_mtp_cross_entropy(mtp_models[arch], config, sequences, responses)
     for packed in (True, False):
         mb = micro_batch_inputs(sequences, responses, packed=packed)
         with mtp_cross_entropy(chunks[0], mb, mb.tokens, mb.positions) as result:
             chunks[0](mb.tokens, mb.positions, attention_mask=None, packed_seq_params=packed_seq_params(mb))
-        assert bool(result.keep[0].all())  # every response token here is two or more positions in
         torch.testing.assert_close(result.ce[0].detach(), reference, atol=1e-5, rtol=0)
+        assert result.ce[0][12] == 0 and bool((result.ce[0][:12] > 0).all())
 
 
 def test_mtp_training_trains_the_mtp_layers_and_leaves_the_policy_bit_identical(mtp_models):
@@ -143,7 +144,7 @@ def test_mtp_training_trains_the_mtp_layers_and_leaves_the_policy_bit_identical(
             before = {n: w.clone() for n, w in t.hf_weights()}
             metrics = [t.train(r, copy.deepcopy(groups)) for r in range(3)]
             runs[name] = (before, {n: w.clone() for n, w in t.hf_weights()}, metrics)
-    mtp = f"model.layers.{2}."  # the tiny model's two decoder layers, then its MTP layer
+    mtp = "model.layers.2."  # the tiny model's two decoder layers, then its MTP layer
     (before, frozen, frozen_metrics), (_, trained, trained_metrics) = runs["frozen"], runs["trained"]
     policy = [n for n in before if not n.startswith(mtp)]
     assert all(torch.equal(frozen[n], trained[n]) for n in policy)  # the policy: bit for bit
@@ -164,9 +165,9 @@ def test_mtp_training_trains_the_mtp_layers_and_leaves_the_policy_bit_identical(
 def test_bad_mtp_flags_are_refused_naming_them(flags, match, mtp_models):
     from transformers import AutoConfig
 
-    from vime.trainer.megatron.arguments import add_megatron_args, fill_architecture_from_hf
-    from vime.config.train import LoraConfig
     from vime.config.section import add_flags
+    from vime.config.train import LoraConfig
+    from vime.trainer.megatron.arguments import add_megatron_args, fill_architecture_from_hf
 
     parser = add_megatron_args(argparse.ArgumentParser())
     add_flags(parser, LoraConfig)

@@ -257,6 +257,12 @@ def build_tiny_model(
         if not hasattr(hf_config, key):
             raise ValueError(f"config key {key!r} is not a {type(hf_config).__name__} field")
         setattr(hf_config, key, value)
+    if with_mtp:
+        from vime.trainer.megatron.hf_architecture import MTP_FAMILIES, multi_token_prediction_layers
+
+        if arch not in MTP_FAMILIES or not multi_token_prediction_layers(hf_config):
+            raise ValueError(f"--with-mtp: {arch} checkpoints hold no MTP layers vime writes "
+                             f"({', '.join(MTP_FAMILIES)})")
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     with torch.no_grad():  # HF init leaves some tensors (norms, biases) at constants; perturb all for tests
@@ -286,10 +292,9 @@ def _write_mtp_layers(out: Path, hf_config, seed: int) -> None:
     import torch
     from safetensors.torch import load_file, save_file
 
-    count = int(getattr(hf_config, "num_nextn_predict_layers", 0) or 0)
-    if hf_config.model_type not in ("deepseek_v3", "glm4_moe") or not count:
-        raise ValueError(f"--with-mtp: {hf_config.model_type} checkpoints hold no MTP layers vime writes "
-                         "(deepseek_v3, glm4_moe)")
+    from vime.trainer.megatron.hf_architecture import multi_token_prediction_layers
+
+    count = multi_token_prediction_layers(hf_config)
     path = out / "model.safetensors"
     tensors = load_file(path)
     n, h = hf_config.num_hidden_layers, hf_config.hidden_size

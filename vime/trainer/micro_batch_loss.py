@@ -48,6 +48,7 @@ def make_loss_fn(args, batch: TrainBatch, denominators: dict, scale: float, step
     top_fraction = algorithm.entropy_top_fraction
     if entropy_coef is None:
         entropy_coef = algorithm.entropy_coef
+    mtp_scale = MegatronConfig.of(args).mtp_loss_scaling_factor
 
     def agg(values, masks):
         return aggregate_loss(values, masks, algorithm.loss_agg_mode, total_tokens=denominators["tokens"],
@@ -132,7 +133,7 @@ def make_loss_fn(args, batch: TrainBatch, denominators: dict, scale: float, step
         metrics["loss"] = loss.detach()  # the policy's
         if mtp is not None:  # the MTP layers' cross-entropy (`mtp_loss.MTPCrossEntropy`), a share of the step's
             mtp_loss = mtp.token_sum(torch.cat(masks)) / denominators["tokens"]  # trainable tokens
-            loss = loss + MegatronConfig.of(args).mtp_loss_scaling_factor * mtp_loss
+            loss = loss + mtp_scale * mtp_loss
             metrics["mtp_loss"] = mtp_loss.detach()
         if step_index == 0:  # parameters still equal the rollout policy's: report the train/inference gap
             metrics.update(rollout_gap(log_probs, mb.get("rollout_log_probs"), masks))

@@ -98,9 +98,7 @@ def mtp_trains(gpt) -> bool:
 def decoder_modules(chunk: torch.nn.Module) -> Iterator[torch.nn.Module]:
     """The chunk's modules outside its MTP layers (the policy's: what routing replay and expert-load metrics
     count, per decoder layer)."""
-    inside = {id(m) for name, sub in chunk.named_modules() if name.rsplit(".", 1)[-1] == "mtp"
-              for m in sub.modules()}
-    return (m for m in chunk.modules() if id(m) not in inside)
+    return (m for name, m in chunk.named_modules() if "mtp" not in name.split("."))
 
 
 def shifted_tokens(tokens: torch.Tensor, positions: torch.Tensor, shift: int) -> torch.Tensor:
@@ -130,10 +128,10 @@ def mtp_hidden(gpt, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch
 
 def mtp_targets(logit_rows: torch.Tensor, positions: torch.Tensor, batch: int,
                 depth: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows, keep) of an MTP layer at `depth` (1 = the first): the response tokens it predicts (`keep`, a mask
-    over the micro-batch's response tokens in order) and the rows of the flattened [seq x batch] hidden states
-    (seq-major) it predicts them from, `depth` positions before their next-token rows (`logit_rows`), where that
-    position is still in the token's sequence. `positions` is [batch, seq]."""
-    position = positions.t().reshape(-1)[logit_rows]  # the next-token row's position in its sequence
-    keep = position >= depth
-    return logit_rows[keep] - depth * batch, keep
+    """(rows, valid) of an MTP layer at `depth` (1 = the first), one of each per response token of the
+    micro-batch, in order: the row of the flattened [seq x batch] hidden states (seq-major) it is predicted from,
+    `depth` positions before its next-token row (`logit_rows`), and whether that position is still in the
+    token's sequence (where it is not, the row is a stand-in to be weighted 0). `positions` is [batch, seq].
+    Integer indexing and masks only: no host sync on a GPU."""
+    position = positions.t().reshape(-1).index_select(0, logit_rows)  # the next-token row's position
+    return (logit_rows - depth * batch).clamp(min=0), position >= depth
