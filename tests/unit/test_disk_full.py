@@ -69,7 +69,8 @@ def _manager(tmp_path, groups):
                            save_debug_rollout_data=str(tmp_path / "debug" / "rollout_{rollout_id}.jsonl"))
     manager = SimpleNamespace(
         args=args, plugin_args=args, data_source=None, context=RolloutContext(),
-        fleet=SimpleNamespace(recovery=SimpleNamespace(reconcile_router=lambda: None, check_soon=lambda: None)),
+        fleet=SimpleNamespace(recovery=SimpleNamespace(reconcile_router=lambda: None, check_soon=lambda: None),
+                              spec_counters=lambda: None),
         rollout_fn=lambda _args, _rollout_id, _source: groups, failures=FailedRollouts(0.5, 3),
         eval_fn=lambda _args, _rollout_id, _sources, evaluation: {"math": groups[0]}, eval_sources={"math": None},
         transport=_Transport(), data_source_state=lambda: None,

@@ -117,7 +117,8 @@ def _manager(groups):
     args = SimpleNamespace()
     manager = SimpleNamespace(
         args=args, plugin_args=args, data_source=None, context=RolloutContext(),
-        fleet=SimpleNamespace(recovery=SimpleNamespace(reconcile_router=lambda: None, check_soon=lambda: None)),
+        fleet=SimpleNamespace(recovery=SimpleNamespace(reconcile_router=lambda: None, check_soon=lambda: None),
+                              spec_counters=lambda: None),
         rollout_fn=lambda _args, _rollout_id, _source: groups, failures=FailedRollouts(0.5, 3),
         transport=_Transport(), _keep_for_inspection=lambda name, dicts: None, data_source_state=lambda: None,
         hooks={"convert": None, "log_rollout": None, "log_eval": None})

@@ -96,6 +96,7 @@ class EngineFleet:
         self.served_version: int | None = None  # the version last sent to the engines, if any
         self.lock = threading.RLock()  # engine set changes vs. control calls and weight updates
         self._launched: list = []  # the engines' start calls in flight (`launch`)
+        self.speculative: bool | None = None  # whether the engines draft (--vllm-speculative-config): read once
         self.asleep: set[str] = set()  # which of SLEEP_TAGS the engines hold in host memory or not at all (`sleep`)
         # the router's front for custom functions (`plugin_router_url`), bound now: its address is fixed for the run
         self.gate = None if debug.debug_train_only else RouterGate(lambda: self.context.router_url,
@@ -318,3 +319,18 @@ class EngineFleet:
         from vime.transport.weights.check import engine_prompt_log_probs
 
         return engine_prompt_log_probs(self.token, self.engine_urls, tokens, model=model)
+
+    def spec_counters(self) -> dict[str, dict[str, float]] | None:
+        """{url: speculative-decoding counters} of the engines in service (`spec_counters.parse_counters`; an
+        engine that does not answer is left out, and logged), or None when the engines do not draft."""
+        from vime.engine.control.spec_counters import parse_counters
+        from vime.engine.control.speculative import speculative_config
+
+        if self.speculative is None:
+            self.speculative = speculative_config(self.args) is not None
+        if not self.speculative:
+            return None
+        texts, errors = client.metrics_each(self.token, list(self.engine_urls))
+        for url, error in errors.items():
+            logger.warning("engine %s: its speculative-decoding counters could not be read: %s", url, error)
+        return {url: parse_counters(text) for url, text in texts.items()}

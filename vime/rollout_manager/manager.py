@@ -23,6 +23,7 @@ from vime.data.data_source import RolloutDataSource
 from vime.data.prompt_dataset import load_prompt_file, load_prompt_samples
 from vime.data.slime_data_source import SlimeDataSource
 from vime.engine.control import client
+from vime.engine.control.spec_counters import rollout_spec_metrics
 from vime.environments.judge import JudgeGroup, judge_engine_args
 from vime.environments.mixture import environment_eval_sources, environment_source, load_environments
 from vime.transport.weights.check import probe_tokens
@@ -290,6 +291,7 @@ class RolloutManager:
         debug = DebugConfig.of(args)
         start = time.perf_counter()
         self.fleet.recovery.reconcile_router()
+        counters = None if debug.load_debug_rollout_data else self.fleet.spec_counters()
         if debug.load_debug_rollout_data:
             output = RolloutFnTrainOutput(load_rollout(debug.load_debug_rollout_data, rollout_id))
         else:
@@ -308,6 +310,8 @@ class RolloutManager:
         metrics = rollout_metrics(samples, args)
         metrics["rollout/time"] = elapsed
         metrics["rollout/tokens_per_s"] = metrics["rollout/response_tokens"] / max(elapsed, 1e-9)
+        if counters is not None:  # speculative rollout: its drafts accepted, from the engines' counters
+            metrics.update(rollout_spec_metrics(counters, self.fleet.spec_counters()))
         metrics.update(output.metrics or {})
         skip_reason = self._judge(rollout_id, metrics)
         if self.hooks["log_rollout"] is not None and self.hooks["log_rollout"](

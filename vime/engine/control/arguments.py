@@ -21,6 +21,7 @@ from pathlib import Path
 from vime.config.router import RouterConfig
 from vime.config.train import WeightSyncConfig
 from vime.config.section import add_flags, apply_defaults
+from vime.engine.control.speculative import check_speculative
 from vime.utils.device import training_dtype, use_gpu
 from vime.utils.option_cache import cache_path, cached_table
 
@@ -204,7 +205,8 @@ def given_engine_dtype(args) -> str | None:
 
 
 def check_engines_can_serve(args, hf_config: dict) -> None:
-    """Refuse, before anything starts, a checkpoint the engines of this install cannot serve as asked: vLLM's
+    """Refuse, before anything starts, a checkpoint the engines of this install cannot serve as asked: an MTP
+    speculative config it cannot draft with (`speculative.check_speculative`); vLLM's
     Qwen3.5 model code imports torchvision (absent from CPU installs: its PyPI wheel does not load against the CPU
     torch), and vLLM's CPU Gated DeltaNet kernel (Qwen3-Next's linear attention) computes in bfloat16 only, which
     it asserts at the first forward."""
@@ -212,6 +214,7 @@ def check_engines_can_serve(args, hf_config: dict) -> None:
         raise ValueError(f"{hf_config['model_type']}: vLLM's Qwen3.5 model code imports torchvision, which this "
                          "install lacks (CPU installs leave it out: its PyPI wheel does not load against the CPU "
                          "torch); serve it from a GPU install, or train from saved rollouts (--debug-train-only)")
+    check_speculative(args, hf_config)
     linear = "linear_attention" in (hf_config.get("layer_types") or [])
     check = WeightSyncConfig.of(args).check_weight_update_equal
     if linear and engine_dtype(args) != training_dtype(args) and check:

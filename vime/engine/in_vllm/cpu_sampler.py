@@ -5,6 +5,13 @@ ahead of the first rollout or weight check. vime asks for log-probs on every req
 
 `patch_rank_count` makes CPU engines count eagerly, in row chunks so that the comparison's boolean copy stays
 small (what the compilation avoids on GPUs); the counts are the same integers.
+
+`patch_spec_expand` mends speculative decoding's sampling on CPU. The rejection sampler spreads each request's
+temperature, top-k and top-p over its draft tokens with `expand_batch_to_tokens`, whose CPU kernel
+(`cpu_triton_utils._expand_kernel_impl`) casts its output to int64 first: for a float tensor that is a copy, the
+kernel writes into the copy, and the temperatures the sampler divides by are uninitialised memory (seen: 1e-30 and
+1e20). The draft tokens were then accepted against a distribution that was not the model's, and their returned
+log-probs were 0 or NaN. The replacement spreads the values with `repeat_interleave`.
 """
 
 from __future__ import annotations
@@ -33,4 +40,27 @@ def patch_rank_count() -> bool:
     if not current_platform.is_cpu() or not hasattr(sampler, "batched_count_greater_than"):
         return False
     sampler.batched_count_greater_than = count_at_least
+    return True
+
+
+def expand_batch_to_tokens(x: torch.Tensor, cu_num_tokens: torch.Tensor, num_tokens: int, replace_from=0,
+                           replace_to=0) -> torch.Tensor:
+    """Request i's value of `x` [batch] repeated for each of its tokens (`cu_num_tokens`: cumulative counts),
+    `replace_from` read as `replace_to`: [num_tokens]."""
+    counts = torch.diff(cu_num_tokens, prepend=cu_num_tokens.new_zeros(1))
+    x = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
+    return torch.repeat_interleave(x, counts, output_size=num_tokens)
+
+
+def patch_spec_expand() -> bool:
+    """Replace the rejection sampler's expansion on the CPU platform (once per process); False where there is
+    nothing to patch."""
+    try:
+        from vllm.platforms import current_platform
+        from vllm.v1.sample import rejection_sampler
+    except ImportError:
+        return False
+    if not current_platform.is_cpu() or not hasattr(rejection_sampler, "expand_batch_to_tokens"):
+        return False
+    rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
     return True

@@ -11,7 +11,8 @@ ends (measured here: 1.0 CPU-second per engine after every call, and a send of t
 The cap keeps the spin between decode steps, which follow each other within milliseconds.
 
 On every CPU engine it also mends vLLM's CPU rotary kernel for 3-D queries and keys (`cpu_rope`; DeepSeek's
-multi-latent attention): a wrong result is not a matter of tuning; and it spares the C++ compilation of the
+multi-latent attention) and the rejection sampler's expansion of each request's temperature over its draft tokens
+(`cpu_sampler.patch_spec_expand`; speculative decoding): a wrong result is not a matter of tuning; and it spares the C++ compilation of the
 sampler's rank count at the first log-prob request (`cpu_sampler`: 2.5-14 s of every engine start).
 """
 
@@ -27,9 +28,10 @@ def configure() -> None:
     asked (`routing_capture`, CPU engines of --use-rollout-routing-replay)."""
     from vime.engine.in_vllm import routing_capture
     from vime.engine.in_vllm.cpu_rope import patch_cpu_rotary
-    from vime.engine.in_vllm.cpu_sampler import patch_rank_count
+    from vime.engine.in_vllm.cpu_sampler import patch_rank_count, patch_spec_expand
 
-    patch_cpu_rotary()  # a correctness fix: on every CPU engine, whoever started it
+    patch_cpu_rotary()  # correctness fixes: on every CPU engine, whoever started it
+    patch_spec_expand()
     patch_rank_count()
     if routing_capture.enabled():
         routing_capture.install()

@@ -68,18 +68,29 @@ class WeightReceiver:
         return stats
 
     def _vime_load(self, weights) -> bool:
-        """In place where `load_in_place` applies, else vLLM's `reload_weights`; True when in place."""
+        """In place where `load_in_place` applies, else vLLM's `reload_weights`; True when in place. An engine
+        that drafts with MTP layers (`--vllm-speculative-config`) loads the update's MTP tensors into its drafter
+        in the same call (`draft_loading`)."""
+        from vime.engine.in_vllm import draft_loading
         from vime.engine.in_vllm.weight_loading import load_in_place, packing_cpu_experts
 
         runner = self.model_runner
-        if not load_in_place(self.vllm_config, runner.get_model(), weights):
+        draft = draft_loading.draft_model(runner)
+        if draft is not None:
+            text_config = self.vllm_config.model_config.hf_config.get_text_config()
+            weights = split = draft_loading.DraftSplit(weights, text_config.num_hidden_layers)
+        in_place = load_in_place(self.vllm_config, runner.get_model(), weights)
+        if not in_place:
             with packing_cpu_experts(runner.get_model()):
                 self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
-            return False
-        for reset in ("reset_encoder_cache", "reset_mm_cache"):  # what reload_weights resets after loading
-            if hasattr(runner, reset):
-                getattr(runner, reset)()
-        return True
+        else:
+            for reset in ("reset_encoder_cache", "reset_mm_cache"):  # what reload_weights resets after loading
+                if hasattr(runner, reset):
+                    getattr(runner, reset)()
+        if draft is not None:
+            split.drain()
+            draft_loading.load(self.vllm_config, runner.get_model(), draft, split.draft)
+        return in_place
 
     def vime_load_ipc_weights(self, path: str) -> dict:
         """Colocated GPUs: reload from the trainer's CUDA IPC handles in `path` (see weight_transport.cuda_ipc)."""
