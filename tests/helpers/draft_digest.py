@@ -5,8 +5,8 @@ holds NEW's tensors as the disk transport writes them); prints one JSON line.
 In this process, one at a time: a vLLM engine of NEW drafting with its MTP layer gives the reference; an engine of
 OLD loads UPDATE_DIR with `vime_load_weights` (the call every file transport makes; the broadcast and CUDA IPC ones
 load through the same `_vime_load`). A digest is, per parameter of the policy and of the drafter, its sum, and per
-linear layer the sum of what it computes on a fixed input (vLLM's CPU kernels keep the dense weight of a linear
-layer only in a packed form). Printed: {"loaded": the worker's answer, "before"/"after"/"reference": digests}."""
+linear layer whose dense weight vLLM's CPU kernels keep only in a packed form, the sum of what it computes on a
+fixed input. Printed: {"loaded": the worker's answer, "before"/"after"/"reference": digests}."""
 
 from __future__ import annotations
 
@@ -28,31 +28,32 @@ def digest(worker) -> dict[str, float]:
     for tag, model in (("policy", runner.get_model()), ("draft", runner.get_draft_model())):
         for name, param in model.named_parameters():
             if param.numel():
-                out[f"{tag}:{name}"] = float(param.double().sum())
+                out[f"{tag}:{name}"] = float(param.detach().double().sum())
         for name, layer in model.named_modules():
-            if isinstance(layer, LinearBase):
+            if isinstance(layer, LinearBase) and any(p.numel() == 0 for p in layer.parameters(recurse=False)):
                 width = getattr(layer, "input_size_per_partition", layer.input_size)
-                x = torch.randn(3, width, generator=torch.Generator().manual_seed(0))
+                x = torch.randn(3, width, generator=torch.Generator().manual_seed(0)).to(worker.model_config.dtype)
                 out[f"{tag}:{name}(x)"] = float(layer.quant_method.apply(layer, x).double().sum())
     return out
 
 
-def engine(path: str, mla: bool):
+def engine(path: str, mla: bool, dtype: str):
     from vllm import LLM
 
     backend = {"attention_backend": "CPU_MLA"} if mla else {}  # float32 MLA on CPU (engine.engine_command's)
-    return LLM(path, dtype="float32", enforce_eager=True, max_model_len=256, seed=0, **backend,
+    return LLM(path, dtype=dtype, enforce_eager=True, max_model_len=256, seed=0, **backend,
                speculative_config={"method": "mtp", "num_speculative_tokens": 1, **backend},
                worker_extension_cls="vime.engine.in_vllm.worker_extension.WeightReceiver")
 
 
 def main(family: str, old: str, new: str, update_dir: str) -> None:
     mla = family == "deepseek_v3"
-    llm = engine(new, mla)
+    dtype = "bfloat16" if family == "qwen3_next" else "float32"  # vLLM's CPU Gated DeltaNet: bfloat16 only
+    llm = engine(new, mla, dtype)
     reference = llm.collective_rpc(digest)[0]
     del llm
     gc.collect()
-    llm = engine(old, mla)
+    llm = engine(old, mla, dtype)
     before = llm.collective_rpc(digest)[0]
     loaded = llm.collective_rpc("vime_load_weights", kwargs={"path": update_dir})[0]
     after = llm.collective_rpc(digest)[0]

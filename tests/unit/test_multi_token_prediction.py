@@ -21,7 +21,8 @@ import torch
 from tests.helpers.rollouts import make_rollout
 from tests.helpers.trainer_runs import local_trainer
 
-ARCHS = ("glm4_moe", "deepseek_v3")
+ARCHS = ("glm4_moe", "deepseek_v3", "qwen3_next", "qwen3_5")
+UNDER_MTP = ("qwen3_next", "qwen3_5")  # their MTP block is stored under `mtp.`, as Qwen publishes it
 
 
 @pytest.fixture(scope="module")
@@ -64,28 +65,43 @@ def test_conversion_keeps_the_mtp_layers_bit_for_bit(arch, mtp_models, megatron_
     chunks, config = _megatron_model(mtp_models[arch], "--mtp-num-layers", "1")
     hf = load_file(mtp_models[arch] / "model.safetensors")
     back = dict(iter_hf_weights(chunks, config))
-    mtp = {n for n in hf if n.startswith(f"model.layers.{config.num_hidden_layers}.")}
-    assert {"eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head.norm.weight"} <= {
-        n.split(".", 3)[3] for n in mtp}
+    if arch in UNDER_MTP:
+        mtp = {n for n in hf if n.startswith("mtp.")}
+        assert {"mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight",
+                "mtp.norm.weight", "mtp.layers.0.self_attn.q_proj.weight"} <= mtp
+    else:
+        mtp = {n for n in hf if n.startswith(f"model.layers.{config.num_hidden_layers}.")}
+        assert {"eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head.norm.weight"} <= {
+            n.split(".", 3)[3] for n in mtp}
     assert set(back) == set(hf)
     assert all(torch.equal(back[n], hf[n]) for n in hf)
     without, _ = _megatron_model(mtp_models[arch])  # no --mtp-num-layers: the decoder only, as before
     assert set(dict(iter_hf_weights(without, config))) == set(hf) - mtp
 
 
-def _reference_mtp_cross_entropy(path, config, sequences, response_lengths) -> torch.Tensor:
+def _reference_mtp_cross_entropy(path, config, sequences, response_lengths, under_mtp: bool) -> torch.Tensor:
     """vLLM's drafter, computed from transformers' pieces: the HF trunk's output (after its final norm), the
-    embedding of the next token (zero at position 0), each normed, [embedding; hidden] through eh_proj, then the
-    MTP layer as the only layer of a model of the family (its final norm is shared_head.norm), the lm head."""
+    embedding of the next token (zero at position 0, except Qwen's), each normed, [embedding; hidden] through
+    eh_proj (Qwen's `mtp.fc`), then the MTP layer as the only layer of a model of the family (its final norm is
+    shared_head.norm, Qwen's `mtp.norm`), the lm head."""
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     weights = load_file(path / "model.safetensors")
-    prefix = f"model.layers.{config.num_hidden_layers}."
-    mtp = {n[len(prefix):]: t for n, t in weights.items() if n.startswith(prefix)}
+    if under_mtp:  # Qwen's names, as DeepSeek's: the layer's own tensors, and the decoder layer's under layers.0
+        qwen = {"fc": "eh_proj", "pre_fc_norm_embedding": "enorm", "pre_fc_norm_hidden": "hnorm",
+                "norm": "shared_head.norm"}
+        mtp = {n[len("mtp.layers.0."):]: t for n, t in weights.items() if n.startswith("mtp.layers.0.")}
+        mtp.update({f"{qwen[n.split('.')[1]]}.weight": t for n, t in weights.items()
+                    if n.startswith("mtp.") and not n.startswith("mtp.layers.")})
+    else:
+        prefix = f"model.layers.{config.num_hidden_layers}."
+        mtp = {n[len(prefix):]: t for n, t in weights.items() if n.startswith(prefix)}
     one_layer = copy.deepcopy(config)
     one_layer.num_hidden_layers, one_layer.first_k_dense_replace = 1, 0
+    if under_mtp:
+        one_layer.layer_types = ["full_attention"]
     drafter_dir = path.parent / f"{path.name}_drafter"
     drafter_dir.mkdir(exist_ok=True)
     one_layer.save_pretrained(drafter_dir)
@@ -96,8 +112,10 @@ def _reference_mtp_cross_entropy(path, config, sequences, response_lengths) -> t
     save_file(drafter, drafter_dir / "model.safetensors", metadata={"format": "pt"})
     layer = AutoModelForCausalLM.from_pretrained(drafter_dir, dtype=torch.float32).eval()
 
-    def norm(x, name):
-        return torch.nn.functional.rms_norm(x, (x.shape[-1],), mtp[f"{name}.weight"], config.rms_norm_eps)
+    def norm(x, name):  # Qwen's norms scale by 1 + weight
+        w = mtp[f"{name}.weight"]
+        return torch.nn.functional.rms_norm(x, (x.shape[-1],), eps=config.rms_norm_eps) * (1 + w) if under_mtp \
+            else torch.nn.functional.rms_norm(x, (x.shape[-1],), w, config.rms_norm_eps)
 
     out = []
     with torch.no_grad():
@@ -105,7 +123,8 @@ def _reference_mtp_cross_entropy(path, config, sequences, response_lengths) -> t
             ids = torch.tensor([tokens])
             next_ids = torch.cat([ids[:, 1:], torch.zeros(1, 1, dtype=torch.long)], dim=1)
             embedded = hf.model.embed_tokens(next_ids)
-            embedded[0, 0] = 0
+            if not under_mtp:
+                embedded[0, 0] = 0
             x = torch.cat([norm(embedded, "enorm"), norm(hf.model(ids).last_hidden_state, "hnorm")], -1)
             logits = layer(inputs_embeds=x @ mtp["eh_proj.weight"].t()).logits[0]
             for q in range(len(tokens) - response, len(tokens)):  # predicted from position q - 2, if any
@@ -125,7 +144,7 @@ def test_the_mtp_layer_computes_what_the_engine_drafts_with(arch, mtp_models, me
     # the last sample's prompt is one token: its first response token has no position two before it (weight 0)
     sequences = [torch.randint(3, 400, (n,), generator=g).tolist() for n in (9, 13, 6, 5)]
     responses = [4, 5, 3, 4]
-    reference = _reference_mtp_cross_entropy(mtp_models[arch], config, sequences, responses)
+    reference = _reference_mtp_cross_entropy(mtp_models[arch], config, sequences, responses, arch in UNDER_MTP)
     for packed in (True, False):
         mb = micro_batch_inputs(sequences, responses, packed=packed)
         with mtp_cross_entropy(chunks[0], mb, mb.tokens, mb.positions) as result:
@@ -180,6 +199,7 @@ def test_mtp_layers_of_a_family_without_them_are_refused(tiny_qwen3):
 
     from vime.trainer.megatron.arguments import add_megatron_args, fill_architecture_from_hf
 
-    with pytest.raises(ValueError, match=r"vime reads MTP layers from deepseek_v3, glm4_moe checkpoints, not qwen3"):
+    with pytest.raises(ValueError, match=r"vime reads MTP layers from deepseek_v3, glm4_moe, .* checkpoints, "
+                                         r"not qwen3;"):
         fill_architecture_from_hf(add_megatron_args(argparse.ArgumentParser()).parse_args(["--mtp-num-layers", "1"]),
                                   AutoConfig.from_pretrained(tiny_qwen3))

@@ -228,3 +228,30 @@ def test_slime_qwen3_5_27b_script_agrees_with_the_published_config():
     wrong = SLIME_QWEN3_5_27B[:layers] + ["48"] + SLIME_QWEN3_5_27B[layers + 1:]
     with pytest.raises(ValueError, match="--num-layers"):
         fill_architecture_from_hf(add_megatron_args(argparse.ArgumentParser()).parse_args(wrong), config)
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED_INDEX))
+def test_every_published_mtp_tensor_maps_to_the_trainers_mtp_layer(name):
+    """With --mtp-num-layers, the last stage's conversion reads every multi-token-prediction tensor of the published
+    checkpoint (GLM's layer after the decoder's, Qwen's `mtp.` block) and nothing else of it but the final norm and
+    the output layer, and gives each Megatron tensor the shape Megatron's MTP layer has."""
+    from vime.plan.published import hf_config
+    from vime.trainer.megatron.hf_architecture import language_config, multi_token_prediction_layers
+    from vime.trainer.megatron.hf_conversion import Arch, hf_to_chunk
+
+    config = hf_config(name)
+    text = language_config(config)
+    index = PUBLISHED_INDEX[name](config)
+    mtp = {n for n in index if _not_trained(n, text) and not n.startswith("model.visual.")}
+    assert multi_token_prediction_layers(config) == 1 and len(mtp) > 10
+    arch = Arch.from_hf(config, mtp_layers=1)
+    checkpoint = _Reads(index)
+    converted = hf_to_chunk(checkpoint, arch, 0, 1, arch.num_layers, 0, False, True)
+    head = {n for n in index if n == "lm_head.weight" or n.endswith("language_model.norm.weight")
+            or n == "model.norm.weight"}
+    assert checkpoint.read == mtp | head
+    h = text.hidden_size
+    assert converted["mtp.layers.0.eh_proj.weight"].shape == (h, 2 * h)
+    assert converted["mtp.layers.0.enorm.weight"].shape == (h,)
+    assert converted["mtp.layers.0.final_layernorm.weight"].shape == (h,)
+    assert any(n.startswith("mtp.layers.0.transformer_layer.mlp.") for n in converted)

@@ -26,7 +26,7 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3", "qwen3_next"])
 def test_a_weight_update_reaches_the_mtp_drafter(family, tmp_path):
     import shutil
 
@@ -146,6 +146,7 @@ def test_a_model_without_mtp_layers_and_a_draft_length_they_cannot_make_are_refu
         check_speculative(args, two_layers)
     args.vllm_speculative_config = '{"method": "mtp", "num_speculative_tokens": 4}'
     check_speculative(args, two_layers)
+    check_speculative(args, {"model_type": "qwen3_next"})  # one MTP layer left unsaid, as vLLM reads it
     args.vllm_speculative_config = '{"method": "ngram", "num_speculative_tokens": 3}'  # not MTP: vLLM's to judge
     check_speculative(args, {"model_type": "qwen3"})
     args.vllm_speculative_config = '{"method": "mtp"'

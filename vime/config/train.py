@@ -196,6 +196,9 @@ class MegatronConfig(Section):
     rope_scaling: dict[str, Any] | None = derived()
     # which layers are Gated DeltaNet (1) or full attention (0), no flag: from the HF config's layer_types
     linear_attention_freq: list[int] | None = derived()
+    # whether an MTP layer reads the next token's embedding at a sequence's first position (Qwen3-Next's and
+    # Qwen3.5's drafters) or zero there (DeepSeek-V3's, GLM-4.5's), no flag: from the HF config's model type
+    mtp_embeds_first_position: bool | None = derived()
 
 
 @dataclasses.dataclass(frozen=True)

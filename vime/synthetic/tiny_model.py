@@ -260,7 +260,9 @@ def build_tiny_model(
     if with_mtp:
         from vime.trainer.megatron.hf_architecture import MTP_FAMILIES, multi_token_prediction_layers
 
-        if arch not in MTP_FAMILIES or not multi_token_prediction_layers(hf_config):
+        if arch in ("qwen3_5", "qwen3_5_moe"):  # as Qwen3.5 declares its one MTP layer
+            hf_config.mtp_num_hidden_layers = 1
+        if hf_config.model_type not in MTP_FAMILIES or not multi_token_prediction_layers(hf_config):
             raise ValueError(f"--with-mtp: {arch} checkpoints hold no MTP layers vime writes "
                              f"({', '.join(MTP_FAMILIES)})")
     torch.manual_seed(seed)
@@ -286,28 +288,36 @@ def build_tiny_model(
 
 
 def _write_mtp_layers(out: Path, hf_config, seed: int) -> None:
-    """Add the config's multi-token-prediction layers to the checkpoint as DeepSeek-V3 and GLM-4.5 publish them
-    (transformers writes none): layer num_hidden_layers + k holds a decoder layer shaped like the last one plus
-    eh_proj, enorm, hnorm and shared_head.norm, seeded values."""
+    """Add the config's multi-token-prediction layers to the checkpoint as their families publish them
+    (transformers writes none; `hf_mtp_names`): DeepSeek-V3's and GLM-4.5's layer num_hidden_layers + k holds a
+    decoder layer shaped like the last one plus eh_proj, enorm, hnorm and shared_head.norm; Qwen3-Next's and
+    Qwen3.5's `mtp.` block a full-attention layer shaped like the last one plus fc, pre_fc_norm_embedding,
+    pre_fc_norm_hidden and norm (centred on 0: they scale by 1 + weight). Seeded values."""
     import torch
     from safetensors.torch import load_file, save_file
 
-    from vime.trainer.megatron.hf_architecture import multi_token_prediction_layers
+    from vime.trainer.megatron.hf_architecture import MTP_UNDER_MTP, multi_token_prediction_layers
 
     count = multi_token_prediction_layers(hf_config)
     path = out / "model.safetensors"
     tensors = load_file(path)
     n, h = hf_config.num_hidden_layers, hf_config.hidden_size
     generator = torch.Generator().manual_seed(seed + 1)
-    last = f"model.layers.{n - 1}."
+    under_mtp = hf_config.model_type in MTP_UNDER_MTP
+    kinds = getattr(hf_config, "layer_types", None) or ["full_attention"] * n
+    last = f"model.layers.{max(i for i, kind in enumerate(kinds) if kind == 'full_attention')}."
     for k in range(count):
-        layer = f"model.layers.{n + k}."
+        layer = f"mtp.layers.{k}." if under_mtp else f"model.layers.{n + k}."
         for name, value in list(tensors.items()):
             if name.startswith(last):
                 tensors[layer + name[len(last):]] = value + torch.randn(value.shape, generator=generator) * 0.02
-        tensors[layer + "eh_proj.weight"] = torch.randn(h, 2 * h, generator=generator) * 0.05
-        for norm in ("enorm", "hnorm", "shared_head.norm"):
-            tensors[f"{layer}{norm}.weight"] = 1 + torch.randn(h, generator=generator) * 0.02
+        own = "mtp." if under_mtp else layer
+        projection = own + ("fc.weight" if under_mtp else "eh_proj.weight")
+        tensors[projection] = torch.randn(h, 2 * h, generator=generator) * 0.05
+        norms = ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm") if under_mtp else (
+            "enorm", "hnorm", "shared_head.norm")
+        for norm in norms:
+            tensors[f"{own}{norm}.weight"] = (0 if under_mtp else 1) + torch.randn(h, generator=generator) * 0.02
     save_file(tensors, path, metadata={"format": "pt"})
 
 

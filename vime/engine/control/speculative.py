@@ -45,9 +45,13 @@ def drafts_with_mtp(config: dict | None) -> bool:
 
 def mtp_layers_declared(hf_config: dict) -> int:
     """The MTP layers a checkpoint's config.json declares (DeepSeek-V3, GLM-4.5, Qwen3-Next: num_nextn_predict_layers;
-    Qwen3.5: its text config's mtp_num_hidden_layers)."""
-    configs = [hf_config, hf_config.get("text_config") or {}]
-    return max(int(c.get(key) or 0) for c in configs for key in ("num_nextn_predict_layers", "mtp_num_hidden_layers"))
+    Qwen3.5: its text config's mtp_num_hidden_layers; as vLLM reads them)."""
+    for config in (hf_config.get("text_config") or {}, hf_config):
+        for key in ("num_nextn_predict_layers", "mtp_num_hidden_layers"):
+            if config.get(key) is not None:
+                return int(config[key])
+    # Qwen3-Next's and Qwen3.5's configs may leave their one MTP layer unsaid: vLLM's drafter then takes 1
+    return 1 if hf_config.get("model_type") in ("qwen3_next", "qwen3_5", "qwen3_5_moe") else 0
 
 
 def check_speculative(args, hf_config: dict) -> None:

@@ -12,8 +12,9 @@ The cap keeps the spin between decode steps, which follow each other within mill
 
 On every CPU engine it also mends vLLM's CPU rotary kernel for 3-D queries and keys (`cpu_rope`; DeepSeek's
 multi-latent attention) and the rejection sampler's expansion of each request's temperature over its draft tokens
-(`cpu_sampler.patch_spec_expand`; speculative decoding): a wrong result is not a matter of tuning; and it spares the C++ compilation of the
-sampler's rank count at the first log-prob request (`cpu_sampler`: 2.5-14 s of every engine start).
+(`cpu_sampler.patch_spec_expand`; speculative decoding): a wrong result is not a matter of tuning; and it spares
+the C++ compilation of the sampler's rank count at the first log-prob request (`cpu_sampler`: 2.5-14 s of every
+engine start).
 """
 
 from __future__ import annotations

@@ -213,6 +213,7 @@ def hf_architecture(hf_config) -> dict[str, Any]:
     head_dim = mla["v_head_dim"] or getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     return {
         "num_layers": hf_config.num_hidden_layers,
+        "mtp_embeds_first_position": model_type in MTP_UNDER_MTP,
         "hidden_size": hf_config.hidden_size,
         # an MoE model without dense layers (Qwen3.5-MoE) has no intermediate_size: Megatron still wants one
         "ffn_hidden_size": getattr(hf_config, "intermediate_size", None) or hf_config.moe_intermediate_size,
@@ -254,12 +255,20 @@ def hf_rotary_percent(hf_config, head_dim: int) -> float:
     return factor
 
 
-# HF model types whose checkpoints hold MTP layers where vime reads them (`model.layers.{num_hidden_layers + k}`)
-MTP_FAMILIES = ("deepseek_v3", "glm4_moe")
+# HF model types (of the language model) whose checkpoints hold MTP layers vime reads: after the decoder's layers
+# (`model.layers.{num_hidden_layers + k}`: DeepSeek-V3, GLM-4.5), or under `mtp.` (`MTP_UNDER_MTP`)
+MTP_FAMILIES = ("deepseek_v3", "glm4_moe", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+# Qwen3-Next's and Qwen3.5's layout: mtp.fc, mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden, mtp.layers.{k}.*,
+# mtp.norm; their drafter reads the next token's embedding at position 0 too (DeepSeek's zeroes it)
+MTP_UNDER_MTP = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 
 
 def multi_token_prediction_layers(hf_config) -> int:
-    """How many multi-token-prediction layers the checkpoint stores after its decoder layers (DeepSeek-V3's
-    `num_nextn_predict_layers`); the trainer holds as many of them as --mtp-num-layers asks
-    (`multi_token_prediction`)."""
-    return int(getattr(hf_config, "num_nextn_predict_layers", 0) or 0)
+    """How many multi-token-prediction layers the checkpoint stores (DeepSeek-V3's, GLM-4.5's and Qwen3-Next's
+    `num_nextn_predict_layers`, Qwen3.5's `mtp_num_hidden_layers`); the trainer holds as many of them as
+    --mtp-num-layers asks (`multi_token_prediction`)."""
+    text = language_config(hf_config)
+    for key in ("num_nextn_predict_layers", "mtp_num_hidden_layers"):
+        if getattr(text, key, None) is not None:
+            return int(getattr(text, key))
+    return 1 if text.model_type in MTP_UNDER_MTP else 0  # Qwen's configs may leave their one layer unsaid (vLLM: 1)

@@ -30,12 +30,13 @@ Pure functions on state dicts; `hf_checkpoint` applies them to live models (load
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import Mapping
 
 import torch
 
-from vime.trainer.megatron.hf_architecture import MULTIMODAL_WRAPPERS, hf_architecture, language_config
+from vime.trainer.megatron.hf_architecture import MTP_UNDER_MTP, MULTIMODAL_WRAPPERS, hf_architecture, language_config
+from vime.trainer.megatron.hf_mtp_names import MTP_PARAMS, MTP_RE, mtp_param
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,7 @@ class Arch:
     split_linear_in_proj: bool = False  # Qwen3.5: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a (Qwen3-Next: 2)
     prefix: str = "model."  # where the language model's tensors are ("model.language_model." in a multimodal one)
     mtp_layers: int = 0  # multi-token-prediction layers the Megatron model holds (HF: layers from num_layers on)
+    mtp_under_mtp: bool = False  # ... stored under `mtp.` instead (Qwen3-Next, Qwen3.5: hf_architecture.MTP_UNDER_MTP)
 
     @classmethod
     def from_hf(cls, hf_config, mtp_layers: int = 0) -> "Arch":
@@ -76,7 +78,7 @@ class Arch:
                    (a["linear_num_key_heads"] or 0, a["linear_num_value_heads"] or 0, a["linear_key_head_dim"] or 0,
                     a["linear_value_head_dim"] or 0), bool(a["attention_output_gate"]),
                    bool(a["moe_shared_expert_gate"]), text.model_type in ("qwen3_5_text", "qwen3_5_moe_text"),
-                   "model.language_model." if multimodal else "model.", mtp_layers)
+                   "model.language_model." if multimodal else "model.", mtp_layers, text.model_type in MTP_UNDER_MTP)
 
     def is_moe(self, layer: int) -> bool:  # an MTP layer (past the decoder's) is shaped like the last one
         return bool(self.moe_layers) and bool(self.moe_layers[min(layer, self.num_layers - 1)])
@@ -155,24 +157,13 @@ TE_FUSED_NORMS = {"input_layernorm.weight": "self_attention.linear_qkv.layer_nor
                   "self_attention.q_layernorm.weight": "self_attention.linear_q_up_proj.layer_norm_weight",  # MLA
                   "self_attention.kv_layernorm.weight": "self_attention.linear_kv_up_proj.layer_norm_weight"}
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-# an MTP layer's own tensors (DeepSeek-V3's / GLM-4.5's names under model.layers.{num_layers + k}.); its
-# transformer layer maps like a decoder layer's
-_MTP_RE = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
-_MTP_PARAMS = {"enorm.weight": ("copy", ("enorm.weight",), None), "hnorm.weight": ("copy", ("hnorm.weight",), None),
-               "eh_proj.weight": ("copy", ("eh_proj.weight",), 0),
-               "final_layernorm.weight": ("copy", ("shared_head.norm.weight",), None)}
-
-
 def param_for(name: str, arch: Arch, layer_offset: int, expert_offset: int = 0) -> _Param | None:
     """The HF mapping of a Megatron parameter name of a chunk; None for the tied copy of the embedding.
     `expert_offset`: the global index of this rank's first local expert."""
-    mtp = _MTP_RE.match(name)
-    if mtp:
-        layer = arch.num_layers + int(mtp.group(1))
-        if mtp.group(2) in _MTP_PARAMS:
-            kind, hf_suffixes, split_dim = _MTP_PARAMS[mtp.group(2)]
-            return _Param(kind, tuple(f"{arch.prefix}layers.{layer}.{s}" for s in hf_suffixes), split_dim)
-        name = f"decoder.layers.{layer - layer_offset}.{mtp.group(2).removeprefix('transformer_layer.')}"
+    mtp = MTP_RE.match(name)
+    if mtp:  # its own tensors, or its transformer layer, which maps like a decoder layer after the last
+        return _Param(*mtp_param(int(mtp.group(1)), mtp.group(2), arch, lambda layer, rest: astuple(param_for(
+            f"decoder.layers.{layer - layer_offset}.{rest}", arch, layer_offset, expert_offset))))
     m = _LAYER_RE.match(name)
     if m:
         prefix = f"{arch.prefix}layers.{int(m.group(1)) + layer_offset}."
@@ -239,7 +230,7 @@ def _chunk_param_names(arch: Arch, num_local_layers: int, pre_process: bool, pos
         if not arch.tied or not pre_process:
             names.append("output_layer.weight")
         for k in range(arch.mtp_layers):  # after the decoder, shaped like its last layer
-            names += [f"mtp.layers.{k}.{s}" for s in _MTP_PARAMS]
+            names += [f"mtp.layers.{k}.{s}" for s in MTP_PARAMS]
             names += [f"mtp.layers.{k}.transformer_layer.{s}"
                       for s in suffixes + (moe if arch.is_moe(arch.num_layers + k) else dense)]
     return names

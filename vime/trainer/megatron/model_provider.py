@@ -298,9 +298,11 @@ def build_gpt_model(args: argparse.Namespace, pre_process: bool = True, post_pro
         rotary_base=megatron.rotary_base,
         vp_stage=vp_stage,
     )
-    if post_process and megatron.mtp_num_layers:  # shaped like the decoder's last layer (MoE where it is)
-        attach_mtp(model, layer_specs.layer_specs[-1], megatron.mtp_num_layers, LocalNorm,
-                   trainable=megatron.enable_mtp_training)
+    if post_process and megatron.mtp_num_layers:  # shaped like the decoder's last attention layer (MoE where it is)
+        attention = [s for s in getattr(layer_specs, "layer_specs", [layer_specs])  # (TE dense: one spec for all)
+                     if s.submodules.self_attention.module is not GatedDeltaNetAttention]
+        attach_mtp(model, attention[-1], megatron.mtp_num_layers, LocalNorm, trainable=megatron.enable_mtp_training,
+                   embeds_first_position=bool(megatron.mtp_embeds_first_position))
     scaling = megatron.rope_scaling
     if scaling is not None and not config.multi_latent_attention:  # MLA builds its own (YaRN) rotary embedding
         rope = model.rotary_pos_emb

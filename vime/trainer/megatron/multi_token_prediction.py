@@ -1,13 +1,14 @@
-"""Multi-token-prediction (MTP) layers as DeepSeek-V3 and GLM-4.5 store them: held after the decoder on the last
-pipeline stage (`GPTModel.mtp.layers`), loaded from and saved to the checkpoint's own MTP tensors, trained online
-with the trunk detached.
+"""Multi-token-prediction (MTP) layers as DeepSeek-V3, GLM-4.5, Qwen3-Next and Qwen3.5 store them
+(`hf_mtp_names`): held after the decoder on the last pipeline stage (`GPTModel.mtp.layers`), loaded from and saved
+to the checkpoint's own MTP tensors, trained online with the trunk detached.
 
-What one layer computes, as vLLM's drafter does (`vllm/model_executor/models/deepseek_mtp.py`, `glm4_moe_mtp.py`),
-so that the layers the trainer fits are the ones the engine drafts with: at position i it reads the decoder's
-output h_i (after the final norm) and the embedding of token i + 1 (zero at position 0), norms each (`enorm`,
-`hnorm`), projects [embedding; hidden] to the hidden size (`eh_proj`), runs one transformer layer shaped like the
-decoder's last (MoE where the model has experts) over the sequence, and norms the result (`final_layernorm`, HF's
-`shared_head.norm`); the shared output layer's logits at i predict token i + 2.
+What one layer computes, as vLLM's drafter does (`vllm/model_executor/models/deepseek_mtp.py`, `glm4_moe_mtp.py`,
+`qwen3_next_mtp.py`), so that the layers the trainer fits are the ones the engine drafts with: at position i it
+reads the decoder's output h_i (after the final norm) and the embedding of token i + 1 (zero at position 0 for
+DeepSeek-V3 and GLM-4.5; Qwen3-Next's and Qwen3.5's drafters read it there too), norms each (`enorm`, `hnorm`),
+projects [embedding; hidden] to the hidden size (`eh_proj`), runs one transformer layer shaped like the decoder's
+last attention layer (MoE where the model has experts) over the sequence, and norms the result
+(`final_layernorm`); the shared output layer's logits at i predict token i + 2.
 
 Training (`mtp_loss`): the trunk's output, the embedding and the output layer are read detached, so the MTP loss
 reaches the MTP layers' parameters only: the policy's gradient is the same with and without it, bit for bit. The
@@ -61,9 +62,11 @@ class MultiTokenPredictionLayer(MegatronModule):
 
 
 class MultiTokenPrediction(MegatronModule):
-    def __init__(self, config: TransformerConfig, layer_spec: ModuleSpec, num_layers: int, norm: Callable):
+    def __init__(self, config: TransformerConfig, layer_spec: ModuleSpec, num_layers: int, norm: Callable,
+                 embeds_first_position: bool = False):
         config = mtp_layer_config(config)
         super().__init__(config=config)
+        self.embeds_first_position = embeds_first_position  # else zero there (DeepSeek's drafter)
         self.layers = torch.nn.ModuleList([
             MultiTokenPredictionLayer(config, copy.deepcopy(layer_spec), config.num_layers + k + 1, norm)
             for k in range(num_layers)])
@@ -76,9 +79,10 @@ class MultiTokenPrediction(MegatronModule):
         return out
 
 
-def attach_mtp(gpt, layer_spec: ModuleSpec, num_layers: int, norm: Callable, trainable: bool) -> None:
+def attach_mtp(gpt, layer_spec: ModuleSpec, num_layers: int, norm: Callable, trainable: bool,
+               embeds_first_position: bool = False) -> None:
     """Give the last stage's `gpt` its MTP layers; frozen unless `trainable`."""
-    gpt.mtp = MultiTokenPrediction(gpt.config, layer_spec, num_layers, norm).to(
+    gpt.mtp = MultiTokenPrediction(gpt.config, layer_spec, num_layers, norm, embeds_first_position).to(
         next(gpt.parameters()).device)
     for param in gpt.mtp.parameters():
         param.requires_grad = trainable
@@ -120,7 +124,8 @@ def mtp_hidden(gpt, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch
     for k, layer in enumerate(gpt.mtp.layers):
         with torch.no_grad():
             embedded = gpt.embedding(input_ids=shifted_tokens(tokens, positions, k + 1), position_ids=positions)
-        embedded = embedded * (positions.t() != 0).unsqueeze(-1).to(embedded.dtype)  # as vLLM's drafter
+        if not gpt.mtp.embeds_first_position:  # as vLLM's DeepSeek / GLM drafter
+            embedded = embedded * (positions.t() != 0).unsqueeze(-1).to(embedded.dtype)
         previous = layer(previous, embedded, **kwargs)
         outputs.append(previous)
     return outputs
