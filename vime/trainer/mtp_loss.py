@@ -10,6 +10,7 @@ import contextlib
 from dataclasses import dataclass, field
 
 import torch
+from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
 
 from vime.trainer.batching import MicroBatchInputs
 from vime.trainer.log_probs import vocab_parallel_log_probs
@@ -50,7 +51,10 @@ def mtp_cross_entropy(gpt, inputs: MicroBatchInputs, tokens: torch.Tensor, posit
         targets = inputs.targets.to(hidden.device, non_blocking=True)
         for depth, out in enumerate(mtp_hidden(gpt, hidden, tokens, positions, kwargs), start=1):
             rows, valid = mtp_targets(logit_rows, positions, hidden.shape[1], depth)
-            logits = out.reshape(-1, out.shape[-1]).index_select(0, rows) @ weight.t()  # [R, vocab / TP]
+            # each TP rank holds a vocabulary shard of the weight: the rows' gradient is the sum over the shards
+            # (the all-reduce backward of Megatron's ColumnParallelLinear input, identity forward)
+            rows_hidden = copy_to_tensor_model_parallel_region(out.reshape(-1, out.shape[-1]).index_select(0, rows))
+            logits = rows_hidden @ weight.t()  # [R, vocab / TP]
             log_probs, _ = vocab_parallel_log_probs(logits, targets)
             result.ce.append(-log_probs * valid.to(log_probs.dtype))
 
