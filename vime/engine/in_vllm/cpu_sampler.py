@@ -29,18 +29,26 @@ def count_at_least(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return torch.cat([(x[i:i + rows] >= values[i:i + rows]).sum(-1) for i in range(0, x.shape[0], rows)])
 
 
-def patch_rank_count() -> bool:
-    """Replace the sampler's compiled count (once per process, CPU platform only); False where there is nothing
-    to patch."""
+def _patch_cpu(module_name: str, attribute: str, replacement) -> bool:
+    """Set `attribute` of vLLM's module `module_name` to `replacement` on the CPU platform; False where vLLM or
+    the attribute is not there (another vLLM layout: nothing to mend)."""
+    import importlib
+
     try:
         from vllm.platforms import current_platform
-        from vllm.v1.sample import sampler
+
+        module = importlib.import_module(module_name)
     except ImportError:
         return False
-    if not current_platform.is_cpu() or not hasattr(sampler, "batched_count_greater_than"):
+    if not current_platform.is_cpu() or not hasattr(module, attribute):
         return False
-    sampler.batched_count_greater_than = count_at_least
+    setattr(module, attribute, replacement)
     return True
+
+
+def patch_rank_count() -> bool:
+    """Replace the sampler's compiled count (CPU platform only); False where there is nothing to patch."""
+    return _patch_cpu("vllm.v1.sample.sampler", "batched_count_greater_than", count_at_least)
 
 
 def expand_batch_to_tokens(x: torch.Tensor, cu_num_tokens: torch.Tensor, num_tokens: int, replace_from=0,
@@ -53,14 +61,5 @@ def expand_batch_to_tokens(x: torch.Tensor, cu_num_tokens: torch.Tensor, num_tok
 
 
 def patch_spec_expand() -> bool:
-    """Replace the rejection sampler's expansion on the CPU platform (once per process); False where there is
-    nothing to patch."""
-    try:
-        from vllm.platforms import current_platform
-        from vllm.v1.sample import rejection_sampler
-    except ImportError:
-        return False
-    if not current_platform.is_cpu() or not hasattr(rejection_sampler, "expand_batch_to_tokens"):
-        return False
-    rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
-    return True
+    """Replace the rejection sampler's expansion (CPU platform only); False where there is nothing to patch."""
+    return _patch_cpu("vllm.v1.sample.rejection_sampler", "expand_batch_to_tokens", expand_batch_to_tokens)
