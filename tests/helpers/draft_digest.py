@@ -1,6 +1,7 @@
 """What an engine's MTP drafter computes, compared between a drafter updated through vime's worker extension and one
-loaded fresh by vLLM: run as `python draft_digest.py FAMILY OLD NEW UPDATE_DIR` (UPDATE_DIR under $VIME_WEIGHT_ROOT
-holds NEW's tensors as the disk transport writes them); prints one JSON line.
+loaded fresh by vLLM: run as `python draft_digest.py FAMILY OLD NEW UPDATE_DIR [FAMILY OLD NEW UPDATE_DIR ...]`
+(UPDATE_DIR under $VIME_WEIGHT_ROOT holds NEW's tensors as the disk transport writes them); prints one JSON line,
+{family: result}, after all (one process: vLLM is imported once).
 
 In this process, one at a time: a vLLM engine of NEW drafting with its MTP layer gives the reference; an engine of
 OLD loads UPDATE_DIR with `vime_load_weights` (the call every file transport makes; the broadcast and CUDA IPC ones
@@ -46,7 +47,7 @@ def engine(path: str, mla: bool, dtype: str):
                worker_extension_cls="vime.engine.in_vllm.worker_extension.WeightReceiver")
 
 
-def main(family: str, old: str, new: str, update_dir: str) -> None:
+def compare(family: str, old: str, new: str, update_dir: str) -> dict:
     mla = family == "deepseek_v3"
     dtype = "bfloat16" if family == "qwen3_next" else "float32"  # vLLM's CPU Gated DeltaNet: bfloat16 only
     llm = engine(new, mla, dtype)
@@ -57,8 +58,11 @@ def main(family: str, old: str, new: str, update_dir: str) -> None:
     before = llm.collective_rpc(digest)[0]
     loaded = llm.collective_rpc("vime_load_weights", kwargs={"path": update_dir})[0]
     after = llm.collective_rpc(digest)[0]
-    print(json.dumps({"loaded": loaded, "before": before, "after": after, "reference": reference}))
+    del llm
+    gc.collect()
+    return {"loaded": loaded, "before": before, "after": after, "reference": reference}
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    runs = sys.argv[1:]
+    print(json.dumps({runs[i]: compare(*runs[i:i + 4]) for i in range(0, len(runs), 4)}))
