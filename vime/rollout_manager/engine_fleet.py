@@ -31,6 +31,7 @@ from vime.engine.control.arguments import engine_dtype_warning, router_args_from
 from vime.engine.control.engine import VLLMEngine, http_ok
 from vime.engine.control.router import Router, post_workers
 from vime.engine.control.router_gate import RouterGate
+from vime.engine.control.speculative import speculative_config
 from vime.rollout.context import RolloutContext
 from vime.rollout_manager.fleet_recovery import FleetRecovery, recovery_load_call
 from vime.utils.auth import RunToken
@@ -96,7 +97,7 @@ class EngineFleet:
         self.served_version: int | None = None  # the version last sent to the engines, if any
         self.lock = threading.RLock()  # engine set changes vs. control calls and weight updates
         self._launched: list = []  # the engines' start calls in flight (`launch`)
-        self.speculative: bool | None = None  # whether the engines draft (--vllm-speculative-config): read once
+        self.speculative = speculative_config(args) is not None  # the engines draft (--vllm-speculative-config)
         self.asleep: set[str] = set()  # which of SLEEP_TAGS the engines hold in host memory or not at all (`sleep`)
         # the router's front for custom functions (`plugin_router_url`), bound now: its address is fixed for the run
         self.gate = None if debug.debug_train_only else RouterGate(lambda: self.context.router_url,
@@ -324,10 +325,7 @@ class EngineFleet:
         """{url: speculative-decoding counters} of the engines in service (`spec_counters.parse_counters`; an
         engine that does not answer is left out, and logged), or None when the engines do not draft."""
         from vime.engine.control.spec_counters import parse_counters
-        from vime.engine.control.speculative import speculative_config
 
-        if self.speculative is None:
-            self.speculative = speculative_config(self.args) is not None
         if not self.speculative:
             return None
         texts, errors = client.metrics_each(self.token, list(self.engine_urls))
