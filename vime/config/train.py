@@ -94,8 +94,8 @@ class MegatronConfig(Section):
 
     mtp_num_layers: int | None = flag(
         None, "Multi-token-prediction (MTP) layers to hold after the decoder, read from and saved to the "
-        "checkpoint's own (num_nextn_predict_layers; DeepSeek-V3, GLM-4.5); their weights go to the engines with "
-        "each weight update (default: None = none).", part="mtp")
+        "checkpoint's own (DeepSeek-V3, GLM-4.5, Qwen3-Next, Qwen3.5); their weights go to the engines, and to "
+        "their drafter with --vllm-speculative-config, with each weight update (default: None = none).", part="mtp")
     enable_mtp_training: bool = flag(
         False, "Train the MTP layers online on the rollout's tokens (predicting each token from the one two before "
         "it), so that the rollout's drafter keeps up with the policy. The trunk is detached: the MTP loss trains the "

@@ -334,8 +334,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--intermediate-size", type=int, default=256, help="MLP width (default: 256).")
     p.add_argument("--tie-word-embeddings", action="store_true", help="Share input and output embeddings.")
     p.add_argument("--with-mtp", action="store_true",
-                   help="Store the multi-token-prediction layers the config declares, as DeepSeek-V3 and GLM-4.5 "
-                        "publish them (deepseek_v3, glm4_moe; transformers writes none).")
+                   help="Store the multi-token-prediction layers the config declares, as their families publish "
+                        "them (deepseek_v3, glm4_moe, qwen3_next, qwen3_5; transformers writes none).")
     p.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
                    help="An HF config key over the family's defaults, its value as JSON (repeatable), e.g. "
                         "--set moe_intermediate_size=80 --set decoder_sparse_step=2 --set 'mlp_only_layers=[]'.")

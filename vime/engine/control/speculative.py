@@ -14,8 +14,10 @@ import json
 import logging
 
 from vime.config.train import MegatronConfig
+from vime.utils.mtp_config import declared_mtp_layers
 
 logger = logging.getLogger(__name__)
+
 
 def speculative_config(args) -> dict | None:
     """The --vllm-speculative-config given, as a dict; None without one. Raises ValueError for a value that is not
@@ -23,8 +25,6 @@ def speculative_config(args) -> dict | None:
     raw = vars(args).get("vllm_speculative_config")
     if raw is None:
         return None
-    if isinstance(raw, dict):
-        return raw
     try:
         value = json.loads(raw)
     except ValueError as e:
@@ -44,14 +44,9 @@ def drafts_with_mtp(config: dict | None) -> bool:
 
 
 def mtp_layers_declared(hf_config: dict) -> int:
-    """The MTP layers a checkpoint's config.json declares (DeepSeek-V3, GLM-4.5, Qwen3-Next: num_nextn_predict_layers;
-    Qwen3.5: its text config's mtp_num_hidden_layers; as vLLM reads them)."""
-    for config in (hf_config.get("text_config") or {}, hf_config):
-        for key in ("num_nextn_predict_layers", "mtp_num_hidden_layers"):
-            if config.get(key) is not None:
-                return int(config[key])
-    # Qwen3-Next's and Qwen3.5's configs may leave their one MTP layer unsaid: vLLM's drafter then takes 1
-    return 1 if hf_config.get("model_type") in ("qwen3_next", "qwen3_5", "qwen3_5_moe") else 0
+    """The MTP layers a checkpoint's config.json declares for its language model (`vime.utils.mtp_config`)."""
+    text = hf_config.get("text_config") or hf_config
+    return declared_mtp_layers(text, text.get("model_type") or hf_config.get("model_type"))
 
 
 def check_speculative(args, hf_config: dict) -> None:

@@ -92,7 +92,7 @@ def _check_mtp(args: argparse.Namespace, hf_config) -> None:
                          f"{', '.join(MTP_FAMILIES)} checkpoints, not {model_type}; drop --mtp-num-layers")
     if megatron.mtp_num_layers > declared:
         raise ValueError(f"--mtp-num-layers {megatron.mtp_num_layers}: the checkpoint declares {declared} MTP "
-                         f"layer(s) (num_nextn_predict_layers); use at most {declared}")
+                         f"layer(s); use at most {declared}")
     unsupported = [f for f, on in (("--pipeline-model-parallel-size > 1", megatron.pipeline_model_parallel_size > 1),
                                    ("--sequence-parallel", core_flag(args, "sequence_parallel")),
                                    ("--lora-rank", LoraConfig.of(args).lora_rank)) if on]

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from vime.utils.mtp_config import declared_mtp_layers
+
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe", "deepseek_v3", "glm4_moe", "qwen3_next",
                          "qwen3_5_text", "qwen3_5_moe_text")
 MOE_MODEL_TYPES = ("qwen3_moe", "deepseek_v3", "glm4_moe", "qwen3_next", "qwen3_5_moe_text")
@@ -264,11 +266,7 @@ MTP_UNDER_MTP = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 
 
 def multi_token_prediction_layers(hf_config) -> int:
-    """How many multi-token-prediction layers the checkpoint stores (DeepSeek-V3's, GLM-4.5's and Qwen3-Next's
-    `num_nextn_predict_layers`, Qwen3.5's `mtp_num_hidden_layers`); the trainer holds as many of them as
-    --mtp-num-layers asks (`multi_token_prediction`)."""
+    """How many multi-token-prediction layers the checkpoint stores (`vime.utils.mtp_config`); the trainer holds
+    as many of them as --mtp-num-layers asks (`multi_token_prediction`)."""
     text = language_config(hf_config)
-    for key in ("num_nextn_predict_layers", "mtp_num_hidden_layers"):
-        if getattr(text, key, None) is not None:
-            return int(getattr(text, key))
-    return 1 if text.model_type in MTP_UNDER_MTP else 0  # Qwen's configs may leave their one layer unsaid (vLLM: 1)
+    return declared_mtp_layers(vars(text), text.model_type)

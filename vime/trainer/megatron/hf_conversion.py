@@ -157,6 +157,8 @@ TE_FUSED_NORMS = {"input_layernorm.weight": "self_attention.linear_qkv.layer_nor
                   "self_attention.q_layernorm.weight": "self_attention.linear_q_up_proj.layer_norm_weight",  # MLA
                   "self_attention.kv_layernorm.weight": "self_attention.linear_kv_up_proj.layer_norm_weight"}
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
 def param_for(name: str, arch: Arch, layer_offset: int, expert_offset: int = 0) -> _Param | None:
     """The HF mapping of a Megatron parameter name of a chunk; None for the tied copy of the embedding.
     `expert_offset`: the global index of this rank's first local expert."""
