@@ -2,9 +2,10 @@
 CPU, float32) run twice, the second under a storage tracker (`tests/helpers/memory_tracker.py`: every tensor an op
 creates, from creation to its last reference, as a device allocator counts it), plus the weights, gradient buffers
 and Adam state held before it. The plan, from the same train.py flags, is within 15% of that peak for a dense
-model packed, with shared prompts, under full recompute, and for an MoE. Also: the planner's step FLOPs equal the
-trainer's own count for equal-length samples, the published configs' table (docs/guides/memory_plan.md) is what
-the planner prints, and a layout that cannot fit is refused naming the flags that would make it fit."""
+model packed, with shared prompts, under full recompute, for an MoE and for a hybrid Gated DeltaNet model. Also:
+the planner's step FLOPs equal the trainer's own count for equal-length samples, the published configs' table
+(docs/guides/memory_plan.md) is what the planner prints, and a layout that cannot fit is refused naming the flags
+that would make it fit."""
 
 from __future__ import annotations
 
@@ -77,7 +78,11 @@ def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("plan")
     return {"qwen3": build_tiny_model(root / "dense", arch="qwen3", seed=0, **SHAPE),
             "qwen3_moe": build_tiny_model(root / "moe", arch="qwen3_moe", seed=0,
-                                          **{**SHAPE, "config": {"mlp_only_layers": [1]}})}
+                                          **{**SHAPE, "config": {"mlp_only_layers": [1]}}),
+            # three Gated DeltaNet layers (their activations were sized as attention's: planned 25% under), then
+            # gated attention; MoE but for layer 1
+            "qwen3_next": build_tiny_model(root / "hybrid", arch="qwen3_next", seed=0,
+                                           **{**SHAPE, "config": {"mlp_only_layers": [1]}})}
 
 
 @pytest.mark.parametrize("arch,flags", [
@@ -86,6 +91,7 @@ def checkpoints(tmp_path_factory):
     ("qwen3", ["--no-share-group-prompts", "--recompute-granularity", "full", "--recompute-method", "uniform",
                "--recompute-num-layers", "1"]),
     ("qwen3_moe", ["--no-share-group-prompts"]),
+    ("qwen3_next", []),  # prompts are never shared with linear-attention layers
     ("qwen3", ["--use-kl-loss", "--kl-loss-coef", "0.01", "--num-steps-per-rollout", "2", "--micro-batch-size", "2"]),
 ])
 def test_planned_peak_is_within_15_percent_of_the_measured_one(checkpoints, arch, flags):

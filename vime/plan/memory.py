@@ -70,6 +70,12 @@ def _stages(shape: FlopShape, pp: int) -> list[list[bool]]:
     return [kinds[i * per:(i + 1) * per] for i in range(pp)]
 
 
+def _linear_layers(shape: FlopShape, stage_layers: int) -> int:
+    """How many of a stage's layers are Gated DeltaNet layers: they spread evenly over the stages (Qwen3-Next's and
+    Qwen3.5's: three of every four layers)."""
+    return round(shape.linear_layers * stage_layers / shape.layers)
+
+
 def attention_parameters(shape: FlopShape, tp: int, linear: bool = False) -> float:
     """One layer's attention weights on a tensor-parallel rank (its two norms included); `linear`: a Gated DeltaNet
     layer's (in_proj, the convolution, A_log and dt_bias, the gated norm, out_proj)."""
@@ -104,8 +110,7 @@ def stage_parameters(shape: FlopShape, layout: TrainerLayout, stage: int, tied: 
     """Weights on one rank of pipeline stage `stage`: its layers, the embedding on the first stage, the final norm
     and output layer (or value head) on the last (a tied output layer is the embedding when both are one stage)."""
     stages = _stages(shape, layout.pp)
-    # Gated DeltaNet layers spread evenly over the stages (Qwen3-Next's and Qwen3.5's: one attention layer in four)
-    linear = round(shape.linear_layers * len(stages[stage]) / shape.layers)
+    linear = _linear_layers(shape, len(stages[stage]))
     total = sum(mlp_parameters(shape, moe, layout) for moe in stages[stage]) \
         + linear * attention_parameters(shape, layout.tp, linear=True) \
         + (len(stages[stage]) - linear) * attention_parameters(shape, layout.tp)
@@ -133,14 +138,17 @@ def lora_parameters(shape: FlopShape, layers: list[bool], tp: int) -> float:
     return count
 
 
-def layer_activation_elements(shape: FlopShape, moe: bool, layout: TrainerLayout) -> float:
-    """Elements autograd keeps per token for one layer's backward (vime's local spec, measured by module)."""
+def layer_activation_elements(shape: FlopShape, moe: bool, layout: TrainerLayout, linear: bool = False) -> float:
+    """Elements autograd keeps per token for one layer's backward (vime's local spec, measured by module), in the
+    training dtype's width; `linear`: a Gated DeltaNet layer's token mixer instead of attention."""
     h, tp = shape.hidden, layout.tp
     hidden_share = tp if layout.sequence_parallel else 1
     norm_extra = 1 if layout.device == "cpu" else 0  # torch's CPU RMSNorm keeps x * rstd; the fused kernel not
     # the two norms' inputs and outputs, the residual
     total = (4 + 2 * norm_extra) * h / hidden_share
-    if shape.kv_lora_rank:
+    if linear:
+        total += linear_attention_elements(shape, layout)
+    elif shape.kv_lora_rank:
         qk = shape.qk_nope_dim + shape.qk_rope_dim
         heads_qk, heads_v = shape.heads * qk, shape.heads * shape.v_head_dim
         total += 2 * (shape.q_lora_rank + shape.kv_lora_rank + shape.qk_rope_dim)  # latents, replicated
@@ -157,12 +165,31 @@ def layer_activation_elements(shape: FlopShape, moe: bool, layout: TrainerLayout
     return total + routed + 5 * shape.shared_expert_ffn / tp
 
 
+def linear_attention_elements(shape: FlopShape, layout: TrainerLayout) -> float:
+    """What a Gated DeltaNet mixer (`trainer.megatron.linear_attention`) keeps per token, in the training dtype's
+    width. Fitted to its saved tensors measured on this CPU over seven head layouts (within 1.5% of each layer's):
+    in the training dtype, in_proj's output, the convolution's and its SiLU's (6 x keys + 5 x values, keys and
+    values being the key and value heads' widths); in float32 (the rule computes in it), the normalised and
+    per-value-head repeated q and k with their chunked copies (8 x value heads x key dim), the rule's right-hand
+    sides, solutions and outputs, the gated norm (7 x values), its 64 x 64 matrices of each chunk (6 x value heads x
+    64) and the recurrent state each chunk starts from (value heads x key dim x value dim / 64)."""
+    from vime.trainer.megatron.gated_delta_rule import CHUNK
+
+    keys, values = shape.linear_key_heads * shape.linear_key_dim, shape.linear_value_heads * shape.linear_value_dim
+    heads = shape.linear_value_heads
+    in_dtype = 6 * keys + 5 * values
+    in_fp32 = 7 * values + heads * (8 * shape.linear_key_dim + 6 * CHUNK
+                                    + shape.linear_key_dim * shape.linear_value_dim / CHUNK)
+    return (in_dtype + in_fp32 * FP32 / layout.weight_bytes) / layout.tp
+
+
 def activation_bytes(shape: FlopShape, layout: TrainerLayout, stage: int) -> float:
     """The activations one rank of `stage` holds at its peak: the micro-batches in flight on it (1F1B: the first
     stage up to `pp`), each with its layers' saved tensors, or under full recompute each layer's input and one
     layer's saved tensors while it is recomputed."""
     layers = _stages(shape, layout.pp)[stage]
-    per_token = [layer_activation_elements(shape, moe, layout) for moe in layers]
+    linear = _linear_layers(shape, len(layers))
+    per_token = [layer_activation_elements(shape, moe, layout, linear=i < linear) for i, moe in enumerate(layers)]
     in_flight = min(layout.pp - stage, layout.micro_batches)
     embedding = shape.hidden if stage == 0 else 0
     if layout.recompute == "full":  # each micro-batch in flight keeps its layer inputs; one layer is recomputed
