@@ -1,5 +1,6 @@
 """Build a tiny Qwen2 / Qwen2.5 / Qwen3 / Qwen3-MoE / Llama / Llama 3.x / DeepSeek-V3 / GLM-4.5 / Qwen3-Next /
-Qwen3.5 (language model, dense or MoE) model with a locally trained tokenizer. No downloads.
+Qwen3.5 (language model, dense or MoE) model with a locally trained tokenizer, or a tiny Qwen2.5-VL / Qwen3-VL with
+its processor (`tiny_vlm`). No downloads.
 
     python -m vime.synthetic.tiny_model --arch qwen3 --out /tmp/tiny-qwen3
 
@@ -14,6 +15,8 @@ import json
 import os
 import random
 from pathlib import Path
+
+from vime.synthetic.tiny_vlm import VLM_ARCHS, build_tiny_vlm
 
 ARCHS = ("qwen2", "qwen2_5", "qwen3", "qwen3_moe", "llama", "llama3", "deepseek_v3", "glm4_moe", "qwen3_next",
          "qwen3_5", "qwen3_5_moe")
@@ -88,7 +91,10 @@ def _corpus(seed: int, n_lines: int = 4000) -> list[str]:
     return lines
 
 
-def build_tokenizer(out: Path, vocab_size: int, seed: int):
+def build_tokenizer(out: Path, vocab_size: int, seed: int, extra_special: tuple[str, ...] = (),
+                    chat_template: str = CHAT_TEMPLATE):
+    """A byte-level BPE tokenizer trained on `_corpus(seed)`, with ChatML's special tokens and `extra_special` (a
+    vision-language model's image tokens), saved to `out`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -100,7 +106,7 @@ def build_tokenizer(out: Path, vocab_size: int, seed: int):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=SPECIAL_TOKENS + list(extra_special),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -111,9 +117,9 @@ def build_tokenizer(out: Path, vocab_size: int, seed: int):
         pad_token="<|endoftext|>",
         bos_token=None,
         unk_token=None,
-        additional_special_tokens=SPECIAL_TOKENS[3:],
+        additional_special_tokens=SPECIAL_TOKENS[3:] + list(extra_special),
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = chat_template
     fast.save_pretrained(out)
     return fast
 
@@ -323,7 +329,9 @@ def _write_mtp_layers(out: Path, hf_config, seed: int) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--arch", choices=ARCHS, default="qwen3", help="Model family (default: qwen3).")
+    p.add_argument("--arch", choices=ARCHS + VLM_ARCHS, default="qwen3",
+                   help="Model family (default: qwen3); qwen2_5_vl and qwen3_vl: a vision-language model with its "
+                        "processor (vime.synthetic.tiny_vlm).")
     p.add_argument("--out", required=True, help="Output directory for the HF checkpoint.")
     p.add_argument("--seed", type=int, default=0, help="Seed for tokenizer corpus and weights (default: 0).")
     p.add_argument("--vocab-size", type=int, default=512, help="Tokenizer/embedding size (default: 512).")
@@ -349,7 +357,15 @@ def main(argv: list[str] | None = None) -> None:
             overrides[key] = json.loads(value)
         except json.JSONDecodeError as e:
             p.error(f"--set {item!r}: the value is not JSON ({e}); quote strings as JSON does")
+    vlm_options = overrides or a.tie_word_embeddings or a.with_mtp
+    if a.arch in VLM_ARCHS and vlm_options:
+        p.error(f"--arch {a.arch}: --set, --tie-word-embeddings and --with-mtp are for the text families")
     try:
+        if a.arch in VLM_ARCHS:
+            path = build_tiny_vlm(a.out, a.arch, a.seed, a.vocab_size, a.hidden_size, a.num_layers, a.num_heads,
+                                  a.num_kv_heads, a.intermediate_size)
+            print(f"wrote {a.arch} tiny model to {path}")
+            return
         path = build_tiny_model(
             a.out, a.arch, a.seed, a.vocab_size, a.hidden_size, a.num_layers, a.num_heads, a.num_kv_heads,
             a.intermediate_size, tie_word_embeddings=a.tie_word_embeddings, config=overrides, with_mtp=a.with_mtp,
