@@ -49,7 +49,8 @@ def engine(path: str, mla: bool, dtype: str):
 
 def compare(family: str, old: str, new: str, update_dir: str) -> dict:
     mla = family == "deepseek_v3"
-    dtype = "bfloat16" if family == "qwen3_next" else "float32"  # vLLM's CPU Gated DeltaNet: bfloat16 only
+    # vLLM's CPU Gated DeltaNet: bfloat16 only
+    dtype = "bfloat16" if family in ("qwen3_next", "qwen3_5_moe") else "float32"
     llm = engine(new, mla, dtype)
     reference = llm.collective_rpc(digest)[0]
     del llm

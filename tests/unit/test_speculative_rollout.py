@@ -1,9 +1,10 @@
 """Speculative rollout with MTP layers (issue 53, items 3-6), short of the e2e:
 
-- a weight update reaches the drafter: an engine drafting with a tiny GLM-4.5's / DeepSeek-V3's MTP layer, given
-  another checkpoint's tensors through vime's worker extension, holds the drafter (and the policy) a fresh engine of
-  that checkpoint holds, every parameter and every linear layer's output bit for bit, and the drafter's MTP tensors
-  pass the policy's loader by (tests/helpers/draft_digest.py, in a process of its own);
+- a weight update reaches the drafter: an engine drafting with a tiny GLM-4.5's / DeepSeek-V3's / Qwen3-Next's /
+  Qwen3.5-MoE's MTP layer, given another checkpoint's tensors through vime's worker extension, holds the drafter
+  (and the policy) a fresh engine of that checkpoint holds, every parameter and every linear layer's output bit for
+  bit, and the drafter's MTP tensors pass the policy's loader by (tests/helpers/draft_digest.py, in a process of its
+  own);
 - the CPU rejection sampler's per-token temperatures are the requests' (vLLM 0.32's CPU kernel left them
   uninitialised: `cpu_sampler.patch_spec_expand`);
 - the acceptance metrics from the engines' Prometheus counters, an engine restart included;
@@ -32,7 +33,7 @@ def test_a_weight_update_reaches_the_mtp_drafter(tmp_path):
     from vime.synthetic.tiny_model import build_tiny_model
 
     runs = []
-    for family in ("glm4_moe", "deepseek_v3", "qwen3_next"):
+    for family in ("glm4_moe", "deepseek_v3", "qwen3_next", "qwen3_5_moe"):
         old = build_tiny_model(tmp_path / family / "old", arch=family, seed=0, with_mtp=True)
         new = build_tiny_model(tmp_path / family / "new", arch=family, seed=1, with_mtp=True)
         update = tmp_path / "weights" / f"update_{family}"

@@ -207,13 +207,14 @@ def given_engine_dtype(args) -> str | None:
 def check_engines_can_serve(args, hf_config: dict) -> None:
     """Refuse, before anything starts, a checkpoint the engines of this install cannot serve as asked: an MTP
     speculative config it cannot draft with (`speculative.check_speculative`); vLLM's
-    Qwen3.5 model code imports torchvision (absent from CPU installs: its PyPI wheel does not load against the CPU
-    torch), and vLLM's CPU Gated DeltaNet kernel (Qwen3-Next's linear attention) computes in bfloat16 only, which
+    Qwen3.5 model code imports torchvision (absent from a CPU install where scripts/torchvision_cpu.py could not make
+    it import), and vLLM's CPU Gated DeltaNet kernel (Qwen3-Next's linear attention) computes in bfloat16 only, which
     it asserts at the first forward."""
     if hf_config.get("model_type", "").startswith("qwen3_5") and importlib.util.find_spec("torchvision") is None:
         raise ValueError(f"{hf_config['model_type']}: vLLM's Qwen3.5 model code imports torchvision, which this "
-                         "install lacks (CPU installs leave it out: its PyPI wheel does not load against the CPU "
-                         "torch); serve it from a GPU install, or train from saved rollouts (--debug-train-only)")
+                         "install lacks (scripts/install.sh removes it where scripts/torchvision_cpu.py cannot make "
+                         "it import; run that script to see why); serve it from another install, or train from "
+                         "saved rollouts (--debug-train-only)")
     check_speculative(args, hf_config)
     linear = "linear_attention" in (hf_config.get("layer_types") or [])
     check = WeightSyncConfig.of(args).check_weight_update_equal
