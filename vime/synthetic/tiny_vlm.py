@@ -97,7 +97,7 @@ def build_tiny_vlm(out: str | os.PathLike, arch: str = "qwen2_5_vl", seed: int =
     import torch
     from transformers import AutoModelForImageTextToText, GenerationConfig
 
-    from vime.synthetic.tiny_model import build_tokenizer
+    from vime.synthetic.tiny_tokenizer import build_tokenizer
 
     if arch not in VLM_ARCHS:
         raise ValueError(f"{arch!r} is not a vision-language family vime builds ({', '.join(VLM_ARCHS)})")
