@@ -7,7 +7,8 @@ In this process, one at a time: a vLLM engine of NEW drafting with its MTP layer
 OLD loads UPDATE_DIR with `vime_load_weights` (the call every file transport makes; the broadcast and CUDA IPC ones
 load through the same `_vime_load`). A digest is, per parameter of the policy and of the drafter, its sum, and per
 linear layer whose dense weight vLLM's CPU kernels keep only in a packed form, the sum of what it computes on a
-fixed input. Printed: {"loaded": the worker's answer, "before"/"after"/"reference": digests}."""
+fixed input. Printed: {"dtype": the engines', "loaded": the worker's answer, "before"/"after"/"reference":
+digests}."""
 
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ def compare(family: str, old: str, new: str, update_dir: str) -> dict:
     after = llm.collective_rpc(digest)[0]
     del llm
     gc.collect()
-    return {"loaded": loaded, "before": before, "after": after, "reference": reference}
+    return {"dtype": dtype, "loaded": loaded, "before": before, "after": after, "reference": reference}
 
 
 if __name__ == "__main__":

@@ -4,9 +4,9 @@ tokens, a chat template that renders image parts). No downloads.
     python -m vime.synthetic.tiny_model --arch qwen2_5_vl --out /tmp/tiny-qwen2_5_vl
 
 A normal HF checkpoint directory, as the published ones are laid out (config.json with `text_config` and
-`vision_config`, model.safetensors, preprocessor_config.json, the tokenizer files), that transformers'
-AutoProcessor / AutoModelForImageTextToText and vLLM read. Images are cut into few patches (up to 64x64 pixels) so
-that a prompt with an image stays a few dozen tokens. Deterministic from `seed`.
+`vision_config`, model.safetensors, processor_config.json, the tokenizer files), that transformers'
+AutoProcessor / AutoModelForImageTextToText and vLLM read. Images are resized to 64x64 .. 96x96 pixels' worth of
+patches, so that a prompt with an image stays a few dozen tokens. Deterministic from `seed`.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+
+from vime.synthetic.tiny_tokenizer import build_tokenizer
 
 VLM_ARCHS = ("qwen2_5_vl", "qwen3_vl")
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
@@ -35,7 +37,7 @@ VLM_CHAT_TEMPLATE = (
 MIN_PIXELS, MAX_PIXELS = 64 * 64, 96 * 96  # ~4 .. ~16 merged patches (image tokens) per image
 
 
-def _vision_config(arch: str, hidden_size: int, seed: int) -> dict:
+def _vision_config(arch: str, hidden_size: int) -> dict:
     """The vision tower: 2 blocks, 64 wide (2 heads of 32), patches merged 2 x 2 into one token of the language
     model's width; Qwen3-VL's with learned position embeddings on a 16 x 16 grid and one deepstack layer."""
     common = {"depth": 2, "hidden_size": 64, "num_heads": 2, "intermediate_size": 128, "spatial_merge_size": 2,
@@ -47,7 +49,7 @@ def _vision_config(arch: str, hidden_size: int, seed: int) -> dict:
 
 
 def build_config(arch: str, tokenizer, vocab_size: int, hidden_size: int, num_layers: int, num_heads: int,
-                 num_kv_heads: int, intermediate_size: int, seed: int):
+                 num_kv_heads: int, intermediate_size: int):
     """The HF config of a tiny `arch` model: the language model as the text families' tiny ones, M-RoPE over its
     head dimension split (temporal, height, width) as the published configs split theirs."""
     from transformers import Qwen2_5_VLConfig, Qwen3VLConfig
@@ -63,11 +65,11 @@ def build_config(arch: str, tokenizer, vocab_size: int, hidden_size: int, num_la
            zip(("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"), VISION_TOKENS)}
     if arch == "qwen2_5_vl":
         text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": sections}
-        return Qwen2_5_VLConfig(text_config=text, vision_config=_vision_config(arch, hidden_size, seed),
+        return Qwen2_5_VLConfig(text_config=text, vision_config=_vision_config(arch, hidden_size),
                                 tie_word_embeddings=False, **ids)
     text.update(head_dim=head_dim, rope_parameters={"rope_type": "default", "rope_theta": 5000000.0,
                                                     "mrope_section": sections, "mrope_interleaved": True})
-    return Qwen3VLConfig(text_config=text, vision_config=_vision_config(arch, hidden_size, seed),
+    return Qwen3VLConfig(text_config=text, vision_config=_vision_config(arch, hidden_size),
                          tie_word_embeddings=False, **ids)
 
 
@@ -97,15 +99,13 @@ def build_tiny_vlm(out: str | os.PathLike, arch: str = "qwen2_5_vl", seed: int =
     import torch
     from transformers import AutoModelForImageTextToText, GenerationConfig
 
-    from vime.synthetic.tiny_tokenizer import build_tokenizer
-
     if arch not in VLM_ARCHS:
         raise ValueError(f"{arch!r} is not a vision-language family vime builds ({', '.join(VLM_ARCHS)})")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(out, vocab_size, seed, extra_special=VISION_TOKENS, chat_template=VLM_CHAT_TEMPLATE)
     config = build_config(arch, tokenizer, vocab_size, hidden_size, num_layers, num_heads, num_kv_heads,
-                          intermediate_size, seed)
+                          intermediate_size)
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # HF init leaves norms and biases at constants; perturb all, as the text families do
