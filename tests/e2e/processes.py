@@ -18,17 +18,18 @@ def stack_pids() -> set[int]:
     return pids
 
 
-def engine_compute_processes() -> list:
-    """The processes that run a vLLM model on this machine: worker processes, and engine cores that run their one
-    worker inside (`engine.single_worker_env`)."""
+def engine_compute_processes(under: int | None = None) -> list:
+    """The processes that run a vLLM model on this machine (or, given `under`, below that process: one engine's):
+    worker processes, and engine cores that run their one worker inside (`engine.single_worker_env`)."""
     import psutil
 
     found = []
+    candidates = psutil.process_iter(["name"]) if under is None else psutil.Process(under).children(recursive=True)
     # the kernel keeps 15 characters of a name ("VLLM::EngineCor"); psutil reads the rest from the command line,
     # and keeps the short one when that read fails (a process busy renaming itself, or exiting)
-    for proc in psutil.process_iter(["name"]):
+    for proc in candidates:
         try:
-            name = proc.info["name"] or ""
+            name = proc.name() or ""
             if name.startswith("VLLM::Worker") or (
                     name.startswith("VLLM::EngineCor")
                     and not any(c.name().startswith("VLLM::Worker") for c in proc.children())):

@@ -28,6 +28,7 @@ from vime.driver.weight_sync import WeightSync  # noqa: E402
 from vime.utils.auth import RunToken  # noqa: E402
 
 TOKEN = RunToken.new()  # the engine's, which every call to it carries
+ENGINE_PID = [0]  # the module's engine server, whose processes a test may look at (others may run beside it)
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +46,9 @@ def stack(tiny_qwen3, tmp_path_factory):
     trainer = MegatronTrainer(args)
     engine = VLLMEngine(args, 0, str(out), TOKEN)
     try:
-        yield args, trainer, engine.start()
+        url = engine.start()
+        ENGINE_PID[0] = engine.pid()
+        yield args, trainer, url
     finally:
         engine.stop()
         destroy_parallel()
@@ -188,7 +191,7 @@ def test_engine_worker_sleeps_soon_after_a_call(stack):
     from vime.engine.control import client
 
     args, trainer, url = stack
-    workers = engine_compute_processes()
+    workers = engine_compute_processes(under=ENGINE_PID[0])
     assert len(workers) == 1
 
     def busy() -> float:
