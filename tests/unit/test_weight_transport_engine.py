@@ -28,30 +28,44 @@ from vime.driver.weight_sync import WeightSync  # noqa: E402
 from vime.utils.auth import RunToken  # noqa: E402
 
 TOKEN = RunToken.new()  # the engine's, which every call to it carries
-ENGINE_PID = [0]  # the module's engine server, whose processes a test may look at (others may run beside it)
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_qwen3, tmp_path_factory):
-    """(args, trainer, engine url). One after the other: the trainer's rendezvous port and the booting engine's
-    internal ports are picked free-then-bound, and overlapping the two has collided."""
+def trainer_side(tiny_qwen3, tmp_path_factory):
+    """(args, trainer): the real Megatron trainer in this process."""
     from vime.trainer.megatron.parallel import destroy_parallel
     from vime.trainer.trainer import MegatronTrainer
-    from vime.engine.control.engine import VLLMEngine
     from vime.arguments import parse_args
 
     out = tmp_path_factory.mktemp("weight_transport")
     args = parse_args(["--hf-checkpoint", str(tiny_qwen3), *ARGV, "--output-dir", str(out),
                        "--update-weight-dir", str(out)])
     trainer = MegatronTrainer(args)
-    engine = VLLMEngine(args, 0, str(out), TOKEN)
     try:
-        url = engine.start()
-        ENGINE_PID[0] = engine.pid()
-        yield args, trainer, url
+        yield args, trainer
+    finally:
+        destroy_parallel()
+
+
+@pytest.fixture(scope="module")
+def engine(trainer_side):
+    """The started engine (a `VLLMEngine`), after the trainer: the trainer's rendezvous port and the booting
+    engine's internal ports are picked free-then-bound, and overlapping the two has collided."""
+    from vime.engine.control.engine import VLLMEngine
+
+    args, _ = trainer_side
+    engine = VLLMEngine(args, 0, args.output_dir, TOKEN)
+    try:
+        engine.start()
+        yield engine
     finally:
         engine.stop()
-        destroy_parallel()
+
+
+@pytest.fixture(scope="module")
+def stack(trainer_side, engine):
+    """(args, trainer, engine url)."""
+    return (*trainer_side, engine.url)
 
 
 @pytest.fixture
@@ -182,7 +196,7 @@ def test_one_call_update_on_the_engine_and_its_fallback(stack, monkeypatch):
         client.resume(TOKEN, [url])
 
 
-def test_engine_worker_sleeps_soon_after_a_call(stack):
+def test_engine_worker_sleeps_soon_after_a_call(stack, engine):
     """The engine computes idle soon after a call: no busy-wait of vLLM's (1 s of a core after each message between
     an engine core and a worker process, capped by vime's engine plugin; a one-worker CPU engine has none)."""
     import time
@@ -191,7 +205,7 @@ def test_engine_worker_sleeps_soon_after_a_call(stack):
     from vime.engine.control import client
 
     args, trainer, url = stack
-    workers = engine_compute_processes(under=ENGINE_PID[0])
+    workers = engine_compute_processes(under=engine.pid())  # its own: other engines may run beside it
     assert len(workers) == 1
 
     def busy() -> float:
