@@ -3,6 +3,7 @@ process outlives the pool. Real processes; the stand-in functions live in a modu
 
 import asyncio
 import os
+import resource
 import time
 from types import SimpleNamespace
 
@@ -149,3 +150,23 @@ def test_bad_pool_size_names_the_flag():
     close_reward_pool()
     with pytest.raises(ValueError, match="--rm-num-workers 0 must be >= 1"):
         reward_pool(SimpleNamespace(rm_num_workers=0))
+
+
+def test_a_pool_works_when_its_pipes_are_numbered_past_1024(stand_ins):
+    # a long-lived process (a Ray actor, this test session) holds many descriptors; select() refuses any >= 1024
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"the descriptor limit here is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    filler = [os.open(os.devnull, os.O_RDONLY) for _ in range(1030)]
+    try:
+        pool = WorkerPool(1)
+        try:
+            assert pool.call("pool_stand_ins.chatty", 1, timeout=30) == 2
+            assert asyncio.run(pool.acall("pool_stand_ins.chatty", 2, timeout=30)) == 3
+        finally:
+            pool.close()
+    finally:
+        for fd in filler:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

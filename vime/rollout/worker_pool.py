@@ -60,6 +60,14 @@ def to_json_line(value: Any) -> bytes:
     return (json.dumps(value, default=_jsonable, separators=(",", ":")) + "\n").encode()
 
 
+def _ready(fd: int, event: int, timeout_s: float) -> bool:
+    """Whether `fd` is ready for `event` (or hung up) within `timeout_s`. poll, not select: select refuses a
+    descriptor numbered 1024 or above, which a long-lived process (a Ray actor, a test session) reaches."""
+    poller = select.poll()
+    poller.register(fd, event)
+    return bool(poller.poll(max(0, int(timeout_s * 1000) + 1)))
+
+
 class _Worker:
     def __init__(self, cmd: list[str], env: dict[str, str]):
         # its own session, so that a kill also reaches processes the function started
@@ -79,7 +87,7 @@ class _Worker:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return False
-            if select.select([], [fd], [], remaining)[1]:
+            if _ready(fd, select.POLLOUT, remaining):
                 try:
                     view = view[os.write(fd, view):]
                 except BrokenPipeError:
@@ -93,7 +101,7 @@ class _Worker:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return None
-            if select.select([fd], [], [], remaining)[0]:
+            if _ready(fd, select.POLLIN, remaining):
                 data = os.read(fd, 1 << 16)
                 if not data:
                     raise self._died()
