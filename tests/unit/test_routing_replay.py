@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import base64
 import copy
+import gc
 import io
 import json
+import weakref
 
 import numpy as np
 import pytest
@@ -333,6 +335,12 @@ def test_own_routing_replay_records_the_first_pass_and_replays_it(tiny_moe, monk
         modes.clear()
         t.train(1, make_rollout(seed=6, num_prompts=2))  # one step: nothing to replay, nothing recorded
         assert modes == []
+    # torn down and unreferenced, the trained model is collected, and with it its gloo groups' threads and sockets
+    # (the gradient hooks Megatron's DDP puts on C++ autograd nodes must not hold it)
+    model = weakref.ref(t.model[0])
+    del t
+    gc.collect()
+    assert model() is None
 
 
 def test_capture_state_lives_on_the_model_runner_and_the_scheduler():

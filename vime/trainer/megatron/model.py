@@ -4,6 +4,7 @@ Megatron's optimizer and LR scheduler. The passes that run them are the trainer'
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable
 
 import torch
@@ -15,6 +16,24 @@ from vime.config.train import MegatronConfig
 from vime.trainer.megatron.foreach_kernels import use_foreach_kernels
 from vime.trainer.megatron.megatron_flags import given_fields
 from vime.trainer.megatron.model_provider import build_model_chunks, params_dtype
+
+
+class _CollectableDDP(DistributedDataParallel):
+    """Megatron's DDP, whose gradient hooks hold it weakly. Each parameter's gradient accumulator (a C++ autograd
+    node, opaque to Python's gc) gets a hook closing over the DDP; held strongly, a torn-down model and the ~15 gloo
+    groups its config holds (a thread and sockets each) would live until the process exits. The DDP holds its
+    hooks itself, so they live exactly as long as it does."""
+
+    def _make_backward_post_hook(self, param: torch.nn.Parameter):
+        hook = super()._make_backward_post_hook(param)
+        self.__dict__.setdefault("_vime_backward_post_hooks", []).append(hook)
+        held = weakref.ref(hook)
+
+        def weak_hook(*args, **kwargs):
+            live = held()
+            return None if live is None else live(*args, **kwargs)
+
+        return weak_hook
 
 
 def setup_model_and_optimizer(args, total_steps: int, prepare_chunks: Callable | None = None):
@@ -29,7 +48,7 @@ def setup_model_and_optimizer(args, total_steps: int, prepare_chunks: Callable |
     ddp_config = DistributedDataParallelConfig(**{
         "grad_reduce_in_fp32": True, "overlap_grad_reduce": False, "bucket_size": None,
         **given_fields(args, "ddp"), "use_distributed_optimizer": megatron.use_distributed_optimizer})
-    model = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=c) for c in chunks]
+    model = [_CollectableDDP(config=config, ddp_config=ddp_config, module=c) for c in chunks]
     dtype = params_dtype(args)
     opt_config = OptimizerConfig(**{
         "optimizer": "adam", **given_fields(args, "optimizer"), "lr": megatron.lr, "min_lr": megatron.min_lr,
