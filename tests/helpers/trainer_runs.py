@@ -4,7 +4,8 @@
     with local_trainer(hf_dir, "--loss-type", "sft_loss") as t: ...   # tears Megatron's groups down after
     reports = launch(spec, out_dir, world_size)                        # blocks until every rank is done
 
-Each launched process runs `python trainer_runs.py SPEC.json RANK`: it builds the trainer from `spec["argv"]`
+Each launched process runs `main(SPEC.json, RANK)` (`python trainer_runs.py SPEC.json RANK` by hand; the tests fork
+it from a server that imported the trainer once, `tests.helpers.warm_start`): it builds the trainer from `spec["argv"]`
 (`vime.arguments.parse_args`; `spec["args"]`, optional, sets values on the parsed args), trains the rollouts
 `spec["train"]` on `spec["data"][str(rollout_id)]`, optionally saves and publishes (`spec["save"]`: the rollout
 id to save) or dies inside a save
@@ -19,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -62,6 +62,7 @@ def launch(spec: dict, out_dir: Path, world_size: int = 1, timeout_s: float = 18
            expect_exit: int | None = None) -> list[dict] | None:
     """Start the ranks, wait for all, raise with the log of the first that fails; returns each rank's report.
     `expect_exit`: every rank must exit with this code instead (a run killed on purpose); returns None."""
+    from tests.helpers import warm_start
     from vime.utils.misc import find_free_port
 
     skip_without_a_gpu_per_rank(world_size)
@@ -73,27 +74,23 @@ def launch(spec: dict, out_dir: Path, world_size: int = 1, timeout_s: float = 18
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     env.pop("WORLD_SIZE", None)
     logs = [out_dir / f"rank{rank}.log" for rank in range(world_size)]
-    procs = []
-    for rank, log in enumerate(logs):
-        with log.open("w") as f:
-            procs.append(subprocess.Popen([sys.executable, __file__, str(spec_path), str(rank)], env=env, cwd=REPO,
-                                          stdout=f, stderr=subprocess.STDOUT))
+    procs = [warm_start.start(main, (str(spec_path), rank), log, env, REPO) for rank, log in enumerate(logs)]
     deadline, failed = time.monotonic() + timeout_s, None
     try:  # a rank that fails leaves the others waiting in a collective: stop them all at the first failure
-        while failed is None and any(p.poll() is None for p in procs):
-            failed = next((rank for rank, p in enumerate(procs) if p.poll() and p.poll() != expect_exit), None)
+        while failed is None and any(p.exitcode is None for p in procs):
+            failed = next((rank for rank, p in enumerate(procs) if p.exitcode and p.exitcode != expect_exit), None)
             if time.monotonic() > deadline:
                 raise RuntimeError(f"trainer workers did not finish within {timeout_s} s")
             time.sleep(0.2)
         if failed is None:
-            failed = next((rank for rank, p in enumerate(procs) if p.poll() != (expect_exit or 0)), None)
+            failed = next((rank for rank, p in enumerate(procs) if p.exitcode != (expect_exit or 0)), None)
     finally:
         for p in procs:
-            if p.poll() is None:
+            if p.exitcode is None:
                 p.kill()
-                p.wait()
+            p.join()
     if failed is not None:
-        raise RuntimeError(f"trainer worker rank {failed} exited with {procs[failed].returncode}:\n"
+        raise RuntimeError(f"trainer worker rank {failed} exited with {procs[failed].exitcode}:\n"
                            f"{logs[failed].read_text()[-6000:]}")
     if expect_exit is not None:
         return None

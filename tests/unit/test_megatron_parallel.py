@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -98,19 +96,31 @@ def _worker(rank: int, world_size: int, port: int, tp: int, pp: int, hf_dir: str
 
 
 def _spawn(tp: int, pp: int, hf_dir: Path, out_dir: Path, timeout_s: float = 120.0) -> None:
+    from tests.helpers import warm_start
     from vime.utils.misc import find_free_port
 
     nprocs = tp * pp
     skip_without_a_gpu_per_rank(nprocs)
-    ctx = torch.multiprocessing.start_processes(
-        _worker, args=(nprocs, find_free_port(), tp, pp, str(hf_dir), str(out_dir)), nprocs=nprocs, join=False,
-        start_method="spawn")
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    port, env = find_free_port(), {k: v for k, v in os.environ.items() if k != "WORLD_SIZE"}
+    logs = [Path(out_dir) / f"rank{rank}.log" for rank in range(nprocs)]
+    procs = [warm_start.start(_worker, (rank, nprocs, port, tp, pp, str(hf_dir), str(out_dir)), log, env, REPO)
+             for rank, log in enumerate(logs)]
     deadline = time.monotonic() + timeout_s
-    while not ctx.join(timeout=5):
-        if time.monotonic() > deadline:
-            for process in ctx.processes:
-                process.kill()
-            pytest.fail(f"TP={tp} PP={pp} workers did not finish within {timeout_s} s")
+    try:
+        while any(p.exitcode is None for p in procs) and not any(p.exitcode for p in procs):
+            if time.monotonic() > deadline:
+                pytest.fail(f"TP={tp} PP={pp} workers did not finish within {timeout_s} s")
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.exitcode is None:
+                p.kill()
+            p.join()
+    failed = next((rank for rank, p in enumerate(procs) if p.exitcode), None)
+    if failed is not None:
+        pytest.fail(f"TP={tp} PP={pp} rank {failed} exited with {procs[failed].exitcode}:\n"
+                    f"{logs[failed].read_text()[-6000:]}")
 
 
 @pytest.fixture(scope="module")
@@ -183,10 +193,13 @@ def test_pipeline_with_tied_embeddings(tiny_llama_tied, tmp_path):
 def test_convert_tools_round_trip(tiny_qwen2, tmp_path):
     from safetensors.torch import load_file
 
-    def run(tool, *argv):
-        proc = subprocess.run([sys.executable, str(REPO / "scripts" / tool), *map(str, argv)], capture_output=True,
-                              text=True, timeout=180, env={k: v for k, v in os.environ.items() if k != "WORLD_SIZE"})
-        assert proc.returncode == 0, proc.stderr[-3000:]
+    from tests.helpers import warm_start
+
+    def run(tool, *argv):  # the script's command line, in a process forked with Megatron imported
+        log = tmp_path / f"{tool}.log"
+        status = warm_start.run_script(REPO / "scripts" / tool, list(map(str, argv)), log,
+                                       {k: v for k, v in os.environ.items() if k != "WORLD_SIZE"}, REPO, 180)
+        assert status == 0, log.read_text()[-3000:]
 
     run("convert_hf_to_torch_dist.py", "--hf-checkpoint", tiny_qwen2, "--save", tmp_path / "torch_dist")
     assert (tmp_path / "torch_dist" / "latest_checkpointed_iteration.txt").read_text() == "release"
