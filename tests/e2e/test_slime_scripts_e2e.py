@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -107,9 +108,13 @@ def _script_args(hf: Path, ref_load: Path, load_save: Path, data: tuple[Path, Pa
 
 
 def _convert(hf: Path, out: Path) -> Path:
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "convert_hf_to_torch_dist.py"), "--hf-checkpoint",
-                           str(hf), "--save", str(out)], capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    """The convert script's command line (in a process forked with Megatron imported: `warm_start`)."""
+    from tests.helpers import warm_start
+
+    log = out.with_name(out.name + ".log")
+    status = warm_start.run_script(REPO / "scripts" / "convert_hf_to_torch_dist.py",
+                                   ["--hf-checkpoint", str(hf), "--save", str(out)], log, dict(os.environ), REPO, 300)
+    assert status == 0, log.read_text()[-3000:]
     return out
 
 
