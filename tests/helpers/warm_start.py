@@ -40,18 +40,7 @@ def _run(target: Callable, args: tuple, log: str, env: dict[str, str], cwd: str)
     os.chdir(cwd)
     if env.get("PYTHONWARNINGS") == "ignore":
         warnings.simplefilter("ignore")
-    try:
-        target(*args)
-    except SystemExit:
-        raise
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)
-    sys.stdout.flush()
-    sys.stderr.flush()
+    target(*args)  # multiprocessing prints what it raises, exits 1 (or SystemExit's code) and flushes the streams
 
 
 def run_script(path: Path, argv: list[str], log: Path, env: dict[str, str], cwd: Path, timeout_s: float) -> int:
