@@ -16,6 +16,7 @@ from megatron.core import dist_checkpointing
 from transformers import AutoConfig
 
 from vime.trainer.megatron.arguments import add_megatron_args, fill_architecture_from_hf
+from vime.trainer.megatron.checkpoint import start_results_queue
 from vime.trainer.megatron.hf_checkpoint import load_hf_checkpoint_into_model
 from vime.trainer.megatron.model_provider import build_model_chunks
 from vime.trainer.megatron.parallel import destroy_parallel, init_parallel
@@ -40,6 +41,7 @@ def main(argv: list[str] | None = None) -> None:
         model_args = fill_architecture_from_hf(model_args, AutoConfig.from_pretrained(args.hf_checkpoint))
         model = build_model_chunks(model_args)
         load_hf_checkpoint_into_model(model, args.hf_checkpoint)
+        start_results_queue()
         dist_checkpointing.save({"model": model[0].sharded_state_dict()}, str(release_dir))
         (Path(args.save) / TRACKER_FILE).write_text("release")
     finally:

@@ -8,6 +8,7 @@ restart test runs each phase in a fresh process (`tests/helpers/trainer_runs.py`
 from __future__ import annotations
 
 import copy
+import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -199,6 +200,36 @@ def test_checkpoint_restart_continues_the_run_exactly(tiny_qwen3, tmp_path):
         runs = {name: run.result() for name, run in runs.items()}
     for name, n, _ in cases:
         _check_restart_continues(tmp_path / name, n, *runs[name])
+
+
+def _start_results_queue_then_die(pid_file: str) -> None:
+    import os
+
+    from vime.trainer.megatron.checkpoint import start_results_queue
+
+    pid = start_results_queue()._process.pid
+    Path(pid_file).write_text(json.dumps({"pid": pid, "cmdline": Path(f"/proc/{pid}/cmdline").read_text()}))
+    os._exit(9)  # as a SIGKILLed rank: no exit handler runs
+
+
+def test_the_checkpoint_writers_results_queue_is_forked_and_dies_with_its_rank(tmp_path):
+    """The Manager serving Megatron's save results: a fork of the rank (not a fresh interpreter importing torch again
+    at the first save), gone within seconds of a rank that died without cleaning up."""
+    import time
+
+    from tests.helpers import warm_start
+
+    pid_file = tmp_path / "manager.pid"
+    rank = warm_start.start(_start_results_queue_then_die, (str(pid_file),), tmp_path / "rank.log", {}, tmp_path)
+    rank.join(60)
+    assert rank.exitcode == 9, (tmp_path / "rank.log").read_text()
+    started = json.loads(pid_file.read_text())
+    assert "spawn_main" not in started["cmdline"]  # it runs what its rank ran: a fork
+    manager = started["pid"]
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{manager}").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not Path(f"/proc/{manager}").exists() or "Z" in Path(f"/proc/{manager}/stat").read_text().split()[2]
 
 
 def _restart_runs(tiny_qwen3, tmp_path: Path, world_size: int, extra) -> tuple[list[dict], list[dict]]:

@@ -243,17 +243,21 @@ def _exit_with_parent(parent: int) -> None:
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
-def _results_queue_dies_with_this_process() -> None:
-    """Megatron's torch_dist saves collect their write results through a queue served by a multiprocessing
-    Manager process that it starts once per process; that process outlives a rank killed mid-run (SIGKILL,
-    a crash), one orphan per killed rank. Start the Manager here, once, with a watch that ends it with us."""
+def start_results_queue() -> SyncManager | None:
+    """Megatron's torch_dist saves collect their write results through a queue served by a multiprocessing Manager
+    process, started at the first save. Megatron spawns it: a fresh interpreter that imports the parent's main
+    module and torch again (~10 s of a core and ~460 MB on a small CPU, at every process's first save), and that
+    outlives a rank killed mid-run (SIGKILL, a crash), one orphan per killed rank. Start it here, forked (it serves
+    a queue and never runs torch code; Megatron forks its file writers likewise), with a watch that ends it with
+    this process. Returns the Manager it started (None: one was there already)."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if filesystem_async._results_queue is not None:
-        return
-    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+        return None
+    manager = SyncManager(ctx=multiprocessing.get_context("fork"))
     manager.start(initializer=_exit_with_parent, initargs=(os.getpid(),))
     filesystem_async._results_queue = manager.Queue()
+    return manager
 
 
 def save_checkpoint(trainer, root: str, rollout_id: int, extra_state: dict | None = None) -> Path:
@@ -268,7 +272,7 @@ def save_checkpoint(trainer, root: str, rollout_id: int, extra_state: dict | Non
     if rank == 0:
         path.mkdir(exist_ok=True)
     dist.barrier()
-    _results_queue_dies_with_this_process()
+    start_results_queue()
     dist_checkpointing.save(_sharded_state(trainer, is_loading=False), str(path))
     (path / "rng").mkdir(exist_ok=True)
     torch.save(_rng_state(), path / "rng" / f"rank_{rank}.pt")
