@@ -29,21 +29,32 @@ def arithmetic_data(tmp_path_factory) -> tuple[Path, Path]:
     return write_arithmetic_data(tmp_path_factory.mktemp("arith"), n_train=64, n_eval=16, seed=0)
 
 
-_threads_after_collection = [0]
+_gloo_threads_after_collection = [0]
+
+
+def _gloo_threads() -> int:
+    count = 0
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                count += f.read().startswith("gloo")
+        except OSError:  # ended meanwhile
+            pass
+    return count
 
 
 @pytest.fixture(autouse=True)
 def _collect_torn_down_models():
-    """Collect after a test that left threads behind. A torn-down Megatron model is a reference cycle, freed only
-    by a collection, which in a process this big comes rarely; until then each of its ~15 gloo groups keeps an
+    """Collect after a test that left gloo threads behind. A torn-down Megatron model is a reference cycle, freed
+    only by a collection, which in a process this big comes rarely; until then each of its ~15 gloo groups keeps an
     event-loop thread (~0.2% of a core, idle) and its sockets: 150-260 threads and over 1024 descriptors built up
-    over the suite."""
+    over the suite. A full collection costs ~1 s in the suite's process, so only every other model or so."""
     yield
     if not os.path.isdir("/proc/self/task"):
         return
-    if len(os.listdir("/proc/self/task")) > _threads_after_collection[0] + 8:
+    if _gloo_threads() > _gloo_threads_after_collection[0] + 30:  # about two models' groups
         gc.collect()
-        _threads_after_collection[0] = len(os.listdir("/proc/self/task"))
+        _gloo_threads_after_collection[0] = _gloo_threads()
 
 
 _exit_status: list[int] = []
