@@ -21,7 +21,6 @@ import contextlib
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -75,20 +74,10 @@ def launch(spec: dict, out_dir: Path, world_size: int = 1, timeout_s: float = 18
     env.pop("WORLD_SIZE", None)
     logs = [out_dir / f"rank{rank}.log" for rank in range(world_size)]
     procs = [warm_start.start(main, (str(spec_path), rank), log, env, REPO) for rank, log in enumerate(logs)]
-    deadline, failed = time.monotonic() + timeout_s, None
-    try:  # a rank that fails leaves the others waiting in a collective: stop them all at the first failure
-        while failed is None and any(p.exitcode is None for p in procs):
-            failed = next((rank for rank, p in enumerate(procs) if p.exitcode and p.exitcode != expect_exit), None)
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"trainer workers did not finish within {timeout_s} s")
-            time.sleep(0.2)
-        if failed is None:
-            failed = next((rank for rank, p in enumerate(procs) if p.exitcode != (expect_exit or 0)), None)
-    finally:
-        for p in procs:
-            if p.exitcode is None:
-                p.kill()
-            p.join()
+    try:
+        failed = warm_start.wait_for_all(procs, timeout_s, expect_exit)
+    except TimeoutError:
+        raise RuntimeError(f"trainer workers did not finish within {timeout_s} s") from None
     if failed is not None:
         raise RuntimeError(f"trainer worker rank {failed} exited with {procs[failed].exitcode}:\n"
                            f"{logs[failed].read_text()[-6000:]}")

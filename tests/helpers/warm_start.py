@@ -2,10 +2,11 @@
 imported torch, Megatron-core and vime's trainer once, instead of each interpreter importing them again (~10 s of
 a core apiece on a slow 2-core machine, most of such a process's life).
 
-A child is a fresh process as far as a test can tell (its own pid, process groups, RNG seeds and environment),
-forked before anything in the server ran torch code: no threads, no process group, no OpenMP pool yet. It starts
-in `cwd` with `env` (the server's own environment is the pytest process's at the server's start) and writes
-stdout and stderr to `log`.
+A child is a fresh process as far as a test can tell (its own pid, process group and environment), forked before
+anything in the server ran torch code: no threads, no process group, no OpenMP pool yet. Python's `random` is
+reseeded at the fork; torch's and numpy's generators start as the server's, so a child seeds them itself (the
+trainer does: `init_parallel`). It starts in `cwd` with `env` (the server's own environment is the pytest
+process's at the server's start) and writes stdout and stderr to `log`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Callable
@@ -28,6 +30,28 @@ def start(target: Callable, args: tuple, log: Path, env: dict[str, str], cwd: Pa
     process = context.Process(target=_run, args=(target, args, str(log), env, str(cwd)), daemon=False)
     process.start()
     return process
+
+
+def wait_for_all(procs: list[multiprocessing.Process], timeout_s: float, expect_exit: int | None = None) -> int | None:
+    """Wait until every process of `procs` (one job's ranks) has ended; the index of the first that failed (exited
+    with neither 0 nor `expect_exit`, or, once all ended, other than `expect_exit` when that is given), else None.
+    A rank that fails leaves the others waiting in a collective: they are killed at the first failure, and all of
+    them past `timeout_s` (TimeoutError)."""
+    deadline, failed = time.monotonic() + timeout_s, None
+    try:
+        while failed is None and any(p.exitcode is None for p in procs):
+            failed = next((rank for rank, p in enumerate(procs) if p.exitcode and p.exitcode != expect_exit), None)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(procs)} processes did not finish within {timeout_s} s")
+            time.sleep(0.2)
+        if failed is None:
+            failed = next((rank for rank, p in enumerate(procs) if p.exitcode != (expect_exit or 0)), None)
+    finally:
+        for p in procs:
+            if p.exitcode is None:
+                p.kill()
+            p.join()
+    return failed
 
 
 def _run(target: Callable, args: tuple, log: str, env: dict[str, str], cwd: str) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -106,18 +105,10 @@ def _spawn(tp: int, pp: int, hf_dir: Path, out_dir: Path, timeout_s: float = 120
     logs = [Path(out_dir) / f"rank{rank}.log" for rank in range(nprocs)]
     procs = [warm_start.start(_worker, (rank, nprocs, port, tp, pp, str(hf_dir), str(out_dir)), log, env, REPO)
              for rank, log in enumerate(logs)]
-    deadline = time.monotonic() + timeout_s
     try:
-        while any(p.exitcode is None for p in procs) and not any(p.exitcode for p in procs):
-            if time.monotonic() > deadline:
-                pytest.fail(f"TP={tp} PP={pp} workers did not finish within {timeout_s} s")
-            time.sleep(0.2)
-    finally:
-        for p in procs:
-            if p.exitcode is None:
-                p.kill()
-            p.join()
-    failed = next((rank for rank, p in enumerate(procs) if p.exitcode), None)
+        failed = warm_start.wait_for_all(procs, timeout_s)
+    except TimeoutError:
+        pytest.fail(f"TP={tp} PP={pp} workers did not finish within {timeout_s} s")
     if failed is not None:
         pytest.fail(f"TP={tp} PP={pp} rank {failed} exited with {procs[failed].exitcode}:\n"
                     f"{logs[failed].read_text()[-6000:]}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -203,8 +204,6 @@ def test_checkpoint_restart_continues_the_run_exactly(tiny_qwen3, tmp_path):
 
 
 def _start_results_queue_then_die(pid_file: str) -> None:
-    import os
-
     from vime.trainer.megatron.checkpoint import start_results_queue
 
     pid = start_results_queue()._process.pid
@@ -220,7 +219,8 @@ def test_the_checkpoint_writers_results_queue_is_forked_and_dies_with_its_rank(t
     from tests.helpers import warm_start
 
     pid_file = tmp_path / "manager.pid"
-    rank = warm_start.start(_start_results_queue_then_die, (str(pid_file),), tmp_path / "rank.log", {}, tmp_path)
+    rank = warm_start.start(_start_results_queue_then_die, (str(pid_file),), tmp_path / "rank.log", dict(os.environ),
+                            tmp_path)
     rank.join(60)
     assert rank.exitcode == 9, (tmp_path / "rank.log").read_text()
     started = json.loads(pid_file.read_text())
